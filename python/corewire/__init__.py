@@ -1,0 +1,72 @@
+"""corewire: a fast engine-core IPC client for LLM serving front-ends.
+
+Requests go to engine-core processes over ZeroMQ, outputs come back decoded by a Rust
+decoder (zero-copy tensors), utility calls resolve futures by call id, and the death of
+an engine reaches every waiting caller. The wire format is vLLM 0.25.1's engine-core
+protocol, byte for byte.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+from corewire.errors import EngineDeadError, ProtocolError, UtilityError
+
+__version__ = "0.1.0"
+
+# Public name -> module that defines it. Imported on first use so that `import corewire`
+# stays cheap (no zmq or torch) for users who only want the codec.
+_LAZY = {
+    "Encoder": "corewire.codec",
+    "MsgspecDecoder": "corewire.codec",
+    "NativeDecoder": "corewire.codec",
+    "MPClient": "corewire.client",
+    "SyncMPClient": "corewire.client",
+    "AsyncMPClient": "corewire.client",
+    "DPAsyncMPClient": "corewire.client",
+    "DPLBAsyncMPClient": "corewire.client",
+    "Engine": "corewire.engine",
+    "EngineCoreProc": "corewire.engine",
+}
+
+__all__ = [
+    "AsyncMPClient",
+    "DPAsyncMPClient",
+    "DPLBAsyncMPClient",
+    "Encoder",
+    "Engine",
+    "EngineCoreProc",
+    "EngineDeadError",
+    "MPClient",
+    "MsgspecDecoder",
+    "NativeDecoder",
+    "ProtocolError",
+    "SyncMPClient",
+    "UtilityError",
+    "__version__",
+]
+
+if TYPE_CHECKING:
+    from corewire.client import (
+        AsyncMPClient,
+        DPAsyncMPClient,
+        DPLBAsyncMPClient,
+        MPClient,
+        SyncMPClient,
+    )
+    from corewire.codec import Encoder, MsgspecDecoder, NativeDecoder
+    from corewire.engine import Engine, EngineCoreProc
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'corewire' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value  # later lookups skip this hook
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))

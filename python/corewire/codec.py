@@ -1,0 +1,216 @@
+"""Encoding and decoding of engine-core frames.
+
+- :class:`Encoder` turns a wire struct into ``[payload, aux_1, ...]``: msgspec msgpack,
+  with arrays and tensors of 256 bytes or more sent as zero-copy aux frames.
+- :class:`MsgspecDecoder` is the reference decoder in Python + msgspec, built the way
+  vLLM's is. It is the baseline of the benchmarks and the oracle of the tests.
+- ``NativeDecoder`` (re-exported from the Rust extension) decodes ``EngineCoreOutputs``
+  frames several times faster, with zero-copy arrays.
+
+Nothing is ever pickled: an object that has no wire form raises ``TypeError``.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Sequence
+from typing import Any
+
+import msgspec
+import numpy as np
+
+from corewire.errors import ProtocolError
+from corewire.protocol import UtilityResult
+
+try:
+    import torch
+except ImportError:  # pragma: no cover - exercised only without torch
+    torch = None  # type: ignore[assignment]
+
+__all__ = ["INLINE_THRESHOLD", "RAW_VIEW_EXT", "Encoder", "MsgspecDecoder"]
+
+#: Arrays smaller than this many bytes travel inline as extension type 3.
+INLINE_THRESHOLD = 256
+#: msgpack extension type code holding raw C-contiguous array bytes.
+RAW_VIEW_EXT = 3
+
+Buffer = bytes | bytearray | memoryview
+
+
+class Encoder:
+    """Encodes wire structs into a list of frames, arrays as zero-copy aux frames.
+
+    The returned aux frames are views of the caller's arrays: they must stay alive and
+    unmodified until ZeroMQ has sent them (send with ``copy=False, track=True``).
+    """
+
+    def __init__(self, inline_threshold: int = INLINE_THRESHOLD) -> None:
+        self._inline_threshold = inline_threshold
+        self._encoder = msgspec.msgpack.Encoder(enc_hook=self._enc_hook)
+        # Set for the duration of one encode() call; the hook appends to it.
+        self._aux: list[Buffer] | None = None
+
+    def encode(self, obj: Any) -> list[Buffer]:
+        """Encode ``obj``; returns ``[payload, aux_1, aux_2, ...]``."""
+        frames: list[Buffer] = [b""]
+        self._aux = frames
+        try:
+            frames[0] = self._encoder.encode(obj)
+        finally:
+            self._aux = None
+        return frames
+
+    def encode_into(self, obj: Any, buf: bytearray) -> list[Buffer]:
+        """Like :meth:`encode`, but writes the payload into ``buf`` (reused storage).
+
+        The caller must not reuse ``buf`` until ZeroMQ is done with the previous send.
+        """
+        frames: list[Buffer] = [buf]
+        self._aux = frames
+        try:
+            self._encoder.encode_into(obj, buf)
+        finally:
+            self._aux = None
+        return frames
+
+    def _enc_hook(self, obj: Any) -> Any:
+        if isinstance(obj, np.ndarray):
+            return self._encode_ndarray(obj)
+        if torch is not None and isinstance(obj, torch.Tensor):
+            return self._encode_tensor(obj)
+        if isinstance(obj, UtilityResult):
+            # type_info is always nil: typed results would need pickle or peer-named imports.
+            return [None, obj.result]
+        if isinstance(obj, (set, frozenset)):
+            return list(obj)
+        raise TypeError(f"corewire cannot encode objects of type {type(obj).__name__}")
+
+    def _encode_ndarray(self, arr: np.ndarray) -> list[Any]:
+        if arr.dtype.hasobject:
+            raise TypeError("object arrays cannot be sent (nothing on the wire is pickled)")
+        if not arr.flags.c_contiguous:
+            arr = np.ascontiguousarray(arr)
+        # A flat byte view: memoryview.cast refuses shapes with zeros, reshape(-1) does not.
+        raw = arr.reshape(-1).view(np.uint8)
+        return [arr.dtype.str, list(arr.shape), self._data_ref(raw.data)]
+
+    def _encode_tensor(self, tensor: Any) -> list[Any]:
+        if tensor.device.type != "cpu":
+            tensor = tensor.cpu()
+        dtype = str(tensor.dtype).removeprefix("torch.")
+        # View as bytes: numpy has no bfloat16, and this never copies a contiguous tensor.
+        raw = tensor.contiguous().reshape(-1).view(torch.uint8).numpy()
+        return [dtype, list(tensor.shape), self._data_ref(raw.data)]
+
+    def _data_ref(self, data: memoryview) -> Any:
+        if data.nbytes < self._inline_threshold:
+            return msgspec.msgpack.Ext(RAW_VIEW_EXT, data.tobytes())
+        assert self._aux is not None  # only reachable from inside encode()
+        self._aux.append(data)
+        return len(self._aux) - 1
+
+
+class MsgspecDecoder:
+    """Reference decoder: msgspec plus Python hooks for arrays, tensors and results.
+
+    ``decode(frames)`` takes ``[payload, aux_1, ...]`` (``bytes``, ``memoryview`` or
+    ``zmq.Frame``) or a single buffer. Array data in aux frames are views, not copies.
+    Malformed input raises :class:`corewire.ProtocolError`.
+    """
+
+    def __init__(self, t: Any = Any) -> None:
+        self._decoder = msgspec.msgpack.Decoder(t, ext_hook=self._ext_hook, dec_hook=self._dec_hook)
+        self._aux: Sequence[Any] = ()
+
+    def decode(self, frames: Any) -> Any:
+        """Decode one message."""
+        if isinstance(frames, (list, tuple)):
+            if not frames:
+                raise ProtocolError("empty message: no payload frame")
+            self._aux = frames
+            payload = frames[0]
+        else:
+            self._aux = (frames,)
+            payload = frames
+        try:
+            return self._decoder.decode(_as_buffer(payload))
+        except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+            raise ProtocolError(str(exc)) from exc
+        finally:
+            self._aux = ()
+
+    def _ext_hook(self, code: int, data: memoryview) -> Any:
+        if code == RAW_VIEW_EXT:
+            return data
+        raise ProtocolError(f"unknown msgpack extension type {code}")
+
+    def _dec_hook(self, t: type, obj: Any) -> Any:
+        if t is np.ndarray:
+            return self._decode_ndarray(obj)
+        if torch is not None and t is torch.Tensor:
+            return self._decode_tensor(obj)
+        if t is UtilityResult:
+            return self._decode_utility_result(obj)
+        raise ProtocolError(f"no decoder for type {t!r}")
+
+    def _array_bytes(self, obj: Any) -> tuple[str, list[int], Any]:
+        if not isinstance(obj, (list, tuple)) or len(obj) != 3:
+            raise ProtocolError(f"an array must be [dtype, shape, data], got {obj!r:.80}")
+        dtype, shape, data = obj
+        if not isinstance(dtype, str) or not isinstance(shape, (list, tuple)):
+            raise ProtocolError("array dtype must be a str and shape an array")
+        if isinstance(data, int) and not isinstance(data, bool):
+            if not 1 <= data < len(self._aux):
+                raise ProtocolError(f"aux frame index {data} out of range (have {len(self._aux) - 1})")
+            data = memoryview(_as_buffer(self._aux[data]))
+        elif not isinstance(data, memoryview):
+            raise ProtocolError("array data must be an aux index or extension type 3")
+        if any(not isinstance(d, int) or d < 0 for d in shape):
+            raise ProtocolError(f"bad array shape {shape!r}")
+        return dtype, list(shape), data
+
+    def _decode_ndarray(self, obj: Any) -> np.ndarray:
+        dtype_str, shape, data = self._array_bytes(obj)
+        try:
+            dtype = np.dtype(dtype_str)
+        except TypeError as exc:
+            raise ProtocolError(f"unknown ndarray dtype {dtype_str!r}") from exc
+        if dtype.hasobject:
+            raise ProtocolError("object dtype is not allowed on the wire")
+        count = int(np.prod(shape, dtype=np.int64))
+        if count * dtype.itemsize != data.nbytes:
+            raise ProtocolError(f"array of {shape} {dtype_str} needs {count * dtype.itemsize} bytes, frame has {data.nbytes}")
+        return np.frombuffer(data, dtype=dtype).reshape(shape)
+
+    def _decode_tensor(self, obj: Any) -> Any:
+        dtype_str, shape, data = self._array_bytes(obj)
+        torch_dtype = getattr(torch, dtype_str, None)
+        if not isinstance(torch_dtype, torch.dtype):
+            raise ProtocolError(f"unknown tensor dtype {dtype_str!r}")
+        count = 1
+        for d in shape:
+            count *= d
+        if count * torch_dtype.itemsize != data.nbytes:
+            raise ProtocolError(f"tensor of {shape} {dtype_str} needs {count * torch_dtype.itemsize} bytes, frame has {data.nbytes}")
+        if data.nbytes == 0:
+            return torch.empty(shape, dtype=torch_dtype)
+        with warnings.catch_warnings():
+            # Received frames are read-only buffers; torch warns but shares them (zero copy).
+            warnings.simplefilter("ignore", UserWarning)
+            raw = torch.frombuffer(data, dtype=torch.uint8)
+        return raw.view(torch_dtype).view(shape)
+
+    def _decode_utility_result(self, obj: Any) -> UtilityResult:
+        if not isinstance(obj, (list, tuple)) or len(obj) != 2:
+            raise ProtocolError("a utility result must be [type_info, value]")
+        return UtilityResult(obj[1])
+
+
+def _as_buffer(frame: Any) -> Any:
+    """The bytes-like contents of a frame (``zmq.Frame`` exposes ``.buffer``)."""
+    if isinstance(frame, (bytes, bytearray, memoryview)):
+        return frame
+    buffer = getattr(frame, "buffer", None)
+    if buffer is not None:
+        return buffer
+    raise ProtocolError(f"a frame must be bytes-like, got {type(frame).__name__}")

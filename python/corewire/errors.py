@@ -1,0 +1,31 @@
+"""Exception types raised by corewire."""
+
+from __future__ import annotations
+
+__all__ = ["EngineDeadError", "ProtocolError", "UtilityError"]
+
+try:
+    # The Rust decoder raises the very same class, so `except ProtocolError` catches both.
+    from corewire._native import ProtocolError
+except ImportError:  # pragma: no cover - only while the extension is not built
+
+    class ProtocolError(ValueError):  # type: ignore[no-redef]
+        """A frame that does not follow the wire protocol."""
+
+
+class EngineDeadError(RuntimeError):
+    """The engine core died or stopped answering; no further output will arrive."""
+
+    def __init__(self, message: str = "Engine core died unexpectedly.", *, suppress_context: bool = False) -> None:
+        super().__init__(message)
+        # When raised from the output task, the original cause is noise for the caller.
+        self.__suppress_context__ = suppress_context
+
+
+class UtilityError(RuntimeError):
+    """A utility call failed inside the engine; ``message`` is the engine's text."""
+
+    def __init__(self, message: str, method: str | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.method = method

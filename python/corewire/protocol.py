@@ -1,0 +1,236 @@
+"""Wire types of the engine-core protocol (vLLM 0.25.1 layout, byte for byte).
+
+Every struct here mirrors one message of ``shared/wire-protocol.md``. Positional
+(``array_like``) structs keep vLLM's field order exactly: the index of a field is
+part of the wire format, so never reorder, only append.
+
+Array-like structs are encoded with every field (vLLM does not omit trailing
+defaults); decoders accept shorter arrays (missing trailing fields take their
+defaults) and longer ones (unknown trailing fields are ignored).
+"""
+
+from __future__ import annotations
+
+import enum
+from typing import Any, NamedTuple
+
+import msgspec
+import numpy as np
+
+try:  # torch is optional for the client: tensors decode only where it exists.
+    import torch
+
+    Tensor: Any = torch.Tensor
+except ImportError:  # pragma: no cover - exercised only without torch
+
+    class Tensor:  # type: ignore[no-redef]
+        """Placeholder for ``torch.Tensor`` when torch is not installed."""
+
+
+__all__ = [
+    "ENGINE_CORE_DEAD",
+    "EngineCoreEvent",
+    "EngineCoreEventType",
+    "EngineCoreOutput",
+    "EngineCoreOutputs",
+    "EngineCoreRequest",
+    "EngineCoreRequestType",
+    "FinishReason",
+    "LogprobsLists",
+    "LogprobsTensors",
+    "PoolingParams",
+    "SamplingParams",
+    "UtilityOutput",
+    "UtilityResult",
+]
+
+#: The single frame an engine sends on its output socket before it dies.
+ENGINE_CORE_DEAD = b"ENGINE_CORE_DEAD"
+
+
+class EngineCoreRequestType(enum.Enum):
+    """First frame of every front-end -> engine message (one byte)."""
+
+    ADD = b"\x00"
+    ABORT = b"\x01"
+    START_DP_WAVE = b"\x02"
+    UTILITY = b"\x03"
+    # Engine-internal, never sent on the wire.
+    EXECUTOR_FAILED = b"\x04"
+    WAKEUP = b"\x05"
+
+
+class FinishReason(enum.IntEnum):
+    """Why a request finished; encoded as its integer value."""
+
+    STOP = 0
+    LENGTH = 1
+    ABORT = 2
+    ERROR = 3
+    REPETITION = 4
+
+    def __str__(self) -> str:
+        return self.name.lower()
+
+
+class EngineCoreEventType(enum.IntEnum):
+    """Kinds of per-request scheduling events."""
+
+    QUEUED = 1
+    SCHEDULED = 2
+    PREEMPTED = 3
+
+
+class SamplingParams(
+    msgspec.Struct, omit_defaults=True, dict=True, kw_only=True
+):  # type: ignore[call-arg]
+    """Sampling parameters; a msgpack MAP keyed by field name, defaults omitted.
+
+    Unknown keys sent by newer front-ends are ignored on decode.
+    """
+
+    n: int = 1
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    seed: int | None = None
+    stop: list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    max_tokens: int | None = 16
+    min_tokens: int = 0
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
+    skip_special_tokens: bool = True
+    output_kind: int = 0
+
+
+class PoolingParams(msgspec.Struct, omit_defaults=True, kw_only=True):  # type: ignore[call-arg]
+    """Pooling (embedding) parameters; a msgpack map, defaults omitted."""
+
+    dimensions: int | None = None
+    normalize: bool | None = None
+    task: str | None = None
+
+
+class EngineCoreRequest(msgspec.Struct, array_like=True, kw_only=True, gc=False):  # type: ignore[call-arg]
+    """A request to add; mirrors vLLM's ``EngineCoreRequest`` (positional)."""
+
+    request_id: str
+    prompt_token_ids: list[int] | None = None
+    mm_features: list[Any] | None = None
+    sampling_params: SamplingParams | None = None
+    pooling_params: PoolingParams | None = None
+    arrival_time: float = 0.0
+    lora_request: Any = None
+    cache_salt: str | None = None
+    data_parallel_rank: int | None = None
+    prompt_embeds: Tensor | None = None
+    prompt_is_token_ids: Any = None
+    client_index: int = 0
+    current_wave: int = 0
+    priority: int = 0
+    trace_headers: dict[str, str] | None = None
+    resumable: bool = False
+    external_req_id: str | None = None
+    reasoning_ended: Any = None
+    reasoning_parser_kwargs: Any = None
+    abort_immediately: bool = False
+
+
+class EngineCoreEvent(msgspec.Struct, gc=False):  # type: ignore[call-arg]
+    """A timestamped scheduling event; a msgpack map ``{"type", "timestamp"}``."""
+
+    type: EngineCoreEventType
+    timestamp: float
+
+
+class LogprobsLists(NamedTuple):
+    """Sampled-token logprobs as numpy arrays (a named tuple: an array on the wire)."""
+
+    #: [num_tokens, k + 1] token ids of the top-k plus the sampled token
+    logprob_token_ids: np.ndarray
+    #: [num_tokens, k + 1] their logprobs
+    logprobs: np.ndarray
+    #: [num_tokens] rank of the sampled token
+    sampled_token_ranks: np.ndarray
+    cu_num_generated_tokens: list[int] | None = None
+
+
+class LogprobsTensors(NamedTuple):
+    """Prompt logprobs as torch tensors (same layout as :class:`LogprobsLists`)."""
+
+    logprob_token_ids: Tensor
+    logprobs: Tensor
+    selected_token_ranks: Tensor
+    cu_num_generated_tokens: list[int] | None = None
+
+
+class UtilityResult:
+    """Result of a utility call; the value is in ``.result``.
+
+    On the wire it is ``[type_info, value]``; ``type_info`` is nil for plain msgpack
+    values. corewire never sends type information (it would need pickle or imports
+    named by the peer) and hands any received value back as plain msgpack data.
+    """
+
+    __slots__ = ("result",)
+
+    def __init__(self, result: Any = None) -> None:
+        self.result = result
+
+    def __repr__(self) -> str:
+        return f"UtilityResult({self.result!r})"
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, UtilityResult) and other.result == self.result
+
+    __hash__ = None  # type: ignore[assignment]
+
+
+class UtilityOutput(msgspec.Struct, array_like=True, gc=False):  # type: ignore[call-arg]
+    """Reply to a utility call; ``call_id`` -1 marks an elastic-scaling notification."""
+
+    call_id: int
+    failure_message: str | None = None
+    result: UtilityResult | None = None
+
+
+class EngineCoreOutput(msgspec.Struct, array_like=True, gc=False):  # type: ignore[call-arg]
+    """New tokens (and more) for one request; mirrors vLLM's ``EngineCoreOutput``."""
+
+    request_id: str
+    new_token_ids: list[int]
+    new_logprobs: LogprobsLists | None = None
+    new_prompt_logprobs_tensors: LogprobsTensors | None = None
+    pooling_output: Tensor | None = None
+    finish_reason: FinishReason | None = None
+    stop_reason: int | str | None = None
+    events: list[EngineCoreEvent] | None = None
+    kv_transfer_params: dict[str, Any] | None = None
+    trace_headers: dict[str, str] | None = None
+    prefill_stats: dict[str, Any] | None = None
+    routed_experts: np.ndarray | None = None
+    num_nans_in_logits: int = 0
+
+    @property
+    def finished(self) -> bool:
+        """Whether this is the request's last output."""
+        return self.finish_reason is not None
+
+
+class EngineCoreOutputs(msgspec.Struct, array_like=True, gc=False):  # type: ignore[call-arg]
+    """One message on the output link; mirrors vLLM's ``EngineCoreOutputs``."""
+
+    engine_index: int = 0
+    outputs: list[EngineCoreOutput] = msgspec.field(default_factory=list)
+    scheduler_stats: dict[str, Any] | None = None
+    timestamp: float = 0.0
+    utility_output: UtilityOutput | None = None
+    finished_requests: set[str] | None = None
+    wave_complete: int | None = None
+    start_wave: int | None = None

@@ -1,0 +1,16 @@
+//! Thin binding types of `corewire._native`, one file per Python type.
+
+use pyo3::prelude::*;
+
+pyo3::create_exception!(
+    _native,
+    ProtocolError,
+    pyo3::exceptions::PyValueError,
+    "A frame that does not follow the engine-core wire protocol."
+);
+
+/// Registers every binding type on the extension module.
+pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    m.add("ProtocolError", m.py().get_type::<ProtocolError>())?;
+    Ok(())
+}
