@@ -2,8 +2,12 @@
 
 use pyo3::prelude::*;
 
+mod registry;
+mod router;
+mod tracker;
+
 pyo3::create_exception!(
-    _native,
+    corewire,
     ProtocolError,
     pyo3::exceptions::PyValueError,
     "A frame that does not follow the engine-core wire protocol."
@@ -12,5 +16,8 @@ pyo3::create_exception!(
 /// Registers every binding type on the extension module.
 pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("ProtocolError", m.py().get_type::<ProtocolError>())?;
+    registry::register(m)?;
+    tracker::register(m)?;
+    router::register(m)?;
     Ok(())
 }
