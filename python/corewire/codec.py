@@ -161,7 +161,9 @@ class MsgspecDecoder:
             raise ProtocolError("array dtype must be a str and shape an array")
         if isinstance(data, int) and not isinstance(data, bool):
             if not 1 <= data < len(self._aux):
-                raise ProtocolError(f"aux frame index {data} out of range (have {len(self._aux) - 1})")
+                raise ProtocolError(
+                    f"aux index {data} out of range ({len(self._aux) - 1} aux frames)"
+                )
             data = memoryview(_as_buffer(self._aux[data]))
         elif not isinstance(data, memoryview):
             raise ProtocolError("array data must be an aux index or extension type 3")
@@ -179,7 +181,10 @@ class MsgspecDecoder:
             raise ProtocolError("object dtype is not allowed on the wire")
         count = int(np.prod(shape, dtype=np.int64))
         if count * dtype.itemsize != data.nbytes:
-            raise ProtocolError(f"array of {shape} {dtype_str} needs {count * dtype.itemsize} bytes, frame has {data.nbytes}")
+            need = count * dtype.itemsize
+            raise ProtocolError(
+                f"{dtype_str} array of shape {shape} needs {need} bytes, got {data.nbytes}"
+            )
         return np.frombuffer(data, dtype=dtype).reshape(shape)
 
     def _decode_tensor(self, obj: Any) -> Any:
@@ -191,7 +196,10 @@ class MsgspecDecoder:
         for d in shape:
             count *= d
         if count * torch_dtype.itemsize != data.nbytes:
-            raise ProtocolError(f"tensor of {shape} {dtype_str} needs {count * torch_dtype.itemsize} bytes, frame has {data.nbytes}")
+            need = count * torch_dtype.itemsize
+            raise ProtocolError(
+                f"{dtype_str} tensor of shape {shape} needs {need} bytes, got {data.nbytes}"
+            )
         if data.nbytes == 0:
             return torch.empty(shape, dtype=torch_dtype)
         with warnings.catch_warnings():

@@ -16,7 +16,9 @@ except ImportError:  # pragma: no cover - only while the extension is not built
 class EngineDeadError(RuntimeError):
     """The engine core died or stopped answering; no further output will arrive."""
 
-    def __init__(self, message: str = "Engine core died unexpectedly.", *, suppress_context: bool = False) -> None:
+    def __init__(
+        self, message: str = "Engine core died unexpectedly.", *, suppress_context: bool = False
+    ) -> None:
         super().__init__(message)
         # When raised from the output task, the original cause is noise for the caller.
         self.__suppress_context__ = suppress_context

@@ -81,9 +81,7 @@ class EngineCoreEventType(enum.IntEnum):
     PREEMPTED = 3
 
 
-class SamplingParams(
-    msgspec.Struct, omit_defaults=True, dict=True, kw_only=True
-):  # type: ignore[call-arg]
+class SamplingParams(msgspec.Struct, omit_defaults=True, dict=True, kw_only=True):  # type: ignore[call-arg]
     """Sampling parameters; a msgpack MAP keyed by field name, defaults omitted.
 
     Unknown keys sent by newer front-ends are ignored on decode.

@@ -1,0 +1,13 @@
+# Sourced by scripts/test and scripts/demo: creates (once) and activates the project's
+# virtual environment, outside the checkout so that CI and later runs reuse the large
+# torch install. Override the location with COREWIRE_VENV.
+COREWIRE_VENV="${COREWIRE_VENV:-${XDG_CACHE_HOME:-$HOME/.cache}/corewire/ci-venv}"
+if [ ! -x "$COREWIRE_VENV/bin/python" ]; then
+    echo "== creating virtual environment $COREWIRE_VENV"
+    python3 -m venv "$COREWIRE_VENV"
+    "$COREWIRE_VENV/bin/python" -m pip install -q --upgrade pip
+fi
+export VIRTUAL_ENV="$COREWIRE_VENV"
+export PATH="$COREWIRE_VENV/bin:$PATH"
+# maturin is needed before the project itself can be built.
+python -m pip install -q "maturin>=1.5,<2"
