@@ -1,8 +1,101 @@
-//! (placeholder: filled in by the router work)
+//! `corewire._native.Router`: the data-parallel routing decision (see `core::router`).
 
+use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
 
+use crate::core::router::{Router as CoreRouter, RouterError};
+
+fn to_py_err(err: RouterError) -> PyErr {
+    PyValueError::new_err(err.to_string())
+}
+
+/// Chooses the engine for each request of a data-parallel front-end.
+///
+/// Load per engine is `max(waiting + running + sent_since_update, in_flight)`: the
+/// coordinator's last counts plus what this client sent since, floored by this client's
+/// requests in flight. The least loaded engine wins; ties go to fewer waiting requests,
+/// then to a start position that rotates on every decision.
+#[pyclass(module = "corewire._native", name = "Router")]
+pub struct Router {
+    inner: CoreRouter,
+}
+
+#[pymethods]
+impl Router {
+    #[new]
+    fn new(num_engines: usize) -> PyResult<Self> {
+        Ok(Router {
+            inner: CoreRouter::new(num_engines).map_err(to_py_err)?,
+        })
+    }
+
+    /// Number of engines routed over.
+    #[getter]
+    fn num_engines(&self) -> usize {
+        self.inner.num_engines()
+    }
+
+    /// The least-loaded engine index; notes one request sent to it.
+    fn choose(&mut self) -> usize {
+        self.inner.choose()
+    }
+
+    /// `rank` when it is not None (an explicit `data_parallel_rank` wins, checked against
+    /// the engine count), else `choose()`; notes one request sent either way.
+    #[pyo3(signature = (rank))]
+    fn route(&mut self, rank: Option<i64>) -> PyResult<usize> {
+        self.inner.route(rank).map_err(to_py_err)
+    }
+
+    /// Notes `count` requests sent to `engine` without a routing decision.
+    #[pyo3(signature = (engine, count = 1))]
+    fn note_sent(&mut self, engine: i64, count: u32) -> PyResult<()> {
+        self.inner.note_sent(engine, count).map_err(to_py_err)
+    }
+
+    /// Notes `count` of this client's requests on `engine` finished (never below zero;
+    /// engines removed by a resize are ignored).
+    #[pyo3(signature = (engine, count = 1))]
+    fn note_finished(&mut self, engine: i64, count: u32) {
+        self.inner.note_finished(engine, count)
+    }
+
+    /// Replaces the coordinator's counts: one `[waiting, running]` pair per engine in
+    /// rank order. Missing engines read as idle, extra entries are ignored.
+    fn update_counts(&mut self, counts: Vec<(u32, u32)>) {
+        self.inner.update_counts(counts)
+    }
+
+    /// Grows (new engines idle) or shrinks (their state dropped) to `num_engines`.
+    fn resize(&mut self, num_engines: usize) -> PyResult<()> {
+        self.inner.resize(num_engines).map_err(to_py_err)
+    }
+
+    /// This client's in-flight request count per engine.
+    fn in_flight(&self) -> Vec<u32> {
+        self.inner.in_flight()
+    }
+
+    /// The load each routing decision compares, per engine.
+    fn loads(&self) -> Vec<u64> {
+        self.inner.loads()
+    }
+
+    /// The coordinator's last `(waiting, running)` counts per engine.
+    fn counts(&self) -> Vec<(u32, u32)> {
+        self.inner.counts()
+    }
+
+    fn __repr__(&self) -> String {
+        format!(
+            "Router(num_engines={}, in_flight={:?})",
+            self.inner.num_engines(),
+            self.inner.in_flight()
+        )
+    }
+}
+
 /// Registers this file's binding types on the extension module.
-pub fn register(_m: &Bound<'_, PyModule>) -> PyResult<()> {
-    Ok(())
+pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    m.add_class::<Router>()
 }
