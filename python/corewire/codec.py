@@ -136,6 +136,9 @@ class MsgspecDecoder:
             return self._decoder.decode(_as_buffer(payload))
         except (msgspec.DecodeError, msgspec.ValidationError) as exc:
             raise ProtocolError(str(exc)) from exc
+        except RecursionError as exc:
+            # Deeply nested input is malformed input, not a crash of the caller.
+            raise ProtocolError(f"message nested too deeply: {exc}") from exc
         finally:
             self._aux = ()
 
