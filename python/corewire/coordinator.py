@@ -1,0 +1,541 @@
+"""The data-parallel coordinator: one process per DP group that tracks load and runs waves.
+
+A DP group is N engine processes that run request *waves* together: while any engine has
+work, every engine counts as running (an engine with collectives, such as expert
+parallelism, must step in lockstep); when all are idle the wave ends and the engines
+pause until a request arrives anywhere. The coordinator sees every engine's request
+counts, tells the front-ends, and starts and ends the waves.
+
+Sockets (the coordinator binds all three; ``ipc://`` in a private directory by default)::
+
+    front XPUB  <- front-ends connect XSUB and send b"\\x01" to subscribe
+    stats PULL  <- engines connect PUSH and send EngineCoreOutputs with scheduler_stats
+    wave  XPUB  -> engines connect SUB (subscribed to everything)
+
+Only the engine <-> front-end links are vLLM's protocol; everything here is corewire's
+own and every message is msgpack (nothing is pickled):
+
+- coordinator -> front-ends: ``[counts, current_wave, engines_running]`` with counts one
+  ``[waiting, running]`` pair per engine in rank order, at most every 100 ms while
+  something changed, and once for each new subscriber.
+- front-end -> coordinator: ``[engine_index, wave]``, the first-request notice a front-end
+  sends when it puts a request on ``engine_index`` while the engines are paused;
+  ``["scale", new_size]`` after an elastic resize (the next counts have the new length).
+- engines -> coordinator: ``EngineCoreOutputs`` frames (the engine-core encoding, only the
+  fields below are read): ``engine_index``, ``scheduler_stats`` (``num_waiting_reqs``,
+  ``num_running_reqs``, ``current_wave``), ``start_wave`` (an engine got a request for a
+  wave that already ended while it was paused) and ``wave_complete`` (an engine declares a
+  wave over, as vLLM's rank 0 does after its all-reduce; corewire's engines do not send it
+  but the coordinator honours it).
+- coordinator -> engines, ``[request_type, msgpack payload]`` like the engines' input link:
+  ``b"\\x02"`` START_DP_WAVE ``[new_wave, exclude_engine_index]`` (-1 excludes none) and
+  ``b"\\x10"`` WAVE_COMPLETE ``[finished_wave]`` (corewire's own type byte, never sent on
+  the front-end link).
+
+How the coordinator reaches the engines' input: over its own wave XPUB, not through the
+front-end. Every engine subscribes to it from a thread of its own and feeds what arrives
+into its input queue, so waves never wait on a front-end's event loop and a front-end that
+owns no engines (external load balancing) still wakes them all.
+
+How a wave ends: corewire's engines have no collective to agree that all are idle, so the
+coordinator is the reduction point. Engines report counts on every change; when every
+engine of the group reports ``[0, 0]`` while a wave runs, the coordinator ends it:
+``current_wave += 1``, paused, WAVE_COMPLETE to the engines, new state to the front-ends.
+A request that races the end of its wave is never lost: the engine that receives it runs
+it regardless, and (now at the next wave, paused) sends ``start_wave`` so the coordinator
+wakes the others with START_DP_WAVE. An engine that subscribes late gets the current
+state (START_DP_WAVE or WAVE_COMPLETE) at once.
+
+Lifetime: :class:`DPCoordinator` starts the process (``python -m corewire.coordinator``),
+hands it its configuration over stdin and keeps that pipe open; the process exits when the
+pipe closes (``shutdown()``, the owner's finalizer, or the owner's process dying), on
+SIGTERM, or when its parent pid changes.
+
+TCP addresses reachable from other hosts require CURVE keys (:mod:`corewire.keygen`); the
+coordinator then runs a ZAP handler and accepts only the authorized client keys.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import select
+import signal
+import subprocess
+import sys
+import time
+import weakref
+from dataclasses import dataclass
+from typing import Any
+
+import msgspec
+import zmq
+
+from corewire.keygen import CurveServerKeys, ZapHandler, apply_server, require_curve_for
+
+__all__ = [
+    "START_DP_WAVE",
+    "WAVE_COMPLETE",
+    "CoordinatorAddresses",
+    "CoordinatorState",
+    "DPCoordinator",
+]
+
+logger = logging.getLogger("corewire.coordinator")
+
+#: Type byte of START_DP_WAVE, the same as on the engines' input link.
+START_DP_WAVE = b"\x02"
+#: corewire's own type byte: the coordinator ended a wave (payload ``[finished_wave]``).
+WAVE_COMPLETE = b"\x10"
+
+#: Minimum time between two stats messages to the front-ends.
+PUBLISH_INTERVAL_S = 0.1
+#: How often the loop wakes to check its parent when nothing happens.
+_IDLE_POLL_S = 0.2
+
+
+@dataclass(frozen=True)
+class CoordinatorAddresses:
+    """Where a coordinator listens."""
+
+    #: XPUB: front-ends connect XSUB here.
+    front_publish: str
+    #: PULL: engines connect PUSH here to send their stats.
+    engine_stats: str
+    #: XPUB: engines connect SUB here to receive START_DP_WAVE / WAVE_COMPLETE.
+    engine_publish: str
+
+    def to_wire(self) -> list[str]:
+        """The addresses as a list, for a child process's configuration."""
+        return [self.front_publish, self.engine_stats, self.engine_publish]
+
+    @classmethod
+    def from_wire(cls, value: list[str]) -> CoordinatorAddresses:
+        """Inverse of :meth:`to_wire`."""
+        front_publish, engine_stats, engine_publish = value
+        return cls(front_publish, engine_stats, engine_publish)
+
+
+class _EngineReport(msgspec.Struct, array_like=True):  # type: ignore[call-arg]
+    """The fields of EngineCoreOutputs the coordinator reads; the rest stay raw bytes."""
+
+    engine_index: int = 0
+    outputs: msgspec.Raw = msgspec.Raw(b"\x90")
+    scheduler_stats: dict[str, Any] | None = None
+    timestamp: msgspec.Raw = msgspec.Raw(b"\xc0")
+    utility_output: msgspec.Raw = msgspec.Raw(b"\xc0")
+    finished_requests: msgspec.Raw = msgspec.Raw(b"\xc0")
+    wave_complete: int | None = None
+    start_wave: int | None = None
+
+
+class CoordinatorState:
+    """The coordinator's bookkeeping, free of sockets so tests can drive it directly.
+
+    Each ``on_*`` method returns the messages to broadcast to the engines as
+    ``(type_byte, payload)`` pairs.
+    """
+
+    def __init__(self, num_engines: int) -> None:
+        if num_engines < 1:
+            raise ValueError("a DP group needs at least one engine")
+        self.counts: list[list[int]] = [[0, 0] for _ in range(num_engines)]
+        self.current_wave = 0
+        self.engines_running = False
+        #: Whether the front-ends have not seen the latest state yet.
+        self.changed = True
+
+    @property
+    def num_engines(self) -> int:
+        """Engines in the group."""
+        return len(self.counts)
+
+    def snapshot(self) -> list[Any]:
+        """The message for the front-ends: ``[counts, current_wave, engines_running]``."""
+        return [self.counts, self.current_wave, self.engines_running]
+
+    def wave_state_message(self) -> tuple[bytes, list[int]]:
+        """What a late engine needs: the running wave, or the last one that ended."""
+        if self.engines_running:
+            return (START_DP_WAVE, [self.current_wave, -1])
+        return (WAVE_COMPLETE, [self.current_wave - 1])
+
+    def _start(self, wave: int, exclude: int) -> list[tuple[bytes, list[int]]]:
+        self.current_wave = wave
+        self.engines_running = True
+        self.changed = True
+        return [(START_DP_WAVE, [wave, exclude])]
+
+    def _complete(self, wave: int) -> list[tuple[bytes, list[int]]]:
+        self.current_wave = wave + 1
+        self.engines_running = False
+        self.changed = True
+        return [(WAVE_COMPLETE, [wave])]
+
+    def on_first_request(self, engine_index: int, wave: int) -> list[tuple[bytes, list[int]]]:
+        """A front-end sent a request to ``engine_index`` while it saw the engines paused."""
+        if wave < self.current_wave:
+            # The front-end's view is stale: the target engine may not wake on the request's
+            # wave number, so wake every engine, the target included.
+            engine_index = -1
+        elif wave > self.current_wave:
+            self.current_wave = wave  # cannot come from our own publications; be lenient
+        if self.engines_running:
+            return []
+        return self._start(self.current_wave, engine_index)
+
+    def on_engine_report(
+        self,
+        engine_index: int,
+        stats: dict[str, Any] | None,
+        start_wave: int | None,
+        wave_complete: int | None,
+    ) -> list[tuple[bytes, list[int]]]:
+        """An engine sent its counts and/or a wave event."""
+        if not 0 <= engine_index < len(self.counts):
+            return []  # an engine removed by a scale-down, still draining
+        out: list[tuple[bytes, list[int]]] = []
+        if stats is not None:
+            pair = [int(stats.get("num_waiting_reqs", 0)), int(stats.get("num_running_reqs", 0))]
+            if pair != self.counts[engine_index]:
+                self.counts[engine_index] = pair
+                self.changed = True
+        if wave_complete is not None and wave_complete >= self.current_wave:
+            out += self._complete(wave_complete)
+        if start_wave is not None and (
+            start_wave > self.current_wave
+            or (start_wave == self.current_wave and not self.engines_running)
+        ):
+            out += self._start(start_wave, engine_index)
+        elif (
+            stats is not None
+            and self.engines_running
+            and all(w == 0 and r == 0 for w, r in self.counts)
+        ):
+            # Only a fresh report can show the group idle: a wave event alone says nothing
+            # about counts that may be stale.
+            out += self._complete(self.current_wave)
+        return out
+
+    def on_scale(self, new_size: int) -> None:
+        """The group now has ``new_size`` engines: new ones start idle, removed ones drop."""
+        if new_size < 1:
+            raise ValueError("a DP group needs at least one engine")
+        del self.counts[new_size:]
+        self.counts += [[0, 0] for _ in range(new_size - len(self.counts))]
+        self.changed = True
+
+
+def _bind(sock: zmq.Socket[Any], address: str, keys: CurveServerKeys | None) -> None:
+    require_curve_for(address, keys)
+    if keys is not None and address.startswith("tcp://"):
+        apply_server(sock, keys)
+    sock.bind(address)
+
+
+class _Coordinator:
+    """The coordinator process's loop; see the module docstring."""
+
+    def __init__(
+        self,
+        num_engines: int,
+        addresses: CoordinatorAddresses,
+        keys: CurveServerKeys | None,
+        control_fd: int,
+        parent_pid: int,
+    ) -> None:
+        self.state = CoordinatorState(num_engines)
+        self.control_fd = control_fd
+        self.parent_pid = parent_pid
+        self.stop = False
+        self.ctx: zmq.Context[Any] = zmq.Context()
+        self.zap = ZapHandler(self.ctx, keys.authorized) if keys is not None else None
+        self.front = self.ctx.socket(zmq.XPUB)
+        self.stats = self.ctx.socket(zmq.PULL)
+        self.wave = self.ctx.socket(zmq.XPUB)
+        for sock in (self.front, self.stats, self.wave):
+            sock.linger = 0
+        # Verbose: every subscriber's subscription reaches us, so each gets the state.
+        self.front.setsockopt(zmq.XPUB_VERBOSE, 1)
+        self.wave.setsockopt(zmq.XPUB_VERBOSE, 1)
+        _bind(self.front, addresses.front_publish, keys)
+        _bind(self.stats, addresses.engine_stats, keys)
+        _bind(self.wave, addresses.engine_publish, keys)
+        self.encoder = msgspec.msgpack.Encoder()
+        self.decoder = msgspec.msgpack.Decoder()
+        self.report_decoder = msgspec.msgpack.Decoder(_EngineReport)
+        self.last_publish = 0.0
+
+    def close(self) -> None:
+        for sock in (self.front, self.stats, self.wave):
+            sock.close(linger=0)
+        if self.zap is not None:
+            self.zap.stop()
+        self.ctx.term()
+
+    def run(self) -> None:
+        poller = zmq.Poller()
+        poller.register(self.front, zmq.POLLIN)
+        poller.register(self.stats, zmq.POLLIN)
+        poller.register(self.control_fd, zmq.POLLIN)
+        while not self.stop:
+            timeout = _IDLE_POLL_S
+            if self.state.changed:
+                timeout = max(0.0, self.last_publish + PUBLISH_INTERVAL_S - time.monotonic())
+            ready = dict(poller.poll(timeout * 1000))
+            # EOF on the pipe: the owner closed its end (shutdown) or died.
+            if self.control_fd in ready and not os.read(self.control_fd, 4096):
+                return
+            if self.front in ready:
+                self._drain_front()
+            if self.stats in ready:
+                self._drain_stats()
+            self._drain_wave_subscriptions()
+            if os.getppid() != self.parent_pid:
+                logger.warning("DP coordinator: parent process %d is gone", self.parent_pid)
+                return
+            if self.state.changed and time.monotonic() >= self.last_publish + PUBLISH_INTERVAL_S:
+                self._publish()
+
+    def _publish(self) -> None:
+        self.front.send(self.encoder.encode(self.state.snapshot()))
+        self.state.changed = False
+        self.last_publish = time.monotonic()
+
+    def _broadcast(self, messages: list[tuple[bytes, list[int]]]) -> None:
+        for type_byte, payload in messages:
+            self.wave.send_multipart([type_byte, self.encoder.encode(payload)])
+
+    def _drain_front(self) -> None:
+        # Edge-triggered readiness: take everything that is there before polling again.
+        while True:
+            try:
+                frame = self.front.recv(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            if frame[:1] in (b"\x00", b"\x01"):
+                if frame[:1] == b"\x01":
+                    self.state.changed = True  # a new front-end: send it the state soon
+                continue
+            self._handle_front_message(frame)
+
+    def _handle_front_message(self, frame: bytes) -> None:
+        try:
+            msg = self.decoder.decode(frame)
+            if isinstance(msg, list) and len(msg) == 2 and msg[0] == "scale":
+                self.state.on_scale(int(msg[1]))
+            elif (
+                isinstance(msg, list)
+                and len(msg) == 2
+                and all(isinstance(v, int) and not isinstance(v, bool) for v in msg)
+            ):
+                self._broadcast(self.state.on_first_request(msg[0], msg[1]))
+            else:
+                raise ValueError(f"unknown front-end message {msg!r:.100}")
+        except (msgspec.DecodeError, ValueError, TypeError) as exc:
+            logger.warning("DP coordinator: ignoring bad front-end message: %s", exc)
+
+    def _drain_stats(self) -> None:
+        while True:
+            try:
+                frames = self.stats.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            try:
+                report = self.report_decoder.decode(frames[0])
+                messages = self.state.on_engine_report(
+                    report.engine_index,
+                    report.scheduler_stats,
+                    report.start_wave,
+                    report.wave_complete,
+                )
+            except (msgspec.DecodeError, msgspec.ValidationError, ValueError, TypeError) as exc:
+                logger.warning("DP coordinator: ignoring bad engine report: %s", exc)
+                continue
+            self._broadcast(messages)
+
+    def _drain_wave_subscriptions(self) -> None:
+        # An engine that (re)subscribes gets the current wave state at once.
+        subscribed = False
+        while True:
+            try:
+                frame = self.wave.recv(zmq.NOBLOCK)
+            except zmq.Again:
+                break
+            subscribed = subscribed or frame[:1] == b"\x01"
+        if subscribed:
+            self._broadcast([self.state.wave_state_message()])
+
+
+class _Config(msgspec.Struct, array_like=True):  # type: ignore[call-arg]
+    """What the owner hands the coordinator process on stdin."""
+
+    num_engines: int
+    addresses: list[str]
+    parent_pid: int
+    curve_server_dir: str | None = None
+
+
+def _child_main() -> int:
+    """Entry point of ``python -m corewire.coordinator`` (started by :class:`DPCoordinator`)."""
+    logging.basicConfig(level=logging.WARNING, format="%(name)s: %(message)s")
+    # Config: one length-prefixed msgpack message on stdin; the pipe then stays open as
+    # the owner's lifeline.
+    control_fd = sys.stdin.fileno()
+    header = _read_exact(control_fd, 4)
+    config = msgspec.msgpack.decode(
+        _read_exact(control_fd, int.from_bytes(header, "little")), type=_Config
+    )
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the owner; it stops us
+    coordinator: _Coordinator | None = None
+
+    def on_term(_signum: int, _frame: Any) -> None:
+        if coordinator is not None:
+            coordinator.stop = True
+
+    signal.signal(signal.SIGTERM, on_term)
+    try:
+        keys = (
+            CurveServerKeys.from_dir(config.curve_server_dir) if config.curve_server_dir else None
+        )
+        coordinator = _Coordinator(
+            config.num_engines,
+            CoordinatorAddresses.from_wire(config.addresses),
+            keys,
+            control_fd,
+            config.parent_pid,
+        )
+    except Exception as exc:
+        _report(f"error: {type(exc).__name__}: {exc}")
+        return 1
+    _report("ready")
+    try:
+        coordinator.run()
+    finally:
+        coordinator.close()
+    return 0
+
+
+def _read_exact(fd: int, n: int) -> bytes:
+    buf = b""
+    while len(buf) < n:
+        chunk = os.read(fd, n - len(buf))
+        if not chunk:
+            raise SystemExit(0)  # the owner went away before configuring us
+        buf += chunk
+    return buf
+
+
+def _report(line: str) -> None:
+    sys.stdout.write(line.replace("\n", " ") + "\n")
+    sys.stdout.flush()
+
+
+def _stop_process(proc: subprocess.Popen[bytes], timeout: float) -> None:
+    """Closes the lifeline, then escalates to SIGTERM and SIGKILL; reaps the process."""
+    for pipe in (proc.stdin, proc.stdout):
+        if pipe is not None:
+            with contextlib.suppress(OSError):
+                pipe.close()
+    try:
+        proc.wait(timeout=timeout)
+        return
+    except subprocess.TimeoutExpired:
+        pass
+    proc.terminate()
+    try:
+        proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+
+
+class DPCoordinator:
+    """Owner of one coordinator process (see the module docstring).
+
+    ``shutdown()`` stops it and is idempotent; a finalizer does the same when the owner is
+    collected, and the process exits by itself when this process dies.
+    """
+
+    def __init__(
+        self,
+        num_engines: int,
+        addresses: CoordinatorAddresses,
+        *,
+        curve_server_dir: str | os.PathLike[str] | None = None,
+        startup_timeout: float = 30.0,
+    ) -> None:
+        if curve_server_dir is None:
+            for address in addresses.to_wire():
+                require_curve_for(address, None)
+        self.addresses = addresses
+        config = _Config(
+            num_engines=num_engines,
+            addresses=addresses.to_wire(),
+            parent_pid=os.getpid(),
+            curve_server_dir=os.fspath(curve_server_dir) if curve_server_dir else None,
+        )
+        payload = msgspec.msgpack.encode(config)
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "corewire.coordinator"],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            close_fds=True,
+        )
+        self._proc = proc
+        self._finalizer = weakref.finalize(self, _stop_process, proc, 5.0)
+        try:
+            assert proc.stdin is not None and proc.stdout is not None
+            proc.stdin.write(len(payload).to_bytes(4, "little") + payload)
+            proc.stdin.flush()
+            line = _read_line(proc.stdout, startup_timeout)
+        except BaseException:
+            self.shutdown()
+            raise
+        if line != "ready":
+            self.shutdown()
+            raise RuntimeError(f"DP coordinator failed to start: {line or 'no answer'}")
+        # A pidfd is readable once the process exits: owners wait on it like a sentinel.
+        self.sentinel: int | None = None
+        if hasattr(os, "pidfd_open"):
+            try:
+                self.sentinel = os.pidfd_open(proc.pid)
+            except OSError:
+                self.sentinel = None
+        if self.sentinel is not None:
+            weakref.finalize(self, os.close, self.sentinel)
+
+    @property
+    def pid(self) -> int:
+        """The coordinator's process id."""
+        return self._proc.pid
+
+    def is_alive(self) -> bool:
+        """Whether the process is still running."""
+        return self._proc.poll() is None
+
+    def shutdown(self) -> None:
+        """Stops the process and waits for it (idempotent)."""
+        self._finalizer()
+
+
+def _read_line(stream: Any, timeout: float) -> str:
+    deadline = time.monotonic() + timeout
+    fd = stream.fileno()
+    buf = b""
+    while not buf.endswith(b"\n"):
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            raise TimeoutError(f"DP coordinator did not start within {timeout:.0f} s")
+        readable, _, _ = select.select([fd], [], [], remaining)
+        if readable:
+            chunk = os.read(fd, 4096)
+            if not chunk:
+                break
+            buf += chunk
+    return buf.decode(errors="replace").strip()
+
+
+if __name__ == "__main__":
+    sys.exit(_child_main())

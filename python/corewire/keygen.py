@@ -1,0 +1,317 @@
+"""``corewire keygen``: ZeroMQ CURVE keys for engines on other hosts, and the helpers that use them.
+
+A front-end that listens on a non-loopback TCP address (``data_parallel_address=
+"tcp://10.0.0.1:5555"``) accepts only peers that prove they hold an authorized key, so no
+one who can reach the port can inject requests or read outputs. The listening side (the
+front-end and its DP coordinator) is the CURVE *server*; every engine (or remote
+front-end) that connects is a CURVE *client* with its own key pair, and the server keeps
+the public keys it accepts in a directory.
+
+``corewire keygen DIR --clients 2`` writes a ready-to-copy layout::
+
+    DIR/server/server.key_secret          the listening side's key pair (mode 0600)
+    DIR/server/server.key                 its public key
+    DIR/server/authorized_clients/*.key   public keys of the clients it accepts
+    DIR/client-0/client.key_secret        client 0's key pair (mode 0600)
+    DIR/client-0/server.key               the server's public key, to verify it
+    DIR/client-1/...
+
+Copy ``DIR/server`` to the front-end host and ``DIR/client-K`` to each engine host; then
+``curve_keys="DIR/server"`` on the front-end and ``--curve-keys DIR/client-K`` on
+``corewire engine``. Key files use ZeroMQ's certificate format (readable by
+``zmq.auth.load_certificate``).
+
+Authentication runs in a ZAP handler (:class:`ZapHandler`, one named thread per ZeroMQ
+context) that accepts a CURVE client only if its public key is in the authorized set; a
+client with any other key, or one that does not know the server's public key, fails the
+handshake and never reaches the application.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import ipaddress
+import os
+import threading
+import weakref
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlsplit
+
+import zmq
+import zmq.auth
+import zmq.utils.z85
+
+__all__ = [
+    "CurveClientKeys",
+    "CurveServerKeys",
+    "ZapHandler",
+    "add_arguments",
+    "apply_client",
+    "apply_server",
+    "is_loopback_address",
+    "require_curve_for",
+    "run",
+    "write_keypair",
+]
+
+_SERVER_NAME = "server"
+_CLIENT_NAME = "client"
+_AUTHORIZED_DIR = "authorized_clients"
+_ZAP_ENDPOINT = "inproc://zeromq.zap.01"
+#: The ZAP domain corewire sockets use; the handler only answers for it.
+ZAP_DOMAIN = "corewire"
+
+
+def _write_key_file(path: Path, public: bytes, secret: bytes | None) -> None:
+    """Writes one key file in ZeroMQ's certificate (ZPL) format; secrets get mode 0600."""
+    lines = [
+        f"#   corewire CURVE {'secret' if secret else 'public'} key, "
+        f"written {datetime.datetime.now().isoformat(timespec='seconds')}",
+        "#   " + ("Never share this file." if secret else "Give this file to peers."),
+        "",
+        "metadata",
+        "curve",
+        f'    public-key = "{public.decode()}"',
+    ]
+    if secret is not None:
+        lines.append(f'    secret-key = "{secret.decode()}"')
+    # O_EXCL + explicit mode: a secret is never readable by others, even for an instant.
+    mode = 0o600 if secret is not None else 0o644
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, mode)
+    with os.fdopen(fd, "w", encoding="utf-8") as f:
+        f.write("\n".join(lines) + "\n")
+
+
+def write_keypair(directory: str | os.PathLike[str], name: str) -> tuple[Path, Path]:
+    """Writes ``name.key`` (public) and ``name.key_secret`` (0600) into ``directory``.
+
+    Returns the two paths. Refuses to overwrite an existing key (``FileExistsError``).
+    """
+    if not zmq.has("curve"):
+        raise RuntimeError("this libzmq was built without CURVE support")
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    public, secret = zmq.curve_keypair()
+    public_path = directory / f"{name}.key"
+    secret_path = directory / f"{name}.key_secret"
+    _write_key_file(secret_path, public, secret)
+    _write_key_file(public_path, public, None)
+    return public_path, secret_path
+
+
+def _load_public(path: Path) -> bytes:
+    public, _ = zmq.auth.load_certificate(path)
+    return public
+
+
+def _load_pair(path: Path) -> tuple[bytes, bytes]:
+    public, secret = zmq.auth.load_certificate(path)
+    if not secret:
+        raise ValueError(f"{path} holds no secret key")
+    return public, secret
+
+
+@dataclass(frozen=True)
+class CurveServerKeys:
+    """The listening side's key pair and the client public keys it accepts."""
+
+    public: bytes
+    secret: bytes
+    authorized: frozenset[bytes]
+
+    @classmethod
+    def from_dir(cls, directory: str | os.PathLike[str]) -> CurveServerKeys:
+        """Loads ``server.key_secret`` and ``authorized_clients/*.key`` from ``directory``."""
+        directory = Path(directory)
+        public, secret = _load_pair(directory / f"{_SERVER_NAME}.key_secret")
+        auth_dir = directory / _AUTHORIZED_DIR
+        authorized = frozenset(_load_public(p) for p in sorted(auth_dir.glob("*.key")))
+        if not authorized:
+            raise ValueError(f"no authorized client keys (*.key) in {auth_dir}")
+        return cls(public=public, secret=secret, authorized=authorized)
+
+
+@dataclass(frozen=True)
+class CurveClientKeys:
+    """A connecting peer's key pair and the server public key it expects."""
+
+    public: bytes
+    secret: bytes
+    server_public: bytes
+
+    @classmethod
+    def from_dir(cls, directory: str | os.PathLike[str]) -> CurveClientKeys:
+        """Loads ``client.key_secret`` and ``server.key`` from ``directory``."""
+        directory = Path(directory)
+        public, secret = _load_pair(directory / f"{_CLIENT_NAME}.key_secret")
+        server_public = _load_public(directory / f"{_SERVER_NAME}.key")
+        return cls(public=public, secret=secret, server_public=server_public)
+
+    def to_wire(self) -> list[str]:
+        """The keys as z85 text, to hand to a child process on its command line."""
+        return [self.public.decode(), self.secret.decode(), self.server_public.decode()]
+
+    @classmethod
+    def from_wire(cls, keys: list[str]) -> CurveClientKeys:
+        """Inverse of :meth:`to_wire`."""
+        public, secret, server_public = (k.encode() for k in keys)
+        return cls(public=public, secret=secret, server_public=server_public)
+
+
+def apply_server(sock: zmq.Socket[Any], keys: CurveServerKeys) -> None:
+    """Makes ``sock`` a CURVE server; call before ``bind``. Needs a :class:`ZapHandler`
+    running on the socket's context, or every client is refused."""
+    sock.curve_secretkey = keys.secret
+    sock.curve_publickey = keys.public
+    sock.zap_domain = ZAP_DOMAIN.encode()
+    sock.curve_server = True
+
+
+def apply_client(sock: zmq.Socket[Any], keys: CurveClientKeys) -> None:
+    """Makes ``sock`` a CURVE client of the server ``keys.server_public``; call before
+    ``connect``."""
+    sock.curve_secretkey = keys.secret
+    sock.curve_publickey = keys.public
+    sock.curve_serverkey = keys.server_public
+
+
+def is_loopback_address(address: str) -> bool:
+    """Whether a ZeroMQ endpoint is reachable only from this host (ipc, inproc, loopback)."""
+    scheme, _, rest = address.partition("://")
+    if scheme in ("ipc", "inproc"):
+        return True
+    if scheme != "tcp":
+        return False
+    host = urlsplit(f"//{rest}").hostname or ""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:  # a hostname, '*' or an interface name: may be reachable from outside
+        return False
+
+
+def require_curve_for(address: str, keys: object | None) -> None:
+    """Raises ``ValueError`` when ``address`` can be reached from other hosts but no CURVE
+    keys are given: an open port would let anyone inject requests."""
+    if keys is None and not is_loopback_address(address):
+        raise ValueError(
+            f"binding {address} exposes engines to other hosts: pass CURVE keys "
+            "(write them with `corewire keygen DIR`), or bind a loopback address"
+        )
+
+
+def _zap_reply(request: list[bytes], authorized: frozenset[bytes]) -> list[bytes]:
+    # ZAP request: version, request id, domain, address, identity, mechanism, credentials...
+    if len(request) < 6 or request[0] != b"1.0":
+        return [b"1.0", request[1] if len(request) > 1 else b"", b"500", b"bad request", b"", b""]
+    version, request_id, domain, _address, _identity, mechanism = request[:6]
+    credentials = request[6:]
+    ok = (
+        domain == ZAP_DOMAIN.encode()
+        and mechanism == b"CURVE"
+        and len(credentials) == 1
+        and zmq.utils.z85.encode(credentials[0]) in authorized
+    )
+    if ok:
+        return [version, request_id, b"200", b"OK", b"", b""]
+    return [version, request_id, b"400", b"key not authorized", b"", b""]
+
+
+def _zap_loop(zap: zmq.Socket[Any], control: zmq.Socket[Any], authorized: frozenset[bytes]) -> None:
+    poller = zmq.Poller()
+    poller.register(zap, zmq.POLLIN)
+    poller.register(control, zmq.POLLIN)
+    try:
+        while True:
+            ready = dict(poller.poll())
+            if control in ready:
+                return
+            if zap in ready:
+                zap.send_multipart(_zap_reply(zap.recv_multipart(), authorized))
+    except zmq.ContextTerminated:  # the owner tore the context down first: nothing to answer
+        pass
+    finally:
+        zap.close(linger=0)
+        control.close(linger=0)
+
+
+def _stop_zap(control: zmq.Socket[Any], thread: threading.Thread) -> None:
+    try:
+        control.send(b"stop")
+    except zmq.ZMQError:  # context already terminated: the thread's sockets are gone too
+        pass
+    finally:
+        control.close(linger=0)
+    if thread is not threading.current_thread():
+        thread.join(timeout=5)
+
+
+class ZapHandler:
+    """Answers ZeroMQ's authentication requests for one context: CURVE clients whose
+    public key is in ``authorized`` are accepted, every other peer is refused.
+
+    Owns one thread named ``corewire-zap``; :meth:`stop` (or collection of the handler)
+    ends it. Start it before binding any CURVE server socket on ``ctx``.
+    """
+
+    def __init__(self, ctx: zmq.Context[Any], authorized: frozenset[bytes]) -> None:
+        zap = ctx.socket(zmq.REP)
+        zap.linger = 0
+        zap.bind(_ZAP_ENDPOINT)
+        # A per-handler inproc pair wakes the thread at once on stop.
+        endpoint = f"inproc://corewire-zap-control-{id(self):x}"
+        thread_control = ctx.socket(zmq.PAIR)
+        thread_control.bind(endpoint)
+        control = ctx.socket(zmq.PAIR)
+        control.connect(endpoint)
+        self._thread = threading.Thread(
+            target=_zap_loop,
+            args=(zap, thread_control, authorized),
+            name="corewire-zap",
+            daemon=True,
+        )
+        self._thread.start()
+        self._finalizer = weakref.finalize(self, _stop_zap, control, self._thread)
+
+    def stop(self) -> None:
+        """Stops the thread (idempotent); call before terminating the context."""
+        self._finalizer()
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Arguments of ``corewire keygen``."""
+    parser.add_argument("directory", help="where to write the keys (created if missing)")
+    parser.add_argument(
+        "--clients",
+        type=int,
+        default=1,
+        help="number of client key pairs (one per engine host or remote front-end)",
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    """Writes a server key pair and ``--clients`` client key pairs (see the module doc)."""
+    if args.clients < 0:
+        print("corewire keygen: --clients must be >= 0")
+        return 2
+    root = Path(args.directory)
+    server_dir = root / "server"
+    if server_dir.exists():
+        print(f"corewire keygen: {server_dir} exists; refusing to overwrite keys")
+        return 1
+    server_public, _ = write_keypair(server_dir, _SERVER_NAME)
+    server_dir.chmod(0o700)
+    authorized = server_dir / _AUTHORIZED_DIR
+    authorized.mkdir()
+    for k in range(args.clients):
+        client_dir = root / f"client-{k}"
+        client_public, _ = write_keypair(client_dir, _CLIENT_NAME)
+        client_dir.chmod(0o700)
+        _write_key_file(client_dir / f"{_SERVER_NAME}.key", _load_public(server_public), None)
+        _write_key_file(authorized / f"client-{k}.key", _load_public(client_public), None)
+    print(f"wrote {root}/server (front-end host) and {args.clients} client dir(s) {root}/client-K")
+    return 0

@@ -1,0 +1,158 @@
+"""Helpers for the data-parallel tests: raw peers of the coordinator and polling waits."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, TypeVar
+
+import msgspec
+import zmq
+
+from corewire.coordinator import CoordinatorAddresses
+from corewire.keygen import CurveClientKeys, apply_client
+
+T = TypeVar("T")
+
+
+def coordinator_addresses(ipc_dir: Path, tag: str = "coord") -> CoordinatorAddresses:
+    """Fresh ipc:// addresses for a coordinator inside the test's private directory."""
+    return CoordinatorAddresses(
+        front_publish=f"ipc://{ipc_dir}/{tag}-front",
+        engine_stats=f"ipc://{ipc_dir}/{tag}-stats",
+        engine_publish=f"ipc://{ipc_dir}/{tag}-wave",
+    )
+
+
+def wait_for(predicate: Callable[[], T], timeout: float = 10.0, what: str = "condition") -> T:
+    """Polls ``predicate`` until it returns something truthy; fails after ``timeout``."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout} s waiting for {what}")
+        time.sleep(0.01)
+
+
+class Sockets:
+    """A zmq context whose sockets are all closed by :meth:`close` (no unclosed warnings)."""
+
+    def __init__(self) -> None:
+        self.ctx: zmq.Context[Any] = zmq.Context()
+        self._sockets: list[zmq.Socket[Any]] = []
+
+    def socket(self, kind: int) -> zmq.Socket[Any]:
+        """A new socket with linger 0, closed with the others."""
+        sock = self.ctx.socket(kind)
+        sock.linger = 0
+        self._sockets.append(sock)
+        return sock
+
+    def close(self) -> None:
+        """Closes every socket and terminates the context."""
+        for sock in self._sockets:
+            sock.close(linger=0)
+        self.ctx.term()
+
+
+class FrontEndPeer:
+    """A raw front-end side of the coordinator: XSUB, subscribed, decodes each publication."""
+
+    def __init__(self, sockets: Sockets, addresses: CoordinatorAddresses) -> None:
+        self.sock = sockets.socket(zmq.XSUB)
+        self.sock.connect(addresses.front_publish)
+        self.sock.send(b"\x01")
+
+    def recv(self, timeout: float = 5.0) -> list[Any]:
+        """The next ``[counts, current_wave, engines_running]``."""
+        if not self.sock.poll(timeout * 1000):
+            raise AssertionError(f"no coordinator publication within {timeout} s")
+        return msgspec.msgpack.decode(self.sock.recv())
+
+    def recv_until(self, predicate: Callable[[list[Any]], bool], timeout: float = 5.0) -> list[Any]:
+        """Publications until one satisfies ``predicate``."""
+        deadline = time.monotonic() + timeout
+        while True:
+            msg = self.recv(max(0.01, deadline - time.monotonic()))
+            if predicate(msg):
+                return msg
+
+    def notice(self, engine_index: int, wave: int) -> None:
+        """The first-request notice: a request went to ``engine_index`` while paused."""
+        self.sock.send(msgspec.msgpack.encode([engine_index, wave]))
+
+    def send_raw(self, payload: bytes) -> None:
+        """Anything, to test that bad messages are ignored."""
+        self.sock.send(payload)
+
+
+class EnginePeer:
+    """A raw engine side of the coordinator: PUSH for stats, SUB for wave messages."""
+
+    def __init__(
+        self,
+        sockets: Sockets,
+        addresses: CoordinatorAddresses,
+        index: int,
+        curve: CurveClientKeys | None = None,
+    ) -> None:
+        self.index = index
+        self.push = sockets.socket(zmq.PUSH)
+        self.sub = sockets.socket(zmq.SUB)
+        if curve is not None:
+            apply_client(self.push, curve)
+            apply_client(self.sub, curve)
+        self.push.connect(addresses.engine_stats)
+        self.sub.subscribe(b"")
+        self.sub.connect(addresses.engine_publish)
+
+    def report(
+        self,
+        waiting: int = 0,
+        running: int = 0,
+        wave: int = 0,
+        *,
+        start_wave: int | None = None,
+        wave_complete: int | None = None,
+        stats: bool = True,
+    ) -> None:
+        """Sends EngineCoreOutputs (full positional layout) with stats and wave fields."""
+        sched = (
+            {"num_waiting_reqs": waiting, "num_running_reqs": running, "current_wave": wave}
+            if stats
+            else None
+        )
+        outputs = [self.index, [], sched, time.monotonic(), None, None, wave_complete, start_wave]
+        self.push.send(msgspec.msgpack.encode(outputs))
+
+    def recv(self, timeout: float = 5.0) -> tuple[bytes, list[int]]:
+        """The next wave message as ``(type_byte, payload)``."""
+        if not self.sub.poll(timeout * 1000):
+            raise AssertionError(f"engine {self.index}: no wave message within {timeout} s")
+        type_byte, payload = self.sub.recv_multipart()
+        return type_byte, msgspec.msgpack.decode(payload)
+
+    def recv_until(self, expected: tuple[bytes, list[int]], timeout: float = 5.0) -> None:
+        """Wave messages until ``expected`` arrives (late-subscriber state may come first)."""
+        deadline = time.monotonic() + timeout
+        seen = []
+        while time.monotonic() < deadline:
+            try:
+                msg = self.recv(max(0.01, deadline - time.monotonic()))
+            except AssertionError:
+                break
+            if msg == expected:
+                return
+            seen.append(msg)
+        raise AssertionError(f"engine {self.index}: expected {expected}, got {seen}")
+
+    def drain(self, quiet: float = 0.2) -> list[tuple[bytes, list[int]]]:
+        """Every wave message until none arrives for ``quiet`` seconds."""
+        out = []
+        while self.sub.poll(quiet * 1000):
+            type_byte, payload = self.sub.recv_multipart()
+            out.append((type_byte, msgspec.msgpack.decode(payload)))
+        return out
