@@ -1,0 +1,664 @@
+"""EngineCoreProc: the engine side of the engine-core protocol.
+
+Three threads, as in vLLM's engine core:
+
+- the *input thread* owns a DEALER socket connected to the front-end's ROUTER. It sends
+  the ready message first, then decodes every incoming request and queues it;
+- the *busy loop* (the thread that calls :meth:`EngineCoreProc.run`, normally the main
+  thread) applies queued requests to the :class:`~corewire.engine.Engine` and calls
+  ``step()`` while there is work;
+- the *output thread* owns the PUSH socket(s) connected to the front-end's PULL and
+  encodes and sends everything the busy loop queues.
+
+The queues are :class:`queue.SimpleQueue`: ``put`` is safe from a signal handler, which is
+how SIGTERM stops the loop without interrupting a step half-way.
+"""
+
+from __future__ import annotations
+
+import collections
+import concurrent.futures
+import contextlib
+import logging
+import os
+import queue
+import threading
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import msgspec
+import zmq
+
+from corewire.codec import Encoder, MsgspecDecoder
+from corewire.engine.interface import INTERFACE_METHODS, Engine
+from corewire.errors import ProtocolError
+from corewire.protocol import (
+    ENGINE_CORE_DEAD,
+    EngineCoreOutput,
+    EngineCoreOutputs,
+    EngineCoreRequest,
+    EngineCoreRequestType,
+    FinishReason,
+    UtilityOutput,
+    UtilityResult,
+)
+
+__all__ = ["EngineCoreProc"]
+
+logger = logging.getLogger("corewire.engine")
+
+_ADD = EngineCoreRequestType.ADD.value
+_ABORT = EngineCoreRequestType.ABORT.value
+_START_DP_WAVE = EngineCoreRequestType.START_DP_WAVE.value
+_UTILITY = EngineCoreRequestType.UTILITY.value
+
+# Kinds of items on the input queue (first element of each tuple).
+_IN_ADD = 0
+_IN_ABORT = 1
+_IN_START_DP_WAVE = 2
+_IN_UTILITY = 3
+_IN_ADD_FAILED = 4  # an ADD frame that did not decode but whose request id could be read
+_IN_FATAL = 5  # another thread hit a fatal error; the busy loop must go down
+_STOP = (6,)  # request_stop(): leave the busy loop
+
+# Payload buffers kept for reuse by the output thread; more are allocated while ZeroMQ
+# still holds the ones in flight (slow reader), but only this many are kept afterwards.
+_MAX_FREE_BUFFERS = 8
+# A buffer that grew past this is dropped instead of being kept for reuse.
+_MAX_KEPT_BUFFER_BYTES = 16 << 20
+
+
+class _Encoded:
+    """Frames encoded outside the output thread (utility replies); sent as they are."""
+
+    __slots__ = ("frames",)
+
+    def __init__(self, frames: list[Any]) -> None:
+        self.frames = frames
+
+
+class EngineCoreProc:
+    """Runs an :class:`~corewire.engine.Engine` behind the engine-core sockets.
+
+    ``input_address`` is the front-end's ROUTER (this side connects a DEALER whose
+    identity is ``engine_index`` as 2 bytes little-endian); ``output_address`` is the
+    front-end's PULL (one address, or one per front-end client: outputs then go to the
+    socket of the request's ``client_index``).
+
+    Subclasses (data parallel) extend the loop through these hooks:
+    :meth:`run_busy_loop`, :meth:`_has_work`, :meth:`_process_input_queue`,
+    :meth:`_process_engine_step`, :meth:`_make_outputs`, :meth:`_send_outputs`,
+    :meth:`_handle_add`, :meth:`_handle_abort`, :meth:`_handle_start_dp_wave`,
+    :meth:`_scheduler_stats`, :meth:`_ready_message` and :meth:`_all_output_addresses`
+    (append extra PUSH targets, e.g. a coordinator, addressed by index in
+    :meth:`_send_outputs`). Unknown keyword options are accepted and ignored, so that a
+    launcher can pass data-parallel options to whichever class it runs.
+    """
+
+    def __init__(
+        self,
+        engine: Engine,
+        *,
+        input_address: str,
+        output_address: str | Sequence[str],
+        engine_index: int = 0,
+        log_stats: bool = True,
+        include_finished_set: bool = False,
+        idle_poll_s: float = 1.0,
+        linger_ms: int = 5000,
+        **options: Any,
+    ) -> None:
+        if not 0 <= engine_index < 1 << 16:
+            raise ValueError(f"engine_index must fit in 2 bytes, got {engine_index}")
+        if options:
+            logger.debug("EngineCoreProc ignores options %s", sorted(options))
+        self.engine = engine
+        self.engine_index = engine_index
+        self.identity = engine_index.to_bytes(2, "little")
+        self.input_address = input_address
+        self.output_addresses: list[str] = (
+            [output_address] if isinstance(output_address, str) else list(output_address)
+        )
+        if not self.output_addresses:
+            raise ValueError("at least one output address is required")
+        self.log_stats = log_stats
+        self.include_finished_set = include_finished_set
+        self.idle_poll_s = idle_poll_s
+        self.linger_ms = linger_ms
+
+        self.input_queue: queue.SimpleQueue[tuple[Any, ...]] = queue.SimpleQueue()
+        self.output_queue: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        # A plain bool, not an Event: request_stop() runs inside signal handlers, where
+        # taking the Event's lock could deadlock against the interrupted main thread.
+        self._stop_requested = False
+        self._input_stop = threading.Event()
+        self._dead_lock = threading.Lock()
+        self._dead_sent = False
+        self._exit_code = 0
+        # Request ids aborted since the last output message (include_finished_set only).
+        self._pending_finished: set[str] = set()
+        # request id -> client index, only kept when there are several client sockets.
+        self._request_clients: dict[str, int] = {}
+        self._utility_encoder = Encoder()
+        self._ctx = zmq.Context()
+        self._input_thread: threading.Thread | None = None
+        self._output_thread: threading.Thread | None = None
+        self._input_connected = threading.Event()
+
+    # ------------------------------------------------------------------ lifecycle
+
+    def run(self) -> int:
+        """Serve until stopped; return the exit status (0 clean stop, 1 fatal error).
+
+        Starts the I/O threads, sends the ready message, runs the busy loop on the
+        calling thread, then stops everything (the engine's ``shutdown()`` included).
+        """
+        self._start_io_threads()
+        try:
+            self.run_busy_loop()
+        except Exception as exc:
+            self._on_fatal(exc)
+        finally:
+            self._stop_requested = True
+            self._close()
+        return self._exit_code
+
+    def request_stop(self) -> None:
+        """Ask the busy loop to stop after the current step. Safe in signal handlers."""
+        self._stop_requested = True
+        self.input_queue.put(_STOP)
+
+    @property
+    def stop_requested(self) -> bool:
+        """Whether :meth:`request_stop` was called or the loop is going down."""
+        return self._stop_requested
+
+    def _start_io_threads(self) -> None:
+        name = f"corewire-engine-{self.engine_index}"
+        self._output_thread = threading.Thread(
+            target=self._output_thread_main, name=f"{name}-output", daemon=True
+        )
+        self._input_thread = threading.Thread(
+            target=self._input_thread_main, name=f"{name}-input", daemon=True
+        )
+        self._output_thread.start()
+        self._input_thread.start()
+
+    def _close(self) -> None:
+        try:
+            self.engine.shutdown()
+        except Exception:
+            logger.exception("engine shutdown() failed")
+        self._input_stop.set()
+        self.output_queue.put(_STOP)
+        deadline = time.monotonic() + self.linger_ms / 1000 + 2.0
+        threads = [t for t in (self._input_thread, self._output_thread) if t is not None]
+        for thread in threads:
+            thread.join(timeout=max(0.0, deadline - time.monotonic()))
+        if any(t.is_alive() for t in threads):
+            # A send blocked on a peer that went away: the threads are daemons and die
+            # with the process; terminating the context now would hang on their sockets.
+            logger.warning("engine I/O threads did not stop in time")
+            return
+        self._ctx.term()
+
+    # ------------------------------------------------------------------ busy loop
+
+    def run_busy_loop(self) -> None:
+        """Alternate between applying queued input and stepping the engine."""
+        while not self._stop_requested:
+            self._process_input_queue()
+            if self._stop_requested:
+                break
+            self._process_engine_step()
+
+    def _has_work(self) -> bool:
+        """Whether the loop should step instead of blocking on input."""
+        return self.engine.has_unfinished_requests()
+
+    def _process_input_queue(self) -> None:
+        """Block for input while there is no work, then apply everything queued."""
+        get = self.input_queue.get
+        while not self._stop_requested and not self._has_work():
+            if self._pending_finished:
+                self._flush_finished()
+            try:
+                item = get(timeout=self.idle_poll_s)
+            except queue.Empty:
+                self._on_idle()
+                continue
+            self._handle_input(item)
+        while not self._stop_requested:
+            try:
+                item = get(block=False)
+            except queue.Empty:
+                return
+            self._handle_input(item)
+
+    def _on_idle(self) -> None:
+        """Called every ``idle_poll_s`` seconds while the loop waits for input."""
+
+    def _process_engine_step(self) -> bool:
+        """Step the engine once if it has work; return whether outputs were sent."""
+        if not self._has_work():
+            return False
+        outputs = self._make_outputs(self.engine.step())
+        if outputs is None:
+            return False
+        self._send_outputs(outputs)
+        return True
+
+    def _make_outputs(self, outputs: list[EngineCoreOutput]) -> EngineCoreOutputs | None:
+        """Wrap one step's outputs; None when there is nothing to send."""
+        finished: set[str] | None = None
+        if self.include_finished_set:
+            finished = self._pending_finished
+            self._pending_finished = set()
+            for out in outputs:
+                if out.finish_reason is not None:
+                    finished.add(out.request_id)
+        if not outputs and not finished:
+            return None
+        return EngineCoreOutputs(
+            engine_index=self.engine_index,
+            outputs=outputs,
+            scheduler_stats=self._scheduler_stats(),
+            timestamp=time.monotonic(),
+            finished_requests=finished or None,
+        )
+
+    def _scheduler_stats(self) -> dict[str, Any] | None:
+        """Stats attached to each output message (None unless ``log_stats``)."""
+        return self.engine.scheduler_stats() if self.log_stats else None
+
+    def _send_outputs(self, outputs: EngineCoreOutputs, client_index: int = 0) -> None:
+        """Queue outputs for the output thread.
+
+        With several client sockets the outputs are split by the client that sent each
+        request; ``client_index`` indexes :meth:`_all_output_addresses` otherwise.
+        """
+        if len(self.output_addresses) == 1 or outputs.utility_output is not None:
+            self.output_queue.put((client_index, outputs))
+            return
+        by_client: dict[int, list[EngineCoreOutput]] = {}
+        for out in outputs.outputs:
+            index = self._request_clients.get(out.request_id, 0)
+            if out.finish_reason is not None:
+                self._request_clients.pop(out.request_id, None)
+            by_client.setdefault(index, []).append(out)
+        if not by_client:
+            by_client[client_index] = []
+        for index, outs in by_client.items():
+            self.output_queue.put(
+                (
+                    index,
+                    EngineCoreOutputs(
+                        engine_index=outputs.engine_index,
+                        outputs=outs,
+                        scheduler_stats=outputs.scheduler_stats,
+                        timestamp=outputs.timestamp,
+                        finished_requests=outputs.finished_requests,
+                        wave_complete=outputs.wave_complete,
+                        start_wave=outputs.start_wave,
+                    ),
+                )
+            )
+
+    def _flush_finished(self) -> None:
+        """Report aborted ids while idle, so a DP front-end can forget them."""
+        finished, self._pending_finished = self._pending_finished, set()
+        self._send_outputs(
+            EngineCoreOutputs(
+                engine_index=self.engine_index,
+                scheduler_stats=self._scheduler_stats(),
+                timestamp=time.monotonic(),
+                finished_requests=finished,
+            )
+        )
+
+    # ------------------------------------------------------------------ requests
+
+    def _handle_input(self, item: tuple[Any, ...]) -> None:
+        kind = item[0]
+        if kind == _IN_ADD:
+            self._handle_add(item[1])
+        elif kind == _IN_ABORT:
+            self._handle_abort(item[1])
+        elif kind == _IN_UTILITY:
+            self._handle_utility(item[1], item[2], item[3], item[4])
+        elif kind == _IN_START_DP_WAVE:
+            self._handle_start_dp_wave(item[1], item[2])
+        elif kind == _IN_ADD_FAILED:
+            self._finish_with_error(item[1], item[2], item[3])
+        elif kind == _IN_FATAL:
+            raise RuntimeError("fatal error in an engine I/O thread") from item[1]
+        elif item is _STOP:
+            self._stop_requested = True
+
+    def _handle_add(self, request: EngineCoreRequest) -> None:
+        """Hand a new request to the engine; a rejected request finishes with ERROR."""
+        if len(self.output_addresses) > 1:
+            self._request_clients[request.request_id] = request.client_index
+        try:
+            self.engine.add_request(request)
+        except Exception as exc:
+            self._finish_with_error(request.request_id, request.client_index, str(exc))
+
+    def _finish_with_error(self, request_id: str, client_index: int, reason: str) -> None:
+        logger.warning("request %r failed: %s", request_id, reason)
+        self._request_clients.pop(request_id, None)
+        self._send_outputs(
+            EngineCoreOutputs(
+                engine_index=self.engine_index,
+                outputs=[
+                    EngineCoreOutput(
+                        request_id=request_id,
+                        new_token_ids=[],
+                        finish_reason=FinishReason.ERROR,
+                    )
+                ],
+                timestamp=time.monotonic(),
+                finished_requests={request_id} if self.include_finished_set else None,
+            ),
+            client_index,
+        )
+
+    def _handle_abort(self, request_ids: list[str]) -> None:
+        """Abort requests in the engine (errors here are fatal: engine state is unknown)."""
+        self.engine.abort_requests(request_ids)
+        for request_id in request_ids:
+            self._request_clients.pop(request_id, None)
+        if self.include_finished_set:
+            self._pending_finished.update(request_ids)
+
+    def _handle_start_dp_wave(self, new_wave: int, exclude_engine_index: int) -> None:
+        """START_DP_WAVE: only meaningful with data parallelism; ignored here."""
+        logger.debug("ignoring START_DP_WAVE(%d, %d)", new_wave, exclude_engine_index)
+
+    # ------------------------------------------------------------------ utilities
+
+    def _handle_utility(self, client_index: int, call_id: int, method: str, args: list) -> None:
+        try:
+            result = self._resolve_utility(method)(*args)
+        except Exception as exc:
+            self._reply_utility(client_index, call_id, method, failure=exc)
+            return
+        if isinstance(result, concurrent.futures.Future):
+
+            def _done(future: concurrent.futures.Future) -> None:
+                try:
+                    value = future.result()
+                except BaseException as exc:  # CancelledError is a BaseException
+                    self._reply_utility(client_index, call_id, method, failure=exc, fresh=True)
+                else:
+                    self._reply_utility(client_index, call_id, method, value, fresh=True)
+
+            result.add_done_callback(_done)
+        else:
+            self._reply_utility(client_index, call_id, method, result)
+
+    def _resolve_utility(self, method: str) -> Any:
+        if method.startswith("_") or method in INTERFACE_METHODS:
+            raise AttributeError(f"{method!r} is not a utility method")
+        fn = getattr(self.engine, method, None)
+        if fn is None:
+            raise AttributeError(f"engine has no utility method {method!r}")
+        if not callable(fn):
+            raise TypeError(f"{method!r} is not callable")
+        return fn
+
+    def _reply_utility(
+        self,
+        client_index: int,
+        call_id: int,
+        method: str,
+        value: Any = None,
+        *,
+        failure: BaseException | None = None,
+        fresh: bool = False,
+    ) -> None:
+        """Encode a utility reply now (so that an unsendable result becomes a failure
+        reply naming the method) and queue the frames."""
+        # Future callbacks run on arbitrary threads; the shared encoder is not reentrant.
+        encoder = Encoder() if fresh else self._utility_encoder
+        if failure is not None:
+            frames = encoder.encode(self._utility_failure(call_id, method, failure))
+        else:
+            try:
+                frames = encoder.encode(
+                    EngineCoreOutputs(
+                        engine_index=self.engine_index,
+                        timestamp=time.monotonic(),
+                        utility_output=UtilityOutput(call_id, None, UtilityResult(value)),
+                    )
+                )
+            except (TypeError, ValueError, OverflowError) as exc:
+                err = TypeError(f"result of type {type(value).__name__} cannot be sent: {exc}")
+                frames = encoder.encode(self._utility_failure(call_id, method, err))
+        self.output_queue.put((client_index, _Encoded(frames)))
+
+    def _utility_failure(
+        self, call_id: int, method: str, failure: BaseException
+    ) -> EngineCoreOutputs:
+        if not isinstance(failure, concurrent.futures.CancelledError):
+            logger.info("utility call %s failed: %r", method, failure)
+        return EngineCoreOutputs(
+            engine_index=self.engine_index,
+            timestamp=time.monotonic(),
+            utility_output=UtilityOutput(
+                call_id, f"Call to {method} method failed: {failure}", None
+            ),
+        )
+
+    # ------------------------------------------------------------------ fatal
+
+    def _on_fatal(self, exc: BaseException) -> None:
+        logger.error("engine core hit a fatal error, shutting down", exc_info=exc)
+        self._exit_code = 1
+        self._send_engine_dead()
+
+    def _send_engine_dead(self) -> None:
+        """Queue ENGINE_CORE_DEAD for every client socket, once per process."""
+        with self._dead_lock:
+            if self._dead_sent:
+                return
+            self._dead_sent = True
+        self.output_queue.put((0, ENGINE_CORE_DEAD))
+
+    # ------------------------------------------------------------------ input thread
+
+    def _ready_message(self) -> dict[str, Any]:
+        """The map sent once on the input socket when it is connected."""
+        return {"status": "READY", "engine_index": self.engine_index, "pid": os.getpid()}
+
+    def _input_thread_main(self) -> None:
+        sock = self._ctx.socket(zmq.DEALER)
+        try:
+            sock.setsockopt(zmq.IDENTITY, self.identity)
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.connect(self.input_address)
+            # The ROUTER cannot address this engine until it has heard from it.
+            sock.send(msgspec.msgpack.encode(self._ready_message()))
+            self._input_connected.set()
+            decoder = _InputDecoder(self)
+            poller = zmq.Poller()
+            poller.register(sock, zmq.POLLIN)
+            while not self._input_stop.is_set():
+                if not poller.poll(200):
+                    continue
+                # Drain everything ready before polling again.
+                while True:
+                    try:
+                        frames = sock.recv_multipart(flags=zmq.NOBLOCK, copy=False)
+                    except zmq.Again:
+                        break
+                    decoder.decode(frames)
+        except Exception as exc:
+            if not self._input_stop.is_set():
+                logger.exception("engine input thread failed")
+                self.input_queue.put((_IN_FATAL, exc))
+        finally:
+            sock.close(linger=0)
+
+    # ------------------------------------------------------------------ output thread
+
+    def _all_output_addresses(self) -> list[str]:
+        """Every PUSH target; the first ``len(output_addresses)`` are client sockets."""
+        return list(self.output_addresses)
+
+    def _output_thread_main(self) -> None:
+        sockets: list[zmq.Socket] = []
+        try:
+            for address in self._all_output_addresses():
+                sock = self._ctx.socket(zmq.PUSH)
+                sock.setsockopt(zmq.LINGER, self.linger_ms)
+                sock.connect(address)
+                sockets.append(sock)
+            self._output_loop(sockets)
+        except Exception as exc:
+            logger.exception("engine output thread failed")
+            with self._dead_lock:
+                first = not self._dead_sent
+                self._dead_sent = True
+            if first:
+                for sock in sockets[: len(self.output_addresses)]:
+                    with contextlib.suppress(zmq.ZMQError):
+                        sock.send(ENGINE_CORE_DEAD, flags=zmq.NOBLOCK)
+            self.input_queue.put((_IN_FATAL, exc))
+        finally:
+            for sock in sockets:
+                sock.close()
+
+    def _output_loop(self, sockets: list[zmq.Socket]) -> None:
+        """Encode and send until the stop sentinel.
+
+        Payloads are encoded into reusable bytearrays. ZeroMQ sends large frames without
+        copying, so a buffer is reused only once its tracker says ZeroMQ released it;
+        until then it waits in ``in_flight`` together with its frames (which keep the
+        aux arrays alive too).
+        """
+        encoder = Encoder()
+        free: list[bytearray] = []
+        in_flight: collections.deque[tuple[zmq.MessageTracker, bytearray, list[Any]]] = (
+            collections.deque()
+        )
+        num_clients = len(self.output_addresses)
+        get = self.output_queue.get
+        while True:
+            item = get()
+            if item is _STOP:
+                return
+            index, message = item
+            if message is ENGINE_CORE_DEAD:
+                for sock in sockets[:num_clients]:
+                    sock.send(ENGINE_CORE_DEAD)
+                continue
+            sock = sockets[index] if -len(sockets) <= index < len(sockets) else sockets[0]
+            if isinstance(message, _Encoded):
+                sock.send_multipart(message.frames, copy=False)
+                continue
+            while in_flight and in_flight[0][0].done:
+                buf = in_flight.popleft()[1]
+                if len(free) < _MAX_FREE_BUFFERS and len(buf) <= _MAX_KEPT_BUFFER_BYTES:
+                    free.append(buf)
+            buf = free.pop() if free else bytearray()
+            frames = encoder.encode_into(message, buf)
+            tracker = sock.send_multipart(frames, copy=False, track=True)
+            if tracker.done:
+                free.append(buf)
+            else:
+                in_flight.append((tracker, buf, frames))
+
+
+class _InputDecoder:
+    """Decodes request frames on the input thread and queues them for the busy loop.
+
+    A frame that does not decode is logged and dropped; it never stops the thread. When a
+    broken ADD still names its request id, or a broken UTILITY its call id, the sender
+    gets an answer (an ERROR finish, a failure reply) instead of waiting forever.
+    """
+
+    def __init__(self, proc: EngineCoreProc) -> None:
+        self._proc = proc
+        self._put = proc.input_queue.put
+        self._add_decoder = MsgspecDecoder(EngineCoreRequest)
+        self._any_decoder = MsgspecDecoder()
+
+    def decode(self, frames: list[zmq.Frame]) -> None:
+        if len(frames) < 2:
+            logger.warning("dropping a request of %d frame(s): need type and payload", len(frames))
+            return
+        request_type = frames[0].bytes
+        try:
+            if request_type == _ADD:
+                self._decode_add(frames)
+            elif request_type == _UTILITY:
+                self._decode_utility(frames)
+            elif request_type == _ABORT:
+                ids = self._any_decoder.decode(frames[1:])
+                if not isinstance(ids, list) or not all(isinstance(i, str) for i in ids):
+                    raise ProtocolError("ABORT payload must be an array of request-id strings")
+                self._put((_IN_ABORT, ids))
+            elif request_type == _START_DP_WAVE:
+                wave = self._any_decoder.decode(frames[1:])
+                if (
+                    not isinstance(wave, list)
+                    or len(wave) < 2
+                    or not all(type(v) is int for v in wave[:2])
+                ):
+                    raise ProtocolError("START_DP_WAVE payload must be [new_wave, exclude_index]")
+                self._put((_IN_START_DP_WAVE, wave[0], wave[1]))
+            else:
+                raise ProtocolError(f"unknown request type {request_type!r}")
+        except ProtocolError as exc:
+            logger.warning("dropping a malformed request: %s", exc)
+
+    def _decode_add(self, frames: list[zmq.Frame]) -> None:
+        try:
+            request = self._add_decoder.decode(frames[1:])
+        except ProtocolError as exc:
+            head = _lenient_decode(frames[1])
+            if isinstance(head, list) and head and isinstance(head[0], str):
+                client_index = head[11] if len(head) > 11 and type(head[11]) is int else 0
+                self._put((_IN_ADD_FAILED, head[0], client_index, f"malformed request: {exc}"))
+            raise
+        self._put((_IN_ADD, request))
+
+    def _decode_utility(self, frames: list[zmq.Frame]) -> None:
+        error: ProtocolError | None = None
+        try:
+            call = self._any_decoder.decode(frames[1:])
+        except ProtocolError as exc:
+            # Still try to read the call id, to answer the caller instead of leaving it
+            # waiting forever.
+            error = exc
+            call = _lenient_decode(frames[1])
+        ok = (
+            isinstance(call, list)
+            and len(call) >= 4
+            and type(call[0]) is int
+            and type(call[1]) is int
+            and isinstance(call[2], str)
+            and (call[3] is None or isinstance(call[3], list))
+        )
+        if ok and error is None:
+            self._put((_IN_UTILITY, call[0], call[1], call[2], call[3] or ()))
+            return
+        if error is None:
+            error = ProtocolError(
+                "malformed utility request: expected [client_index, call_id, method, args]"
+            )
+        if isinstance(call, list) and len(call) >= 2 and type(call[1]) is int:
+            client_index = call[0] if type(call[0]) is int else 0
+            method = call[2] if len(call) > 2 and isinstance(call[2], str) else "<unknown>"
+            self._proc._reply_utility(client_index, call[1], method, failure=error, fresh=True)
+        raise error
+
+
+def _lenient_decode(frame: zmq.Frame) -> Any:
+    """Best-effort plain msgpack decode of a payload (for error replies); None if not."""
+    try:
+        return msgspec.msgpack.decode(frame.buffer)
+    except Exception:
+        return None

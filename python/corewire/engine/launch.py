@@ -1,0 +1,223 @@
+"""Starting an engine process: loading the engine, signals, parent-death watch.
+
+:func:`run_engine_core` is the target a client gives ``multiprocessing`` (spawn context);
+:func:`serve_engine` is the same without the process exit, used by ``corewire engine``.
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+import os
+import select
+import signal
+import sys
+import threading
+import time
+from typing import Any
+
+from corewire.engine.core import EngineCoreProc
+from corewire.engine.interface import Engine
+
+__all__ = ["ENGINE_ALIASES", "load_engine", "run_engine_core", "serve_engine"]
+
+logger = logging.getLogger("corewire.engine")
+
+#: Short names accepted wherever an engine spec ("module:Class") is.
+ENGINE_ALIASES = {"reference": "corewire.engine.reference:ReferenceEngine"}
+
+#: After a stop was requested, the process exits by force if the loop has not finished
+#: by then (a step that never returns must not keep an orphan alive).
+STOP_GRACE_S = 15.0
+_WATCH_INTERVAL_S = 0.25
+
+
+def load_engine(spec: str | None = None, engine_args: dict[str, Any] | None = None) -> Engine:
+    """Build the engine named by ``spec`` ("module:Class", an alias, or None for the
+    reference engine) with ``engine_args`` as keyword arguments."""
+    spec = ENGINE_ALIASES.get(spec or "reference", spec or "")
+    module_name, sep, attr = spec.partition(":")
+    if not sep or not module_name or not attr:
+        raise ValueError(f"engine must be 'module:Class', got {spec!r}")
+    factory: Any = importlib.import_module(module_name)
+    for part in attr.split("."):
+        factory = getattr(factory, part)
+    engine = factory(**(engine_args or {}))
+    missing = [
+        m
+        for m in ("add_request", "abort_requests", "step", "has_unfinished_requests")
+        if not callable(getattr(engine, m, None))
+    ]
+    if missing:
+        raise TypeError(f"{spec} does not implement the Engine interface (missing {missing})")
+    return engine
+
+
+def _proc_class(dp_options: dict[str, Any]) -> type[EngineCoreProc]:
+    """The data-parallel proc class when DP options are given and available."""
+    if not dp_options:
+        return EngineCoreProc
+    try:
+        from corewire.engine import dp
+    except ImportError:
+        return EngineCoreProc
+    return getattr(dp, "DPEngineCoreProc", EngineCoreProc)
+
+
+def serve_engine(
+    *,
+    engine_index: int,
+    input_address: str,
+    output_address: str | list[str],
+    engine: str | None = None,
+    engine_args: dict[str, Any] | None = None,
+    parent_pid: int | None = None,
+    **dp_options: Any,
+) -> int:
+    """Run an engine core in this process until it stops; return its exit status.
+
+    SIGTERM and SIGINT stop it cleanly (status 0) when called on the main thread. With
+    ``parent_pid``, it also stops when that process dies. A fatal engine error sends
+    ENGINE_CORE_DEAD and returns 1. An engine that fails to build returns 1 before the
+    ready message, so the front-end sees the process exit instead of a ready engine.
+    """
+    _configure_logging(engine_index)
+    try:
+        built = load_engine(engine, engine_args)
+        proc = _proc_class(dp_options)(
+            built,
+            engine_index=engine_index,
+            input_address=input_address,
+            output_address=output_address,
+            **dp_options,
+        )
+    except Exception:
+        logger.exception("engine %d failed to start", engine_index)
+        return 1
+
+    def _stop(signum: int, _frame: Any) -> None:
+        proc.request_stop()
+
+    installed: dict[int, Any] = {}
+    if threading.current_thread() is threading.main_thread():
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            installed[sig] = signal.signal(sig, _stop)
+    watcher = _Watcher(proc, parent_pid)
+    watcher.start()
+    try:
+        status = proc.run()
+    finally:
+        watcher.stop()
+        for sig, previous in installed.items():
+            signal.signal(sig, previous)
+    logger.info("engine %d stopped (status %d)", engine_index, status)
+    return status
+
+
+def run_engine_core(
+    *,
+    engine_index: int,
+    input_address: str,
+    output_address: str | list[str],
+    engine: str | None = None,
+    engine_args: dict[str, Any] | None = None,
+    parent_pid: int | None = None,
+    **dp_options: Any,
+) -> None:
+    """Process target of an engine started by a client (``multiprocessing`` spawn).
+
+    Blocks until the engine stops; exits the process with status 1 on a fatal error.
+    ``parent_pid`` defaults to this process's parent: the engine stops when it dies.
+    ``dp_options`` go to the data-parallel proc class when there is one.
+    """
+    status = serve_engine(
+        engine_index=engine_index,
+        input_address=input_address,
+        output_address=output_address,
+        engine=engine,
+        engine_args=engine_args,
+        parent_pid=os.getppid() if parent_pid is None else parent_pid,
+        **dp_options,
+    )
+    if status:
+        sys.exit(status)
+
+
+class _Watcher:
+    """Background thread: stops the engine when ``parent_pid`` dies, and exits the
+    process by force when a requested stop takes longer than :data:`STOP_GRACE_S`."""
+
+    def __init__(self, proc: EngineCoreProc, parent_pid: int | None) -> None:
+        self._proc = proc
+        self._parent_pid = parent_pid
+        self._done = threading.Event()
+        self._pidfd: int | None = None
+        # Re-parenting tells that a direct parent died when pidfds are unavailable.
+        self._direct_parent = parent_pid is not None and parent_pid == os.getppid()
+        self._thread = threading.Thread(
+            target=self._main, name=f"corewire-engine-{proc.engine_index}-watch", daemon=True
+        )
+
+    def start(self) -> None:
+        if self._parent_pid is not None:
+            try:
+                # A pidfd turns readable when the process exits and never names a
+                # recycled pid, unlike polling the number.
+                self._pidfd = os.pidfd_open(self._parent_pid)
+            except (AttributeError, OSError):
+                self._pidfd = None
+            if not self._parent_alive():
+                logger.warning("parent process %d is already gone", self._parent_pid)
+                self._proc.request_stop()
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._done.set()
+        self._thread.join(timeout=2.0)
+        if self._pidfd is not None:
+            os.close(self._pidfd)
+            self._pidfd = None
+
+    def _parent_alive(self) -> bool:
+        pid = self._parent_pid
+        if pid is None:
+            return True
+        if self._pidfd is not None:
+            readable, _, _ = select.select([self._pidfd], [], [], 0)
+            return not readable
+        if self._direct_parent and os.getppid() != pid:
+            return False  # re-parented: the original parent is gone
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return False
+        except PermissionError:
+            return True
+        return True
+
+    def _main(self) -> None:
+        stop_seen: float | None = None
+        while not self._done.wait(_WATCH_INTERVAL_S):
+            if self._parent_pid is not None and stop_seen is None and not self._parent_alive():
+                logger.warning("parent process %d died; stopping engine", self._parent_pid)
+                self._proc.request_stop()
+            if self._proc.stop_requested:
+                now = time.monotonic()
+                if stop_seen is None:
+                    stop_seen = now
+                elif now - stop_seen > STOP_GRACE_S:
+                    logger.error("engine did not stop within %.0f s; exiting", STOP_GRACE_S)
+                    os._exit(1)
+
+
+def _configure_logging(engine_index: int) -> None:
+    """Log to stderr with the engine's name, unless the host configured logging."""
+    root = logging.getLogger()
+    if root.handlers:
+        return
+    level = os.environ.get("COREWIRE_LOG_LEVEL", "INFO").upper()
+    logging.basicConfig(
+        level=level,
+        format=f"%(asctime)s %(levelname)s [engine {engine_index} pid %(process)d] "
+        "%(name)s: %(message)s",
+    )
