@@ -1,0 +1,14 @@
+"""Clients that drive engine cores in child processes over ZeroMQ.
+
+- :class:`AsyncMPClient`: asyncio client (output task, utility futures).
+- :class:`SyncMPClient`: blocking client (output thread, ``queue.Queue``).
+- :class:`MPClient`: their base (sockets, engine processes, ready handshake, death).
+"""
+
+from __future__ import annotations
+
+from corewire.client.async_client import AsyncMPClient
+from corewire.client.core import MPClient
+from corewire.client.sync_client import SyncMPClient
+
+__all__ = ["AsyncMPClient", "MPClient", "SyncMPClient"]

@@ -1,0 +1,300 @@
+"""What a client owns: sockets, tasks, threads, engine processes, the ipc directory.
+
+:class:`ClientResources` holds every resource of one client and no reference back to it,
+so ``weakref.finalize(client, resources.close)`` can release everything when the client
+is collected, and the engine monitor, the output task and the health watchdog can share
+it without keeping the client alive.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import multiprocessing.connection
+import os
+import shutil
+import threading
+import time
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import zmq
+
+from corewire._native import CallRegistry, SendTracker
+from corewire.errors import EngineDeadError
+
+__all__ = ["ClientResources", "stop_processes"]
+
+logger = logging.getLogger("corewire.client")
+
+#: How long engines get to exit after SIGTERM before they are killed.
+TERMINATE_GRACE_S = 4.0
+
+
+class ClientResources:
+    """Every resource of one client, released by :meth:`close` exactly once.
+
+    Thread rules: ``close`` may run on any thread (the caller's, the engine monitor's,
+    the garbage collector's). Whatever belongs to an event loop (asyncio sockets, tasks,
+    futures) is released on that loop's thread: directly when ``close`` runs there or
+    the loop is not running, else by ``call_soon_threadsafe``.
+    """
+
+    def __init__(self, ctx: zmq.Context) -> None:
+        self.ctx: zmq.Context | None = ctx
+        #: Call id -> pending utility future.
+        self.registry = CallRegistry()
+        #: Objects behind zero-copy frames still being sent.
+        self.tracker = SendTracker()
+        #: Sockets closed on the loop thread (asyncio sockets) or by ``close``.
+        self.sockets: list[Any] = []
+        #: The output task of an async client, once started.
+        self.output_task: asyncio.Task[Any] | None = None
+        #: Tasks cancelled on close.
+        self.tasks: set[asyncio.Task[Any]] = set()
+        #: (thread, stop) pairs; ``stop()`` asks the thread to end, ``close`` joins it.
+        self.threads: list[tuple[threading.Thread, Callable[[], None]]] = []
+        #: Engine processes this client started.
+        self.processes: list[Any] = []
+        #: Private directory of the ipc:// endpoints, removed on close.
+        self.ipc_dir: str | None = None
+        #: The event loop the client is bound to (async clients), set on first use.
+        self.loop: asyncio.AbstractEventLoop | None = None
+        #: Serialises sends with the closing of the input socket (sync clients).
+        self.send_lock = threading.Lock()
+        #: Set when the engine died or the client was shut down; calls then raise.
+        self.engine_dead = False
+        #: What killed the engine, for the error message of later calls.
+        self.dead_reason = "Engine core died unexpectedly."
+        self.closed = False
+        #: Called on the owning thread with the death error: wakes queue waiters.
+        self.fail_queue: Callable[[BaseException], None] | None = None
+        self._closing = threading.Lock()
+        self._closed_event = threading.Event()
+        self._monitor: _EngineMonitor | None = None
+
+    # -- death -----------------------------------------------------------------------
+
+    def dead_error(self) -> EngineDeadError:
+        """A fresh :class:`EngineDeadError` with the recorded reason."""
+        return EngineDeadError(self.dead_reason, suppress_context=True)
+
+    def ensure_alive(self) -> None:
+        """Raise :class:`EngineDeadError` once the engine is dead or the client closed."""
+        if self.engine_dead:
+            raise self.dead_error()
+
+    def mark_dead(self, reason: str) -> None:
+        """Record the engine's death and fail every waiter; may run on any thread.
+
+        Pending utility calls and ``get_output`` waiters get :class:`EngineDeadError`;
+        later calls raise it at once. Resources stay open until :meth:`close`.
+        """
+        if self.engine_dead:
+            return
+        self.dead_reason = reason
+        # Set before looking at the loop: a caller that registers after this line sees
+        # the flag (or the closed registry), one that registered before is drained.
+        self.engine_dead = True
+        self.run_on_owner(self._fail_waiters)
+
+    def _fail_waiters(self) -> None:
+        for future in self.registry.drain(close=True):
+            _fail_future(future, self.dead_error())
+        if self.fail_queue is not None:
+            self.fail_queue(self.dead_error())
+
+    def run_on_owner(self, fn: Callable[[], None]) -> None:
+        """Run ``fn`` on the thread that owns the loop-bound resources."""
+        loop = self.loop
+        if loop is None or loop.is_closed() or not loop.is_running() or _in_loop(loop):
+            fn()
+            return
+        try:
+            loop.call_soon_threadsafe(fn)
+        except RuntimeError:  # the loop closed in between
+            fn()
+
+    # -- ownership -------------------------------------------------------------------
+
+    def add_task(self, task: asyncio.Task[Any]) -> None:
+        """Own ``task``: it is cancelled on close, and forgotten when it ends."""
+        self.tasks.add(task)
+        task.add_done_callback(self.tasks.discard)
+
+    def add_thread(self, thread: threading.Thread, stop: Callable[[], None]) -> None:
+        """Own a started ``thread``; ``stop()`` must make it end soon."""
+        self.threads.append((thread, stop))
+
+    def start_monitor(self) -> None:
+        """Watch the engine processes; a death marks the client dead and closes it."""
+        if self._monitor is None and self.processes:
+            self._monitor = _EngineMonitor(self)
+            self.add_thread(self._monitor.thread, self._monitor.stop)
+            self._monitor.thread.start()
+
+    def processes_changed(self) -> None:
+        """Tell the monitor that :attr:`processes` changed (engines added or retired)."""
+        if self._monitor is not None:
+            self._monitor.rescan()
+
+    # -- closing ---------------------------------------------------------------------
+
+    def __call__(self) -> None:
+        """The finalizer: same as :meth:`close`."""
+        self.close()
+
+    def close(self, timeout: float = 10.0) -> None:
+        """Release everything; idempotent, safe from any thread and from a finalizer.
+
+        A second caller waits (up to ``timeout``) for the first to finish, so that
+        ``shutdown()`` returning always means the processes are gone.
+        """
+        if not self._closing.acquire(blocking=False):
+            if threading.current_thread() not in {t for t, _ in self.threads}:
+                self._closed_event.wait(timeout)
+            return
+        try:
+            self._close()
+        finally:
+            self._closed_event.set()
+
+    def _close(self) -> None:
+        if not self.engine_dead:
+            self.dead_reason = "The client was shut down."
+        self.engine_dead = True
+        self.closed = True
+        # Threads first: a sync client's output thread polls the output socket, which
+        # must not be closed under it.
+        current = threading.current_thread()
+        for _, stop in self.threads:
+            with contextlib.suppress(Exception):
+                stop()
+        for thread, _ in self.threads:
+            if thread is not current and thread.ident is not None:
+                thread.join(timeout=5.0)
+                if thread.is_alive():
+                    logger.warning("thread %s did not stop within 5 s", thread.name)
+        self.threads.clear()
+        if self._monitor is not None:
+            self._monitor.release()
+        self.run_on_owner(self._close_loop_side)
+        stop_processes(self.processes)
+        self.processes.clear()
+        if self.ipc_dir is not None:
+            shutil.rmtree(self.ipc_dir, ignore_errors=True)
+            self.ipc_dir = None
+
+    def _close_loop_side(self) -> None:
+        """Fail waiters, cancel tasks, close sockets, end the context (owner thread)."""
+        with contextlib.suppress(Exception):
+            self._fail_waiters()
+        for task in list(self.tasks):
+            if not task.done():
+                with contextlib.suppress(Exception):
+                    task.cancel()
+        self.tasks.clear()
+        self.tracker.clear()
+        with self.send_lock:
+            for sock in self.sockets:
+                with contextlib.suppress(Exception):
+                    sock.close(linger=0)
+            self.sockets.clear()
+        ctx, self.ctx = self.ctx, None
+        if ctx is not None:
+            # destroy() also closes sockets a subclass made but did not register; term()
+            # would hang on them. Threads that used those sockets are stopped by now
+            # or never existed.
+            with contextlib.suppress(Exception):
+                ctx.destroy(linger=0)
+
+
+def stop_processes(processes: Iterable[Any], grace: float = TERMINATE_GRACE_S) -> None:
+    """SIGTERM the live processes, SIGKILL those still alive after ``grace`` seconds,
+    reap them all and release their handles."""
+    processes = list(processes)
+    for proc in processes:
+        if proc.is_alive():
+            with contextlib.suppress(Exception):
+                proc.terminate()
+    deadline = time.monotonic() + grace
+    for proc in processes:
+        proc.join(max(0.0, deadline - time.monotonic()))
+    for proc in processes:
+        if proc.is_alive():
+            logger.warning("engine process %s did not exit after SIGTERM; killing it", proc.name)
+            with contextlib.suppress(Exception):
+                proc.kill()
+            proc.join(5.0)
+    for proc in processes:
+        with contextlib.suppress(Exception):
+            proc.close()  # frees the sentinel fd now, not at garbage collection
+
+
+class _EngineMonitor:
+    """Thread waiting on the engine processes' sentinels and a wake-up pipe."""
+
+    def __init__(self, resources: ClientResources) -> None:
+        self._resources = resources
+        self._wake_r, self._wake_w = os.pipe()
+        self._stopping = False
+        self.thread = threading.Thread(
+            target=self._run, name="corewire-engine-monitor", daemon=True
+        )
+
+    def rescan(self) -> None:
+        """Make the thread re-read the process list."""
+        with contextlib.suppress(OSError):
+            os.write(self._wake_w, b"r")
+
+    def stop(self) -> None:
+        """Make the thread end."""
+        self._stopping = True
+        self.rescan()
+
+    def release(self) -> None:
+        """Close the pipe once the thread has ended (or is the caller, about to end)."""
+        if not self.thread.is_alive() or self.thread is threading.current_thread():
+            for fd in (self._wake_r, self._wake_w):
+                with contextlib.suppress(OSError):
+                    os.close(fd)
+            self._wake_r = self._wake_w = -1
+
+    def _run(self) -> None:
+        resources = self._resources
+        while not self._stopping:
+            procs = {p.sentinel: p for p in list(resources.processes)}
+            ready = multiprocessing.connection.wait([self._wake_r, *procs])
+            if self._wake_r in ready:
+                os.read(self._wake_r, 4096)
+                continue
+            died = [procs[s] for s in ready if s in procs]
+            if self._stopping or resources.closed or not died:
+                continue
+            proc = died[0]
+            proc.join(1.0)  # the sentinel closes just before the exit status is ready
+            reason = (
+                f"Engine core process {proc.name} (pid {proc.pid}) died unexpectedly "
+                f"(exit code {proc.exitcode})."
+            )
+            logger.error("%s Shutting down the client.", reason)
+            resources.mark_dead(reason)
+            resources.close()
+            return
+
+
+def _fail_future(future: Any, exc: BaseException) -> None:
+    """Set ``exc`` on a pending asyncio or concurrent future; ignore finished ones."""
+    if future.done():
+        return
+    # Cancelled between the check and here (a caller gave up).
+    with contextlib.suppress(asyncio.InvalidStateError, Exception):
+        future.set_exception(exc)
+
+
+def _in_loop(loop: asyncio.AbstractEventLoop) -> bool:
+    try:
+        return asyncio.get_running_loop() is loop
+    except RuntimeError:
+        return False

@@ -1,0 +1,524 @@
+"""``AsyncMPClient``: the asyncio client with an output task, utility futures and
+engine-death propagation."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import inspect
+import logging
+import weakref
+from collections import deque
+from collections.abc import Awaitable, Generator
+from typing import Any
+
+import zmq
+
+from corewire.client._resources import ClientResources
+from corewire.client.core import HEALTH_CHECK_METHOD, MPClient, resolve_utility_output
+from corewire.errors import EngineDeadError, ProtocolError, UtilityError
+from corewire.protocol import ENGINE_CORE_DEAD, EngineCoreOutputs, EngineCoreRequest
+from corewire.protocol import EngineCoreRequestType as RequestType
+
+__all__ = ["EEP_NOTIFICATION_CALL_ID", "AsyncMPClient", "OutputQueue"]
+
+logger = logging.getLogger("corewire.client")
+
+#: call_id of elastic-scaling notifications (never a registered call).
+EEP_NOTIFICATION_CALL_ID = -1
+#: Messages the output task handles in a row before it lets other tasks run, so that a
+#: fast engine cannot starve the consumer of the outputs.
+DRAIN_BUDGET = 64
+
+_UTILITY = RequestType.UTILITY.value
+_ADD = RequestType.ADD.value
+_ABORT = RequestType.ABORT.value
+_DEAD_LEN = len(ENGINE_CORE_DEAD)
+
+
+class _Sent:
+    """The awaitable :meth:`AsyncMPClient._send_input` returns: a ROUTER send never
+    blocks, so the message is already queued and there is nothing to wait for."""
+
+    __slots__ = ()
+
+    def __await__(self) -> Generator[Any, None, None]:
+        return iter(())
+
+
+_SENT = _Sent()
+
+
+class OutputQueue:
+    """The outputs of an :class:`AsyncMPClient`, in arrival order.
+
+    Like ``asyncio.Queue`` without a size limit, but cheaper, and with a sticky error:
+    after :meth:`set_error`, :meth:`get` returns the queued items, then that error to
+    every caller, for ever.
+    """
+
+    __slots__ = ("_error", "_items", "_waiters")
+
+    def __init__(self) -> None:
+        self._items: deque[Any] = deque()
+        self._waiters: deque[asyncio.Future[None]] = deque()
+        self._error: BaseException | None = None
+
+    def put_nowait(self, item: Any) -> None:
+        """Append ``item`` and wake one waiting getter (loop thread only)."""
+        self._items.append(item)
+        if self._waiters:
+            self._wake_one()
+
+    def set_error(self, exc: BaseException) -> None:
+        """Make ``exc`` the answer of every later :meth:`get` once the queue is empty."""
+        if self._error is None:
+            self._error = exc
+        while self._waiters:
+            self._wake_one()
+
+    def _wake_one(self) -> None:
+        waiters = self._waiters
+        while waiters:
+            waiter = waiters.popleft()
+            if not waiter.done():
+                waiter.set_result(None)
+                return
+
+    def get_nowait(self) -> Any:
+        """The next item, the sticky error, or ``asyncio.QueueEmpty``."""
+        if self._items:
+            return self._items.popleft()
+        if self._error is not None:
+            return self._error
+        raise asyncio.QueueEmpty
+
+    async def get(self) -> Any:
+        """The next item (an output or an exception), waiting for one."""
+        while not self._items and self._error is None:
+            waiter = asyncio.get_running_loop().create_future()
+            self._waiters.append(waiter)
+            try:
+                await waiter
+            except BaseException:
+                waiter.cancel()
+                with contextlib.suppress(ValueError):
+                    self._waiters.remove(waiter)
+                # This getter was woken for an item it will not take: pass it on.
+                if self._items and not waiter.cancelled():
+                    self._wake_one()
+                raise
+        return self.get_nowait()
+
+    def qsize(self) -> int:
+        """Number of queued items (the sticky error not counted)."""
+        return len(self._items)
+
+    def empty(self) -> bool:
+        """Whether no item is queued."""
+        return not self._items
+
+
+class AsyncMPClient(MPClient):
+    """Asyncio client of engine cores in child processes (vLLM's ``AsyncMPClient``).
+
+    ``AsyncMPClient()`` starts one reference engine; ``engine="module:Class"`` and
+    ``engine_args`` start a user's engine; ``client_addresses`` uses engines started
+    elsewhere (see :class:`MPClient` for every parameter).
+
+    An output task receives the engine's frames, resolves utility calls and queues
+    outputs for :meth:`get_output_async`. It starts at construction when a loop is
+    running, else on first use, and binds the client to that loop: using the client
+    from another loop raises ``RuntimeError``. When an engine dies, every pending call
+    and output waiter gets :class:`corewire.EngineDeadError`, and so does every later
+    call.
+
+    ``health_check_interval`` (seconds) starts a watchdog that declares the engine dead
+    when it does not answer a health check within ``health_check_timeout``.
+    """
+
+    def __init__(
+        self,
+        *,
+        health_check_interval: float | None = None,
+        health_check_timeout: float = 5.0,
+        **kwargs: Any,
+    ) -> None:
+        super().__init__(asyncio_mode=True, **kwargs)
+        self.health_check_interval = health_check_interval
+        self.health_check_timeout = health_check_timeout
+        self.outputs_queue = OutputQueue()
+        self.resources.fail_queue = self.outputs_queue.set_error
+        try:
+            asyncio.get_running_loop()
+        except RuntimeError:
+            return  # started by the first call made inside a loop
+        self._ensure_output_queue_task()
+
+    # -- loop binding and the output task ----------------------------------------------
+
+    def _bind_loop(self) -> asyncio.AbstractEventLoop:
+        loop = asyncio.get_running_loop()
+        bound = self.resources.loop
+        if bound is loop:
+            return loop
+        if bound is None:
+            self.resources.loop = loop
+            return loop
+        raise RuntimeError(
+            f"{type(self).__name__} is bound to the event loop it was first used on; "
+            "create one client per event loop"
+        )
+
+    def _ensure_output_queue_task(self) -> None:
+        """Start the output task (and the watchdog) if not started; idempotent."""
+        resources = self.resources
+        loop = self._bind_loop()
+        if resources.output_task is not None or resources.closed:
+            return
+        hook = type(self).process_engine_outputs
+        notify = getattr(type(self), "eep_process_engine_core_notification", None)
+        resources.output_task = task = loop.create_task(
+            _output_loop(
+                weakref.ref(self),
+                resources,
+                self.output_socket,
+                self.decoder,
+                self.outputs_queue,
+                hook,
+                notify,
+            ),
+            name="corewire-output-task",
+        )
+        resources.add_task(task)
+        if self.health_check_interval is not None:
+            resources.add_task(
+                loop.create_task(
+                    _health_watchdog(
+                        weakref.ref(self),
+                        resources,
+                        self.health_check_interval,
+                        self.health_check_timeout,
+                    ),
+                    name="corewire-health-watchdog",
+                )
+            )
+
+    async def get_output_async(self) -> EngineCoreOutputs:
+        """The next batch of outputs; raises :class:`EngineDeadError` once the engine is
+        dead, and ``ProtocolError`` for a frame that did not decode."""
+        resources = self.resources
+        if resources.output_task is None or resources.loop is not asyncio.get_running_loop():
+            self._ensure_output_queue_task()
+        queue = self.outputs_queue
+        item = queue._items.popleft() if queue._items else await queue.get()
+        if isinstance(item, BaseException):
+            raise self._format_exception(item) from None
+        return item  # type: ignore[no-any-return]
+
+    # -- sending -----------------------------------------------------------------------
+
+    def _send_input(
+        self, request_type: RequestType, request: Any, engine: bytes | None = None
+    ) -> Awaitable[None]:
+        """Send ``request`` to ``engine`` (default: the first); returns an awaitable.
+
+        The message is queued in ZeroMQ before this returns; objects behind zero-copy
+        frames stay referenced until ZeroMQ has sent them.
+        """
+        frames = self.encoder.encode(request)
+        self._send_message(engine or self.core_engine, request_type.value, frames, request)
+        return _SENT
+
+    async def add_request_async(self, request: EngineCoreRequest) -> None:
+        """Send a request to the engine; its outputs come from :meth:`get_output_async`."""
+        request.client_index = self.client_index
+        self._send_message(self.core_engine, _ADD, self.encoder.encode(request), request)
+        if self.resources.output_task is None:
+            self._ensure_output_queue_task()
+
+    async def abort_requests_async(self, request_ids: list[str]) -> None:
+        """Abort requests by id (nothing is sent once the engine is dead)."""
+        if request_ids and not self.resources.engine_dead:
+            self._send_message(self.core_engine, _ABORT, self.encoder.encode(request_ids), None)
+
+    async def call_utility_async(self, method: str, *args: Any) -> Any:
+        """Call ``method(*args)`` on the engine and return its result.
+
+        Raises :class:`UtilityError` when the method fails in the engine and
+        :class:`EngineDeadError` when the engine dies first. A cancelled caller's call
+        is forgotten at once; a late reply to it is ignored.
+        """
+        return await self._call_utility_async(method, *args, engine=self.core_engine)
+
+    async def _call_utility_async(self, method: str, *args: Any, engine: bytes) -> Any:
+        resources = self.resources
+        loop = asyncio.get_running_loop()
+        if loop is not resources.loop:
+            self._bind_loop()
+        if resources.engine_dead:
+            raise resources.dead_error()
+        future = loop.create_future()
+        registry = resources.registry
+        call_id = registry.register(future)
+        try:
+            frames = self.encoder.encode((self.client_index, call_id, method, args))
+            self._send_message(engine, _UTILITY, frames, args)
+            if resources.output_task is None:
+                self._ensure_output_queue_task()
+            return await future
+        except BaseException:
+            registry.discard(call_id)
+            raise
+
+    # -- health ------------------------------------------------------------------------
+
+    async def check_health_async(self, timeout: float = 5.0) -> None:
+        """Raise :class:`EngineDeadError` when the engine is dead or any engine does not
+        answer a cheap utility call within ``timeout`` seconds (hung or stopped).
+
+        A failure reply still proves the engine alive. The client's state is left
+        unchanged: a later check may pass (a stopped engine that was continued).
+        """
+        self.ensure_alive()
+        calls = [
+            self._call_utility_async(HEALTH_CHECK_METHOD, engine=engine)
+            for engine in self.core_engines
+        ]
+        try:
+            results = await asyncio.wait_for(
+                asyncio.gather(*calls, return_exceptions=True), timeout
+            )
+        except asyncio.TimeoutError:
+            raise EngineDeadError(
+                f"engine core did not answer a health check within {timeout:g} s"
+            ) from None
+        for result in results:
+            if isinstance(result, BaseException) and not isinstance(result, UtilityError):
+                raise self._format_exception(result)
+
+    # -- utility wrappers (vLLM's client API) ------------------------------------------
+
+    async def collective_rpc_async(
+        self,
+        method: str,
+        timeout: float | None = None,
+        args: tuple[Any, ...] = (),
+        kwargs: dict[str, Any] | None = None,
+    ) -> Any:
+        """Run ``method`` on every worker of the engine; returns their results."""
+        return await self.call_utility_async("collective_rpc", method, timeout, args, kwargs)
+
+    async def get_supported_tasks_async(self) -> tuple[str, ...]:
+        """Tasks the engine supports (``"generate"``, ``"embed"``, ...)."""
+        return tuple(await self.call_utility_async("get_supported_tasks"))
+
+    async def profile_async(self, is_start: bool = True, profile_prefix: str | None = None) -> None:
+        """Start or stop the engine's profiler."""
+        await self.call_utility_async("profile", is_start, profile_prefix)
+
+    async def reset_prefix_cache_async(
+        self, reset_running_requests: bool = False, reset_connector: bool = False
+    ) -> bool:
+        """Drop the engine's prefix cache; returns whether it was reset."""
+        return bool(
+            await self.call_utility_async(
+                "reset_prefix_cache", reset_running_requests, reset_connector
+            )
+        )
+
+    async def reset_mm_cache_async(self) -> None:
+        """Drop the engine's multimodal cache."""
+        await self.call_utility_async("reset_mm_cache")
+
+    async def reset_encoder_cache_async(self) -> None:
+        """Drop the engine's encoder cache."""
+        await self.call_utility_async("reset_encoder_cache")
+
+    async def sleep_async(self, level: int = 1) -> None:
+        """Put the engine to sleep (free memory); requests wait until it wakes."""
+        await self.call_utility_async("sleep", level)
+
+    async def wake_up_async(self, tags: list[str] | None = None) -> None:
+        """Wake a sleeping engine."""
+        await self.call_utility_async("wake_up", tags)
+
+    async def is_sleeping_async(self) -> bool:
+        """Whether the engine sleeps."""
+        return bool(await self.call_utility_async("is_sleeping"))
+
+    async def pause_scheduler_async(self, *args: Any) -> None:
+        """Stop scheduling new work (engine-specific arguments pass through)."""
+        await self.call_utility_async("pause_scheduler", *args)
+
+    async def resume_scheduler_async(self) -> None:
+        """Resume scheduling after :meth:`pause_scheduler_async`."""
+        await self.call_utility_async("resume_scheduler")
+
+    async def is_scheduler_paused_async(self) -> bool:
+        """Whether the scheduler is paused."""
+        return bool(await self.call_utility_async("is_scheduler_paused"))
+
+    async def execute_dummy_batch_async(self) -> None:
+        """Run one dummy batch in the engine (DP lockstep)."""
+        await self.call_utility_async("execute_dummy_batch")
+
+    async def add_lora_async(self, lora_request: Any) -> bool:
+        """Load a LoRA adapter."""
+        return bool(await self.call_utility_async("add_lora", lora_request))
+
+    async def remove_lora_async(self, lora_id: int) -> bool:
+        """Unload a LoRA adapter."""
+        return bool(await self.call_utility_async("remove_lora", lora_id))
+
+    async def list_loras_async(self) -> set[int]:
+        """Ids of the loaded LoRA adapters."""
+        return set(await self.call_utility_async("list_loras"))
+
+    async def pin_lora_async(self, lora_id: int) -> bool:
+        """Keep a LoRA adapter loaded."""
+        return bool(await self.call_utility_async("pin_lora", lora_id))
+
+    async def save_sharded_state_async(
+        self, path: str, pattern: str | None = None, max_size: int | None = None
+    ) -> None:
+        """Save the model's sharded state under ``path``."""
+        await self.call_utility_async("save_sharded_state", path, pattern, max_size)
+
+
+async def _output_loop(
+    client_ref: weakref.ref[AsyncMPClient],
+    resources: ClientResources,
+    socket: Any,
+    decoder: Any,
+    queue: OutputQueue,
+    hook: Any,
+    notify: Any,
+) -> None:
+    """The output task: receive, decode and dispatch every frame from the engines.
+
+    It references the client only through ``client_ref`` (for the hooks) and ends when
+    the client is collected. After each wake-up it drains every ready message with
+    non-blocking receives (the ZeroMQ descriptor is edge-triggered), yielding to other
+    tasks every :data:`DRAIN_BUDGET` messages.
+    """
+    # A blocking view of the same socket: a direct non-blocking receive costs a fraction
+    # of pyzmq's asyncio machinery, which is only needed to sleep until data comes.
+    raw = zmq.Socket.shadow(socket.underlying)
+    recv = raw.recv
+    wait_recv = socket.recv_multipart
+    NOBLOCK = zmq.NOBLOCK
+    Again = zmq.Again
+    decode = decoder.decode
+    pop = resources.registry.pop
+    put = queue.put_nowait
+    hook_is_async = hook is not None and inspect.iscoroutinefunction(hook)
+    try:
+        while True:
+            frames = await wait_recv(copy=False)
+            budget = DRAIN_BUDGET
+            while True:
+                if (
+                    len(frames) == 1
+                    and len(frames[0]) == _DEAD_LEN
+                    and (frames[0].bytes == ENGINE_CORE_DEAD)
+                ):
+                    resources.mark_dead("Engine core sent ENGINE_CORE_DEAD (fatal error).")
+                    return
+                try:
+                    outputs = decode(frames)
+                except ProtocolError as exc:
+                    # One bad frame fails alone; the requests in other frames go on.
+                    put(exc)
+                else:
+                    utility = outputs.utility_output
+                    if utility is not None:
+                        call_id = utility.call_id
+                        future = pop(call_id)
+                        if future is not None:
+                            if not future.done():
+                                resolve_utility_output(future, utility)
+                        elif call_id == EEP_NOTIFICATION_CALL_ID and notify is not None:
+                            _start_notification(client_ref, resources, notify, utility)
+                    else:
+                        if hook is not None:
+                            client = client_ref()
+                            if client is None:
+                                return
+                            if hook_is_async:
+                                await hook(client, outputs)
+                            else:
+                                hook(client, outputs)
+                            del client
+                        if outputs.outputs or outputs.scheduler_stats:
+                            put(outputs)
+                budget -= 1
+                if not budget:
+                    budget = DRAIN_BUDGET
+                    await asyncio.sleep(0)
+                    if resources.closed:
+                        return
+                try:
+                    first = recv(NOBLOCK, copy=False)
+                except Again:
+                    break
+                frames = [first]
+                while first.more:
+                    first = recv(copy=False)
+                    frames.append(first)
+            if client_ref() is None:
+                return
+    except asyncio.CancelledError:
+        queue.set_error(resources.dead_error())
+        raise
+    except Exception as exc:
+        if resources.closed:
+            return  # the socket was closed under us by shutdown
+        logger.exception("corewire output task failed")
+        queue.put_nowait(exc)
+        resources.mark_dead(f"The client's output task failed: {exc!r}")
+
+
+def _start_notification(
+    client_ref: weakref.ref[AsyncMPClient],
+    resources: ClientResources,
+    notify: Any,
+    utility: Any,
+) -> None:
+    """Run the elastic-scaling notification handler in its own task."""
+    client = client_ref()
+    result = utility.result
+    if client is None or result is None:
+        return
+    task = asyncio.get_running_loop().create_task(
+        notify(client, result.result), name="corewire-eep-notification"
+    )
+    resources.add_task(task)
+
+
+async def _health_watchdog(
+    client_ref: weakref.ref[AsyncMPClient],
+    resources: ClientResources,
+    interval: float,
+    timeout: float,
+) -> None:
+    """Declare the engines dead when a health check fails; kill the hung processes so
+    the engine monitor closes the client."""
+    while not resources.engine_dead:
+        await asyncio.sleep(interval)
+        client = client_ref()
+        if client is None:
+            return
+        try:
+            await client.check_health_async(timeout)
+        except EngineDeadError as exc:
+            if resources.engine_dead:
+                return
+            logger.error("health check failed: %s", exc)
+            resources.mark_dead(str(exc))
+            for proc in resources.processes:
+                with contextlib.suppress(Exception):
+                    proc.kill()
+            return
+        finally:
+            del client

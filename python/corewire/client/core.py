@@ -1,0 +1,318 @@
+"""The client base: sockets, engine processes, the ready handshake, death handling."""
+
+from __future__ import annotations
+
+import importlib
+import logging
+import multiprocessing
+import os
+import tempfile
+import time
+import weakref
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import msgspec
+import zmq
+import zmq.asyncio
+
+from corewire.client._resources import ClientResources
+from corewire.codec import Encoder, MsgspecDecoder
+from corewire.errors import EngineDeadError, ProtocolError, UtilityError
+from corewire.protocol import EngineCoreOutputs
+
+__all__ = ["DEFAULT_ENGINE_MAIN", "MPClient", "make_output_decoder", "resolve_utility_output"]
+
+logger = logging.getLogger("corewire.client")
+
+#: Process target that runs an engine core (see ``corewire.engine.launch``).
+DEFAULT_ENGINE_MAIN = "corewire.engine.launch:run_engine_core"
+#: Seconds to wait for every engine's ready message (vLLM waits as long: model loading).
+DEFAULT_READY_TIMEOUT_S = 600.0
+#: Utility method the health check calls: cheap, and every vLLM-style engine has it.
+HEALTH_CHECK_METHOD = "is_sleeping"
+
+
+def make_output_decoder() -> Any:
+    """The decoder of engine output frames: the Rust ``NativeDecoder`` when the native
+    module provides it, else the reference ``MsgspecDecoder``."""
+    try:
+        from corewire.codec import NativeDecoder  # type: ignore[attr-defined]
+    except ImportError:
+        return MsgspecDecoder(EngineCoreOutputs)
+    return NativeDecoder()
+
+
+def _resolve(target: str | Callable[..., Any]) -> Callable[..., Any]:
+    if callable(target):
+        return target
+    module_name, sep, attr = target.partition(":")
+    if not sep:
+        raise ValueError(f"expected 'module:function', got {target!r}")
+    obj: Any = importlib.import_module(module_name)
+    for part in attr.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+class MPClient:
+    """Base of the clients that drive engine cores in other processes over ZeroMQ.
+
+    It binds a ROUTER (requests) and a PULL (outputs) socket, on ``ipc://`` endpoints in
+    a private 0700 directory unless ``client_addresses`` names others; starts one engine
+    process per index in ``engine_indices`` (spawn), or uses engines started elsewhere
+    when ``client_addresses`` is given; waits for every engine's ready message; and
+    watches the processes. Every resource belongs to :attr:`resources`, released by
+    :meth:`shutdown` or, when the client is collected, by a finalizer.
+
+    Parameters:
+        engine: ``"module:Class"`` of the engine to run, or None for the reference engine.
+        engine_args: keyword arguments for the engine class.
+        client_addresses: ``{"input_address": ..., "output_address": ...}``: bind these
+            and wait for engines started elsewhere (``corewire engine``) to connect.
+        engine_indices: engine indices (ZeroMQ identities) to start or wait for.
+        client_index: stamped on requests and utility calls (several front-ends).
+        ready_timeout: seconds to wait for the engines' ready messages.
+        engine_main: process target with the signature of
+            ``corewire.engine.launch.run_engine_core`` (a callable or "module:function");
+            for engines that speak the protocol without ``EngineCoreProc``.
+        engine_options: more keyword arguments for every engine process.
+    """
+
+    #: Subclasses (DP) may set an async hook ``process_engine_outputs(self, outputs)``.
+    process_engine_outputs: Callable[..., Any] | None = None
+
+    def __init__(
+        self,
+        *,
+        asyncio_mode: bool,
+        engine: str | None = None,
+        engine_args: Mapping[str, Any] | None = None,
+        client_addresses: Mapping[str, str] | None = None,
+        engine_indices: Sequence[int] = (0,),
+        client_index: int = 0,
+        client_count: int = 1,
+        ready_timeout: float = DEFAULT_READY_TIMEOUT_S,
+        engine_main: str | Callable[..., Any] = DEFAULT_ENGINE_MAIN,
+        **engine_options: Any,
+    ) -> None:
+        self.client_index = client_index
+        self.client_count = client_count
+        self.engine = engine
+        self.engine_args = dict(engine_args or {})
+        self.engine_options = engine_options
+        self.ready_timeout = ready_timeout
+        self.encoder = Encoder()
+        self.decoder = make_output_decoder()
+        ctx = zmq.Context(io_threads=1)
+        self.ctx = ctx
+        # The finalizer owns everything; nothing in `resources` points back to `self`.
+        self.resources = resources = ClientResources(ctx)
+        self._finalizer = weakref.finalize(self, resources)
+        success = False
+        try:
+            if client_addresses is None:
+                resources.ipc_dir = tempfile.mkdtemp(prefix="corewire-")  # mode 0700
+                self.input_address = f"ipc://{resources.ipc_dir}/input"
+                self.output_address = f"ipc://{resources.ipc_dir}/output"
+            else:
+                self.input_address = client_addresses["input_address"]
+                self.output_address = client_addresses["output_address"]
+            self.input_socket = self._make_socket(zmq.ROUTER, self.input_address)
+            self.output_socket = self._make_socket(
+                zmq.PULL, self.output_address, asyncio_mode=asyncio_mode
+            )
+            self.engine_indices = list(engine_indices)
+            #: ZeroMQ identities of the engines, in index order (2 bytes little-endian).
+            self.core_engines = [i.to_bytes(2, "little") for i in self.engine_indices]
+            self.core_engine = self.core_engines[0]
+            if client_addresses is None:
+                self._engine_main = _resolve(engine_main)
+                self._start_engine_processes(self.engine_indices)
+            #: Ready message of each engine (identity -> map; empty when it sent none).
+            self.ready_info: dict[bytes, dict[str, Any]] = {}
+            self.ready_info.update(self._wait_for_ready(self.core_engines, ready_timeout))
+            resources.start_monitor()
+            success = True
+        finally:
+            if not success:
+                self._finalizer()
+
+    # -- setup -----------------------------------------------------------------------
+
+    def _make_socket(self, kind: int, address: str, *, asyncio_mode: bool = False) -> Any:
+        """Bind a socket of ``kind`` on ``address``; it belongs to :attr:`resources`."""
+        if asyncio_mode:
+            sock: Any = zmq.asyncio.Socket(self.ctx, kind)
+        else:
+            sock = self.ctx.socket(kind)
+        self.resources.sockets.append(sock)
+        sock.setsockopt(zmq.LINGER, 0)
+        # Unbounded queues, as vLLM: a full ROUTER pipe would drop requests silently.
+        sock.setsockopt(zmq.SNDHWM, 0)
+        sock.setsockopt(zmq.RCVHWM, 0)
+        if address.startswith("tcp://*"):
+            raise ValueError("refusing to bind all interfaces; give an explicit host")
+        sock.bind(address)
+        return sock
+
+    def _engine_process_kwargs(self, index: int) -> dict[str, Any]:
+        """Keyword arguments of engine ``index``'s process target (DP adds its own)."""
+        return {
+            "engine_index": index,
+            "input_address": self.input_address,
+            "output_address": self.output_address,
+            "engine": self.engine,
+            "engine_args": self.engine_args,
+            "parent_pid": os.getpid(),
+            **self.engine_options,
+        }
+
+    def _start_engine_processes(self, indices: Sequence[int]) -> list[Any]:
+        """Start one engine process per index (spawn); they belong to :attr:`resources`."""
+        ctx = multiprocessing.get_context("spawn")
+        started = []
+        for index in indices:
+            proc = ctx.Process(
+                target=self._engine_main,
+                kwargs=self._engine_process_kwargs(index),
+                name=f"corewire-engine-{index}",
+                daemon=True,
+            )
+            proc.start()
+            self.resources.processes.append(proc)
+            started.append(proc)
+        self.resources.processes_changed()
+        return started
+
+    def _wait_for_ready(
+        self, identities: Sequence[bytes], timeout: float
+    ) -> dict[bytes, dict[str, Any]]:
+        """Wait until every engine in ``identities`` has sent its ready message.
+
+        Raises ``RuntimeError`` when a local engine process exits first and
+        ``TimeoutError`` after ``timeout`` seconds, naming the engines that are missing.
+        """
+        missing = set(identities)
+        info: dict[bytes, dict[str, Any]] = {}
+        # A blocking view of the ROUTER (the client's own socket may be an asyncio one).
+        sock = zmq.Socket.shadow(self.input_socket.underlying)
+        poller = zmq.Poller()
+        poller.register(sock, zmq.POLLIN)
+        sentinels = {p.sentinel: p for p in self.resources.processes}
+        for fd in sentinels:
+            poller.register(fd, zmq.POLLIN)
+        deadline = time.monotonic() + timeout
+        while missing:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                names = sorted(int.from_bytes(i, "little") for i in missing)
+                raise TimeoutError(
+                    f"engine(s) {names} sent no ready message within {timeout:g} s on "
+                    f"{self.input_address}"
+                )
+            events = dict(poller.poll(int(left * 1000) + 1))
+            dead = [sentinels[fd] for fd in events if fd in sentinels]
+            if dead:
+                proc = dead[0]
+                proc.join(1.0)
+                raise RuntimeError(
+                    f"engine process {proc.name} exited with code {proc.exitcode} before it "
+                    "was ready; its error is logged above"
+                )
+            while sock.get(zmq.EVENTS) & zmq.POLLIN:
+                identity, *rest = sock.recv_multipart()
+                payload = rest[-1] if rest else b""
+                info[identity] = self._parse_ready(identity, payload)
+                if identity not in missing:
+                    logger.warning("ready message from unexpected engine %r", identity)
+                missing.discard(identity)
+        return info
+
+    @staticmethod
+    def _parse_ready(identity: bytes, payload: bytes) -> dict[str, Any]:
+        if not payload:
+            return {}
+        try:
+            msg = msgspec.msgpack.decode(payload)
+        except msgspec.DecodeError as exc:
+            raise ProtocolError(f"engine {identity!r} sent a malformed ready message") from exc
+        if not isinstance(msg, dict) or msg.get("status", "READY") != "READY":
+            raise RuntimeError(f"engine {identity!r} did not report READY: {msg!r:.200}")
+        return msg
+
+    # -- state -----------------------------------------------------------------------
+
+    @property
+    def engine_pids(self) -> list[int]:
+        """Process ids of the engine processes this client started (none for external
+        engines)."""
+        return [p.pid for p in self.resources.processes if p.pid is not None]
+
+    @property
+    def engine_dead(self) -> bool:
+        """Whether the engine died (or the client was shut down)."""
+        return self.resources.engine_dead
+
+    def ensure_alive(self) -> None:
+        """Raise :class:`EngineDeadError` if the engine is dead or the client closed."""
+        if self.resources.engine_dead:
+            raise self.resources.dead_error()
+
+    def _format_exception(self, exc: BaseException) -> BaseException:
+        """The exception a caller sees: :class:`EngineDeadError` once the engine is dead."""
+        if self.resources.engine_dead and not isinstance(exc, EngineDeadError):
+            return self.resources.dead_error()
+        return exc
+
+    def shutdown(self) -> None:
+        """Stop the engines and release every resource; idempotent.
+
+        Pending calls and output waiters get :class:`EngineDeadError`.
+        """
+        self._finalizer()
+
+    def __enter__(self) -> MPClient:
+        return self
+
+    def __exit__(self, *exc_info: Any) -> None:
+        self.shutdown()
+
+    # -- sending ---------------------------------------------------------------------
+
+    def _send_message(
+        self, engine: bytes, request_type: bytes, frames: list[Any], keep: Any
+    ) -> None:
+        """Send ``[engine, request_type, *frames]`` now (a ROUTER never blocks).
+
+        With aux frames, ZeroMQ sends views of caller memory: ``keep`` (the objects that
+        own it) stays alive in the send tracker until ZeroMQ is done with them.
+        """
+        resources = self.resources
+        if resources.engine_dead:
+            raise resources.dead_error()
+        sock = self.input_socket
+        if len(frames) == 1:
+            sock.send_multipart((engine, request_type, frames[0]), copy=False)
+            return
+        tracker = sock.send_multipart((engine, request_type, *frames), copy=False, track=True)
+        resources.tracker.track(tracker, keep)
+
+
+def resolve_utility_output(future: Any, utility: Any) -> None:
+    """Complete a pending utility ``future`` (asyncio or concurrent) from its reply."""
+    message = utility.failure_message
+    if message is None:
+        result = utility.result
+        future.set_result(None if result is None else result.result)
+    else:
+        future.set_exception(UtilityError(message, _failed_method(message)))
+
+
+def _failed_method(message: str) -> str | None:
+    # The engine's text reads "Call to <method> method failed: <error>".
+    prefix, _, rest = message.partition("Call to ")
+    if prefix or not rest:
+        return None
+    method, sep, _ = rest.partition(" method failed")
+    return method if sep else None

@@ -1,0 +1,235 @@
+"""``SyncMPClient``: the blocking client, with a daemon output thread."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import contextlib
+import logging
+import os
+import queue
+import threading
+from typing import Any
+
+import zmq
+
+from corewire.client._resources import ClientResources
+from corewire.client.core import HEALTH_CHECK_METHOD, MPClient, resolve_utility_output
+from corewire.errors import EngineDeadError, ProtocolError, UtilityError
+from corewire.protocol import ENGINE_CORE_DEAD, EngineCoreOutputs, EngineCoreRequest
+from corewire.protocol import EngineCoreRequestType as RequestType
+
+__all__ = ["SyncMPClient"]
+
+logger = logging.getLogger("corewire.client")
+
+_DEAD_LEN = len(ENGINE_CORE_DEAD)
+
+
+class SyncMPClient(MPClient):
+    """Blocking client of engine cores in child processes (vLLM's ``SyncMPClient``).
+
+    A daemon thread receives the engine's frames: utility replies complete
+    ``concurrent.futures`` futures, outputs go to a ``queue.Queue`` read by
+    :meth:`get_output`. Engine death fails every pending call and output waiter with
+    :class:`corewire.EngineDeadError`, and every later call raises it. Parameters as
+    :class:`MPClient`. Use it from one thread at a time.
+    """
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(asyncio_mode=False, **kwargs)
+        self.outputs_queue: queue.Queue[Any] = queue.Queue()
+        resources = self.resources
+        resources.fail_queue = self.outputs_queue.put_nowait
+        wake_r, wake_w = os.pipe()
+        thread = threading.Thread(
+            target=_output_thread,
+            args=(self.output_socket, wake_r, self.decoder, resources, self.outputs_queue),
+            name="corewire-output-thread",
+            daemon=True,
+        )
+
+        def stop() -> None:
+            # Closing the write end wakes the thread (EOF), which closes the read end.
+            with contextlib.suppress(OSError):
+                os.close(wake_w)
+
+        resources.add_thread(thread, stop)
+        thread.start()
+
+    def get_output(self, timeout: float | None = None) -> EngineCoreOutputs:
+        """The next batch of outputs, blocking; raises :class:`EngineDeadError` once the
+        engine is dead, ``ProtocolError`` for a frame that did not decode, and
+        ``queue.Empty`` after ``timeout`` seconds."""
+        item = self.outputs_queue.get(timeout=timeout)
+        if isinstance(item, BaseException):
+            if isinstance(item, EngineDeadError):
+                self.outputs_queue.put_nowait(item)  # sticky: every later caller sees it
+            raise self._format_exception(item) from None
+        return item  # type: ignore[no-any-return]
+
+    def _send_input(
+        self, request_type: RequestType, request: Any, engine: bytes | None = None
+    ) -> None:
+        """Send ``request`` to ``engine`` (default: the first)."""
+        frames = self.encoder.encode(request)
+        # The engine monitor may close the socket on another thread.
+        with self.resources.send_lock:
+            self._send_message(engine or self.core_engine, request_type.value, frames, request)
+
+    def add_request(self, request: EngineCoreRequest) -> None:
+        """Send a request; its outputs come from :meth:`get_output`."""
+        request.client_index = self.client_index
+        self._send_input(RequestType.ADD, request)
+
+    def abort_requests(self, request_ids: list[str]) -> None:
+        """Abort requests by id (nothing is sent once the engine is dead)."""
+        if request_ids and not self.resources.engine_dead:
+            self._send_input(RequestType.ABORT, request_ids)
+
+    def call_utility(self, method: str, *args: Any, timeout: float | None = None) -> Any:
+        """Call ``method(*args)`` on the engine and wait for its result.
+
+        Raises :class:`UtilityError` when it fails in the engine, :class:`EngineDeadError`
+        when the engine dies, ``TimeoutError`` after ``timeout`` seconds.
+        """
+        return self._call_utility(method, args, self.core_engine, timeout)
+
+    def _call_utility(
+        self, method: str, args: tuple[Any, ...], engine: bytes, timeout: float | None
+    ) -> Any:
+        resources = self.resources
+        future: concurrent.futures.Future[Any] = concurrent.futures.Future()
+        call_id = resources.registry.register(future)
+        try:
+            self._send_input(
+                RequestType.UTILITY, (self.client_index, call_id, method, args), engine
+            )
+            return future.result(timeout)
+        except concurrent.futures.TimeoutError:
+            resources.registry.discard(call_id)
+            raise TimeoutError(f"utility call {method!r} got no reply within {timeout} s") from None
+        except BaseException:
+            resources.registry.discard(call_id)
+            raise
+
+    def check_health(self, timeout: float = 5.0) -> None:
+        """Raise :class:`EngineDeadError` when the engine is dead or does not answer a
+        cheap utility call within ``timeout`` seconds; a failure reply counts as alive."""
+        self.ensure_alive()
+        for engine in self.core_engines:
+            try:
+                self._call_utility(HEALTH_CHECK_METHOD, (), engine, timeout)
+            except UtilityError:
+                pass
+            except TimeoutError:
+                raise EngineDeadError(
+                    f"engine core did not answer a health check within {timeout:g} s"
+                ) from None
+
+    def collective_rpc(
+        self,
+        method: str,
+        timeout: float | None = None,
+        args: tuple[Any, ...] = (),
+        kwargs: dict[str, Any] | None = None,
+    ) -> Any:
+        """Run ``method`` on every worker of the engine; returns their results."""
+        return self.call_utility("collective_rpc", method, timeout, args, kwargs)
+
+    def get_supported_tasks(self) -> tuple[str, ...]:
+        """Tasks the engine supports."""
+        return tuple(self.call_utility("get_supported_tasks"))
+
+    def profile(self, is_start: bool = True, profile_prefix: str | None = None) -> None:
+        """Start or stop the engine's profiler."""
+        self.call_utility("profile", is_start, profile_prefix)
+
+    def reset_prefix_cache(
+        self, reset_running_requests: bool = False, reset_connector: bool = False
+    ) -> bool:
+        """Drop the engine's prefix cache; returns whether it was reset."""
+        return bool(
+            self.call_utility("reset_prefix_cache", reset_running_requests, reset_connector)
+        )
+
+    def sleep(self, level: int = 1) -> None:
+        """Put the engine to sleep."""
+        self.call_utility("sleep", level)
+
+    def wake_up(self, tags: list[str] | None = None) -> None:
+        """Wake a sleeping engine."""
+        self.call_utility("wake_up", tags)
+
+    def is_sleeping(self) -> bool:
+        """Whether the engine sleeps."""
+        return bool(self.call_utility("is_sleeping"))
+
+    def pause_scheduler(self, *args: Any) -> None:
+        """Stop scheduling new work (engine-specific arguments pass through)."""
+        self.call_utility("pause_scheduler", *args)
+
+    def resume_scheduler(self) -> None:
+        """Resume scheduling."""
+        self.call_utility("resume_scheduler")
+
+    def is_scheduler_paused(self) -> bool:
+        """Whether the scheduler is paused."""
+        return bool(self.call_utility("is_scheduler_paused"))
+
+
+def _output_thread(
+    sock: zmq.Socket,
+    wake_r: int,
+    decoder: Any,
+    resources: ClientResources,
+    outputs: queue.Queue[Any],
+) -> None:
+    """Receive, decode and dispatch frames until woken through ``wake_r``."""
+    poller = zmq.Poller()
+    poller.register(sock, zmq.POLLIN)
+    poller.register(wake_r, zmq.POLLIN)
+    recv = sock.recv
+    decode = decoder.decode
+    pop = resources.registry.pop
+    put = outputs.put_nowait
+    NOBLOCK = zmq.NOBLOCK
+    try:
+        while True:
+            if any(fd == wake_r for fd, _ in poller.poll()):
+                return
+            while True:  # drain: the descriptor is edge-triggered
+                try:
+                    first = recv(NOBLOCK, copy=False)
+                except zmq.Again:
+                    break
+                frames = [first]
+                while first.more:
+                    first = recv(copy=False)
+                    frames.append(first)
+                if (
+                    len(frames) == 1
+                    and len(frames[0]) == _DEAD_LEN
+                    and (frames[0].bytes == ENGINE_CORE_DEAD)
+                ):
+                    resources.mark_dead("Engine core sent ENGINE_CORE_DEAD (fatal error).")
+                    return
+                try:
+                    decoded = decode(frames)
+                except ProtocolError as exc:
+                    put(exc)
+                    continue
+                utility = decoded.utility_output
+                if utility is None:
+                    put(decoded)
+                    continue
+                future = pop(utility.call_id)
+                if future is not None and not future.done():
+                    with contextlib.suppress(concurrent.futures.InvalidStateError):
+                        resolve_utility_output(future, utility)
+    except Exception as exc:
+        if not resources.closed:
+            logger.exception("corewire output thread failed")
+            put(exc)
+            resources.mark_dead(f"The client's output thread failed: {exc!r}")
+    finally:
+        os.close(wake_r)
