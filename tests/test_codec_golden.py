@@ -876,7 +876,7 @@ def _malformed() -> list[Any]:
     )
     for dtype in ("float33", "<f4", "", "torch.float32", "Float32", "float32 "):
         case(f"tensor_dtype_{dtype!r}", _bad_tensor(nd(dtype, [1], ext(bytes(4)))), r"dtype")
-    for dtype in ("bfloat16", "x4", "<f3", "", "|O", "|O8"):
+    for dtype in ("bfloat16", "x4", "<f3", "", "|O", "|O8", "<i,", "(2)<i4"):
         case(f"ndarray_dtype_{dtype!r}", _bad_ndarray(nd(dtype, [1], ext(bytes(8)))), r"dtype")
     case("tensor_dtype_int", _bad_tensor(nd(5, [1], ext(bytes(4)))), _TYPE)
     case("tensor_dtype_nil", _bad_tensor(nd(None, [1], ext(bytes(4)))), _TYPE)

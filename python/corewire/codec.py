@@ -178,7 +178,7 @@ class MsgspecDecoder:
         dtype_str, shape, data = self._array_bytes(obj)
         try:
             dtype = np.dtype(dtype_str)
-        except TypeError as exc:
+        except (TypeError, ValueError, SyntaxError) as exc:  # numpy parses some strings as code
             raise ProtocolError(f"unknown ndarray dtype {dtype_str!r}") from exc
         if dtype.hasobject:
             raise ProtocolError("object dtype is not allowed on the wire")
