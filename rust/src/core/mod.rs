@@ -3,3 +3,12 @@
 pub mod registry;
 pub mod router;
 pub mod tracker;
+
+pub mod error;
+pub mod intern;
+pub mod msgpack;
+pub mod schema;
+pub mod tree;
+
+#[cfg(test)]
+mod schema_tests;

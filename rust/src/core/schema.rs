@@ -1,0 +1,753 @@
+//! The wire schema of engine -> front-end messages, walked over a [`Reader`].
+//!
+//! [`decode_outputs`] reads one `EngineCoreOutputs` message (shared/wire-protocol.md;
+//! mirrored by `corewire.protocol`) and drives a [`Builder`] that makes the values: the
+//! Python binding's builder makes Python objects, [`super::tree::TreeBuilder`] makes
+//! plain Rust values for tests and fuzzing. The walk checks every type, length, index
+//! and byte count itself, so any builder sees only well-formed input; it stops at the
+//! first error, and the builder's values built so far are dropped with it.
+//!
+//! Struct-like arrays follow the protocol's rule: missing trailing fields take their
+//! defaults, extra trailing fields are skipped.
+
+use super::error::{ArrayKind, DecodeError, DecodeResult, ErrorKind, Kind};
+use super::msgpack::{check_utf8, Item, Reader, RAW_VIEW_EXT};
+
+/// Deepest nesting of containers inside a free-form (`Any`) field.
+pub const MAX_DEPTH: usize = 64;
+/// Most dimensions an array may have (numpy 1.x's limit; torch allows more).
+pub const MAX_DIMS: usize = 32;
+
+/// Where the bytes of an array live: frame 0 is the payload (inline extension data),
+/// frame `i >= 1` is aux frame `i`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct DataRef {
+    pub frame: usize,
+    pub offset: usize,
+    pub len: usize,
+}
+
+/// A checked `[dtype, shape, data]` triple: `len == product(shape) * itemsize`.
+#[derive(Debug)]
+pub struct ArrayRef<'s> {
+    pub kind: ArrayKind,
+    pub dtype: &'s str,
+    pub shape: &'s [usize],
+    pub itemsize: usize,
+    pub data: DataRef,
+}
+
+impl ArrayRef<'_> {
+    /// Number of elements.
+    pub fn count(&self) -> usize {
+        self.shape.iter().product()
+    }
+}
+
+/// The fields of one `EngineCoreOutput` (protocol.EngineCoreOutput, positional:
+/// request_id, new_token_ids, new_logprobs, new_prompt_logprobs_tensors,
+/// pooling_output, finish_reason, stop_reason, events, kv_transfer_params,
+/// trace_headers, prefill_stats, routed_experts, num_nans_in_logits).
+/// `None` stands for nil.
+pub struct OutputParts<'s, O> {
+    pub request_id: O,
+    /// Token ids (any msgpack integer), valid until the builder returns.
+    pub new_token_ids: &'s [i128],
+    pub new_logprobs: Option<O>,
+    pub new_prompt_logprobs_tensors: Option<O>,
+    pub pooling_output: Option<O>,
+    /// 0 stop, 1 length, 2 abort, 3 error, 4 repetition (checked).
+    pub finish_reason: Option<u8>,
+    pub stop_reason: Option<O>,
+    pub events: Option<O>,
+    pub kv_transfer_params: Option<O>,
+    pub trace_headers: Option<O>,
+    pub prefill_stats: Option<O>,
+    pub routed_experts: Option<O>,
+    pub num_nans_in_logits: i128,
+}
+
+/// The fields of one `EngineCoreOutputs` (protocol.EngineCoreOutputs, positional:
+/// engine_index, outputs, scheduler_stats, timestamp, utility_output,
+/// finished_requests, wave_complete, start_wave).
+pub struct MessageParts<O> {
+    pub engine_index: i128,
+    /// A list built with [`Builder::list`] of [`Builder::output`] values.
+    pub outputs: O,
+    pub scheduler_stats: Option<O>,
+    pub timestamp: f64,
+    pub utility_output: Option<O>,
+    /// A set built with [`Builder::set`] of [`Builder::request_id`] values.
+    pub finished_requests: Option<O>,
+    pub wave_complete: Option<i128>,
+    pub start_wave: Option<i128>,
+}
+
+/// Makes the values of a decoded message. Every method may fail; an error of kind
+/// [`ErrorKind::Foreign`] means the builder keeps the real error itself.
+pub trait Builder {
+    /// Any built value.
+    type Obj;
+
+    /// nil.
+    fn none(&mut self) -> Self::Obj;
+    /// A bool.
+    fn bool(&mut self, v: bool) -> Self::Obj;
+    /// An integer in [-2**63, 2**64).
+    fn int(&mut self, v: i128) -> DecodeResult<Self::Obj>;
+    /// A float.
+    fn float(&mut self, v: f64) -> DecodeResult<Self::Obj>;
+    /// A string value.
+    fn str(&mut self, v: &str) -> DecodeResult<Self::Obj>;
+    /// A string used as a map key (may be cached: keys repeat from frame to frame).
+    fn key_str(&mut self, v: &str) -> DecodeResult<Self::Obj> {
+        self.str(v)
+    }
+    /// A binary (also extension type 3 outside array positions).
+    fn bytes(&mut self, v: &[u8]) -> DecodeResult<Self::Obj>;
+    /// A list of `len` elements, each set exactly once with [`Builder::list_set`].
+    fn list(&mut self, len: usize) -> DecodeResult<Self::Obj>;
+    /// Sets element `index` of a list made by [`Builder::list`].
+    fn list_set(&mut self, list: &mut Self::Obj, index: usize, item: Self::Obj);
+    /// The tuple with the elements of a complete list (arrays used as map keys).
+    fn tuple_from_list(&mut self, list: Self::Obj) -> DecodeResult<Self::Obj>;
+    /// An empty dict.
+    fn dict(&mut self) -> DecodeResult<Self::Obj>;
+    /// `dict[key] = value` (a later duplicate key wins).
+    fn dict_set(
+        &mut self,
+        dict: &mut Self::Obj,
+        key: Self::Obj,
+        value: Self::Obj,
+    ) -> DecodeResult<()>;
+    /// An empty set.
+    fn set(&mut self) -> DecodeResult<Self::Obj>;
+    /// Adds to a set made by [`Builder::set`].
+    fn set_add(&mut self, set: &mut Self::Obj, item: Self::Obj) -> DecodeResult<()>;
+
+    /// A request id from its raw bytes (not yet checked for UTF-8: the builder checks,
+    /// e.g. with [`check_utf8`], only when it does not know these bytes already).
+    fn request_id(&mut self, raw: &[u8]) -> DecodeResult<Self::Obj>;
+    /// An `EngineCoreEvent`; `kind` is 1 queued, 2 scheduled, 3 preempted (checked).
+    fn event(&mut self, kind: u8, timestamp: f64) -> DecodeResult<Self::Obj>;
+    /// Bytes per element of `dtype`, or an [`ErrorKind::UnknownDtype`] error.
+    fn dtype_itemsize(&mut self, kind: ArrayKind, dtype: &str) -> DecodeResult<usize>;
+    /// An ndarray or tensor over the checked bytes `array.data`.
+    fn array(&mut self, array: &ArrayRef<'_>) -> DecodeResult<Self::Obj>;
+    /// `LogprobsLists` (ndarrays) or `LogprobsTensors` (tensors).
+    fn logprobs(
+        &mut self,
+        kind: ArrayKind,
+        arrays: [Self::Obj; 3],
+        cu_num_generated_tokens: Option<Self::Obj>,
+    ) -> DecodeResult<Self::Obj>;
+    /// `UtilityResult(value)`.
+    fn utility_result(&mut self, value: Self::Obj) -> DecodeResult<Self::Obj>;
+    /// `UtilityOutput(call_id, failure_message, result)`.
+    fn utility_output(
+        &mut self,
+        call_id: i128,
+        failure_message: Option<Self::Obj>,
+        result: Option<Self::Obj>,
+    ) -> DecodeResult<Self::Obj>;
+    /// One `EngineCoreOutput`.
+    fn output(&mut self, parts: OutputParts<'_, Self::Obj>) -> DecodeResult<Self::Obj>;
+    /// The whole `EngineCoreOutputs`.
+    fn message(&mut self, parts: MessageParts<Self::Obj>) -> DecodeResult<Self::Obj>;
+}
+
+/// Buffers reused from message to message, so steady-state decoding allocates nothing
+/// on the Rust side.
+#[derive(Default, Debug)]
+pub struct Scratch {
+    tokens: Vec<i128>,
+    shape: Vec<usize>,
+}
+
+/// Decodes one `EngineCoreOutputs` message: `frames[0]` is the msgpack payload,
+/// `frames[i]` aux frame `i`. Fails on trailing bytes after the message.
+pub fn decode_outputs<B: Builder>(
+    frames: &[&[u8]],
+    builder: &mut B,
+    scratch: &mut Scratch,
+) -> DecodeResult<B::Obj> {
+    let Some(payload) = frames.first() else {
+        return Err(DecodeError::new(ErrorKind::EmptyMessage));
+    };
+    let mut walk = Walk {
+        r: Reader::new(payload),
+        frames,
+        payload_start: payload.as_ptr() as usize,
+        b: builder,
+        scratch,
+    };
+    let message = walk.message()?;
+    walk.r.finish()?;
+    Ok(message)
+}
+
+/// Wraps an error with a field name (kept out of line: errors are cold).
+macro_rules! field {
+    ($name:literal, $e:expr) => {
+        $e.map_err(|e: DecodeError| e.at_field($name))
+    };
+}
+
+struct Walk<'a, 'b, B: Builder> {
+    r: Reader<'a>,
+    frames: &'b [&'a [u8]],
+    payload_start: usize,
+    b: &'b mut B,
+    scratch: &'b mut Scratch,
+}
+
+impl<'a, B: Builder> Walk<'a, '_, B> {
+    fn message(&mut self) -> DecodeResult<B::Obj> {
+        let n = self.r.array_len("array (EngineCoreOutputs)")?;
+        let mut engine_index = 0;
+        let mut outputs = None;
+        let mut scheduler_stats = None;
+        let mut timestamp = 0.0;
+        let mut utility_output = None;
+        let mut finished_requests = None;
+        let mut wave_complete = None;
+        let mut start_wave = None;
+        if n > 0 {
+            engine_index = field!("engine_index", self.r.int())?;
+        }
+        if n > 1 {
+            outputs = Some(field!("outputs", self.outputs())?);
+        }
+        if n > 2 {
+            scheduler_stats = field!("scheduler_stats", self.opt_str_dict(false))?;
+        }
+        if n > 3 {
+            timestamp = field!("timestamp", self.r.float())?;
+        }
+        if n > 4 && !self.r.take_nil() {
+            utility_output = Some(field!("utility_output", self.utility_output())?);
+        }
+        if n > 5 && !self.r.take_nil() {
+            finished_requests = Some(field!("finished_requests", self.str_set())?);
+        }
+        if n > 6 {
+            wave_complete = field!("wave_complete", self.opt_int())?;
+        }
+        if n > 7 {
+            start_wave = field!("start_wave", self.opt_int())?;
+        }
+        self.skip_extra(n, 8)?;
+        let outputs = match outputs {
+            Some(list) => list,
+            None => self.b.list(0)?,
+        };
+        self.b.message(MessageParts {
+            engine_index,
+            outputs,
+            scheduler_stats,
+            timestamp,
+            utility_output,
+            finished_requests,
+            wave_complete,
+            start_wave,
+        })
+    }
+
+    /// Skips the fields of a `len`-element struct array past the `known` ones.
+    #[inline]
+    fn skip_extra(&mut self, len: usize, known: usize) -> DecodeResult<()> {
+        for i in known..len {
+            self.r.skip().map_err(|e| e.at_index(i))?;
+        }
+        Ok(())
+    }
+
+    fn outputs(&mut self) -> DecodeResult<B::Obj> {
+        let n = self.r.array_len("array")?;
+        let mut list = self.b.list(n)?;
+        for i in 0..n {
+            let item = self.output().map_err(|e| e.at_index(i))?;
+            self.b.list_set(&mut list, i, item);
+        }
+        Ok(list)
+    }
+
+    #[inline]
+    fn output(&mut self) -> DecodeResult<B::Obj> {
+        let n = self.r.array_len("array (EngineCoreOutput)")?;
+        if n < 2 {
+            return Err(DecodeError::new(ErrorKind::TooShort { min: 2, got: n }));
+        }
+        let raw_id = field!("request_id", self.r.str_bytes())?;
+        let request_id = field!("request_id", self.b.request_id(raw_id))?;
+        field!("new_token_ids", self.token_ids())?;
+
+        let mut new_logprobs = None;
+        let mut new_prompt_logprobs_tensors = None;
+        let mut pooling_output = None;
+        let mut finish_reason = None;
+        let mut stop_reason = None;
+        let mut events = None;
+        let mut kv_transfer_params = None;
+        let mut trace_headers = None;
+        let mut prefill_stats = None;
+        let mut routed_experts = None;
+        let mut num_nans_in_logits = 0;
+        // Fields 2.. are nil in the common case: one byte compare each.
+        if n > 2 && !self.r.take_nil() {
+            new_logprobs = Some(field!("new_logprobs", self.logprobs(ArrayKind::Ndarray))?);
+        }
+        if n > 3 && !self.r.take_nil() {
+            new_prompt_logprobs_tensors = Some(field!(
+                "new_prompt_logprobs_tensors",
+                self.logprobs(ArrayKind::Tensor)
+            )?);
+        }
+        if n > 4 && !self.r.take_nil() {
+            pooling_output = Some(field!("pooling_output", self.array(ArrayKind::Tensor))?);
+        }
+        if n > 5 && !self.r.take_nil() {
+            finish_reason = Some(field!("finish_reason", self.finish_reason())?);
+        }
+        if n > 6 && !self.r.take_nil() {
+            stop_reason = Some(field!("stop_reason", self.stop_reason())?);
+        }
+        if n > 7 && !self.r.take_nil() {
+            events = Some(field!("events", self.events())?);
+        }
+        if n > 8 {
+            kv_transfer_params = field!("kv_transfer_params", self.opt_str_dict(false))?;
+        }
+        if n > 9 {
+            trace_headers = field!("trace_headers", self.opt_str_dict(true))?;
+        }
+        if n > 10 {
+            prefill_stats = field!("prefill_stats", self.opt_str_dict(false))?;
+        }
+        if n > 11 && !self.r.take_nil() {
+            routed_experts = Some(field!("routed_experts", self.array(ArrayKind::Ndarray))?);
+        }
+        if n > 12 {
+            num_nans_in_logits = field!("num_nans_in_logits", self.r.int())?;
+        }
+        self.skip_extra(n, 13)?;
+        self.b.output(OutputParts {
+            request_id,
+            new_token_ids: &self.scratch.tokens,
+            new_logprobs,
+            new_prompt_logprobs_tensors,
+            pooling_output,
+            finish_reason,
+            stop_reason,
+            events,
+            kv_transfer_params,
+            trace_headers,
+            prefill_stats,
+            routed_experts,
+            num_nans_in_logits,
+        })
+    }
+
+    #[inline]
+    fn token_ids(&mut self) -> DecodeResult<()> {
+        let n = self.r.array_len("array")?;
+        self.scratch.tokens.clear();
+        for i in 0..n {
+            let id = self.r.int().map_err(|e| e.at_index(i))?;
+            self.scratch.tokens.push(id);
+        }
+        Ok(())
+    }
+
+    fn finish_reason(&mut self) -> DecodeResult<u8> {
+        let v = self.r.int()?;
+        match u8::try_from(v) {
+            Ok(code @ 0..=4) => Ok(code),
+            _ => Err(DecodeError::new(ErrorKind::InvalidEnum {
+                what: "FinishReason",
+                value: v,
+            })),
+        }
+    }
+
+    /// `int | str` (nil handled by the caller).
+    fn stop_reason(&mut self) -> DecodeResult<B::Obj> {
+        let save = self.r.clone();
+        match self.r.next_item()? {
+            Item::Int(v) => self.b.int(v),
+            Item::Str(raw) => {
+                let s = check_utf8(raw)?;
+                self.b.str(s)
+            }
+            other => {
+                self.r = save;
+                Err(DecodeError::new(ErrorKind::Type {
+                    expected: "int | str | nil",
+                    got: other.kind(),
+                }))
+            }
+        }
+    }
+
+    #[inline]
+    fn opt_int(&mut self) -> DecodeResult<Option<i128>> {
+        if self.r.take_nil() {
+            return Ok(None);
+        }
+        self.r.int().map(Some).map_err(|e| match e.kind() {
+            ErrorKind::Type { got, .. } => DecodeError::new(ErrorKind::Type {
+                expected: "int | nil",
+                got: *got,
+            }),
+            _ => e,
+        })
+    }
+
+    /// `array of EngineCoreEvent` (nil handled by the caller).
+    fn events(&mut self) -> DecodeResult<B::Obj> {
+        let n = self.r.array_len("array")?;
+        let mut list = self.b.list(n)?;
+        for i in 0..n {
+            let event = self.event().map_err(|e| e.at_index(i))?;
+            self.b.list_set(&mut list, i, event);
+        }
+        Ok(list)
+    }
+
+    /// An `EngineCoreEvent`: a map `{"type": int, "timestamp": float}`; other keys are
+    /// ignored, a later duplicate wins.
+    fn event(&mut self) -> DecodeResult<B::Obj> {
+        let n = self.r.map_len("map (EngineCoreEvent)")?;
+        let mut kind = None;
+        let mut timestamp = None;
+        for i in 0..n {
+            let save = self.r.clone();
+            let key = match self.r.next_item().map_err(|e| e.at_key_of(i))? {
+                Item::Str(raw) => raw,
+                other => {
+                    self.r = save;
+                    return Err(
+                        DecodeError::new(ErrorKind::NonStrKey { got: other.kind() }).at_key_of(i)
+                    );
+                }
+            };
+            match key {
+                b"type" => {
+                    let v = self.r.int().map_err(|e| e.at_field("type"))?;
+                    match u8::try_from(v) {
+                        Ok(k @ 1..=3) => kind = Some(k),
+                        _ => {
+                            return Err(DecodeError::new(ErrorKind::InvalidEnum {
+                                what: "EngineCoreEventType",
+                                value: v,
+                            })
+                            .at_field("type"))
+                        }
+                    }
+                }
+                b"timestamp" => {
+                    timestamp = Some(self.r.float().map_err(|e| e.at_field("timestamp"))?);
+                }
+                _ => self.r.skip().map_err(|e| e.at_index(i))?,
+            }
+        }
+        let Some(kind) = kind else {
+            return Err(DecodeError::new(ErrorKind::MissingKey { key: "type" }));
+        };
+        let Some(timestamp) = timestamp else {
+            return Err(DecodeError::new(ErrorKind::MissingKey { key: "timestamp" }));
+        };
+        self.b.event(kind, timestamp)
+    }
+
+    /// `set[str]` from an array of str (nil handled by the caller).
+    fn str_set(&mut self) -> DecodeResult<B::Obj> {
+        let n = self.r.array_len("array | nil")?;
+        let mut set = self.b.set()?;
+        for i in 0..n {
+            let raw = self.r.str_bytes().map_err(|e| e.at_index(i))?;
+            let item = self.b.request_id(raw).map_err(|e| e.at_index(i))?;
+            self.b.set_add(&mut set, item).map_err(|e| e.at_index(i))?;
+        }
+        Ok(set)
+    }
+
+    /// `dict[str, Any] | nil`, or `dict[str, str] | nil` when `str_values`.
+    fn opt_str_dict(&mut self, str_values: bool) -> DecodeResult<Option<B::Obj>> {
+        if self.r.take_nil() {
+            return Ok(None);
+        }
+        let n = self.r.map_len("map | nil")?;
+        let mut dict = self.b.dict()?;
+        for i in 0..n {
+            let key_raw = self.r.str_bytes().map_err(|e| e.at_key_of(i))?;
+            let key_str = check_utf8(key_raw).map_err(|e| e.at_key_of(i))?;
+            let key = self.b.key_str(key_str).map_err(|e| e.at_key_of(i))?;
+            let value = if str_values {
+                self.r
+                    .str()
+                    .and_then(|s| self.b.str(s))
+                    .map_err(|e| e.at_key(key_str))?
+            } else {
+                self.value(1).map_err(|e| e.at_key(key_str))?
+            };
+            self.b
+                .dict_set(&mut dict, key, value)
+                .map_err(|e| e.at_key(key_str))?;
+        }
+        Ok(Some(dict))
+    }
+
+    /// `UtilityOutput`: `[call_id, failure_message, result]` (nil handled by the caller).
+    fn utility_output(&mut self) -> DecodeResult<B::Obj> {
+        let n = self.r.array_len("array (UtilityOutput) | nil")?;
+        if n < 1 {
+            return Err(DecodeError::new(ErrorKind::TooShort { min: 1, got: n }));
+        }
+        let call_id = field!("call_id", self.r.int())?;
+        let mut failure_message = None;
+        let mut result = None;
+        if n > 1 && !self.r.take_nil() {
+            let s = field!("failure_message", self.r.str())?;
+            failure_message = Some(field!("failure_message", self.b.str(s))?);
+        }
+        if n > 2 && !self.r.take_nil() {
+            result = Some(field!("result", self.utility_result())?);
+        }
+        self.skip_extra(n, 3)?;
+        self.b.utility_output(call_id, failure_message, result)
+    }
+
+    /// `[type_info, value]`; type_info is ignored (corewire never sends one).
+    fn utility_result(&mut self) -> DecodeResult<B::Obj> {
+        let n = self.r.array_len("array ([type_info, value]) | nil")?;
+        if n != 2 {
+            return Err(DecodeError::new(ErrorKind::WrongLength {
+                expected: 2,
+                got: n,
+            }));
+        }
+        self.r.skip().map_err(|e| e.at_index(0))?;
+        let value = self.value(1).map_err(|e| e.at_index(1))?;
+        self.b.utility_result(value)
+    }
+
+    /// `LogprobsLists` / `LogprobsTensors`: three arrays, then
+    /// `cu_num_generated_tokens: list[int] | nil`.
+    fn logprobs(&mut self, kind: ArrayKind) -> DecodeResult<B::Obj> {
+        let what = match kind {
+            ArrayKind::Ndarray => "array (LogprobsLists) | nil",
+            ArrayKind::Tensor => "array (LogprobsTensors) | nil",
+        };
+        let n = self.r.array_len(what)?;
+        if n < 3 {
+            return Err(DecodeError::new(ErrorKind::TooShort { min: 3, got: n }));
+        }
+        let ids = field!("logprob_token_ids", self.array(kind))?;
+        let lps = field!("logprobs", self.array(kind))?;
+        let ranks = match kind {
+            ArrayKind::Ndarray => field!("sampled_token_ranks", self.array(kind))?,
+            ArrayKind::Tensor => field!("selected_token_ranks", self.array(kind))?,
+        };
+        let mut cu = None;
+        if n > 3 && !self.r.take_nil() {
+            cu = Some(field!("cu_num_generated_tokens", self.int_list())?);
+        }
+        self.skip_extra(n, 4)?;
+        self.b.logprobs(kind, [ids, lps, ranks], cu)
+    }
+
+    fn int_list(&mut self) -> DecodeResult<B::Obj> {
+        let n = self.r.array_len("array | nil")?;
+        let mut list = self.b.list(n)?;
+        for i in 0..n {
+            let v = self.r.int().and_then(|v| self.b.int(v));
+            let v = v.map_err(|e| e.at_index(i))?;
+            self.b.list_set(&mut list, i, v);
+        }
+        Ok(list)
+    }
+
+    /// `[dtype, shape, data]` with data inline (extension type 3) or in an aux frame.
+    fn array(&mut self, kind: ArrayKind) -> DecodeResult<B::Obj> {
+        let n = self.r.array_len("array ([dtype, shape, data])")?;
+        if n != 3 {
+            return Err(DecodeError::new(ErrorKind::WrongLength {
+                expected: 3,
+                got: n,
+            }));
+        }
+        let dtype = field!("dtype", self.r.str())?;
+        field!("shape", self.shape())?;
+        let data = field!("data", self.data_ref())?;
+        let itemsize = field!("dtype", self.b.dtype_itemsize(kind, dtype))?;
+        // Like numpy: zero dimensions make an empty array whatever the others are, but
+        // the product of the non-zero ones must still fit in the address space.
+        let mut nonzero: u128 = itemsize as u128;
+        let mut total: u128 = itemsize as u128;
+        for &d in &self.scratch.shape {
+            if d != 0 {
+                nonzero = nonzero.saturating_mul(d as u128);
+            }
+            total = total.saturating_mul(d as u128);
+        }
+        if nonzero > isize::MAX as u128 {
+            return Err(DecodeError::new(ErrorKind::ShapeOverflow).at_field("shape"));
+        }
+        if total != data.len as u128 {
+            return Err(DecodeError::new(ErrorKind::ByteLength {
+                needed: total,
+                got: data.len,
+            }));
+        }
+        self.b.array(&ArrayRef {
+            kind,
+            dtype,
+            shape: &self.scratch.shape,
+            itemsize,
+            data,
+        })
+    }
+
+    fn shape(&mut self) -> DecodeResult<()> {
+        let n = self.r.array_len("array")?;
+        if n > MAX_DIMS {
+            return Err(DecodeError::new(ErrorKind::TooManyDims {
+                ndim: n,
+                limit: MAX_DIMS,
+            }));
+        }
+        self.scratch.shape.clear();
+        for i in 0..n {
+            let d = self.r.int().map_err(|e| e.at_index(i))?;
+            if d < 0 {
+                return Err(DecodeError::new(ErrorKind::NegativeDim { dim: d }).at_index(i));
+            }
+            if d > i64::MAX as i128 {
+                return Err(DecodeError::new(ErrorKind::IntOutOfRange {
+                    value: d,
+                    min: 0,
+                    max: i64::MAX as i128,
+                })
+                .at_index(i));
+            }
+            self.scratch.shape.push(d as usize);
+        }
+        Ok(())
+    }
+
+    fn data_ref(&mut self) -> DecodeResult<DataRef> {
+        let save = self.r.clone();
+        match self.r.next_item()? {
+            Item::Ext(RAW_VIEW_EXT, bytes) => Ok(DataRef {
+                frame: 0,
+                offset: bytes.as_ptr() as usize - self.payload_start,
+                len: bytes.len(),
+            }),
+            Item::Ext(code, _) => Err(DecodeError::new(ErrorKind::UnknownExt { code })),
+            Item::Int(index) => {
+                let aux_frames = self.frames.len() - 1;
+                if index < 1 || index > aux_frames as i128 {
+                    return Err(DecodeError::new(ErrorKind::AuxIndexOutOfRange {
+                        index,
+                        aux_frames,
+                    }));
+                }
+                let frame = index as usize;
+                Ok(DataRef {
+                    frame,
+                    offset: 0,
+                    len: self.frames[frame].len(),
+                })
+            }
+            other => {
+                self.r = save;
+                Err(DecodeError::new(ErrorKind::BadArrayData {
+                    got: other.kind(),
+                }))
+            }
+        }
+    }
+
+    /// A free-form (`Any`) value; `depth` counts the enclosing free-form containers.
+    fn value(&mut self, depth: usize) -> DecodeResult<B::Obj> {
+        match self.r.next_item()? {
+            Item::Nil => Ok(self.b.none()),
+            Item::Bool(v) => Ok(self.b.bool(v)),
+            Item::Int(v) => self.b.int(v),
+            Item::Float(v) => self.b.float(v),
+            Item::Str(raw) => {
+                let s = check_utf8(raw)?;
+                self.b.str(s)
+            }
+            Item::Bin(v) => self.b.bytes(v),
+            Item::Ext(RAW_VIEW_EXT, v) => self.b.bytes(v),
+            Item::Ext(code, _) => Err(DecodeError::new(ErrorKind::UnknownExt { code })),
+            Item::Array(n) => {
+                check_depth(depth)?;
+                let mut list = self.b.list(n)?;
+                for i in 0..n {
+                    let item = self.value(depth + 1).map_err(|e| e.at_index(i))?;
+                    self.b.list_set(&mut list, i, item);
+                }
+                Ok(list)
+            }
+            Item::Map(n) => {
+                check_depth(depth)?;
+                let mut dict = self.b.dict()?;
+                for i in 0..n {
+                    let key_at = self.r.clone();
+                    let key = self.key(depth + 1).map_err(|e| e.at_key_of(i))?;
+                    let value = self
+                        .value(depth + 1)
+                        .map_err(|e| at_map_value(e, key_at.clone(), i))?;
+                    self.b
+                        .dict_set(&mut dict, key, value)
+                        .map_err(|e| at_map_value(e, key_at, i))?;
+                }
+                Ok(dict)
+            }
+        }
+    }
+
+    /// A map key: like a value, but arrays become tuples and maps are unhashable.
+    fn key(&mut self, depth: usize) -> DecodeResult<B::Obj> {
+        match self.r.peek_kind() {
+            Kind::Map => Err(DecodeError::new(ErrorKind::UnhashableKey)),
+            Kind::Array => {
+                check_depth(depth)?;
+                let n = self.r.array_len("array")?;
+                let mut list = self.b.list(n)?;
+                for i in 0..n {
+                    let item = self.key(depth + 1).map_err(|e| e.at_index(i))?;
+                    self.b.list_set(&mut list, i, item);
+                }
+                self.b.tuple_from_list(list)
+            }
+            Kind::Str => {
+                let s = self.r.str()?;
+                self.b.key_str(s)
+            }
+            _ => self.value(depth),
+        }
+    }
+}
+
+#[inline]
+fn check_depth(depth: usize) -> DecodeResult<()> {
+    if depth > MAX_DEPTH {
+        return Err(DecodeError::new(ErrorKind::TooDeep { limit: MAX_DEPTH }));
+    }
+    Ok(())
+}
+
+/// Adds the key of map entry `entry` (re-read from `key_at`) to an error's path.
+#[cold]
+#[inline(never)]
+fn at_map_value(e: DecodeError, mut key_at: Reader<'_>, entry: usize) -> DecodeError {
+    match key_at.next_item() {
+        Ok(Item::Str(raw)) => e.at_key(&String::from_utf8_lossy(raw)),
+        Ok(Item::Int(v)) => e.at_key(&v.to_string()),
+        _ => e.at_index(entry),
+    }
+}

@@ -1,0 +1,1274 @@
+//! Tests of the schema walk through [`TreeBuilder`]: every field, defaults, extra
+//! fields, every error variant and where it is reported. Frames are written with the
+//! small msgpack writer below, so each test shows the exact bytes it feeds.
+
+use super::error::{ArrayKind, DecodeError, ErrorKind, Kind};
+use super::schema::{decode_outputs, Builder, Scratch, MAX_DEPTH, MAX_DIMS};
+use super::tree::{MessageTree, OutputTree, Tree, TreeBuilder};
+
+/// A msgpack value to write.
+#[derive(Clone, Debug)]
+enum V {
+    Nil,
+    B(bool),
+    I(i128),
+    F(f64),
+    F32(f32),
+    S(String),
+    Raw(Vec<u8>),
+    Bin(Vec<u8>),
+    Ext(i8, Vec<u8>),
+    A(Vec<V>),
+    M(Vec<(V, V)>),
+}
+
+fn s(v: &str) -> V {
+    V::S(v.to_owned())
+}
+fn i(v: i128) -> V {
+    V::I(v)
+}
+fn a(v: Vec<V>) -> V {
+    V::A(v)
+}
+
+fn put_len(
+    out: &mut Vec<u8>,
+    len: usize,
+    fix: Option<(u8, usize)>,
+    m8: Option<u8>,
+    m16: u8,
+    m32: u8,
+) {
+    match (fix, m8) {
+        (Some((base, max)), _) if len <= max => out.push(base | len as u8),
+        (_, Some(m)) if len <= 0xff => out.extend([m, len as u8]),
+        _ if len <= 0xffff => {
+            out.push(m16);
+            out.extend((len as u16).to_be_bytes());
+        }
+        _ => {
+            out.push(m32);
+            out.extend((len as u32).to_be_bytes());
+        }
+    }
+}
+
+fn enc_into(v: &V, out: &mut Vec<u8>) {
+    match v {
+        V::Nil => out.push(0xc0),
+        V::B(b) => out.push(if *b { 0xc3 } else { 0xc2 }),
+        V::I(n) => {
+            let n = *n;
+            if (0..=0x7f).contains(&n) {
+                out.push(n as u8);
+            } else if (-32..0).contains(&n) {
+                out.push(n as i8 as u8);
+            } else if n > i64::MAX as i128 {
+                out.push(0xcf);
+                out.extend((n as u64).to_be_bytes());
+            } else if (0..=0xffff).contains(&n) {
+                out.push(0xcd);
+                out.extend((n as u16).to_be_bytes());
+            } else if n >= 0 && n <= u32::MAX as i128 {
+                out.push(0xce);
+                out.extend((n as u32).to_be_bytes());
+            } else {
+                out.push(0xd3);
+                out.extend((n as i64).to_be_bytes());
+            }
+        }
+        V::F(f) => {
+            out.push(0xcb);
+            out.extend(f.to_be_bytes());
+        }
+        V::F32(f) => {
+            out.push(0xca);
+            out.extend(f.to_be_bytes());
+        }
+        V::S(st) => {
+            put_len(out, st.len(), Some((0xa0, 31)), Some(0xd9), 0xda, 0xdb);
+            out.extend(st.as_bytes());
+        }
+        V::Raw(bytes) => {
+            put_len(out, bytes.len(), Some((0xa0, 31)), Some(0xd9), 0xda, 0xdb);
+            out.extend(bytes);
+        }
+        V::Bin(bytes) => {
+            put_len(out, bytes.len(), None, Some(0xc4), 0xc5, 0xc6);
+            out.extend(bytes);
+        }
+        V::Ext(code, bytes) => {
+            match bytes.len() {
+                1 => out.push(0xd4),
+                2 => out.push(0xd5),
+                4 => out.push(0xd6),
+                8 => out.push(0xd7),
+                16 => out.push(0xd8),
+                n => put_len(out, n, None, Some(0xc7), 0xc8, 0xc9),
+            }
+            out.push(*code as u8);
+            out.extend(bytes);
+        }
+        V::A(items) => {
+            put_len(out, items.len(), Some((0x90, 15)), None, 0xdc, 0xdd);
+            for item in items {
+                enc_into(item, out);
+            }
+        }
+        V::M(entries) => {
+            put_len(out, entries.len(), Some((0x80, 15)), None, 0xde, 0xdf);
+            for (k, v) in entries {
+                enc_into(k, out);
+                enc_into(v, out);
+            }
+        }
+    }
+}
+
+fn enc(v: &V) -> Vec<u8> {
+    let mut out = Vec::new();
+    enc_into(v, &mut out);
+    out
+}
+
+fn decode_frames(frames: &[&[u8]]) -> Result<MessageTree, DecodeError> {
+    let mut b = TreeBuilder::new(frames);
+    decode_outputs(frames, &mut b, &mut Scratch::default()).map(Tree::into_message)
+}
+
+fn decode(msg: &V) -> Result<MessageTree, DecodeError> {
+    let payload = enc(msg);
+    decode_frames(&[&payload])
+}
+
+fn decode_err(msg: &V) -> DecodeError {
+    decode(msg).expect_err("expected a decoding error")
+}
+
+/// A message around the given outputs: `[0, outputs, nil, 1.5]`.
+fn msg(outputs: Vec<V>) -> V {
+    a(vec![i(0), a(outputs), V::Nil, V::F(1.5)])
+}
+
+/// An output with `fields` after request_id and new_token_ids.
+fn out(id: &str, tokens: &[i128], fields: Vec<V>) -> V {
+    let mut f = vec![s(id), a(tokens.iter().map(|&t| i(t)).collect())];
+    f.extend(fields);
+    a(f)
+}
+
+/// An output with field `index` set to `value` (nil before it, default-length).
+fn out_with(index: usize, value: V) -> V {
+    let mut f = vec![V::Nil; 10];
+    f[index - 2] = value;
+    f.push(i(0));
+    out("r", &[1], f)
+}
+
+fn only_output(m: MessageTree) -> OutputTree {
+    assert_eq!(m.outputs.len(), 1);
+    m.outputs.into_iter().next().unwrap()
+}
+
+fn arr_inline(dtype: &str, shape: &[i128], data: &[u8]) -> V {
+    a(vec![
+        s(dtype),
+        a(shape.iter().map(|&d| i(d)).collect()),
+        V::Ext(3, data.to_vec()),
+    ])
+}
+
+#[test]
+fn minimal_message_gets_defaults() {
+    let m = decode(&a(vec![])).unwrap();
+    assert_eq!(m.engine_index, 0);
+    assert!(m.outputs.is_empty());
+    assert_eq!(m.scheduler_stats, Tree::None);
+    assert_eq!(m.timestamp, 0.0);
+    assert_eq!(m.utility_output, Tree::None);
+    assert_eq!(m.finished_requests, Tree::None);
+    assert_eq!(m.wave_complete, None);
+    assert_eq!(m.start_wave, None);
+}
+
+#[test]
+fn typical_decode_step() {
+    let m = decode(&msg(vec![
+        out("cmpl-a-0", &[151_000], vec![]),
+        out(
+            "cmpl-b-0",
+            &[7, 8],
+            vec![
+                V::Nil,
+                V::Nil,
+                V::Nil,
+                i(1),
+                V::Nil,
+                V::Nil,
+                V::Nil,
+                V::Nil,
+                V::Nil,
+                V::Nil,
+                i(0),
+            ],
+        ),
+    ]))
+    .unwrap();
+    assert_eq!(m.timestamp, 1.5);
+    assert_eq!(m.outputs.len(), 2);
+    let o = &m.outputs[0];
+    assert_eq!(o.request_id, Tree::Str("cmpl-a-0".into()));
+    assert_eq!(o.new_token_ids, vec![151_000]);
+    assert_eq!(o.finish_reason, None);
+    assert_eq!(o.num_nans_in_logits, 0);
+    assert_eq!(o.new_logprobs, Tree::None);
+    let o = &m.outputs[1];
+    assert_eq!(o.new_token_ids, vec![7, 8]);
+    assert_eq!(o.finish_reason, Some(1));
+}
+
+#[test]
+fn every_output_field() {
+    let lp = a(vec![
+        arr_inline("<i4", &[1, 2], &[1, 0, 0, 0, 2, 0, 0, 0]),
+        arr_inline("<f4", &[1, 2], &[0; 8]),
+        arr_inline("<i4", &[1], &[0; 4]),
+        a(vec![i(0), i(1)]),
+    ]);
+    let plp = a(vec![
+        arr_inline("int64", &[1, 1], &[9; 8]),
+        arr_inline("bfloat16", &[1, 1], &[1, 2]),
+        arr_inline("int64", &[1], &[0; 8]),
+    ]);
+    let fields = vec![
+        lp,
+        plp,
+        arr_inline("float16", &[2], &[0, 60, 0, 64]),
+        i(0),
+        s("</s>"),
+        a(vec![
+            V::M(vec![(s("type"), i(1)), (s("timestamp"), V::F(2.5))]),
+            V::M(vec![
+                (s("timestamp"), i(3)),
+                (s("type"), i(3)),
+                (s("extra"), a(vec![])),
+            ]),
+        ]),
+        V::M(vec![(s("remote"), a(vec![i(1), s("x")]))]),
+        V::M(vec![(s("traceparent"), s("00-ab"))]),
+        V::M(vec![(s("num_cached_tokens"), i(12))]),
+        arr_inline("|b1", &[3], &[1, 0, 1]),
+        i(4),
+    ];
+    let o = only_output(decode(&msg(vec![out("ünï-çødé-🙂", &[], fields)])).unwrap());
+    assert_eq!(o.request_id, Tree::Str("ünï-çødé-🙂".into()));
+    assert!(o.new_token_ids.is_empty());
+    match &o.new_logprobs {
+        Tree::Logprobs {
+            kind,
+            arrays,
+            cu_num_generated_tokens,
+        } => {
+            assert_eq!(*kind, ArrayKind::Ndarray);
+            assert_eq!(arrays.len(), 3);
+            match &arrays[0] {
+                Tree::Array {
+                    dtype,
+                    shape,
+                    data,
+                    frame,
+                    ..
+                } => {
+                    assert_eq!(dtype, "<i4");
+                    assert_eq!(shape, &vec![1, 2]);
+                    assert_eq!(data, &vec![1, 0, 0, 0, 2, 0, 0, 0]);
+                    assert_eq!(*frame, 0);
+                }
+                other => panic!("{other:?}"),
+            }
+            assert_eq!(
+                **cu_num_generated_tokens,
+                Tree::List(vec![Tree::Int(0), Tree::Int(1)])
+            );
+        }
+        other => panic!("{other:?}"),
+    }
+    assert!(matches!(
+        &o.new_prompt_logprobs_tensors,
+        Tree::Logprobs { kind: ArrayKind::Tensor, cu_num_generated_tokens, .. }
+            if **cu_num_generated_tokens == Tree::None
+    ));
+    assert!(matches!(
+        &o.pooling_output,
+        Tree::Array {
+            kind: ArrayKind::Tensor,
+            ..
+        }
+    ));
+    assert_eq!(o.finish_reason, Some(0));
+    assert_eq!(o.stop_reason, Tree::Str("</s>".into()));
+    assert_eq!(
+        o.events,
+        Tree::List(vec![
+            Tree::Event {
+                kind: 1,
+                timestamp: 2.5
+            },
+            Tree::Event {
+                kind: 3,
+                timestamp: 3.0
+            },
+        ])
+    );
+    assert_eq!(
+        o.kv_transfer_params,
+        Tree::Dict(vec![(
+            Tree::Str("remote".into()),
+            Tree::List(vec![Tree::Int(1), Tree::Str("x".into())])
+        )])
+    );
+    assert_eq!(
+        o.trace_headers,
+        Tree::Dict(vec![(
+            Tree::Str("traceparent".into()),
+            Tree::Str("00-ab".into())
+        )])
+    );
+    assert!(matches!(&o.prefill_stats, Tree::Dict(e) if e.len() == 1));
+    assert!(matches!(
+        &o.routed_experts,
+        Tree::Array {
+            kind: ArrayKind::Ndarray,
+            ..
+        }
+    ));
+    assert_eq!(o.num_nans_in_logits, 4);
+}
+
+#[test]
+fn stop_reason_int_and_finish_reasons() {
+    for code in 0..=4 {
+        let o = only_output(decode(&msg(vec![out_with(5, i(code))])).unwrap());
+        assert_eq!(o.finish_reason, Some(code as u8));
+    }
+    let o = only_output(decode(&msg(vec![out_with(6, i(128_001))])).unwrap());
+    assert_eq!(o.stop_reason, Tree::Int(128_001));
+}
+
+#[test]
+fn every_message_field_and_call_ids() {
+    for call_id in [0i128, 1, (1 << 63) + 5, u64::MAX as i128, -1] {
+        let m = decode(&a(vec![
+            i(3),
+            a(vec![]),
+            V::M(vec![(s("num_running_reqs"), i(2)), (s("kv"), V::F32(0.5))]),
+            V::F(12.25),
+            a(vec![
+                i(call_id),
+                V::Nil,
+                a(vec![V::Nil, a(vec![s("scale"), i(1)])]),
+            ]),
+            a(vec![s("x"), s("y"), s("x")]),
+            i(7),
+            i(8),
+        ]))
+        .unwrap();
+        assert_eq!(m.engine_index, 3);
+        assert_eq!(
+            m.scheduler_stats,
+            Tree::Dict(vec![
+                (Tree::Str("num_running_reqs".into()), Tree::Int(2)),
+                (Tree::Str("kv".into()), Tree::Float(0.5)),
+            ])
+        );
+        assert_eq!(m.timestamp, 12.25);
+        assert_eq!(
+            m.utility_output,
+            Tree::UtilityOutput {
+                call_id,
+                failure_message: Box::new(Tree::None),
+                result: Box::new(Tree::UtilityResult(Box::new(Tree::List(vec![
+                    Tree::Str("scale".into()),
+                    Tree::Int(1)
+                ])))),
+            }
+        );
+        assert_eq!(
+            m.finished_requests,
+            Tree::Set(vec![Tree::Str("x".into()), Tree::Str("y".into())])
+        );
+        assert_eq!(m.wave_complete, Some(7));
+        assert_eq!(m.start_wave, Some(8));
+    }
+}
+
+#[test]
+fn utility_failure_and_short_utility() {
+    let m = decode(&a(vec![
+        i(0),
+        a(vec![]),
+        V::Nil,
+        i(1),
+        a(vec![i(9), s("Call to x method failed: boom")]),
+    ]))
+    .unwrap();
+    assert_eq!(m.timestamp, 1.0, "int timestamps widen to float");
+    assert_eq!(
+        m.utility_output,
+        Tree::UtilityOutput {
+            call_id: 9,
+            failure_message: Box::new(Tree::Str("Call to x method failed: boom".into())),
+            result: Box::new(Tree::None),
+        }
+    );
+    let m = decode(&a(vec![i(0), a(vec![]), V::Nil, i(1), a(vec![i(4)])])).unwrap();
+    assert!(matches!(
+        m.utility_output,
+        Tree::UtilityOutput { call_id: 4, .. }
+    ));
+}
+
+#[test]
+fn extra_trailing_fields_are_skipped_everywhere() {
+    let extra = || {
+        vec![
+            V::M(vec![(s("new"), a(vec![V::M(vec![]), V::Bin(vec![1])]))]),
+            V::Ext(42, vec![1, 2, 3]),
+            s("\u{ff}"),
+        ]
+    };
+    let mut fields = vec![a(vec![
+        arr_inline("<i4", &[0, 6], &[]),
+        arr_inline("<f4", &[0, 6], &[]),
+        arr_inline("<i4", &[0], &[]),
+        V::Nil,
+    ]
+    .into_iter()
+    .chain(extra())
+    .collect())];
+    fields.extend(vec![V::Nil; 9]);
+    fields.push(i(0));
+    fields.extend(extra());
+    let mut top = vec![
+        i(1),
+        a(vec![out("r", &[1], fields)]),
+        V::Nil,
+        V::F(0.0),
+        a(vec![i(1), V::Nil, V::Nil]
+            .into_iter()
+            .chain(extra())
+            .collect()),
+        V::Nil,
+        V::Nil,
+        V::Nil,
+    ];
+    top.extend(extra());
+    let m = decode(&a(top)).unwrap();
+    assert_eq!(m.engine_index, 1);
+    assert!(matches!(
+        &m.outputs[0].new_logprobs,
+        Tree::Logprobs { arrays, .. } if arrays.len() == 3
+    ));
+    assert!(matches!(
+        m.utility_output,
+        Tree::UtilityOutput { call_id: 1, .. }
+    ));
+}
+
+#[test]
+fn short_arrays_stop_at_any_field() {
+    // An output with only the two required fields, and a message cut after each field.
+    let full = vec![
+        i(2),
+        a(vec![out("r", &[1], vec![])]),
+        V::Nil,
+        V::F(3.0),
+        V::Nil,
+        a(vec![s("r")]),
+        i(1),
+        i(2),
+    ];
+    for len in 0..=full.len() {
+        let m = decode(&a(full[..len].to_vec())).unwrap();
+        assert_eq!(m.engine_index, if len > 0 { 2 } else { 0 });
+        assert_eq!(m.outputs.len(), usize::from(len > 1));
+        assert_eq!(m.start_wave, if len > 7 { Some(2) } else { None });
+    }
+    let mut out_fields = vec![V::Nil; 10];
+    out_fields.push(i(5));
+    for len in 0..=out_fields.len() {
+        let o = only_output(decode(&msg(vec![out("r", &[], out_fields[..len].to_vec())])).unwrap());
+        assert_eq!(o.num_nans_in_logits, if len == 11 { 5 } else { 0 });
+    }
+}
+
+#[test]
+fn aux_frames_and_inline_data() {
+    let aux1 = vec![0u8; 256];
+    let aux2: Vec<u8> = (0..=255u8).cycle().take(1024).collect();
+    let payload = enc(&msg(vec![out_with(
+        11,
+        a(vec![s("<i4"), a(vec![i(16), i(16)]), i(2)]),
+    )]));
+    let frames: Vec<&[u8]> = vec![&payload, &aux1, &aux2];
+    let o = only_output(decode_frames(&frames).unwrap());
+    match o.routed_experts {
+        Tree::Array {
+            frame, data, shape, ..
+        } => {
+            assert_eq!(frame, 2);
+            assert_eq!(data, aux2);
+            assert_eq!(shape, vec![16, 16]);
+        }
+        other => panic!("{other:?}"),
+    }
+    // Zero-size and zero-dimensional arrays.
+    for (shape, data) in [
+        (vec![], vec![7u8, 0, 0, 0]),
+        (vec![0, 5], vec![]),
+        (vec![3, 0], vec![]),
+    ] {
+        let o = only_output(
+            decode(&msg(vec![out_with(11, arr_inline("<i4", &shape, &data))])).unwrap(),
+        );
+        assert!(matches!(o.routed_experts, Tree::Array { data: d, .. } if d == data));
+    }
+}
+
+fn assert_err(msg: &V, path: &str, kind: ErrorKind) {
+    let err = decode_err(msg);
+    assert_eq!(err.kind(), &kind, "{err}");
+    assert_eq!(err.path_string(), path, "{err}");
+}
+
+#[test]
+fn wrong_type_says_what_and_where() {
+    let outputs: Vec<V> = (0..4)
+        .map(|k| {
+            if k == 3 {
+                a(vec![s("r3"), a(vec![i(1), i(2), s("x")])])
+            } else {
+                out("r", &[1], vec![])
+            }
+        })
+        .collect();
+    let err = decode_err(&msg(outputs));
+    assert_eq!(
+        err.to_string(),
+        "outputs[3].new_token_ids[2]: expected int, got str"
+    );
+    assert_err(
+        &a(vec![s("x")]),
+        "engine_index",
+        ErrorKind::Type {
+            expected: "int",
+            got: Kind::Str,
+        },
+    );
+    assert_err(
+        &a(vec![i(0), a(vec![]), V::Nil, s("t")]),
+        "timestamp",
+        ErrorKind::Type {
+            expected: "float",
+            got: Kind::Str,
+        },
+    );
+    assert_err(
+        &a(vec![
+            i(0),
+            a(vec![]),
+            V::Nil,
+            V::F(0.0),
+            V::Nil,
+            V::Nil,
+            V::B(true),
+        ]),
+        "wave_complete",
+        ErrorKind::Type {
+            expected: "int | nil",
+            got: Kind::Bool,
+        },
+    );
+    assert_err(
+        &msg(vec![out_with(6, V::F(1.0))]),
+        "outputs[0].stop_reason",
+        ErrorKind::Type {
+            expected: "int | str | nil",
+            got: Kind::Float,
+        },
+    );
+    assert_err(
+        &msg(vec![out_with(9, V::M(vec![(s("k"), i(1))]))]),
+        "outputs[0].trace_headers[\"k\"]",
+        ErrorKind::Type {
+            expected: "str",
+            got: Kind::Int,
+        },
+    );
+    assert_err(
+        &msg(vec![out_with(8, V::M(vec![(i(1), i(1))]))]),
+        "outputs[0].kv_transfer_params<key of entry 0>",
+        ErrorKind::Type {
+            expected: "str",
+            got: Kind::Int,
+        },
+    );
+    assert_err(
+        &a(vec![i(0), s("outputs")]),
+        "outputs",
+        ErrorKind::Type {
+            expected: "array",
+            got: Kind::Str,
+        },
+    );
+    assert_err(
+        &i(5),
+        "",
+        ErrorKind::Type {
+            expected: "array (EngineCoreOutputs)",
+            got: Kind::Int,
+        },
+    );
+    let mut fields = vec![V::Nil; 10];
+    fields.push(V::Nil); // num_nans_in_logits is not optional
+    let err = decode_err(&msg(vec![out("r", &[], fields)]));
+    assert_eq!(err.path_string(), "outputs[0].num_nans_in_logits");
+    assert!(err
+        .to_string()
+        .starts_with("outputs[0].num_nans_in_logits: expected int, got nil"));
+}
+
+#[test]
+fn too_short_and_wrong_length() {
+    assert_err(
+        &msg(vec![a(vec![s("r")])]),
+        "outputs[0]",
+        ErrorKind::TooShort { min: 2, got: 1 },
+    );
+    assert_err(
+        &a(vec![i(0), a(vec![]), V::Nil, V::F(0.0), a(vec![])]),
+        "utility_output",
+        ErrorKind::TooShort { min: 1, got: 0 },
+    );
+    assert_err(
+        &msg(vec![out_with(2, a(vec![V::Nil, V::Nil]))]),
+        "outputs[0].new_logprobs",
+        ErrorKind::TooShort { min: 3, got: 2 },
+    );
+    assert_err(
+        &msg(vec![out_with(
+            4,
+            a(vec![s("float32"), a(vec![]), V::Ext(3, vec![0; 4]), V::Nil]),
+        )]),
+        "outputs[0].pooling_output",
+        ErrorKind::WrongLength {
+            expected: 3,
+            got: 4,
+        },
+    );
+    assert_err(
+        &a(vec![
+            i(0),
+            a(vec![]),
+            V::Nil,
+            V::F(0.0),
+            a(vec![i(1), V::Nil, a(vec![V::Nil])]),
+        ]),
+        "utility_output.result",
+        ErrorKind::WrongLength {
+            expected: 2,
+            got: 1,
+        },
+    );
+}
+
+#[test]
+fn not_msgpack_truncated_trailing() {
+    let err = decode_frames(&[b"\xc1"]).unwrap_err();
+    assert!(matches!(
+        err.kind(),
+        ErrorKind::InvalidMarker {
+            byte: 0xc1,
+            offset: 0
+        }
+    ));
+    let err = decode_frames(&[b""]).unwrap_err();
+    assert!(matches!(err.kind(), ErrorKind::Truncated { offset: 0 }));
+    let err = decode_frames(&[]).unwrap_err();
+    assert_eq!(err.kind(), &ErrorKind::EmptyMessage);
+    let mut bytes = enc(&msg(vec![out("r", &[1], vec![])]));
+    bytes.push(0);
+    let err = decode_frames(&[&bytes]).unwrap_err();
+    assert!(matches!(
+        err.kind(),
+        ErrorKind::TrailingBytes { count: 1, .. }
+    ));
+    bytes.pop();
+    // Every strict prefix fails (no partial message).
+    for cut in 0..bytes.len() {
+        let err = decode_frames(&[&bytes[..cut]]).unwrap_err();
+        assert!(
+            matches!(err.kind(), ErrorKind::Truncated { .. }),
+            "cut {cut}: {err}"
+        );
+    }
+    // Truncation inside an output reports the output's path.
+    let bytes = enc(&a(vec![i(0), a(vec![out("r", &[1, 2], vec![])])]));
+    let err = decode_frames(&[&bytes[..bytes.len() - 1]]).unwrap_err();
+    assert!(err.path_string().starts_with("outputs[0]"), "{err}");
+}
+
+#[test]
+fn int_ranges_enums_and_utf8() {
+    assert_err(
+        &msg(vec![out_with(5, i(5))]),
+        "outputs[0].finish_reason",
+        ErrorKind::InvalidEnum {
+            what: "FinishReason",
+            value: 5,
+        },
+    );
+    assert_err(
+        &msg(vec![out_with(5, i(-1))]),
+        "outputs[0].finish_reason",
+        ErrorKind::InvalidEnum {
+            what: "FinishReason",
+            value: -1,
+        },
+    );
+    assert_err(
+        &msg(vec![out_with(
+            7,
+            a(vec![V::M(vec![
+                (s("type"), i(0)),
+                (s("timestamp"), V::F(0.0)),
+            ])]),
+        )]),
+        "outputs[0].events[0].type",
+        ErrorKind::InvalidEnum {
+            what: "EngineCoreEventType",
+            value: 0,
+        },
+    );
+    assert_err(
+        &msg(vec![a(vec![V::Raw(vec![0x66, 0xff]), a(vec![])])]),
+        "outputs[0].request_id",
+        ErrorKind::InvalidUtf8,
+    );
+    assert_err(
+        &a(vec![
+            i(0),
+            a(vec![]),
+            V::Nil,
+            V::F(0.0),
+            V::Nil,
+            a(vec![s("ok"), V::Raw(vec![0xc0])]),
+        ]),
+        "finished_requests[1]",
+        ErrorKind::InvalidUtf8,
+    );
+    assert_err(
+        &msg(vec![out_with(
+            8,
+            V::M(vec![(s("k"), a(vec![V::Raw(vec![0xe2, 0x82])]))]),
+        )]),
+        "outputs[0].kv_transfer_params[\"k\"][0]",
+        ErrorKind::InvalidUtf8,
+    );
+    // u64 and i64 extremes decode exactly.
+    let o = only_output(
+        decode(&msg(vec![out(
+            "r",
+            &[u64::MAX as i128, i64::MIN as i128, -1],
+            vec![],
+        )]))
+        .unwrap(),
+    );
+    assert_eq!(
+        o.new_token_ids,
+        vec![u64::MAX as i128, i64::MIN as i128, -1]
+    );
+}
+
+#[test]
+fn events_need_both_keys() {
+    assert_err(
+        &msg(vec![out_with(7, a(vec![V::M(vec![(s("type"), i(1))])]))]),
+        "outputs[0].events[0]",
+        ErrorKind::MissingKey { key: "timestamp" },
+    );
+    assert_err(
+        &msg(vec![out_with(
+            7,
+            a(vec![V::M(vec![(s("timestamp"), i(1))])]),
+        )]),
+        "outputs[0].events[0]",
+        ErrorKind::MissingKey { key: "type" },
+    );
+    assert_err(
+        &msg(vec![out_with(7, a(vec![V::M(vec![(i(1), i(1))])]))]),
+        "outputs[0].events[0]<key of entry 0>",
+        ErrorKind::NonStrKey { got: Kind::Int },
+    );
+    assert_err(
+        &msg(vec![out_with(7, a(vec![a(vec![i(1), V::F(0.0)])]))]),
+        "outputs[0].events[0]",
+        ErrorKind::Type {
+            expected: "map (EngineCoreEvent)",
+            got: Kind::Array,
+        },
+    );
+}
+
+#[test]
+fn nesting_limit() {
+    let nest = |depth: usize| {
+        let mut v = i(1);
+        for _ in 0..depth {
+            v = a(vec![v]);
+        }
+        v
+    };
+    let stats = |v: V| a(vec![i(0), a(vec![]), V::M(vec![(s("deep"), v)])]);
+    // MAX_DEPTH containers inside the dict value are fine; one more is not.
+    decode(&stats(nest(MAX_DEPTH))).unwrap();
+    let err = decode_err(&stats(nest(MAX_DEPTH + 1)));
+    assert_eq!(err.kind(), &ErrorKind::TooDeep { limit: MAX_DEPTH });
+    assert!(
+        err.path_string()
+            .starts_with("scheduler_stats[\"deep\"][0][0]"),
+        "{err}"
+    );
+    // Deep map nesting and deep keys too.
+    let mut m = i(1);
+    for _ in 0..=MAX_DEPTH {
+        m = V::M(vec![(s("k"), m)]);
+    }
+    assert_eq!(
+        decode_err(&stats(m)).kind(),
+        &ErrorKind::TooDeep { limit: MAX_DEPTH }
+    );
+    // Deeply nested junk in an ignored trailing field is skipped without recursion.
+    // (Written by hand: the test writer itself recurses.)
+    let mut bytes = enc(&a(vec![
+        i(0),
+        a(vec![]),
+        V::Nil,
+        V::F(0.0),
+        V::Nil,
+        V::Nil,
+        V::Nil,
+        V::Nil,
+        V::Nil,
+    ]));
+    bytes[0] = 0x99;
+    bytes.pop();
+    bytes.extend(std::iter::repeat_n(0x91u8, 50_000));
+    bytes.push(0xc0);
+    let m = decode_frames(&[&bytes]).unwrap();
+    assert_eq!(m.engine_index, 0);
+}
+
+#[test]
+fn generic_values() {
+    let value = V::M(vec![
+        (s("nil"), V::Nil),
+        (s("t"), V::B(true)),
+        (s("neg"), i(-5)),
+        (s("big"), i(u64::MAX as i128)),
+        (s("f32"), V::F32(0.25)),
+        (s("bin"), V::Bin(vec![1, 2])),
+        (s("ext3"), V::Ext(3, vec![9])),
+        (
+            s("nested"),
+            a(vec![V::M(vec![(i(1), s("one"))]), a(vec![])]),
+        ),
+        (s("dup"), i(1)),
+        (s("dup"), i(2)),
+    ]);
+    let m = decode(&a(vec![i(0), a(vec![]), value])).unwrap();
+    let Tree::Dict(entries) = m.scheduler_stats else {
+        panic!()
+    };
+    let get = |k: &str| {
+        entries
+            .iter()
+            .find(|(key, _)| *key == Tree::Str(k.into()))
+            .map(|(_, v)| v.clone())
+            .unwrap()
+    };
+    assert_eq!(get("nil"), Tree::None);
+    assert_eq!(get("t"), Tree::Bool(true));
+    assert_eq!(get("neg"), Tree::Int(-5));
+    assert_eq!(get("big"), Tree::Int(u64::MAX as i128));
+    assert_eq!(get("f32"), Tree::Float(0.25));
+    assert_eq!(get("bin"), Tree::Bytes(vec![1, 2]));
+    assert_eq!(get("ext3"), Tree::Bytes(vec![9]));
+    assert_eq!(get("dup"), Tree::Int(2), "later duplicate wins");
+    assert_eq!(
+        get("nested"),
+        Tree::List(vec![
+            Tree::Dict(vec![(Tree::Int(1), Tree::Str("one".into()))]),
+            Tree::List(vec![])
+        ])
+    );
+    // Free-form map keys: arrays become tuples, maps are unhashable.
+    let result = |v: V| {
+        a(vec![
+            i(0),
+            a(vec![]),
+            V::Nil,
+            V::F(0.0),
+            a(vec![i(1), V::Nil, a(vec![V::Nil, v])]),
+        ])
+    };
+    let m = decode(&result(V::M(vec![(
+        a(vec![i(1), a(vec![s("x")])]),
+        V::Nil,
+    )])))
+    .unwrap();
+    let Tree::UtilityOutput {
+        result: decoded, ..
+    } = m.utility_output
+    else {
+        panic!()
+    };
+    assert_eq!(
+        *decoded,
+        Tree::UtilityResult(Box::new(Tree::Dict(vec![(
+            Tree::Tuple(vec![Tree::Int(1), Tree::Tuple(vec![Tree::Str("x".into())])]),
+            Tree::None
+        )])))
+    );
+    let err = decode_err(&result(V::M(vec![(V::M(vec![]), V::Nil)])));
+    assert_eq!(err.kind(), &ErrorKind::UnhashableKey);
+    assert_eq!(
+        err.path_string(),
+        "utility_output.result[1]<key of entry 0>"
+    );
+    let err = decode_err(&result(V::Ext(-1, vec![0; 4])));
+    assert_eq!(err.kind(), &ErrorKind::UnknownExt { code: -1 });
+}
+
+#[test]
+fn array_errors() {
+    let ro = |v: V| msg(vec![out_with(11, v)]);
+    let path = "outputs[0].routed_experts";
+    assert_err(
+        &ro(a(vec![s("<i4"), a(vec![i(1)]), V::Ext(5, vec![0; 4])])),
+        &format!("{path}.data"),
+        ErrorKind::UnknownExt { code: 5 },
+    );
+    assert_err(
+        &ro(a(vec![s("<i4"), a(vec![i(1)]), s("data")])),
+        &format!("{path}.data"),
+        ErrorKind::BadArrayData { got: Kind::Str },
+    );
+    for index in [0i128, 1, -1, 1 << 40] {
+        assert_err(
+            &ro(a(vec![s("<i4"), a(vec![i(64)]), i(index)])),
+            &format!("{path}.data"),
+            ErrorKind::AuxIndexOutOfRange {
+                index,
+                aux_frames: 0,
+            },
+        );
+    }
+    assert_err(
+        &ro(arr_inline("<x4", &[1], &[0; 4])),
+        &format!("{path}.dtype"),
+        ErrorKind::UnknownDtype {
+            kind: ArrayKind::Ndarray,
+            dtype: "<x4".into(),
+        },
+    );
+    assert_err(
+        &ro(arr_inline("|O", &[1], &[0; 8])),
+        &format!("{path}.dtype"),
+        ErrorKind::UnknownDtype {
+            kind: ArrayKind::Ndarray,
+            dtype: "|O".into(),
+        },
+    );
+    assert_err(
+        &msg(vec![out_with(4, arr_inline("float33", &[1], &[0; 4]))]),
+        "outputs[0].pooling_output.dtype",
+        ErrorKind::UnknownDtype {
+            kind: ArrayKind::Tensor,
+            dtype: "float33".into(),
+        },
+    );
+    assert_err(
+        &ro(arr_inline("<i4", &[2], &[0; 4])),
+        path,
+        ErrorKind::ByteLength { needed: 8, got: 4 },
+    );
+    assert_err(
+        &ro(arr_inline("<i4", &[-1], &[])),
+        &format!("{path}.shape[0]"),
+        ErrorKind::NegativeDim { dim: -1 },
+    );
+    let dims = vec![1i128; MAX_DIMS + 1];
+    assert_err(
+        &ro(arr_inline("<i4", &dims, &[0; 4])),
+        &format!("{path}.shape"),
+        ErrorKind::TooManyDims {
+            ndim: MAX_DIMS + 1,
+            limit: MAX_DIMS,
+        },
+    );
+    assert_err(
+        &ro(arr_inline("<i4", &[1 << 62, 1 << 62, 0], &[])),
+        &format!("{path}.shape"),
+        ErrorKind::ShapeOverflow,
+    );
+    assert_err(
+        &ro(arr_inline("<i4", &[u64::MAX as i128], &[])),
+        &format!("{path}.shape[0]"),
+        ErrorKind::IntOutOfRange {
+            value: u64::MAX as i128,
+            min: 0,
+            max: i64::MAX as i128,
+        },
+    );
+    assert_err(
+        &ro(a(vec![i(4), a(vec![]), V::Ext(3, vec![])])),
+        &format!("{path}.dtype"),
+        ErrorKind::Type {
+            expected: "str",
+            got: Kind::Int,
+        },
+    );
+    // Inside logprobs the path names the array.
+    assert_err(
+        &msg(vec![out_with(
+            2,
+            a(vec![
+                arr_inline("<i4", &[1], &[0; 4]),
+                arr_inline("<f4", &[1], &[0; 3]),
+                arr_inline("<i4", &[1], &[0; 4]),
+            ]),
+        )]),
+        "outputs[0].new_logprobs.logprobs",
+        ErrorKind::ByteLength { needed: 4, got: 3 },
+    );
+}
+
+/// A builder that refuses one kind of value, to check that builder errors get a path.
+struct Refusing<'f>(TreeBuilder<'f>);
+
+impl Builder for Refusing<'_> {
+    type Obj = Tree;
+    fn none(&mut self) -> Tree {
+        self.0.none()
+    }
+    fn bool(&mut self, v: bool) -> Tree {
+        self.0.bool(v)
+    }
+    fn int(&mut self, v: i128) -> Result<Tree, DecodeError> {
+        self.0.int(v)
+    }
+    fn float(&mut self, v: f64) -> Result<Tree, DecodeError> {
+        self.0.float(v)
+    }
+    fn str(&mut self, v: &str) -> Result<Tree, DecodeError> {
+        self.0.str(v)
+    }
+    fn bytes(&mut self, v: &[u8]) -> Result<Tree, DecodeError> {
+        self.0.bytes(v)
+    }
+    fn list(&mut self, len: usize) -> Result<Tree, DecodeError> {
+        self.0.list(len)
+    }
+    fn list_set(&mut self, list: &mut Tree, index: usize, item: Tree) {
+        self.0.list_set(list, index, item)
+    }
+    fn tuple_from_list(&mut self, list: Tree) -> Result<Tree, DecodeError> {
+        self.0.tuple_from_list(list)
+    }
+    fn dict(&mut self) -> Result<Tree, DecodeError> {
+        self.0.dict()
+    }
+    fn dict_set(&mut self, d: &mut Tree, k: Tree, v: Tree) -> Result<(), DecodeError> {
+        self.0.dict_set(d, k, v)
+    }
+    fn set(&mut self) -> Result<Tree, DecodeError> {
+        self.0.set()
+    }
+    fn set_add(&mut self, set: &mut Tree, item: Tree) -> Result<(), DecodeError> {
+        self.0.set_add(set, item)
+    }
+    fn request_id(&mut self, raw: &[u8]) -> Result<Tree, DecodeError> {
+        if raw == b"refuse" {
+            return Err(DecodeError::new(ErrorKind::Foreign));
+        }
+        self.0.request_id(raw)
+    }
+    fn event(&mut self, kind: u8, timestamp: f64) -> Result<Tree, DecodeError> {
+        self.0.event(kind, timestamp)
+    }
+    fn dtype_itemsize(&mut self, kind: ArrayKind, dtype: &str) -> Result<usize, DecodeError> {
+        self.0.dtype_itemsize(kind, dtype)
+    }
+    fn array(&mut self, array: &super::schema::ArrayRef<'_>) -> Result<Tree, DecodeError> {
+        Err(DecodeError::new(ErrorKind::Rejected(format!(
+            "no {}",
+            array.dtype
+        ))))
+    }
+    fn logprobs(
+        &mut self,
+        k: ArrayKind,
+        arrays: [Tree; 3],
+        cu: Option<Tree>,
+    ) -> Result<Tree, DecodeError> {
+        self.0.logprobs(k, arrays, cu)
+    }
+    fn utility_result(&mut self, value: Tree) -> Result<Tree, DecodeError> {
+        self.0.utility_result(value)
+    }
+    fn utility_output(
+        &mut self,
+        c: i128,
+        f: Option<Tree>,
+        r: Option<Tree>,
+    ) -> Result<Tree, DecodeError> {
+        self.0.utility_output(c, f, r)
+    }
+    fn output(&mut self, parts: super::schema::OutputParts<'_, Tree>) -> Result<Tree, DecodeError> {
+        self.0.output(parts)
+    }
+    fn message(&mut self, parts: super::schema::MessageParts<Tree>) -> Result<Tree, DecodeError> {
+        self.0.message(parts)
+    }
+}
+
+#[test]
+fn builder_errors_get_a_path() {
+    let payload = enc(&msg(vec![
+        out("ok", &[], vec![]),
+        out("refuse", &[], vec![]),
+    ]));
+    let frames: Vec<&[u8]> = vec![&payload];
+    let mut b = Refusing(TreeBuilder::new(&frames));
+    let err = decode_outputs(&frames, &mut b, &mut Scratch::default()).unwrap_err();
+    assert_eq!(err.kind(), &ErrorKind::Foreign);
+    assert_eq!(err.path_string(), "outputs[1].request_id");
+
+    let payload = enc(&msg(vec![out_with(11, arr_inline("<i2", &[1], &[0, 0]))]));
+    let frames: Vec<&[u8]> = vec![&payload];
+    let mut b = Refusing(TreeBuilder::new(&frames));
+    let err = decode_outputs(&frames, &mut b, &mut Scratch::default()).unwrap_err();
+    assert_eq!(err.to_string(), "outputs[0].routed_experts: no <i2");
+}
+
+#[test]
+fn messages_of_every_error_render() {
+    // Display never panics and always names the place.
+    let kinds = [
+        ErrorKind::EmptyMessage,
+        ErrorKind::BadFrame {
+            index: 1,
+            detail: "not bytes".into(),
+        },
+        ErrorKind::ShapeOverflow,
+        ErrorKind::UnhashableKey,
+        ErrorKind::Foreign,
+        ErrorKind::IntOutOfRange {
+            value: 1,
+            min: 2,
+            max: 3,
+        },
+    ];
+    for kind in kinds {
+        let text = DecodeError::new(kind.clone()).at_field("x").to_string();
+        assert!(text.starts_with("x: "), "{text}");
+        let top = DecodeError::new(kind).to_string();
+        assert!(top.starts_with("EngineCoreOutputs: "), "{top}");
+    }
+    let long_key = "k".repeat(100);
+    let text = DecodeError::new(ErrorKind::InvalidUtf8)
+        .at_key(&long_key)
+        .to_string();
+    assert!(text.len() < 100, "long keys are shortened: {text}");
+}
+
+/// A cheap deterministic PRNG (xorshift) for the mutation test.
+struct Rng(u64);
+impl Rng {
+    fn next(&mut self) -> u64 {
+        self.0 ^= self.0 << 13;
+        self.0 ^= self.0 >> 7;
+        self.0 ^= self.0 << 17;
+        self.0
+    }
+    fn below(&mut self, n: usize) -> usize {
+        (self.next() % n as u64) as usize
+    }
+}
+
+#[test]
+fn mutated_frames_never_panic() {
+    let aux = vec![1u8; 256];
+    let base = enc(&a(vec![
+        i(0),
+        a(vec![out(
+            "cmpl-0",
+            &[1, 150_000],
+            vec![
+                a(vec![
+                    arr_inline("<i4", &[1, 2], &[0; 8]),
+                    arr_inline("<f4", &[1, 2], &[0; 8]),
+                    arr_inline("<i4", &[1], &[0; 4]),
+                    V::Nil,
+                ]),
+                V::Nil,
+                a(vec![s("float32"), a(vec![i(64)]), i(1)]),
+                i(1),
+                s("stop"),
+                a(vec![V::M(vec![
+                    (s("type"), i(1)),
+                    (s("timestamp"), V::F(1.0)),
+                ])]),
+                V::M(vec![(s("k"), a(vec![i(1), V::F32(2.0)]))]),
+            ],
+        )]),
+        V::M(vec![(s("n"), i(1))]),
+        V::F(1.0),
+        a(vec![i(-1), V::Nil, a(vec![V::Nil, a(vec![s("x"), i(0)])])]),
+        a(vec![s("cmpl-0")]),
+    ]));
+    let frames: Vec<&[u8]> = vec![&base, &aux];
+    assert!(decode_frames(&frames).is_ok());
+    let mut rng = Rng(0x1234_5678_9abc_def1);
+    let mut ok = 0;
+    for _ in 0..30_000 {
+        let mut bytes = base.clone();
+        match rng.below(4) {
+            0 => {
+                let at = rng.below(bytes.len());
+                bytes[at] = rng.next() as u8;
+            }
+            1 => bytes.truncate(rng.below(bytes.len())),
+            2 => {
+                let at = rng.below(bytes.len());
+                bytes.insert(at, rng.next() as u8);
+            }
+            _ => {
+                let from = rng.below(bytes.len());
+                let to = rng.below(bytes.len());
+                let (lo, hi) = (from.min(to), from.max(to));
+                let chunk = base[lo..hi].to_vec();
+                let at = rng.below(bytes.len());
+                bytes.splice(at..at, chunk);
+            }
+        }
+        let frames: Vec<&[u8]> = vec![&bytes, &aux];
+        if decode_frames(&frames).is_ok() {
+            ok += 1;
+        }
+    }
+    // Some mutations still decode (e.g. a changed token id); most must not.
+    assert!(ok > 0 && ok < 30_000, "{ok}");
+}
