@@ -789,7 +789,7 @@ def _malformed() -> list[Any]:
         ("wave_complete", "1"),
         ("start_wave", 1.5),
     ]:
-        case(f"outputs_{name}_{bad!r}", _bad(outputs_msg(**{name: bad})), _TYPE)
+        case(f"outputs_{name}_{bad!r}", _bad(outputs_msg(**{name: bad})), _TYPE, re.escape(name))
     case("output_not_array", _bad(outputs_msg(outputs=[5])), _TYPE)
     case("output_is_map", _bad(outputs_msg(outputs=[{"request_id": "r"}])), _TYPE)
     case(
@@ -815,7 +815,6 @@ def _malformed() -> list[Any]:
         ("events", [{"type": "queued", "timestamp": 1.0}]),
         ("events", [{"type": 9, "timestamp": 1.0}]),
         ("events", [{"type": 1, "timestamp": "x"}]),
-        ("events", [{"type": 1}]),
         ("kv_transfer_params", 5),
         ("kv_transfer_params", [1]),
         ("prefill_stats", "x"),
@@ -823,15 +822,38 @@ def _malformed() -> list[Any]:
         ("num_nans_in_logits", None),
         ("num_nans_in_logits", "0"),
     ]:
-        case(f"output_{name}_{bad!r}", _bad_out(**{name: bad}), _TYPE)
-    case("request_id_int", _bad(outputs_msg(outputs=[[5, [1]]])), _TYPE)
-    case("request_id_nil", _bad(outputs_msg(outputs=[[None, [1]]])), _TYPE)
-    case("request_id_bin", _bad(outputs_msg(outputs=[[b"r", [1]]])), _TYPE)
-    case("new_token_ids_str", _bad(outputs_msg(outputs=[["r", "12"]])), _TYPE)
-    case("new_token_ids_nil", _bad(outputs_msg(outputs=[["r", None]])), _TYPE)
-    case("new_token_id_str", _bad(outputs_msg(outputs=[["r", [1, "2"]]])), _TYPE)
-    case("new_token_id_float", _bad(outputs_msg(outputs=[["r", [1.0]]])), _TYPE)
-    case("new_token_id_bool", _bad(outputs_msg(outputs=[["r", [True]]])), _TYPE)
+        where = re.escape(f"outputs[0].{name}")
+        case(f"output_{name}_{bad!r}", _bad_out(**{name: bad}), _TYPE, where)
+    case(
+        "output_event_without_timestamp",
+        _bad_out(events=[{"type": 1}]),
+        r"missing|required",
+        r"timestamp",
+        re.escape("outputs[0].events[0]"),
+    )
+    case("request_id_int", _bad(outputs_msg(outputs=[[5, [1]]])), _TYPE, r"request_id")
+    case("request_id_nil", _bad(outputs_msg(outputs=[[None, [1]]])), _TYPE, r"request_id")
+    case("request_id_bin", _bad(outputs_msg(outputs=[[b"r", [1]]])), _TYPE, r"request_id")
+    case("new_token_ids_str", _bad(outputs_msg(outputs=[["r", "12"]])), _TYPE, r"new_token_ids")
+    case("new_token_ids_nil", _bad(outputs_msg(outputs=[["r", None]])), _TYPE, r"new_token_ids")
+    case(
+        "new_token_id_str",
+        _bad(outputs_msg(outputs=[["r", [1, "2"]]])),
+        _TYPE,
+        r"new_token_ids\[1\]",
+    )
+    case(
+        "new_token_id_float",
+        _bad(outputs_msg(outputs=[["r", [1.0]]])),
+        _TYPE,
+        r"new_token_ids\[0\]",
+    )
+    case(
+        "new_token_id_bool",
+        _bad(outputs_msg(outputs=[["r", [True]]])),
+        _TYPE,
+        r"new_token_ids\[0\]",
+    )
     # Logprobs structure.
     case(
         "logprobs_two_fields",
@@ -850,7 +872,9 @@ def _malformed() -> list[Any]:
         ([1, None, [None]], r"result|type_info|expect|length|2"),
         ([1, None, [None, 1, 2]], r"result|type_info|expect|length|2"),
     ]:
-        case(f"utility_{util!r}", _bad(outputs_msg(utility_output=util)), pattern)
+        case(
+            f"utility_{util!r}", _bad(outputs_msg(utility_output=util)), pattern, r"utility_output"
+        )
     # Arrays and tensors: aux index, extension type, dtype, shape and size.
     for index in (0, 2, 7, -1, 2**64 - 1):
         case(
@@ -858,14 +882,18 @@ def _malformed() -> list[Any]:
             _bad_tensor(nd("float32", [64], index), bytes(256)),
             r"aux",
             re.escape(str(index)),
+            r"pooling_output",
         )
-    case("aux_index_no_aux_frames", _bad_ndarray(nd("<f4", [64], 1)), r"aux", r"1")
+    case(
+        "aux_index_no_aux_frames", _bad_ndarray(nd("<f4", [64], 1)), r"aux", r"1", r"routed_experts"
+    )
     for code in (0, 1, 2, 4, 7, 127, -1, -128):
         case(
             f"ext_type_{code}_in_tensor",
             _bad_tensor(nd("float32", [1], ext(bytes(4), code=code))),
             r"ext",
             re.escape(str(code)),
+            r"pooling_output",
         )
     case("ext_type_7_in_map", _bad(outputs_msg(scheduler_stats={"a": ext(b"x", 7)})), r"ext", r"7")
     case(
@@ -873,64 +901,137 @@ def _malformed() -> list[Any]:
         _bad(outputs_msg(utility_output=[1, None, [None, ext(b"", 9)]])),
         r"ext",
         r"9",
+        r"utility_output",
     )
     for dtype in ("float33", "<f4", "", "torch.float32", "Float32", "float32 "):
-        case(f"tensor_dtype_{dtype!r}", _bad_tensor(nd(dtype, [1], ext(bytes(4)))), r"dtype")
+        case(
+            f"tensor_dtype_{dtype!r}",
+            _bad_tensor(nd(dtype, [1], ext(bytes(4)))),
+            r"dtype",
+            r"pooling_output",
+        )
     for dtype in ("bfloat16", "x4", "<f3", "", "|O", "|O8", "<i,", "(2)<i4"):
-        case(f"ndarray_dtype_{dtype!r}", _bad_ndarray(nd(dtype, [1], ext(bytes(8)))), r"dtype")
-    case("tensor_dtype_int", _bad_tensor(nd(5, [1], ext(bytes(4)))), _TYPE)
-    case("tensor_dtype_nil", _bad_tensor(nd(None, [1], ext(bytes(4)))), _TYPE)
-    case("tensor_shape_int", _bad_tensor(["float32", 1, ext(bytes(4))]), r"shape|expect|type")
+        case(
+            f"ndarray_dtype_{dtype!r}",
+            _bad_ndarray(nd(dtype, [1], ext(bytes(8)))),
+            r"dtype",
+            r"routed_experts",
+        )
+    case("tensor_dtype_int", _bad_tensor(nd(5, [1], ext(bytes(4)))), _TYPE, r"pooling_output")
+    case("tensor_dtype_nil", _bad_tensor(nd(None, [1], ext(bytes(4)))), _TYPE, r"pooling_output")
+    case(
+        "tensor_shape_int",
+        _bad_tensor(["float32", 1, ext(bytes(4))]),
+        r"shape|expect|type",
+        r"pooling_output",
+    )
     case(
         "tensor_shape_negative",
         _bad_tensor(nd("float32", [-1], ext(bytes(4)))),
         r"shape|negative|expect",
+        r"pooling_output",
     )
-    case("tensor_shape_str", _bad_tensor(nd("float32", ["1"], ext(bytes(4)))), r"shape|expect|type")
     case(
-        "tensor_shape_float", _bad_tensor(nd("float32", [1.0], ext(bytes(4)))), r"shape|expect|type"
+        "tensor_shape_str",
+        _bad_tensor(nd("float32", ["1"], ext(bytes(4)))),
+        r"shape|expect|type",
+        r"pooling_output",
     )
-    case("tensor_too_few_bytes", _bad_tensor(nd("float32", [3], ext(bytes(8)))), _SIZE)
-    case("tensor_too_many_bytes", _bad_tensor(nd("float32", [1], ext(bytes(8)))), _SIZE)
-    case("tensor_aux_too_short", _bad_tensor(nd("float32", [100], 1), bytes(300)), _SIZE)
-    case("tensor_aux_too_long", _bad_tensor(nd("float32", [64], 1), bytes(260)), _SIZE)
-    case("bf16_odd_bytes", _bad_tensor(nd("bfloat16", [2], ext(bytes(3)))), _SIZE)
-    case("ndarray_too_few_bytes", _bad_ndarray(nd("<i4", [2, 2], ext(bytes(12)))), _SIZE)
-    case("ndarray_aux_wrong_size", _bad_ndarray(nd("<i8", [40], 1), bytes(256)), _SIZE)
-    case("ndarray_zero_size_with_bytes", _bad_ndarray(nd("<i4", [0], ext(bytes(4)))), _SIZE)
+    case(
+        "tensor_shape_float",
+        _bad_tensor(nd("float32", [1.0], ext(bytes(4)))),
+        r"shape|expect|type",
+        r"pooling_output",
+    )
+    case(
+        "tensor_too_few_bytes",
+        _bad_tensor(nd("float32", [3], ext(bytes(8)))),
+        _SIZE,
+        r"pooling_output",
+    )
+    case(
+        "tensor_too_many_bytes",
+        _bad_tensor(nd("float32", [1], ext(bytes(8)))),
+        _SIZE,
+        r"pooling_output",
+    )
+    case(
+        "tensor_aux_too_short",
+        _bad_tensor(nd("float32", [100], 1), bytes(300)),
+        _SIZE,
+        r"pooling_output",
+    )
+    case(
+        "tensor_aux_too_long",
+        _bad_tensor(nd("float32", [64], 1), bytes(260)),
+        _SIZE,
+        r"pooling_output",
+    )
+    case(
+        "bf16_odd_bytes", _bad_tensor(nd("bfloat16", [2], ext(bytes(3)))), _SIZE, r"pooling_output"
+    )
+    case(
+        "ndarray_too_few_bytes",
+        _bad_ndarray(nd("<i4", [2, 2], ext(bytes(12)))),
+        _SIZE,
+        r"routed_experts",
+    )
+    case(
+        "ndarray_aux_wrong_size",
+        _bad_ndarray(nd("<i8", [40], 1), bytes(256)),
+        _SIZE,
+        r"routed_experts",
+    )
+    case(
+        "ndarray_zero_size_with_bytes",
+        _bad_ndarray(nd("<i4", [0], ext(bytes(4)))),
+        _SIZE,
+        r"routed_experts",
+    )
     # Shapes whose element count overflows 64 bits must not wrap around to a match.
     case(
         "tensor_shape_overflow",
         _bad_tensor(nd("float32", [2**62, 8], ext(b""))),
         _SIZE + "|overflow|shape",
+        r"pooling_output",
     )
     case(
         "tensor_shape_overflow_zero",
         _bad_tensor(nd("uint8", [2**32, 2**32], ext(b""))),
         _SIZE + "|overflow|shape",
+        r"pooling_output",
     )
     case(
         "ndarray_shape_overflow",
         _bad_ndarray(nd("<i4", [2**62, 4], ext(b""))),
         _SIZE + "|overflow|shape",
+        r"routed_experts",
     )
     case(
         "ndarray_shape_u64",
         _bad_ndarray(nd("|u1", [2**64 - 1], ext(b""))),
         _SIZE + "|overflow|shape",
+        r"routed_experts",
     )
-    case("array_two_items", _bad_tensor(["float32", [1]]), r"array|expect|length|3")
+    case(
+        "array_two_items",
+        _bad_tensor(["float32", [1]]),
+        r"array|expect|length|3",
+        r"pooling_output",
+    )
     case(
         "array_four_items",
         _bad_tensor(["float32", [1], ext(bytes(4)), 0]),
         r"array|expect|length|3",
+        r"pooling_output",
     )
-    case("array_is_map", _bad_tensor({"dtype": "float32"}), _TYPE)
+    case("array_is_map", _bad_tensor({"dtype": "float32"}), _TYPE, r"pooling_output")
     for data in ("xxxx", None, True, 1.5, b"\x00" * 4, [0, 0, 0, 0]):
         case(
             f"array_data_{data!r}",
             _bad_tensor(nd("float32", [1], data)),
             r"data|aux|ext|expect|type",
+            r"pooling_output",
         )
     # Bad UTF-8 anywhere a string is due.
     bad_str = b"\xa2\xc3\x28"
