@@ -27,7 +27,7 @@ from typing import Any
 import msgspec
 import zmq
 
-from corewire.codec import Encoder
+from corewire.codec import Encoder, MsgspecDecoder
 from corewire.protocol import (
     EngineCoreOutput,
     EngineCoreOutputs,
@@ -133,7 +133,7 @@ class ReplayEngine:
         self.step_delay = step_delay
         #: request id -> [tokens sent, max_tokens]
         self.running: dict[str, list[int]] = {}
-        self._decode_request = msgspec.msgpack.Decoder(EngineCoreRequest).decode
+        self._decode_request = MsgspecDecoder(EngineCoreRequest).decode
         #: Work to do right after the current utility reply is sent.
         self._after_reply: Any = None
 
@@ -171,10 +171,7 @@ class ReplayEngine:
             if after is not None:
                 after()
         elif kind == _ADD:
-            request = self._decode_request(payload)
-            params = request.sampling_params
-            max_tokens = 16 if params is None or params.max_tokens is None else params.max_tokens
-            self.running[request.request_id] = [0, max_tokens]
+            self.add(self._decode_request(list(message[1:])))
         elif kind == _ABORT:
             finished = set()
             for request_id in msgspec.msgpack.decode(payload):
@@ -191,6 +188,12 @@ class ReplayEngine:
                         finished_requests=finished,
                     )
                 )
+
+    def add(self, request: EngineCoreRequest) -> None:
+        """Start streaming ``request``."""
+        params = request.sampling_params
+        max_tokens = 16 if params is None or params.max_tokens is None else params.max_tokens
+        self.running[request.request_id] = [0, max_tokens]
 
     def step(self) -> None:
         """One token for every running request, in one message."""

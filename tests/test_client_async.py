@@ -1,0 +1,337 @@
+"""AsyncMPClient against real engine processes: requests, utility calls, hooks, loops."""
+
+from __future__ import annotations
+
+import asyncio
+import gc
+import multiprocessing
+import os
+import tempfile
+import weakref
+from typing import Any
+
+import pytest
+import torch
+import uvloop
+from client_support import REPLAY, SUPPORT, finished, no_leaks, request
+
+from corewire import AsyncMPClient, EngineDeadError, UtilityError
+from corewire.client.async_client import DRAIN_BUDGET
+from corewire.engine.replay import run_replay_engine
+from corewire.protocol import EngineCoreOutputs
+
+
+async def collect(client: AsyncMPClient, n_requests: int) -> dict[str, list[int]]:
+    """Tokens per request until ``n_requests`` requests finished."""
+    tokens: dict[str, list[int]] = {}
+    done = 0
+    while done < n_requests:
+        outputs = await client.get_output_async()
+        for out in outputs.outputs:
+            tokens.setdefault(out.request_id, []).extend(out.new_token_ids)
+        done += len(finished(outputs))
+    return tokens
+
+
+async def test_streaming_and_utility_round_trips() -> None:
+    with no_leaks():
+        client = AsyncMPClient(engine_main=REPLAY)
+        try:
+            assert len(client.engine_pids) == 1
+            for i in range(8):
+                await client.add_request_async(request(f"r{i}", max_tokens=5))
+            tokens = await collect(client, 8)
+            assert tokens == {f"r{i}": [1, 2, 3, 4, 5] for i in range(8)}
+            value = {"ids": [2**63 + 5, 2**64 - 1, -1], "text": "héllo", "nested": [[1.5]]}
+            assert await client.call_utility_async("echo", value) == value
+            await client.check_health_async(timeout=5)
+            assert len(client.resources.registry) == 0
+        finally:
+            client.shutdown()
+
+
+async def test_utility_failure_carries_the_engine_message() -> None:
+    with no_leaks():
+        client = AsyncMPClient(engine_main=REPLAY)
+        try:
+            with pytest.raises(UtilityError, match="Call to no_such method failed") as info:
+                await client.call_utility_async("no_such", 1)
+            assert info.value.method == "no_such"
+            assert await client.call_utility_async("echo", 3) == 3  # the engine lives on
+        finally:
+            client.shutdown()
+
+
+async def test_concurrent_utility_calls_resolve_their_own_futures() -> None:
+    with no_leaks():
+        client = AsyncMPClient(engine_main=REPLAY)
+        try:
+            results = await asyncio.gather(
+                *(client.call_utility_async("echo", i) for i in range(2000))
+            )
+            assert results == list(range(2000))
+            assert len(client.resources.registry) == 0
+        finally:
+            client.shutdown()
+
+
+async def test_stray_replies_are_ignored() -> None:
+    with no_leaks():
+        client = AsyncMPClient(engine_main=SUPPORT)
+        try:
+            pending = asyncio.ensure_future(client.call_utility_async("block", 0.3))
+            await asyncio.sleep(0.05)
+            # Replies for calls nobody made (one of them twice) while a real one waits.
+            await client.call_utility_async("stray_replies", [12345, 12345, 0, 2**64 - 1])
+            assert await pending == 0.3
+            assert await client.call_utility_async("echo", "after") == "after"
+            assert len(client.resources.registry) == 0
+        finally:
+            client.shutdown()
+
+
+async def test_cancelled_call_leaves_no_entry_and_late_reply_is_harmless() -> None:
+    with no_leaks():
+        client = AsyncMPClient(engine_main=SUPPORT)
+        try:
+            task = asyncio.ensure_future(client.call_utility_async("block", 0.3))
+            await asyncio.sleep(0.05)
+            assert len(client.resources.registry) == 1
+            task.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await task
+            assert len(client.resources.registry) == 0  # removed at once
+            # The engine still replies to the cancelled call; nothing breaks.
+            assert await client.call_utility_async("echo", 1) == 1
+            assert len(client.resources.registry) == 0
+        finally:
+            client.shutdown()
+
+
+async def test_abort_finishes_the_request() -> None:
+    with no_leaks():
+        client = AsyncMPClient(engine_main=REPLAY, engine_args={"step_delay": 0.01})
+        try:
+            await client.add_request_async(request("long", max_tokens=10_000))
+            await client.get_output_async()
+            await client.abort_requests_async(["long", "unknown"])
+            while True:
+                outputs = await client.get_output_async()
+                aborted = [o for o in outputs.outputs if o.finish_reason is not None]
+                if aborted:
+                    assert aborted[0].request_id == "long"
+                    assert int(aborted[0].finish_reason) == 2  # abort
+                    assert outputs.finished_requests == {"long"}
+                    break
+        finally:
+            client.shutdown()
+
+
+async def test_zero_copy_tensors_stay_alive_until_sent() -> None:
+    with no_leaks():
+        client = AsyncMPClient(engine_main=SUPPORT)
+        try:
+            expected = []
+            for i in range(20):
+                embeds = torch.full((512, 256), float(i), dtype=torch.float32)  # 512 KiB
+                expected.append(float(embeds.double().sum()))
+                await client.add_request_async(request(f"e{i}", max_tokens=1, prompt_embeds=embeds))
+                del embeds  # only the send tracker keeps the memory alive now
+                gc.collect()
+            assert await client.call_utility_async("embed_sums") == expected
+            await collect(client, 20)
+            client.resources.tracker.reap()
+            assert len(client.resources.tracker) == 0
+        finally:
+            client.shutdown()
+
+
+class HookedClient(AsyncMPClient):
+    """Records what the hooks see."""
+
+    def __init__(self, **kwargs: Any) -> None:
+        self.seen: list[EngineCoreOutputs] = []
+        self.notes: list[Any] = []
+        super().__init__(**kwargs)
+
+    async def process_engine_outputs(self, outputs: EngineCoreOutputs) -> None:  # type: ignore[override]
+        self.seen.append(outputs)
+
+    async def eep_process_engine_core_notification(self, data: Any) -> None:
+        self.notes.append(data)
+
+
+async def test_hooks_see_every_message_and_only_outputs_or_stats_are_queued() -> None:
+    with no_leaks():
+        client = HookedClient(engine_main=SUPPORT)
+        try:
+            await client.call_utility_async("stats", 7)
+            stats = await client.get_output_async()
+            assert stats.scheduler_stats == {"num_waiting_reqs": 7}
+            await client.add_request_async(request("h", max_tokens=1))
+            outputs = await client.get_output_async()
+            # The finished_requests-only message reached the hook but not the queue.
+            assert [o.request_id for o in outputs.outputs] == ["h"]
+            assert [m.finished_requests for m in client.seen[:2]] == [None, {"gone"}]
+            assert len(client.seen) == 3
+            await client.call_utility_async("notify", "RECONFIGURE", 3)
+            for _ in range(100):
+                if client.notes:
+                    break
+                await asyncio.sleep(0.01)
+            assert client.notes == [["RECONFIGURE", 3]]
+        finally:
+            client.shutdown()
+
+
+async def test_output_task_drains_without_starving_the_consumer() -> None:
+    with no_leaks():
+        client = AsyncMPClient(engine_main=REPLAY)
+        try:
+            ticks = 0
+            stop = False
+
+            async def ticker() -> None:
+                nonlocal ticks
+                while not stop:
+                    ticks += 1
+                    await asyncio.sleep(0)
+
+            tick_task = asyncio.ensure_future(ticker())
+            count = 5000
+            await client.call_utility_async("replay", 4, count)
+            largest_backlog = 0
+            for _ in range(count):
+                largest_backlog = max(largest_backlog, client.outputs_queue.qsize())
+                outputs = await client.get_output_async()
+                assert len(outputs.outputs) == 4
+            stop = True
+            await tick_task
+            # The task hands over after at most DRAIN_BUDGET messages, so neither the
+            # consumer nor an unrelated task waits for the whole burst.
+            assert largest_backlog <= DRAIN_BUDGET
+            assert ticks >= count // DRAIN_BUDGET
+        finally:
+            client.shutdown()
+
+
+def test_lazy_start_outside_a_loop_and_loop_binding() -> None:
+    with no_leaks():
+        client = AsyncMPClient(engine_main=REPLAY)
+        try:
+            assert client.resources.output_task is None
+
+            async def use() -> Any:
+                return await client.call_utility_async("echo", "lazy")
+
+            assert asyncio.run(use()) == "lazy"
+            assert client.resources.output_task is not None
+            with pytest.raises(RuntimeError, match="bound to the event loop"):
+                asyncio.run(use())
+            with pytest.raises(RuntimeError):
+                client._ensure_output_queue_task()  # no running loop
+        finally:
+            client.shutdown()
+
+
+def test_uvloop() -> None:
+    async def main() -> None:
+        client = AsyncMPClient(engine_main=REPLAY)
+        try:
+            assert isinstance(asyncio.get_running_loop(), uvloop.Loop)
+            await client.add_request_async(request("u", max_tokens=3))
+            assert await collect(client, 1) == {"u": [1, 2, 3]}
+            assert await client.call_utility_async("echo", 5) == 5
+            await client.check_health_async(5)
+        finally:
+            client.shutdown()
+
+    uvloop.run(asyncio.sleep(0))  # uvloop keeps a process-wide pipe from its first loop on
+    with no_leaks():
+        uvloop.run(main())
+
+
+async def test_shutdown_is_idempotent_and_later_calls_raise() -> None:
+    with no_leaks():
+        client = AsyncMPClient(engine_main=REPLAY)
+        (pid,) = client.engine_pids
+        client.shutdown()
+        client.shutdown()
+        assert client.engine_dead
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)
+        with pytest.raises(EngineDeadError):
+            await client.call_utility_async("echo", 1)
+        with pytest.raises(EngineDeadError):
+            await client.add_request_async(request("x"))
+        with pytest.raises(EngineDeadError):
+            await client.get_output_async()
+        with pytest.raises(EngineDeadError):
+            await client.check_health_async()
+        await client.abort_requests_async(["x"])  # no-op once dead, as in vLLM
+
+
+async def test_no_reference_cycle_client_is_freed_by_refcount() -> None:
+    with no_leaks():
+        gc.disable()
+        try:
+            client = AsyncMPClient(engine_main=REPLAY)
+            assert await client.call_utility_async("echo", 1) == 1
+            task = client.resources.output_task
+            ref = weakref.ref(client)
+            del client
+            assert ref() is None  # no cycle: freed without the collector
+            await asyncio.sleep(0)
+            assert task is not None and task.done()
+        finally:
+            gc.enable()
+
+
+def test_external_engine_via_client_addresses() -> None:
+    with no_leaks(), tempfile.TemporaryDirectory(prefix="corewire-test-") as tmp:
+        addresses = {
+            "input_address": f"ipc://{tmp}/in",
+            "output_address": f"ipc://{tmp}/out",
+        }
+        ctx = multiprocessing.get_context("spawn")
+        engine = ctx.Process(
+            target=run_replay_engine,
+            kwargs={"engine_index": 0, "parent_pid": os.getpid(), **addresses},
+            name="external-engine",
+        )
+        engine.start()
+        try:
+
+            async def main() -> None:
+                client = AsyncMPClient(client_addresses=addresses, ready_timeout=60)
+                try:
+                    assert client.engine_pids == []
+                    assert await client.call_utility_async("echo", "ext") == "ext"
+                    await client.add_request_async(request("x", max_tokens=2))
+                    assert await collect(client, 1) == {"x": [1, 2]}
+                finally:
+                    client.shutdown()
+
+            asyncio.run(main())
+            assert engine.is_alive()  # not ours to stop
+        finally:
+            engine.terminate()
+            engine.join(10)
+            engine.close()
+
+
+async def test_reference_engine_by_default() -> None:
+    with no_leaks(grace=20):
+        client = AsyncMPClient()
+        try:
+            assert await client.call_utility_async("echo", [1, 2]) == [1, 2]
+            assert "generate" in await client.get_supported_tasks_async()
+            assert await client.is_sleeping_async() is False
+            for i in range(3):
+                await client.add_request_async(request(f"g{i}", max_tokens=6))
+            tokens = await collect(client, 3)
+            assert len({tuple(t) for t in tokens.values()}) == 1  # greedy: same prompt
+            assert all(len(t) == 6 for t in tokens.values())
+            await client.check_health_async(10)
+        finally:
+            client.shutdown()
