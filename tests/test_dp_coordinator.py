@@ -52,6 +52,7 @@ def test_stale_notice_wakes_every_engine() -> None:
 def test_wave_ends_when_every_engine_reports_idle() -> None:
     s = CoordinatorState(2)
     s.on_first_request(0, 0)
+    s.pending.clear()
     assert s.on_engine_report(0, {"num_waiting_reqs": 2, "num_running_reqs": 1}, None, None) == []
     assert s.on_engine_report(1, {"num_waiting_reqs": 0, "num_running_reqs": 0}, None, None) == []
     assert s.counts == [[2, 1], [0, 0]]
@@ -73,6 +74,28 @@ def test_engine_start_wave_only_for_a_newer_or_paused_wave() -> None:
     assert s.on_engine_report(0, None, 2, None) == []
     # A newer wave moves everyone forward.
     assert s.on_engine_report(0, None, 4, None) == [(START_DP_WAVE, [4, 0])]
+
+
+def test_notified_engine_counts_as_busy_until_it_reports() -> None:
+    s = CoordinatorState(2)
+    assert s.on_first_request(0, 0, now=10.0) == [(START_DP_WAVE, [0, 0])]
+    idle = {"num_waiting_reqs": 0, "num_running_reqs": 0}
+    # Engine 1 (woken, no work) reports idle before engine 0 got its request: no end.
+    assert s.on_engine_report(1, idle, None, None) == []
+    assert s.next_deadline() == pytest.approx(10.5)
+    assert s.on_tick(10.1) == []
+    # Engine 0 reports its request, then finishes it: the wave ends then.
+    assert s.on_engine_report(0, {"num_waiting_reqs": 1}, None, None) == []
+    assert s.on_engine_report(0, idle, None, None) == [(WAVE_COMPLETE, [0])]
+
+
+def test_pending_engine_that_never_reports_expires() -> None:
+    s = CoordinatorState(2)
+    s.on_first_request(1, 0, now=5.0)
+    assert s.on_engine_report(0, {"num_waiting_reqs": 0}, None, None) == []
+    assert s.on_tick(5.49) == []
+    assert s.on_tick(5.5) == [(WAVE_COMPLETE, [0])]
+    assert s.next_deadline() is None
 
 
 def test_engine_wave_complete_is_honoured() -> None:

@@ -41,6 +41,8 @@ How a wave ends: corewire's engines have no collective to agree that all are idl
 coordinator is the reduction point. Engines report counts on every change; when every
 engine of the group reports ``[0, 0]`` while a wave runs, the coordinator ends it:
 ``current_wave += 1``, paused, WAVE_COMPLETE to the engines, new state to the front-ends.
+An engine named by a first-request notice counts as busy until it reports (or for
+half a second), so the wave its request starts does not end before the request lands.
 A request that races the end of its wave is never lost: the engine that receives it runs
 it regardless, and (now at the next wave, paused) sends ``start_wave`` so the coordinator
 wakes the others with START_DP_WAVE. An engine that subscribes late gets the current
@@ -93,6 +95,8 @@ WAVE_COMPLETE = b"\x10"
 PUBLISH_INTERVAL_S = 0.1
 #: How often the loop wakes to check its parent when nothing happens.
 _IDLE_POLL_S = 0.2
+#: How long an engine named by a first-request notice counts as busy without reporting.
+PENDING_REQUEST_S = 0.5
 
 
 @dataclass(frozen=True)
@@ -145,6 +149,10 @@ class CoordinatorState:
         self.engines_running = False
         #: Whether the front-ends have not seen the latest state yet.
         self.changed = True
+        #: Engines a front-end just sent a request to (first-request notice), until they
+        #: report or the deadline passes: the request may not have reached them yet, so
+        #: their last ``[0, 0]`` must not end the wave it started.
+        self.pending: dict[int, float] = {}
 
     @property
     def num_engines(self) -> int:
@@ -173,8 +181,12 @@ class CoordinatorState:
         self.changed = True
         return [(WAVE_COMPLETE, [wave])]
 
-    def on_first_request(self, engine_index: int, wave: int) -> list[tuple[bytes, list[int]]]:
+    def on_first_request(
+        self, engine_index: int, wave: int, now: float = 0.0
+    ) -> list[tuple[bytes, list[int]]]:
         """A front-end sent a request to ``engine_index`` while it saw the engines paused."""
+        if 0 <= engine_index < len(self.counts):
+            self.pending[engine_index] = now + PENDING_REQUEST_S
         if wave < self.current_wave:
             # The front-end's view is stale: the target engine may not wake on the request's
             # wave number, so wake every engine, the target included.
@@ -197,6 +209,7 @@ class CoordinatorState:
             return []  # an engine removed by a scale-down, still draining
         out: list[tuple[bytes, list[int]]] = []
         if stats is not None:
+            self.pending.pop(engine_index, None)
             pair = [int(stats.get("num_waiting_reqs", 0)), int(stats.get("num_running_reqs", 0))]
             if pair != self.counts[engine_index]:
                 self.counts[engine_index] = pair
@@ -208,15 +221,32 @@ class CoordinatorState:
             or (start_wave == self.current_wave and not self.engines_running)
         ):
             out += self._start(start_wave, engine_index)
-        elif (
-            stats is not None
-            and self.engines_running
-            and all(w == 0 and r == 0 for w, r in self.counts)
-        ):
+        elif stats is not None and self._group_idle():
             # Only a fresh report can show the group idle: a wave event alone says nothing
             # about counts that may be stale.
             out += self._complete(self.current_wave)
         return out
+
+    def _group_idle(self) -> bool:
+        return (
+            self.engines_running
+            and not self.pending
+            and all(w == 0 and r == 0 for w, r in self.counts)
+        )
+
+    def next_deadline(self) -> float | None:
+        """When :meth:`on_tick` has something to do (a pending engine expires)."""
+        return min(self.pending.values(), default=None)
+
+    def on_tick(self, now: float) -> list[tuple[bytes, list[int]]]:
+        """Expire pending engines whose report never came (their request finished before
+        the notice arrived); end the wave if that leaves the group idle."""
+        expired = [e for e, deadline in self.pending.items() if deadline <= now]
+        for e in expired:
+            del self.pending[e]
+        if expired and self._group_idle():
+            return self._complete(self.current_wave)
+        return []
 
     def on_scale(self, new_size: int) -> None:
         """The group now has ``new_size`` engines: new ones start idle, removed ones drop."""
@@ -224,6 +254,7 @@ class CoordinatorState:
             raise ValueError("a DP group needs at least one engine")
         del self.counts[new_size:]
         self.counts += [[0, 0] for _ in range(new_size - len(self.counts))]
+        self.pending = {e: t for e, t in self.pending.items() if e < new_size}
         self.changed = True
 
 
@@ -278,12 +309,18 @@ class _Coordinator:
         poller = zmq.Poller()
         poller.register(self.front, zmq.POLLIN)
         poller.register(self.stats, zmq.POLLIN)
+        # Engines' (re)subscriptions: each gets the current wave state at once.
+        poller.register(self.wave, zmq.POLLIN)
         poller.register(self.control_fd, zmq.POLLIN)
         while not self.stop:
-            timeout = _IDLE_POLL_S
+            now = time.monotonic()
+            wake = now + _IDLE_POLL_S
             if self.state.changed:
-                timeout = max(0.0, self.last_publish + PUBLISH_INTERVAL_S - time.monotonic())
-            ready = dict(poller.poll(timeout * 1000))
+                wake = min(wake, self.last_publish + PUBLISH_INTERVAL_S)
+            deadline = self.state.next_deadline()
+            if deadline is not None:
+                wake = min(wake, deadline)
+            ready = dict(poller.poll(max(0.0, wake - now) * 1000))
             # EOF on the pipe: the owner closed its end (shutdown) or died.
             if self.control_fd in ready and not os.read(self.control_fd, 4096):
                 return
@@ -291,7 +328,10 @@ class _Coordinator:
                 self._drain_front()
             if self.stats in ready:
                 self._drain_stats()
-            self._drain_wave_subscriptions()
+            if self.wave in ready:
+                self._drain_wave_subscriptions()
+            if self.state.pending:
+                self._broadcast(self.state.on_tick(time.monotonic()))
             if os.getppid() != self.parent_pid:
                 logger.warning("DP coordinator: parent process %d is gone", self.parent_pid)
                 return
@@ -330,7 +370,7 @@ class _Coordinator:
                 and len(msg) == 2
                 and all(isinstance(v, int) and not isinstance(v, bool) for v in msg)
             ):
-                self._broadcast(self.state.on_first_request(msg[0], msg[1]))
+                self._broadcast(self.state.on_first_request(msg[0], msg[1], time.monotonic()))
             else:
                 raise ValueError(f"unknown front-end message {msg!r:.100}")
         except (msgspec.DecodeError, ValueError, TypeError) as exc:
