@@ -442,7 +442,7 @@ class EngineCoreProc:
         self, call_id: int, method: str, failure: BaseException
     ) -> EngineCoreOutputs:
         if not isinstance(failure, concurrent.futures.CancelledError):
-            logger.info("utility call %s failed: %r", method, failure)
+            logger.debug("utility call %s failed: %r", method, failure)
         return EngineCoreOutputs(
             engine_index=self.engine_index,
             timestamp=time.monotonic(),

@@ -1,0 +1,605 @@
+"""Engine processes driven over real ZeroMQ sockets by a raw pyzmq front-end.
+
+Everything here runs the engine as a real child process (``run_engine_core`` under the
+``spawn`` context, or the ``corewire engine`` command) and talks to it with hand-built
+frames, the way a vLLM 0.25.1 front-end would. One reference engine is shared by the
+tests that leave it healthy; the fault tests start their own.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import multiprocessing
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import msgspec
+import numpy as np
+import pytest
+import torch
+
+from corewire.protocol import (
+    ENGINE_CORE_DEAD,
+    EngineCoreOutputs,
+    EngineCoreRequest,
+    FinishReason,
+    PoolingParams,
+    SamplingParams,
+)
+from engine_support import (
+    ABORT,
+    ADD,
+    LIGHT_REFERENCE,
+    START_DP_WAVE,
+    UTILITY,
+    FrontEnd,
+    assert_no_stray_children,
+    gone,
+    start_engine_then_wait,
+    wait_gone,
+)
+
+ENGINE_INDEX = 3
+_SHARED_PIDS: set[int] = set()
+
+
+@pytest.fixture(autouse=True)
+def no_leaked_processes_or_threads() -> Iterator[None]:
+    """Like the suite-wide leak check, but the module's shared engine may outlive a test
+    (its own exit is checked when the module ends)."""
+    threads_before = {t.ident for t in threading.enumerate()}
+    yield
+    assert_no_stray_children(_SHARED_PIDS)
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline:
+        threads = [t for t in threading.enumerate() if t.ident not in threads_before]
+        if not threads:
+            break
+        time.sleep(0.05)
+    assert not threads, f"test leaked threads {[t.name for t in threads]}"
+
+
+@pytest.fixture(scope="module")
+def private_dir() -> Iterator[Path]:
+    """A private (0700) directory for the module's ipc:// endpoints."""
+    with tempfile.TemporaryDirectory(prefix="corewire-engine-test-") as path:
+        os.chmod(path, 0o700)
+        yield Path(path)
+
+
+@pytest.fixture(scope="module")
+def ref(private_dir: Path) -> Iterator[FrontEnd]:
+    """A front-end with one reference engine (index 3, events on) shared by the module."""
+    fe = FrontEnd(private_dir, "shared")
+    proc = fe.start_engine(None, {**LIGHT_REFERENCE, "record_events": True}, ENGINE_INDEX)
+    _SHARED_PIDS.add(proc.pid)
+    fe.ready = fe.wait_ready()  # type: ignore[attr-defined]
+    yield fe
+    assert proc.is_alive(), "the shared engine died during the module"
+    proc.terminate()  # SIGTERM: must be a clean exit
+    proc.join(10)
+    exitcode = proc.exitcode
+    _SHARED_PIDS.discard(proc.pid)
+    fe.close()
+    assert exitcode == 0
+    assert_no_stray_children()
+
+
+def greedy(rid: str, prompt: list[int], max_tokens: int = 8, **kw: Any) -> EngineCoreRequest:
+    """A greedy request."""
+    return EngineCoreRequest(
+        request_id=rid,
+        prompt_token_ids=prompt,
+        sampling_params=SamplingParams(max_tokens=max_tokens, temperature=0.0, **kw),
+    )
+
+
+def sampled(rid: str, prompt: list[int], max_tokens: int = 8, **kw: Any) -> EngineCoreRequest:
+    """A request with temperature-1 sampling and extra sampling parameters."""
+    return EngineCoreRequest(
+        request_id=rid,
+        prompt_token_ids=prompt,
+        sampling_params=SamplingParams(max_tokens=max_tokens, **kw),
+    )
+
+
+# ---------------------------------------------------------------------- handshake & layout
+
+
+def test_ready_message_identity_and_map(ref: FrontEnd) -> None:
+    identity, ready = ref.ready  # type: ignore[attr-defined]
+    assert identity == ENGINE_INDEX.to_bytes(2, "little") == b"\x03\x00"
+    assert ready == {"status": "READY", "engine_index": ENGINE_INDEX, "pid": ref.procs[0].pid}
+
+
+def test_add_short_vllm_layout_and_output_golden_layout(ref: FrontEnd) -> None:
+    # An ADD exactly as vLLM lays it out, cut after data_parallel_rank (index 8), with
+    # sampling params as a map that omits defaults and carries keys corewire ignores.
+    payload = msgspec.msgpack.encode(
+        [
+            "golden-1",
+            [5, 6, 7],
+            None,
+            {"max_tokens": 3, "temperature": 0.0, "output_kind": 2, "future_key": [1, 2]},
+            None,
+            1700000000.5,
+            None,
+            None,
+            None,
+        ]
+    )
+    ref.send_frames([ADD, payload])
+    messages = []
+    while len(messages) < 3:
+        frames = ref.recv_raw()
+        assert len(frames) == 1  # nothing big enough for an aux frame
+        messages.append(msgspec.msgpack.decode(frames[0].bytes))
+    tokens = []
+    for n, msg in enumerate(messages):
+        # EngineCoreOutputs: every one of the 8 fields, positionally.
+        assert len(msg) == 8
+        engine_index, outputs, stats, timestamp, utility, finished, wave_c, start_w = msg
+        assert engine_index == ENGINE_INDEX
+        assert isinstance(timestamp, float) and abs(timestamp - time.monotonic()) < 60
+        assert utility is None and finished is None and wave_c is None and start_w is None
+        assert stats["num_waiting_reqs"] == 0
+        assert stats["num_running_reqs"] == (0 if n == 2 else 1)
+        assert len(outputs) == 1
+        out = outputs[0]
+        # EngineCoreOutput: all 13 fields.
+        assert len(out) == 13
+        assert out[0] == "golden-1"
+        assert len(out[1]) == 1 and 0 <= out[1][0] < 4096
+        assert out[2:5] == [None, None, None]
+        assert out[5] == (1 if n == 2 else None)  # FinishReason.LENGTH as an int
+        assert out[6] is None
+        if n == 0:
+            # Events (record_events=True) are maps {"type", "timestamp"}: QUEUED, SCHEDULED.
+            assert [e["type"] for e in out[7]] == [1, 2]
+            assert all(set(e) == {"type", "timestamp"} for e in out[7])
+            assert out[7][0]["timestamp"] <= out[7][1]["timestamp"]
+        else:
+            assert out[7] is None
+        assert out[8:12] == [None, None, None, None]
+        assert out[12] == 0
+        tokens.append(out[1][0])
+    # The short array and the unknown sampling keys did not change the request.
+    assert tokens == ref.generate(greedy("golden-2", [5, 6, 7], 3))
+
+
+def test_add_full_layout_with_unknown_trailing_field(ref: FrontEnd) -> None:
+    fields = [
+        "long-1", [9, 9], None, {"max_tokens": 2, "temperature": 0.0}, None, 0.0, None,
+        "salt", None, None, None, 0, 0, 0, {"traceparent": "x"}, False, "ext-1", None,
+        None, False, "a field from a newer version",
+    ]  # fmt: skip
+    assert len(fields) == 21
+    ref.send_frames([ADD, msgspec.msgpack.encode(fields)])
+    outs = ref.collect(["long-1"])["long-1"]
+    assert [o.finish_reason for o in outs] == [None, FinishReason.LENGTH]
+
+
+def test_utility_round_trip_values_and_golden_layout(ref: FrontEnd) -> None:
+    values = [None, True, -1, 2**64 - 1, 1.5, "ünïcode", b"\x00\xff", [1, [2, {"a": 3}]], {}]
+    for value in values:
+        assert ref.value("echo", value) == value
+    # vLLM draws call ids from uuid1().int >> 64: above 2**63 is normal.
+    call_id = 2**64 - 2
+    ref.send(UTILITY, [0, call_id, "echo", [{"k": [None, 2]}]])
+    frames = ref.recv_raw()
+    assert len(frames) == 1
+    msg = msgspec.msgpack.decode(frames[0].bytes)
+    assert msg[0] == ENGINE_INDEX and msg[1] == [] and msg[2] is None
+    assert isinstance(msg[3], float)
+    assert msg[4] == [call_id, None, [None, {"k": [None, 2]}]]
+    assert msg[5:] == [None, None, None]
+
+
+def test_failing_utility_calls_exact_text_and_engine_lives(ref: FrontEnd) -> None:
+    def failure(method: str, *args: Any) -> str:
+        reply = ref.call(method, *args)
+        assert reply.result is None
+        assert reply.failure_message is not None
+        return reply.failure_message
+
+    assert failure("raise_error", "boom") == "Call to raise_error method failed: boom"
+    assert (
+        failure("no_such_method")
+        == "Call to no_such_method method failed: engine has no utility method 'no_such_method'"
+    )
+    assert failure("_model") == "Call to _model method failed: '_model' is not a utility method"
+    assert failure("step") == "Call to step method failed: 'step' is not a utility method"
+    assert failure("max_batch") == "Call to max_batch method failed: 'max_batch' is not callable"
+    text = failure("echo")  # missing argument
+    assert text.startswith("Call to echo method failed: ") and "missing" in text
+    text = failure("sleep", 7)
+    assert text == "Call to sleep method failed: sleep level must be 1 or 2, got 7"
+    assert ref.value("echo", "still alive") == "still alive"
+    assert ref.procs[0].is_alive()
+
+
+def test_utility_returning_a_future_does_not_block_the_engine(ref: FrontEnd) -> None:
+    ref.send(UTILITY, [0, 501, "delayed_echo", ["slow", 0.5]])
+    started = time.monotonic()
+    # The engine keeps serving while the future is pending: a fast call and a whole
+    # generation finish before the slow reply.
+    assert ref.value("echo", "fast") == "fast"
+    ref.add(greedy("during-future", [1, 2], 4))
+    outs = ref.collect(["during-future"])["during-future"]
+    assert outs[-1].finish_reason == FinishReason.LENGTH
+    reply = ref.wait_utility(501)
+    assert time.monotonic() - started >= 0.45
+    assert reply.failure_message is None and reply.result.result == "slow"
+
+
+# ---------------------------------------------------------------------- generation
+
+
+def test_greedy_is_deterministic(ref: FrontEnd) -> None:
+    prompt = [11, 22, 33, 44]
+    first = ref.generate(greedy("det-1", prompt, 12))
+    second = ref.generate(greedy("det-2", prompt, 12))
+    assert len(first) == 12 and first == second
+    # Two copies in one batch agree with each other.
+    ref.add(greedy("det-3", prompt, 12))
+    ref.add(greedy("det-4", prompt, 12))
+    got = ref.collect(["det-3", "det-4"])
+    batch = {rid: [t for o in outs for t in o.new_token_ids] for rid, outs in got.items()}
+    assert batch["det-3"] == batch["det-4"]
+    assert len(set(first)) > 1  # not a degenerate constant stream
+
+
+def test_sampling_parameters_over_the_wire(ref: FrontEnd) -> None:
+    prompt = [100, 200, 300]
+    g = ref.generate(greedy("sp-greedy", prompt, 8))
+    # top_k=1 and a vanishing top_p both leave only the argmax, whatever the temperature.
+    assert ref.generate(sampled("sp-topk1", prompt, 8, top_k=1)) == g
+    assert ref.generate(sampled("sp-topp", prompt, 8, top_p=1e-6, temperature=2.0)) == g
+    # Seeds: the same seed repeats, different seeds differ.
+    a = ref.generate(sampled("sp-seed-a", prompt, 16, seed=1234))
+    b = ref.generate(sampled("sp-seed-b", prompt, 16, seed=1234))
+    c = ref.generate(sampled("sp-seed-c", prompt, 16, seed=4321))
+    assert a == b and a != c
+    # stop_token_ids: stops at the first occurrence, token included, stop_reason = token.
+    j = next(i for i in range(1, 8) if g[i] not in g[:i])
+    ref.add(greedy("sp-stop", prompt, 8, stop_token_ids=[g[j]]))
+    outs = ref.collect(["sp-stop"])["sp-stop"]
+    assert [t for o in outs for t in o.new_token_ids] == g[: j + 1]
+    assert outs[-1].finish_reason == FinishReason.STOP and outs[-1].stop_reason == g[j]
+    # min_tokens masks the stop token until enough tokens were generated.
+    got = ref.generate(greedy("sp-min", prompt, 8, stop_token_ids=[g[0]], min_tokens=3))
+    assert len(got) >= 3 and g[0] not in got[:3]
+
+
+def test_logprobs_shapes_and_dtypes(ref: FrontEnd) -> None:
+    ref.add(greedy("lp-5", [7, 8, 9], 4, logprobs=5))
+    ref.add(greedy("lp-0", [7, 8, 9], 4, logprobs=0))
+    got = ref.collect(["lp-5", "lp-0"])
+    for rid, k in (("lp-5", 5), ("lp-0", 0)):
+        for out in got[rid]:
+            lp = out.new_logprobs
+            assert lp is not None and lp.cu_num_generated_tokens is None
+            assert lp.logprob_token_ids.dtype == np.int32
+            assert lp.logprobs.dtype == np.float32
+            assert lp.sampled_token_ranks.dtype == np.int32
+            assert lp.logprob_token_ids.shape == lp.logprobs.shape == (1, k + 1)
+            assert lp.sampled_token_ranks.shape == (1,)
+            # Column 0 is the sampled token; greedy means it is also the top-1 (rank 1).
+            assert lp.logprob_token_ids[0, 0] == out.new_token_ids[0]
+            assert lp.sampled_token_ranks[0] == 1
+            assert np.all(lp.logprobs <= 0)
+            if k:
+                assert lp.logprob_token_ids[0, 1] == out.new_token_ids[0]
+                assert lp.logprobs[0, 0] == lp.logprobs[0, 1]
+                assert np.all(np.diff(lp.logprobs[0, 1:]) <= 0)
+                assert len(set(lp.logprob_token_ids[0, 1:].tolist())) == k
+    # Without logprobs, none are sent.
+    ref.add(greedy("lp-none", [7, 8, 9], 1))
+    assert ref.collect(["lp-none"])["lp-none"][0].new_logprobs is None
+
+
+def test_pooling_request_gets_one_embedding(ref: FrontEnd) -> None:
+    ref.send(
+        ADD, EngineCoreRequest(request_id="emb", prompt_token_ids=[1, 2, 3, 4, 5],
+                               pooling_params=PoolingParams())
+    )  # fmt: skip
+    frames = ref.recv_raw()
+    # 128 float32 = 512 bytes: above the inline threshold, so it travels as aux frame 1.
+    assert len(frames) == 2 and len(frames[1].bytes) == 512
+    raw = msgspec.msgpack.decode(frames[0].bytes)
+    out_raw = raw[1][0]
+    assert out_raw[4] == ["float32", [128], 1]
+    assert out_raw[1] == [] and out_raw[5] == 0  # no tokens, FinishReason.STOP
+    out = ref.decoder.decode(frames).outputs[0]
+    emb = out.pooling_output
+    assert isinstance(emb, torch.Tensor) and emb.dtype == torch.float32
+    assert math.isclose(float(emb.norm()), 1.0, rel_tol=1e-5)
+    # dimensions truncates, normalize=False keeps the raw mean.
+    ref.add(
+        EngineCoreRequest(request_id="emb16", prompt_token_ids=[1, 2, 3, 4, 5],
+                          pooling_params=PoolingParams(dimensions=16, normalize=False))
+    )  # fmt: skip
+    out16 = ref.collect(["emb16"])["emb16"]
+    assert len(out16) == 1 and out16[0].finish_reason == FinishReason.STOP
+    raw16 = out16[0].pooling_output
+    assert raw16.shape == (16,)
+    assert torch.allclose(torch.nn.functional.normalize(raw16, dim=0), emb[:16] / emb[:16].norm())
+
+
+def test_abort_stops_a_running_request(ref: FrontEnd) -> None:
+    ref.add(greedy("long", [1], 2000))
+    first = ref.recv()
+    assert isinstance(first, EngineCoreOutputs) and first.outputs[0].request_id == "long"
+    ref.abort(["long", "never-existed"])
+    # Outputs already in flight may still arrive, then nothing: no finish is sent for an
+    # abort the front-end asked for.
+    received = 1
+    while not ref.nothing_for(0.3):
+        msg = ref.recv()
+        assert not isinstance(msg, bytes)
+        for out in msg.outputs:
+            assert out.request_id == "long" and out.finish_reason is None
+            received += 1
+    assert received < 2000
+    # The engine holds nothing any more: a new request runs alone.
+    ref.add(greedy("after-abort", [1], 2))
+    msg = ref.recv()
+    assert [o.request_id for o in msg.outputs] == ["after-abort"]
+    assert msg.scheduler_stats["num_running_reqs"] == 1
+    assert msg.scheduler_stats["num_waiting_reqs"] == 0
+    assert ref.collect(["after-abort"])["after-abort"][-1].finish_reason == FinishReason.LENGTH
+
+
+def test_bad_requests_finish_with_error_and_engine_lives(ref: FrontEnd) -> None:
+    ref.add(EngineCoreRequest(request_id="oov", prompt_token_ids=[1, 99999]))
+    ref.add(EngineCoreRequest(request_id="no-prompt"))
+    ref.add(sampled("bad-topp", [1], 4, top_p=0.0))
+    got = ref.collect(["oov", "no-prompt", "bad-topp"])
+    for rid in ("oov", "no-prompt", "bad-topp"):
+        (out,) = got[rid]
+        assert out.finish_reason == FinishReason.ERROR and out.new_token_ids == []
+    assert ref.generate(greedy("fine", [1], 2)) == ref.generate(greedy("fine2", [1], 2))
+
+
+def test_malformed_frames_never_kill_the_engine(ref: FrontEnd) -> None:
+    encode = msgspec.msgpack.encode
+    ref.send_frames([ADD, b"\xc1"])  # 0xc1 is never valid msgpack
+    ref.send_frames([ABORT, b"\x92"])  # truncated array
+    ref.send_frames([ABORT, encode([1, 2])])  # ids must be strings
+    ref.send_frames([b"\x09", b"x"])  # unknown request type
+    ref.send_frames([ADD])  # no payload frame
+    ref.send_frames([START_DP_WAVE, encode([1, 0])])  # ignored without DP
+    ref.send_frames([START_DP_WAVE, encode(["x"])])
+    ref.send_frames([UTILITY, b"\xff\xff"])  # not msgpack: no call id to answer
+    ref.send_frames([UTILITY, encode([0, 7, "echo", [1]]) + b"\x00"])  # trailing bytes
+    # A readable call id gets a failure reply instead of silence.
+    ref.send_frames([UTILITY, encode([0, 99, "echo"])])
+    reply = ref.wait_utility(99)
+    assert reply.failure_message == (
+        "Call to echo method failed: malformed utility request: "
+        "expected [client_index, call_id, method, args]"
+    )
+    ref.send_frames([UTILITY, encode([0, 100, 5, []])])
+    assert ref.wait_utility(100).failure_message.startswith("Call to <unknown> method failed")
+    # A broken ADD whose request id is readable finishes that request with ERROR: here
+    # a prompt_embeds tensor pointing at an aux frame that does not exist.
+    bad = encode(["bad-add", [1], None, None, None, 0.0, None, None, None, ["float32", [4], 5]])
+    ref.send_frames([ADD, bad])
+    ref.send_frames([ADD, encode(["bad-add-2", "not a token list"])])
+    got = ref.collect(["bad-add", "bad-add-2"])
+    assert [o.finish_reason for o in got["bad-add"]] == [FinishReason.ERROR]
+    assert [o.finish_reason for o in got["bad-add-2"]] == [FinishReason.ERROR]
+    # Still serving, nothing stray was sent, and the process is the same one.
+    assert ref.value("echo", "ok") == "ok"
+    assert len(ref.generate(greedy("after-garbage", [3], 3))) == 3
+    assert not ref.backlog
+    assert ref.procs[0].is_alive()
+
+
+def test_reference_utilities(ref: FrontEnd, tmp_path: Path) -> None:
+    assert ref.value("get_supported_tasks") == ["generate", "embed"]
+    assert ref.value("collective_rpc", "echo", None, [7]) == [7]
+    assert ref.value("collective_rpc", "device") == ["cpu"]
+    assert ref.value("collective_rpc", "pid") == [ref.procs[0].pid]
+    fail = ref.call("collective_rpc", "nope").failure_message
+    assert fail == "Call to collective_rpc method failed: worker has no method 'nope'"
+    assert ref.value("reset_prefix_cache") is True
+
+    baseline = ref.generate(greedy("util-base", [4, 5], 4))
+    # Paused: requests queue and make no progress until resumed.
+    assert ref.value("pause_scheduler") is None
+    assert ref.value("is_scheduler_paused") is True
+    ref.add(greedy("util-paused", [4, 5], 4))
+    assert ref.nothing_for(0.3)
+    ref.value("resume_scheduler")
+    assert ref.value("is_scheduler_paused") is False
+    assert [t for o in ref.collect(["util-paused"])["util-paused"] for t in o.new_token_ids] == (
+        baseline
+    )
+    # Asleep (level 2 discards the weights): nothing runs until fully woken, and the
+    # rebuilt weights give the same tokens.
+    ref.value("sleep", 2)
+    assert ref.value("is_sleeping") is True
+    ref.add(greedy("util-asleep", [4, 5], 4))
+    assert ref.nothing_for(0.3)
+    ref.value("wake_up", ["kv_cache"])
+    assert ref.value("is_sleeping") is True
+    ref.value("wake_up")
+    assert ref.value("is_sleeping") is False
+    assert [t for o in ref.collect(["util-asleep"])["util-asleep"] for t in o.new_token_ids] == (
+        baseline
+    )
+    # A real torch profiler trace, written where asked.
+    trace = tmp_path / "trace.json"
+    assert ref.value("profile", True, str(trace)) is None
+    ref.generate(greedy("util-profiled", [4, 5], 4))
+    assert ref.value("profile", False) == str(trace)
+    events = json.loads(trace.read_text())["traceEvents"]
+    assert any("linear" in str(e.get("name", "")).lower() for e in events)
+    again = ref.call("profile", False).failure_message
+    assert again == "Call to profile method failed: the profiler is not running"
+
+
+# ---------------------------------------------------------------------- fault tests
+
+
+def test_exception_in_step_sends_engine_core_dead_once_and_exits(tmp_path: Path) -> None:
+    fe = FrontEnd(tmp_path, "dead")
+    try:
+        proc = fe.start_engine("engine_support:FailingStepEngine")
+        fe.wait_ready()
+        assert fe.value("echo", 1) == 1
+        fe.add(EngineCoreRequest(request_id="doomed", prompt_token_ids=[1]))
+        assert fe.recv() == ENGINE_CORE_DEAD
+        proc.join(20)
+        assert proc.exitcode == 1
+        assert fe.nothing_for(0.3)  # exactly once
+    finally:
+        fe.close()
+
+
+def test_engine_exits_when_its_parent_is_killed(tmp_path: Path) -> None:
+    fe = FrontEnd(tmp_path, "orphan")
+    ctx = multiprocessing.get_context("spawn")
+    parent_end, child_end = ctx.Pipe(duplex=False)
+    middle = ctx.Process(
+        target=start_engine_then_wait,
+        args=(fe.input_address, fe.output_address, child_end),
+        name="corewire-test-intermediate",
+    )
+    middle.start()
+    engine_pid = None
+    try:
+        assert parent_end.poll(60)
+        engine_pid = parent_end.recv()
+        fe.wait_ready()
+        assert fe.value("echo", "alive") == "alive"
+        os.kill(middle.pid, signal.SIGKILL)
+        middle.join(10)
+        assert wait_gone(engine_pid, 5.0), "engine outlived its parent"
+    finally:
+        if middle.is_alive():
+            middle.kill()
+            middle.join(5)
+        middle.close()
+        if engine_pid is not None and not gone(engine_pid):
+            os.kill(engine_pid, signal.SIGKILL)
+        parent_end.close()
+        child_end.close()
+        fe.close()
+
+
+def test_sigterm_stops_cleanly_and_outputs_follow_client_index(tmp_path: Path) -> None:
+    fe = FrontEnd(tmp_path, "multi", num_outputs=2)
+    try:
+        proc = fe.start_engine(None, LIGHT_REFERENCE)
+        fe.wait_ready()
+        r0 = greedy("c0", [1], 2)
+        r1 = greedy("c1", [1], 3)
+        r1.client_index = 1
+        fe.add(r0)
+        fe.add(r1)
+        assert [len(o) for o in fe.collect(["c0"], client=0).values()] == [2]
+        assert [len(o) for o in fe.collect(["c1"], client=1).values()] == [3]
+        # A utility reply goes to the client that asked.
+        fe.send(UTILITY, [1, 42, "echo", ["to client 1"]])
+        msg = fe.recv(client=1)
+        assert msg.utility_output.call_id == 42
+        assert fe.nothing_for(0.1, client=0)
+        # SIGTERM while busy: a clean stop, status 0, and no ENGINE_CORE_DEAD.
+        fe.add(greedy("busy", [1], 2000))
+        fe.recv()
+        proc.terminate()
+        proc.join(10)
+        assert proc.exitcode == 0
+        for client in (0, 1):
+            while not fe.nothing_for(0.1, client):
+                assert fe.recv(client=client) != ENGINE_CORE_DEAD
+    finally:
+        fe.close()
+
+
+def test_slow_reader_gets_every_large_frame_intact(tmp_path: Path) -> None:
+    # The receiver holds at most one message, so ZeroMQ on the engine side keeps the
+    # others (and the engine's encode buffers) while the engine keeps producing.
+    fe = FrontEnd(tmp_path, "slow", rcvhwm=1)
+    count = 32
+    try:
+        fe.start_engine("engine_support:BigPayloadEngine", {"count": count})
+        fe.wait_ready()
+        fe.add(EngineCoreRequest(request_id="big", prompt_token_ids=[1]))
+        time.sleep(0.5)  # let the engine run ahead of the reader
+        for i in range(count):
+            frames = fe.recv_raw()
+            assert len(frames[0].bytes) > 65536  # sent zero-copy from a reused buffer
+            out = fe.decoder.decode(frames).outputs[0]
+            base = (i + 1) * 1_000_000
+            assert out.new_token_ids == list(range(base, base + 20_000)), f"message {i}"
+            tensor = out.pooling_output
+            assert tensor.shape == (1 << 18,)
+            assert bool((tensor == i).all()), f"tensor of message {i}"
+            assert out.finish_reason == (FinishReason.LENGTH if i == count - 1 else None)
+            time.sleep(0.01)
+        # An unsendable utility result is a failure reply, not a dead engine.
+        text = fe.call("unsendable").failure_message
+        assert text == (
+            "Call to unsendable method failed: result of type object cannot be sent: "
+            "corewire cannot encode objects of type object"
+        )
+        assert fe.value("echo", 5) == 5
+    finally:
+        fe.close()
+
+
+def test_engine_that_fails_to_build_exits_without_ready(tmp_path: Path) -> None:
+    fe = FrontEnd(tmp_path, "broken")
+    try:
+        proc = fe.start_engine("engine_support:NoSuchEngine")
+        proc.join(60)
+        assert proc.exitcode == 1
+        assert not fe.router.poll(0)
+    finally:
+        fe.close()
+
+
+def test_cli_external_engine_mode(tmp_path: Path) -> None:
+    fe = FrontEnd(tmp_path, "cli")
+    cmd = [
+        sys.executable, "-m", "corewire.cli", "engine",
+        "--input-address", fe.input_address, "--output-address", fe.output_address,
+        "--engine-index", "1", "--engine", "reference",
+        "--engine-args", json.dumps(LIGHT_REFERENCE),
+    ]  # fmt: skip
+    child = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    try:
+        identity, ready = fe.wait_ready()
+        assert identity == b"\x01\x00" and ready["pid"] == child.pid
+        assert fe.value("echo", "external") == "external"
+        assert len(fe.generate(greedy("cli-1", [1, 2], 5))) == 5
+        child.send_signal(signal.SIGINT)
+        _, stderr = child.communicate(timeout=20)
+        assert child.returncode == 0, stderr.decode()
+    finally:
+        if child.poll() is None:
+            child.kill()
+            child.communicate()
+        fe.close()
+
+
+def test_cli_rejects_bad_engine_args() -> None:
+    result = subprocess.run(
+        [sys.executable, "-m", "corewire.cli", "engine", "--input-address", "ipc://x",
+         "--output-address", "ipc://y", "--engine-args", "[1, 2]"],
+        capture_output=True, timeout=60,
+    )  # fmt: skip
+    assert result.returncode == 2
+    assert b"--engine-args must be a JSON object" in result.stderr
