@@ -19,6 +19,7 @@ from typing import Any
 import msgspec
 import numpy as np
 
+from corewire._native import NativeDecoder
 from corewire.errors import ProtocolError
 from corewire.protocol import UtilityResult
 
@@ -27,7 +28,7 @@ try:
 except ImportError:  # pragma: no cover - exercised only without torch
     torch = None  # type: ignore[assignment]
 
-__all__ = ["INLINE_THRESHOLD", "RAW_VIEW_EXT", "Encoder", "MsgspecDecoder"]
+__all__ = ["INLINE_THRESHOLD", "RAW_VIEW_EXT", "Encoder", "MsgspecDecoder", "NativeDecoder"]
 
 #: Arrays smaller than this many bytes travel inline as extension type 3.
 INLINE_THRESHOLD = 256

@@ -114,6 +114,11 @@ impl<V> InternCache<V> {
         }
     }
 
+    /// Sets the longest key worth caching (longer keys are never cached).
+    pub fn set_max_key_len(&mut self, max_key_len: usize) {
+        self.max_key_len = max_key_len;
+    }
+
     /// Entries held now.
     pub fn len(&self) -> usize {
         self.current.len() + self.previous.len()

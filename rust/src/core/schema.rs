@@ -518,7 +518,8 @@ impl<'a, B: Builder> Walk<'a, '_, B> {
         self.b.utility_output(call_id, failure_message, result)
     }
 
-    /// `[type_info, value]`; type_info is ignored (corewire never sends one).
+    /// `[type_info, value]`; type_info is checked like any value, then dropped
+    /// (corewire never sends one and never imports types a peer names).
     fn utility_result(&mut self) -> DecodeResult<B::Obj> {
         let n = self.r.array_len("array ([type_info, value]) | nil")?;
         if n != 2 {
@@ -527,7 +528,7 @@ impl<'a, B: Builder> Walk<'a, '_, B> {
                 got: n,
             }));
         }
-        self.r.skip().map_err(|e| e.at_index(0))?;
+        drop(self.value(1).map_err(|e| e.at_index(0))?);
         let value = self.value(1).map_err(|e| e.at_index(1))?;
         self.b.utility_result(value)
     }

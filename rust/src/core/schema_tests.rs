@@ -1272,3 +1272,26 @@ fn mutated_frames_never_panic() {
     // Some mutations still decode (e.g. a changed token id); most must not.
     assert!(ok > 0 && ok < 30_000, "{ok}");
 }
+
+#[test]
+fn utility_type_info_is_checked_then_ignored() {
+    let with_info = |info: V| {
+        a(vec![
+            i(0),
+            a(vec![]),
+            V::Nil,
+            V::F(0.0),
+            a(vec![i(1), V::Nil, a(vec![info, i(5)])]),
+        ])
+    };
+    let m = decode(&with_info(a(vec![s("some.module"), s("Type")]))).unwrap();
+    let Tree::UtilityOutput { result, .. } = m.utility_output else {
+        panic!()
+    };
+    assert_eq!(*result, Tree::UtilityResult(Box::new(Tree::Int(5))));
+    let err = decode_err(&with_info(a(vec![V::Raw(vec![0xff])])));
+    assert_eq!(err.kind(), &ErrorKind::InvalidUtf8);
+    assert_eq!(err.path_string(), "utility_output.result[0][0]");
+    let err = decode_err(&with_info(V::Ext(-127, vec![0])));
+    assert_eq!(err.kind(), &ErrorKind::UnknownExt { code: -127 });
+}

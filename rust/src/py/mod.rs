@@ -6,6 +6,14 @@ mod registry;
 mod router;
 mod tracker;
 
+mod builder;
+mod consts;
+mod decoder;
+mod ffi;
+mod frames;
+mod objects;
+mod torch;
+
 pyo3::create_exception!(
     corewire,
     ProtocolError,
@@ -19,5 +27,6 @@ pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     registry::register(m)?;
     tracker::register(m)?;
     router::register(m)?;
+    decoder::register(m)?;
     Ok(())
 }

@@ -1,0 +1,394 @@
+//! The [`Builder`] that turns the core's schema walk into Python objects.
+//!
+//! Everything it needs from Python (classes, enum members, numpy's C API) was looked up
+//! once, in [`Consts`]; the per-output path only allocates the output object and
+//! increments reference counts. Python errors become [`ErrorKind::Rejected`] (reported
+//! as `ProtocolError` with the place) unless they are not about the data (MemoryError,
+//! KeyboardInterrupt ...), which are kept and re-raised as they are.
+
+use pyo3::exceptions::{PyException, PyMemoryError};
+use pyo3::ffi;
+use pyo3::prelude::*;
+use pyo3::sync::PyOnceLock;
+use pyo3::types::{PyDict, PyFloat, PyString, PyTuple};
+
+use super::consts::Consts;
+use super::decoder::DecoderState;
+use super::frames::Frame;
+use super::objects::{int_object, EngineCoreOutput, EngineCoreOutputs, TokenIds};
+use super::torch;
+use crate::core::error::{ArrayKind, DecodeError, DecodeResult, ErrorKind};
+use crate::core::msgpack::check_utf8;
+use crate::core::schema::{ArrayRef, Builder, MessageParts, OutputParts};
+
+/// Builds one message's Python objects.
+pub struct PyBuilder<'a, 'py> {
+    pub py: Python<'py>,
+    pub consts: &'static Consts,
+    pub state: &'a mut DecoderState,
+    pub frames: &'a mut [Frame<'py>],
+    /// A foreign Python error behind an [`ErrorKind::Foreign`] result.
+    pub error: Option<PyErr>,
+    /// The dtype object found by the last `dtype_itemsize`, for the `array` call after it.
+    dtype: Option<Bound<'py, PyAny>>,
+}
+
+type Obj<'py> = Bound<'py, PyAny>;
+
+impl<'a, 'py> PyBuilder<'a, 'py> {
+    /// A builder over `frames`.
+    pub fn new(
+        py: Python<'py>,
+        consts: &'static Consts,
+        state: &'a mut DecoderState,
+        frames: &'a mut [Frame<'py>],
+    ) -> Self {
+        PyBuilder {
+            py,
+            consts,
+            state,
+            frames,
+            error: None,
+            dtype: None,
+        }
+    }
+
+    /// Converts a Python error raised while building into a decoding error.
+    #[cold]
+    #[inline(never)]
+    fn fail(&mut self, err: PyErr) -> DecodeError {
+        let py = self.py;
+        if err.is_instance_of::<PyException>(py) && !err.is_instance_of::<PyMemoryError>(py) {
+            let kind = err
+                .get_type(py)
+                .name()
+                .map(|n| n.to_string())
+                .unwrap_or_default();
+            DecodeError::new(ErrorKind::Rejected(format!("{kind}: {}", err.value(py))))
+        } else {
+            self.error = Some(err);
+            DecodeError::new(ErrorKind::Foreign)
+        }
+    }
+
+    #[inline]
+    fn check<T>(&mut self, r: PyResult<T>) -> DecodeResult<T> {
+        match r {
+            Ok(v) => Ok(v),
+            Err(e) => Err(self.fail(e)),
+        }
+    }
+
+    #[inline]
+    fn opt(&self, v: Option<Obj<'py>>) -> Py<PyAny> {
+        match v {
+            Some(v) => v.unbind(),
+            None => self.py.None(),
+        }
+    }
+
+    #[cold]
+    #[inline(never)]
+    fn new_request_id(&mut self, raw: &[u8]) -> DecodeResult<Obj<'py>> {
+        let s = check_utf8(raw)?;
+        let obj = PyString::new(self.py, s);
+        self.state.ids.insert(raw, obj.clone().unbind());
+        Ok(obj.into_any())
+    }
+
+    #[cold]
+    #[inline(never)]
+    fn new_key(&mut self, v: &str) -> DecodeResult<Obj<'py>> {
+        let obj = PyString::new(self.py, v);
+        self.state.keys.insert(v.as_bytes(), obj.clone().unbind());
+        Ok(obj.into_any())
+    }
+
+    fn tensor(&mut self, a: &ArrayRef<'_>, dtype: Obj<'py>) -> PyResult<Obj<'py>> {
+        let py = self.py;
+        let api = torch::api(py)?;
+        let shape = PyTuple::new(py, a.shape)?;
+        let kwargs = PyDict::new(py);
+        kwargs.set_item("dtype", &dtype)?;
+        if a.data.len == 0 {
+            // Nothing to share: an empty tensor of the right shape.
+            return api.empty.bind(py).call((shape,), Some(&kwargs));
+        }
+        kwargs.set_item("count", a.count())?;
+        kwargs.set_item("offset", a.data.offset)?;
+        let frame = &self.frames[a.data.frame];
+        let call = || api.frombuffer.bind(py).call((&frame.obj,), Some(&kwargs));
+        let flat = if frame.writable {
+            call()?
+        } else {
+            // torch shares read-only memory too but warns that it cannot mark the tensor
+            // read-only; that warning is expected here and silenced for this call only.
+            api.without_readonly_warning(py, call)?
+        };
+        if a.shape.len() == 1 {
+            return Ok(flat);
+        }
+        flat.call_method1("view", (shape,))
+    }
+}
+
+impl<'py> Builder for PyBuilder<'_, 'py> {
+    type Obj = Obj<'py>;
+
+    #[inline]
+    fn none(&mut self) -> Obj<'py> {
+        self.py.None().into_bound(self.py)
+    }
+
+    fn bool(&mut self, v: bool) -> Obj<'py> {
+        pyo3::types::PyBool::new(self.py, v).to_owned().into_any()
+    }
+
+    #[inline]
+    fn int(&mut self, v: i128) -> DecodeResult<Obj<'py>> {
+        let r = int_object(self.py, v);
+        self.check(r)
+    }
+
+    fn float(&mut self, v: f64) -> DecodeResult<Obj<'py>> {
+        Ok(PyFloat::new(self.py, v).into_any())
+    }
+
+    fn str(&mut self, v: &str) -> DecodeResult<Obj<'py>> {
+        Ok(PyString::new(self.py, v).into_any())
+    }
+
+    #[inline]
+    fn key_str(&mut self, v: &str) -> DecodeResult<Obj<'py>> {
+        if let Some(s) = self.state.keys.get(v.as_bytes()) {
+            return Ok(s.bind(self.py).clone().into_any());
+        }
+        self.new_key(v)
+    }
+
+    fn bytes(&mut self, v: &[u8]) -> DecodeResult<Obj<'py>> {
+        Ok(pyo3::types::PyBytes::new(self.py, v).into_any())
+    }
+
+    #[inline]
+    fn list(&mut self, len: usize) -> DecodeResult<Obj<'py>> {
+        // SAFETY: a new list of NULLs; the walk sets every element before the list
+        // escapes (a list dropped half-filled is fine: its deallocator skips NULLs).
+        let r = unsafe { Bound::from_owned_ptr_or_err(self.py, ffi::PyList_New(len as isize)) };
+        self.check(r)
+    }
+
+    #[inline]
+    fn list_set(&mut self, list: &mut Obj<'py>, index: usize, item: Obj<'py>) {
+        // SAFETY: `list` is a list from `list()` and `index` is in range; the reference
+        // to `item` is stolen.
+        unsafe {
+            ffi::PyList_SetItem(list.as_ptr(), index as isize, item.into_ptr());
+        }
+    }
+
+    fn tuple_from_list(&mut self, list: Obj<'py>) -> DecodeResult<Obj<'py>> {
+        // SAFETY: `list` is a complete list.
+        let r =
+            unsafe { Bound::from_owned_ptr_or_err(self.py, ffi::PyList_AsTuple(list.as_ptr())) };
+        self.check(r)
+    }
+
+    fn dict(&mut self) -> DecodeResult<Obj<'py>> {
+        Ok(PyDict::new(self.py).into_any())
+    }
+
+    fn dict_set(
+        &mut self,
+        dict: &mut Obj<'py>,
+        key: Obj<'py>,
+        value: Obj<'py>,
+    ) -> DecodeResult<()> {
+        // SAFETY: `dict` is a dict from `dict()`; references are borrowed.
+        let rc = unsafe { ffi::PyDict_SetItem(dict.as_ptr(), key.as_ptr(), value.as_ptr()) };
+        if rc != 0 {
+            let err = PyErr::fetch(self.py);
+            return Err(self.fail(err));
+        }
+        Ok(())
+    }
+
+    fn set(&mut self) -> DecodeResult<Obj<'py>> {
+        let r = pyo3::types::PySet::empty(self.py).map(Bound::into_any);
+        self.check(r)
+    }
+
+    fn set_add(&mut self, set: &mut Obj<'py>, item: Obj<'py>) -> DecodeResult<()> {
+        // SAFETY: `set` is a set from `set()`; the item reference is borrowed.
+        let rc = unsafe { ffi::PySet_Add(set.as_ptr(), item.as_ptr()) };
+        if rc != 0 {
+            let err = PyErr::fetch(self.py);
+            return Err(self.fail(err));
+        }
+        Ok(())
+    }
+
+    #[inline]
+    fn request_id(&mut self, raw: &[u8]) -> DecodeResult<Obj<'py>> {
+        // Known ids were checked when first seen: no UTF-8 check, no allocation.
+        if let Some(s) = self.state.ids.get(raw) {
+            return Ok(s.bind(self.py).clone().into_any());
+        }
+        self.new_request_id(raw)
+    }
+
+    fn event(&mut self, kind: u8, timestamp: f64) -> DecodeResult<Obj<'py>> {
+        let c = self.consts;
+        let member = c.event_types[(kind - 1) as usize].bind(self.py);
+        let r = c.event_cls.bind(self.py).call1((member, timestamp));
+        self.check(r)
+    }
+
+    fn dtype_itemsize(&mut self, kind: ArrayKind, dtype: &str) -> DecodeResult<usize> {
+        let consts = self.consts;
+        let r = match kind {
+            ArrayKind::Ndarray => self
+                .state
+                .np_dtypes
+                .lookup(self.py, dtype, |py, s| consts.numpy_dtype(py, s)),
+            ArrayKind::Tensor => self
+                .state
+                .torch_dtypes
+                .lookup(self.py, dtype, |py, s| torch::dtype(py, s)),
+        };
+        match r {
+            Ok(Some((obj, itemsize))) => {
+                self.dtype = Some(obj);
+                Ok(itemsize)
+            }
+            Ok(None) => Err(DecodeError::new(ErrorKind::UnknownDtype {
+                kind,
+                dtype: dtype.to_owned(),
+            })),
+            Err(e) => Err(self.fail(e)),
+        }
+    }
+
+    fn array(&mut self, a: &ArrayRef<'_>) -> DecodeResult<Obj<'py>> {
+        let Some(dtype) = self.dtype.take() else {
+            return Err(DecodeError::new(ErrorKind::Rejected(
+                "internal error: array without dtype".into(),
+            )));
+        };
+        let r = match a.kind {
+            ArrayKind::Ndarray => {
+                let frame = &mut self.frames[a.data.frame];
+                let ptr = frame.ptr_at(a.data.offset);
+                let writable = frame.writable;
+                match frame.base() {
+                    // SAFETY: the walk checked that `len == product(shape) * itemsize`
+                    // bytes lie at `ptr` inside the frame, which `base` keeps alive.
+                    Ok(base) => unsafe {
+                        self.consts
+                            .numpy
+                            .array_over(&dtype, a.shape, ptr, writable, base)
+                    },
+                    Err(e) => Err(e),
+                }
+            }
+            ArrayKind::Tensor => self.tensor(a, dtype),
+        };
+        self.check(r)
+    }
+
+    fn logprobs(
+        &mut self,
+        kind: ArrayKind,
+        arrays: [Obj<'py>; 3],
+        cu_num_generated_tokens: Option<Obj<'py>>,
+    ) -> DecodeResult<Obj<'py>> {
+        let py = self.py;
+        let c = self.consts;
+        let cls = match kind {
+            ArrayKind::Ndarray => c.logprobs_lists.bind(py),
+            ArrayKind::Tensor => c.logprobs_tensors.bind(py),
+        };
+        let [ids, lps, ranks] = arrays;
+        let cu = self.opt(cu_num_generated_tokens).into_bound(py);
+        // tuple.__new__(cls, items): the named tuple without its Python-level __new__.
+        let r = PyTuple::new(py, [ids, lps, ranks, cu])
+            .and_then(|items| c.tuple_new.bind(py).call1((cls, items)));
+        self.check(r)
+    }
+
+    fn utility_result(&mut self, value: Obj<'py>) -> DecodeResult<Obj<'py>> {
+        let r = self.consts.utility_result.bind(self.py).call1((value,));
+        self.check(r)
+    }
+
+    fn utility_output(
+        &mut self,
+        call_id: i128,
+        failure_message: Option<Obj<'py>>,
+        result: Option<Obj<'py>>,
+    ) -> DecodeResult<Obj<'py>> {
+        let py = self.py;
+        let call_id = self.int(call_id)?;
+        let failure_message = self.opt(failure_message);
+        let result = self.opt(result);
+        let r = self
+            .consts
+            .utility_output
+            .bind(py)
+            .call1((call_id, failure_message, result));
+        self.check(r)
+    }
+
+    #[inline]
+    fn output(&mut self, p: OutputParts<'_, Obj<'py>>) -> DecodeResult<Obj<'py>> {
+        let py = self.py;
+        let finish_reason = match p.finish_reason {
+            Some(code) => self.consts.finish_reasons[code as usize].clone_ref(py),
+            None => py.None(),
+        };
+        let num_nans = self.int(p.num_nans_in_logits)?.unbind();
+        let out = EngineCoreOutput {
+            request_id: p.request_id.unbind(),
+            tokens: TokenIds::new(p.new_token_ids),
+            token_list: PyOnceLock::new(),
+            new_logprobs: self.opt(p.new_logprobs),
+            new_prompt_logprobs_tensors: self.opt(p.new_prompt_logprobs_tensors),
+            pooling_output: self.opt(p.pooling_output),
+            finish_reason,
+            stop_reason: self.opt(p.stop_reason),
+            events: self.opt(p.events),
+            kv_transfer_params: self.opt(p.kv_transfer_params),
+            trace_headers: self.opt(p.trace_headers),
+            prefill_stats: self.opt(p.prefill_stats),
+            routed_experts: self.opt(p.routed_experts),
+            num_nans_in_logits: num_nans,
+        };
+        let r = Bound::new(py, out).map(Bound::into_any);
+        self.check(r)
+    }
+
+    fn message(&mut self, p: MessageParts<Obj<'py>>) -> DecodeResult<Obj<'py>> {
+        let py = self.py;
+        let engine_index = self.int(p.engine_index)?.unbind();
+        let wave_complete = match p.wave_complete {
+            Some(v) => self.int(v)?.unbind(),
+            None => py.None(),
+        };
+        let start_wave = match p.start_wave {
+            Some(v) => self.int(v)?.unbind(),
+            None => py.None(),
+        };
+        let msg = EngineCoreOutputs {
+            engine_index,
+            outputs: p.outputs.unbind(),
+            scheduler_stats: self.opt(p.scheduler_stats),
+            timestamp: PyFloat::new(py, p.timestamp).into_any().unbind(),
+            utility_output: self.opt(p.utility_output),
+            finished_requests: self.opt(p.finished_requests),
+            wave_complete,
+            start_wave,
+        };
+        let r = Bound::new(py, msg).map(Bound::into_any);
+        self.check(r)
+    }
+}

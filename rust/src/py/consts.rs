@@ -1,0 +1,126 @@
+//! Python objects the decoder uses, looked up once per process.
+
+use pyo3::exceptions::PyMemoryError;
+use pyo3::prelude::*;
+use pyo3::sync::PyOnceLock;
+
+use super::ffi::NumpyApi;
+
+/// Classes, enum members and C API tables from `corewire.protocol` and numpy.
+pub struct Consts {
+    /// `FinishReason` members by value (0 stop .. 4 repetition).
+    pub finish_reasons: [Py<PyAny>; 5],
+    /// `EngineCoreEventType` members by value - 1 (queued, scheduled, preempted).
+    pub event_types: [Py<PyAny>; 3],
+    pub event_cls: Py<PyAny>,
+    pub logprobs_lists: Py<PyAny>,
+    pub logprobs_tensors: Py<PyAny>,
+    pub utility_result: Py<PyAny>,
+    pub utility_output: Py<PyAny>,
+    /// `tuple.__new__`, to make named tuples without running their Python `__new__`.
+    pub tuple_new: Py<PyAny>,
+    pub numpy: NumpyApi,
+    np_dtype: Py<PyAny>,
+}
+
+static CONSTS: PyOnceLock<Consts> = PyOnceLock::new();
+
+impl Consts {
+    /// The process-wide constants (imported on first use).
+    pub fn get(py: Python<'_>) -> PyResult<&'static Consts> {
+        CONSTS.get_or_try_init(py, || Self::load(py))
+    }
+
+    fn load(py: Python<'_>) -> PyResult<Consts> {
+        let protocol = py.import("corewire.protocol")?;
+        let finish = protocol.getattr("FinishReason")?;
+        let event_type = protocol.getattr("EngineCoreEventType")?;
+        let member = |cls: &Bound<'_, PyAny>, v: u8| cls.call1((v,)).map(Bound::unbind);
+        Ok(Consts {
+            finish_reasons: [
+                member(&finish, 0)?,
+                member(&finish, 1)?,
+                member(&finish, 2)?,
+                member(&finish, 3)?,
+                member(&finish, 4)?,
+            ],
+            event_types: [
+                member(&event_type, 1)?,
+                member(&event_type, 2)?,
+                member(&event_type, 3)?,
+            ],
+            event_cls: protocol.getattr("EngineCoreEvent")?.unbind(),
+            logprobs_lists: protocol.getattr("LogprobsLists")?.unbind(),
+            logprobs_tensors: protocol.getattr("LogprobsTensors")?.unbind(),
+            utility_result: protocol.getattr("UtilityResult")?.unbind(),
+            utility_output: protocol.getattr("UtilityOutput")?.unbind(),
+            tuple_new: py
+                .get_type::<pyo3::types::PyTuple>()
+                .getattr("__new__")?
+                .unbind(),
+            numpy: NumpyApi::load(py)?,
+            np_dtype: py.import("numpy")?.getattr("dtype")?.unbind(),
+        })
+    }
+
+    /// The numpy dtype for a wire dtype string and its itemsize; `None` if numpy does
+    /// not know it or it cannot travel as raw bytes (objects, fields, sub-arrays, size 0).
+    pub fn numpy_dtype<'py>(
+        &self,
+        py: Python<'py>,
+        s: &str,
+    ) -> PyResult<Option<(Bound<'py, PyAny>, usize)>> {
+        let dtype = match self.np_dtype.bind(py).call1((s,)) {
+            Ok(d) => d,
+            Err(e) if e.is_instance_of::<PyMemoryError>(py) => return Err(e),
+            Err(_) => return Ok(None),
+        };
+        if dtype.getattr("hasobject")?.is_truthy()?
+            || !dtype.getattr("names")?.is_none()
+            || !dtype.getattr("subdtype")?.is_none()
+        {
+            return Ok(None);
+        }
+        let itemsize: usize = dtype.getattr("itemsize")?.extract()?;
+        if itemsize == 0 {
+            return Ok(None);
+        }
+        Ok(Some((dtype, itemsize)))
+    }
+}
+
+/// Most distinct dtype strings remembered per decoder (a peer cannot grow it further).
+const DTYPE_CACHE_MAX: usize = 32;
+
+/// Wire dtype string -> (dtype object, itemsize), for the few dtypes a peer uses.
+#[derive(Default)]
+pub struct DtypeCache {
+    entries: Vec<(Box<str>, Py<PyAny>, usize)>,
+}
+
+/// What `DtypeCache::lookup` finds: the dtype object and its itemsize, or None.
+pub type DtypeFound<'py> = Option<(Bound<'py, PyAny>, usize)>;
+
+impl DtypeCache {
+    /// The cached entry for `s`, or what `make` says (cached when found and room left).
+    pub fn lookup<'py>(
+        &mut self,
+        py: Python<'py>,
+        s: &str,
+        make: impl FnOnce(Python<'py>, &str) -> PyResult<DtypeFound<'py>>,
+    ) -> PyResult<DtypeFound<'py>> {
+        for (key, dtype, itemsize) in &self.entries {
+            if **key == *s {
+                return Ok(Some((dtype.bind(py).clone(), *itemsize)));
+            }
+        }
+        let made = make(py, s)?;
+        if let Some((dtype, itemsize)) = &made {
+            if self.entries.len() < DTYPE_CACHE_MAX {
+                self.entries
+                    .push((s.into(), dtype.clone().unbind(), *itemsize));
+            }
+        }
+        Ok(made)
+    }
+}

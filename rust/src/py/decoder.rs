@@ -1,0 +1,147 @@
+//! `corewire._native.NativeDecoder`: engine output frames -> Python objects.
+
+use std::panic::{catch_unwind, AssertUnwindSafe};
+
+use pyo3::prelude::*;
+use pyo3::types::{PyList, PyString, PyTuple};
+
+use super::builder::PyBuilder;
+use super::consts::{Consts, DtypeCache};
+use super::frames::Frame;
+use super::ProtocolError;
+use crate::core::error::{DecodeError, ErrorKind};
+use crate::core::intern::InternCache;
+use crate::core::schema::{decode_outputs, Scratch};
+
+/// What a decoder keeps from frame to frame.
+pub struct DecoderState {
+    /// Request id bytes -> the one str object for that id.
+    pub ids: InternCache<Py<PyString>>,
+    /// Map key bytes -> str (scheduler_stats and friends repeat their keys).
+    pub keys: InternCache<Py<PyString>>,
+    pub np_dtypes: DtypeCache,
+    pub torch_dtypes: DtypeCache,
+}
+
+/// Decodes `EngineCoreOutputs` frames (`[payload, aux_1, ...]`) into Python objects.
+///
+/// Arrays and tensors are zero-copy views of the frames and keep them alive; request
+/// ids are interned (bounded); malformed frames raise `corewire.ProtocolError`. One
+/// decoder is meant for one thread (the receiving loop); it is not re-entrant.
+#[pyclass(module = "corewire._native", name = "NativeDecoder")]
+pub struct NativeDecoder {
+    consts: &'static Consts,
+    state: DecoderState,
+    scratch: Scratch,
+}
+
+/// Default bound of the request-id intern cache.
+const DEFAULT_INTERN_CAPACITY: usize = 65_536;
+/// Bound of the map-key cache.
+const KEY_CACHE_CAPACITY: usize = 1024;
+/// Keys longer than this are not worth caching.
+const MAX_CACHED_KEY: usize = 64;
+
+#[pymethods]
+impl NativeDecoder {
+    #[new]
+    #[pyo3(signature = (intern_capacity = DEFAULT_INTERN_CAPACITY))]
+    fn new(py: Python<'_>, intern_capacity: usize) -> PyResult<Self> {
+        let mut keys = InternCache::new(KEY_CACHE_CAPACITY);
+        keys.set_max_key_len(MAX_CACHED_KEY);
+        Ok(NativeDecoder {
+            consts: Consts::get(py)?,
+            state: DecoderState {
+                ids: InternCache::new(intern_capacity.max(2)),
+                keys,
+                np_dtypes: DtypeCache::default(),
+                torch_dtypes: DtypeCache::default(),
+            },
+            scratch: Scratch::default(),
+        })
+    }
+
+    /// Decodes one message: `frames` is `[payload, aux_1, ...]` as a list or tuple of
+    /// `bytes`, `bytearray`, `memoryview` or `zmq.Frame` (a single buffer is the payload).
+    fn decode(&mut self, py: Python<'_>, frames: &Bound<'_, PyAny>) -> PyResult<Py<PyAny>> {
+        let mut held = acquire_frames(frames).map_err(to_protocol_error)?;
+        let slices: Vec<&[u8]> = held.iter().map(Frame::bytes).collect();
+        // The slices borrow `held`'s memory, not `held` itself: the builder below needs
+        // `held` mutably to create array owners, which never moves or frees that memory.
+        // SAFETY: each slice points at memory pinned by its Frame (bytes object or buffer
+        // export), and `held` outlives `slices` (both dropped at the end of this call).
+        let slices: Vec<&[u8]> = slices
+            .into_iter()
+            .map(|s| unsafe { std::slice::from_raw_parts(s.as_ptr(), s.len()) })
+            .collect();
+        let mut builder = PyBuilder::new(py, self.consts, &mut self.state, &mut held);
+        let scratch = &mut self.scratch;
+        let result = catch_unwind(AssertUnwindSafe(|| {
+            decode_outputs(&slices, &mut builder, scratch)
+        }));
+        match result {
+            Ok(Ok(obj)) => Ok(obj.unbind()),
+            Ok(Err(err)) => {
+                let foreign = builder.error.take();
+                Err(match (err.kind(), foreign) {
+                    (ErrorKind::Foreign, Some(py_err)) => py_err,
+                    _ => to_protocol_error(err),
+                })
+            }
+            Err(_) => Err(ProtocolError::new_err(
+                "EngineCoreOutputs: internal decoder error (a bug in corewire): frame rejected",
+            )),
+        }
+    }
+
+    /// Number of request ids held by the intern cache now.
+    #[getter]
+    fn interned(&self) -> usize {
+        self.state.ids.len()
+    }
+
+    /// Most request ids the intern cache holds.
+    #[getter]
+    fn intern_capacity(&self) -> usize {
+        self.state.ids.capacity()
+    }
+}
+
+/// The frames of a message: a list or tuple of buffers, or one buffer.
+fn acquire_frames<'py>(frames: &Bound<'py, PyAny>) -> Result<Vec<Frame<'py>>, DecodeError> {
+    if let Ok(list) = frames.cast::<PyList>() {
+        return collect(list.iter());
+    }
+    if let Ok(tuple) = frames.cast::<PyTuple>() {
+        return collect(tuple.iter());
+    }
+    Ok(vec![Frame::acquire(0, frames)?])
+}
+
+fn collect<'py>(
+    items: impl ExactSizeIterator<Item = Bound<'py, PyAny>>,
+) -> Result<Vec<Frame<'py>>, DecodeError> {
+    if items.len() == 0 {
+        return Err(DecodeError::new(ErrorKind::EmptyMessage));
+    }
+    let mut out = Vec::with_capacity(items.len());
+    for (i, obj) in items.enumerate() {
+        out.push(Frame::acquire(i, &obj)?);
+    }
+    Ok(out)
+}
+
+#[cold]
+#[inline(never)]
+fn to_protocol_error(err: DecodeError) -> PyErr {
+    ProtocolError::new_err(err.to_string())
+}
+
+/// Registers `NativeDecoder` and the types it returns.
+pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    m.add_class::<NativeDecoder>()?;
+    m.add_class::<super::objects::EngineCoreOutputs>()?;
+    m.add_class::<super::objects::EngineCoreOutput>()?;
+    m.add_class::<super::objects::FrameBuffer>()?;
+    Ok(())
+}

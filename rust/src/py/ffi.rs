@@ -1,0 +1,223 @@
+//! The few C entry points the decoder needs beyond pyo3's abi3-py310 bindings.
+//!
+//! - The buffer protocol (`PyObject_GetBuffer` / `PyBuffer_Release`) joined the stable
+//!   ABI in 3.11, but both functions and `Py_buffer`'s layout are the same in every
+//!   CPython since 3.3, and the interpreter exports them on 3.10 too. Declaring them here
+//!   lets the abi3-py310 module take zero-copy views of `memoryview`s and `zmq.Frame`s.
+//! - numpy's C API, reached through the `_ARRAY_API` capsule as numpy's own headers do
+//!   (`import_array`): creating an array over existing memory costs one C call instead
+//!   of a Python-level `np.frombuffer` call per array. The slots used here have the same
+//!   index in numpy 1.x and 2.x.
+
+use std::ffi::{c_char, c_int, c_void};
+
+use pyo3::ffi;
+use pyo3::prelude::*;
+use pyo3::types::PyCapsule;
+
+/// `Py_buffer` (Include/pybuffer.h), unchanged since Python 3.3.
+#[repr(C)]
+pub struct PyBufferRaw {
+    pub buf: *mut c_void,
+    pub obj: *mut ffi::PyObject,
+    pub len: ffi::Py_ssize_t,
+    pub itemsize: ffi::Py_ssize_t,
+    pub readonly: c_int,
+    pub ndim: c_int,
+    pub format: *mut c_char,
+    pub shape: *mut ffi::Py_ssize_t,
+    pub strides: *mut ffi::Py_ssize_t,
+    pub suboffsets: *mut ffi::Py_ssize_t,
+    pub internal: *mut c_void,
+}
+
+/// `PyBUF_SIMPLE`: a contiguous run of bytes, no format or shape needed.
+pub const PYBUF_SIMPLE: c_int = 0;
+
+extern "C" {
+    pub fn PyObject_GetBuffer(
+        obj: *mut ffi::PyObject,
+        view: *mut PyBufferRaw,
+        flags: c_int,
+    ) -> c_int;
+    pub fn PyBuffer_Release(view: *mut PyBufferRaw);
+}
+
+/// A buffer export held until dropped (drop only with the GIL held: every owner of one
+/// is dropped by Python's deallocator or inside a decode call).
+pub struct HeldBuffer(Box<PyBufferRaw>);
+
+// SAFETY: the export is only read or released while attached to the interpreter; the raw
+// pointers inside are owned by the exporter, which this export keeps alive.
+unsafe impl Send for HeldBuffer {}
+unsafe impl Sync for HeldBuffer {}
+
+impl HeldBuffer {
+    /// Takes a simple (contiguous bytes) export of `obj`.
+    pub fn acquire(obj: &Bound<'_, PyAny>) -> PyResult<Self> {
+        let mut view = Box::new(PyBufferRaw {
+            buf: std::ptr::null_mut(),
+            obj: std::ptr::null_mut(),
+            len: 0,
+            itemsize: 0,
+            readonly: 0,
+            ndim: 0,
+            format: std::ptr::null_mut(),
+            shape: std::ptr::null_mut(),
+            strides: std::ptr::null_mut(),
+            suboffsets: std::ptr::null_mut(),
+            internal: std::ptr::null_mut(),
+        });
+        // SAFETY: `view` is a valid, writable Py_buffer; on failure nothing is held.
+        let rc = unsafe { PyObject_GetBuffer(obj.as_ptr(), &mut *view, PYBUF_SIMPLE) };
+        if rc != 0 {
+            return Err(PyErr::fetch(obj.py()));
+        }
+        Ok(HeldBuffer(view))
+    }
+
+    /// Start of the exported bytes.
+    pub fn ptr(&self) -> *const u8 {
+        self.0.buf as *const u8
+    }
+
+    /// Number of exported bytes.
+    pub fn len(&self) -> usize {
+        self.0.len.max(0) as usize
+    }
+
+    /// Whether the exporter allows writes.
+    pub fn writable(&self) -> bool {
+        self.0.readonly == 0
+    }
+
+    /// The exporting object (None if the exporter did not say).
+    pub fn exporter(&self, py: Python<'_>) -> Py<PyAny> {
+        if self.0.obj.is_null() {
+            return py.None();
+        }
+        // SAFETY: `obj` is a live object: the export holds a reference to it.
+        unsafe { Bound::from_borrowed_ptr(py, self.0.obj).unbind() }
+    }
+}
+
+impl Drop for HeldBuffer {
+    fn drop(&mut self) {
+        // SAFETY: acquired by PyObject_GetBuffer and released exactly once; every owner
+        // is dropped while attached to the interpreter (see the type's doc).
+        unsafe { PyBuffer_Release(&mut *self.0) }
+    }
+}
+
+/// `NPY_ARRAY_WRITEABLE`.
+pub const NPY_ARRAY_WRITEABLE: c_int = 0x0400;
+
+type NewFromDescr = unsafe extern "C" fn(
+    subtype: *mut ffi::PyTypeObject,
+    descr: *mut ffi::PyObject,
+    nd: c_int,
+    dims: *const ffi::Py_ssize_t,
+    strides: *const ffi::Py_ssize_t,
+    data: *mut c_void,
+    flags: c_int,
+    obj: *mut ffi::PyObject,
+) -> *mut ffi::PyObject;
+type SetBaseObject =
+    unsafe extern "C" fn(arr: *mut ffi::PyObject, obj: *mut ffi::PyObject) -> c_int;
+
+/// The numpy C API functions the decoder calls.
+pub struct NumpyApi {
+    array_type: *mut ffi::PyTypeObject,
+    new_from_descr: NewFromDescr,
+    set_base_object: SetBaseObject,
+    /// Keeps the capsule (and so the table) alive.
+    _capsule: Py<PyAny>,
+}
+
+// SAFETY: the table is immutable after numpy's import and lives as long as the capsule,
+// which this struct owns; the functions are called only while attached.
+unsafe impl Send for NumpyApi {}
+unsafe impl Sync for NumpyApi {}
+
+// Slot numbers in numpy's `PyArray_API` table (numpy/__multiarray_api.h).
+const SLOT_ARRAY_TYPE: usize = 2;
+const SLOT_NEW_FROM_DESCR: usize = 94;
+const SLOT_SET_BASE_OBJECT: usize = 282;
+
+impl NumpyApi {
+    /// Imports numpy and reads its C API table.
+    pub fn load(py: Python<'_>) -> PyResult<Self> {
+        let module = py
+            .import("numpy._core.multiarray")
+            .or_else(|_| py.import("numpy.core.multiarray"))?;
+        let capsule = module.getattr("_ARRAY_API")?;
+        let table = {
+            let capsule = capsule.cast::<PyCapsule>()?;
+            // SAFETY: reading the capsule's pointer with the name numpy gave it (none).
+            let ptr = unsafe { ffi::PyCapsule_GetPointer(capsule.as_ptr(), std::ptr::null()) };
+            if ptr.is_null() {
+                return Err(PyErr::fetch(py));
+            }
+            ptr as *const *mut c_void
+        };
+        // SAFETY: numpy's table has these slots with these signatures in 1.x and 2.x.
+        unsafe {
+            Ok(NumpyApi {
+                array_type: *table.add(SLOT_ARRAY_TYPE) as *mut ffi::PyTypeObject,
+                new_from_descr: std::mem::transmute::<*mut c_void, NewFromDescr>(
+                    *table.add(SLOT_NEW_FROM_DESCR),
+                ),
+                set_base_object: std::mem::transmute::<*mut c_void, SetBaseObject>(
+                    *table.add(SLOT_SET_BASE_OBJECT),
+                ),
+                _capsule: capsule.unbind(),
+            })
+        }
+    }
+
+    /// A C-contiguous ndarray of `descr` and `shape` over `data`, which `base` keeps
+    /// alive (the array holds a reference to `base`).
+    ///
+    /// # Safety
+    /// `data` must point to `product(shape) * itemsize(descr)` bytes that stay valid
+    /// while `base` is alive, and be writable if `writable`.
+    pub unsafe fn array_over<'py>(
+        &self,
+        descr: &Bound<'py, PyAny>,
+        shape: &[usize],
+        data: *const u8,
+        writable: bool,
+        base: &Bound<'py, PyAny>,
+    ) -> PyResult<Bound<'py, PyAny>> {
+        let py = descr.py();
+        let mut dims = [0 as ffi::Py_ssize_t; crate::core::schema::MAX_DIMS];
+        for (d, &s) in dims.iter_mut().zip(shape) {
+            *d = s as ffi::Py_ssize_t;
+        }
+        let flags = if writable { NPY_ARRAY_WRITEABLE } else { 0 };
+        // NewFromDescr steals a reference to the descriptor.
+        let descr_ref = descr.clone().into_ptr();
+        // SAFETY: per this function's contract; the descriptor reference is stolen.
+        let arr = unsafe {
+            (self.new_from_descr)(
+                self.array_type,
+                descr_ref,
+                shape.len() as c_int,
+                dims.as_ptr(),
+                std::ptr::null(),
+                data as *mut c_void,
+                flags,
+                std::ptr::null_mut(),
+            )
+        };
+        // SAFETY: a new reference or NULL with an exception set.
+        let arr = unsafe { Bound::from_owned_ptr_or_err(py, arr)? };
+        // SetBaseObject steals a reference to the base, also when it fails.
+        // SAFETY: `arr` is a fresh ndarray without a base.
+        let rc = unsafe { (self.set_base_object)(arr.as_ptr(), base.clone().into_ptr()) };
+        if rc != 0 {
+            return Err(PyErr::fetch(py));
+        }
+        Ok(arr)
+    }
+}
