@@ -241,11 +241,29 @@ def test_shutdown_is_idempotent_and_quick(ipc_dir: Path) -> None:
     assert not coord.is_alive()
 
 
-def test_collected_owner_stops_the_process(ipc_dir: Path) -> None:
-    coord = DPCoordinator(1, coordinator_addresses(ipc_dir))
+def test_collected_owner_stops_the_process_and_removes_its_files() -> None:
+    coord = DPCoordinator(1)  # its own private ipc directory
     pid = coord.pid
+    directory = Path(coord.addresses.front_publish.removeprefix("ipc://")).parent
+    assert directory.is_dir() and (directory.stat().st_mode & 0o777) == 0o700
     del coord
     wait_for(lambda: not psutil.pid_exists(pid) or psutil.Process(pid).status() == "zombie")
+    assert not directory.exists()
+
+
+def test_quacks_like_a_process_for_the_engine_monitor(ipc_dir: Path) -> None:
+    import multiprocessing.connection
+
+    coord = DPCoordinator(1, coordinator_addresses(ipc_dir))
+    try:
+        assert coord.is_alive() and coord.exitcode is None and coord.name
+        assert multiprocessing.connection.wait([coord.sentinel], timeout=0.2) == []
+        os.kill(coord.pid, signal.SIGKILL)
+        assert multiprocessing.connection.wait([coord.sentinel], timeout=5) == [coord.sentinel]
+        coord.join(5)
+        assert coord.exitcode == -signal.SIGKILL and not coord.is_alive()
+    finally:
+        coord.close()
 
 
 def test_sigterm_stops_the_process(ipc_dir: Path) -> None:

@@ -60,12 +60,15 @@ coordinator then runs a ZAP handler and accepts only the authorized client keys.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import os
 import select
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 import weakref
 from dataclasses import dataclass
@@ -101,7 +104,12 @@ PENDING_REQUEST_S = 0.5
 
 @dataclass(frozen=True)
 class CoordinatorAddresses:
-    """Where a coordinator listens."""
+    """Where a coordinator listens.
+
+    ``engine_stats`` / ``engine_publish`` serve engines on this host (``ipc://``);
+    ``remote_engine_stats`` / ``remote_engine_publish``, when set, are ``tcp://``
+    endpoints for engines on other hosts, bound behind CURVE.
+    """
 
     #: XPUB: front-ends connect XSUB here.
     front_publish: str
@@ -109,16 +117,48 @@ class CoordinatorAddresses:
     engine_stats: str
     #: XPUB: engines connect SUB here to receive START_DP_WAVE / WAVE_COMPLETE.
     engine_publish: str
-
-    def to_wire(self) -> list[str]:
-        """The addresses as a list, for a child process's configuration."""
-        return [self.front_publish, self.engine_stats, self.engine_publish]
+    #: The same PULL, bound once more for engines on other hosts (CURVE).
+    remote_engine_stats: str | None = None
+    #: The same XPUB, bound once more for engines on other hosts (CURVE).
+    remote_engine_publish: str | None = None
 
     @classmethod
-    def from_wire(cls, value: list[str]) -> CoordinatorAddresses:
-        """Inverse of :meth:`to_wire`."""
-        front_publish, engine_stats, engine_publish = value
-        return cls(front_publish, engine_stats, engine_publish)
+    def in_dir(cls, directory: str | os.PathLike[str]) -> CoordinatorAddresses:
+        """``ipc://`` addresses inside ``directory`` (which should be private, 0700)."""
+        d = os.fspath(directory)
+        return cls(f"ipc://{d}/dp-front", f"ipc://{d}/dp-stats", f"ipc://{d}/dp-wave")
+
+    def with_remote(self, stats: str, publish: str) -> CoordinatorAddresses:
+        """A copy that also listens on ``stats`` and ``publish`` for remote engines."""
+        return dataclasses.replace(self, remote_engine_stats=stats, remote_engine_publish=publish)
+
+    def for_engine(self, remote: bool = False) -> list[str]:
+        """What an engine needs (its ``coordinator_addresses`` option):
+        ``[front_publish, stats, publish]``."""
+        if remote:
+            if self.remote_engine_stats is None or self.remote_engine_publish is None:
+                raise ValueError("this coordinator does not listen for remote engines")
+            return [self.front_publish, self.remote_engine_stats, self.remote_engine_publish]
+        return [self.front_publish, self.engine_stats, self.engine_publish]
+
+    def to_wire(self) -> list[str | None]:
+        """The addresses as a list, for a child process's configuration."""
+        return [
+            self.front_publish,
+            self.engine_stats,
+            self.engine_publish,
+            self.remote_engine_stats,
+            self.remote_engine_publish,
+        ]
+
+    @classmethod
+    def from_wire(cls, value: list[str | None]) -> CoordinatorAddresses:
+        """Inverse of :meth:`to_wire` (also accepts the three local addresses alone)."""
+        front, stats, publish, *remote = value
+        if front is None or stats is None or publish is None:
+            raise ValueError("the three local coordinator addresses are required")
+        remote_stats, remote_publish = [*remote, None, None][:2]
+        return cls(front, stats, publish, remote_stats, remote_publish)
 
 
 class _EngineReport(msgspec.Struct, array_like=True):  # type: ignore[call-arg]
@@ -258,11 +298,18 @@ class CoordinatorState:
         self.changed = True
 
 
-def _bind(sock: zmq.Socket[Any], address: str, keys: CurveServerKeys | None) -> None:
-    require_curve_for(address, keys)
-    if keys is not None and address.startswith("tcp://"):
+def _bind(
+    sock: zmq.Socket[Any], local: str, remote: str | None, keys: CurveServerKeys | None
+) -> None:
+    """Binds ``local`` plainly, then ``remote`` behind CURVE (options are taken per bind,
+    so engines on this host need no keys)."""
+    require_curve_for(local, None)
+    sock.bind(local)
+    if remote is not None:
+        if keys is None:
+            raise ValueError(f"listening for remote engines on {remote} requires CURVE keys")
         apply_server(sock, keys)
-    sock.bind(address)
+        sock.bind(remote)
 
 
 class _Coordinator:
@@ -290,9 +337,9 @@ class _Coordinator:
         # Verbose: every subscriber's subscription reaches us, so each gets the state.
         self.front.setsockopt(zmq.XPUB_VERBOSE, 1)
         self.wave.setsockopt(zmq.XPUB_VERBOSE, 1)
-        _bind(self.front, addresses.front_publish, keys)
-        _bind(self.stats, addresses.engine_stats, keys)
-        _bind(self.wave, addresses.engine_publish, keys)
+        _bind(self.front, addresses.front_publish, None, None)
+        _bind(self.stats, addresses.engine_stats, addresses.remote_engine_stats, keys)
+        _bind(self.wave, addresses.engine_publish, addresses.remote_engine_publish, keys)
         self.encoder = msgspec.msgpack.Encoder()
         self.decoder = msgspec.msgpack.Decoder()
         self.report_decoder = msgspec.msgpack.Decoder(_EngineReport)
@@ -412,9 +459,11 @@ class _Config(msgspec.Struct, array_like=True):  # type: ignore[call-arg]
     """What the owner hands the coordinator process on stdin."""
 
     num_engines: int
-    addresses: list[str]
+    addresses: list[str | None]
     parent_pid: int
     curve_server_dir: str | None = None
+    #: Public keys (z85) accepted besides the server directory's authorized clients.
+    extra_authorized: list[str] = []
 
 
 def _child_main() -> int:
@@ -472,49 +521,67 @@ def _report(line: str) -> None:
     sys.stdout.flush()
 
 
-def _stop_process(proc: subprocess.Popen[bytes], timeout: float) -> None:
-    """Closes the lifeline, then escalates to SIGTERM and SIGKILL; reaps the process."""
+def _cleanup(proc: subprocess.Popen[bytes], fds: list[int], directory: str | None) -> None:
+    """Stops the process (lifeline, then SIGTERM, then SIGKILL), reaps it, closes the
+    sentinel and removes the private ipc directory."""
     for pipe in (proc.stdin, proc.stdout):
         if pipe is not None:
             with contextlib.suppress(OSError):
                 pipe.close()
     try:
-        proc.wait(timeout=timeout)
-        return
+        proc.wait(timeout=2.0)
     except subprocess.TimeoutExpired:
-        pass
-    proc.terminate()
-    try:
-        proc.wait(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait()
+        proc.terminate()
+        try:
+            proc.wait(timeout=3.0)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+    while fds:
+        with contextlib.suppress(OSError):
+            os.close(fds.pop())
+    if directory is not None:
+        shutil.rmtree(directory, ignore_errors=True)
 
 
 class DPCoordinator:
     """Owner of one coordinator process (see the module docstring).
 
-    ``shutdown()`` stops it and is idempotent; a finalizer does the same when the owner is
-    collected, and the process exits by itself when this process dies.
+    With ``addresses`` None it listens on ``ipc://`` endpoints in a private directory of
+    its own. ``shutdown()`` stops it and is idempotent; a finalizer does the same when the
+    owner is collected, and the process exits by itself when this process dies.
+
+    It also quacks like a ``multiprocessing.Process`` (``sentinel``, ``pid``, ``name``,
+    ``exitcode``, ``is_alive``, ``terminate``, ``kill``, ``join``, ``close``), so that a
+    client can watch and stop it together with its engine processes.
     """
 
     def __init__(
         self,
         num_engines: int,
-        addresses: CoordinatorAddresses,
+        addresses: CoordinatorAddresses | None = None,
         *,
         curve_server_dir: str | os.PathLike[str] | None = None,
+        extra_authorized: frozenset[bytes] = frozenset(),
         startup_timeout: float = 30.0,
     ) -> None:
-        if curve_server_dir is None:
-            for address in addresses.to_wire():
-                require_curve_for(address, None)
+        directory = None
+        if addresses is None:
+            directory = tempfile.mkdtemp(prefix="corewire-dp-")  # mode 0700
+            addresses = CoordinatorAddresses.in_dir(directory)
+        for address in (addresses.front_publish, addresses.engine_stats, addresses.engine_publish):
+            require_curve_for(address, None)
+        remote = (addresses.remote_engine_stats, addresses.remote_engine_publish)
+        if any(remote) and curve_server_dir is None:
+            raise ValueError("listening for remote engines requires CURVE keys (curve_server_dir)")
         self.addresses = addresses
+        self.name = "corewire-dp-coordinator"
         config = _Config(
             num_engines=num_engines,
             addresses=addresses.to_wire(),
             parent_pid=os.getpid(),
             curve_server_dir=os.fspath(curve_server_dir) if curve_server_dir else None,
+            extra_authorized=sorted(k.decode() for k in extra_authorized),
         )
         payload = msgspec.msgpack.encode(config)
         proc = subprocess.Popen(
@@ -524,39 +591,66 @@ class DPCoordinator:
             close_fds=True,
         )
         self._proc = proc
-        self._finalizer = weakref.finalize(self, _stop_process, proc, 5.0)
+        self._fds: list[int] = []
+        self._finalizer = weakref.finalize(self, _cleanup, proc, self._fds, directory)
         try:
             assert proc.stdin is not None and proc.stdout is not None
             proc.stdin.write(len(payload).to_bytes(4, "little") + payload)
             proc.stdin.flush()
             line = _read_line(proc.stdout, startup_timeout)
+            if line != "ready":
+                raise RuntimeError(f"DP coordinator failed to start: {line or 'no answer'}")
+            #: Readable once the process has exited: a pidfd where the kernel has them,
+            #: else the end of the process's stdout pipe (it writes nothing after "ready").
+            self.sentinel: int = proc.stdout.fileno()
+            if hasattr(os, "pidfd_open"):
+                with contextlib.suppress(OSError):
+                    self.sentinel = os.pidfd_open(proc.pid)
+                    self._fds.append(self.sentinel)
         except BaseException:
             self.shutdown()
             raise
-        if line != "ready":
-            self.shutdown()
-            raise RuntimeError(f"DP coordinator failed to start: {line or 'no answer'}")
-        # A pidfd is readable once the process exits: owners wait on it like a sentinel.
-        self.sentinel: int | None = None
-        if hasattr(os, "pidfd_open"):
-            try:
-                self.sentinel = os.pidfd_open(proc.pid)
-            except OSError:
-                self.sentinel = None
-        if self.sentinel is not None:
-            weakref.finalize(self, os.close, self.sentinel)
 
     @property
     def pid(self) -> int:
         """The coordinator's process id."""
         return self._proc.pid
 
+    @property
+    def exitcode(self) -> int | None:
+        """Exit status once it has exited (negative: killed by that signal), else None."""
+        return self._proc.poll()
+
     def is_alive(self) -> bool:
         """Whether the process is still running."""
         return self._proc.poll() is None
 
+    def terminate(self) -> None:
+        """Asks the process to exit: closes its lifeline and sends SIGTERM."""
+        if self._proc.stdin is not None:
+            with contextlib.suppress(OSError):
+                self._proc.stdin.close()
+        if self._proc.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                self._proc.terminate()
+
+    def kill(self) -> None:
+        """SIGKILL."""
+        if self._proc.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                self._proc.kill()
+
+    def join(self, timeout: float | None = None) -> None:
+        """Waits up to ``timeout`` seconds for the process to exit."""
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self._proc.wait(timeout=timeout)
+
+    def close(self) -> None:
+        """Releases everything (same as :meth:`shutdown`)."""
+        self.shutdown()
+
     def shutdown(self) -> None:
-        """Stops the process and waits for it (idempotent)."""
+        """Stops the process, waits for it and removes its files (idempotent)."""
         self._finalizer()
 
 
