@@ -273,7 +273,8 @@ class ReferenceEngine(Engine):
         self._fail_next_step: str | None = None
         self._profiler: Any = None
         self._profile_path: str | None = None
-        self._timers: set[threading.Timer] = set()
+        # Pending delayed_echo timers and the futures they will resolve.
+        self._timers: dict[threading.Timer, concurrent.futures.Future] = {}
         self._timers_lock = threading.Lock()
         self._worker = _ReferenceWorker(self)
 
@@ -402,9 +403,10 @@ class ReferenceEngine(Engine):
             self._profiler.stop()
             self._profiler = None
         with self._timers_lock:
-            timers, self._timers = self._timers, set()
-        for timer in timers:
+            timers, self._timers = self._timers, {}
+        for timer, future in timers.items():
             timer.cancel()
+            future.cancel()
 
     # ------------------------------------------------------------------ model passes
 
@@ -703,7 +705,7 @@ class ReferenceEngine(Engine):
 
         def _fire() -> None:
             with self._timers_lock:
-                self._timers.discard(timer)
+                self._timers.pop(timer, None)
             if future.set_running_or_notify_cancel():
                 future.set_result(x)
 
@@ -711,7 +713,7 @@ class ReferenceEngine(Engine):
         timer.name = "corewire-reference-delayed-echo"
         timer.daemon = True
         with self._timers_lock:
-            self._timers.add(timer)
+            self._timers[timer] = future
         timer.start()
         return future
 
