@@ -19,6 +19,7 @@ import msgspec
 import psutil
 import zmq
 
+from corewire.engine.interface import Engine
 from corewire.engine.replay import EngineLink, ReplayEngine
 from corewire.protocol import (
     ENGINE_CORE_DEAD,
@@ -160,7 +161,7 @@ def run_crash_on_start(**_: Any) -> None:
     raise RuntimeError("engine failed to start (on purpose)")
 
 
-class FailingEngine:
+class FailingEngine(Engine):
     """An :class:`corewire.engine.Engine` whose ``step()`` raises after ``fail_after``
     steps (run through ``corewire.engine.launch.run_engine_core``)."""
 

@@ -13,8 +13,8 @@ from typing import Any
 import pytest
 import torch
 import uvloop
-from client_support import REPLAY, SUPPORT, finished, no_leaks, request
 
+from client_support import REPLAY, SUPPORT, finished, no_leaks, request
 from corewire import AsyncMPClient, EngineDeadError, UtilityError
 from corewire.client.async_client import DRAIN_BUDGET
 from corewire.engine.replay import run_replay_engine

@@ -9,9 +9,9 @@ import weakref
 import numpy as np
 import pytest
 import zmq
+from corewire._native import CallRegistry, SendTracker
 
 from corewire import EngineDeadError
-from corewire._native import CallRegistry, SendTracker
 
 
 def test_registry_ids_are_unique_and_pop_returns_the_future() -> None:
@@ -21,7 +21,7 @@ def test_registry_ids_are_unique_and_pop_returns_the_future() -> None:
     assert len(set(ids)) == 1000
     assert all(0 <= i < 2**64 for i in ids)
     assert len(reg) == 1000
-    for i, f in zip(ids, futures):
+    for i, f in zip(ids, futures, strict=True):
         assert i in reg
         assert reg.pop(i) is f
     assert len(reg) == 0

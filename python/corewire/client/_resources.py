@@ -72,6 +72,7 @@ class ClientResources:
         self.fail_queue: Callable[[BaseException], None] | None = None
         self._closing = threading.Lock()
         self._closed_event = threading.Event()
+        self._loop_side_closed = False
         self._monitor: _EngineMonitor | None = None
 
     # -- death -----------------------------------------------------------------------
@@ -154,6 +155,9 @@ class ClientResources:
         if not self._closing.acquire(blocking=False):
             if threading.current_thread() not in {t for t, _ in self.threads}:
                 self._closed_event.wait(timeout)
+            # Another thread (the engine monitor) closed the client and left the loop's
+            # part to the loop: on the loop's thread, do it now rather than later.
+            self.run_on_owner(self._close_loop_side)
             return
         try:
             self._close()
@@ -188,6 +192,9 @@ class ClientResources:
 
     def _close_loop_side(self) -> None:
         """Fail waiters, cancel tasks, close sockets, end the context (owner thread)."""
+        if self._loop_side_closed:
+            return
+        self._loop_side_closed = True
         with contextlib.suppress(Exception):
             self._fail_waiters()
         for task in list(self.tasks):

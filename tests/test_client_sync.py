@@ -1,0 +1,114 @@
+"""SyncMPClient against real engine processes."""
+
+from __future__ import annotations
+
+import gc
+import os
+import queue
+import signal
+import threading
+import time
+import weakref
+
+import pytest
+
+from client_support import REPLAY, SUPPORT, finished, no_leaks, request, wait_pid_gone
+from corewire import EngineDeadError, SyncMPClient, UtilityError
+
+
+def test_streaming_and_utility_calls() -> None:
+    with no_leaks():
+        client = SyncMPClient(engine_main=REPLAY)
+        try:
+            for i in range(4):
+                client.add_request(request(f"s{i}", max_tokens=3))
+            tokens: dict[str, list[int]] = {}
+            done = 0
+            while done < 4:
+                outputs = client.get_output(timeout=10)
+                for out in outputs.outputs:
+                    tokens.setdefault(out.request_id, []).extend(out.new_token_ids)
+                done += len(finished(outputs))
+            assert tokens == {f"s{i}": [1, 2, 3] for i in range(4)}
+            assert client.call_utility("echo", [2**64 - 1]) == [2**64 - 1]
+            with pytest.raises(UtilityError, match="Call to nope method failed"):
+                client.call_utility("nope")
+            assert client.is_sleeping() is False
+            client.check_health(timeout=5)
+            assert len(client.resources.registry) == 0
+        finally:
+            client.shutdown()
+
+
+def test_utility_timeout_forgets_the_call() -> None:
+    with no_leaks():
+        client = SyncMPClient(engine_main=SUPPORT)
+        try:
+            with pytest.raises(TimeoutError):
+                client.call_utility("block", 0.5, timeout=0.05)
+            assert len(client.resources.registry) == 0
+            assert client.call_utility("echo", "late reply ignored") == "late reply ignored"
+            with pytest.raises(queue.Empty):
+                client.get_output(timeout=0.01)
+        finally:
+            client.shutdown()
+
+
+def test_engine_death_reaches_every_waiter() -> None:
+    with no_leaks():
+        client = SyncMPClient(engine_main=SUPPORT)
+        try:
+            (pid,) = client.engine_pids
+            errors: list[BaseException] = []
+
+            def wait_call() -> None:
+                try:
+                    client.call_utility("block", 30)
+                except BaseException as exc:
+                    errors.append(exc)
+
+            caller = threading.Thread(target=wait_call, name="test-caller")
+            caller.start()
+            time.sleep(0.2)
+            os.kill(pid, signal.SIGKILL)
+            caller.join(2.0)
+            assert not caller.is_alive()
+            assert len(errors) == 1 and isinstance(errors[0], EngineDeadError)
+            assert "died unexpectedly" in str(errors[0])
+            for _ in range(2):  # sticky: every caller, not only the first
+                with pytest.raises(EngineDeadError):
+                    client.get_output(timeout=2)
+            with pytest.raises(EngineDeadError):
+                client.call_utility("echo", 1)
+            with pytest.raises(EngineDeadError):
+                client.add_request(request("x"))
+        finally:
+            start = time.monotonic()
+            client.shutdown()
+            assert time.monotonic() - start < 5
+
+
+def test_engine_core_dead_frame() -> None:
+    with no_leaks():
+        client = SyncMPClient(engine_main=SUPPORT)
+        try:
+            client.call_utility("die")
+            with pytest.raises(EngineDeadError, match="ENGINE_CORE_DEAD"):
+                client.get_output(timeout=5)
+        finally:
+            client.shutdown()
+
+
+def test_collected_client_stops_its_thread_and_engine() -> None:
+    with no_leaks():
+        gc.disable()
+        try:
+            client = SyncMPClient(engine_main=REPLAY)
+            (pid,) = client.engine_pids
+            assert client.call_utility("echo", 1) == 1
+            ref = weakref.ref(client)
+            del client
+            assert ref() is None  # no reference cycle
+            assert wait_pid_gone(pid, 10)
+        finally:
+            gc.enable()

@@ -1,0 +1,168 @@
+"""Engine death and hangs, injected with real signals on real engine processes."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import time
+
+import pytest
+
+from client_support import REPLAY, SUPPORT, no_leaks, request, wait_pid_gone
+from corewire import AsyncMPClient, EngineDeadError
+
+
+async def _consume_until_error(client: AsyncMPClient) -> BaseException:
+    while True:
+        try:
+            await client.get_output_async()
+        except BaseException as exc:
+            return exc
+
+
+async def test_sigkill_of_a_busy_engine_fails_every_waiter_within_2s() -> None:
+    with no_leaks():
+        client = AsyncMPClient(engine_main=SUPPORT, engine_args={"step_delay": 0.001})
+        try:
+            (pid,) = client.engine_pids
+            for i in range(16):
+                await client.add_request_async(request(f"k{i}", max_tokens=10**6))
+            await client.get_output_async()  # it is streaming
+            # One call holds the engine loop; the others queue up behind it.
+            calls = [asyncio.ensure_future(client.call_utility_async("block", 30))]
+            calls += [
+                asyncio.ensure_future(client.call_utility_async("echo", i)) for i in range(50)
+            ]
+            consumers = [asyncio.ensure_future(_consume_until_error(client)) for _ in range(3)]
+            await asyncio.sleep(0.2)
+            assert len(client.resources.registry) == 51
+
+            os.kill(pid, signal.SIGKILL)
+            _, pending = await asyncio.wait(calls + consumers, timeout=2.0)
+            assert not pending, f"{len(pending)} waiters still pending 2 s after SIGKILL"
+            for call in calls:
+                assert isinstance(call.exception(), EngineDeadError)
+            for consumer in consumers:
+                assert isinstance(consumer.result(), EngineDeadError)
+            assert "died unexpectedly" in str(calls[0].exception())
+            assert len(client.resources.registry) == 0
+
+            # Later calls raise at once, without waiting for anything.
+            with pytest.raises(EngineDeadError):
+                await asyncio.wait_for(client.call_utility_async("echo", 1), 0.5)
+            with pytest.raises(EngineDeadError):
+                await asyncio.wait_for(client.get_output_async(), 0.5)
+            with pytest.raises(EngineDeadError):
+                await client.add_request_async(request("late"))
+        finally:
+            start = time.monotonic()
+            client.shutdown()
+            assert time.monotonic() - start < 5.0
+
+
+def test_death_before_the_first_request_is_not_lost() -> None:
+    with no_leaks():
+        client = AsyncMPClient(engine_main=REPLAY)  # no loop: no output task yet
+        try:
+            (pid,) = client.engine_pids
+            os.kill(pid, signal.SIGKILL)
+            assert wait_pid_gone(pid, 5)
+            deadline = time.monotonic() + 5
+            while not client.engine_dead and time.monotonic() < deadline:
+                time.sleep(0.01)
+
+            async def first_use() -> None:
+                with pytest.raises(EngineDeadError):
+                    await asyncio.wait_for(client.get_output_async(), 2.0)
+                with pytest.raises(EngineDeadError):
+                    await asyncio.wait_for(client.call_utility_async("echo", 1), 2.0)
+
+            asyncio.run(first_use())
+        finally:
+            client.shutdown()
+
+
+async def test_death_while_a_consumer_waits_before_any_request() -> None:
+    with no_leaks():
+        client = AsyncMPClient(engine_main=REPLAY)
+        try:
+            consumer = asyncio.ensure_future(client.get_output_async())
+            await asyncio.sleep(0.05)
+            os.kill(client.engine_pids[0], signal.SIGKILL)
+            with pytest.raises(EngineDeadError):
+                await asyncio.wait_for(consumer, 2.0)
+        finally:
+            client.shutdown()
+
+
+async def test_sigstop_is_reported_by_the_health_check_within_its_timeout() -> None:
+    with no_leaks():
+        client = AsyncMPClient(engine_main=REPLAY)
+        (pid,) = client.engine_pids
+        try:
+            await client.check_health_async(timeout=5)
+            os.kill(pid, signal.SIGSTOP)
+            try:
+                with pytest.raises(EngineDeadError, match="did not answer a health check"):
+                    # The outer bound only catches a check that overruns its own timeout.
+                    await asyncio.wait_for(client.check_health_async(timeout=0.5), 1.5)
+                assert not client.engine_dead  # a check reports; it does not kill
+                assert len(client.resources.registry) == 0
+            finally:
+                os.kill(pid, signal.SIGCONT)
+            await client.check_health_async(timeout=5)  # answers again once continued
+            assert await client.call_utility_async("echo", "back") == "back"
+        finally:
+            client.shutdown()
+
+
+async def test_watchdog_declares_a_stopped_engine_dead() -> None:
+    with no_leaks():
+        client = AsyncMPClient(
+            engine_main=REPLAY, health_check_interval=0.2, health_check_timeout=0.5
+        )
+        (pid,) = client.engine_pids
+        try:
+            assert await client.call_utility_async("echo", 1) == 1
+            os.kill(pid, signal.SIGSTOP)
+            call = asyncio.ensure_future(client.call_utility_async("echo", 2))
+            with pytest.raises(EngineDeadError, match="health check"):
+                await asyncio.wait_for(call, 3.0)
+            with pytest.raises(EngineDeadError):
+                await client.get_output_async()
+            assert wait_pid_gone(pid, 5)  # the watchdog killed the hung engine
+        finally:
+            client.shutdown()
+
+
+async def test_engine_raising_in_step_sends_engine_core_dead() -> None:
+    with no_leaks(grace=15):
+        client = AsyncMPClient(engine="client_support:FailingEngine", engine_args={"fail_after": 3})
+        try:
+            assert await client.call_utility_async("echo", "up") == "up"
+            await client.add_request_async(request("f", max_tokens=100))
+            tokens = []
+            with pytest.raises(EngineDeadError):
+                while True:
+                    outputs = await asyncio.wait_for(client.get_output_async(), 10)
+                    tokens += [t for o in outputs.outputs for t in o.new_token_ids]
+            assert tokens == [1, 2, 3]  # every output before the failure arrived
+            with pytest.raises(EngineDeadError):
+                await client.call_utility_async("echo", 1)
+        finally:
+            start = time.monotonic()
+            client.shutdown()
+            assert time.monotonic() - start < 5.0
+
+
+async def test_engine_core_dead_frame_fails_pending_calls() -> None:
+    with no_leaks():
+        client = AsyncMPClient(engine_main=SUPPORT)
+        try:
+            waiting = asyncio.ensure_future(client.get_output_async())
+            await client.call_utility_async("die")
+            with pytest.raises(EngineDeadError, match="ENGINE_CORE_DEAD"):
+                await asyncio.wait_for(waiting, 2.0)
+        finally:
+            client.shutdown()

@@ -1,0 +1,95 @@
+"""Lifetimes: a collected client, a killed parent, masses of cancelled calls."""
+
+from __future__ import annotations
+
+import asyncio
+import gc
+import os
+import subprocess
+import sys
+import textwrap
+import weakref
+
+import pytest
+
+from client_support import REPLAY, no_leaks, request, wait_pid_gone
+from corewire import AsyncMPClient
+
+
+async def test_client_collected_while_its_task_runs() -> None:
+    with no_leaks():
+        client = AsyncMPClient(engine_main=REPLAY, engine_args={"step_delay": 0.001})
+        (pid,) = client.engine_pids
+        await client.add_request_async(request("busy", max_tokens=10**6))
+        await client.get_output_async()
+        task = client.resources.output_task
+        assert task is not None and not task.done()
+        ref = weakref.ref(client)
+        del client
+        gc.collect()
+        assert ref() is None
+        await asyncio.sleep(0.1)
+        assert task.done()
+        assert wait_pid_gone(pid, 10)
+
+
+PARENT = textwrap.dedent(
+    """
+    import sys, time
+    from corewire import AsyncMPClient
+    kwargs = {"engine_main": sys.argv[1]} if sys.argv[1] else {}
+    client = AsyncMPClient(**kwargs)
+    print(client.engine_pids[0], flush=True)
+    time.sleep(600)
+    """
+)
+
+
+@pytest.mark.parametrize("engine_main", [REPLAY, ""], ids=["replay", "reference"])
+def test_engine_exits_when_its_parent_is_killed(engine_main: str) -> None:
+    with no_leaks():
+        env = dict(os.environ)
+        # The engine child needs client_support (tests/) importable, as here.
+        env["PYTHONPATH"] = os.pathsep.join([os.path.dirname(__file__), *sys.path])
+        parent = subprocess.Popen(
+            [sys.executable, "-c", PARENT, engine_main], stdout=subprocess.PIPE, env=env
+        )
+        try:
+            assert parent.stdout is not None
+            line = parent.stdout.readline()
+            assert line, "the parent process failed to start its client"
+            engine_pid = int(line)
+            parent.kill()
+            parent.wait(10)
+            assert wait_pid_gone(engine_pid, 15), "orphaned engine still running"
+        finally:
+            if parent.poll() is None:
+                parent.kill()
+                parent.wait(10)
+            if parent.stdout is not None:
+                parent.stdout.close()
+
+
+async def test_100k_cancelled_utility_calls_leave_no_registry_entries() -> None:
+    with no_leaks():
+        client = AsyncMPClient(engine_main=REPLAY)
+        try:
+            registry = client.resources.registry
+            total, batch = 100_000, 2_000
+            for start in range(0, total, batch):
+                tasks = [
+                    asyncio.ensure_future(client.call_utility_async("echo", i))
+                    for i in range(start, start + batch)
+                ]
+                await asyncio.sleep(0)  # every call registers and sends
+                for task in tasks:
+                    task.cancel()
+                await asyncio.gather(*tasks, return_exceptions=True)
+                assert len(registry) == 0
+            # The engine answers all 100,000 calls late; the replies match nothing. A
+            # call made now is answered after all of them, so they were all processed.
+            assert await client.call_utility_async("echo", "last") == "last"
+            assert len(registry) == 0
+            assert not client.engine_dead
+        finally:
+            client.shutdown()
