@@ -318,6 +318,16 @@ class FailingStepEngine(QuietEngine):
         raise RuntimeError("step exploded")
 
 
+class UnencodableOutputEngine(FailingStepEngine):
+    """Returns an output the encoder cannot send: the output thread fails, which is as
+    fatal as a failing step."""
+
+    def step(self) -> list[EngineCoreOutput]:
+        """One output whose stop_reason has no wire form."""
+        self.requests.clear()
+        return [EngineCoreOutput("x", [1], stop_reason=object())]  # type: ignore[arg-type]
+
+
 class BigPayloadEngine(QuietEngine):
     """On a request, emits ``count`` large messages back to back, as fast as it can.
 

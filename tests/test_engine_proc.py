@@ -467,6 +467,20 @@ def test_exception_in_step_sends_engine_core_dead_once_and_exits(tmp_path: Path)
         fe.close()
 
 
+def test_output_that_cannot_be_encoded_is_fatal_too(tmp_path: Path) -> None:
+    fe = FrontEnd(tmp_path, "unencodable")
+    try:
+        proc = fe.start_engine("engine_support:UnencodableOutputEngine")
+        fe.wait_ready()
+        fe.add(EngineCoreRequest(request_id="x", prompt_token_ids=[1]))
+        assert fe.recv() == ENGINE_CORE_DEAD
+        proc.join(20)
+        assert proc.exitcode == 1
+        assert fe.nothing_for(0.3)
+    finally:
+        fe.close()
+
+
 def test_engine_exits_when_its_parent_is_killed(tmp_path: Path) -> None:
     fe = FrontEnd(tmp_path, "orphan")
     ctx = multiprocessing.get_context("spawn")

@@ -565,7 +565,7 @@ class EngineCoreProc:
             buf = free.pop() if free else bytearray()
             frames = encoder.encode_into(message, buf)
             tracker = sock.send_multipart(frames, copy=False, track=True)
-            if tracker.done:
+            if not isinstance(tracker, zmq.MessageTracker) or tracker.done:
                 free.append(buf)
             else:
                 in_flight.append((tracker, buf, frames))

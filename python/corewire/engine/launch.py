@@ -98,7 +98,7 @@ def serve_engine(
     def _stop(signum: int, _frame: Any) -> None:
         proc.request_stop()
 
-    installed: dict[int, Any] = {}
+    installed: dict[signal.Signals, Any] = {}
     if threading.current_thread() is threading.main_thread():
         for sig in (signal.SIGTERM, signal.SIGINT):
             installed[sig] = signal.signal(sig, _stop)
