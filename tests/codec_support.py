@@ -20,11 +20,10 @@ from typing import Any
 
 import msgspec
 import numpy as np
-import pytest
 import torch
 
 from corewire import protocol
-from corewire.codec import MsgspecDecoder
+from corewire.codec import MsgspecDecoder, NativeDecoder
 
 __all__ = [
     "EVENT_FIELDS",
@@ -38,7 +37,6 @@ __all__ = [
     "check_types",
     "ext",
     "make_decoder",
-    "native_decoder_class",
     "nd",
     "normalize",
     "output",
@@ -124,27 +122,12 @@ TORCH_DTYPES = {
 # --------------------------------------------------------------------------- decoders
 
 
-def native_decoder_class() -> Any:
-    """``corewire._native.NativeDecoder``, or None while the extension lacks it."""
-    try:
-        from corewire import _native
-    except ImportError:
-        return None
-    return getattr(_native, "NativeDecoder", None)
-
-
 def make_decoder(kind: str) -> Any:
-    """A fresh decoder of ``kind`` ("msgspec" or "native") for EngineCoreOutputs frames.
-
-    Skips the calling test when the native decoder is not built yet.
-    """
+    """A fresh decoder of ``kind`` ("msgspec" or "native") for EngineCoreOutputs frames."""
     if kind == "msgspec":
         return MsgspecDecoder(protocol.EngineCoreOutputs)
     if kind == "native":
-        cls = native_decoder_class()
-        if cls is None:
-            pytest.skip("corewire._native has no NativeDecoder yet")
-        return cls()
+        return NativeDecoder()
     raise ValueError(f"unknown decoder kind {kind!r}")
 
 

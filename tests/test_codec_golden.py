@@ -29,7 +29,6 @@ from codec_support import (
     check_types,
     ext,
     make_decoder,
-    native_decoder_class,
     nd,
     normalize,
     output,
@@ -38,15 +37,16 @@ from codec_support import (
     tensor_bytes,
     utility,
 )
-from corewire import ProtocolError
+from corewire import ProtocolError, _native
 from corewire import protocol as p
+from corewire.codec import NativeDecoder
 
 DECODERS = ["msgspec", "native"]
 
 
 @pytest.fixture(params=DECODERS)
 def decoder(request: pytest.FixtureRequest) -> Any:
-    """Each decoder under test (the native one is skipped until it is built)."""
+    """Each decoder under test: the reference MsgspecDecoder and the Rust NativeDecoder."""
     return make_decoder(request.param)
 
 
@@ -57,8 +57,7 @@ def native() -> Any:
 
 
 def _native_only(decoder: Any) -> bool:
-    cls = native_decoder_class()
-    return cls is not None and isinstance(decoder, cls)
+    return isinstance(decoder, NativeDecoder)
 
 
 # --------------------------------------------------------------------------- values
@@ -670,8 +669,6 @@ def test_finished_flag(decoder: Any) -> None:
     """``output.finished`` is true exactly when finish_reason is set."""
     frames = _msg(outputs_msg(outputs=[output("a", [1]), output("b", [2], finish_reason=2)]))
     decoded = decoder.decode(frames)
-    if not hasattr(decoded.outputs[0], "finished"):
-        pytest.skip("this decoder's outputs have no `finished` property")
     assert [o.finished for o in decoded.outputs] == [False, True]
 
 
@@ -688,13 +685,8 @@ def test_utility_result_value_is_plain_data(decoder: Any) -> None:
 
 def test_native_decoder_is_reexported() -> None:
     """``corewire.NativeDecoder`` and ``corewire.codec.NativeDecoder`` are the Rust class."""
-    cls = native_decoder_class()
-    if cls is None:
-        pytest.skip("corewire._native has no NativeDecoder yet")
-    import corewire.codec
-
-    assert corewire.codec.NativeDecoder is cls
-    assert corewire.NativeDecoder is cls
+    assert NativeDecoder is _native.NativeDecoder
+    assert corewire.NativeDecoder is _native.NativeDecoder
 
 
 def test_request_ids_are_interned(native: Any) -> None:
@@ -1110,8 +1102,6 @@ def test_protocol_error_is_the_public_class() -> None:
     """corewire.ProtocolError is the native module's class and a ValueError."""
     assert issubclass(ProtocolError, ValueError)
     assert corewire.ProtocolError is ProtocolError
-    from corewire import _native
-
     assert _native.ProtocolError is ProtocolError
 
 
@@ -1140,8 +1130,6 @@ def test_deep_nesting_does_not_crash(kind: str) -> None:
 
     Runs in a child process: a stack overflow would kill the test runner otherwise.
     """
-    if kind == "native" and native_decoder_class() is None:
-        pytest.skip("corewire._native has no NativeDecoder yet")
     tests_dir = str(Path(__file__).parent)
     pythonpath = os.pathsep.join(filter(None, [tests_dir, os.environ.get("PYTHONPATH")]))
     proc = subprocess.run(

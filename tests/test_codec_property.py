@@ -151,7 +151,7 @@ messages = st.builds(
 
 @pytest.fixture(scope="module")
 def decoders() -> tuple[Any, Any]:
-    """(reference, native); skips while the native decoder is not built."""
+    """(reference MsgspecDecoder, NativeDecoder)."""
     return make_decoder("msgspec"), make_decoder("native")
 
 

@@ -34,7 +34,7 @@ class Storage(bytearray):
 
 @pytest.fixture(params=DECODERS)
 def decoder(request: pytest.FixtureRequest) -> Any:
-    """Each decoder under test (the native one is skipped until it is built)."""
+    """Each decoder under test: the reference MsgspecDecoder and the Rust NativeDecoder."""
     return make_decoder(request.param)
 
 
