@@ -192,7 +192,7 @@ def test_wrong_server_key_is_refused(keys: Path, curve_pair: CurvePair, tmp_path
 def test_zap_handler_stops_on_collection(keys: Path) -> None:
     ctx: zmq.Context[Any] = zmq.Context()
     handler = ZapHandler(ctx, frozenset())
-    thread = handler._thread
+    thread = handler.thread
     assert thread.name == "corewire-zap" and thread.is_alive()
     del handler
     thread.join(timeout=5)

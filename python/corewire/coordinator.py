@@ -85,6 +85,7 @@ __all__ = [
     "CoordinatorAddresses",
     "CoordinatorState",
     "DPCoordinator",
+    "TcpEndpoints",
 ]
 
 logger = logging.getLogger("corewire.coordinator")
@@ -159,6 +160,32 @@ class CoordinatorAddresses:
             raise ValueError("the three local coordinator addresses are required")
         remote_stats, remote_publish = [*remote, None, None][:2]
         return cls(front, stats, publish, remote_stats, remote_publish)
+
+
+@dataclass(frozen=True)
+class TcpEndpoints:
+    """The four ports behind one ``data_parallel_address="tcp://HOST:PORT"``."""
+
+    #: The front-end's ROUTER (requests): PORT.
+    input: str
+    #: The front-end's PULL (outputs): PORT + 1.
+    output: str
+    #: The coordinator's stats PULL: PORT + 2.
+    coordinator_stats: str
+    #: The coordinator's wave XPUB: PORT + 3.
+    coordinator_publish: str
+
+    @classmethod
+    def from_address(cls, address: str) -> TcpEndpoints:
+        """Splits ``tcp://HOST:PORT`` into the four consecutive ports."""
+        scheme, sep, rest = address.partition("://")
+        host, colon, port_text = rest.rpartition(":")
+        if scheme != "tcp" or not sep or not colon or not host or not port_text.isdigit():
+            raise ValueError(f"data_parallel_address must be tcp://HOST:PORT, got {address!r}")
+        port = int(port_text)
+        if not 0 < port <= 65535 - 3:
+            raise ValueError(f"port {port} leaves no room for the 3 ports after it")
+        return cls(*(f"tcp://{host}:{port + i}" for i in range(4)))
 
 
 class _EngineReport(msgspec.Struct, array_like=True):  # type: ignore[call-arg]
@@ -548,7 +575,8 @@ class DPCoordinator:
     """Owner of one coordinator process (see the module docstring).
 
     With ``addresses`` None it listens on ``ipc://`` endpoints in a private directory of
-    its own. ``shutdown()`` stops it and is idempotent; a finalizer does the same when the
+    its own; ``remote`` adds ``(stats, publish)`` ``tcp://`` endpoints for engines on other
+    hosts, behind CURVE (``curve_server_dir``, plus the ``extra_authorized`` public keys). ``shutdown()`` stops it and is idempotent; a finalizer does the same when the
     owner is collected, and the process exits by itself when this process dies.
 
     It also quacks like a ``multiprocessing.Process`` (``sentinel``, ``pid``, ``name``,
@@ -561,6 +589,7 @@ class DPCoordinator:
         num_engines: int,
         addresses: CoordinatorAddresses | None = None,
         *,
+        remote: tuple[str, str] | None = None,
         curve_server_dir: str | os.PathLike[str] | None = None,
         extra_authorized: frozenset[bytes] = frozenset(),
         startup_timeout: float = 30.0,
@@ -569,6 +598,8 @@ class DPCoordinator:
         if addresses is None:
             directory = tempfile.mkdtemp(prefix="corewire-dp-")  # mode 0700
             addresses = CoordinatorAddresses.in_dir(directory)
+        if remote is not None:
+            addresses = addresses.with_remote(*remote)
         for address in (addresses.front_publish, addresses.engine_stats, addresses.engine_publish):
             require_curve_for(address, None)
         remote = (addresses.remote_engine_stats, addresses.remote_engine_publish)

@@ -268,14 +268,15 @@ class ZapHandler:
         thread_control.bind(endpoint)
         control = ctx.socket(zmq.PAIR)
         control.connect(endpoint)
-        self._thread = threading.Thread(
+        #: The handler's thread (``corewire-zap``).
+        self.thread = threading.Thread(
             target=_zap_loop,
             args=(zap, thread_control, authorized),
             name="corewire-zap",
             daemon=True,
         )
-        self._thread.start()
-        self._finalizer = weakref.finalize(self, _stop_zap, control, self._thread)
+        self.thread.start()
+        self._finalizer = weakref.finalize(self, _stop_zap, control, self.thread)
 
     def stop(self) -> None:
         """Stops the thread (idempotent); call before terminating the context."""

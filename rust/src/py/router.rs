@@ -60,10 +60,15 @@ impl Router {
         self.inner.note_finished(engine, count)
     }
 
-    /// Replaces the coordinator's counts: one `[waiting, running]` pair per engine in
-    /// rank order. Missing engines read as idle, extra entries are ignored.
-    fn update_counts(&mut self, counts: Vec<(u32, u32)>) {
-        self.inner.update_counts(counts)
+    /// Replaces the coordinator's counts: one `[waiting, running]` pair (any sequence of
+    /// two non-negative ints) per engine in rank order. Missing engines read as idle,
+    /// extra entries are ignored.
+    fn update_counts(&mut self, counts: Vec<[u32; 2]>) {
+        self.inner.update_counts(
+            counts
+                .into_iter()
+                .map(|[waiting, running]| (waiting, running)),
+        )
     }
 
     /// Grows (new engines idle) or shrinks (their state dropped) to `num_engines`.

@@ -1,0 +1,607 @@
+"""Data-parallel clients: :class:`DPAsyncMPClient` and :class:`DPLBAsyncMPClient`.
+
+A data-parallel (DP) group is N engine processes run by one DP coordinator
+(:mod:`corewire.coordinator`). Both clients:
+
+- start the coordinator (unless ``coordinator_addresses`` names one another front-end
+  started) and the engines this front-end owns, with the DP options they need;
+- keep ``current_wave``, ``engines_running`` and ``lb_engines`` (``[waiting, running]``
+  per engine they route to) up to date from the coordinator's publications, in a task
+  started lazily on first use (``corewire-dp-stats-task``);
+- stamp ``client_index`` and ``current_wave`` on every request, and send the coordinator
+  a first-request notice ``[engine_index, current_wave]`` when they put a request on an
+  engine while the group is paused, so the other engines wake (START_DP_WAVE);
+- fan utility calls out to every engine they own and return engine 0's result
+  (:meth:`DPAsyncMPClient.call_utility_consensus_async` insists the engines agree);
+- die as a whole: the death of any engine (or of the coordinator) fails every waiter with
+  :class:`~corewire.EngineDeadError`, as in vLLM.
+
+:class:`DPAsyncMPClient` is for external load balancing: one front-end per engine (pass
+``data_parallel_rank``), the front-ends sharing one coordinator.
+:class:`DPLBAsyncMPClient` is one front-end over all N engines: it routes each request to
+the least-loaded engine (:class:`corewire._native.Router`), sends aborts to the engine that
+holds the request (``reqs_in_flight``), and scales the group while serving
+(:meth:`DPLBAsyncMPClient.scale_elastic_ep`).
+
+Engines on other hosts: ``data_parallel_address="tcp://HOST:PORT"`` makes the front-end
+and the coordinator listen on four consecutive ports there too (requests, outputs,
+coordinator stats, coordinator waves; see :class:`~corewire.coordinator.TcpEndpoints`), in
+addition to the private ``ipc://`` endpoints its local engines use. A non-loopback HOST
+requires ``curve_keys`` (a directory written by ``corewire keygen``): then only engines
+holding an authorized key can connect. ``data_parallel_size_local`` engines (indices
+``0 .. local-1``) start here; the others join with
+``corewire engine --connect tcp://HOST:PORT --engine-index K --curve-keys DIR``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import weakref
+from collections.abc import Sequence
+from typing import Any
+
+import msgspec
+import zmq
+import zmq.asyncio
+
+from corewire._native import Router
+from corewire.client._resources import ClientResources, stop_processes
+from corewire.client.async_client import AsyncMPClient
+from corewire.coordinator import CoordinatorAddresses, DPCoordinator, TcpEndpoints
+from corewire.keygen import (
+    CurveServerKeys,
+    ZapHandler,
+    apply_server,
+    is_loopback_address,
+)
+from corewire.protocol import EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest, FinishReason
+from corewire.protocol import EngineCoreRequestType as RequestType
+
+__all__ = ["DPAsyncMPClient", "DPConsensusError", "DPLBAsyncMPClient"]
+
+logger = logging.getLogger("corewire.client")
+
+_ADD = RequestType.ADD.value
+_ABORT = RequestType.ABORT.value
+
+#: Notification types of elastic scaling (result ``[type, engine_rank]`` of call_id -1).
+RECONFIGURE_FINISHED = "RECONFIGURE_FINISHED"
+SHUTDOWN_COMPLETE = "SHUTDOWN_COMPLETE"
+#: How long a scaling step may take (engine start-up excluded: that is ``ready_timeout``).
+SCALE_STEP_TIMEOUT_S = 30.0
+
+
+class DPConsensusError(RuntimeError):
+    """Engines of a DP group answered the same utility call differently."""
+
+    def __init__(self, method: str, results: Sequence[Any]) -> None:
+        super().__init__(f"engines disagree on {method}: {list(results)!r:.500}")
+        self.method = method
+        self.results = list(results)
+
+
+class DPAsyncMPClient(AsyncMPClient):
+    """Asyncio client of a data-parallel group with external load balancing.
+
+    Drives the engine ``data_parallel_rank`` of a group of ``data_parallel_size`` (or the
+    ``engine_indices`` given), sharing the group's coordinator with the other
+    front-ends: the first front-end starts it (``coordinator_addresses`` None) and the
+    others pass its :attr:`coordinator_addresses`. Other parameters as
+    :class:`~corewire.AsyncMPClient`; see the module docstring for the DP behaviour.
+    """
+
+    def __init__(
+        self,
+        *,
+        data_parallel_size: int = 1,
+        data_parallel_rank: int = 0,
+        engine_indices: Sequence[int] | None = None,
+        data_parallel_size_local: int | None = None,
+        data_parallel_address: str | None = None,
+        coordinator_addresses: CoordinatorAddresses | None = None,
+        curve_keys: str | None = None,
+        **kwargs: Any,
+    ) -> None:
+        if data_parallel_size < 1:
+            raise ValueError(f"data_parallel_size must be >= 1, got {data_parallel_size}")
+        if engine_indices is None:
+            engine_indices = self._default_engine_indices(data_parallel_size, data_parallel_rank)
+        engine_indices = list(engine_indices)
+        if any(not 0 <= i < data_parallel_size for i in engine_indices):
+            raise ValueError(f"engine indices {engine_indices} outside 0..{data_parallel_size - 1}")
+        local = (
+            len(engine_indices) if data_parallel_size_local is None else data_parallel_size_local
+        )
+        #: Engines of the group, and those this front-end starts (the first ``local``).
+        self.data_parallel_size = data_parallel_size
+        self._local_indices = set(engine_indices[:local])
+        self._tcp: TcpEndpoints | None = None
+        self._server_keys: CurveServerKeys | None = None
+        if data_parallel_address is not None:
+            self._tcp = TcpEndpoints.from_address(data_parallel_address)
+            if curve_keys is not None:
+                self._server_keys = CurveServerKeys.from_dir(curve_keys)
+            elif not is_loopback_address(data_parallel_address):
+                raise ValueError(
+                    f"listening on {data_parallel_address} exposes the engines to other "
+                    "hosts: pass curve_keys (write them with `corewire keygen DIR`), or use "
+                    "a loopback address"
+                )
+        elif len(self._local_indices) < len(engine_indices):
+            raise ValueError("engines on other hosts need data_parallel_address='tcp://HOST:PORT'")
+        self._zap: ZapHandler | None = None
+        self._coordinator: DPCoordinator | None = None
+        if coordinator_addresses is None:
+            remote = None
+            if self._tcp is not None:
+                remote = (self._tcp.coordinator_stats, self._tcp.coordinator_publish)
+            self._coordinator = DPCoordinator(
+                data_parallel_size,
+                remote=remote,
+                curve_server_dir=curve_keys if self._server_keys is not None else None,
+            )
+            coordinator_addresses = self._coordinator.addresses
+        #: Where this group's coordinator listens (give it to the other front-ends).
+        self.coordinator_addresses = coordinator_addresses
+        #: Wave state from the coordinator (see :mod:`corewire.coordinator`).
+        self.current_wave = 0
+        self.engines_running = False
+        #: ``[waiting, running]`` per engine this front-end routes to, from the coordinator.
+        self.lb_engines: list[list[int]] = [[0, 0] for _ in engine_indices]
+        self._stats_socket: Any = None
+        self._stats_raw: Any = None
+        self._stats_task: asyncio.Task[None] | None = None
+        self._stats_waiters: list[tuple[int, asyncio.Future[None]]] = []
+        self._notice_encoder = msgspec.msgpack.Encoder()
+        try:
+            super().__init__(engine_indices=engine_indices, **kwargs)
+        except BaseException:
+            if self._coordinator is not None:
+                self._coordinator.shutdown()
+            raise
+        if self._coordinator is not None:
+            # Watched and stopped with the engines: its death kills the client too.
+            self.resources.processes.append(self._coordinator)
+            self.resources.processes_changed()
+
+    @staticmethod
+    def _default_engine_indices(size: int, rank: int) -> list[int]:
+        """External load balancing: this front-end drives engine ``rank`` only."""
+        return [rank]
+
+    @property
+    def engine_pids(self) -> list[int]:
+        """Process ids of the engine processes this client started (not the
+        coordinator's: see :attr:`coordinator_pid`)."""
+        return [
+            p.pid
+            for p in self.resources.processes
+            if p.pid is not None and p is not self._coordinator
+        ]
+
+    @property
+    def coordinator_pid(self) -> int | None:
+        """Process id of the coordinator this client started, if it started one."""
+        return None if self._coordinator is None else self._coordinator.pid
+
+    # -- setup hooks of MPClient ---------------------------------------------------------
+
+    def _make_socket(self, kind: int, address: str, *, asyncio_mode: bool = False) -> Any:
+        sock = super()._make_socket(kind, address, asyncio_mode=asyncio_mode)
+        if self._tcp is not None and kind in (zmq.ROUTER, zmq.PULL):
+            # Local engines use the private ipc endpoint bound above; engines on other
+            # hosts come in over TCP, behind CURVE when keys are given.
+            if self._server_keys is not None:
+                if self._zap is None:
+                    self._zap = ZapHandler(self.ctx, self._server_keys.authorized)
+                    self.resources.add_thread(self._zap.thread, self._zap.stop)
+                apply_server(sock, self._server_keys)
+            sock.bind(self._tcp.input if kind == zmq.ROUTER else self._tcp.output)
+        return sock
+
+    def _start_engine_processes(self, indices: Sequence[int]) -> list[Any]:
+        return super()._start_engine_processes([i for i in indices if i in self._local_indices])
+
+    def _engine_process_kwargs(self, index: int) -> dict[str, Any]:
+        kwargs = super()._engine_process_kwargs(index)
+        kwargs["data_parallel_size"] = self.data_parallel_size
+        kwargs["coordinator_addresses"] = self.coordinator_addresses.for_engine()
+        return kwargs
+
+    # -- coordinator stats -------------------------------------------------------------
+
+    def _ensure_stats_update_task(self) -> None:
+        """Start the task that follows the coordinator's publications; idempotent."""
+        resources = self.resources
+        if self._stats_task is not None or resources.closed:
+            return
+        loop = self._bind_loop()
+        sock = zmq.asyncio.Socket(self.ctx, zmq.XSUB)
+        resources.sockets.append(sock)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.connect(self.coordinator_addresses.front_publish)
+        self._stats_socket = sock
+        # Notices go out on a blocking view of the same socket, from this loop's thread.
+        self._stats_raw = zmq.Socket.shadow(sock.underlying)
+        self._stats_raw.send(b"\x01")  # subscribe to everything
+        self._stats_task = task = loop.create_task(
+            _stats_update_loop(weakref.ref(self), resources, sock),
+            name="corewire-dp-stats-task",
+        )
+        resources.add_task(task)
+
+    def _apply_stats(self, counts: list[list[int]], wave: int, running: bool) -> None:
+        """One publication ``[counts, current_wave, engines_running]`` arrived."""
+        self.current_wave = wave
+        self.engines_running = running
+        self.lb_engines = [counts[i] if i < len(counts) else [0, 0] for i in self.engine_indices]
+        for size, waiter in list(self._stats_waiters):
+            if len(counts) == size and not waiter.done():
+                waiter.set_result(None)
+
+    def _send_first_request_notice(self, engine_index: int) -> None:
+        # Assume running until the coordinator says otherwise: one notice per pause.
+        self.engines_running = True
+        with contextlib.suppress(zmq.ZMQError):
+            self._stats_raw.send(
+                self._notice_encoder.encode([engine_index, self.current_wave]), zmq.NOBLOCK
+            )
+
+    async def _tell_coordinator_size(self, size: int) -> None:
+        """Send ``["scale", size]`` and wait until the coordinator publishes ``size``."""
+        self._ensure_stats_update_task()
+        waiter = asyncio.get_running_loop().create_future()
+        entry = (size, waiter)
+        self._stats_waiters.append(entry)
+        try:
+            self._stats_raw.send(self._notice_encoder.encode(["scale", size]))
+            await asyncio.wait_for(waiter, SCALE_STEP_TIMEOUT_S)
+        finally:
+            self._stats_waiters.remove(entry)
+
+    # -- requests ------------------------------------------------------------------------
+
+    def get_core_engine_for_request(self, request: EngineCoreRequest) -> bytes:
+        """The engine a request goes to: its ``data_parallel_rank`` when set (it must be
+        one of this front-end's engines), else this front-end's first engine."""
+        rank = request.data_parallel_rank
+        if rank is None:
+            return self.core_engine
+        if rank not in self.engine_indices:
+            raise ValueError(
+                f"data_parallel_rank {rank} is not an engine of this front-end "
+                f"({self.engine_indices})"
+            )
+        return self.core_engines[self.engine_indices.index(rank)]
+
+    async def add_request_async(self, request: EngineCoreRequest) -> None:
+        """Send a request (stamped with ``client_index`` and ``current_wave``) to its
+        engine; wake the group if it is paused."""
+        if self._stats_task is None:
+            self._ensure_stats_update_task()
+        request.client_index = self.client_index
+        request.current_wave = self.current_wave
+        engine = self.get_core_engine_for_request(request)
+        self._send_message(engine, _ADD, self.encoder.encode(request), request)
+        if not self.engines_running:
+            self._send_first_request_notice(int.from_bytes(engine, "little"))
+        if self.resources.output_task is None:
+            self._ensure_output_queue_task()
+
+    # -- utilities -----------------------------------------------------------------------
+
+    async def _call_all_engines(self, method: str, *args: Any) -> list[Any]:
+        return list(
+            await asyncio.gather(
+                *(self._call_utility_async(method, *args, engine=e) for e in self.core_engines)
+            )
+        )
+
+    async def call_utility_async(self, method: str, *args: Any) -> Any:
+        """Call ``method(*args)`` on every engine; return the first engine's result.
+
+        Any engine's failure raises (:class:`~corewire.UtilityError`); a cancelled
+        caller's calls are all forgotten.
+        """
+        return (await self._call_all_engines(method, *args))[0]
+
+    async def call_utility_consensus_async(self, method: str, *args: Any) -> Any:
+        """Like :meth:`call_utility_async`, but raise :class:`DPConsensusError` unless
+        every engine returned the same value."""
+        results = await self._call_all_engines(method, *args)
+        first = results[0]
+        if any(r != first for r in results[1:]):
+            raise DPConsensusError(method, results)
+        return first
+
+
+class DPLBAsyncMPClient(DPAsyncMPClient):
+    """Asyncio client that load-balances over all engines of a data-parallel group.
+
+    ``DPLBAsyncMPClient(data_parallel_size=N)`` starts N reference engines and the
+    coordinator. Each request goes to the least-loaded engine by the coordinator's
+    counts, floored by this client's own requests in flight, ties rotating (see
+    :class:`corewire._native.Router`); an explicit ``data_parallel_rank`` wins. Aborts go
+    to the engine holding the request. :meth:`scale_elastic_ep` grows or shrinks the
+    group while serving.
+    """
+
+    def __init__(self, *, data_parallel_size: int = 1, **kwargs: Any) -> None:
+        # Engines report finished and aborted ids: reqs_in_flight is cleaned from them.
+        kwargs.setdefault("include_finished_set", True)
+        #: Request id -> index of the engine holding it (for aborts).
+        self.reqs_in_flight: dict[str, int] = {}
+        self._router = Router(data_parallel_size)
+        self._route = self._router.route
+        self._note_finished = self._router.note_finished
+        self._scale_lock: asyncio.Lock | None = None
+        self._notifications: list[tuple[str, int]] = []
+        self._notification_event: asyncio.Event | None = None
+        super().__init__(data_parallel_size=data_parallel_size, **kwargs)
+
+    @staticmethod
+    def _default_engine_indices(size: int, rank: int) -> list[int]:
+        return list(range(size))
+
+    @property
+    def router(self) -> Router:
+        """The routing state (in-flight counts, loads); for inspection."""
+        return self._router
+
+    def _apply_stats(self, counts: list[list[int]], wave: int, running: bool) -> None:
+        super()._apply_stats(counts, wave, running)
+        self._router.update_counts(counts)
+
+    def get_core_engine_for_request(self, request: EngineCoreRequest) -> bytes:
+        """Route ``request`` (least loaded, or its ``data_parallel_rank``) and remember
+        which engine holds it."""
+        index = self._route(request.data_parallel_rank)
+        self.reqs_in_flight[request.request_id] = index
+        return self.core_engines[index]
+
+    def process_engine_outputs(self, outputs: EngineCoreOutputs) -> None:
+        """Output-task hook: forget finished requests (ids the engines report in
+        ``finished_requests``, aborted ones included)."""
+        finished = outputs.finished_requests
+        if finished:
+            pop = self.reqs_in_flight.pop
+            note = self._note_finished
+            for request_id in finished:
+                index = pop(request_id, None)
+                if index is not None:
+                    note(index)
+
+    async def abort_requests_async(self, request_ids: list[str]) -> None:
+        """Abort requests by id, each on the engine that holds it; unknown ids (already
+        finished) are skipped."""
+        if not request_ids or self.resources.engine_dead:
+            return
+        by_engine: dict[int, list[str]] = {}
+        get = self.reqs_in_flight.get
+        for request_id in request_ids:
+            index = get(request_id)
+            if index is not None and index < len(self.core_engines):
+                by_engine.setdefault(index, []).append(request_id)
+        for index, ids in by_engine.items():
+            self._send_message(self.core_engines[index], _ABORT, self.encoder.encode(ids), None)
+
+    # -- elastic scaling -------------------------------------------------------------------
+
+    async def eep_process_engine_core_notification(self, notification: Any) -> None:
+        """Elastic-scaling notification ``[type, engine_rank]`` from an engine (call_id
+        -1, delivered by the output task)."""
+        try:
+            kind, rank = notification
+            entry = (str(kind), int(rank))
+        except (TypeError, ValueError):
+            logger.warning("ignoring malformed scaling notification %r", notification)
+            return
+        self._notifications.append(entry)
+        if self._notification_event is not None:
+            self._notification_event.set()
+
+    async def _wait_notifications(self, expected: set[tuple[str, int]]) -> None:
+        if self._notification_event is None:
+            self._notification_event = asyncio.Event()
+        event = self._notification_event
+        while not expected <= set(self._notifications):
+            self.ensure_alive()
+            event.clear()
+            try:
+                await asyncio.wait_for(event.wait(), 0.5)
+            except asyncio.TimeoutError:
+                continue
+        for entry in expected:
+            self._notifications.remove(entry)
+
+    async def scale_elastic_ep(self, new_size: int) -> None:
+        """Grow or shrink the group to ``new_size`` engines while serving.
+
+        Growing starts local engines ``old .. new_size-1`` and waits for them; shrinking
+        finishes every request on engines ``new_size ..`` with ``FinishReason.ABORT``
+        (none is lost silently) and stops them. The remaining engines, the coordinator and
+        the routing all move to the new size before this returns. Calls are serialized.
+        """
+        if type(new_size) is not int or new_size < 1:
+            raise ValueError(f"new_size must be a positive int, got {new_size!r}")
+        self._bind_loop()
+        self.ensure_alive()
+        if self._scale_lock is None:
+            self._scale_lock = asyncio.Lock()
+        async with self._scale_lock:
+            self._ensure_stats_update_task()
+            if self.resources.output_task is None:
+                self._ensure_output_queue_task()
+            old_size = len(self.core_engines)
+            if new_size > old_size:
+                await self._scale_up(old_size, new_size)
+            elif new_size < old_size:
+                await self._scale_down(old_size, new_size)
+
+    async def _scale_up(self, old_size: int, new_size: int) -> None:
+        new_indices = list(range(old_size, new_size))
+        self.data_parallel_size = new_size
+        self._local_indices.update(new_indices)
+        procs = self._start_engine_processes(new_indices)
+        identities = [i.to_bytes(2, "little") for i in new_indices]
+        self.ready_info.update(await self._await_ready(identities, procs))
+        # Only now can the ROUTER address them: route and fan out to them from here on.
+        self.engine_indices += new_indices
+        self.core_engines += identities
+        self.lb_engines += [[0, 0] for _ in new_indices]
+        self._router.resize(new_size)
+        await self._reconfigure(range(old_size), new_size)
+        await self._tell_coordinator_size(new_size)
+
+    async def _scale_down(self, old_size: int, new_size: int) -> None:
+        removed = list(range(new_size, old_size))
+        removed_identities = self.core_engines[new_size:]
+        # No new request or utility call goes to the removed engines from here on.
+        self._router.resize(new_size)
+        del self.engine_indices[new_size:]
+        del self.core_engines[new_size:]
+        del self.lb_engines[new_size:]
+        self.data_parallel_size = new_size
+        procs = [p for p in self.resources.processes if _engine_index_of(p) in removed]
+        for proc in procs:  # their exit is expected now, not a death
+            self.resources.processes.remove(proc)
+        self.resources.processes_changed()
+        try:
+            await asyncio.wait_for(
+                asyncio.gather(
+                    *(
+                        self._call_utility_async("shutdown_for_scale_down", engine=identity)
+                        for identity in removed_identities
+                    )
+                ),
+                SCALE_STEP_TIMEOUT_S,
+            )
+            await asyncio.wait_for(
+                self._wait_notifications({(SHUTDOWN_COMPLETE, i) for i in removed}),
+                SCALE_STEP_TIMEOUT_S,
+            )
+        finally:
+            # Whatever happened, nothing may still wait on a removed engine's request.
+            self._abort_leftovers(set(removed))
+            await asyncio.get_running_loop().run_in_executor(None, stop_processes, procs)
+            self._local_indices.difference_update(removed)
+        await self._reconfigure(range(new_size), new_size)
+        await self._tell_coordinator_size(new_size)
+
+    async def _reconfigure(self, indices: range, new_size: int) -> None:
+        await asyncio.wait_for(
+            asyncio.gather(
+                *(
+                    self._call_utility_async(
+                        "reconfigure_data_parallel", new_size, engine=i.to_bytes(2, "little")
+                    )
+                    for i in indices
+                )
+            ),
+            SCALE_STEP_TIMEOUT_S,
+        )
+        await asyncio.wait_for(
+            self._wait_notifications({(RECONFIGURE_FINISHED, i) for i in indices}),
+            SCALE_STEP_TIMEOUT_S,
+        )
+
+    def _abort_leftovers(self, removed: set[int]) -> None:
+        """Finish, client-side, requests a removed engine never answered for (it died
+        before aborting them): the caller sees ABORT instead of waiting forever."""
+        leftovers = [rid for rid, index in self.reqs_in_flight.items() if index in removed]
+        if not leftovers:
+            return
+        for rid in leftovers:
+            del self.reqs_in_flight[rid]
+        logger.warning("finishing %d request(s) of removed engines as aborted", len(leftovers))
+        self.outputs_queue.put_nowait(
+            EngineCoreOutputs(
+                engine_index=min(removed),
+                outputs=[
+                    EngineCoreOutput(rid, [], finish_reason=FinishReason.ABORT) for rid in leftovers
+                ],
+                finished_requests=set(leftovers),
+            )
+        )
+
+    async def _await_ready(
+        self, identities: list[bytes], procs: list[Any]
+    ) -> dict[bytes, dict[str, Any]]:
+        """Wait on this loop for the new engines' ready messages (the ROUTER is used only
+        from this thread, so this reads it here instead of in a worker thread)."""
+        missing = set(identities)
+        info: dict[bytes, dict[str, Any]] = {}
+        sock = self.input_socket
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.ready_timeout
+        while missing:
+            self.ensure_alive()
+            while True:
+                try:
+                    identity, *rest = sock.recv_multipart(zmq.NOBLOCK)
+                except zmq.Again:
+                    break
+                info[identity] = self._parse_ready(identity, rest[-1] if rest else b"")
+                missing.discard(identity)
+            dead = [p for p in procs if not p.is_alive()]
+            if dead:
+                raise RuntimeError(
+                    f"engine process {dead[0].name} exited with code {dead[0].exitcode} "
+                    "before it was ready"
+                )
+            if loop.time() > deadline:
+                raise TimeoutError(
+                    f"new engine(s) {sorted(int.from_bytes(i, 'little') for i in missing)} "
+                    f"sent no ready message within {self.ready_timeout:g} s"
+                )
+            if missing:
+                await asyncio.sleep(0.02)
+        return info
+
+
+def _engine_index_of(proc: Any) -> int | None:
+    """Engine index of a process this client started (its name ends in it)."""
+    name = getattr(proc, "name", "")
+    prefix = "corewire-engine-"
+    if isinstance(name, str) and name.startswith(prefix) and name[len(prefix) :].isdigit():
+        return int(name[len(prefix) :])
+    return None
+
+
+async def _stats_update_loop(
+    client_ref: weakref.ref[DPAsyncMPClient], resources: ClientResources, sock: Any
+) -> None:
+    """Follow the coordinator's publications: only the latest of a burst matters."""
+    raw = zmq.Socket.shadow(sock.underlying)
+    decode = msgspec.msgpack.Decoder().decode
+    try:
+        while not resources.closed:
+            frame = await sock.recv()
+            # Edge-triggered: drain everything that is there, keep the newest.
+            while True:
+                try:
+                    frame = raw.recv(zmq.NOBLOCK)
+                except zmq.Again:
+                    break
+            try:
+                counts, wave, running = decode(frame)
+                if not isinstance(counts, list) or type(wave) is not int:
+                    raise ValueError("expected [counts, current_wave, engines_running]")
+            except (msgspec.DecodeError, ValueError, TypeError) as exc:
+                logger.warning("ignoring a malformed coordinator publication: %s", exc)
+                continue
+            client = client_ref()
+            if client is None:
+                return
+            try:
+                client._apply_stats(counts, wave, bool(running))
+            except (ValueError, TypeError, OverflowError) as exc:
+                logger.warning("ignoring a malformed coordinator publication: %s", exc)
+            del client
+    except asyncio.CancelledError:
+        raise
+    except Exception:
+        if not resources.closed:
+            logger.exception("corewire DP stats task failed")
