@@ -302,7 +302,8 @@ def test_fuzz_native_decoder() -> None:
     native = make_decoder("native")
     stats = _fuzz(native, make_decoder("msgspec"), FUZZ_FRAMES, FUZZ_SEED)
     _report("NativeDecoder", FUZZ_FRAMES, stats)
-    assert stats["accepted"] > 0 and stats["rejected"] > 0
+    if FUZZ_FRAMES >= 1000:  # the mutations must exercise both outcomes
+        assert stats["accepted"] > 0 and stats["rejected"] > 0
 
 
 def test_fuzz_msgspec_decoder() -> None:
