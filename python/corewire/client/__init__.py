@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from corewire.client.async_client import AsyncMPClient
 from corewire.client.core import MPClient
+from corewire.client.dp import DPAsyncMPClient, DPLBAsyncMPClient
 from corewire.client.sync_client import SyncMPClient
 
-__all__ = ["AsyncMPClient", "MPClient", "SyncMPClient"]
+__all__ = ["AsyncMPClient", "DPAsyncMPClient", "DPLBAsyncMPClient", "MPClient", "SyncMPClient"]
