@@ -425,6 +425,21 @@ def test_reference_utilities(ref: FrontEnd, tmp_path: Path) -> None:
     assert [t for o in ref.collect(["util-paused"])["util-paused"] for t in o.new_token_ids] == (
         baseline
     )
+    # pause_scheduler("wait") answers only once the request in flight finished: its
+    # reply waits on a future the engine resolves from its own loop.
+    ref.add(greedy("util-drain", [4, 5], 30))
+    ref.send(UTILITY, [0, 777, "pause_scheduler", ["wait"]])
+    finished_before_reply = False
+    while True:
+        msg = ref._recv_socket(30, 0)
+        assert isinstance(msg, EngineCoreOutputs)
+        if msg.utility_output is not None:
+            assert msg.utility_output.call_id == 777
+            assert msg.utility_output.failure_message is None
+            break
+        finished_before_reply |= any(o.finish_reason is not None for o in msg.outputs)
+    assert finished_before_reply
+    ref.value("resume_scheduler")
     # Asleep (level 2 discards the weights): nothing runs until fully woken, and the
     # rebuilt weights give the same tokens.
     ref.value("sleep", 2)

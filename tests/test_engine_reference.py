@@ -338,6 +338,58 @@ def test_pause_and_sleep_stop_stepping(engine: ReferenceEngine) -> None:
         assert tokens(run(engine)[f"asleep{level}"]) == expected
 
 
+def test_pause_modes_abort_and_wait() -> None:
+    eng = ReferenceEngine(device="cpu", max_batch=2)
+    for rid, n in (("a", 3), ("b", 5), ("queued", 2)):
+        eng.add_request(req(rid, temperature=0.0, max_tokens=n))
+    eng.step()
+    # "abort": every request in flight or queued finishes now with ABORT.
+    assert eng.pause_scheduler("abort") is None
+    assert eng.has_unfinished_requests()  # the finishes are still owed
+    finishes = eng.step()
+    assert {o.request_id for o in finishes} == {"a", "b", "queued"}
+    assert all(o.finish_reason == FinishReason.ABORT and not o.new_token_ids for o in finishes)
+    assert not eng.has_unfinished_requests() and eng.is_scheduler_paused()
+    assert eng.scheduler_stats()["num_running_reqs"] == 0
+    eng.add_request(req("a", temperature=0.0, max_tokens=1))  # the id is free again
+    eng.resume_scheduler()
+    assert len(run(eng)["a"]) == 1
+
+    # "wait": every request held at the call (running or queued) finishes; requests
+    # that arrive later are held; the future resolves when the last held one finished.
+    for rid, n in (("w1", 2), ("w2", 4), ("w3", 2)):
+        eng.add_request(req(rid, temperature=0.0, max_tokens=n))
+    eng.step()
+    future = eng.pause_scheduler("wait")
+    assert isinstance(future, concurrent.futures.Future) and not future.done()
+    assert eng.is_scheduler_paused()
+    eng.add_request(req("late", temperature=0.0, max_tokens=2))
+    eng.add_request(
+        EngineCoreRequest(
+            request_id="late-pool", prompt_token_ids=[1], pooling_params=PoolingParams()
+        )
+    )
+    outs = run(eng)
+    assert future.done() and future.result() is None
+    assert [len(tokens(outs[r])) for r in ("w1", "w2", "w3")] == [1, 3, 2]
+    assert "late" not in outs and "late-pool" not in outs
+    assert eng.scheduler_stats()["num_waiting_reqs"] == 2
+    # Pausing a paused engine with "wait" resolves at once.
+    assert eng.pause_scheduler("wait").done()
+    eng.resume_scheduler()
+    outs = run(eng)
+    assert len(tokens(outs["late"])) == 2 and outs["late-pool"][0].pooling_output is not None
+    # A drain whose requests are all aborted completes too.
+    eng.add_request(req("gone", temperature=0.0, max_tokens=50))
+    eng.step()
+    future = eng.pause_scheduler("wait")
+    eng.abort_requests(["gone"])
+    assert future.done() and not eng.has_unfinished_requests()
+    eng.resume_scheduler()
+    with pytest.raises(ValueError, match="pause mode"):
+        eng.pause_scheduler("later")
+
+
 # ---------------------------------------------------------------------- utilities
 
 
@@ -367,6 +419,13 @@ def test_utility_methods(engine: ReferenceEngine, tmp_path: Path) -> None:
     assert "traceEvents" in json.loads(Path(path).read_text())
     with pytest.raises(RuntimeError, match="not running"):
         engine.profile(False)
+    # Anything else is a file-name prefix in the temp directory (vLLM's profile_prefix).
+    engine.profile(True)
+    prefixed = Path(engine.profile(False, "corewire-test-prefix"))
+    try:
+        assert prefixed.name.startswith("corewire-test-prefix-") and prefixed.is_file()
+    finally:
+        prefixed.unlink()
 
 
 def test_fail_next_step_and_shutdown_cancels_pending_futures() -> None:

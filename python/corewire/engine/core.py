@@ -90,9 +90,10 @@ class EngineCoreProc:
     :meth:`run_busy_loop`, :meth:`_has_work`, :meth:`_process_input_queue`,
     :meth:`_process_engine_step`, :meth:`_make_outputs`, :meth:`_send_outputs`,
     :meth:`_handle_add`, :meth:`_handle_abort`, :meth:`_handle_start_dp_wave`,
-    :meth:`_scheduler_stats`, :meth:`_ready_message` and :meth:`_all_output_addresses`
-    (append extra PUSH targets, e.g. a coordinator, addressed by index in
-    :meth:`_send_outputs`). Unknown keyword options are accepted and ignored, so that a
+    :meth:`_scheduler_stats`, :meth:`_ready_message`, :meth:`_on_idle` and
+    :meth:`_all_output_addresses` (append extra PUSH targets, e.g. a coordinator,
+    addressed by index in :meth:`_send_outputs`). A loop that replaces
+    :meth:`run_busy_loop` calls :meth:`_flush_deferred_replies` after each step. Unknown keyword options are accepted and ignored, so that a
     launcher can pass data-parallel options to whichever class it runs.
     """
 
@@ -141,10 +142,13 @@ class EngineCoreProc:
         # request id -> client index, only kept when there are several client sockets.
         self._request_clients: dict[str, int] = {}
         self._utility_encoder = Encoder()
+        # Utility futures completed on the busy-loop thread (e.g. inside step()) reply
+        # only after the outputs of that step, which the front-end must see first.
+        self._loop_thread_id: int | None = None
+        self._deferred_replies: list[tuple[Any, ...]] = []
         self._ctx = zmq.Context()
         self._input_thread: threading.Thread | None = None
         self._output_thread: threading.Thread | None = None
-        self._input_connected = threading.Event()
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -154,6 +158,7 @@ class EngineCoreProc:
         Starts the I/O threads, sends the ready message, runs the busy loop on the
         calling thread, then stops everything (the engine's ``shutdown()`` included).
         """
+        self._loop_thread_id = threading.get_ident()
         self._start_io_threads()
         try:
             self.run_busy_loop()
@@ -212,6 +217,7 @@ class EngineCoreProc:
             if self._stop_requested:
                 break
             self._process_engine_step()
+            self._flush_deferred_replies()
 
     def _has_work(self) -> bool:
         """Whether the loop should step instead of blocking on input."""
@@ -275,8 +281,9 @@ class EngineCoreProc:
     def _send_outputs(self, outputs: EngineCoreOutputs, client_index: int = 0) -> None:
         """Queue outputs for the output thread.
 
-        With several client sockets the outputs are split by the client that sent each
-        request; ``client_index`` indexes :meth:`_all_output_addresses` otherwise.
+        ``client_index`` indexes :meth:`_all_output_addresses`. With several client
+        sockets, request outputs are instead split by the client that sent each request
+        (``client_index`` then only routes a message that carries no request outputs).
         """
         if len(self.output_addresses) == 1 or outputs.utility_output is not None:
             self.output_queue.put((client_index, outputs))
@@ -320,6 +327,12 @@ class EngineCoreProc:
     # ------------------------------------------------------------------ requests
 
     def _handle_input(self, item: tuple[Any, ...]) -> None:
+        try:
+            self._dispatch_input(item)
+        finally:
+            self._flush_deferred_replies()
+
+    def _dispatch_input(self, item: tuple[Any, ...]) -> None:
         kind = item[0]
         if kind == _IN_ADD:
             self._handle_add(item[1])
@@ -387,16 +400,32 @@ class EngineCoreProc:
         if isinstance(result, concurrent.futures.Future):
 
             def _done(future: concurrent.futures.Future) -> None:
-                try:
-                    value = future.result()
-                except BaseException as exc:  # CancelledError is a BaseException
-                    self._reply_utility(client_index, call_id, method, failure=exc, fresh=True)
+                if threading.get_ident() == self._loop_thread_id:
+                    self._deferred_replies.append((client_index, call_id, method, future))
                 else:
-                    self._reply_utility(client_index, call_id, method, value, fresh=True)
+                    self._reply_future(client_index, call_id, method, future)
 
             result.add_done_callback(_done)
         else:
             self._reply_utility(client_index, call_id, method, result)
+
+    def _reply_future(
+        self, client_index: int, call_id: int, method: str, future: concurrent.futures.Future
+    ) -> None:
+        try:
+            value = future.result()
+        except BaseException as exc:  # CancelledError is a BaseException
+            self._reply_utility(client_index, call_id, method, failure=exc, fresh=True)
+        else:
+            self._reply_utility(client_index, call_id, method, value, fresh=True)
+
+    def _flush_deferred_replies(self) -> None:
+        """Send the replies of futures completed on the busy-loop thread; call after
+        queueing the outputs produced alongside them (the base loop does)."""
+        while self._deferred_replies:
+            replies, self._deferred_replies = self._deferred_replies, []
+            for client_index, call_id, method, future in replies:
+                self._reply_future(client_index, call_id, method, future)
 
     def _resolve_utility(self, method: str) -> Any:
         if method.startswith("_") or method in INTERFACE_METHODS:
@@ -480,7 +509,6 @@ class EngineCoreProc:
             sock.connect(self.input_address)
             # The ROUTER cannot address this engine until it has heard from it.
             sock.send(msgspec.msgpack.encode(self._ready_message()))
-            self._input_connected.set()
             decoder = _InputDecoder(self)
             poller = zmq.Poller()
             poller.register(sock, zmq.POLLIN)

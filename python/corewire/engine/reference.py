@@ -268,6 +268,11 @@ class ReferenceEngine(Engine):
         self._pooling: list[_Request] = []
         self._num_steps = 0
         self._paused = False
+        # pause_scheduler("wait"): the ids it waits for; requests added later are held.
+        self._drain_ids: set[str] | None = None
+        self._pause_waiters: list[concurrent.futures.Future] = []
+        # Outputs owed outside a model pass (finishes of requests a pause aborted).
+        self._pending_outputs: list[EngineCoreOutput] = []
         self._asleep: set[str] = set()
         self._sleep_level = 0
         self._fail_next_step: str | None = None
@@ -359,11 +364,16 @@ class ReferenceEngine(Engine):
                     break
                 except ValueError:
                     pass
+        self._check_drained()
 
     def has_unfinished_requests(self) -> bool:
         """True when a step would make progress (False while paused or asleep)."""
+        if self._pending_outputs:
+            return True
         if self._paused or self._asleep:
             return False
+        if self._drain_ids is not None:
+            return bool(self._drain_ids)
         return bool(self._running or self._waiting or self._pooling)
 
     def scheduler_stats(self) -> dict[str, Any]:
@@ -379,23 +389,53 @@ class ReferenceEngine(Engine):
         if self._fail_next_step is not None:
             message, self._fail_next_step = self._fail_next_step, None
             raise RuntimeError(message)
+        outputs, self._pending_outputs = self._pending_outputs, []
+        if self._paused or self._asleep:
+            return outputs  # only the finishes of requests aborted by a pause
         if self.step_delay > 0:
             time.sleep(self.step_delay)
         self._num_steps += 1
-        outputs: list[EngineCoreOutput] = []
         with torch.inference_mode():
             if self._pooling:
                 outputs.extend(self._pool())
-            while self._waiting and len(self._running) < self.max_batch:
-                req = self._waiting.popleft()
-                if req.events is not None:
-                    req.events.append(
-                        EngineCoreEvent(EngineCoreEventType.SCHEDULED, time.monotonic())
-                    )
-                self._running.append(req)
+            self._admit()
             if self._running:
                 outputs.extend(self._generate())
+        self._check_drained()
         return outputs
+
+    def _admit(self) -> None:
+        """Move waiting requests into the running batch, up to ``max_batch`` (while a
+        "wait" pause drains, only the requests it waits for)."""
+        drain = self._drain_ids
+        held: collections.deque[_Request] = collections.deque()
+        while self._waiting and len(self._running) < self.max_batch:
+            req = self._waiting.popleft()
+            if drain is not None and req.request_id not in drain:
+                held.append(req)
+                continue
+            if req.events is not None:
+                req.events.append(EngineCoreEvent(EngineCoreEventType.SCHEDULED, time.monotonic()))
+            self._running.append(req)
+        if held:
+            held.extend(self._waiting)
+            self._waiting = held
+
+    def _check_drained(self) -> None:
+        """Complete a "wait" pause once every request it waits for has left."""
+        if self._drain_ids is None:
+            return
+        self._drain_ids.intersection_update(self._requests)
+        if not self._drain_ids:
+            self._drain_ids = None
+            self._paused = True
+            self._release_pause_waiters()
+
+    def _release_pause_waiters(self) -> None:
+        waiters, self._pause_waiters = self._pause_waiters, []
+        for future in waiters:
+            if future.set_running_or_notify_cancel():
+                future.set_result(None)
 
     def shutdown(self) -> None:
         """Stop a running profiler and cancel pending delayed replies."""
@@ -406,6 +446,9 @@ class ReferenceEngine(Engine):
             timers, self._timers = self._timers, {}
         for timer, future in timers.items():
             timer.cancel()
+            future.cancel()
+        waiters, self._pause_waiters = self._pause_waiters, []
+        for future in waiters:
             future.cancel()
 
     # ------------------------------------------------------------------ model passes
@@ -553,7 +596,14 @@ class ReferenceEngine(Engine):
     def _pool(self) -> list[EngineCoreOutput]:
         """Embed pending pooling requests: the mean of the hidden state after every
         prompt token, in one forward pass over all their positions."""
-        reqs, self._pooling = self._pooling, []
+        drain = self._drain_ids
+        if drain is None:
+            reqs, self._pooling = self._pooling, []
+        else:
+            reqs = [r for r in self._pooling if r.request_id in drain]
+            self._pooling = [r for r in self._pooling if r.request_id not in drain]
+            if not reqs:
+                return []
         assert self._model is not None
         w, pad = self.window, self.pad_token_id
         flat: list[int] = []
@@ -656,22 +706,61 @@ class ReferenceEngine(Engine):
         """Whether any part of the engine is asleep."""
         return bool(self._asleep)
 
-    def pause_scheduler(self) -> None:
-        """Stop stepping; new requests queue until resume_scheduler()."""
-        self._paused = True
+    def pause_scheduler(
+        self, mode: str = "keep", clear_cache: bool = False
+    ) -> concurrent.futures.Future | None:
+        """Stop scheduling; requests that arrive meanwhile queue until resume_scheduler().
+
+        ``mode`` says what happens to the requests in flight: "keep" freezes them where
+        they are; "abort" finishes them all now with ``FinishReason.ABORT``; "wait" lets
+        every request held at the time of the call (running or queued) run to completion
+        and returns a future that resolves once they did (the utility reply waits for
+        it). ``clear_cache`` is accepted for compatibility: there
+        is no cache to clear.
+        """
+        if mode == "keep":
+            self._paused = True
+        elif mode == "abort":
+            for req in [*self._running, *self._waiting, *self._pooling]:
+                self._pending_outputs.append(
+                    EngineCoreOutput(req.request_id, [], finish_reason=FinishReason.ABORT)
+                )
+            self._running, self._pooling = [], []
+            self._waiting.clear()
+            self._requests.clear()
+            self._paused = True
+            self._check_drained()
+        elif mode == "wait":
+            future: concurrent.futures.Future = concurrent.futures.Future()
+            self._pause_waiters.append(future)
+            if self._drain_ids is None:
+                self._drain_ids = set() if self._paused else set(self._requests)
+            self._check_drained()
+            return future
+        else:
+            raise ValueError(f"pause mode must be 'keep', 'abort' or 'wait', got {mode!r}")
+        return None
 
     def resume_scheduler(self) -> None:
-        """Step again after pause_scheduler()."""
+        """Schedule again after pause_scheduler() (a pending "wait" pause resolves)."""
         self._paused = False
+        self._drain_ids = None
+        self._release_pause_waiters()
 
     def is_scheduler_paused(self) -> bool:
-        """Whether pause_scheduler() is in effect."""
-        return self._paused
+        """Whether a pause was requested and not resumed (a "wait" pause counts from the
+        moment it was asked for)."""
+        return self._paused or self._drain_ids is not None
 
     def profile(self, is_start: bool = True, path: str | None = None) -> str | None:
         """Start (``is_start``) or stop a torch profiler; stopping writes a Chrome trace
-        to ``path`` (a file, or a directory to put it in; else the temp dir) and returns
-        the file's path."""
+        and returns the file's path.
+
+        ``path`` (given when starting or stopping) is an existing directory to write
+        into, a file name ending in ".json", or otherwise a file-name prefix in the temp
+        directory (what vLLM front-ends send as ``profile_prefix``); default: the temp
+        directory.
+        """
         if is_start:
             if self._profiler is not None:
                 raise RuntimeError("the profiler is already running")
@@ -688,9 +777,11 @@ class ReferenceEngine(Engine):
         profiler, self._profiler = self._profiler, None
         profiler.stop()
         target = path or self._profile_path or tempfile.gettempdir()
+        name = f"corewire-engine-trace-{os.getpid()}-{time.time_ns()}.json"
         if os.path.isdir(target):
-            name = f"corewire-engine-trace-{os.getpid()}-{time.time_ns()}.json"
             target = os.path.join(target, name)
+        elif not target.endswith(".json"):
+            target = os.path.join(tempfile.gettempdir(), f"{os.path.basename(target)}-{name}")
         profiler.export_chrome_trace(target)
         return target
 
