@@ -89,11 +89,12 @@ class EngineCoreProc:
     Subclasses (data parallel) extend the loop through these hooks:
     :meth:`run_busy_loop`, :meth:`_has_work`, :meth:`_process_input_queue`,
     :meth:`_process_engine_step`, :meth:`_make_outputs`, :meth:`_send_outputs`,
-    :meth:`_handle_add`, :meth:`_handle_abort`, :meth:`_handle_start_dp_wave`,
-    :meth:`_scheduler_stats`, :meth:`_ready_message`, :meth:`_on_idle` and
-    :meth:`_all_output_addresses` (append extra PUSH targets, e.g. a coordinator,
-    addressed by index in :meth:`_send_outputs`). A loop that replaces
-    :meth:`run_busy_loop` calls :meth:`_flush_deferred_replies` after each step. Unknown keyword options are accepted and ignored, so that a
+    :meth:`_handle_input`, :meth:`_handle_add`, :meth:`_handle_abort`,
+    :meth:`_handle_start_dp_wave`, :meth:`_scheduler_stats`, :meth:`_ready_message`,
+    :meth:`_on_idle`, :meth:`configure_socket` and :meth:`_all_output_addresses` (append
+    extra PUSH targets, e.g. a coordinator, addressed by index in :meth:`_send_outputs`).
+    A loop that replaces :meth:`run_busy_loop` calls :meth:`_flush_deferred_replies`
+    after each step. Unknown keyword options are accepted and ignored, so that a
     launcher can pass data-parallel options to whichever class it runs.
     """
 
@@ -497,6 +498,10 @@ class EngineCoreProc:
 
     # ------------------------------------------------------------------ input thread
 
+    def configure_socket(self, sock: zmq.Socket, address: str) -> None:
+        """Hook run on every socket just before it connects to ``address`` (e.g. to
+        apply CURVE keys for ``tcp://`` peers); does nothing here."""
+
     def _ready_message(self) -> dict[str, Any]:
         """The map sent once on the input socket when it is connected."""
         return {"status": "READY", "engine_index": self.engine_index, "pid": os.getpid()}
@@ -506,6 +511,7 @@ class EngineCoreProc:
         try:
             sock.setsockopt(zmq.IDENTITY, self.identity)
             sock.setsockopt(zmq.LINGER, 0)
+            self.configure_socket(sock, self.input_address)
             sock.connect(self.input_address)
             # The ROUTER cannot address this engine until it has heard from it.
             sock.send(msgspec.msgpack.encode(self._ready_message()))
@@ -541,6 +547,7 @@ class EngineCoreProc:
             for address in self._all_output_addresses():
                 sock = self._ctx.socket(zmq.PUSH)
                 sock.setsockopt(zmq.LINGER, self.linger_ms)
+                self.configure_socket(sock, address)
                 sock.connect(address)
                 sockets.append(sock)
             self._output_loop(sockets)
