@@ -1,17 +1,19 @@
-"""Helpers for the data-parallel tests: raw peers of the coordinator and polling waits."""
+"""Helpers for the data-parallel tests: raw peers of the coordinator, requests, waits."""
 
 from __future__ import annotations
 
+import asyncio
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, NamedTuple, TypeVar
 
 import msgspec
 import zmq
 
 from corewire.coordinator import CoordinatorAddresses
 from corewire.keygen import CurveClientKeys, apply_client
+from corewire.protocol import EngineCoreRequest, FinishReason, SamplingParams
 
 T = TypeVar("T")
 
@@ -156,3 +158,63 @@ class EnginePeer:
             type_byte, payload = self.sub.recv_multipart()
             out.append((type_byte, msgspec.msgpack.decode(payload)))
         return out
+
+
+#: Engine args that keep each reference engine light on a shared 2-core machine.
+LIGHT: dict[str, Any] = {"num_threads": 1, "device": "cpu"}
+
+
+def request(
+    request_id: str,
+    max_tokens: int = 4,
+    rank: int | None = None,
+    prompt: list[int] | None = None,
+) -> EngineCoreRequest:
+    """A generation request that runs exactly ``max_tokens`` steps."""
+    return EngineCoreRequest(
+        request_id=request_id,
+        prompt_token_ids=prompt or [5, 6, 7],
+        sampling_params=SamplingParams(max_tokens=max_tokens, ignore_eos=True, temperature=0.0),
+        data_parallel_rank=rank,
+    )
+
+
+class Finished(NamedTuple):
+    """How one request ended, as the client saw it."""
+
+    finish_reason: FinishReason
+    engine_index: int
+    num_tokens: int
+
+
+async def collect_finished(
+    client: Any, request_ids: Collection[str], timeout: float = 60.0
+) -> dict[str, Finished]:
+    """Reads outputs until every id in ``request_ids`` finished; returns how each did."""
+    wanted = set(request_ids)
+    tokens: dict[str, int] = {}
+    done: dict[str, Finished] = {}
+
+    async def run() -> None:
+        while not wanted <= done.keys():
+            outputs = await client.get_output_async()
+            for out in outputs.outputs:
+                tokens[out.request_id] = tokens.get(out.request_id, 0) + len(out.new_token_ids)
+                if out.finish_reason is not None:
+                    done[out.request_id] = Finished(
+                        out.finish_reason, outputs.engine_index, tokens[out.request_id]
+                    )
+
+    await asyncio.wait_for(run(), timeout)
+    return done
+
+
+async def wait_until(
+    predicate: Callable[[], Any], timeout: float = 10.0, what: str = "condition"
+) -> None:
+    """Async polling wait; fails after ``timeout``."""
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout} s waiting for {what}")
+        await asyncio.sleep(0.02)

@@ -124,7 +124,11 @@ class DPEngineCoreProc(EngineCoreProc):
     # ------------------------------------------------------------------ sockets, threads
 
     def configure_socket(self, sock: zmq.Socket[Any], address: str) -> None:
-        """Applies the CURVE client keys to a socket about to connect to ``address``."""
+        """Runs on each socket before it connects to ``address``: CURVE client keys for
+        ``tcp://`` peers; no linger towards the coordinator (stats are disposable, and a
+        coordinator that is gone must not hold this process at exit)."""
+        if address == self.coordinator_stats_address:
+            sock.setsockopt(zmq.LINGER, 0)
         if self.curve_keys is not None and address.startswith("tcp://"):
             apply_client(sock, self.curve_keys)
 
