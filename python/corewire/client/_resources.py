@@ -51,6 +51,8 @@ class ClientResources:
         self.sockets: list[Any] = []
         #: The output task of an async client, once started.
         self.output_task: asyncio.Task[Any] | None = None
+        #: Called on the owner thread before the sockets close (loop readers).
+        self.before_close: list[Callable[[], None]] = []
         #: Tasks cancelled on close.
         self.tasks: set[asyncio.Task[Any]] = set()
         #: (thread, stop) pairs; ``stop()`` asks the thread to end, ``close`` joins it.
@@ -202,6 +204,10 @@ class ClientResources:
                 with contextlib.suppress(Exception):
                     task.cancel()
         self.tasks.clear()
+        for callback in self.before_close:
+            with contextlib.suppress(Exception):
+                callback()
+        self.before_close.clear()
         self.tracker.clear()
         with self.send_lock:
             for sock in self.sockets:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import inspect
 import logging
 import weakref
@@ -386,6 +387,31 @@ class AsyncMPClient(MPClient):
         await self.call_utility_async("save_sharded_state", path, pattern, max_size)
 
 
+class _Readable:
+    """Wakes the output task when the socket's descriptor turns readable.
+
+    The callback stays registered with the loop for the task's lifetime; it completes
+    the waiter the task left, if any (while the task drains, there is none).
+    """
+
+    __slots__ = ("loop", "waiter")
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self.loop = loop
+        self.waiter: asyncio.Future[None] | None = None
+
+    def fire(self) -> None:
+        waiter = self.waiter
+        if waiter is not None:
+            self.waiter = None
+            if not waiter.done():
+                waiter.set_result(None)
+
+    def wait(self) -> asyncio.Future[None]:
+        self.waiter = waiter = self.loop.create_future()
+        return waiter
+
+
 async def _output_loop(
     client_ref: weakref.ref[AsyncMPClient],
     resources: ClientResources,
@@ -398,76 +424,80 @@ async def _output_loop(
     """The output task: receive, decode and dispatch every frame from the engines.
 
     It references the client only through ``client_ref`` (for the hooks) and ends when
-    the client is collected. After each wake-up it drains every ready message with
-    non-blocking receives (the ZeroMQ descriptor is edge-triggered), yielding to other
-    tasks every :data:`DRAIN_BUDGET` messages.
+    the client is collected. ZeroMQ's descriptor is edge-triggered: after each wake-up
+    the task receives with ``NOBLOCK`` until ``Again`` (which also re-arms the
+    descriptor), yielding to other tasks every :data:`DRAIN_BUDGET` messages so that a
+    fast engine cannot starve the consumer.
     """
-    # A blocking view of the same socket: a direct non-blocking receive costs a fraction
-    # of pyzmq's asyncio machinery, which is only needed to sleep until data comes.
+    # The task receives on a blocking view of the socket and waits on its descriptor
+    # itself: pyzmq's asyncio receive costs several times more per message.
     raw = zmq.Socket.shadow(socket.underlying)
     recv = raw.recv
-    wait_recv = socket.recv_multipart
     NOBLOCK = zmq.NOBLOCK
     Again = zmq.Again
+    loop = asyncio.get_running_loop()
+    readable = _Readable(loop)
+    fd = raw.getsockopt(zmq.FD)
+    loop.add_reader(fd, readable.fire)
+    # The reader must go before the socket closes, and shutdown closes the socket before
+    # this task's cancellation runs.
+    remove_reader = functools.partial(_remove_reader, loop, fd)
+    resources.before_close.append(remove_reader)
     decode = decoder.decode
     pop = resources.registry.pop
     put = queue.put_nowait
     hook_is_async = hook is not None and inspect.iscoroutinefunction(hook)
+    budget = DRAIN_BUDGET
     try:
         while True:
-            frames = await wait_recv(copy=False)
-            budget = DRAIN_BUDGET
-            while True:
-                if (
-                    len(frames) == 1
-                    and len(frames[0]) == _DEAD_LEN
-                    and (frames[0].bytes == ENGINE_CORE_DEAD)
-                ):
-                    resources.mark_dead("Engine core sent ENGINE_CORE_DEAD (fatal error).")
+            try:
+                first = recv(NOBLOCK, copy=False)
+            except Again:
+                if client_ref() is None:
                     return
-                try:
-                    outputs = decode(frames)
-                except ProtocolError as exc:
-                    # One bad frame fails alone; the requests in other frames go on.
-                    put(exc)
-                else:
-                    utility = outputs.utility_output
-                    if utility is not None:
-                        call_id = utility.call_id
-                        future = pop(call_id)
-                        if future is not None:
-                            if not future.done():
-                                resolve_utility_output(future, utility)
-                        elif call_id == EEP_NOTIFICATION_CALL_ID and notify is not None:
-                            _start_notification(client_ref, resources, notify, utility)
-                    else:
-                        if hook is not None:
-                            client = client_ref()
-                            if client is None:
-                                return
-                            if hook_is_async:
-                                await hook(client, outputs)
-                            else:
-                                hook(client, outputs)
-                            del client
-                        if outputs.outputs or outputs.scheduler_stats:
-                            put(outputs)
-                budget -= 1
-                if not budget:
-                    budget = DRAIN_BUDGET
-                    await asyncio.sleep(0)
-                    if resources.closed:
-                        return
-                try:
-                    first = recv(NOBLOCK, copy=False)
-                except Again:
-                    break
-                frames = [first]
-                while first.more:
-                    first = recv(copy=False)
-                    frames.append(first)
-            if client_ref() is None:
+                budget = DRAIN_BUDGET
+                await readable.wait()
+                continue
+            frames = [first]
+            while first.more:
+                first = recv(copy=False)
+                frames.append(first)
+            if len(frames) == 1 and len(first) == _DEAD_LEN and first.bytes == ENGINE_CORE_DEAD:
+                resources.mark_dead("Engine core sent ENGINE_CORE_DEAD (fatal error).")
                 return
+            try:
+                outputs = decode(frames)
+            except ProtocolError as exc:
+                # One bad frame fails alone; the requests in other frames go on.
+                put(exc)
+            else:
+                utility = outputs.utility_output
+                if utility is not None:
+                    call_id = utility.call_id
+                    future = pop(call_id)
+                    if future is not None:
+                        if not future.done():
+                            resolve_utility_output(future, utility)
+                    elif call_id == EEP_NOTIFICATION_CALL_ID and notify is not None:
+                        _start_notification(client_ref, resources, notify, utility)
+                else:
+                    if hook is not None:
+                        client = client_ref()
+                        if client is None:
+                            return
+                        if hook_is_async:
+                            await hook(client, outputs)
+                        else:
+                            hook(client, outputs)
+                        del client
+                    if outputs.outputs or outputs.scheduler_stats:
+                        put(outputs)
+            budget -= 1
+            if not budget:
+                budget = DRAIN_BUDGET
+                await asyncio.sleep(0)
+                if resources.closed:
+                    return
     except asyncio.CancelledError:
         queue.set_error(resources.dead_error())
         raise
@@ -477,6 +507,13 @@ async def _output_loop(
         logger.exception("corewire output task failed")
         queue.put_nowait(exc)
         resources.mark_dead(f"The client's output task failed: {exc!r}")
+    finally:
+        remove_reader()
+
+
+def _remove_reader(loop: asyncio.AbstractEventLoop, fd: int) -> None:
+    with contextlib.suppress(Exception):  # the loop may be closed already
+        loop.remove_reader(fd)
 
 
 def _start_notification(
