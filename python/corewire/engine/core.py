@@ -170,8 +170,14 @@ class EngineCoreProc:
             self._close()
         return self._exit_code
 
-    def request_stop(self) -> None:
-        """Ask the busy loop to stop after the current step. Safe in signal handlers."""
+    def request_stop(self, discard_pending: bool = False) -> None:
+        """Ask the busy loop to stop after the current step. Safe in signal handlers.
+
+        ``discard_pending`` drops unsent outputs instead of lingering to deliver them
+        (when the front-end is known to be gone).
+        """
+        if discard_pending:
+            self.linger_ms = 0
         self._stop_requested = True
         self.input_queue.put(_STOP)
 
@@ -563,7 +569,7 @@ class EngineCoreProc:
             self.input_queue.put((_IN_FATAL, exc))
         finally:
             for sock in sockets:
-                sock.close()
+                sock.close(linger=self.linger_ms)
 
     def _output_loop(self, sockets: list[zmq.Socket]) -> None:
         """Encode and send until the stop sentinel.

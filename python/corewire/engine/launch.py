@@ -168,7 +168,7 @@ class _Watcher:
                 self._pidfd = None
             if not self._parent_alive():
                 logger.warning("parent process %d is already gone", self._parent_pid)
-                self._proc.request_stop()
+                self._proc.request_stop(discard_pending=True)
         self._thread.start()
 
     def stop(self) -> None:
@@ -200,7 +200,7 @@ class _Watcher:
         while not self._done.wait(_WATCH_INTERVAL_S):
             if self._parent_pid is not None and stop_seen is None and not self._parent_alive():
                 logger.warning("parent process %d died; stopping engine", self._parent_pid)
-                self._proc.request_stop()
+                self._proc.request_stop(discard_pending=True)
             if self._proc.stop_requested:
                 now = time.monotonic()
                 if stop_seen is None:
