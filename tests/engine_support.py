@@ -12,9 +12,11 @@ inherit it).
 from __future__ import annotations
 
 import collections
+import concurrent.futures
 import multiprocessing
 import os
 import signal
+import threading
 import time
 from collections.abc import Iterable
 from pathlib import Path
@@ -304,6 +306,12 @@ class QuietEngine(Engine):
     def unsendable(self) -> object:
         """Return something that has no wire form."""
         return object()
+
+    def failing_future(self, message: str) -> concurrent.futures.Future:
+        """A future that another thread fails with ``ValueError(message)``."""
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        threading.Timer(0.05, future.set_exception, (ValueError(message),)).start()
+        return future
 
 
 class FailingStepEngine(QuietEngine):

@@ -584,6 +584,9 @@ def test_slow_reader_gets_every_large_frame_intact(tmp_path: Path) -> None:
             "Call to unsendable method failed: result of type object cannot be sent: "
             "corewire cannot encode objects of type object"
         )
+        # A future that fails from another thread is a failure reply too.
+        text = fe.call("failing_future", "no luck").failure_message
+        assert text == "Call to failing_future method failed: no luck"
         assert fe.value("echo", 5) == 5
     finally:
         fe.close()
