@@ -218,3 +218,84 @@ async def wait_until(
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out after {timeout} s waiting for {what}")
         await asyncio.sleep(0.02)
+
+
+def free_port_block(count: int = 4) -> int:
+    """A base port such that ``base .. base+count-1`` on 127.0.0.1 were all free."""
+    import random
+    import socket
+
+    rng = random.Random()
+    for _ in range(200):
+        base = rng.randrange(20000, 60000)
+        sockets = []
+        try:
+            for port in range(base, base + count):
+                s = socket.socket()
+                sockets.append(s)
+                s.bind(("127.0.0.1", port))
+            return base
+        except OSError:
+            continue
+        finally:
+            for s in sockets:
+                s.close()
+    raise RuntimeError("no block of free ports found")
+
+
+def netns_front_end() -> int:
+    """Program run inside "host A" by ``test_dp_remote`` (``python -c``, arguments
+    ``ADDRESS SERVER_KEYS_DIR``): a DPLB front-end with one local engine and one on host B.
+
+    Prints JSON events: ``serving`` (with the per-engine split of 16 requests), then,
+    after the test writes ``cut`` and ``cut-done`` lines, ``dead`` with how long after
+    ``cut`` the client declared its engines dead, and why.
+    """
+    import json
+    import sys
+
+    from corewire import DPLBAsyncMPClient
+
+    address, keys = sys.argv[1], sys.argv[2]
+
+    def emit(event: dict[str, Any]) -> None:
+        sys.stdout.write(json.dumps(event) + "\n")
+        sys.stdout.flush()
+
+    async def main() -> None:
+        loop = asyncio.get_running_loop()
+        client = DPLBAsyncMPClient(
+            data_parallel_size=2,
+            data_parallel_size_local=1,
+            data_parallel_address=address,
+            curve_keys=keys,
+            engine_args=LIGHT,
+            ready_timeout=90,
+            health_check_interval=0.5,
+            health_check_timeout=2.0,
+        )
+        try:
+            ids = [f"net-{i}" for i in range(16)]
+            for rid in ids:
+                await client.add_request_async(request(rid, max_tokens=3))
+            done = await collect_finished(client, ids)
+            per_engine: dict[str, int] = {}
+            for f in done.values():
+                per_engine[str(f.engine_index)] = per_engine.get(str(f.engine_index), 0) + 1
+            emit({"event": "serving", "per_engine": per_engine})
+            assert (await loop.run_in_executor(None, sys.stdin.readline)).strip() == "cut"
+            cut_at = time.monotonic()
+            assert (await loop.run_in_executor(None, sys.stdin.readline)).strip() == "cut-done"
+            await wait_until(lambda: client.engine_dead, timeout=30, what="the client to notice")
+            emit(
+                {
+                    "event": "dead",
+                    "after_s": time.monotonic() - cut_at,
+                    "reason": client.resources.dead_reason,
+                }
+            )
+        finally:
+            client.shutdown()
+
+    asyncio.run(main())
+    return 0

@@ -59,6 +59,7 @@ coordinator then runs a ZAP handler and accepts only the authorized client keys.
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import dataclasses
 import logging
@@ -77,7 +78,14 @@ from typing import Any
 import msgspec
 import zmq
 
-from corewire.keygen import CurveServerKeys, ZapHandler, apply_server, require_curve_for
+from corewire.keygen import (
+    CurveClientKeys,
+    CurveServerKeys,
+    ZapHandler,
+    apply_server,
+    is_loopback_address,
+    require_curve_for,
+)
 
 __all__ = [
     "START_DP_WAVE",
@@ -86,6 +94,8 @@ __all__ = [
     "CoordinatorState",
     "DPCoordinator",
     "TcpEndpoints",
+    "add_connect_arguments",
+    "connect_options",
 ]
 
 logger = logging.getLogger("corewire.coordinator")
@@ -328,14 +338,15 @@ class CoordinatorState:
 def _bind(
     sock: zmq.Socket[Any], local: str, remote: str | None, keys: CurveServerKeys | None
 ) -> None:
-    """Binds ``local`` plainly, then ``remote`` behind CURVE (options are taken per bind,
-    so engines on this host need no keys)."""
+    """Binds ``local`` plainly, then ``remote`` behind CURVE when there are keys (socket
+    options are taken per bind, so engines on this host need no keys); a ``remote`` that
+    other hosts can reach requires keys."""
     require_curve_for(local, None)
     sock.bind(local)
     if remote is not None:
-        if keys is None:
-            raise ValueError(f"listening for remote engines on {remote} requires CURVE keys")
-        apply_server(sock, keys)
+        require_curve_for(remote, keys)
+        if keys is not None:
+            apply_server(sock, keys)
         sock.bind(remote)
 
 
@@ -576,8 +587,9 @@ class DPCoordinator:
 
     With ``addresses`` None it listens on ``ipc://`` endpoints in a private directory of
     its own; ``remote`` adds ``(stats, publish)`` ``tcp://`` endpoints for engines on other
-    hosts, behind CURVE (``curve_server_dir``, plus the ``extra_authorized`` public keys). ``shutdown()`` stops it and is idempotent; a finalizer does the same when the
-    owner is collected, and the process exits by itself when this process dies.
+    hosts, behind CURVE (``curve_server_dir``, plus the ``extra_authorized`` public keys).
+    ``shutdown()`` stops it and is idempotent; a finalizer does the same when the owner is
+    collected, and the process exits by itself when this process dies.
 
     It also quacks like a ``multiprocessing.Process`` (``sentinel``, ``pid``, ``name``,
     ``exitcode``, ``is_alive``, ``terminate``, ``kill``, ``join``, ``close``), so that a
@@ -602,9 +614,9 @@ class DPCoordinator:
             addresses = addresses.with_remote(*remote)
         for address in (addresses.front_publish, addresses.engine_stats, addresses.engine_publish):
             require_curve_for(address, None)
-        remote = (addresses.remote_engine_stats, addresses.remote_engine_publish)
-        if any(remote) and curve_server_dir is None:
-            raise ValueError("listening for remote engines requires CURVE keys (curve_server_dir)")
+        for address in (addresses.remote_engine_stats, addresses.remote_engine_publish):
+            if address is not None:
+                require_curve_for(address, curve_server_dir)
         self.addresses = addresses
         self.name = "corewire-dp-coordinator"
         config = _Config(
@@ -700,6 +712,56 @@ def _read_line(stream: Any, timeout: float) -> str:
                 break
             buf += chunk
     return buf.decode(errors="replace").strip()
+
+
+def add_connect_arguments(parser: argparse.ArgumentParser) -> None:
+    """Options of ``corewire engine`` for joining a DP front-end on another host."""
+    parser.add_argument(
+        "--connect",
+        metavar="tcp://HOST:PORT",
+        default=None,
+        help="join the DP front-end listening on this data_parallel_address (its requests, "
+        "outputs and coordinator ports); replaces --input-address/--output-address",
+    )
+    parser.add_argument(
+        "--data-parallel-size",
+        type=int,
+        default=1,
+        help="engines in the DP group (with --connect); default 1",
+    )
+    parser.add_argument(
+        "--curve-keys",
+        metavar="DIR",
+        default=None,
+        help="client key directory written by `corewire keygen` (client-K); required "
+        "when --connect names a non-loopback host",
+    )
+
+
+def connect_options(args: argparse.Namespace) -> dict[str, Any]:
+    """``serve_engine`` keyword arguments for ``--connect`` (addresses, DP options, CURVE
+    keys); raises ``ValueError`` for a missing key directory on a non-loopback host."""
+    endpoints = TcpEndpoints.from_address(args.connect)
+    keys = None
+    if args.curve_keys is not None:
+        keys = CurveClientKeys.from_dir(args.curve_keys)
+    elif not is_loopback_address(args.connect):
+        raise ValueError(
+            f"{args.connect} is on another host: pass --curve-keys DIR (from `corewire keygen`)"
+        )
+    if args.data_parallel_size < 1 or not 0 <= args.engine_index < args.data_parallel_size:
+        raise ValueError(
+            f"--engine-index {args.engine_index} is outside a group of "
+            f"--data-parallel-size {args.data_parallel_size}"
+        )
+    return {
+        "input_address": endpoints.input,
+        "output_address": endpoints.output,
+        "data_parallel_size": args.data_parallel_size,
+        "coordinator_addresses": ["", endpoints.coordinator_stats, endpoints.coordinator_publish],
+        "curve_keys": keys.to_wire() if keys is not None else None,
+        "include_finished_set": True,
+    }
 
 
 if __name__ == "__main__":

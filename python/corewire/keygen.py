@@ -32,6 +32,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import ipaddress
+import logging
 import os
 import threading
 import weakref
@@ -44,6 +45,7 @@ import zmq
 import zmq.auth
 import zmq.utils.z85
 
+logger = logging.getLogger("corewire.keygen")
 __all__ = [
     "CurveClientKeys",
     "CurveServerKeys",
@@ -204,24 +206,36 @@ def require_curve_for(address: str, keys: object | None) -> None:
         )
 
 
-def _zap_reply(request: list[bytes], authorized: frozenset[bytes]) -> list[bytes]:
+def _zap_reply(
+    request: list[bytes], authorized: frozenset[bytes], refused: dict[tuple[bytes, bytes], int]
+) -> list[bytes]:
     # ZAP request: version, request id, domain, address, identity, mechanism, credentials...
     if len(request) < 6 or request[0] != b"1.0":
         return [b"1.0", request[1] if len(request) > 1 else b"", b"500", b"bad request", b"", b""]
-    version, request_id, domain, _address, _identity, mechanism = request[:6]
+    version, request_id, domain, address, _identity, mechanism = request[:6]
     credentials = request[6:]
-    ok = (
-        domain == ZAP_DOMAIN.encode()
-        and mechanism == b"CURVE"
-        and len(credentials) == 1
-        and zmq.utils.z85.encode(credentials[0]) in authorized
-    )
-    if ok:
+    key = zmq.utils.z85.encode(credentials[0]) if len(credentials) == 1 else b""
+    if domain == ZAP_DOMAIN.encode() and mechanism == b"CURVE" and key in authorized:
         return [version, request_id, b"200", b"OK", b"", b""]
+    # A refused peer retries every ~100 ms: log each (peer, key) once, count the rest.
+    seen = refused.get((address, key), 0)
+    refused[(address, key)] = seen + 1
+    if not seen:
+        logger.warning(
+            "refused a %s peer from %s with key %s: not an authorized client key",
+            mechanism.decode(errors="replace"),
+            address.decode(errors="replace"),
+            key.decode(errors="replace") or "(none)",
+        )
     return [version, request_id, b"400", b"key not authorized", b"", b""]
 
 
-def _zap_loop(zap: zmq.Socket[Any], control: zmq.Socket[Any], authorized: frozenset[bytes]) -> None:
+def _zap_loop(
+    zap: zmq.Socket[Any],
+    control: zmq.Socket[Any],
+    authorized: frozenset[bytes],
+    refused: dict[tuple[bytes, bytes], int],
+) -> None:
     poller = zmq.Poller()
     poller.register(zap, zmq.POLLIN)
     poller.register(control, zmq.POLLIN)
@@ -231,7 +245,7 @@ def _zap_loop(zap: zmq.Socket[Any], control: zmq.Socket[Any], authorized: frozen
             if control in ready:
                 return
             if zap in ready:
-                zap.send_multipart(_zap_reply(zap.recv_multipart(), authorized))
+                zap.send_multipart(_zap_reply(zap.recv_multipart(), authorized, refused))
     except zmq.ContextTerminated:  # the owner tore the context down first: nothing to answer
         pass
     finally:
@@ -268,10 +282,12 @@ class ZapHandler:
         thread_control.bind(endpoint)
         control = ctx.socket(zmq.PAIR)
         control.connect(endpoint)
+        #: Refused handshakes so far, per (peer address, public key); written by the thread.
+        self.refused: dict[tuple[bytes, bytes], int] = {}
         #: The handler's thread (``corewire-zap``).
         self.thread = threading.Thread(
             target=_zap_loop,
-            args=(zap, thread_control, authorized),
+            args=(zap, thread_control, authorized, self.refused),
             name="corewire-zap",
             daemon=True,
         )

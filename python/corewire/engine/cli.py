@@ -11,7 +11,10 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from typing import Any
+
+from corewire.coordinator import add_connect_arguments, connect_options
 
 __all__ = ["add_arguments", "run"]
 
@@ -19,10 +22,10 @@ __all__ = ["add_arguments", "run"]
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Register the ``engine`` subcommand's options."""
     parser.add_argument(
-        "--input-address", required=True, help="the front-end's request (ROUTER) address"
+        "--input-address", default=None, help="the front-end's request (ROUTER) address"
     )
     parser.add_argument(
-        "--output-address", required=True, help="the front-end's output (PULL) address"
+        "--output-address", default=None, help="the front-end's output (PULL) address"
     )
     parser.add_argument(
         "--engine-index",
@@ -47,19 +50,34 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="stop when this process exits (default: run until SIGTERM / SIGINT)",
     )
+    # Data parallel: --connect tcp://HOST:PORT, --data-parallel-size, --curve-keys.
+    add_connect_arguments(parser)
 
 
 def run(args: argparse.Namespace) -> int:
     """Serve until SIGTERM / SIGINT (status 0) or a fatal engine error (status 1)."""
     from corewire.engine.launch import serve_engine
 
+    if args.connect is not None:
+        try:
+            addresses = connect_options(args)
+        except (ValueError, OSError) as exc:
+            print(f"corewire engine: {exc}", file=sys.stderr)
+            return 2
+    elif args.input_address and args.output_address:
+        addresses = {"input_address": args.input_address, "output_address": args.output_address}
+    else:
+        print(
+            "corewire engine: give --input-address and --output-address, or --connect",
+            file=sys.stderr,
+        )
+        return 2
     return serve_engine(
         engine_index=args.engine_index,
-        input_address=args.input_address,
-        output_address=args.output_address,
         engine=args.engine,
         engine_args=args.engine_args,
         parent_pid=args.parent_pid,
+        **addresses,
     )
 
 
