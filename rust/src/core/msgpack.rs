@@ -341,6 +341,13 @@ impl<'a> Reader<'a> {
             self.pos += 1;
             return self.take((b & 0x1f) as usize);
         }
+        // str8: request ids of 32..255 bytes ("cmpl-<uuid>-0" is 43).
+        if b == 0xd9 {
+            if let Some(&n) = self.data.get(self.pos + 1) {
+                self.pos += 2;
+                return self.take(n as usize);
+            }
+        }
         self.str_bytes_slow()
     }
 
@@ -369,6 +376,23 @@ impl<'a> Reader<'a> {
         if b <= 0x7f {
             self.pos += 1;
             return Ok(b as i128);
+        }
+        // Token ids: uint8/16/32 cover every vocabulary.
+        let rest = &self.data[self.pos + 1..];
+        match b {
+            0xcc if !rest.is_empty() => {
+                self.pos += 2;
+                return Ok(rest[0] as i128);
+            }
+            0xcd if rest.len() >= 2 => {
+                self.pos += 3;
+                return Ok(u16::from_be_bytes([rest[0], rest[1]]) as i128);
+            }
+            0xce if rest.len() >= 4 => {
+                self.pos += 5;
+                return Ok(u32::from_be_bytes([rest[0], rest[1], rest[2], rest[3]]) as i128);
+            }
+            _ => {}
         }
         self.int_slow()
     }

@@ -125,9 +125,16 @@ pub trait Builder {
     /// Adds to a set made by [`Builder::set`].
     fn set_add(&mut self, set: &mut Self::Obj, item: Self::Obj) -> DecodeResult<()>;
 
-    /// A request id from its raw bytes (not yet checked for UTF-8: the builder checks,
-    /// e.g. with [`check_utf8`], only when it does not know these bytes already).
+    /// Called once per message, before its outputs, with the sending engine's index
+    /// (outputs of one engine come in a stable order from message to message).
+    fn begin_outputs(&mut self, _engine_index: i128) {}
+    /// The request id of an output, from its raw bytes (not yet checked for UTF-8: the
+    /// builder checks, e.g. with [`check_utf8`], only when it does not know them).
     fn request_id(&mut self, raw: &[u8]) -> DecodeResult<Self::Obj>;
+    /// A request id in `finished_requests` (same contract as [`Builder::request_id`]).
+    fn finished_request_id(&mut self, raw: &[u8]) -> DecodeResult<Self::Obj> {
+        self.request_id(raw)
+    }
     /// An `EngineCoreEvent`; `kind` is 1 queued, 2 scheduled, 3 preempted (checked).
     fn event(&mut self, kind: u8, timestamp: f64) -> DecodeResult<Self::Obj>;
     /// Bytes per element of `dtype`, or an [`ErrorKind::UnknownDtype`] error.
@@ -216,10 +223,11 @@ impl<'a, B: Builder> Walk<'a, '_, B> {
             engine_index = field!("engine_index", self.r.int())?;
         }
         if n > 1 {
+            self.b.begin_outputs(engine_index);
             outputs = Some(field!("outputs", self.outputs())?);
         }
-        if n > 2 {
-            scheduler_stats = field!("scheduler_stats", self.opt_str_dict(false))?;
+        if n > 2 && !self.r.take_nil() {
+            scheduler_stats = Some(field!("scheduler_stats", self.str_dict(false))?);
         }
         if n > 3 {
             timestamp = field!("timestamp", self.r.float())?;
@@ -315,14 +323,14 @@ impl<'a, B: Builder> Walk<'a, '_, B> {
         if n > 7 && !self.r.take_nil() {
             events = Some(field!("events", self.events())?);
         }
-        if n > 8 {
-            kv_transfer_params = field!("kv_transfer_params", self.opt_str_dict(false))?;
+        if n > 8 && !self.r.take_nil() {
+            kv_transfer_params = Some(field!("kv_transfer_params", self.str_dict(false))?);
         }
-        if n > 9 {
-            trace_headers = field!("trace_headers", self.opt_str_dict(true))?;
+        if n > 9 && !self.r.take_nil() {
+            trace_headers = Some(field!("trace_headers", self.str_dict(true))?);
         }
-        if n > 10 {
-            prefill_stats = field!("prefill_stats", self.opt_str_dict(false))?;
+        if n > 10 && !self.r.take_nil() {
+            prefill_stats = Some(field!("prefill_stats", self.str_dict(false))?);
         }
         if n > 11 && !self.r.take_nil() {
             routed_experts = Some(field!("routed_experts", self.array(ArrayKind::Ndarray))?);
@@ -466,17 +474,14 @@ impl<'a, B: Builder> Walk<'a, '_, B> {
         let mut set = self.b.set()?;
         for i in 0..n {
             let raw = self.r.str_bytes().map_err(|e| e.at_index(i))?;
-            let item = self.b.request_id(raw).map_err(|e| e.at_index(i))?;
+            let item = self.b.finished_request_id(raw).map_err(|e| e.at_index(i))?;
             self.b.set_add(&mut set, item).map_err(|e| e.at_index(i))?;
         }
         Ok(set)
     }
 
-    /// `dict[str, Any] | nil`, or `dict[str, str] | nil` when `str_values`.
-    fn opt_str_dict(&mut self, str_values: bool) -> DecodeResult<Option<B::Obj>> {
-        if self.r.take_nil() {
-            return Ok(None);
-        }
+    /// `dict[str, Any]`, or `dict[str, str]` when `str_values` (nil handled by the caller).
+    fn str_dict(&mut self, str_values: bool) -> DecodeResult<B::Obj> {
         let n = self.r.map_len("map | nil")?;
         let mut dict = self.b.dict()?;
         for i in 0..n {
@@ -495,7 +500,7 @@ impl<'a, B: Builder> Walk<'a, '_, B> {
                 .dict_set(&mut dict, key, value)
                 .map_err(|e| e.at_key(key_str))?;
         }
-        Ok(Some(dict))
+        Ok(dict)
     }
 
     /// `UtilityOutput`: `[call_id, failure_message, result]` (nil handled by the caller).

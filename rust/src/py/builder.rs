@@ -9,13 +9,12 @@
 use pyo3::exceptions::{PyException, PyMemoryError};
 use pyo3::ffi;
 use pyo3::prelude::*;
-use pyo3::sync::PyOnceLock;
 use pyo3::types::{PyDict, PyFloat, PyString, PyTuple};
 
 use super::consts::Consts;
 use super::decoder::DecoderState;
 use super::frames::Frame;
-use super::objects::{int_object, EngineCoreOutput, EngineCoreOutputs, TokenIds};
+use super::objects::{int_object, new_message, new_output, token_list, OutputValues};
 use super::torch;
 use crate::core::error::{ArrayKind, DecodeError, DecodeResult, ErrorKind};
 use crate::core::msgpack::check_utf8;
@@ -31,6 +30,8 @@ pub struct PyBuilder<'a, 'py> {
     pub error: Option<PyErr>,
     /// The dtype object found by the last `dtype_itemsize`, for the `array` call after it.
     dtype: Option<Bound<'py, PyAny>>,
+    /// Index in `state.orders` of the sending engine's id order, if tracked.
+    order: Option<usize>,
 }
 
 type Obj<'py> = Bound<'py, PyAny>;
@@ -50,6 +51,7 @@ impl<'a, 'py> PyBuilder<'a, 'py> {
             frames,
             error: None,
             dtype: None,
+            order: None,
         }
     }
 
@@ -87,13 +89,23 @@ impl<'a, 'py> PyBuilder<'a, 'py> {
         }
     }
 
+    /// The interned str for request id bytes, from the cache or made (and cached).
+    #[inline]
+    fn interned(&mut self, raw: &[u8]) -> DecodeResult<Bound<'py, PyString>> {
+        // Known ids were checked when first seen: no UTF-8 check, no allocation.
+        if let Some(s) = self.state.ids.get(raw) {
+            return Ok(s.bind(self.py).clone());
+        }
+        self.new_request_id(raw)
+    }
+
     #[cold]
     #[inline(never)]
-    fn new_request_id(&mut self, raw: &[u8]) -> DecodeResult<Obj<'py>> {
+    fn new_request_id(&mut self, raw: &[u8]) -> DecodeResult<Bound<'py, PyString>> {
         let s = check_utf8(raw)?;
         let obj = PyString::new(self.py, s);
         self.state.ids.insert(raw, obj.clone().unbind());
-        Ok(obj.into_any())
+        Ok(obj)
     }
 
     #[cold]
@@ -228,13 +240,32 @@ impl<'py> Builder for PyBuilder<'_, 'py> {
         Ok(())
     }
 
+    fn begin_outputs(&mut self, engine_index: i128) {
+        self.order = self.state.start_order(engine_index);
+    }
+
     #[inline]
     fn request_id(&mut self, raw: &[u8]) -> DecodeResult<Obj<'py>> {
-        // Known ids were checked when first seen: no UTF-8 check, no allocation.
-        if let Some(s) = self.state.ids.get(raw) {
-            return Ok(s.bind(self.py).clone().into_any());
+        let py = self.py;
+        let Some(at) = self.order else {
+            return self.interned(raw).map(Bound::into_any);
+        };
+        // Usually the id is the one that followed the previous one last time.
+        let order = &mut self.state.orders[at].1;
+        if let Some(s) = order.take_predicted(raw) {
+            let obj = s.bind(py).clone();
+            order.push(raw, s);
+            return Ok(obj.into_any());
         }
-        self.new_request_id(raw)
+        let obj = self.interned(raw)?;
+        let order = &mut self.state.orders[at].1;
+        order.resync(raw);
+        order.push(raw, obj.clone().unbind());
+        Ok(obj.into_any())
+    }
+
+    fn finished_request_id(&mut self, raw: &[u8]) -> DecodeResult<Obj<'py>> {
+        self.interned(raw).map(Bound::into_any)
     }
 
     fn event(&mut self, kind: u8, timestamp: f64) -> DecodeResult<Obj<'py>> {
@@ -342,53 +373,53 @@ impl<'py> Builder for PyBuilder<'_, 'py> {
     #[inline]
     fn output(&mut self, p: OutputParts<'_, Obj<'py>>) -> DecodeResult<Obj<'py>> {
         let py = self.py;
-        let finish_reason = match p.finish_reason {
-            Some(code) => self.consts.finish_reasons[code as usize].clone_ref(py),
-            None => py.None(),
+        let finish_reason = p
+            .finish_reason
+            .map(|code| self.consts.finish_reasons[code as usize].bind(py).clone());
+        let num_nans_in_logits = self.int(p.num_nans_in_logits)?;
+        let new_token_ids = match token_list(py, p.new_token_ids) {
+            Ok(list) => list,
+            Err(e) => return Err(self.fail(e)),
         };
-        let num_nans = self.int(p.num_nans_in_logits)?.unbind();
-        let out = EngineCoreOutput {
-            request_id: p.request_id.unbind(),
-            tokens: TokenIds::new(p.new_token_ids),
-            token_list: PyOnceLock::new(),
-            new_logprobs: self.opt(p.new_logprobs),
-            new_prompt_logprobs_tensors: self.opt(p.new_prompt_logprobs_tensors),
-            pooling_output: self.opt(p.pooling_output),
-            finish_reason,
-            stop_reason: self.opt(p.stop_reason),
-            events: self.opt(p.events),
-            kv_transfer_params: self.opt(p.kv_transfer_params),
-            trace_headers: self.opt(p.trace_headers),
-            prefill_stats: self.opt(p.prefill_stats),
-            routed_experts: self.opt(p.routed_experts),
-            num_nans_in_logits: num_nans,
-        };
-        let r = Bound::new(py, out).map(Bound::into_any);
+        let r = new_output(
+            py,
+            OutputValues {
+                request_id: p.request_id,
+                new_token_ids,
+                new_logprobs: p.new_logprobs,
+                new_prompt_logprobs_tensors: p.new_prompt_logprobs_tensors,
+                pooling_output: p.pooling_output,
+                finish_reason,
+                stop_reason: p.stop_reason,
+                events: p.events,
+                kv_transfer_params: p.kv_transfer_params,
+                trace_headers: p.trace_headers,
+                prefill_stats: p.prefill_stats,
+                routed_experts: p.routed_experts,
+                num_nans_in_logits,
+            },
+        );
         self.check(r)
     }
 
     fn message(&mut self, p: MessageParts<Obj<'py>>) -> DecodeResult<Obj<'py>> {
         let py = self.py;
-        let engine_index = self.int(p.engine_index)?.unbind();
-        let wave_complete = match p.wave_complete {
-            Some(v) => self.int(v)?.unbind(),
-            None => py.None(),
-        };
-        let start_wave = match p.start_wave {
-            Some(v) => self.int(v)?.unbind(),
-            None => py.None(),
-        };
-        let msg = EngineCoreOutputs {
-            engine_index,
-            outputs: p.outputs.unbind(),
-            scheduler_stats: self.opt(p.scheduler_stats),
-            timestamp: PyFloat::new(py, p.timestamp).into_any().unbind(),
-            utility_output: self.opt(p.utility_output),
-            finished_requests: self.opt(p.finished_requests),
-            wave_complete,
-            start_wave,
-        };
-        let r = Bound::new(py, msg).map(Bound::into_any);
+        let engine_index = self.int(p.engine_index)?;
+        let wave_complete = p.wave_complete.map(|v| self.int(v)).transpose()?;
+        let start_wave = p.start_wave.map(|v| self.int(v)).transpose()?;
+        let r = new_message(
+            py,
+            [
+                Some(engine_index),
+                Some(p.outputs),
+                p.scheduler_stats,
+                Some(PyFloat::new(py, p.timestamp).into_any()),
+                p.utility_output,
+                p.finished_requests,
+                wave_complete,
+                start_wave,
+            ],
+        );
         self.check(r)
     }
 }

@@ -10,7 +10,7 @@ use super::consts::{Consts, DtypeCache};
 use super::frames::Frame;
 use super::ProtocolError;
 use crate::core::error::{DecodeError, ErrorKind};
-use crate::core::intern::InternCache;
+use crate::core::intern::{FrameOrder, InternCache};
 use crate::core::schema::{decode_outputs, Scratch};
 
 /// What a decoder keeps from frame to frame.
@@ -21,6 +21,27 @@ pub struct DecoderState {
     pub keys: InternCache<Py<PyString>>,
     pub np_dtypes: DtypeCache,
     pub torch_dtypes: DtypeCache,
+    /// Per engine index: the order of its last message's request ids.
+    pub orders: Vec<(i128, FrameOrder<Py<PyString>>)>,
+}
+
+/// Most engines whose output order is remembered (more engines only lose prediction).
+const MAX_ORDERS: usize = 64;
+
+impl DecoderState {
+    /// The order memory of `engine_index` (made on first use), started for a new message.
+    pub fn start_order(&mut self, engine_index: i128) -> Option<usize> {
+        let at = match self.orders.iter().position(|(e, _)| *e == engine_index) {
+            Some(at) => at,
+            None if self.orders.len() < MAX_ORDERS => {
+                self.orders.push((engine_index, FrameOrder::default()));
+                self.orders.len() - 1
+            }
+            None => return None,
+        };
+        self.orders[at].1.start();
+        Some(at)
+    }
 }
 
 /// Decodes `EngineCoreOutputs` frames (`[payload, aux_1, ...]`) into Python objects.
@@ -36,7 +57,7 @@ pub struct NativeDecoder {
 }
 
 /// Default bound of the request-id intern cache.
-const DEFAULT_INTERN_CAPACITY: usize = 65_536;
+const DEFAULT_INTERN_CAPACITY: usize = 16_384;
 /// Bound of the map-key cache.
 const KEY_CACHE_CAPACITY: usize = 1024;
 /// Keys longer than this are not worth caching.
@@ -56,6 +77,7 @@ impl NativeDecoder {
                 keys,
                 np_dtypes: DtypeCache::default(),
                 torch_dtypes: DtypeCache::default(),
+                orders: Vec::new(),
             },
             scratch: Scratch::default(),
         })
@@ -140,8 +162,6 @@ fn to_protocol_error(err: DecodeError) -> PyErr {
 /// Registers `NativeDecoder` and the types it returns.
 pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<NativeDecoder>()?;
-    m.add_class::<super::objects::EngineCoreOutputs>()?;
-    m.add_class::<super::objects::EngineCoreOutput>()?;
-    m.add_class::<super::objects::FrameBuffer>()?;
+    super::objects::register(m)?;
     Ok(())
 }

@@ -1,68 +1,32 @@
 //! The Python objects a decoded message is made of.
 //!
 //! `EngineCoreOutputs` and `EngineCoreOutput` mirror `corewire.protocol`'s structs of the
-//! same names, field for field (same names, same order in `__struct_fields__`). They are
-//! frozen and carry no `__traverse__`, so they are not tracked by the cyclic GC, and
-//! their fields are plain struct members: reading `out.request_id` is as cheap as a
-//! `__slots__` attribute. `new_token_ids` alone is built on first access (then kept), so
-//! decoding allocates no GC-tracked object per output that the caller does not read.
+//! same names, field for field (`__struct_fields__` lists them in wire order). They are
+//! built here with the C API rather than as pyo3 classes, because the per-output object
+//! is the decoder's hot path and pyo3 0.30 classes are always cyclic-GC types:
 //!
-//! Because they are untracked, a reference cycle made *through* them (appending a
-//! message to its own `outputs` list) is never collected; nothing in corewire does that.
+//! - not GC types: creating one neither tracks it nor counts toward a collection, and
+//!   the collector never traverses them (they cannot be part of a cycle unless a caller
+//!   appends a message into its own lists; such a cycle would not be collected);
+//! - fields are `Py_T_OBJECT_EX` struct members, which CPython's attribute cache
+//!   specialises (`out.request_id` costs what a `__slots__` read costs);
+//! - a field holding None holds no reference to it (None is immortal in 3.12+ and never
+//!   freed before), which saves two reference-count calls per empty field per output;
+//! - freed output objects go to a free list, and so do their `new_token_ids` lists when
+//!   nothing else holds them: in steady state a decode step allocates no object per
+//!   output at all (a list the caller keeps is simply not recycled), and token ids map
+//!   to cached ints.
+
+use std::ffi::{c_void, CStr};
+use std::mem::offset_of;
+use std::ptr;
 
 use pyo3::ffi;
 use pyo3::prelude::*;
 use pyo3::sync::PyOnceLock;
-use pyo3::types::{PyList, PyTuple};
+use pyo3::types::{PyString, PyTuple, PyType};
 
 use super::ffi::HeldBuffer;
-
-/// Token ids stored inline up to this many (a decode step emits 1; speculative decoding
-/// a few), so an output needs no allocation besides the object itself.
-const INLINE_TOKENS: usize = 6;
-
-/// The raw token ids of one output, until (and after) they become a list.
-pub enum TokenIds {
-    Inline { len: u8, ids: [u32; INLINE_TOKENS] },
-    Heap(Box<[i128]>),
-}
-
-impl TokenIds {
-    /// Stores `ids` (any msgpack integers).
-    #[inline]
-    pub fn new(ids: &[i128]) -> Self {
-        if ids.len() <= INLINE_TOKENS {
-            let mut inline = [0u32; INLINE_TOKENS];
-            let mut fits = true;
-            for (slot, &id) in inline.iter_mut().zip(ids) {
-                match u32::try_from(id) {
-                    Ok(v) => *slot = v,
-                    Err(_) => {
-                        fits = false;
-                        break;
-                    }
-                }
-            }
-            if fits {
-                return TokenIds::Inline {
-                    len: ids.len() as u8,
-                    ids: inline,
-                };
-            }
-        }
-        TokenIds::Heap(ids.into())
-    }
-
-    /// A new list of Python ints.
-    pub fn to_list<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyList>> {
-        match self {
-            TokenIds::Inline { len, ids } => {
-                list_of(py, ids[..*len as usize].iter().map(|&v| v as i128))
-            }
-            TokenIds::Heap(ids) => list_of(py, ids.iter().copied()),
-        }
-    }
-}
 
 /// A Python int for any msgpack integer.
 #[inline]
@@ -77,70 +41,144 @@ pub fn int_object(py: Python<'_>, v: i128) -> PyResult<Bound<'_, PyAny>> {
     }
 }
 
-fn list_of<'py>(
-    py: Python<'py>,
-    items: impl ExactSizeIterator<Item = i128>,
-) -> PyResult<Bound<'py, PyList>> {
-    // SAFETY: PyList_New gives a list of NULLs that is filled completely before use;
-    // PyList_SetItem steals each new reference.
+/// Token ids below this get their Python int cached for the life of the process (like
+/// CPython's small-int cache, sized for vocabularies): a vocabulary's ids are few and
+/// repeat constantly, and an int allocation per token is most of a decode step's cost.
+const TOKEN_CACHE_LIMIT: usize = 1 << 18;
+
+/// `id -> int object` (NULL until first seen); grows to the largest id seen.
+struct TokenInts(std::cell::UnsafeCell<Vec<*mut ffi::PyObject>>);
+
+// SAFETY: as for `FreeList`: only touched with the GIL held.
+unsafe impl Sync for TokenInts {}
+
+static TOKEN_INTS: TokenInts = TokenInts(std::cell::UnsafeCell::new(Vec::new()));
+
+/// A new reference to the int for token id `v`.
+#[inline]
+fn token_int(py: Python<'_>, v: u32) -> PyResult<*mut ffi::PyObject> {
+    let i = v as usize;
+    // SAFETY: attached (we hold `py`); no Python code runs while the table is borrowed
+    // (PyLong_FromLong only allocates).
     unsafe {
-        let list = Bound::from_owned_ptr_or_err(py, ffi::PyList_New(items.len() as isize))?;
-        for (i, v) in items.enumerate() {
-            let item = int_object(py, v)?;
-            ffi::PyList_SetItem(list.as_ptr(), i as isize, item.into_ptr());
+        let table = &mut *TOKEN_INTS.0.get();
+        if let Some(&cached) = table.get(i) {
+            if !cached.is_null() {
+                ffi::Py_INCREF(cached);
+                return Ok(cached);
+            }
         }
-        Ok(list.cast_into_unchecked())
+        let obj = ffi::PyLong_FromLong(v as std::ffi::c_long);
+        if obj.is_null() {
+            return Err(PyErr::fetch(py));
+        }
+        if i < TOKEN_CACHE_LIMIT {
+            if table.len() <= i {
+                table.resize((i + 1).next_power_of_two().max(1024), ptr::null_mut());
+            }
+            // The table keeps one reference for the life of the process.
+            ffi::Py_INCREF(obj);
+            table[i] = obj;
+        }
+        Ok(obj)
     }
 }
 
-/// One request's new output (`corewire.protocol.EngineCoreOutput`'s fields).
-#[pyclass(
-    module = "corewire._native",
-    name = "EngineCoreOutput",
-    frozen,
-    freelist = 4096
-)]
-pub struct EngineCoreOutput {
-    /// The request id (the same str object every time this id is decoded).
-    #[pyo3(get)]
-    pub request_id: Py<PyAny>,
-    pub tokens: TokenIds,
-    pub token_list: PyOnceLock<Py<PyList>>,
-    /// `LogprobsLists` of numpy arrays, or None.
-    #[pyo3(get)]
-    pub new_logprobs: Py<PyAny>,
-    /// `LogprobsTensors` of torch tensors, or None.
-    #[pyo3(get)]
-    pub new_prompt_logprobs_tensors: Py<PyAny>,
-    /// A torch tensor, or None.
-    #[pyo3(get)]
-    pub pooling_output: Py<PyAny>,
-    /// A `FinishReason` member, or None.
-    #[pyo3(get)]
-    pub finish_reason: Py<PyAny>,
-    /// int, str or None.
-    #[pyo3(get)]
-    pub stop_reason: Py<PyAny>,
-    /// A list of `EngineCoreEvent`, or None.
-    #[pyo3(get)]
-    pub events: Py<PyAny>,
-    /// A dict, or None.
-    #[pyo3(get)]
-    pub kv_transfer_params: Py<PyAny>,
-    /// A dict of str, or None.
-    #[pyo3(get)]
-    pub trace_headers: Py<PyAny>,
-    /// A dict, or None.
-    #[pyo3(get)]
-    pub prefill_stats: Py<PyAny>,
-    /// A numpy array, or None.
-    #[pyo3(get)]
-    pub routed_experts: Py<PyAny>,
-    /// An int.
-    #[pyo3(get)]
-    pub num_nans_in_logits: Py<PyAny>,
+/// Lists of up to this many token ids are recycled (a decode step emits 1 token per
+/// request; speculative decoding a few).
+const POOLED_LIST_MAX_LEN: usize = 8;
+/// Most recycled lists kept per length.
+const POOLED_LISTS_PER_LEN: usize = 2048;
+
+/// `new_token_ids` lists whose output died while nothing else referenced them, by
+/// length - 1, ready to be refilled.
+struct ListPool(std::cell::UnsafeCell<[Vec<*mut ffi::PyObject>; POOLED_LIST_MAX_LEN]>);
+
+// SAFETY: as for `FreeList`: only touched with the GIL held.
+unsafe impl Sync for ListPool {}
+
+static LIST_POOL: ListPool = ListPool(std::cell::UnsafeCell::new(
+    [const { Vec::new() }; POOLED_LIST_MAX_LEN],
+));
+
+/// A new list (a new reference) holding `ids` as Python ints.
+pub fn token_list<'py>(py: Python<'py>, ids: &[i128]) -> PyResult<Bound<'py, PyAny>> {
+    let n = ids.len();
+    // SAFETY: attached; the pool is not borrowed across Python code (only the pop).
+    let pooled = match n {
+        1..=POOLED_LIST_MAX_LEN => unsafe { (*LIST_POOL.0.get())[n - 1].pop() },
+        _ => None,
+    };
+    // SAFETY: a pooled list is a list of length `n` that only the pool referenced; a new
+    // one from PyList_New has `n` NULL slots. Every slot is set below (PyList_SetItem
+    // steals the new reference and releases the old item) before the list is used.
+    unsafe {
+        let list = match pooled {
+            Some(list) => Bound::from_owned_ptr(py, list),
+            None => Bound::from_owned_ptr_or_err(py, ffi::PyList_New(n as isize))?,
+        };
+        for (i, &v) in ids.iter().enumerate() {
+            let item = match u32::try_from(v) {
+                Ok(small) => token_int(py, small)?,
+                Err(_) => int_object(py, v)?.into_ptr(),
+            };
+            ffi::PyList_SetItem(list.as_ptr(), i as isize, item);
+        }
+        Ok(list)
+    }
 }
 
+/// Releases an output's `new_token_ids` list, recycling it if the output held the only
+/// reference and it still has a poolable length.
+#[inline]
+unsafe fn release_token_list(list: *mut ffi::PyObject) {
+    // SAFETY: `list` is an owned reference to a list (or NULL); attached.
+    unsafe {
+        if list.is_null() {
+            return;
+        }
+        if ffi::Py_REFCNT(list) == 1 {
+            let n = ffi::PyList_Size(list);
+            if (1..=POOLED_LIST_MAX_LEN as isize).contains(&n) {
+                let pool = &mut (*LIST_POOL.0.get())[n as usize - 1];
+                if pool.len() < POOLED_LISTS_PER_LEN {
+                    pool.push(list);
+                    return;
+                }
+            }
+        }
+        ffi::Py_DECREF(list);
+    }
+}
+
+/// A field value to store: an owned reference, or None (stored without a reference).
+#[inline]
+fn store(v: Option<Bound<'_, PyAny>>) -> *mut ffi::PyObject {
+    match v {
+        Some(v) if !v.is_none() => v.into_ptr(),
+        // Dropping a Some(None) releases its reference: fields never own None.
+        _ => none_ptr(),
+    }
+}
+
+#[inline]
+fn none_ptr() -> *mut ffi::PyObject {
+    // SAFETY: Py_None is a static object.
+    unsafe { ffi::Py_None() }
+}
+
+/// Releases a field's reference (None fields hold none).
+#[inline]
+unsafe fn release(p: *mut ffi::PyObject) {
+    if !p.is_null() && p != none_ptr() {
+        // SAFETY: per the caller, `p` is an owned reference.
+        unsafe { ffi::Py_DECREF(p) }
+    }
+}
+
+// ------------------------------------------------------------------ EngineCoreOutput
+
+/// Field order of `corewire.protocol.EngineCoreOutput`.
 const OUTPUT_FIELDS: [&str; 13] = [
     "request_id",
     "new_token_ids",
@@ -157,7 +195,207 @@ const OUTPUT_FIELDS: [&str; 13] = [
     "num_nans_in_logits",
 ];
 
-const OUTPUTS_FIELDS: [&str; 8] = [
+/// Struct members of EngineCoreOutput, as (name, doc), in the order of
+/// `OutputObject::fields` (wire order).
+const OUTPUT_MEMBERS: [(&CStr, &CStr); 13] = [
+    (
+        c"request_id",
+        c"The request id (the same str object every time it decodes).",
+    ),
+    (c"new_token_ids", c"The new token ids (list of int)."),
+    (c"new_logprobs", c"LogprobsLists of numpy arrays, or None."),
+    (
+        c"new_prompt_logprobs_tensors",
+        c"LogprobsTensors of torch tensors, or None.",
+    ),
+    (c"pooling_output", c"A torch tensor, or None."),
+    (c"finish_reason", c"A FinishReason member, or None."),
+    (c"stop_reason", c"int, str or None."),
+    (c"events", c"A list of EngineCoreEvent, or None."),
+    (c"kv_transfer_params", c"A dict, or None."),
+    (c"trace_headers", c"A dict of str, or None."),
+    (c"prefill_stats", c"A dict, or None."),
+    (c"routed_experts", c"A numpy array, or None."),
+    (
+        c"num_nans_in_logits",
+        c"Number of NaNs in the logits (int).",
+    ),
+];
+
+/// The values of one output, as the builder hands them over.
+pub struct OutputValues<'py> {
+    pub request_id: Bound<'py, PyAny>,
+    pub new_token_ids: Bound<'py, PyAny>,
+    pub new_logprobs: Option<Bound<'py, PyAny>>,
+    pub new_prompt_logprobs_tensors: Option<Bound<'py, PyAny>>,
+    pub pooling_output: Option<Bound<'py, PyAny>>,
+    pub finish_reason: Option<Bound<'py, PyAny>>,
+    pub stop_reason: Option<Bound<'py, PyAny>>,
+    pub events: Option<Bound<'py, PyAny>>,
+    pub kv_transfer_params: Option<Bound<'py, PyAny>>,
+    pub trace_headers: Option<Bound<'py, PyAny>>,
+    pub prefill_stats: Option<Bound<'py, PyAny>>,
+    pub routed_experts: Option<Bound<'py, PyAny>>,
+    pub num_nans_in_logits: Bound<'py, PyAny>,
+}
+
+/// Memory layout of an `EngineCoreOutput` instance.
+#[repr(C)]
+struct OutputObject {
+    ob_base: ffi::PyObject,
+    /// Members, in `OUTPUT_MEMBERS` order.
+    fields: [*mut ffi::PyObject; 13],
+}
+
+/// Index of `new_token_ids` and `finish_reason` in `OutputObject::fields`.
+const TOKENS_FIELD: usize = 1;
+const FINISH_FIELD: usize = 5;
+
+static OUTPUT_TYPE: PyOnceLock<Py<PyType>> = PyOnceLock::new();
+static MESSAGE_TYPE: PyOnceLock<Py<PyType>> = PyOnceLock::new();
+
+/// Freed output objects kept for reuse: allocating an output is then a pop and
+/// `PyObject_Init`, with no allocator call and no zeroing.
+///
+/// Only touched while attached to the interpreter, and the GIL serialises that: abi3
+/// extensions load only in builds with a GIL.
+struct FreeList(std::cell::UnsafeCell<Vec<*mut ffi::PyObject>>);
+
+// SAFETY: see the type's doc: every access holds the GIL.
+unsafe impl Sync for FreeList {}
+
+const FREE_LIST_MAX: usize = 4096;
+static OUTPUT_FREE_LIST: FreeList = FreeList(std::cell::UnsafeCell::new(Vec::new()));
+
+/// An output object's memory: a reused one, or a new one.
+#[inline]
+unsafe fn alloc_output(py: Python<'_>, ty: &Py<PyType>) -> PyResult<*mut ffi::PyObject> {
+    // SAFETY: attached (we hold `py`); no Python code runs while the list is borrowed.
+    let reused = unsafe { (*OUTPUT_FREE_LIST.0.get()).pop() };
+    match reused {
+        // SAFETY: memory of a freed OutputObject of this type; Init sets the type (with
+        // a new reference, as GenericAlloc does) and a refcount of 1.
+        Some(obj) => unsafe { Ok(ffi::PyObject_Init(obj, ty.as_ptr().cast())) },
+        None => unsafe { alloc(py, ty) },
+    }
+}
+
+/// Returns an output object's memory to the free list (or the allocator when full).
+#[inline]
+unsafe fn free_output(obj: *mut ffi::PyObject) {
+    // SAFETY: attached (called from tp_dealloc), fields already released; no Python code
+    // runs while the list is borrowed.
+    unsafe {
+        let ty = ffi::Py_TYPE(obj);
+        let list = &mut *OUTPUT_FREE_LIST.0.get();
+        if list.len() < FREE_LIST_MAX {
+            list.push(obj);
+        } else {
+            ffi::PyObject_Free(obj.cast());
+        }
+        ffi::Py_DECREF(ty.cast());
+    }
+}
+
+/// Allocates an instance of `ty` (a type made by `make_type` for layout `T`).
+#[inline]
+unsafe fn alloc(py: Python<'_>, ty: &Py<PyType>) -> PyResult<*mut ffi::PyObject> {
+    // SAFETY: GenericAlloc of a non-GC heap type: zeroed memory, refcount 1, and a new
+    // reference to the type (released by the dealloc functions below).
+    let obj = unsafe { ffi::PyType_GenericAlloc(ty.as_ptr().cast(), 0) };
+    if obj.is_null() {
+        return Err(PyErr::fetch(py));
+    }
+    Ok(obj)
+}
+
+/// Frees an instance made by `alloc`, after its fields were released.
+#[inline]
+unsafe fn free(obj: *mut ffi::PyObject) {
+    // SAFETY: `obj` came from PyType_GenericAlloc of a non-GC type (PyObject_Malloc);
+    // heap type instances own a reference to their type.
+    unsafe {
+        let ty = ffi::Py_TYPE(obj);
+        ffi::PyObject_Free(obj.cast());
+        ffi::Py_DECREF(ty.cast());
+    }
+}
+
+/// A new `EngineCoreOutput`.
+#[inline]
+pub fn new_output<'py>(py: Python<'py>, v: OutputValues<'py>) -> PyResult<Bound<'py, PyAny>> {
+    let ty = match OUTPUT_TYPE.get(py) {
+        Some(ty) => ty,
+        None => return Err(not_registered()),
+    };
+    // SAFETY: a fresh OutputObject-sized allocation of the output type; every field is
+    // written before the object is handed out, and the dealloc function releases them.
+    unsafe {
+        let obj = alloc_output(py, ty)?;
+        let o = obj.cast::<OutputObject>();
+        let fields = [
+            v.request_id.into_ptr(),
+            v.new_token_ids.into_ptr(),
+            store(v.new_logprobs),
+            store(v.new_prompt_logprobs_tensors),
+            store(v.pooling_output),
+            store(v.finish_reason),
+            store(v.stop_reason),
+            store(v.events),
+            store(v.kv_transfer_params),
+            store(v.trace_headers),
+            store(v.prefill_stats),
+            store(v.routed_experts),
+            v.num_nans_in_logits.into_ptr(),
+        ];
+        ptr::addr_of_mut!((*o).fields).write(fields);
+        Ok(Bound::from_owned_ptr(py, obj))
+    }
+}
+
+unsafe extern "C" fn output_dealloc(obj: *mut ffi::PyObject) {
+    // SAFETY: called by CPython once the refcount is zero; fields were written by
+    // `new_output`.
+    unsafe {
+        let o = obj.cast::<OutputObject>();
+        for (i, &p) in (*o).fields.iter().enumerate() {
+            if i == TOKENS_FIELD {
+                release_token_list(p);
+            } else {
+                release(p);
+            }
+        }
+        free_output(obj);
+    }
+}
+
+unsafe extern "C" fn output_finished(
+    obj: *mut ffi::PyObject,
+    _closure: *mut c_void,
+) -> *mut ffi::PyObject {
+    // SAFETY: CPython calls getters with a live instance of the output type, attached.
+    unsafe {
+        let o = obj.cast::<OutputObject>();
+        let reason = (*o).fields[FINISH_FIELD];
+        let result = if reason.is_null() || reason == none_ptr() {
+            ffi::Py_False()
+        } else {
+            ffi::Py_True()
+        };
+        ffi::Py_INCREF(result);
+        result
+    }
+}
+
+unsafe extern "C" fn output_repr(obj: *mut ffi::PyObject) -> *mut ffi::PyObject {
+    // SAFETY: CPython calls tp_repr with a live object, attached.
+    unsafe { repr_of(obj, "EngineCoreOutput", &OUTPUT_FIELDS) }
+}
+
+// ------------------------------------------------------------------ EngineCoreOutputs
+
+/// Field order of `corewire.protocol.EngineCoreOutputs` (all struct members).
+const MESSAGE_FIELDS: [&str; 8] = [
     "engine_index",
     "outputs",
     "scheduler_stats",
@@ -168,92 +406,222 @@ const OUTPUTS_FIELDS: [&str; 8] = [
     "start_wave",
 ];
 
-#[pymethods]
-impl EngineCoreOutput {
-    /// The new token ids, a list of int (built on first access, then the same list).
-    #[getter]
-    fn new_token_ids(&self, py: Python<'_>) -> PyResult<Py<PyList>> {
-        if let Some(list) = self.token_list.get(py) {
-            return Ok(list.clone_ref(py));
+const MESSAGE_MEMBERS: [(&CStr, &CStr); 8] = [
+    (
+        c"engine_index",
+        c"Index of the engine that sent the message.",
+    ),
+    (c"outputs", c"A list of EngineCoreOutput."),
+    (c"scheduler_stats", c"A dict, or None."),
+    (
+        c"timestamp",
+        c"The engine's monotonic clock, in seconds (float).",
+    ),
+    (
+        c"utility_output",
+        c"A corewire.protocol.UtilityOutput, or None.",
+    ),
+    (c"finished_requests", c"A set of request ids, or None."),
+    (c"wave_complete", c"An int, or None."),
+    (c"start_wave", c"An int, or None."),
+];
+
+/// The values of one message, in `MESSAGE_FIELDS` order.
+pub type MessageValues<'py> = [Option<Bound<'py, PyAny>>; 8];
+
+#[repr(C)]
+struct MessageObject {
+    ob_base: ffi::PyObject,
+    fields: [*mut ffi::PyObject; 8],
+}
+
+/// A new `EngineCoreOutputs`.
+pub fn new_message<'py>(py: Python<'py>, v: MessageValues<'py>) -> PyResult<Bound<'py, PyAny>> {
+    let ty = match MESSAGE_TYPE.get(py) {
+        Some(ty) => ty,
+        None => return Err(not_registered()),
+    };
+    // SAFETY: as in `new_output`.
+    unsafe {
+        let obj = alloc(py, ty)?;
+        let o = obj.cast::<MessageObject>();
+        ptr::addr_of_mut!((*o).fields).write(v.map(store));
+        Ok(Bound::from_owned_ptr(py, obj))
+    }
+}
+
+unsafe extern "C" fn message_dealloc(obj: *mut ffi::PyObject) {
+    // SAFETY: as in `output_dealloc`.
+    unsafe {
+        let o = obj.cast::<MessageObject>();
+        for &p in &(*o).fields {
+            release(p);
         }
-        let list = self
-            .token_list
-            .get_or_try_init(py, || self.tokens.to_list(py).map(Bound::unbind))?;
-        Ok(list.clone_ref(py))
-    }
-
-    /// Whether this is the request's last output (`finish_reason is not None`).
-    #[getter]
-    fn finished(&self, py: Python<'_>) -> bool {
-        !self.finish_reason.is_none(py)
-    }
-
-    /// Field names in wire order, as on `corewire.protocol.EngineCoreOutput`.
-    #[classattr]
-    fn __struct_fields__(py: Python<'_>) -> PyResult<Py<PyTuple>> {
-        Ok(PyTuple::new(py, OUTPUT_FIELDS)?.unbind())
-    }
-
-    fn __repr__(slf: &Bound<'_, Self>) -> PyResult<String> {
-        fields_repr(slf.as_any(), "EngineCoreOutput", &OUTPUT_FIELDS)
+        free(obj);
     }
 }
 
-/// One message from an engine (`corewire.protocol.EngineCoreOutputs`'s fields).
-#[pyclass(
-    module = "corewire._native",
-    name = "EngineCoreOutputs",
-    frozen,
-    freelist = 64
-)]
-pub struct EngineCoreOutputs {
-    /// Index of the engine that sent the message.
-    #[pyo3(get)]
-    pub engine_index: Py<PyAny>,
-    /// A list of `EngineCoreOutput`.
-    #[pyo3(get)]
-    pub outputs: Py<PyAny>,
-    /// A dict, or None.
-    #[pyo3(get)]
-    pub scheduler_stats: Py<PyAny>,
-    /// The engine's monotonic clock, in seconds.
-    #[pyo3(get)]
-    pub timestamp: Py<PyAny>,
-    /// A `corewire.protocol.UtilityOutput`, or None.
-    #[pyo3(get)]
-    pub utility_output: Py<PyAny>,
-    /// A set of request ids, or None.
-    #[pyo3(get)]
-    pub finished_requests: Py<PyAny>,
-    /// An int, or None.
-    #[pyo3(get)]
-    pub wave_complete: Py<PyAny>,
-    /// An int, or None.
-    #[pyo3(get)]
-    pub start_wave: Py<PyAny>,
+unsafe extern "C" fn message_repr(obj: *mut ffi::PyObject) -> *mut ffi::PyObject {
+    // SAFETY: as in `output_repr`.
+    unsafe { repr_of(obj, "EngineCoreOutputs", &MESSAGE_FIELDS) }
 }
 
-#[pymethods]
-impl EngineCoreOutputs {
-    /// Field names in wire order, as on `corewire.protocol.EngineCoreOutputs`.
-    #[classattr]
-    fn __struct_fields__(py: Python<'_>) -> PyResult<Py<PyTuple>> {
-        Ok(PyTuple::new(py, OUTPUTS_FIELDS)?.unbind())
-    }
+// ------------------------------------------------------------------ shared
 
-    fn __repr__(slf: &Bound<'_, Self>) -> PyResult<String> {
-        fields_repr(slf.as_any(), "EngineCoreOutputs", &OUTPUTS_FIELDS)
+#[cold]
+unsafe fn repr_of(obj: *mut ffi::PyObject, name: &str, fields: &[&str]) -> *mut ffi::PyObject {
+    // SAFETY: called from tp_repr (attached, live object).
+    unsafe {
+        let py = Python::assume_attached();
+        let obj = Bound::from_borrowed_ptr(py, obj);
+        let text = (|| -> PyResult<String> {
+            let mut parts = Vec::with_capacity(fields.len());
+            for field in fields {
+                parts.push(format!("{field}={}", obj.getattr(*field)?.repr()?));
+            }
+            Ok(format!("{name}({})", parts.join(", ")))
+        })();
+        match text {
+            Ok(text) => PyString::new(py, &text).into_ptr(),
+            Err(e) => {
+                e.restore(py);
+                ptr::null_mut()
+            }
+        }
     }
 }
 
 #[cold]
-fn fields_repr(obj: &Bound<'_, PyAny>, name: &str, fields: &[&str]) -> PyResult<String> {
-    let mut parts = Vec::with_capacity(fields.len());
-    for field in fields {
-        let value = obj.getattr(*field)?;
-        parts.push(format!("{field}={}", value.repr()?));
+fn not_registered() -> PyErr {
+    pyo3::exceptions::PyRuntimeError::new_err("corewire._native types are not initialised")
+}
+
+/// How to build one of the struct types.
+struct TypeDef {
+    name: &'static CStr,
+    doc: &'static CStr,
+    basicsize: usize,
+    members_offset: usize,
+    members: &'static [(&'static CStr, &'static CStr)],
+    getsets: Vec<ffi::PyGetSetDef>,
+    dealloc: ffi::destructor,
+    repr: ffi::reprfunc,
+    fields: &'static [&'static str],
+}
+
+fn make_type<'py>(py: Python<'py>, def: TypeDef) -> PyResult<Bound<'py, PyType>> {
+    let ptr_size = std::mem::size_of::<*mut ffi::PyObject>();
+    let mut members: Vec<ffi::PyMemberDef> = def
+        .members
+        .iter()
+        .enumerate()
+        .map(|(i, (name, doc))| ffi::PyMemberDef {
+            name: name.as_ptr(),
+            type_code: ffi::Py_T_OBJECT_EX,
+            offset: (def.members_offset + i * ptr_size) as ffi::Py_ssize_t,
+            flags: ffi::Py_READONLY,
+            doc: doc.as_ptr(),
+        })
+        .collect();
+    members.push(ffi::PyMemberDef::default());
+    let mut getsets = def.getsets;
+    getsets.push(ffi::PyGetSetDef::default());
+    // CPython keeps pointers to the getset table (members are copied): it must live as
+    // long as the type, i.e. the process. Two small tables, made once.
+    let getsets: &'static mut [ffi::PyGetSetDef] = Box::leak(getsets.into_boxed_slice());
+    let mut slots = [
+        ffi::PyType_Slot {
+            slot: ffi::Py_tp_dealloc,
+            pfunc: def.dealloc as *mut c_void,
+        },
+        ffi::PyType_Slot {
+            slot: ffi::Py_tp_repr,
+            pfunc: def.repr as *mut c_void,
+        },
+        ffi::PyType_Slot {
+            slot: ffi::Py_tp_doc,
+            pfunc: def.doc.as_ptr() as *mut c_void,
+        },
+        ffi::PyType_Slot {
+            slot: ffi::Py_tp_members,
+            pfunc: members.as_mut_ptr().cast(),
+        },
+        ffi::PyType_Slot {
+            slot: ffi::Py_tp_getset,
+            pfunc: getsets.as_mut_ptr().cast(),
+        },
+        ffi::PyType_Slot::default(),
+    ];
+    let mut spec = ffi::PyType_Spec {
+        name: def.name.as_ptr(),
+        basicsize: def.basicsize as i32,
+        itemsize: 0,
+        // Not a GC type, not subclassable, not instantiable from Python.
+        flags: (ffi::Py_TPFLAGS_DEFAULT | ffi::Py_TPFLAGS_DISALLOW_INSTANTIATION) as u32,
+        slots: slots.as_mut_ptr(),
+    };
+    // SAFETY: a complete spec; CPython copies the slots and members it reads.
+    let ty = unsafe { Bound::from_owned_ptr_or_err(py, ffi::PyType_FromSpec(&mut spec))? };
+    drop(members);
+    ty.setattr("__struct_fields__", PyTuple::new(py, def.fields)?)?;
+    Ok(ty.cast_into::<PyType>()?)
+}
+
+fn getset(name: &'static CStr, get: ffi::getter, doc: &'static CStr) -> ffi::PyGetSetDef {
+    ffi::PyGetSetDef {
+        name: name.as_ptr(),
+        get: Some(get),
+        set: None,
+        doc: doc.as_ptr(),
+        closure: ptr::null_mut(),
     }
-    Ok(format!("{name}({})", parts.join(", ")))
+}
+
+/// Creates the two types and adds them to the module.
+pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    let py = m.py();
+    let output = OUTPUT_TYPE.get_or_try_init(py, || {
+        make_type(
+            py,
+            TypeDef {
+                name: c"corewire._native.EngineCoreOutput",
+                doc: c"One request's new output: the fields of corewire.protocol.EngineCoreOutput.",
+                basicsize: std::mem::size_of::<OutputObject>(),
+                members_offset: offset_of!(OutputObject, fields),
+                members: &OUTPUT_MEMBERS,
+                getsets: vec![getset(
+                    c"finished",
+                    output_finished,
+                    c"Whether this is the request's last output (finish_reason is not None).",
+                )],
+                dealloc: output_dealloc,
+                repr: output_repr,
+                fields: &OUTPUT_FIELDS,
+            },
+        )
+        .map(Bound::unbind)
+    })?;
+    m.add("EngineCoreOutput", output.bind(py))?;
+    let message = MESSAGE_TYPE.get_or_try_init(py, || {
+        make_type(
+            py,
+            TypeDef {
+                name: c"corewire._native.EngineCoreOutputs",
+                doc: c"One message from an engine: the fields of corewire.protocol.EngineCoreOutputs.",
+                basicsize: std::mem::size_of::<MessageObject>(),
+                members_offset: offset_of!(MessageObject, fields),
+                members: &MESSAGE_MEMBERS,
+                getsets: Vec::new(),
+                dealloc: message_dealloc,
+                repr: message_repr,
+                fields: &MESSAGE_FIELDS,
+            },
+        )
+        .map(Bound::unbind)
+    })?;
+    m.add("EngineCoreOutputs", message.bind(py))?;
+    m.add_class::<FrameBuffer>()?;
+    Ok(())
 }
 
 /// Keeps a received frame's buffer export alive for the arrays that view it: the `base`
