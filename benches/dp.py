@@ -1,6 +1,6 @@
 """Data-parallel routing: decision cost and load spread, corewire's Router vs alternatives.
 
-Run: ``python benches/dp.py`` (about 20 s; ``--quick`` for a 3 s smoke run).
+Run: ``python benches/dp.py`` (about 10 s; ``--quick`` for a 1 s smoke run).
 
 1. Decision cost per request, measured from Python for N = 2, 16 and 64 engines, side by
    side in one process: ``corewire._native.Router.choose()`` (one native call), the same
@@ -9,14 +9,16 @@ Run: ``python benches/dp.py`` (about 20 s; ``--quick`` for a 3 s smoke run).
    also reports a request finished now and then, as a serving front-end does. Goal: the
    native decision costs at most 0.3 us at N = 16.
 
-2. Load spread for a stream of requests with skewed lengths (most short, a few very long)
-   over simulated engines that run a batch of requests per 10 ms step. The coordinator's
-   counts reach the router every 100 ms (stale in between, as in real serving). Both
-   policies see the identical arrival sequence. Reported per policy: requests per engine
-   (max/min), outstanding requests per engine averaged over time (max/min across engines,
-   sampled every step while requests arrive), the worst instantaneous imbalance, the mean
-   time a request waits for a batch slot, and the time until the last request finishes;
-   then the round-robin / Router ratios (above 1: the Router spreads better).
+2. Load spread for requests with skewed lengths (most short, a few very long) over
+   simulated engines that run a batch of requests per 10 ms step, in two scenarios: a
+   burst (2 s of arrivals at 3x what the group can serve) and a stream (90% of capacity,
+   long run). The coordinator's counts reach the router every 100 ms (stale in between,
+   as in real serving). Both policies see the identical arrival sequence. Reported per
+   policy: requests per engine (max/min: round-robin evens out counts, not work),
+   outstanding requests per engine averaged over time (max/min across engines, sampled
+   every step while requests arrive), the worst instantaneous imbalance, the mean time a
+   request waits for a batch slot, and the time until the last request finishes; then
+   the round-robin / Router ratios (above 1: the Router spreads better).
 """
 
 from __future__ import annotations
@@ -188,36 +190,44 @@ def simulate(policy, n: int, workload: list[tuple[int, int]], max_batch: int) ->
     }
 
 
-def bench_spread(n_requests: int) -> None:
+def bench_spread(scale: float) -> None:
     max_batch = 8
+    mean_len = 0.9 * 20 + 0.1 * 500
     print(
         "== load spread, skewed request lengths (90% 8-32 steps, 10% 200-800 steps), "
         f"batch {max_batch}/engine, counts every {STATS_EVERY * STEP_S * 1000:.0f} ms =="
     )
     print(
-        f"{'engines':>7} {'policy':>12} {'req max/min':>12} {'load max/min':>13} "
-        f"{'worst':>7} {'queue wait':>11} {'last done':>10}"
+        f"{'scenario':>8} {'engines':>7} {'policy':>12} {'req max/min':>12} "
+        f"{'load max/min':>13} {'worst':>7} {'queue wait':>11} {'last done':>10}"
     )
-    for n in (4, 16):
-        # Offered load ~90% of capacity: enough queueing for routing to matter.
-        mean_len = 0.9 * 20 + 0.1 * 500
-        rate = 0.9 * n * max_batch / mean_len
-        workload = make_workload(n_requests * n // 4, rate, seed=1234 + n)
-        results = {}
-        for name, policy in (("Router", Router(n)), ("round-robin", RoundRobin(n))):
-            results[name] = r = simulate(policy, n, workload, max_batch)
+    for scenario in ("burst", "stream"):
+        for n in (4, 16):
+            capacity = n * max_batch / mean_len  # requests per step the group can finish
+            if scenario == "burst":
+                # 3x what the group can serve, for 2 s: queues build while counts lag.
+                rate, count = 3 * capacity, int(3 * capacity * 200 * scale)
+            else:
+                # 90% of capacity for a long time: the steady state.
+                rate, count = 0.9 * capacity, int(500 * n * scale)
+            workload = make_workload(count, rate, seed=1234 + n)
+            results = {}
+            for name, policy in (("Router", Router(n)), ("round-robin", RoundRobin(n))):
+                results[name] = r = simulate(policy, n, workload, max_batch)
+                print(
+                    f"{scenario:>8} {n:>7} {name:>12} {r['req_max_min']:>12.2f} "
+                    f"{r['load_spread']:>13.2f} {r['worst']:>7.1f} "
+                    f"{r['mean_wait_ms']:>8.1f} ms {r['makespan_s']:>9.1f}s"
+                )
+            a, b = results["round-robin"], results["Router"]
             print(
-                f"{n:>7} {name:>12} {r['req_max_min']:>12.2f} {r['load_spread']:>13.2f} "
-                f"{r['worst']:>7.1f} {r['mean_wait_ms']:>8.1f} ms {r['makespan_s']:>9.1f}s"
+                f"{scenario:>8} {n:>7} {'rr / Router':>12} "
+                f"{a['req_max_min'] / b['req_max_min']:>11.2f}x "
+                f"{a['load_spread'] / b['load_spread']:>12.2f}x "
+                f"{a['worst'] / b['worst']:>6.2f}x "
+                f"{a['mean_wait_ms'] / max(b['mean_wait_ms'], 1e-9):>10.2f}x "
+                f"{a['makespan_s'] / b['makespan_s']:>9.2f}x"
             )
-        a, b = results["round-robin"], results["Router"]
-        print(
-            f"{n:>7} {'rr / Router':>12} {a['req_max_min'] / b['req_max_min']:>11.2f}x "
-            f"{a['load_spread'] / b['load_spread']:>12.2f}x "
-            f"{a['worst'] / b['worst']:>6.2f}x "
-            f"{a['mean_wait_ms'] / max(b['mean_wait_ms'], 1e-9):>10.2f}x "
-            f"{a['makespan_s'] / b['makespan_s']:>9.2f}x"
-        )
     print()
 
 
@@ -226,7 +236,7 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="short run for smoke tests")
     args = parser.parse_args()
     bench_decision_cost(200_000 if args.quick else 2_000_000)
-    bench_spread(400 if args.quick else 2000)
+    bench_spread(0.2 if args.quick else 1.0)
 
 
 if __name__ == "__main__":
