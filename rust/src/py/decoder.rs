@@ -66,7 +66,10 @@ const MAX_CACHED_KEY: usize = 64;
 #[pymethods]
 impl NativeDecoder {
     #[new]
-    #[pyo3(signature = (intern_capacity = DEFAULT_INTERN_CAPACITY))]
+    #[pyo3(
+        signature = (intern_capacity = DEFAULT_INTERN_CAPACITY),
+        text_signature = "(intern_capacity=16384)"
+    )]
     fn new(py: Python<'_>, intern_capacity: usize) -> PyResult<Self> {
         let mut keys = InternCache::new(KEY_CACHE_CAPACITY);
         keys.set_max_key_len(MAX_CACHED_KEY);

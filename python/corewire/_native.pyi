@@ -1,0 +1,125 @@
+"""Type stub of the Rust extension ``corewire._native`` (hand-written, checked by stubtest).
+
+Public names are re-exported from ``corewire`` and ``corewire.codec``; import them there.
+"""
+
+from collections.abc import Sequence
+from typing import Any, ClassVar, TypeAlias, final
+
+import numpy as np
+
+from corewire.protocol import (
+    EngineCoreEvent,
+    FinishReason,
+    LogprobsLists,
+    LogprobsTensors,
+    UtilityOutput,
+)
+
+__all__ = [
+    "CallRegistry",
+    "EngineCoreOutput",
+    "EngineCoreOutputs",
+    "FrameBuffer",
+    "NativeDecoder",
+    "ProtocolError",
+    "Router",
+    "SendTracker",
+]
+
+# --------------------------------------------------------------------------- decoder
+
+#: A frame: ``bytes``, ``bytearray``, ``memoryview``, ``zmq.Frame`` or any object with
+#: the buffer protocol (or a ``.buffer`` attribute that has it).
+_Frame: TypeAlias = bytes | bytearray | memoryview | Any
+
+class ProtocolError(ValueError):
+    """A frame that does not follow the engine-core wire protocol."""
+
+@final
+class NativeDecoder:
+    """Decodes ``EngineCoreOutputs`` frames (``[payload, aux_1, ...]``) into Python objects.
+
+    Arrays and tensors are zero-copy views of the frames and keep them alive; request ids
+    are interned (bounded by ``intern_capacity``); malformed frames raise
+    :class:`ProtocolError`. One decoder serves one receiving thread; it is not re-entrant.
+    """
+
+    def __new__(cls, intern_capacity: int = 16384) -> NativeDecoder: ...
+    def decode(self, frames: Sequence[_Frame] | _Frame) -> EngineCoreOutputs:
+        """Decodes one message; a single buffer is taken as the payload alone."""
+    @property
+    def interned(self) -> int:
+        """Number of request ids held by the intern cache now."""
+    @property
+    def intern_capacity(self) -> int:
+        """Most request ids the intern cache holds."""
+
+@final
+class EngineCoreOutputs:
+    """One message from an engine: the fields of ``corewire.protocol.EngineCoreOutputs``."""
+
+    __struct_fields__: ClassVar[tuple[str, ...]]
+    @property
+    def engine_index(self) -> int: ...
+    @property
+    def outputs(self) -> list[EngineCoreOutput]: ...
+    @property
+    def scheduler_stats(self) -> dict[str, Any] | None: ...
+    @property
+    def timestamp(self) -> float: ...
+    @property
+    def utility_output(self) -> UtilityOutput | None: ...
+    @property
+    def finished_requests(self) -> set[str] | None: ...
+    @property
+    def wave_complete(self) -> int | None: ...
+    @property
+    def start_wave(self) -> int | None: ...
+
+@final
+class EngineCoreOutput:
+    """One request's new output: the fields of ``corewire.protocol.EngineCoreOutput``."""
+
+    __struct_fields__: ClassVar[tuple[str, ...]]
+    @property
+    def request_id(self) -> str: ...
+    @property
+    def new_token_ids(self) -> list[int]: ...
+    @property
+    def new_logprobs(self) -> LogprobsLists | None: ...
+    @property
+    def new_prompt_logprobs_tensors(self) -> LogprobsTensors | None: ...
+    @property
+    def pooling_output(self) -> Any: ...
+    @property
+    def finish_reason(self) -> FinishReason | None: ...
+    @property
+    def stop_reason(self) -> int | str | None: ...
+    @property
+    def events(self) -> list[EngineCoreEvent] | None: ...
+    @property
+    def kv_transfer_params(self) -> dict[str, Any] | None: ...
+    @property
+    def trace_headers(self) -> dict[str, str] | None: ...
+    @property
+    def prefill_stats(self) -> dict[str, Any] | None: ...
+    @property
+    def routed_experts(self) -> np.ndarray | None: ...
+    @property
+    def num_nans_in_logits(self) -> int: ...
+    @property
+    def finished(self) -> bool:
+        """Whether this is the request's last output (``finish_reason is not None``)."""
+
+@final
+class FrameBuffer:
+    """Keeps a received frame alive for the arrays that view it (their ``.base``)."""
+
+    def __len__(self) -> int: ...
+    @property
+    def obj(self) -> Any:
+        """The object whose memory this is (a ``zmq.Frame``, ``memoryview`` ...)."""
+
+# --------------------------------------------------------------------------- CallRegistry, SendTracker, Router
+# (their section follows; `__all__` above already names them)
