@@ -405,7 +405,7 @@ class _Coordinator:
             deadline = self.state.next_deadline()
             if deadline is not None:
                 wake = min(wake, deadline)
-            ready = dict(poller.poll(max(0.0, wake - now) * 1000))
+            ready = dict(poller.poll(int(max(0.0, wake - now) * 1000)))
             # EOF on the pipe: the owner closed its end (shutdown) or died.
             if self.control_fd in ready and not os.read(self.control_fd, 4096):
                 return
@@ -614,9 +614,9 @@ class DPCoordinator:
             addresses = addresses.with_remote(*remote)
         for address in (addresses.front_publish, addresses.engine_stats, addresses.engine_publish):
             require_curve_for(address, None)
-        for address in (addresses.remote_engine_stats, addresses.remote_engine_publish):
-            if address is not None:
-                require_curve_for(address, curve_server_dir)
+        for remote_address in (addresses.remote_engine_stats, addresses.remote_engine_publish):
+            if remote_address is not None:
+                require_curve_for(remote_address, curve_server_dir)
         self.addresses = addresses
         self.name = "corewire-dp-coordinator"
         config = _Config(

@@ -574,7 +574,7 @@ async def _stats_update_loop(
     client_ref: weakref.ref[DPAsyncMPClient], resources: ClientResources, sock: Any
 ) -> None:
     """Follow the coordinator's publications: only the latest of a burst matters."""
-    raw = zmq.Socket.shadow(sock.underlying)
+    raw: zmq.Socket[bytes] = zmq.Socket.shadow(sock.underlying)
     decode = msgspec.msgpack.Decoder().decode
     try:
         while not resources.closed:

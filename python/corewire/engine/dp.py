@@ -106,15 +106,16 @@ class DPEngineCoreProc(EngineCoreProc):
         self.engines_running = False
         self.step_counter = 0
         self.curve_keys = CurveClientKeys.from_wire(list(curve_keys)) if curve_keys else None
+        #: The coordinator's stats PULL and wave XPUB (None without a coordinator).
+        self.coordinator_stats_address: str | None = None
+        self.coordinator_wave_address: str | None = None
+        #: Index of the coordinator's PUSH socket among the output sockets.
+        self.coordinator_index: int | None = None
         if coordinator_addresses is not None:
             _front, self.coordinator_stats_address, self.coordinator_wave_address = (
                 coordinator_addresses
             )
-            #: Index of the coordinator's PUSH socket among the output sockets.
-            self.coordinator_index: int | None = len(self.output_addresses)
-        else:
-            self.coordinator_stats_address = self.coordinator_wave_address = None
-            self.coordinator_index = None
+            self.coordinator_index = len(self.output_addresses)
         # Request ids this engine holds, so that a retiring engine can finish them all.
         self._live: set[str] = set()
         self._last_report: tuple[int, int, int, bool] | None = None
