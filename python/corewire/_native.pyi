@@ -123,3 +123,40 @@ class FrameBuffer:
 
 # --------------------------------------------------------------------------- CallRegistry, SendTracker, Router
 # (their section follows; `__all__` above already names them)
+
+# --------------------------------------------------------------------------- router (H5)
+
+@final
+class Router:
+    """Chooses the engine for each request of a data-parallel front-end.
+
+    Load per engine is ``max(waiting + running + sent_since_update, in_flight)``: the
+    coordinator's last counts plus what this client sent since, floored by this client's
+    requests in flight. The least loaded engine wins; ties go to fewer waiting requests,
+    then to a start position that rotates on every decision.
+    """
+
+    def __new__(cls, num_engines: int) -> Router: ...
+    @property
+    def num_engines(self) -> int:
+        """Number of engines routed over."""
+    def choose(self) -> int:
+        """The least-loaded engine index; notes one request sent to it."""
+    def route(self, rank: int | None) -> int:
+        """``rank`` when not None (checked), else ``choose()``; notes one request sent."""
+    def note_sent(self, engine: int, count: int = 1) -> None:
+        """Notes ``count`` requests sent to ``engine`` without a routing decision."""
+    def note_finished(self, engine: int, count: int = 1) -> None:
+        """Notes ``count`` of this client's requests on ``engine`` finished."""
+    def update_counts(self, counts: Sequence[Sequence[int]]) -> None:
+        """Replaces the coordinator's counts: one ``[waiting, running]`` pair per engine."""
+    def resize(self, num_engines: int) -> None:
+        """Grows (new engines idle) or shrinks (their state dropped) to ``num_engines``."""
+    def in_flight(self) -> list[int]:
+        """This client's in-flight request count per engine."""
+    def loads(self) -> list[int]:
+        """The load each routing decision compares, per engine."""
+    def counts(self) -> list[tuple[int, int]]:
+        """The coordinator's last ``(waiting, running)`` counts per engine."""
+
+# ------------------------------------------------------------------------- end router (H5)
