@@ -479,7 +479,7 @@ fn extra_trailing_fields_are_skipped_everywhere() {
 #[test]
 fn short_arrays_stop_at_any_field() {
     // An output with only the two required fields, and a message cut after each field.
-    let full = vec![
+    let full = [
         i(2),
         a(vec![out("r", &[1], vec![])]),
         V::Nil,

@@ -1,0 +1,215 @@
+"""Checks of NativeDecoder's own machinery (the codec tests cover the wire format).
+
+The Rust decoder recycles output objects and ``new_token_ids`` lists, caches token ints,
+predicts request ids from the previous message's order (per engine) and hands out
+non-GC objects. These tests pin the behaviour that those tricks must not change: values
+a caller kept are never touched again, every value is right whatever the order of ids,
+and nothing decoded is tracked by the cyclic GC or leaks.
+"""
+
+from __future__ import annotations
+
+import gc
+import sys
+import warnings
+import weakref
+
+import msgspec
+import numpy as np
+import pytest
+import torch
+
+from corewire import ProtocolError
+from corewire import protocol as p
+from corewire.codec import Encoder, MsgspecDecoder, NativeDecoder
+
+
+def _frames(outputs: list[p.EngineCoreOutput], **fields: object) -> list[bytes]:
+    message = p.EngineCoreOutputs(outputs=outputs, **fields)  # type: ignore[arg-type]
+    return [bytes(f) for f in Encoder().encode(message)]
+
+
+def _step(ids: list[str], token: int, engine: int = 0) -> list[bytes]:
+    outs = [p.EngineCoreOutput(rid, [token + i]) for i, rid in enumerate(ids)]
+    return _frames(outs, engine_index=engine)
+
+
+def test_fields_mirror_the_protocol_structs() -> None:
+    """Same field names in the same order as corewire.protocol's structs."""
+    assert NativeDecoder().decode(_step(["a"], 1)).__struct_fields__ == (
+        p.EngineCoreOutputs.__struct_fields__
+    )
+    out = NativeDecoder().decode(_step(["a"], 1)).outputs[0]
+    assert type(out).__struct_fields__ == p.EngineCoreOutput.__struct_fields__
+    assert type(out).__module__ == "corewire._native"
+    assert "request_id='a'" in repr(out)
+    with pytest.raises(TypeError):
+        type(out)()
+    with pytest.raises(AttributeError):
+        out.request_id = "b"  # type: ignore[misc]
+
+
+def test_decoded_objects_are_not_gc_tracked() -> None:
+    """The message and its outputs are invisible to the cyclic GC."""
+    message = NativeDecoder().decode(_step(["a", "b"], 7))
+    assert not gc.is_tracked(message)
+    assert not any(gc.is_tracked(o) for o in message.outputs)
+
+
+def test_kept_token_lists_are_never_reused() -> None:
+    """A new_token_ids list the caller keeps stays as it was after later decodes."""
+    decoder = NativeDecoder()
+    kept = []
+    for step in range(50):
+        message = decoder.decode(_step(["a", "b", "c"], 1000 * step))
+        kept.append(message.outputs[1].new_token_ids)
+        del message
+    for step, ids in enumerate(kept):
+        assert ids == [1000 * step + 1]
+
+
+def test_mutated_token_lists_do_not_leak_into_later_outputs() -> None:
+    """Lists the caller grew, shrank or refilled come back right (or not at all)."""
+    decoder = NativeDecoder()
+    for step in range(30):
+        message = decoder.decode(_step(["a", "b", "c", "d"], step))
+        assert [o.new_token_ids for o in message.outputs] == [[step + i] for i in range(4)]
+        message.outputs[0].new_token_ids.append(99)
+        message.outputs[1].new_token_ids.clear()
+        message.outputs[2].new_token_ids[0] = object()
+        del message
+
+
+@pytest.mark.parametrize(
+    "tokens",
+    [
+        [],
+        [0],
+        [2**18 - 1, 2**18, 2**31, 2**32 - 1],
+        [2**32, 2**63, 2**64 - 1, -1, -(2**63)],
+        list(range(9)),
+        list(range(150_000, 150_020)),
+    ],
+    ids=["empty", "zero", "cache_edges", "wide", "nine", "twenty"],
+)
+def test_token_ids_of_every_width(tokens: list[int]) -> None:
+    """Token ids decode exactly, cached range or not, pooled length or not."""
+    decoder = NativeDecoder()
+    for _ in range(3):  # again through the caches and pools
+        out = decoder.decode(_frames([p.EngineCoreOutput("r", tokens)])).outputs[0]
+        assert out.new_token_ids == tokens
+        assert all(type(t) is int for t in out.new_token_ids)
+
+
+def test_order_prediction_survives_any_order_and_engine_interleaving() -> None:
+    """Ids in shuffled, shrinking and growing orders, from interleaved engines, stay
+    right and are the same str objects throughout."""
+    decoder = NativeDecoder()
+    reference = MsgspecDecoder(p.EngineCoreOutputs)
+    ids = [f"cmpl-{i:04d}-0" for i in range(40)]
+    first = {o.request_id: o.request_id for o in decoder.decode(_step(ids, 0)).outputs}
+    orders = [
+        ids,
+        ids[5:],
+        ids[::-1],
+        [*ids[:10], "new-1", *ids[10:]],
+        ids[::2] + ids[1::2],
+        [ids[3]] * 3,
+    ]
+    for n, order in enumerate(orders * 3):
+        for engine in (0, 1):
+            frames = _step(order, n, engine)
+            got = decoder.decode(frames)
+            want = reference.decode(frames)
+            assert [o.request_id for o in got.outputs] == [o.request_id for o in want.outputs]
+            for o in got.outputs:
+                if o.request_id in first:
+                    assert o.request_id is first[o.request_id]
+
+
+def test_finished_requests_share_the_interned_ids() -> None:
+    """finished_requests holds the very str objects of the outputs' request ids."""
+    decoder = NativeDecoder()
+    out = p.EngineCoreOutput("req-x", [1], finish_reason=p.FinishReason.ABORT)
+    message = decoder.decode(_frames([out], finished_requests={"req-x"}))
+    (finished,) = message.finished_requests
+    assert finished is message.outputs[0].request_id
+    assert message.outputs[0].finished
+    assert message.outputs[0].finish_reason is p.FinishReason.ABORT
+
+
+def test_tensor_from_read_only_bytes_raises_no_warning() -> None:
+    """bytes frames are read-only: torch's warning about that is silenced, nothing else."""
+    pooling = torch.arange(300, dtype=torch.float32).bfloat16()
+    frames = _frames([p.EngineCoreOutput("r", [1], pooling_output=pooling)])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        out = NativeDecoder().decode(frames).outputs[0]
+        # An unrelated warning raised by the caller right after still surfaces.
+        with pytest.raises(UserWarning, match="still raised"):
+            warnings.warn("still raised", UserWarning, stacklevel=1)
+    assert torch.equal(out.pooling_output, pooling)
+
+
+def test_tensor_over_writable_frame_shares_it() -> None:
+    """A tensor decoded from a writable frame is a view: writes show in the frame."""
+    pooling = torch.zeros(128, dtype=torch.float32)
+    frames = [bytearray(f) for f in _frames([p.EngineCoreOutput("r", [1], pooling_output=pooling)])]
+    out = NativeDecoder().decode(frames).outputs[0]
+    out.pooling_output[0] = 1.0
+    assert np.frombuffer(frames[1], np.float32)[0] == 1.0
+
+
+def test_frame_released_with_its_last_array() -> None:
+    """An aux frame given as a memoryview stays pinned by its array, then is freed."""
+
+    class Storage(bytearray):
+        pass
+
+    experts = np.arange(1024, dtype="<i4").reshape(256, 4)
+    frames = _frames([p.EngineCoreOutput("r", [1], routed_experts=experts)])
+    storage = Storage(frames[1])
+    ref = weakref.ref(storage)
+    view = memoryview(storage)
+    arr = NativeDecoder().decode([frames[0], view]).outputs[0].routed_experts
+    del storage, view
+    gc.collect()
+    assert ref() is not None
+    with pytest.raises(BufferError):
+        ref().append(0)  # type: ignore[union-attr]  # pinned: cannot resize under the array
+    assert np.array_equal(arr, experts)
+    assert type(arr.base).__name__ == "FrameBuffer"
+    del arr
+    gc.collect()
+    assert ref() is None
+
+
+def test_errors_name_the_place_and_leave_the_decoder_usable() -> None:
+    """A bad frame raises ProtocolError with a path; the next good frame decodes."""
+    decoder = NativeDecoder()
+    good = _step(["a", "b"], 5)
+    decoder.decode(good)
+    bad = msgspec.msgpack.encode([0, [["a", [5]], ["b", [6, "x"]]]])
+    with pytest.raises(ProtocolError, match=r"outputs\[1\]\.new_token_ids\[1\]: expected int"):
+        decoder.decode([bad])
+    assert [o.new_token_ids for o in decoder.decode(good).outputs] == [[5], [6]]
+
+
+def test_no_reference_leaks_over_many_messages() -> None:
+    """Decoding the same frames many times leaves refcounts and live objects flat."""
+    decoder = NativeDecoder()
+    frames = _step([f"r{i}" for i in range(64)], 123)
+    for _ in range(200):
+        decoder.decode(frames)
+    gc.collect()
+    before_objects = len(gc.get_objects())
+    before_refs = sys.getrefcount(frames[0])
+    for _ in range(2000):
+        message = decoder.decode(frames)
+        for out in message.outputs:
+            out.new_token_ids  # noqa: B018
+    del message
+    gc.collect()
+    after_refs = sys.getrefcount(frames[0])  # (not inside assert: rewriting holds a ref)
+    assert after_refs == before_refs
+    assert len(gc.get_objects()) - before_objects < 50
