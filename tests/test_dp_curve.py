@@ -6,6 +6,8 @@ import argparse
 import contextlib
 import socket
 import stat
+import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -59,6 +61,18 @@ def test_keygen_layout_and_permissions(keys: Path) -> None:
     assert "secret-key" not in (keys / "client-1/server.key").read_text()
     # Readable by ZeroMQ's own certificate loader.
     assert zmq.auth.load_certificate(keys / "server/server.key")[0] == server.public
+
+
+def test_keygen_through_the_corewire_command(tmp_path: Path) -> None:
+    result = subprocess.run(
+        [sys.executable, "-m", "corewire.cli", "keygen", str(tmp_path / "k"), "--clients", "2"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert result.returncode == 0, result.stderr
+    server = CurveServerKeys.from_dir(tmp_path / "k/server")
+    assert len(server.authorized) == 2
 
 
 def test_keygen_refuses_to_overwrite(keys: Path, capsys: pytest.CaptureFixture[str]) -> None:
