@@ -286,3 +286,46 @@ async def test_external_lb_front_ends_share_one_coordinator() -> None:
         if other is not None:
             other.shutdown()
         head.shutdown()
+
+
+def test_dp_client_on_uvloop() -> None:
+    import uvloop
+
+    async def main() -> None:
+        client = DPLBAsyncMPClient(data_parallel_size=2, engine_args=LIGHT)
+        try:
+            assert isinstance(asyncio.get_running_loop(), uvloop.Loop)
+            ids = [f"u{i}" for i in range(8)]
+            for rid in ids:
+                await client.add_request_async(request(rid, max_tokens=2))
+            done = await collect_finished(client, ids)
+            assert Counter(f.engine_index for f in done.values()) == {0: 4, 1: 4}
+            await wait_until(lambda: client.current_wave >= 1 and not client.engines_running)
+            assert await client.call_utility_consensus_async("echo", 5) == 5
+        finally:
+            client.shutdown()
+
+    uvloop.run(asyncio.sleep(0))  # uvloop keeps a process-wide pipe from its first loop on
+    uvloop.run(main())
+
+
+async def test_collected_client_stops_its_engines_and_coordinator() -> None:
+    import gc
+    import weakref
+
+    client = DPLBAsyncMPClient(data_parallel_size=2, engine_args=LIGHT)
+    pids = [*client.engine_pids, client.coordinator_pid]
+    await client.add_request_async(request("gc", max_tokens=2))
+    await collect_finished(client, ["gc"])  # output and stats tasks are both running
+    ref = weakref.ref(client)
+    del client
+    gc.collect()
+    assert ref() is None, "a task or the coordinator kept the client alive"
+
+    def all_gone() -> bool:
+        return all(
+            not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+            for pid in pids
+        )
+
+    await wait_until(all_gone, timeout=15, what="engines and coordinator to exit")

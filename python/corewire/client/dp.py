@@ -446,7 +446,18 @@ class DPLBAsyncMPClient(DPAsyncMPClient):
         self._local_indices.update(new_indices)
         procs = self._start_engine_processes(new_indices)
         identities = [i.to_bytes(2, "little") for i in new_indices]
-        self.ready_info.update(await self._await_ready(identities, procs))
+        try:
+            self.ready_info.update(await self._await_ready(identities, procs))
+        except BaseException:
+            # The group stays as it was: the new engines never joined it.
+            for proc in procs:
+                if proc in self.resources.processes:
+                    self.resources.processes.remove(proc)
+            self.resources.processes_changed()
+            await asyncio.get_running_loop().run_in_executor(None, stop_processes, procs)
+            self.data_parallel_size = old_size
+            self._local_indices.difference_update(new_indices)
+            raise
         # Only now can the ROUTER address them: route and fan out to them from here on.
         self.engine_indices += new_indices
         self.core_engines += identities
