@@ -183,6 +183,20 @@ class RawReceiver:
         await self.engine.input.send_multipart((self.engine.identity, *message), copy=False)
         await self.engine.output.recv_multipart(copy=False)  # the reply
 
+    def call_utility_blocking(self, call_id: int, *args: Any) -> None:
+        """One ``echo`` round trip with blocking pyzmq calls: no asyncio, no decoding."""
+        message = self.encoder.encode((0, call_id, "echo", args))
+        self._input.send_multipart((self.engine.identity, _UTILITY, *message), copy=False)
+        self._output.recv_multipart(copy=False)
+
+    @property
+    def _input(self) -> zmq.Socket:
+        return zmq.Socket.shadow(self.engine.input.underlying)
+
+    @property
+    def _output(self) -> zmq.Socket:
+        return zmq.Socket.shadow(self.engine.output.underlying)
+
     def shutdown(self) -> None:
         self.engine.close()
 
@@ -213,8 +227,15 @@ async def stream_trial(variant: Any, batch: int, count: int) -> tuple[float, int
 
 async def utility_rate(variant: Any, calls: int, concurrency: int) -> float:
     """Utility round trips per second."""
-    call = variant.call_utility_async
     start = time.perf_counter()
+    if isinstance(variant, RawReceiver):
+        sock_in, sock_out = variant._input, variant._output
+        encode, identity = variant.encoder.encode, variant.engine.identity
+        for i in range(calls):
+            sock_in.send_multipart((identity, _UTILITY, *encode((0, i, "echo", (i,)))))
+            sock_out.recv_multipart(copy=False)
+        return calls / (time.perf_counter() - start)
+    call = variant.call_utility_async
     if concurrency == 1:
         for i in range(calls):
             await call("echo", i)
@@ -282,22 +303,31 @@ async def run(quick: bool, trials: int) -> int:
         set_gc("default")
         print()
         print("2. utility round trips per second (echo; higher is better)")
-        header = f"{'calls':<16}{'baseline':>11}{'corewire':>11}{'vs baseline':>13}"
+        print("   raw: blocking pyzmq send + receive, no asyncio, no decoding (sequential only)")
+        header = (
+            f"{'calls':<16}{'raw':>10}{'baseline':>11}{'corewire':>11}"
+            f"{'vs baseline':>13}{'of raw':>9}"
+        )
         print(header)
         print("-" * len(header))
-        calls = 4_000 // scale
+        calls = 2_000 // scale
         rates: dict[int, dict[str, float]] = {}
         for concurrency in (1, 64):
-            best = {"baseline": 0.0, "corewire": 0.0}
-            for _ in range(trials):
-                for name in best:
+            names = (
+                ("raw", "baseline", "corewire") if concurrency == 1 else ("baseline", "corewire")
+            )
+            best = dict.fromkeys(names, 0.0)
+            for _ in range(trials * 2):  # short trials, best of many: the machine is noisy
+                for name in names:
                     rate = await utility_rate(variants[name], calls, concurrency)
                     best[name] = max(best[name], rate)
             rates[concurrency] = best
             label = "sequential" if concurrency == 1 else f"{concurrency} concurrent"
+            raw = f"{best['raw']:>10,.0f}" if "raw" in best else f"{'-':>10}"
+            of_raw = f"{best['corewire'] / best['raw'] * 100:>8.0f}%" if "raw" in best else ""
             print(
-                f"{label:<16}{best['baseline']:>11,.0f}{best['corewire']:>11,.0f}"
-                f"{best['corewire'] / best['baseline']:>12.2f}x"
+                f"{label:<16}{raw}{best['baseline']:>11,.0f}{best['corewire']:>11,.0f}"
+                f"{best['corewire'] / best['baseline']:>12.2f}x{of_raw}"
             )
         print()
         r256d, r256f = results[("default", 256)], results[("frozen", 256)]

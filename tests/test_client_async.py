@@ -147,7 +147,8 @@ async def test_zero_copy_tensors_stay_alive_until_sent() -> None:
 
 
 class HookedClient(AsyncMPClient):
-    """Records what the hooks see."""
+    """Records what the hooks see (an async ``process_engine_outputs``: the output task
+    receives itself and awaits it)."""
 
     def __init__(self, **kwargs: Any) -> None:
         self.seen: list[EngineCoreOutputs] = []
@@ -161,9 +162,19 @@ class HookedClient(AsyncMPClient):
         self.notes.append(data)
 
 
-async def test_hooks_see_every_message_and_only_outputs_or_stats_are_queued() -> None:
+class SyncHookedClient(HookedClient):
+    """The same with a plain ``process_engine_outputs`` (run in the reader callback)."""
+
+    def process_engine_outputs(self, outputs: EngineCoreOutputs) -> None:  # type: ignore[override]
+        self.seen.append(outputs)
+
+
+@pytest.mark.parametrize("cls", [HookedClient, SyncHookedClient])
+async def test_hooks_see_every_message_and_only_outputs_or_stats_are_queued(
+    cls: type[HookedClient],
+) -> None:
     with no_leaks():
-        client = HookedClient(engine_main=SUPPORT)
+        client = cls(engine_main=SUPPORT)
         try:
             await client.call_utility_async("stats", 7)
             stats = await client.get_output_async()
@@ -180,6 +191,7 @@ async def test_hooks_see_every_message_and_only_outputs_or_stats_are_queued() ->
                     break
                 await asyncio.sleep(0.01)
             assert client.notes == [["RECONFIGURE", 3]]
+            assert await client.call_utility_async("echo", "after hooks") == "after hooks"
         finally:
             client.shutdown()
 

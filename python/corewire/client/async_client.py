@@ -30,6 +30,11 @@ EEP_NOTIFICATION_CALL_ID = -1
 #: Messages the output task handles in a row before it lets other tasks run, so that a
 #: fast engine cannot starve the consumer of the outputs.
 DRAIN_BUDGET = 64
+#: Outputs after which it yields too. Bounding the backlog by outputs keeps the number of
+#: decoded objects alive at once small: under the default garbage collector, objects
+#: that wait in a long backlog survive into the older generations and set off full
+#: collections, which cost more than the decoding.
+OUTPUT_BUDGET = 512
 
 _UTILITY = RequestType.UTILITY.value
 _ADD = RequestType.ADD.value
@@ -388,7 +393,7 @@ class AsyncMPClient(MPClient):
 
 
 class _Readable:
-    """Wakes the output task when the socket's descriptor turns readable.
+    """Wakes the output task when the socket's descriptor turns readable (async hook).
 
     The callback stays registered with the loop for the task's lifetime; it completes
     the waiter the task left, if any (while the task drains, there is none).
@@ -412,6 +417,10 @@ class _Readable:
         return waiter
 
 
+#: What the dispatch step returns when the output path must end (the engine is dead).
+_STOP: Any = object()
+
+
 async def _output_loop(
     client_ref: weakref.ref[AsyncMPClient],
     resources: ClientResources,
@@ -423,90 +432,160 @@ async def _output_loop(
 ) -> None:
     """The output task: receive, decode and dispatch every frame from the engines.
 
-    It references the client only through ``client_ref`` (for the hooks) and ends when
-    the client is collected. ZeroMQ's descriptor is edge-triggered: after each wake-up
-    the task receives with ``NOBLOCK`` until ``Again`` (which also re-arms the
-    descriptor), yielding to other tasks every :data:`DRAIN_BUDGET` messages so that a
-    fast engine cannot starve the consumer.
+    It references the client only through ``client_ref`` (for the hooks), and ends when
+    the engine dies, when the client is shut down and when the client is collected.
+
+    ZeroMQ's descriptor is edge-triggered: after each wake-up, messages are received with
+    ``NOBLOCK`` until ``Again``, or until ``EVENTS`` shows none queued (either re-arms the
+    descriptor), handing over to other tasks after :data:`DRAIN_BUDGET` messages or
+    :data:`OUTPUT_BUDGET` outputs so that a fast engine cannot starve the consumer.
+    Without an async ``process_engine_outputs`` hook, that work runs right in the
+    descriptor's reader callback: a reply completes its caller's future in the loop
+    iteration that saw the descriptor turn readable, one task hand-off sooner. With an async hook, the task itself receives and awaits it.
     """
-    # The task receives on a blocking view of the socket and waits on its descriptor
-    # itself: pyzmq's asyncio receive costs several times more per message.
+    # A blocking view of the socket: a direct non-blocking receive costs a fraction of
+    # pyzmq's asyncio receive, whose machinery is not needed to wait on the descriptor.
     raw = zmq.Socket.shadow(socket.underlying)
     recv = raw.recv
+    get = raw.get
     NOBLOCK = zmq.NOBLOCK
+    EVENTS = zmq.EVENTS
+    POLLIN = zmq.POLLIN
     Again = zmq.Again
+    decode = decoder.decode
+    pop = resources.registry.pop
+    put = queue.put_nowait
     loop = asyncio.get_running_loop()
-    readable = _Readable(loop)
+    stopped: asyncio.Future[None] = loop.create_future()
+
+    def receive() -> list[Any] | None:
+        """The next message, or None when none is queued."""
+        try:
+            first = recv(NOBLOCK, copy=False)
+        except Again:
+            return None
+        frames = [first]
+        while first.more:
+            first = recv(copy=False)
+            frames.append(first)
+        return frames
+
+    def dispatch(frames: list[Any]) -> Any:
+        """Handle one message; returns outputs still to give to the hook and the queue,
+        None when nothing is left to do, or _STOP when the engine is dead."""
+        first = frames[0]
+        if len(frames) == 1 and len(first) == _DEAD_LEN and first.bytes == ENGINE_CORE_DEAD:
+            resources.mark_dead("Engine core sent ENGINE_CORE_DEAD (fatal error).")
+            return _STOP
+        try:
+            outputs = decode(frames)
+        except ProtocolError as exc:
+            # One bad frame fails alone; the requests in other frames go on.
+            put(exc)
+            return None
+        utility = outputs.utility_output
+        if utility is None:
+            return outputs
+        call_id = utility.call_id
+        future = pop(call_id)
+        if future is not None:
+            if not future.done():
+                resolve_utility_output(future, utility)
+        elif call_id == EEP_NOTIFICATION_CALL_ID and notify is not None:
+            _start_notification(client_ref, resources, notify, utility)
+        return None
+
+    def stop() -> None:
+        if not stopped.done():
+            stopped.set_result(None)
+
+    def fail(exc: Exception) -> None:
+        if not resources.closed:  # else the socket was closed under us by shutdown
+            logger.exception("corewire output task failed", exc_info=exc)
+            put(exc)
+            resources.mark_dead(f"The client's output task failed: {exc!r}")
+        stop()
+
+    def pump() -> None:
+        """Reader callback: drain up to DRAIN_BUDGET messages, then yield."""
+        try:
+            work = 0
+            for n in range(DRAIN_BUDGET):
+                frames = receive()
+                if frames is None:
+                    return
+                outputs = dispatch(frames)
+                if outputs is not None:
+                    if outputs is _STOP:
+                        stop()
+                        return
+                    if hook is not None:
+                        client = client_ref()
+                        if client is None:
+                            stop()
+                            return
+                        hook(client, outputs)
+                        del client
+                    if outputs.outputs or outputs.scheduler_stats:
+                        put(outputs)
+                        work += len(outputs.outputs)
+                        if work >= OUTPUT_BUDGET:
+                            break
+                # At low load one message comes per wake-up: asking whether more are
+                # queued costs less than a receive that raises Again.
+                if n == 0 and not get(EVENTS) & POLLIN:
+                    return
+            if not resources.closed:
+                loop.call_soon(pump)  # budget spent: the consumer runs first
+        except Exception as exc:
+            fail(exc)
+
     fd = raw.getsockopt(zmq.FD)
-    loop.add_reader(fd, readable.fire)
+    readable = _Readable(loop)
+    in_callback = hook is None or not inspect.iscoroutinefunction(hook)
+    loop.add_reader(fd, pump if in_callback else readable.fire)
     # The reader must go before the socket closes, and shutdown closes the socket before
     # this task's cancellation runs.
     remove_reader = functools.partial(_remove_reader, loop, fd)
     resources.before_close.append(remove_reader)
-    decode = decoder.decode
-    pop = resources.registry.pop
-    put = queue.put_nowait
-    hook_is_async = hook is not None and inspect.iscoroutinefunction(hook)
-    budget = DRAIN_BUDGET
     try:
-        while True:
-            try:
-                first = recv(NOBLOCK, copy=False)
-            except Again:
+        if in_callback:
+            loop.call_soon(pump)  # messages queued before the reader was registered
+            await stopped
+            return
+        budget, work = DRAIN_BUDGET, 0
+        while not stopped.done():
+            frames = receive()
+            if frames is None:
                 if client_ref() is None:
                     return
-                budget = DRAIN_BUDGET
+                budget, work = DRAIN_BUDGET, 0
                 await readable.wait()
                 continue
-            frames = [first]
-            while first.more:
-                first = recv(copy=False)
-                frames.append(first)
-            if len(frames) == 1 and len(first) == _DEAD_LEN and first.bytes == ENGINE_CORE_DEAD:
-                resources.mark_dead("Engine core sent ENGINE_CORE_DEAD (fatal error).")
+            outputs = dispatch(frames)
+            if outputs is _STOP:
                 return
-            try:
-                outputs = decode(frames)
-            except ProtocolError as exc:
-                # One bad frame fails alone; the requests in other frames go on.
-                put(exc)
-            else:
-                utility = outputs.utility_output
-                if utility is not None:
-                    call_id = utility.call_id
-                    future = pop(call_id)
-                    if future is not None:
-                        if not future.done():
-                            resolve_utility_output(future, utility)
-                    elif call_id == EEP_NOTIFICATION_CALL_ID and notify is not None:
-                        _start_notification(client_ref, resources, notify, utility)
-                else:
-                    if hook is not None:
-                        client = client_ref()
-                        if client is None:
-                            return
-                        if hook_is_async:
-                            await hook(client, outputs)
-                        else:
-                            hook(client, outputs)
-                        del client
-                    if outputs.outputs or outputs.scheduler_stats:
-                        put(outputs)
-            budget -= 1
-            if not budget:
-                budget = DRAIN_BUDGET
-                await asyncio.sleep(0)
-                if resources.closed:
+            if outputs is not None:
+                client = client_ref()
+                if client is None:
                     return
+                await hook(client, outputs)
+                del client
+                if outputs.outputs or outputs.scheduler_stats:
+                    put(outputs)
+                    work += len(outputs.outputs)
+            budget -= 1
+            if budget == DRAIN_BUDGET - 1 and not get(EVENTS) & POLLIN:
+                budget, work = DRAIN_BUDGET, 0
+                await readable.wait()
+            elif not budget or work >= OUTPUT_BUDGET:
+                budget, work = DRAIN_BUDGET, 0
+                await asyncio.sleep(0)
     except asyncio.CancelledError:
         queue.set_error(resources.dead_error())
         raise
     except Exception as exc:
-        if resources.closed:
-            return  # the socket was closed under us by shutdown
-        logger.exception("corewire output task failed")
-        queue.put_nowait(exc)
-        resources.mark_dead(f"The client's output task failed: {exc!r}")
+        fail(exc)
     finally:
         remove_reader()
 
