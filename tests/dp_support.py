@@ -220,6 +220,17 @@ async def wait_until(
         await asyncio.sleep(0.02)
 
 
+def run_keygen(directory: Path, clients: int) -> int:
+    """``corewire keygen DIRECTORY --clients N``, in this process."""
+    import argparse
+
+    from corewire import keygen
+
+    parser = argparse.ArgumentParser()
+    keygen.add_arguments(parser)
+    return keygen.run(parser.parse_args([str(directory), "--clients", str(clients)]))
+
+
 def free_port_block(count: int = 4) -> int:
     """A base port such that ``base .. base+count-1`` on 127.0.0.1 were all free."""
     import random

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import socket
 import stat
@@ -15,7 +14,6 @@ from typing import Any
 import pytest
 import zmq
 
-from corewire import keygen
 from corewire.coordinator import CoordinatorAddresses, DPCoordinator
 from corewire.keygen import (
     CurveClientKeys,
@@ -26,7 +24,7 @@ from corewire.keygen import (
     is_loopback_address,
     require_curve_for,
 )
-from dp_support import EnginePeer, FrontEndPeer, Sockets, coordinator_addresses
+from dp_support import EnginePeer, FrontEndPeer, Sockets, coordinator_addresses, run_keygen
 
 
 def free_port() -> int:
@@ -34,12 +32,6 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
-
-
-def run_keygen(directory: Path, clients: int) -> int:
-    parser = argparse.ArgumentParser()
-    keygen.add_arguments(parser)
-    return keygen.run(parser.parse_args([str(directory), "--clients", str(clients)]))
 
 
 @pytest.fixture

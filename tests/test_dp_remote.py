@@ -20,8 +20,7 @@ import pytest
 
 from corewire import DPLBAsyncMPClient
 from corewire.coordinator import TcpEndpoints
-from dp_support import LIGHT, collect_finished, free_port_block, request
-from test_dp_curve import run_keygen
+from dp_support import LIGHT, collect_finished, free_port_block, request, run_keygen
 
 TESTS_DIR = Path(__file__).resolve().parent
 
