@@ -441,7 +441,8 @@ async def _output_loop(
     :data:`OUTPUT_BUDGET` outputs so that a fast engine cannot starve the consumer.
     Without an async ``process_engine_outputs`` hook, that work runs right in the
     descriptor's reader callback: a reply completes its caller's future in the loop
-    iteration that saw the descriptor turn readable, one task hand-off sooner. With an async hook, the task itself receives and awaits it.
+    iteration that saw the descriptor turn readable, one task hand-off sooner. With an
+    async hook, the task itself receives and awaits it.
     """
     # A blocking view of the socket: a direct non-blocking receive costs a fraction of
     # pyzmq's asyncio receive, whose machinery is not needed to wait on the descriptor.
