@@ -121,8 +121,46 @@ class FrameBuffer:
     def obj(self) -> Any:
         """The object whose memory this is (a ``zmq.Frame``, ``memoryview`` ...)."""
 
-# --------------------------------------------------------------------------- CallRegistry, SendTracker, Router
-# (their section follows; `__all__` above already names them)
+# --------------------------------------------------------------------------- registry, tracker (H4)
+
+@final
+class CallRegistry:
+    """Maps the call id of each utility call in flight to the future its caller awaits.
+
+    Ids are unsigned 64-bit integers from a random start (ids above 2**63 are normal). A
+    reply whose id is unknown gets ``None`` from :meth:`pop` and changes nothing.
+    """
+
+    def __new__(cls, start: int | None = None) -> CallRegistry: ...
+    def register(self, future: Any) -> int:
+        """Stores ``future`` under a fresh call id and returns the id; raises
+        ``EngineDeadError`` once :meth:`drain` has closed the registry."""
+    def pop(self, call_id: object) -> Any | None:
+        """Removes and returns the future of ``call_id``; ``None`` when it is not pending."""
+    def discard(self, call_id: object) -> bool:
+        """Forgets ``call_id`` (its caller gave up); returns whether it was pending."""
+    def drain(self, *, close: bool = False) -> list[Any]:
+        """Removes and returns every pending future; ``close`` refuses later calls."""
+    @property
+    def closed(self) -> bool:
+        """Whether :meth:`drain` closed the registry."""
+    def __contains__(self, key: object, /) -> bool: ...
+    def __len__(self) -> int: ...
+
+@final
+class SendTracker:
+    """Keeps the objects behind zero-copy frames alive until ZeroMQ has sent them."""
+
+    def __new__(cls) -> SendTracker: ...
+    def track(self, tracker: Any, objects: Any) -> None:
+        """Keeps ``objects`` alive until ``tracker.done``; first releases finished sends."""
+    def reap(self) -> int:
+        """Releases the oldest sends that ZeroMQ has finished; returns how many."""
+    def clear(self) -> int:
+        """Forgets every entry; returns how many there were."""
+    def __len__(self) -> int: ...
+
+# ------------------------------------------------------------------------- end registry, tracker (H4)
 
 # --------------------------------------------------------------------------- router (H5)
 
