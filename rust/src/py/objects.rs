@@ -138,7 +138,7 @@ unsafe fn release_token_list(list: *mut ffi::PyObject) {
             return;
         }
         if ffi::Py_REFCNT(list) == 1 {
-            let n = ffi::PyList_Size(list);
+            let n = ffi::Py_SIZE(list);
             if (1..=POOLED_LIST_MAX_LEN as isize).contains(&n) {
                 let pool = &mut (*LIST_POOL.0.get())[n as usize - 1];
                 if pool.len() < POOLED_LISTS_PER_LEN {
