@@ -10,8 +10,8 @@ import inspect
 import logging
 import weakref
 from collections import deque
-from collections.abc import Awaitable, Generator
-from typing import Any
+from collections.abc import Awaitable, Callable, Generator
+from typing import Any, cast
 
 import zmq
 
@@ -49,7 +49,8 @@ class _Sent:
     __slots__ = ()
 
     def __await__(self) -> Generator[Any, None, None]:
-        return iter(())
+        return
+        yield  # a generator that finishes at once
 
 
 _SENT = _Sent()
@@ -446,9 +447,9 @@ async def _output_loop(
     """
     # A blocking view of the socket: a direct non-blocking receive costs a fraction of
     # pyzmq's asyncio receive, whose machinery is not needed to wait on the descriptor.
-    raw = zmq.Socket.shadow(socket.underlying)
+    raw: zmq.Socket[bytes] = zmq.Socket.shadow(socket.underlying)
     recv = raw.recv
-    get = raw.get
+    get = cast("Callable[[int], int]", raw.get)
     NOBLOCK = zmq.NOBLOCK
     EVENTS = zmq.EVENTS
     POLLIN = zmq.POLLIN
@@ -541,7 +542,7 @@ async def _output_loop(
         except Exception as exc:
             fail(exc)
 
-    fd = raw.getsockopt(zmq.FD)
+    fd = cast(int, raw.getsockopt(zmq.FD))
     readable = _Readable(loop)
     in_callback = hook is None or not inspect.iscoroutinefunction(hook)
     loop.add_reader(fd, pump if in_callback else readable.fire)

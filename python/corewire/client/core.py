@@ -10,7 +10,7 @@ import tempfile
 import time
 import weakref
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from typing import Any, cast
 
 import msgspec
 import zmq
@@ -196,7 +196,7 @@ class MPClient:
         missing = set(identities)
         info: dict[bytes, dict[str, Any]] = {}
         # A blocking view of the ROUTER (the client's own socket may be an asyncio one).
-        sock = zmq.Socket.shadow(self.input_socket.underlying)
+        sock: zmq.Socket[bytes] = zmq.Socket.shadow(self.input_socket.underlying)
         poller = zmq.Poller()
         poller.register(sock, zmq.POLLIN)
         sentinels = {p.sentinel: p for p in self.resources.processes}
@@ -220,7 +220,7 @@ class MPClient:
                     f"engine process {proc.name} exited with code {proc.exitcode} before it "
                     "was ready; its error is logged above"
                 )
-            while sock.get(zmq.EVENTS) & zmq.POLLIN:
+            while cast(int, sock.get(zmq.EVENTS)) & zmq.POLLIN:
                 identity, *rest = sock.recv_multipart()
                 payload = rest[-1] if rest else b""
                 info[identity] = self._parse_ready(identity, payload)
