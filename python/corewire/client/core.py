@@ -79,7 +79,8 @@ class MPClient:
         engine_options: more keyword arguments for every engine process.
     """
 
-    #: Subclasses (DP) may set an async hook ``process_engine_outputs(self, outputs)``.
+    #: Subclasses (DP) may define ``process_engine_outputs(self, outputs)``, plain or
+    #: async: it sees every output message before the queue does.
     process_engine_outputs: Callable[..., Any] | None = None
 
     def __init__(
@@ -130,8 +131,7 @@ class MPClient:
                 self._engine_main = _resolve(engine_main)
                 self._start_engine_processes(self.engine_indices)
             #: Ready message of each engine (identity -> map; empty when it sent none).
-            self.ready_info: dict[bytes, dict[str, Any]] = {}
-            self.ready_info.update(self._wait_for_ready(self.core_engines, ready_timeout))
+            self.ready_info = self._wait_for_ready(self.core_engines, ready_timeout)
             resources.start_monitor()
             success = True
         finally:
@@ -291,6 +291,9 @@ class MPClient:
         resources = self.resources
         if resources.engine_dead:
             raise resources.dead_error()
+        pending = resources.tracker
+        if len(pending):
+            pending.reap()  # release finished sends' tensors now, not at the next big send
         sock = self.input_socket
         if len(frames) == 1:
             # Three plain sends cost a third of one send_multipart (no per-part checks).
@@ -300,7 +303,7 @@ class MPClient:
             send(frames[0], copy=False)
             return
         tracker = sock.send_multipart((engine, request_type, *frames), copy=False, track=True)
-        resources.tracker.track(tracker, keep)
+        pending.track(tracker, keep)
 
 
 def resolve_utility_output(future: Any, utility: Any) -> None:
