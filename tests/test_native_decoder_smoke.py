@@ -127,6 +127,20 @@ def test_order_prediction_survives_any_order_and_engine_interleaving() -> None:
                     assert o.request_id is first[o.request_id]
 
 
+def test_live_ids_keep_their_object_while_many_others_come_and_go() -> None:
+    """Ids predicted from the previous message skip the intern cache; they must still
+    stay cached while alive, so that a later change of order finds the same object."""
+    decoder = NativeDecoder(intern_capacity=64)
+    live = ["live-a", "live-b", "live-c"]
+    first = {o.request_id: o.request_id for o in decoder.decode(_step(live, 0)).outputs}
+    for n in range(200):  # 20 short-lived ids per step: the cache retires many generations
+        decoder.decode(_step(live + [f"tmp-{n}-{k}" for k in range(20)], n))
+        assert decoder.interned <= decoder.intern_capacity
+    for order in (live[::-1], live[1:], [live[0]]):
+        for out in decoder.decode(_step(order, 1)).outputs:
+            assert out.request_id is first[out.request_id]
+
+
 def test_finished_requests_share_the_interned_ids() -> None:
     """finished_requests holds the very str objects of the outputs' request ids."""
     decoder = NativeDecoder()

@@ -161,6 +161,7 @@ pub struct InternCache<V> {
     generation: usize,
     seed: u64,
     max_key_len: usize,
+    rotations: u64,
 }
 
 const INITIAL_SLOTS: usize = 256;
@@ -177,6 +178,7 @@ impl<V> InternCache<V> {
             generation: (capacity / 2).max(1),
             seed: RandomState::new().hash_one(0x636f_7265_7769_7265u64),
             max_key_len: Self::DEFAULT_MAX_KEY_LEN,
+            rotations: 0,
         }
     }
 
@@ -236,7 +238,15 @@ impl<V> InternCache<V> {
     fn make_room(&mut self) {
         if self.current.len >= self.generation {
             self.previous = std::mem::replace(&mut self.current, Table::new(INITIAL_SLOTS));
+            self.rotations += 1;
         }
+    }
+
+    /// How many times a generation was retired. Entries not looked up since the
+    /// previous rotation are dropped at the next one: a user that keeps ids alive by
+    /// other means (like [`FrameOrder`]) looks them up again when this changes.
+    pub fn rotations(&self) -> u64 {
+        self.rotations
     }
 
     /// Caches `value` for `key` (not known yet; keys longer than the limit are not
@@ -358,6 +368,15 @@ impl<V> FrameOrder<V> {
         }
     }
 
+    /// Every id held (recorded for this message, or predicted and not matched yet).
+    pub fn keys(&self) -> impl Iterator<Item = &[u8]> {
+        let prev = (0..self.prev.ends.len())
+            .filter(|&i| self.prev.values[i].is_some())
+            .map(|i| self.prev.key(i));
+        let cur = (0..self.cur.ends.len()).map(|i| self.cur.key(i));
+        prev.chain(cur)
+    }
+
     /// Ids recorded for the current message.
     pub fn len(&self) -> usize {
         self.cur.ends.len()
@@ -406,6 +425,26 @@ mod tests {
         o.resync(b"d");
         assert_eq!(o.take_predicted(b"e"), Some(4));
         assert!(o.is_empty(), "nothing pushed for this message yet");
+        // Held ids: the unmatched predictions ("c"; "a", "d", "e" were taken).
+        assert_eq!(o.keys().collect::<Vec<_>>(), vec![b"c".as_slice()]);
+        o.push(b"z", 9);
+        assert_eq!(
+            o.keys().collect::<Vec<_>>(),
+            vec![b"c".as_slice(), b"z".as_slice()]
+        );
+    }
+
+    #[test]
+    fn rotations_count_retired_generations() {
+        let mut c = InternCache::new(4);
+        for i in 0..10u8 {
+            c.insert(&[i], i);
+        }
+        assert_eq!(
+            c.rotations(),
+            4,
+            "a generation of 2 retired every 2 inserts"
+        );
     }
 
     #[test]

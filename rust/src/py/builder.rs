@@ -94,7 +94,10 @@ impl<'a, 'py> PyBuilder<'a, 'py> {
     fn interned(&mut self, raw: &[u8]) -> DecodeResult<Bound<'py, PyString>> {
         // Known ids were checked when first seen: no UTF-8 check, no allocation.
         if let Some(s) = self.state.ids.get(raw) {
-            return Ok(s.bind(self.py).clone());
+            let s = s.bind(self.py).clone();
+            // (a lookup may promote an entry and so retire a generation)
+            self.state.refresh_if_rotated();
+            return Ok(s);
         }
         self.new_request_id(raw)
     }
@@ -105,6 +108,7 @@ impl<'a, 'py> PyBuilder<'a, 'py> {
         let s = check_utf8(raw)?;
         let obj = PyString::new(self.py, s);
         self.state.ids.insert(raw, obj.clone().unbind());
+        self.state.refresh_if_rotated();
         Ok(obj)
     }
 

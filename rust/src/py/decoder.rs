@@ -23,6 +23,8 @@ pub struct DecoderState {
     pub torch_dtypes: DtypeCache,
     /// Per engine index: the order of its last message's request ids.
     pub orders: Vec<(i128, FrameOrder<Py<PyString>>)>,
+    /// `ids.rotations()` when the ids held by `orders` were last looked up.
+    pub refreshed_at: u64,
 }
 
 /// Most engines whose output order is remembered (more engines only lose prediction).
@@ -41,6 +43,21 @@ impl DecoderState {
         };
         self.orders[at].1.start();
         Some(at)
+    }
+
+    /// Ids predicted by `orders` skip the intern cache, so the cache would age them out
+    /// while they are alive; after the cache retires a generation, look them all up
+    /// once, which keeps the same str object for the same id.
+    pub fn refresh_if_rotated(&mut self) {
+        if self.ids.rotations() == self.refreshed_at {
+            return;
+        }
+        self.refreshed_at = self.ids.rotations();
+        for (_, order) in &self.orders {
+            for key in order.keys() {
+                let _ = self.ids.get(key);
+            }
+        }
     }
 }
 
@@ -81,6 +98,7 @@ impl NativeDecoder {
                 np_dtypes: DtypeCache::default(),
                 torch_dtypes: DtypeCache::default(),
                 orders: Vec::new(),
+                refreshed_at: 0,
             },
             scratch: Scratch::default(),
         })
