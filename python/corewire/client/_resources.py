@@ -155,11 +155,13 @@ class ClientResources:
         ``shutdown()`` returning always means the processes are gone.
         """
         if not self._closing.acquire(blocking=False):
+            # An owned thread (the monitor) must not wait: the first closer joins it.
             if threading.current_thread() not in {t for t, _ in self.threads}:
                 self._closed_event.wait(timeout)
-            # Another thread (the engine monitor) closed the client and left the loop's
-            # part to the loop: on the loop's thread, do it now rather than later.
-            self.run_on_owner(self._close_loop_side)
+            if self._closed_event.is_set():
+                # The first closer ran on another thread and left the loop's part to the
+                # loop; on the loop's thread, do it now rather than later.
+                self.run_on_owner(self._close_loop_side)
             return
         try:
             self._close()
