@@ -10,6 +10,7 @@ import os
 import signal
 import time
 from collections import Counter
+from collections.abc import Callable
 
 import psutil
 import pytest
@@ -23,6 +24,20 @@ from dp_support import LIGHT, collect_finished, request, wait_until
 async def engine_states(client: DPAsyncMPClient) -> list[dict]:
     """Each engine's ``dp_state()``, in engine order."""
     return await client._call_all_engines("dp_state")
+
+
+async def wait_engine_states(
+    client: DPAsyncMPClient, predicate: Callable[[list[dict]], bool], timeout: float = 10.0
+) -> list[dict]:
+    """Engine states once ``predicate`` holds for them (wave messages reach each engine
+    on its own socket, so an engine may lag the coordinator's publication a little)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        states = await engine_states(client)
+        if predicate(states):
+            return states
+        assert time.monotonic() < deadline, f"engine states never matched: {states}"
+        await asyncio.sleep(0.05)
 
 
 @pytest.mark.parametrize("size", [2, 3, 4])
@@ -52,9 +67,11 @@ async def test_burst_splits_evenly_and_waves_pause(size: int) -> None:
         # The group goes back to paused, one wave later, and every engine agrees.
         await wait_until(lambda: not client.engines_running and client.current_wave >= 1)
         assert len(client.lb_engines) == size
-        states = await engine_states(client)
+        states = await wait_engine_states(
+            client, lambda st: all(not s["engines_running"] for s in st)
+        )
         assert [s["engine_index"] for s in states] == list(range(size))
-        assert all(not s["engines_running"] and s["num_requests"] == 0 for s in states)
+        assert all(s["num_requests"] == 0 for s in states)
         assert {s["current_wave"] for s in states} == {client.current_wave}
     finally:
         client.shutdown()
@@ -65,9 +82,13 @@ async def test_request_anywhere_wakes_the_paused_group() -> None:
     try:
         await client.add_request_async(request("warm", max_tokens=1))
         await collect_finished(client, ["warm"])
-        await wait_until(lambda: not client.engines_running, what="the group to pause")
+        # The wave "warm" started has ended (a stale publication may say "paused" early).
+        await wait_until(
+            lambda: client.current_wave >= 1 and not client.engines_running,
+            what="the group to pause",
+        )
         wave = client.current_wave
-        assert [s["engines_running"] for s in await engine_states(client)] == [False, False]
+        await wait_engine_states(client, lambda st: not any(s["engines_running"] for s in st))
         # A long request on engine 1 only: engine 0 must wake too (START_DP_WAVE).
         await client.add_request_async(request("long", max_tokens=150, rank=1))
 
@@ -82,8 +103,7 @@ async def test_request_anywhere_wakes_the_paused_group() -> None:
         done = await collect_finished(client, ["long"])
         assert done["long"].engine_index == 1
         await wait_until(lambda: not client.engines_running and client.current_wave > wave)
-        states = await engine_states(client)
-        assert all(not s["engines_running"] for s in states)
+        await wait_engine_states(client, lambda st: not any(s["engines_running"] for s in st))
     finally:
         client.shutdown()
 
