@@ -300,8 +300,14 @@ async def test_external_lb_front_ends_share_one_coordinator() -> None:
             await head.add_request_async(request("c", rank=1))
         # Both front-ends follow the same coordinator.
         await wait_until(lambda: head.current_wave >= 1 and other.current_wave >= 1)
-        await wait_until(lambda: not head.engines_running and not other.engines_running)
-        assert head.current_wave == other.current_wave
+        await wait_until(
+            lambda: (
+                not head.engines_running
+                and not other.engines_running
+                and head.current_wave == other.current_wave
+            ),
+            what="both front-ends to see the same paused wave",
+        )
     finally:
         if other is not None:
             other.shutdown()
