@@ -380,10 +380,6 @@ impl<'py> Builder for PyBuilder<'_, 'py> {
         let finish_reason = p
             .finish_reason
             .map(|code| self.consts.finish_reasons[code as usize].bind(py).clone());
-        let num_nans_in_logits = match p.num_nans_in_logits {
-            0 => self.consts.zero.bind(py).clone(),
-            n => self.int(n)?,
-        };
         let new_token_ids = match token_list(py, p.new_token_ids) {
             Ok(list) => list,
             Err(e) => return Err(self.fail(e)),
@@ -403,7 +399,7 @@ impl<'py> Builder for PyBuilder<'_, 'py> {
                 trace_headers: p.trace_headers,
                 prefill_stats: p.prefill_stats,
                 routed_experts: p.routed_experts,
-                num_nans_in_logits,
+                num_nans_in_logits: p.num_nans_in_logits,
             },
         );
         self.check(r)

@@ -21,8 +21,6 @@ pub struct Consts {
     pub tuple_new: Py<PyAny>,
     pub numpy: NumpyApi,
     np_dtype: Py<PyAny>,
-    /// The int 0 (num_nans_in_logits of nearly every output).
-    pub zero: Py<PyAny>,
 }
 
 static CONSTS: PyOnceLock<Consts> = PyOnceLock::new();
@@ -62,7 +60,6 @@ impl Consts {
                 .unbind(),
             numpy: NumpyApi::load(py)?,
             np_dtype: py.import("numpy")?.getattr("dtype")?.unbind(),
-            zero: 0i32.into_pyobject(py)?.into_any().unbind(),
         })
     }
 

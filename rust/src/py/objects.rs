@@ -167,10 +167,21 @@ fn none_ptr() -> *mut ffi::PyObject {
     unsafe { ffi::Py_None() }
 }
 
-/// Releases a field's reference (None fields hold none).
+/// The int 0, held by this module for the life of the process, so that (like None) a
+/// field can hold it without a reference of its own: `num_nans_in_logits` of nearly
+/// every output. (Small ints are immortal in 3.12+ and never freed before.)
+static ZERO: std::sync::atomic::AtomicPtr<ffi::PyObject> =
+    std::sync::atomic::AtomicPtr::new(ptr::null_mut());
+
+#[inline]
+fn zero_ptr() -> *mut ffi::PyObject {
+    ZERO.load(std::sync::atomic::Ordering::Relaxed)
+}
+
+/// Releases a field's reference (None and 0 fields hold none).
 #[inline]
 unsafe fn release(p: *mut ffi::PyObject) {
-    if !p.is_null() && p != none_ptr() {
+    if !p.is_null() && p != none_ptr() && p != zero_ptr() {
         // SAFETY: per the caller, `p` is an owned reference.
         unsafe { ffi::Py_DECREF(p) }
     }
@@ -236,7 +247,7 @@ pub struct OutputValues<'py> {
     pub trace_headers: Option<Bound<'py, PyAny>>,
     pub prefill_stats: Option<Bound<'py, PyAny>>,
     pub routed_experts: Option<Bound<'py, PyAny>>,
-    pub num_nans_in_logits: Bound<'py, PyAny>,
+    pub num_nans_in_logits: i128,
 }
 
 /// Memory layout of an `EngineCoreOutput` instance.
@@ -330,8 +341,18 @@ pub fn new_output<'py>(py: Python<'py>, v: OutputValues<'py>) -> PyResult<Bound<
     };
     // SAFETY: a fresh OutputObject-sized allocation of the output type; every field is
     // written before the object is handed out, and the dealloc function releases them.
+    let num_nans_in_logits = match v.num_nans_in_logits {
+        0 if !zero_ptr().is_null() => zero_ptr(),
+        n => int_object(py, n)?.into_ptr(),
+    };
     unsafe {
-        let obj = alloc_output(py, ty)?;
+        let obj = match alloc_output(py, ty) {
+            Ok(obj) => obj,
+            Err(e) => {
+                release(num_nans_in_logits);
+                return Err(e);
+            }
+        };
         let o = obj.cast::<OutputObject>();
         let fields = [
             v.request_id.into_ptr(),
@@ -346,7 +367,7 @@ pub fn new_output<'py>(py: Python<'py>, v: OutputValues<'py>) -> PyResult<Bound<
             store(v.trace_headers),
             store(v.prefill_stats),
             store(v.routed_experts),
-            v.num_nans_in_logits.into_ptr(),
+            num_nans_in_logits,
         ];
         ptr::addr_of_mut!((*o).fields).write(fields);
         Ok(Bound::from_owned_ptr(py, obj))
@@ -580,6 +601,11 @@ fn getset(name: &'static CStr, get: ffi::getter, doc: &'static CStr) -> ffi::PyG
 /// Creates the two types and adds them to the module.
 pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     let py = m.py();
+    if zero_ptr().is_null() {
+        // Kept for the life of the process (this reference is never released).
+        let zero = 0i32.into_pyobject(py)?.into_any().into_ptr();
+        ZERO.store(zero, std::sync::atomic::Ordering::Relaxed);
+    }
     let output = OUTPUT_TYPE.get_or_try_init(py, || {
         make_type(
             py,
