@@ -14,6 +14,9 @@ timed is the receiving side, in this process:
   a dict of utility futures keyed by ``uuid1().int >> 64``, ``asyncio.Queue``.
 - ``raw``: ``await recv_multipart(copy=False)`` on a pyzmq asyncio socket and nothing
   else: no decoding, no queue. The ceiling of a plain asyncio receive.
+- ``d+t`` (for reference): the client's decoder decoding the same frame and the consumer
+  touching it, in a tight loop without any I/O: what every frame costs at least, so
+  ``corewire - d+t`` is what the client's receive, dispatch and queue add.
 
 1. Stream throughput at batch 1, 32, 256 and 1024: µs per frame (best of the trials)
    with the consumer touching every output (``request_id``, ``new_token_ids``,
@@ -45,7 +48,7 @@ import zmq.asyncio
 
 from corewire.client import AsyncMPClient
 from corewire.codec import Encoder, MsgspecDecoder
-from corewire.engine.replay import run_replay_engine
+from corewire.engine.replay import replay_frame, run_replay_engine
 from corewire.protocol import ENGINE_CORE_DEAD, EngineCoreOutputs, EngineCoreRequestType
 
 REPLAY = "corewire.engine.replay:run_replay_engine"
@@ -225,6 +228,19 @@ async def stream_trial(variant: Any, batch: int, count: int) -> tuple[float, int
     return time.perf_counter() - start, checksum
 
 
+def decode_touch_us(decoder: Any, batch: int, count: int, trials: int) -> float:
+    """µs per frame to decode one replay frame and touch its outputs, without I/O."""
+    frames = [zmq.Frame(replay_frame(batch))]
+    decode = decoder.decode
+    best = float("inf")
+    for _ in range(trials):
+        start = time.perf_counter()
+        for _ in range(count):
+            touch(decode(frames))
+        best = min(best, time.perf_counter() - start)
+    return best / count * 1e6
+
+
 async def utility_rate(variant: Any, calls: int, concurrency: int) -> float:
     """Utility round trips per second."""
     start = time.perf_counter()
@@ -272,7 +288,7 @@ async def run(quick: bool, trials: int) -> int:
         print()
         print("1. stream: µs per frame received + every output touched (lower is better)")
         header = (
-            f"{'gc':<8}{'batch':>6}{'raw':>10}{'baseline':>11}{'corewire':>11}"
+            f"{'gc':<8}{'batch':>6}{'raw':>10}{'baseline':>11}{'corewire':>11}{'d+t':>9}"
             f"{'Mout/s cw':>11}{'vs baseline':>13}{'of raw':>9}"
         )
         print(header)
@@ -293,10 +309,11 @@ async def run(quick: bool, trials: int) -> int:
                     print(f"!! checksums differ at batch {batch}: {sums}")
                     failures += 1
                 us = {name: best[name] / count * 1e6 for name in variants}
+                us["d+t"] = decode_touch_us(variants["corewire"].decoder, batch, count, trials)
                 results[(mode, batch)] = us
                 print(
                     f"{mode:<8}{batch:>6}{us['raw']:>10.2f}{us['baseline']:>11.2f}"
-                    f"{us['corewire']:>11.2f}{batch / us['corewire']:>11.2f}"
+                    f"{us['corewire']:>11.2f}{us['d+t']:>9.2f}{batch / us['corewire']:>11.2f}"
                     f"{us['baseline'] / us['corewire']:>12.2f}x"
                     f"{us['raw'] / us['corewire'] * 100:>8.0f}%"
                 )
