@@ -73,6 +73,9 @@ pub struct NativeDecoder {
     scratch: Scratch,
 }
 
+/// Frames per message handled without a heap allocation.
+const FEW_FRAMES: usize = 8;
+
 /// Default bound of the request-id intern cache.
 const DEFAULT_INTERN_CAPACITY: usize = 16_384;
 /// Bound of the map-key cache.
@@ -108,19 +111,25 @@ impl NativeDecoder {
     /// `bytes`, `bytearray`, `memoryview` or `zmq.Frame` (a single buffer is the payload).
     fn decode(&mut self, py: Python<'_>, frames: &Bound<'_, PyAny>) -> PyResult<Py<PyAny>> {
         let mut held = acquire_frames(frames).map_err(to_protocol_error)?;
-        let slices: Vec<&[u8]> = held.iter().map(Frame::bytes).collect();
-        // The slices borrow `held`'s memory, not `held` itself: the builder below needs
-        // `held` mutably to create array owners, which never moves or frees that memory.
-        // SAFETY: each slice points at memory pinned by its Frame (bytes object or buffer
-        // export), and `held` outlives `slices` (both dropped at the end of this call).
-        let slices: Vec<&[u8]> = slices
-            .into_iter()
-            .map(|s| unsafe { std::slice::from_raw_parts(s.as_ptr(), s.len()) })
-            .collect();
+        // The frames' bytes for the core, on the stack for the usual few frames. They
+        // borrow the frames' memory, not `held` itself: the builder below needs `held`
+        // mutably to create array owners, which never moves or frees that memory.
+        // SAFETY (`detach`): `held` is declared first, so it outlives the slices.
+        let mut few: [&[u8]; FEW_FRAMES] = [&[]; FEW_FRAMES];
+        let many: Vec<&[u8]>;
+        let slices: &[&[u8]] = if held.len() <= FEW_FRAMES {
+            for (slot, frame) in few.iter_mut().zip(&held) {
+                *slot = unsafe { detach(frame) };
+            }
+            &few[..held.len()]
+        } else {
+            many = held.iter().map(|f| unsafe { detach(f) }).collect();
+            &many
+        };
         let mut builder = PyBuilder::new(py, self.consts, &mut self.state, &mut held);
         let scratch = &mut self.scratch;
         let result = catch_unwind(AssertUnwindSafe(|| {
-            decode_outputs(&slices, &mut builder, scratch)
+            decode_outputs(slices, &mut builder, scratch)
         }));
         match result {
             Ok(Ok(obj)) => Ok(obj.unbind()),
@@ -172,6 +181,18 @@ fn collect<'py>(
         out.push(Frame::acquire(i, &obj)?);
     }
     Ok(out)
+}
+
+/// A frame's bytes, borrowed from the memory the frame pins rather than from the
+/// `Frame` value itself (which the builder needs mutably while the slices are in use).
+///
+/// # Safety
+/// The caller must not use the slice after the `Frame` is dropped.
+unsafe fn detach<'b>(frame: &Frame<'_>) -> &'b [u8] {
+    let b = frame.bytes();
+    // SAFETY: the memory is pinned by the Frame (bytes object or buffer export) for as
+    // long as it lives, whatever happens to the Frame value's borrows.
+    unsafe { std::slice::from_raw_parts(b.as_ptr(), b.len()) }
 }
 
 #[cold]
