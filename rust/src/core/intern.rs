@@ -281,31 +281,28 @@ pub struct FrameOrder<V> {
 
 struct Order<V> {
     keys: Vec<u8>,
-    /// End offset of each key in `keys`.
-    ends: Vec<usize>,
-    /// Values, taken out when matched (each value lives in one place).
-    values: Vec<Option<V>>,
+    /// Per id: where its key starts and ends in `keys`, and its value (taken out when
+    /// matched: each value lives in one place).
+    entries: Vec<(u32, u32, Option<V>)>,
 }
 
 impl<V> Order<V> {
     fn new() -> Self {
         Order {
             keys: Vec::new(),
-            ends: Vec::new(),
-            values: Vec::new(),
+            entries: Vec::new(),
         }
     }
 
     fn clear(&mut self) {
         self.keys.clear();
-        self.ends.clear();
-        self.values.clear();
+        self.entries.clear();
     }
 
     #[inline]
     fn key(&self, i: usize) -> &[u8] {
-        let start = if i == 0 { 0 } else { self.ends[i - 1] };
-        &self.keys[start..self.ends[i]]
+        let (start, end, _) = self.entries[i];
+        &self.keys[start as usize..end as usize]
     }
 }
 
@@ -332,11 +329,11 @@ impl<V> FrameOrder<V> {
     /// a request that finished); the caller records it again with [`FrameOrder::push`].
     #[inline]
     pub fn take_predicted(&mut self, key: &[u8]) -> Option<V> {
-        let n = self.prev.ends.len();
+        let n = self.prev.entries.len();
         let mut i = self.cursor;
         while i < n && i <= self.cursor + 1 {
             if same_bytes(self.prev.key(i), key) {
-                if let Some(v) = self.prev.values[i].take() {
+                if let Some(v) = self.prev.entries[i].2.take() {
                     self.cursor = i + 1;
                     return Some(v);
                 }
@@ -346,22 +343,29 @@ impl<V> FrameOrder<V> {
         None
     }
 
-    /// Records `key` as the next id of this message.
+    /// Records `key` as the next id of this message (keys of 4 GiB and more are not
+    /// recorded: they are never predicted).
     #[inline]
     pub fn push(&mut self, key: &[u8], value: V) {
+        let start = self.cur.keys.len();
+        let end = start + key.len();
+        if end > u32::MAX as usize {
+            return;
+        }
         self.cur.keys.extend_from_slice(key);
-        self.cur.ends.push(self.cur.keys.len());
-        self.cur.values.push(Some(value));
+        self.cur
+            .entries
+            .push((start as u32, end as u32, Some(value)));
     }
 
     /// After a miss: resume predicting after `key`'s place in the last message, if it
     /// is there (requests that joined in between shift the order).
     pub fn resync(&mut self, key: &[u8]) {
-        let n = self.prev.ends.len();
+        let n = self.prev.entries.len();
         // Look a short way ahead only: a far jump is better left to the hash table.
         for i in self.cursor..n.min(self.cursor + 8) {
             if same_bytes(self.prev.key(i), key) {
-                self.prev.values[i] = None;
+                self.prev.entries[i].2 = None;
                 self.cursor = i + 1;
                 return;
             }
@@ -370,21 +374,21 @@ impl<V> FrameOrder<V> {
 
     /// Every id held (recorded for this message, or predicted and not matched yet).
     pub fn keys(&self) -> impl Iterator<Item = &[u8]> {
-        let prev = (0..self.prev.ends.len())
-            .filter(|&i| self.prev.values[i].is_some())
+        let prev = (0..self.prev.entries.len())
+            .filter(|&i| self.prev.entries[i].2.is_some())
             .map(|i| self.prev.key(i));
-        let cur = (0..self.cur.ends.len()).map(|i| self.cur.key(i));
+        let cur = (0..self.cur.entries.len()).map(|i| self.cur.key(i));
         prev.chain(cur)
     }
 
     /// Ids recorded for the current message.
     pub fn len(&self) -> usize {
-        self.cur.ends.len()
+        self.cur.entries.len()
     }
 
     /// Whether no id was recorded for the current message.
     pub fn is_empty(&self) -> bool {
-        self.cur.ends.is_empty()
+        self.cur.entries.is_empty()
     }
 }
 
