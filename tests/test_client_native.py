@@ -9,9 +9,9 @@ import weakref
 import numpy as np
 import pytest
 import zmq
-from corewire._native import CallRegistry, SendTracker
 
 from corewire import EngineDeadError
+from corewire._native import CallRegistry, SendTracker
 
 
 def test_registry_ids_are_unique_and_pop_returns_the_future() -> None:
