@@ -557,13 +557,18 @@ def test_sigterm_stops_cleanly_and_outputs_follow_client_index(tmp_path: Path) -
         fe.close()
 
 
-def test_slow_reader_gets_every_large_frame_intact(tmp_path: Path) -> None:
+@pytest.mark.parametrize("tensor_elems", [1 << 18, 1024], ids=["big-aux", "small-aux"])
+def test_slow_reader_gets_every_large_frame_intact(tmp_path: Path, tensor_elems: int) -> None:
     # The receiver holds at most one message, so ZeroMQ on the engine side keeps the
-    # others (and the engine's encode buffers) while the engine keeps producing.
+    # others (and the engine's encode buffers) while the engine keeps producing. With a
+    # small aux frame (below ZeroMQ's copy threshold, so copied), the last frame's tracker
+    # says nothing about the large payload before it.
     fe = FrontEnd(tmp_path, "slow", rcvhwm=1)
     count = 32
     try:
-        fe.start_engine("engine_support:BigPayloadEngine", {"count": count})
+        fe.start_engine(
+            "engine_support:BigPayloadEngine", {"count": count, "tensor_elems": tensor_elems}
+        )
         fe.wait_ready()
         fe.add(EngineCoreRequest(request_id="big", prompt_token_ids=[1]))
         time.sleep(0.5)  # let the engine run ahead of the reader
@@ -574,7 +579,7 @@ def test_slow_reader_gets_every_large_frame_intact(tmp_path: Path) -> None:
             base = (i + 1) * 1_000_000
             assert out.new_token_ids == list(range(base, base + 20_000)), f"message {i}"
             tensor = out.pooling_output
-            assert tensor.shape == (1 << 18,)
+            assert tensor.shape == (tensor_elems,)
             assert bool((tensor == i).all()), f"tensor of message {i}"
             assert out.finish_reason == (FinishReason.LENGTH if i == count - 1 else None)
             time.sleep(0.01)

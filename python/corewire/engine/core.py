@@ -586,6 +586,7 @@ class EngineCoreProc:
         )
         num_clients = len(self.output_addresses)
         get = self.output_queue.get
+        SNDMORE = zmq.SNDMORE
         while True:
             item = get()
             if item is _STOP:
@@ -605,7 +606,13 @@ class EngineCoreProc:
                     free.append(buf)
             buf = free.pop() if free else bytearray()
             frames = encoder.encode_into(message, buf)
-            tracker = sock.send_multipart(frames, copy=False, track=True)
+            # The payload's own tracker decides when `buf` is free again: the one
+            # send_multipart returns belongs to the last frame, which for a small aux
+            # frame (copied) is done at once while ZeroMQ still holds the payload.
+            last = len(frames) - 1
+            tracker = sock.send(buf, SNDMORE if last else 0, copy=False, track=True)
+            for i in range(1, last + 1):
+                sock.send(frames[i], SNDMORE if i < last else 0, copy=False)
             if not isinstance(tracker, zmq.MessageTracker) or tracker.done:
                 free.append(buf)
             else:
