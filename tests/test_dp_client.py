@@ -18,7 +18,7 @@ import pytest
 from corewire import DPAsyncMPClient, DPLBAsyncMPClient, EngineDeadError, UtilityError
 from corewire.client.dp import DPConsensusError
 from corewire.protocol import FinishReason
-from dp_support import LIGHT, collect_finished, request, wait_until
+from dp_support import LIGHT, EnginePeer, Sockets, collect_finished, request, wait_until
 
 
 async def engine_states(client: DPAsyncMPClient) -> list[dict]:
@@ -217,12 +217,56 @@ async def test_coordinator_death_kills_the_client() -> None:
     try:
         assert await client.call_utility_async("echo", 7) == 7
         pending = asyncio.ensure_future(client.call_utility_async("delayed_echo", 1, 60.0))
-        await asyncio.sleep(0.05)
         assert client.coordinator_pid is not None
+        # A frozen coordinator never publishes the new size a scaling step waits for:
+        # its death must end that wait too, not the step's 30 s timeout.
+        os.kill(client.coordinator_pid, signal.SIGSTOP)
+        resize = asyncio.ensure_future(client._tell_coordinator_size(2))
+        await asyncio.sleep(0.2)
+        assert not resize.done()
         os.kill(client.coordinator_pid, signal.SIGKILL)
+        killed_at = time.monotonic()
         with pytest.raises(EngineDeadError, match="coordinator"):
             await asyncio.wait_for(pending, 5)
+        with pytest.raises(EngineDeadError, match="coordinator"):
+            await asyncio.wait_for(resize, 5)
+        assert time.monotonic() - killed_at < 2.0
     finally:
+        client.shutdown()
+
+
+class _CountsProbe(DPAsyncMPClient):
+    """Records every publication the stats task applies (the whole group's counts)."""
+
+    seen: list[list[list[int]]]
+
+    def _apply_stats(self, counts: list[list[int]], wave: int, running: bool) -> None:
+        super()._apply_stats(counts, wave, running)
+        self.seen.append(counts)
+
+
+async def test_stats_task_survives_a_notice_sent_while_a_publication_waits() -> None:
+    # ZeroMQ's descriptor is edge-triggered: a send on the stats socket that bypasses
+    # pyzmq's asyncio layer can swallow the wake-up of a publication already queued, and
+    # the stats task then never wakes again (stale counts, waves, and scaling stuck).
+    client = _CountsProbe(data_parallel_size=2, data_parallel_rank=0, engine_args=LIGHT)
+    client.seen = []
+    sockets = Sockets()
+    try:
+        client._ensure_stats_update_task()
+        await wait_until(lambda: client.seen, what="the first publication")
+        assert not client.engines_running
+        peer = EnginePeer(sockets, client.coordinator_addresses, 1)  # engine 1 is ours
+        peer.report(waiting=5, running=0)
+        time.sleep(0.5)  # blocks the loop: the publication arrives meanwhile
+        # The group is paused: this sends the first-request notice on the same socket.
+        await client.add_request_async(request("r", max_tokens=2))
+        await wait_until(lambda: client.seen[-1][1] == [5, 0], timeout=5, what="[5, 0]")
+        peer.report(waiting=2, running=0)
+        await wait_until(lambda: client.seen[-1][1] == [2, 0], timeout=5, what="[2, 0]")
+        await collect_finished(client, ["r"])
+    finally:
+        sockets.close()
         client.shutdown()
 
 

@@ -36,7 +36,6 @@ holding an authorized key can connect. ``data_parallel_size_local`` engines (ind
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import weakref
 from collections.abc import Sequence
@@ -151,7 +150,6 @@ class DPAsyncMPClient(AsyncMPClient):
         #: ``[waiting, running]`` per engine this front-end routes to, from the coordinator.
         self.lb_engines: list[list[int]] = [[0, 0] for _ in engine_indices]
         self._stats_socket: Any = None
-        self._stats_raw: Any = None
         self._stats_task: asyncio.Task[None] | None = None
         self._stats_waiters: list[tuple[int, asyncio.Future[None]]] = []
         self._notice_encoder = msgspec.msgpack.Encoder()
@@ -223,9 +221,7 @@ class DPAsyncMPClient(AsyncMPClient):
         sock.setsockopt(zmq.LINGER, 0)
         sock.connect(self.coordinator_addresses.front_publish)
         self._stats_socket = sock
-        # Notices go out on a blocking view of the same socket, from this loop's thread.
-        self._stats_raw = zmq.Socket.shadow(sock.underlying)
-        self._stats_raw.send(b"\x01")  # subscribe to everything
+        self._send_to_coordinator(b"\x01")  # subscribe to everything
         self._stats_task = task = loop.create_task(
             _stats_update_loop(weakref.ref(self), resources, sock),
             name="corewire-dp-stats-task",
@@ -241,23 +237,40 @@ class DPAsyncMPClient(AsyncMPClient):
             if len(counts) == size and not waiter.done():
                 waiter.set_result(None)
 
+    def _send_to_coordinator(self, payload: bytes) -> None:
+        """Queue ``payload`` for the coordinator on the stats socket (loop thread).
+
+        Through the asyncio socket, never a raw view of it: a raw send may consume the
+        edge of ZeroMQ's descriptor that the stats task's pending receive waits for,
+        and that receive would then never wake again.
+        """
+        sent = self._stats_socket.send(payload, zmq.NOBLOCK)  # done at once (NOBLOCK)
+        if sent.done() and not sent.cancelled() and sent.exception() is not None:
+            logger.debug("message to the DP coordinator dropped: %s", sent.exception())
+
     def _send_first_request_notice(self, engine_index: int) -> None:
         # Assume running until the coordinator says otherwise: one notice per pause.
         self.engines_running = True
-        with contextlib.suppress(zmq.ZMQError):
-            self._stats_raw.send(
-                self._notice_encoder.encode([engine_index, self.current_wave]), zmq.NOBLOCK
-            )
+        self._send_to_coordinator(self._notice_encoder.encode([engine_index, self.current_wave]))
 
     async def _tell_coordinator_size(self, size: int) -> None:
-        """Send ``["scale", size]`` and wait until the coordinator publishes ``size``."""
+        """Send ``["scale", size]`` and wait until the coordinator publishes ``size``;
+        raises :class:`~corewire.EngineDeadError` as soon as the group dies."""
+        self.ensure_alive()
         self._ensure_stats_update_task()
-        waiter = asyncio.get_running_loop().create_future()
+        loop = asyncio.get_running_loop()
+        waiter = loop.create_future()
         entry = (size, waiter)
         self._stats_waiters.append(entry)
         try:
-            self._stats_raw.send(self._notice_encoder.encode(["scale", size]))
-            await asyncio.wait_for(waiter, SCALE_STEP_TIMEOUT_S)
+            self._send_to_coordinator(self._notice_encoder.encode(["scale", size]))
+            deadline = loop.time() + SCALE_STEP_TIMEOUT_S
+            # Nothing completes this waiter when the group dies: look every half second.
+            while not waiter.done():
+                self.ensure_alive()
+                if loop.time() > deadline:
+                    raise TimeoutError(f"the DP coordinator did not adopt size {size}")
+                await asyncio.wait((waiter,), timeout=0.5)
         finally:
             self._stats_waiters.remove(entry)
 
@@ -283,8 +296,11 @@ class DPAsyncMPClient(AsyncMPClient):
             self._ensure_stats_update_task()
         request.client_index = self.client_index
         request.current_wave = self.current_wave
+        # Encoded before routing: a request that cannot be encoded must not count as in
+        # flight on an engine (that count would never come down).
+        frames = self.encoder.encode(request)
         engine = self.get_core_engine_for_request(request)
-        self._send_message(engine, _ADD, self.encoder.encode(request), request)
+        self._send_message(engine, _ADD, frames, request)
         if not self.engines_running:
             self._send_first_request_notice(int.from_bytes(engine, "little"))
         if self.resources.output_task is None:
@@ -329,6 +345,14 @@ class DPLBAsyncMPClient(DPAsyncMPClient):
     """
 
     def __init__(self, *, data_parallel_size: int = 1, **kwargs: Any) -> None:
+        indices = kwargs.get("engine_indices")
+        if indices is not None and list(indices) != list(range(data_parallel_size)):
+            # The router's choices are positions in core_engines, and scaling adds and
+            # removes engines at the end: the group must be 0 .. size-1, in order.
+            raise ValueError(
+                f"DPLBAsyncMPClient drives engines 0..{data_parallel_size - 1}, "
+                f"got engine_indices={list(indices)}"
+            )
         # Engines report finished and aborted ids: reqs_in_flight is cleaned from them.
         kwargs.setdefault("include_finished_set", True)
         #: Request id -> index of the engine holding it (for aborts).
