@@ -500,8 +500,6 @@ class _Config(msgspec.Struct, array_like=True):  # type: ignore[call-arg]
     addresses: list[str | None]
     parent_pid: int
     curve_server_dir: str | None = None
-    #: Public keys (z85) accepted besides the server directory's authorized clients.
-    extra_authorized: list[str] = []
 
 
 def _child_main() -> int:
@@ -587,7 +585,7 @@ class DPCoordinator:
 
     With ``addresses`` None it listens on ``ipc://`` endpoints in a private directory of
     its own; ``remote`` adds ``(stats, publish)`` ``tcp://`` endpoints for engines on other
-    hosts, behind CURVE (``curve_server_dir``, plus the ``extra_authorized`` public keys).
+    hosts, behind CURVE (``curve_server_dir``: its authorized client keys get in).
     ``shutdown()`` stops it and is idempotent; a finalizer does the same when the owner is
     collected, and the process exits by itself when this process dies.
 
@@ -603,7 +601,6 @@ class DPCoordinator:
         *,
         remote: tuple[str, str] | None = None,
         curve_server_dir: str | os.PathLike[str] | None = None,
-        extra_authorized: frozenset[bytes] = frozenset(),
         startup_timeout: float = 30.0,
     ) -> None:
         directory = None
@@ -624,7 +621,6 @@ class DPCoordinator:
             addresses=addresses.to_wire(),
             parent_pid=os.getpid(),
             curve_server_dir=os.fspath(curve_server_dir) if curve_server_dir else None,
-            extra_authorized=sorted(k.decode() for k in extra_authorized),
         )
         payload = msgspec.msgpack.encode(config)
         proc = subprocess.Popen(
