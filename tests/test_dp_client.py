@@ -111,6 +111,14 @@ async def test_request_anywhere_wakes_the_paused_group() -> None:
 async def test_aborts_reach_the_engine_holding_the_request() -> None:
     client = DPLBAsyncMPClient(data_parallel_size=2, engine_args={**LIGHT, "step_delay": 0.01})
     try:
+        # A request that cannot be sent (here: unencodable) never counts as in flight.
+        broken = request("broken")
+        broken.prompt_token_ids = [object()]  # type: ignore[list-item]
+        with pytest.raises(TypeError, match="cannot encode"):
+            await client.add_request_async(broken)
+        with pytest.raises(ValueError, match="out of range"):
+            await client.add_request_async(request("bad-rank", rank=2))
+        assert not client.reqs_in_flight and client.router.in_flight() == [0, 0]
         pinned = {f"on0-{i}": 0 for i in range(3)} | {f"on1-{i}": 1 for i in range(3)}
         for rid, rank in pinned.items():
             await client.add_request_async(request(rid, max_tokens=1000, rank=rank))

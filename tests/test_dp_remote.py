@@ -77,6 +77,11 @@ def test_non_loopback_address_without_keys_is_refused() -> None:
         DPLBAsyncMPClient(data_parallel_size=1, data_parallel_address="tcp://10.1.2.3:5555")
     with pytest.raises(ValueError, match="data_parallel_address"):
         DPLBAsyncMPClient(data_parallel_size=2, data_parallel_size_local=1)
+    # The load balancer routes over positions 0..N-1: any other set would misroute.
+    with pytest.raises(ValueError, match="engine_indices"):
+        DPLBAsyncMPClient(data_parallel_size=2, engine_indices=[0])
+    with pytest.raises(ValueError, match="engine_indices"):
+        DPLBAsyncMPClient(data_parallel_size=2, engine_indices=[1, 0])
 
 
 def test_engine_cli_refuses_a_remote_host_without_keys() -> None:
