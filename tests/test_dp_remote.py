@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from corewire import DPLBAsyncMPClient
+from corewire import DPAsyncMPClient, DPLBAsyncMPClient
 from corewire.coordinator import TcpEndpoints
 from dp_support import LIGHT, collect_finished, free_port_block, request, run_keygen
 
@@ -77,6 +77,10 @@ def test_non_loopback_address_without_keys_is_refused() -> None:
         DPLBAsyncMPClient(data_parallel_size=1, data_parallel_address="tcp://10.1.2.3:5555")
     with pytest.raises(ValueError, match="data_parallel_address"):
         DPLBAsyncMPClient(data_parallel_size=2, data_parallel_size_local=1)
+    # client_addresses are bound without CURVE: only loopback ones are accepted.
+    exposed = {"input_address": "tcp://10.1.2.3:5555", "output_address": "tcp://10.1.2.3:5556"}
+    with pytest.raises(ValueError, match="curve_keys"):
+        DPAsyncMPClient(data_parallel_size=1, client_addresses=exposed)
     # The load balancer routes over positions 0..N-1: any other set would misroute.
     with pytest.raises(ValueError, match="engine_indices"):
         DPLBAsyncMPClient(data_parallel_size=2, engine_indices=[0])

@@ -187,6 +187,13 @@ class DPAsyncMPClient(AsyncMPClient):
     # -- setup hooks of MPClient ---------------------------------------------------------
 
     def _make_socket(self, kind: int, address: str, *, asyncio_mode: bool = False) -> Any:
+        if not is_loopback_address(address):
+            # The base class binds ``client_addresses`` plainly: only the TCP endpoints of
+            # data_parallel_address get CURVE, so nothing else may face other hosts.
+            raise ValueError(
+                f"binding {address} exposes the engines to other hosts: use "
+                "data_parallel_address='tcp://HOST:PORT' with curve_keys instead"
+            )
         sock = super()._make_socket(kind, address, asyncio_mode=asyncio_mode)
         if self._tcp is not None and kind in (zmq.ROUTER, zmq.PULL):
             # Local engines use the private ipc endpoint bound above; engines on other
@@ -455,6 +462,8 @@ class DPLBAsyncMPClient(DPAsyncMPClient):
         if self._scale_lock is None:
             self._scale_lock = asyncio.Lock()
         async with self._scale_lock:
+            # Leftovers of a step that failed half-way must not satisfy this step's waits.
+            self._notifications.clear()
             self._ensure_stats_update_task()
             if self.resources.output_task is None:
                 self._ensure_output_queue_task()
