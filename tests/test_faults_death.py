@@ -6,11 +6,13 @@ import asyncio
 import os
 import signal
 import time
+from typing import Any
 
 import pytest
 
 from client_support import REPLAY, SUPPORT, no_leaks, request, wait_pid_gone
-from corewire import AsyncMPClient, EngineDeadError
+from corewire import AsyncMPClient, EngineDeadError, SyncMPClient
+from corewire.client import MPClient
 
 
 async def _consume_until_error(client: AsyncMPClient) -> BaseException:
@@ -164,5 +166,57 @@ async def test_engine_core_dead_frame_fails_pending_calls() -> None:
             await client.call_utility_async("die")
             with pytest.raises(EngineDeadError, match="ENGINE_CORE_DEAD"):
                 await asyncio.wait_for(waiting, 2.0)
+        finally:
+            client.shutdown()
+
+
+def _dies_during_construction(base: type[MPClient]) -> type[MPClient]:
+    """A client class whose engine is SIGKILLed once ready, and whose monitor has marked
+    it dead before the subclass's own ``__init__`` wires up the output queue."""
+
+    class DiesDuringConstruction(base):  # type: ignore[misc, valid-type]
+        def _wait_for_ready(self, identities: Any, timeout: float) -> Any:
+            info = super()._wait_for_ready(identities, timeout)
+            (pid,) = self.engine_pids
+            os.kill(pid, signal.SIGKILL)
+            assert wait_pid_gone(pid, 10)
+            resources = self.resources
+            start_monitor = resources.start_monitor
+
+            def start_and_wait_for_the_death() -> None:
+                start_monitor()
+                deadline = time.monotonic() + 10
+                while not resources.engine_dead and time.monotonic() < deadline:
+                    time.sleep(0.01)
+                assert resources.engine_dead
+
+            resources.start_monitor = start_and_wait_for_the_death  # type: ignore[method-assign]
+            return info
+
+    return DiesDuringConstruction
+
+
+def test_death_during_construction_reaches_the_sync_output_queue() -> None:
+    with no_leaks():
+        client = _dies_during_construction(SyncMPClient)(engine_main=REPLAY)
+        try:
+            assert isinstance(client, SyncMPClient)
+            with pytest.raises(EngineDeadError, match="died unexpectedly"):
+                client.get_output(timeout=5)
+        finally:
+            client.shutdown()
+
+
+def test_death_during_construction_reaches_the_async_output_queue() -> None:
+    with no_leaks():
+        client = _dies_during_construction(AsyncMPClient)(engine_main=REPLAY)
+        try:
+            assert isinstance(client, AsyncMPClient)
+
+            async def first_use() -> None:
+                with pytest.raises(EngineDeadError, match="died unexpectedly"):
+                    await asyncio.wait_for(client.get_output_async(), 5)
+
+            asyncio.run(first_use())
         finally:
             client.shutdown()

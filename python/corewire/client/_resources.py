@@ -73,6 +73,7 @@ class ClientResources:
         #: Called on the owning thread with the death error: wakes queue waiters.
         self.fail_queue: Callable[[BaseException], None] | None = None
         self._closing = threading.Lock()
+        self._threads_lock = threading.Lock()
         self._closed_event = threading.Event()
         self._loop_side_closed = False
         self._monitor: _EngineMonitor | None = None
@@ -108,6 +109,16 @@ class ClientResources:
         if self.fail_queue is not None:
             self.fail_queue(self.dead_error())
 
+    def set_fail_queue(self, fail: Callable[[BaseException], None]) -> None:
+        """Make ``fail`` the output queue's death signal (see :attr:`fail_queue`).
+
+        The monitor starts before a subclass has its queue: a death it recorded in
+        between found no queue to fail, so it is delivered here.
+        """
+        self.fail_queue = fail
+        if self.engine_dead:  # read after the write above: mark_dead sets it first
+            self.run_on_owner(lambda: fail(self.dead_error()))
+
     def run_on_owner(self, fn: Callable[[], None]) -> None:
         """Run ``fn`` on the thread that owns the loop-bound resources."""
         loop = self.loop
@@ -128,14 +139,29 @@ class ClientResources:
 
     def add_thread(self, thread: threading.Thread, stop: Callable[[], None]) -> None:
         """Own a started ``thread``; ``stop()`` must make it end soon."""
-        self.threads.append((thread, stop))
+        with self._threads_lock:
+            self.threads.append((thread, stop))
+
+    def start_thread(self, thread: threading.Thread, stop: Callable[[], None]) -> bool:
+        """Own and start ``thread``; ``stop()`` must make it end soon.
+
+        Once the client is closed (the engine monitor may close it at any moment), the
+        thread is not started, ``stop()`` is called instead, and this returns False.
+        """
+        with self._threads_lock:
+            if not self.closed:
+                self.threads.append((thread, stop))
+                thread.start()
+                return True
+        with contextlib.suppress(Exception):
+            stop()
+        return False
 
     def start_monitor(self) -> None:
         """Watch the engine processes; a death marks the client dead and closes it."""
         if self._monitor is None and self.processes:
             self._monitor = _EngineMonitor(self)
-            self.add_thread(self._monitor.thread, self._monitor.stop)
-            self._monitor.thread.start()
+            self.start_thread(self._monitor.thread, self._monitor.stop)
 
     def processes_changed(self) -> None:
         """Tell the monitor that :attr:`processes` changed (engines added or retired)."""
@@ -172,19 +198,22 @@ class ClientResources:
         if not self.engine_dead:
             self.dead_reason = "The client was shut down."
         self.engine_dead = True
-        self.closed = True
+        with self._threads_lock:  # no thread starts after this
+            self.closed = True
+            threads = list(self.threads)
         # Threads first: a sync client's output thread polls the output socket, which
         # must not be closed under it.
         current = threading.current_thread()
-        for _, stop in self.threads:
+        for _, stop in threads:
             with contextlib.suppress(Exception):
                 stop()
-        for thread, _ in self.threads:
+        for thread, _ in threads:
             if thread is not current and thread.ident is not None:
                 thread.join(timeout=5.0)
                 if thread.is_alive():
                     logger.warning("thread %s did not stop within 5 s", thread.name)
-        self.threads.clear()
+        with self._threads_lock:
+            self.threads.clear()
         if self._monitor is not None:
             self._monitor.release()
         self.run_on_owner(self._close_loop_side)

@@ -155,7 +155,7 @@ class AsyncMPClient(MPClient):
         self.health_check_interval = health_check_interval
         self.health_check_timeout = health_check_timeout
         self.outputs_queue = OutputQueue()
-        self.resources.fail_queue = self.outputs_queue.set_error
+        self.resources.set_fail_queue(self.outputs_queue.set_error)
         try:
             asyncio.get_running_loop()
         except RuntimeError:

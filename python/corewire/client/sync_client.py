@@ -39,7 +39,7 @@ class SyncMPClient(MPClient):
         super().__init__(asyncio_mode=False, **kwargs)
         self.outputs_queue: queue.Queue[Any] = queue.Queue()
         resources = self.resources
-        resources.fail_queue = self.outputs_queue.put_nowait
+        resources.set_fail_queue(self.outputs_queue.put_nowait)
         wake_r, wake_w = os.pipe()
         thread = threading.Thread(
             target=_output_thread,
@@ -53,8 +53,8 @@ class SyncMPClient(MPClient):
             with contextlib.suppress(OSError):
                 os.close(wake_w)
 
-        resources.add_thread(thread, stop)
-        thread.start()
+        if not resources.start_thread(thread, stop):
+            os.close(wake_r)  # the engine died during construction: no thread to close it
 
     def get_output(self, timeout: float | None = None) -> EngineCoreOutputs:
         """The next batch of outputs, blocking; raises :class:`EngineDeadError` once the
