@@ -6,10 +6,13 @@ import asyncio
 import gc
 import multiprocessing
 import os
+import signal
 import tempfile
+import time
 import weakref
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 import uvloop
@@ -148,6 +151,35 @@ async def test_zero_copy_tensors_stay_alive_until_sent() -> None:
                 if not len(client.resources.tracker):
                     break
                 await asyncio.sleep(0.01)
+            assert len(client.resources.tracker) == 0
+        finally:
+            client.shutdown()
+
+
+async def test_send_tracker_holds_a_message_until_zeromq_sent_every_frame() -> None:
+    # A large aux frame goes out zero-copy; a small last one is copied, so its own
+    # tracker is done at once. The message must stay tracked while the engine (stopped)
+    # cannot take the large frame.
+    with no_leaks():
+        client = AsyncMPClient(engine_main=REPLAY)
+        (pid,) = client.engine_pids
+        try:
+            big = np.ones(8 << 20, dtype=np.uint8)
+            small = np.ones(4096, dtype=np.uint8)
+            os.kill(pid, signal.SIGSTOP)
+            try:
+                call = asyncio.ensure_future(client.call_utility_async("sizes", big, small))
+                await asyncio.sleep(0.2)  # sent; ZeroMQ holds what the engine cannot take
+                client.resources.tracker.reap()
+                assert len(client.resources.tracker) == 1
+            finally:
+                os.kill(pid, signal.SIGCONT)
+            with pytest.raises(UtilityError, match="no such method"):
+                await asyncio.wait_for(call, 30)
+            deadline = time.monotonic() + 30
+            while len(client.resources.tracker) and time.monotonic() < deadline:
+                await asyncio.sleep(0.01)
+                client.resources.tracker.reap()
             assert len(client.resources.tracker) == 0
         finally:
             client.shutdown()

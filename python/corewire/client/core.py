@@ -294,15 +294,20 @@ class MPClient:
         pending = resources.tracker
         if len(pending):
             pending.reap()  # release finished sends' tensors now, not at the next big send
-        sock = self.input_socket
-        if len(frames) == 1:
-            # Three plain sends cost a third of one send_multipart (no per-part checks).
-            send = sock.send
-            send(engine, zmq.SNDMORE)
-            send(request_type, zmq.SNDMORE)
+        # Plain sends cost a third of one send_multipart (no per-part checks).
+        send = self.input_socket.send
+        send(engine, zmq.SNDMORE)
+        send(request_type, zmq.SNDMORE)
+        last = len(frames) - 1
+        if not last:
             send(frames[0], copy=False)
             return
-        tracker = sock.send_multipart((engine, request_type, *frames), copy=False, track=True)
+        for i in range(last):
+            send(frames[i], zmq.SNDMORE, copy=False)
+        # ZeroMQ frees a message's parts in order, so the last part's tracker covers them
+        # all, but only if that part is not copied: pyzmq copies parts under its copy
+        # threshold, whose trackers are done at once. An explicit zero-copy Frame is not.
+        tracker = send(zmq.Frame(frames[last], copy=False, track=True), copy=False, track=True)
         pending.track(tracker, keep)
 
 
