@@ -314,6 +314,11 @@ async def test_scale_2_to_3_to_1_under_load_loses_no_request() -> None:
             timeout=30,
             what="a request served by the new engine",
         )
+        # Long requests held by the engines about to go: they must end as ABORT.
+        doomed = [f"doomed-{i}" for i in range(4)]
+        for i, rid in enumerate(doomed):
+            await client.add_request_async(request(rid, max_tokens=100_000, rank=1 + i % 2))
+        sent += doomed
         await client.scale_elastic_ep(1)
         assert len(client.core_engines) == 1 and len(client.engine_pids) == 1
         assert len(client.lb_engines) == 1 and client.router.num_engines == 1
@@ -324,6 +329,7 @@ async def test_scale_2_to_3_to_1_under_load_loses_no_request() -> None:
         reasons = Counter(reason for reason, _ in done.values())
         assert set(reasons) <= {FinishReason.LENGTH, FinishReason.ABORT}
         assert reasons[FinishReason.LENGTH] > 0
+        assert all(done[rid][0] == FinishReason.ABORT for rid in doomed)
         assert not client.reqs_in_flight
     finally:
         stop.set()
@@ -344,7 +350,11 @@ async def test_external_lb_front_ends_share_one_coordinator() -> None:
             engine_args=LIGHT,
         )
         assert other.coordinator_pid is None and len(other.engine_pids) == 1
+        # The stats task starts with the first request, not before.
+        assert head._stats_task is None
         await head.add_request_async(request("a", max_tokens=3))
+        assert head._stats_task is not None
+        assert head._stats_task.get_name() == "corewire-dp-stats-task"
         await other.add_request_async(request("b", max_tokens=3))
         assert (await collect_finished(head, ["a"]))["a"].engine_index == 0
         assert (await collect_finished(other, ["b"]))["b"].engine_index == 1
