@@ -31,3 +31,17 @@ def test_demo_prints_throughput_and_latency_percentiles(capsys: pytest.CaptureFi
 def test_demo_rejects_bad_arguments(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["demo", "--requests", "0"]) == 2
     assert "--requests must be at least 1" in capsys.readouterr().err
+
+
+@pytest.mark.timeout(120)
+def test_demo_reports_an_engine_that_dies(capsys: pytest.CaptureFixture[str]) -> None:
+    # The engine dies with requests in flight: the demo says so and fails, without hanging
+    # on the requests that will never finish.
+    with no_leaks(grace=15):
+        status = main(
+            ["demo", "--engine", "client_support:FailingEngine", "--engine-args",
+             '{"fail_after": 2}', "--requests", "8", "--concurrency", "4", "--max-tokens",
+             "50", "--no-progress"]
+        )  # fmt: skip
+    assert status == 1
+    assert "engine core died" in capsys.readouterr().err.lower()

@@ -17,6 +17,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from corewire.errors import EngineDeadError
+
 __all__ = ["add_arguments", "run"]
 
 
@@ -144,9 +146,9 @@ async def _demo(args: argparse.Namespace) -> dict[str, Any]:
                 await stream.done
 
         t0 = time.perf_counter()
-        dispatcher = asyncio.ensure_future(dispatch())
-        await asyncio.gather(*(one(i) for i in range(args.requests)))
-        await dispatcher
+        # The dispatcher is gathered too: when the engine dies it raises at once, while
+        # the requests would wait for outputs that never come.
+        await asyncio.gather(dispatch(), *(one(i) for i in range(args.requests)))
         elapsed = time.perf_counter() - t0
         progress.update(finished, tokens, force=True)
         progress.close()
@@ -177,12 +179,16 @@ def run(args: argparse.Namespace) -> int:
     if args.prompt_len < 1:
         print("corewire demo: --prompt-len must be at least 1", file=sys.stderr)
         return 2
-    if args.uvloop:
-        import uvloop
+    try:
+        if args.uvloop:
+            import uvloop
 
-        result = uvloop.run(_demo(args))
-    else:
-        result = asyncio.run(_demo(args))
+            result = uvloop.run(_demo(args))
+        else:
+            result = asyncio.run(_demo(args))
+    except EngineDeadError as exc:
+        print(f"corewire demo: the engine core died: {exc}", file=sys.stderr)
+        return 1
     engine = args.engine or "reference engine"
     print(
         f"corewire demo: {result['requests']} requests x {args.max_tokens} tokens, "
