@@ -302,6 +302,102 @@ def test_uvloop() -> None:
         uvloop.run(main())
 
 
+async def test_output_task_starts_at_construction_in_a_loop_once() -> None:
+    with no_leaks():
+        client = AsyncMPClient(engine_main=REPLAY)
+        try:
+            task = client.resources.output_task
+            assert task is not None and not task.done()
+            assert client.resources.loop is asyncio.get_running_loop()
+            client._ensure_output_queue_task()
+            assert await client.call_utility_async("echo", 1) == 1
+            await client.add_request_async(request("once", max_tokens=1))
+            assert await collect(client, 1) == {"once": [1]}
+            assert client.resources.output_task is task
+            names = [t.get_name() for t in asyncio.all_tasks()]
+            assert names.count("corewire-output-task") == 1
+        finally:
+            client.shutdown()
+
+
+async def test_cancelled_output_task_puts_engine_dead_in_the_queue() -> None:
+    with no_leaks():
+        client = AsyncMPClient(engine_main=REPLAY)
+        try:
+            waiting = asyncio.ensure_future(client.get_output_async())
+            await asyncio.sleep(0.05)
+            task = client.resources.output_task
+            assert task is not None
+            task.cancel()
+            with pytest.raises(EngineDeadError):
+                await asyncio.wait_for(waiting, 5)
+            with pytest.raises(EngineDeadError):  # and every later caller
+                await asyncio.wait_for(client.get_output_async(), 5)
+        finally:
+            client.shutdown()
+
+
+class RaisingHookClient(AsyncMPClient):
+    """``process_engine_outputs`` raises on the first outputs (an async variant below)."""
+
+    def process_engine_outputs(self, outputs: EngineCoreOutputs) -> None:  # type: ignore[override]
+        raise RuntimeError("hook failed (on purpose)")
+
+
+class AsyncRaisingHookClient(AsyncMPClient):
+    async def process_engine_outputs(self, outputs: EngineCoreOutputs) -> None:  # type: ignore[override]
+        raise RuntimeError("hook failed (on purpose)")
+
+
+@pytest.mark.parametrize("cls", [RaisingHookClient, AsyncRaisingHookClient])
+async def test_exception_in_the_output_task_reaches_the_consumer_and_callers(
+    cls: type[AsyncMPClient],
+) -> None:
+    with no_leaks():
+        client = cls(engine_main=SUPPORT)
+        try:
+            await client.add_request_async(request("boom", max_tokens=1))
+            with pytest.raises(EngineDeadError, match=r"output task failed.*hook failed"):
+                await asyncio.wait_for(client.get_output_async(), 10)
+            with pytest.raises(EngineDeadError):
+                await client.call_utility_async("echo", 1)
+        finally:
+            client.shutdown()
+
+
+def test_sigkill_on_uvloop_fails_every_waiter_within_2s() -> None:
+    async def main() -> None:
+        client = AsyncMPClient(engine_main=SUPPORT, engine_args={"step_delay": 0.001})
+        try:
+            (pid,) = client.engine_pids
+            await client.add_request_async(request("k", max_tokens=10**6))
+            await client.get_output_async()
+            call = asyncio.ensure_future(client.call_utility_async("block", 30))
+            consumer = asyncio.ensure_future(_next_error(client))
+            await asyncio.sleep(0.2)
+            os.kill(pid, signal.SIGKILL)
+            _, pending = await asyncio.wait([call, consumer], timeout=2.0)
+            assert not pending
+            assert isinstance(call.exception(), EngineDeadError)
+            assert isinstance(consumer.result(), EngineDeadError)
+        finally:
+            start = time.monotonic()
+            client.shutdown()
+            assert time.monotonic() - start < 5.0
+
+    uvloop.run(asyncio.sleep(0))  # uvloop keeps a process-wide pipe from its first loop on
+    with no_leaks():
+        uvloop.run(main())
+
+
+async def _next_error(client: AsyncMPClient) -> BaseException:
+    while True:
+        try:
+            await client.get_output_async()
+        except BaseException as exc:
+            return exc
+
+
 async def test_shutdown_is_idempotent_and_later_calls_raise() -> None:
     with no_leaks():
         client = AsyncMPClient(engine_main=REPLAY)
@@ -372,12 +468,30 @@ def test_external_engine_via_client_addresses() -> None:
 
 
 async def test_reference_engine_by_default() -> None:
-    with no_leaks(grace=20):
+    with no_leaks(grace=20), tempfile.TemporaryDirectory(prefix="corewire-test-") as tmp:
         client = AsyncMPClient()
         try:
+            (pid,) = client.engine_pids
             assert await client.call_utility_async("echo", [1, 2]) == [1, 2]
             assert "generate" in await client.get_supported_tasks_async()
+            # The utility wrappers of vLLM's client API, against the real engine.
+            assert await client.collective_rpc_async("pid") == [pid]
+            assert await client.collective_rpc_async("echo", args=("x",)) == ["x"]
+            assert await client.reset_prefix_cache_async() is True
+            await client.sleep_async(1)
+            assert await client.is_sleeping_async() is True
+            await client.wake_up_async()
             assert await client.is_sleeping_async() is False
+            await client.pause_scheduler_async()
+            assert await client.is_scheduler_paused_async() is True
+            await client.resume_scheduler_async()
+            assert await client.is_scheduler_paused_async() is False
+            await client.profile_async(True)
+            await client.profile_async(False, tmp)
+            (trace,) = os.listdir(tmp)
+            assert trace.endswith(".json") and os.path.getsize(os.path.join(tmp, trace)) > 0
+            with pytest.raises(UtilityError, match="Call to add_lora method failed"):
+                await client.add_lora_async(None)
             for i in range(3):
                 await client.add_request_async(request(f"g{i}", max_tokens=6))
             tokens = await collect(client, 3)
