@@ -361,7 +361,7 @@ impl<'a, B: Builder> Walk<'a, '_, B> {
         let n = self.r.array_len("array")?;
         self.scratch.tokens.clear();
         for i in 0..n {
-            let id = self.r.int().map_err(|e| e.at_index(i))?;
+            let id = self.r.uint32_or_int().map_err(|e| e.at_index(i))?;
             self.scratch.tokens.push(id);
         }
         Ok(())
