@@ -379,13 +379,19 @@ unsafe extern "C" fn output_dealloc(obj: *mut ffi::PyObject) {
     // `new_output`.
     unsafe {
         let o = obj.cast::<OutputObject>();
-        for (i, &p) in (*o).fields.iter().enumerate() {
-            if i == TOKENS_FIELD {
-                release_token_list(p);
-            } else {
+        let fields = &(*o).fields;
+        release(fields[0]);
+        release_token_list(fields[TOKENS_FIELD]);
+        // Usually every optional field is None: one branch-free scan (every field was
+        // written by `new_output`, none is NULL) instead of a test per field.
+        let none = none_ptr();
+        let optional = &fields[TOKENS_FIELD + 1..OUTPUT_FIELDS.len() - 1];
+        if optional.iter().fold(false, |any, &p| any | (p != none)) {
+            for &p in optional {
                 release(p);
             }
         }
+        release(fields[OUTPUT_FIELDS.len() - 1]);
         free_output(obj);
     }
 }
