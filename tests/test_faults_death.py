@@ -73,6 +73,7 @@ def test_death_before_the_first_request_is_not_lost() -> None:
             deadline = time.monotonic() + 5
             while not client.engine_dead and time.monotonic() < deadline:
                 time.sleep(0.01)
+            assert client.engine_dead  # the monitor saw it, before any loop ran
 
             async def first_use() -> None:
                 with pytest.raises(EngineDeadError):

@@ -508,24 +508,25 @@ async def _output_loop(
             resources.mark_dead(f"The client's output task failed: {exc!r}")
         stop()
 
-    def pump() -> None:
-        """Reader callback: drain up to DRAIN_BUDGET messages, then yield."""
+    def pump() -> bool:
+        """Drain up to DRAIN_BUDGET messages; returns True when the budget ran out
+        with messages left (the caller lets the consumer run, then resumes)."""
         try:
             work = 0
             for n in range(DRAIN_BUDGET):
                 frames = receive()
                 if frames is None:
-                    return
+                    return False
                 outputs = dispatch(frames)
                 if outputs is not None:
                     if outputs is _STOP:
                         stop()
-                        return
+                        return False
                     if hook is not None:
                         client = client_ref()
                         if client is None:
                             stop()
-                            return
+                            return False
                         hook(client, outputs)
                         del client
                     if outputs.outputs or outputs.scheduler_stats:
@@ -536,23 +537,44 @@ async def _output_loop(
                 # At low load one message comes per wake-up: asking whether more are
                 # queued costs less than a receive that raises Again.
                 if n == 0 and not get(EVENTS) & POLLIN:
-                    return
-            if not resources.closed:
-                loop.call_soon(pump)  # budget spent: the consumer runs first
+                    return False
+            return not resources.closed
         except Exception as exc:
             fail(exc)
+            return False
+
+    # At most one pump per loop iteration, or the consumer could face twice the budget
+    # at once: the reader callback of an iteration in which a resumption is scheduled or
+    # already ran does nothing. That loses no wake-up: the resumption drains, or it
+    # drained up to an empty queue, after which a new message signals the descriptor
+    # again (and a descriptor left unread stays readable).
+    busy = False
+
+    def resume() -> None:
+        loop.call_soon(resume if pump() else release)
+
+    def release() -> None:
+        nonlocal busy
+        busy = False
+
+    def on_readable() -> None:
+        nonlocal busy
+        if not busy and pump():
+            busy = True
+            loop.call_soon(resume)  # budget spent: the consumer runs first
 
     fd = cast(int, raw.getsockopt(zmq.FD))
     readable = _Readable(loop)
     in_callback = hook is None or not inspect.iscoroutinefunction(hook)
-    loop.add_reader(fd, pump if in_callback else readable.fire)
+    loop.add_reader(fd, on_readable if in_callback else readable.fire)
     # The reader must go before the socket closes, and shutdown closes the socket before
     # this task's cancellation runs.
     remove_reader = functools.partial(_remove_reader, loop, fd)
     resources.before_close.append(remove_reader)
     try:
         if in_callback:
-            loop.call_soon(pump)  # messages queued before the reader was registered
+            busy = True
+            loop.call_soon(resume)  # messages queued before the reader was registered
             await stopped
             return
         budget, work = DRAIN_BUDGET, 0
