@@ -167,7 +167,13 @@ def test_full_wave_cycle_over_sockets(coordinator: DPCoordinator, zctx: Sockets)
     engines[0].report(waiting=0, running=0, wave=0)
     for e in engines:
         e.recv_until((WAVE_COMPLETE, [0]))
-    assert front.recv_until(lambda m: not m[2]) == [[[0, 0], [0, 0]], 1, False]
+    # (Counts too: on a slow machine the notice's grace can lapse before engine 0's
+    # first report, ending the wave early with [1, 2] still to come.)
+    assert front.recv_until(lambda m: not m[2] and m[0][0] == [0, 0]) == [
+        [[0, 0], [0, 0]],
+        1,
+        False,
+    ]
 
     # An engine that got a request for the finished wave asks for a new one.
     engines[1].report(waiting=0, running=1, wave=1, start_wave=1)
@@ -193,8 +199,8 @@ def test_publications_are_rate_limited(coordinator: DPCoordinator, zctx: Sockets
     elapsed = time.monotonic() - start
     # Every change reached the coordinator, but at most one publication per 100 ms
     # (plus the one that may go out at once) reached the front-end.
+    # (Bounded by the time taken, not by a constant: a slow machine stretches the sends.)
     assert len(received) <= elapsed / 0.1 + 1
-    assert len(received) < 20
 
 
 def test_no_publication_when_nothing_changed(coordinator: DPCoordinator, zctx: Sockets) -> None:
