@@ -491,13 +491,15 @@ class DPLBAsyncMPClient(DPAsyncMPClient):
             self.data_parallel_size = old_size
             self._local_indices.difference_update(new_indices)
             raise
+        # The coordinator first: until it knows the new size it ignores the new engines'
+        # reports (and their requests for a wave), so it could not wait for their work.
+        await self._tell_coordinator_size(new_size)
         # Only now can the ROUTER address them: route and fan out to them from here on.
         self.engine_indices += new_indices
         self.core_engines += identities
         self.lb_engines += [[0, 0] for _ in new_indices]
         self._router.resize(new_size)
         await self._reconfigure(range(old_size), new_size)
-        await self._tell_coordinator_size(new_size)
 
     async def _scale_down(self, old_size: int, new_size: int) -> None:
         removed = list(range(new_size, old_size))
