@@ -45,3 +45,21 @@ def test_ready_timeout_names_the_missing_engine() -> None:
 def test_unknown_engine_main() -> None:
     with no_leaks(), pytest.raises(ModuleNotFoundError):
         AsyncMPClient(engine_main="no_such_module_xyz:main")
+
+
+@pytest.mark.parametrize("cls", [AsyncMPClient, SyncMPClient])
+@pytest.mark.parametrize("host", ["0.0.0.0", "*", "192.0.2.1"])
+def test_address_reachable_from_other_hosts_is_refused(cls: type, host: str) -> None:
+    # The plain clients have no CURVE: binding a non-loopback address would let anyone who
+    # reaches the port inject requests, so the bind is refused before anything starts.
+    addresses = {"input_address": f"tcp://{host}:0", "output_address": f"tcp://{host}:0"}
+    with no_leaks(), pytest.raises(ValueError, match="exposes engines to other hosts"):
+        cls(client_addresses=addresses, ready_timeout=1.0)
+
+
+@pytest.mark.parametrize("host", ["127.0.0.1", "localhost"])
+def test_loopback_tcp_addresses_are_bound(host: str) -> None:
+    addresses = {"input_address": f"tcp://{host}:0", "output_address": f"tcp://{host}:0"}
+    # Nothing connects, so the bind succeeds and the ready wait is what fails.
+    with no_leaks(), pytest.raises(TimeoutError, match="sent no ready message"):
+        SyncMPClient(client_addresses=addresses, ready_timeout=0.5)

@@ -19,6 +19,7 @@ import zmq.asyncio
 from corewire.client._resources import ClientResources
 from corewire.codec import Encoder, MsgspecDecoder
 from corewire.errors import EngineDeadError, ProtocolError, UtilityError
+from corewire.keygen import require_curve_for
 from corewire.protocol import EngineCoreOutputs
 
 __all__ = ["DEFAULT_ENGINE_MAIN", "MPClient", "make_output_decoder", "resolve_utility_output"]
@@ -151,8 +152,9 @@ class MPClient:
         # Unbounded queues, as vLLM: a full ROUTER pipe would drop requests silently.
         sock.setsockopt(zmq.SNDHWM, 0)
         sock.setsockopt(zmq.RCVHWM, 0)
-        if address.startswith("tcp://*"):
-            raise ValueError("refusing to bind all interfaces; give an explicit host")
+        # The plain client has no CURVE: an address other hosts can reach would let anyone
+        # who reaches the port inject requests, so only ipc:// and loopback TCP are bound.
+        require_curve_for(address, None)
         sock.bind(address)
         return sock
 
