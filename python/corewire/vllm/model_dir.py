@@ -1,0 +1,185 @@
+"""A tiny local model directory that vLLM's API server accepts, written without downloads.
+
+vLLM's front-end needs a model directory for its configuration and tokenizer even when the
+engines are not vLLM's and load no weights. :func:`write_model_dir` writes one that matches
+corewire's reference engine: a llama-style ``config.json`` (small sizes; no weights, which
+a front-end-only server never reads) and a word-level tokenizer built with the
+``tokenizers`` library whose vocabulary has exactly the engine's ``vocab_size`` entries,
+so that every token id the engine can sample decodes to text.
+
+The vocabulary: ids 0-3 are ``<pad>``, ``<s>``, ``</s>`` and ``<unk>`` (the reference
+engine's defaults are pad 0 and eos 2), then a few hundred English words and punctuation
+marks (so that prompts written by hand tokenize to something other than ``<unk>``), then
+``w<id>`` fillers up to ``vocab_size``. Tokens decode joined by single spaces.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+__all__ = [
+    "BOS_TOKEN",
+    "CHAT_TEMPLATE",
+    "EOS_TOKEN",
+    "PAD_TOKEN",
+    "UNK_TOKEN",
+    "build_vocabulary",
+    "write_model_dir",
+]
+
+PAD_TOKEN = "<pad>"
+BOS_TOKEN = "<s>"
+EOS_TOKEN = "</s>"
+UNK_TOKEN = "<unk>"
+_SPECIALS = (PAD_TOKEN, BOS_TOKEN, EOS_TOKEN, UNK_TOKEN)  # ids 0, 1, 2, 3
+
+# Words a hand-written prompt is likely to use; anything else maps to <unk>. The chat
+# template's role names and ":" are here so that a rendered chat never hits <unk>.
+_WORDS = """
+. , : ; ! ? ' " - ( ) [ ] / * + = # @ & % $ 0 1 2 3 4 5 6 7 8 9 10 100
+system user assistant tool
+the a an and or but not no yes if then else of to in on at by for with from as into over
+under up down out about after before again all any are is was were be been being am do
+does did done have has had having i you he she it we they me him her us them my your his
+its our their this that these those what which who whom whose when where why how there
+here can could will would shall should may might must one two three four five six seven
+eight nine ten first last next new old big small long short good bad best more most less
+some many much few each every other same such only own very just also too so than now
+hello hi hey please thanks thank say tell write read give take make go come see look know
+think want need like use find get put keep let begin start stop end run turn show try ask
+work call move live believe hold bring happen play feel seem leave mean set help talk
+story poem word words sentence number numbers list name time day year people way thing
+man woman child world life hand part place case week company system program question
+government home water room mother area money fact night point book eye job friend side
+house kind head father power hour game line member car city team minute idea body back
+parent face others level office door health person art war history party result change
+morning reason research girl guy moment air teacher force education once upon count
+quick brown fox jumps lazy dog cat red green blue black white sun moon star sky sea
+""".split()
+
+# A small chat template: "role : content" lines, then "assistant :" for the reply.
+CHAT_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ message['role'] }} : {{ message['content'] }}\n"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}assistant :{% endif %}"
+)
+
+
+def build_vocabulary(vocab_size: int) -> dict[str, int]:
+    """The token -> id map of the tokenizer: specials, words, then ``w<id>`` fillers.
+
+    Raises ``ValueError`` when ``vocab_size`` cannot hold the four special tokens.
+    """
+    if vocab_size < len(_SPECIALS):
+        raise ValueError(f"vocab_size must be at least {len(_SPECIALS)}, got {vocab_size}")
+    vocab: dict[str, int] = {}
+    for token in (*_SPECIALS, *_WORDS):
+        if len(vocab) == vocab_size:
+            break
+        vocab.setdefault(token, len(vocab))
+    while len(vocab) < vocab_size:
+        vocab[f"w{len(vocab)}"] = len(vocab)
+    return vocab
+
+
+def _tokenizer_json(vocab: dict[str, int]) -> str:
+    # Imported here: `tokenizers` comes with vLLM / transformers, not with corewire.
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
+
+    tokenizer = Tokenizer(models.WordLevel(vocab=vocab, unk_token=UNK_TOKEN))
+    tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
+    # WordPiece's decoder joins tokens with a space (no "##" pieces exist here); no cleanup,
+    # so that the text of a token stream is exactly the tokens joined by spaces.
+    tokenizer.decoder = decoders.WordPiece(prefix="##", cleanup=False)
+    tokenizer.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in _SPECIALS])
+    return tokenizer.to_str(pretty=True)
+
+
+def _config(
+    vocab_size: int, max_model_len: int, eos_token_id: int, pad_token_id: int, bos_token_id: int
+) -> dict[str, Any]:
+    # Sizes only have to be self-consistent: the front-end reads them, nothing computes.
+    return {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_hidden_layers": 1,
+        "num_attention_heads": 2,
+        "num_key_value_heads": 2,
+        "head_dim": 32,
+        "hidden_act": "silu",
+        "rms_norm_eps": 1e-5,
+        "rope_theta": 10000.0,
+        "max_position_embeddings": max_model_len,
+        "vocab_size": vocab_size,
+        "bos_token_id": bos_token_id,
+        "eos_token_id": eos_token_id,
+        "pad_token_id": pad_token_id,
+        "tie_word_embeddings": False,
+        "torch_dtype": "float32",
+    }
+
+
+def write_model_dir(
+    path: str | Path,
+    *,
+    vocab_size: int = 4096,
+    max_model_len: int = 2048,
+    eos_token_id: int = 2,
+    pad_token_id: int = 0,
+) -> Path:
+    """Write a tiny model directory for vLLM's front-end into ``path`` (created if missing).
+
+    ``vocab_size``, ``max_model_len``, ``eos_token_id`` and ``pad_token_id`` must match the
+    engines behind the server (the defaults are the reference engine's). The eos and pad ids
+    must be those of the tokenizer's special tokens, ``</s>`` = 2 and ``<pad>`` = 0, so
+    other values raise ``ValueError``. Files written: ``config.json``, ``tokenizer.json``,
+    ``tokenizer_config.json`` (``PreTrainedTokenizerFast`` with :data:`CHAT_TEMPLATE`),
+    ``special_tokens_map.json`` and ``generation_config.json``. Returns the directory.
+    """
+    vocab = build_vocabulary(vocab_size)
+    if eos_token_id != vocab[EOS_TOKEN] or pad_token_id != vocab[PAD_TOKEN]:
+        raise ValueError(
+            f"the tokenizer's eos id is {vocab[EOS_TOKEN]} and pad id {vocab[PAD_TOKEN]}; "
+            f"got eos_token_id={eos_token_id}, pad_token_id={pad_token_id}"
+        )
+    if max_model_len < 1:
+        raise ValueError(f"max_model_len must be positive, got {max_model_len}")
+    bos_token_id = vocab[BOS_TOKEN]
+    out = Path(path)
+    out.mkdir(parents=True, exist_ok=True)
+    files: dict[str, Any] = {
+        "config.json": _config(vocab_size, max_model_len, eos_token_id, pad_token_id, bos_token_id),
+        "tokenizer_config.json": {
+            "tokenizer_class": "PreTrainedTokenizerFast",
+            "bos_token": BOS_TOKEN,
+            "eos_token": EOS_TOKEN,
+            "pad_token": PAD_TOKEN,
+            "unk_token": UNK_TOKEN,
+            "model_max_length": max_model_len,
+            # No <s> in front of prompts: the token ids a client sends are the ids it gets.
+            "add_bos_token": False,
+            "add_eos_token": False,
+            "clean_up_tokenization_spaces": False,
+            "chat_template": CHAT_TEMPLATE,
+        },
+        "special_tokens_map.json": {
+            "bos_token": BOS_TOKEN,
+            "eos_token": EOS_TOKEN,
+            "pad_token": PAD_TOKEN,
+            "unk_token": UNK_TOKEN,
+        },
+        "generation_config.json": {
+            "bos_token_id": bos_token_id,
+            "eos_token_id": eos_token_id,
+            "pad_token_id": pad_token_id,
+        },
+    }
+    for name, content in files.items():
+        (out / name).write_text(json.dumps(content, indent=2) + "\n")
+    (out / "tokenizer.json").write_text(_tokenizer_json(vocab))
+    return out
