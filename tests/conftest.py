@@ -11,8 +11,11 @@ from pathlib import Path
 
 import psutil
 import pytest
+from zmq.utils.garbage import GarbageCollectorThread
 
-# Helper processes that Python's multiprocessing keeps for the whole session by design.
+# Helper processes that Python's multiprocessing keeps for the whole session by design
+# (pyzmq's zero-copy garbage-collector thread is the same kind of helper: one per process,
+# started by the first zero-copy send).
 _SESSION_HELPERS = ("resource_tracker", "forkserver", "semaphore_tracker")
 _LEAK_GRACE_S = 5.0
 
@@ -40,7 +43,11 @@ def _stray_children() -> list[psutil.Process]:
 
 
 def _stray_threads(before: set[int]) -> list[threading.Thread]:
-    return [t for t in threading.enumerate() if t.ident not in before and t.is_alive()]
+    return [
+        t
+        for t in threading.enumerate()
+        if t.ident not in before and t.is_alive() and not isinstance(t, GarbageCollectorThread)
+    ]
 
 
 @pytest.fixture(autouse=True)

@@ -3,7 +3,7 @@
 Public names are re-exported from ``corewire`` and ``corewire.codec``; import them there.
 """
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, ClassVar, TypeAlias, final
 
 import numpy as np
@@ -43,9 +43,19 @@ class NativeDecoder:
     Arrays and tensors are zero-copy views of the frames and keep them alive; request ids
     are interned (bounded by ``intern_capacity``); malformed frames raise
     :class:`ProtocolError`. One decoder serves one receiving thread; it is not re-entrant.
+
+    ``prefill_stats`` and ``scheduler_stats``, when given, are called with each decoded
+    stats map and their result takes its place (vLLM's front-end reads stats by attribute);
+    an exception they raise rejects the frame as a :class:`ProtocolError`.
     """
 
-    def __new__(cls, intern_capacity: int = 16384) -> NativeDecoder: ...
+    def __new__(
+        cls,
+        intern_capacity: int = 16384,
+        *,
+        prefill_stats: Callable[[dict[str, Any]], Any] | None = None,
+        scheduler_stats: Callable[[dict[str, Any]], Any] | None = None,
+    ) -> NativeDecoder: ...
     def decode(self, frames: Sequence[_Frame] | _Frame) -> EngineCoreOutputs:
         """Decodes one message; a single buffer is taken as the payload alone."""
     @property
@@ -65,7 +75,7 @@ class EngineCoreOutputs:
     @property
     def outputs(self) -> list[EngineCoreOutput]: ...
     @property
-    def scheduler_stats(self) -> dict[str, Any] | None: ...
+    def scheduler_stats(self) -> Any: ...
     @property
     def timestamp(self) -> float: ...
     @property
@@ -103,7 +113,7 @@ class EngineCoreOutput:
     @property
     def trace_headers(self) -> dict[str, str] | None: ...
     @property
-    def prefill_stats(self) -> dict[str, Any] | None: ...
+    def prefill_stats(self) -> Any: ...
     @property
     def routed_experts(self) -> np.ndarray | None: ...
     @property

@@ -41,6 +41,10 @@ class ClientResources:
     the loop is not running, else by ``call_soon_threadsafe``.
     """
 
+    #: The class of the death errors this client raises; a front-end that catches its
+    #: own class (vLLM's serving code) sets a subclass of both here.
+    dead_error_class: type[EngineDeadError] = EngineDeadError
+
     def __init__(self, ctx: zmq.Context) -> None:
         self.ctx: zmq.Context | None = ctx
         #: Call id -> pending utility future.
@@ -59,6 +63,8 @@ class ClientResources:
         self.threads: list[tuple[threading.Thread, Callable[[], None]]] = []
         #: Engine processes this client started.
         self.processes: list[Any] = []
+        #: Seconds the engines get between SIGTERM and SIGKILL when the client closes.
+        self.terminate_grace = TERMINATE_GRACE_S
         #: Private directory of the ipc:// endpoints, removed on close.
         self.ipc_dir: str | None = None
         #: The event loop the client is bound to (async clients), set on first use.
@@ -80,9 +86,10 @@ class ClientResources:
 
     # -- death -----------------------------------------------------------------------
 
-    def dead_error(self) -> EngineDeadError:
-        """A fresh :class:`EngineDeadError` with the recorded reason."""
-        return EngineDeadError(self.dead_reason, suppress_context=True)
+    def dead_error(self, reason: str | None = None) -> EngineDeadError:
+        """A fresh :attr:`dead_error_class` error with ``reason`` (default: the recorded
+        reason of the death)."""
+        return self.dead_error_class(reason or self.dead_reason, suppress_context=True)
 
     def ensure_alive(self) -> None:
         """Raise :class:`EngineDeadError` once the engine is dead or the client closed."""
@@ -217,7 +224,7 @@ class ClientResources:
         if self._monitor is not None:
             self._monitor.release()
         self.run_on_owner(self._close_loop_side)
-        stop_processes(self.processes)
+        stop_processes(self.processes, self.terminate_grace)
         self.processes.clear()
         if self.ipc_dir is not None:
             shutil.rmtree(self.ipc_dir, ignore_errors=True)

@@ -300,7 +300,7 @@ class AsyncMPClient(MPClient):
                 asyncio.gather(*calls, return_exceptions=True), timeout
             )
         except asyncio.TimeoutError:
-            raise EngineDeadError(
+            raise self.resources.dead_error(
                 f"engine core did not answer a health check within {timeout:g} s"
             ) from None
         for result in results:
@@ -345,9 +345,10 @@ class AsyncMPClient(MPClient):
         """Drop the engine's encoder cache."""
         await self.call_utility_async("reset_encoder_cache")
 
-    async def sleep_async(self, level: int = 1) -> None:
-        """Put the engine to sleep (free memory); requests wait until it wakes."""
-        await self.call_utility_async("sleep", level)
+    async def sleep_async(self, level: int = 1, mode: str = "abort") -> None:
+        """Put the engine to sleep (free memory); ``mode`` says what happens to running
+        requests (vLLM's pause modes: "abort", "wait", "keep")."""
+        await self.call_utility_async("sleep", level, mode)
 
     async def wake_up_async(self, tags: list[str] | None = None) -> None:
         """Wake a sleeping engine."""
@@ -357,9 +358,17 @@ class AsyncMPClient(MPClient):
         """Whether the engine sleeps."""
         return bool(await self.call_utility_async("is_sleeping"))
 
-    async def pause_scheduler_async(self, *args: Any) -> None:
-        """Stop scheduling new work (engine-specific arguments pass through)."""
-        await self.call_utility_async("pause_scheduler", *args)
+    async def pause_scheduler_async(self, mode: str = "abort", clear_cache: bool = True) -> None:
+        """Stop scheduling new work; ``mode`` says what happens to running requests
+        ("abort", "wait", "keep"), ``clear_cache`` drops the prefix cache (vLLM's API)."""
+        await self.call_utility_async("pause_scheduler", mode, clear_cache)
+
+    async def scale_elastic_ep(self, new_data_parallel_size: int) -> None:
+        """Elastic scaling needs a data-parallel client (:class:`~corewire.DPLBAsyncMPClient`)."""
+        raise NotImplementedError(
+            f"{type(self).__name__} drives a fixed set of engines: scaling to "
+            f"{new_data_parallel_size} needs DPLBAsyncMPClient"
+        )
 
     async def resume_scheduler_async(self) -> None:
         """Resume scheduling after :meth:`pause_scheduler_async`."""

@@ -105,7 +105,7 @@ class MPClient:
         self.engine_options = engine_options
         self.ready_timeout = ready_timeout
         self.encoder = Encoder()
-        self.decoder = make_output_decoder()
+        self.decoder = self._make_output_decoder()
         ctx = zmq.Context(io_threads=1)
         self.ctx = ctx
         # The finalizer owns everything; nothing in `resources` points back to `self`.
@@ -128,9 +128,7 @@ class MPClient:
             #: ZeroMQ identities of the engines, in index order (2 bytes little-endian).
             self.core_engines = [i.to_bytes(2, "little") for i in self.engine_indices]
             self.core_engine = self.core_engines[0]
-            if client_addresses is None:
-                self._engine_main = _resolve(engine_main)
-                self._start_engine_processes(self.engine_indices)
+            self._launch_engines(engine_main, external=client_addresses is not None)
             #: Ready message of each engine (identity -> map; empty when it sent none).
             self.ready_info = self._wait_for_ready(self.core_engines, ready_timeout)
             resources.start_monitor()
@@ -140,6 +138,21 @@ class MPClient:
                 self._finalizer()
 
     # -- setup -----------------------------------------------------------------------
+
+    def _make_output_decoder(self) -> Any:
+        """The decoder of this client's output frames (a front-end adapter may configure
+        its own, e.g. stats types)."""
+        return make_output_decoder()
+
+    def _launch_engines(self, engine_main: str | Callable[..., Any], external: bool) -> None:
+        """Start the engines, once the sockets are bound and before the ready wait.
+
+        Engines started elsewhere (``external``) connect by themselves; a front-end
+        adapter that launches engines its own way (vLLM's handshake) overrides this.
+        """
+        if not external:
+            self._engine_main = _resolve(engine_main)
+            self._start_engine_processes(self.engine_indices)
 
     def _make_socket(self, kind: int, address: str, *, asyncio_mode: bool = False) -> Any:
         """Bind a socket of ``kind`` on ``address``; it belongs to :attr:`resources`."""
@@ -252,6 +265,15 @@ class MPClient:
         return [p.pid for p in self.resources.processes if p.pid is not None]
 
     @property
+    def engine_ranks_managed(self) -> list[int]:
+        """Indices (data-parallel ranks) of the engines this client drives (vLLM's name)."""
+        return list(self.engine_indices)
+
+    def dp_engines_running(self) -> bool:
+        """Whether a data-parallel group is in a running wave; always False without DP."""
+        return False
+
+    @property
     def engine_dead(self) -> bool:
         """Whether the engine died (or the client was shut down)."""
         return self.resources.engine_dead
@@ -267,11 +289,15 @@ class MPClient:
             return self.resources.dead_error()
         return exc
 
-    def shutdown(self) -> None:
+    def shutdown(self, timeout: float | None = None) -> None:
         """Stop the engines and release every resource; idempotent.
 
-        Pending calls and output waiters get :class:`EngineDeadError`.
+        Pending calls and output waiters get :class:`EngineDeadError`. ``timeout`` is how
+        long the engines get to exit after SIGTERM before they are killed (vLLM's
+        signature; default ``TERMINATE_GRACE_S``).
         """
+        if timeout is not None:
+            self.resources.terminate_grace = max(0.0, timeout)
         self._finalizer()
 
     def __enter__(self) -> MPClient:

@@ -179,6 +179,10 @@ class DPAsyncMPClient(AsyncMPClient):
             if p.pid is not None and p is not self._coordinator
         ]
 
+    def dp_engines_running(self) -> bool:
+        """Whether the group is in a running wave (from the coordinator's publications)."""
+        return self.engines_running
+
     @property
     def coordinator_pid(self) -> int | None:
         """Process id of the coordinator this client started, if it started one."""

@@ -122,7 +122,7 @@ class SyncMPClient(MPClient):
             except UtilityError:
                 pass
             except TimeoutError:
-                raise EngineDeadError(
+                raise self.resources.dead_error(
                     f"engine core did not answer a health check within {timeout:g} s"
                 ) from None
 
@@ -152,9 +152,9 @@ class SyncMPClient(MPClient):
             self.call_utility("reset_prefix_cache", reset_running_requests, reset_connector)
         )
 
-    def sleep(self, level: int = 1) -> None:
-        """Put the engine to sleep."""
-        self.call_utility("sleep", level)
+    def sleep(self, level: int = 1, mode: str = "abort") -> None:
+        """Put the engine to sleep; ``mode`` as in vLLM ("abort", "wait", "keep")."""
+        self.call_utility("sleep", level, mode)
 
     def wake_up(self, tags: list[str] | None = None) -> None:
         """Wake a sleeping engine."""
@@ -164,9 +164,9 @@ class SyncMPClient(MPClient):
         """Whether the engine sleeps."""
         return bool(self.call_utility("is_sleeping"))
 
-    def pause_scheduler(self, *args: Any) -> None:
-        """Stop scheduling new work (engine-specific arguments pass through)."""
-        self.call_utility("pause_scheduler", *args)
+    def pause_scheduler(self, mode: str = "abort", clear_cache: bool = True) -> None:
+        """Stop scheduling new work (vLLM's arguments: pause mode, clear the cache)."""
+        self.call_utility("pause_scheduler", mode, clear_cache)
 
     def resume_scheduler(self) -> None:
         """Resume scheduling."""

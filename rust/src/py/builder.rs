@@ -12,7 +12,7 @@ use pyo3::prelude::*;
 use pyo3::types::{PyDict, PyFloat, PyString, PyTuple};
 
 use super::consts::Consts;
-use super::decoder::DecoderState;
+use super::decoder::{DecoderState, StatsTypes};
 use super::frames::Frame;
 use super::objects::{int_object, new_message, new_output, token_list, OutputValues};
 use super::torch;
@@ -26,6 +26,8 @@ pub struct PyBuilder<'a, 'py> {
     pub consts: &'static Consts,
     pub state: &'a mut DecoderState,
     pub frames: &'a mut [Frame<'py>],
+    /// Callables that turn decoded stats maps into the caller's stats objects.
+    pub stats_types: &'a StatsTypes,
     /// A foreign Python error behind an [`ErrorKind::Foreign`] result.
     pub error: Option<PyErr>,
     /// The dtype object found by the last `dtype_itemsize`, for the `array` call after it.
@@ -36,6 +38,13 @@ pub struct PyBuilder<'a, 'py> {
 
 type Obj<'py> = Bound<'py, PyAny>;
 
+/// Which stats field a map was decoded for.
+#[derive(Clone, Copy)]
+enum StatsKind {
+    Prefill,
+    Scheduler,
+}
+
 impl<'a, 'py> PyBuilder<'a, 'py> {
     /// A builder over `frames`.
     pub fn new(
@@ -43,12 +52,14 @@ impl<'a, 'py> PyBuilder<'a, 'py> {
         consts: &'static Consts,
         state: &'a mut DecoderState,
         frames: &'a mut [Frame<'py>],
+        stats_types: &'a StatsTypes,
     ) -> Self {
         PyBuilder {
             py,
             consts,
             state,
             frames,
+            stats_types,
             error: None,
             dtype: None,
             order: None,
@@ -86,6 +97,23 @@ impl<'a, 'py> PyBuilder<'a, 'py> {
         match v {
             Some(v) => v.unbind(),
             None => self.py.None(),
+        }
+    }
+
+    /// A stats map as the caller wants it: the map itself, or what its converter makes
+    /// of it (a converter's exception rejects the frame like any bad field).
+    #[inline]
+    fn stats(&mut self, v: Option<Obj<'py>>, kind: StatsKind) -> DecodeResult<Option<Obj<'py>>> {
+        let convert = match kind {
+            StatsKind::Prefill => &self.stats_types.prefill,
+            StatsKind::Scheduler => &self.stats_types.scheduler,
+        };
+        match (v, convert) {
+            (Some(map), Some(convert)) => {
+                let r = convert.bind(self.py).call1((map,));
+                self.check(r).map(Some)
+            }
+            (v, _) => Ok(v),
         }
     }
 
@@ -397,7 +425,7 @@ impl<'py> Builder for PyBuilder<'_, 'py> {
                 events: p.events,
                 kv_transfer_params: p.kv_transfer_params,
                 trace_headers: p.trace_headers,
-                prefill_stats: p.prefill_stats,
+                prefill_stats: self.stats(p.prefill_stats, StatsKind::Prefill)?,
                 routed_experts: p.routed_experts,
                 num_nans_in_logits: p.num_nans_in_logits,
             },
@@ -415,7 +443,7 @@ impl<'py> Builder for PyBuilder<'_, 'py> {
             [
                 Some(engine_index),
                 Some(p.outputs),
-                p.scheduler_stats,
+                self.stats(p.scheduler_stats, StatsKind::Scheduler)?,
                 Some(PyFloat::new(py, p.timestamp).into_any()),
                 p.utility_output,
                 p.finished_requests,

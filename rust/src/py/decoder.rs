@@ -27,6 +27,14 @@ pub struct DecoderState {
     pub refreshed_at: u64,
 }
 
+/// Optional converters of the stats maps (`prefill_stats`, `scheduler_stats`): a front-end
+/// that reads them by attribute (vLLM's) passes callables that build its own types.
+#[derive(Default)]
+pub struct StatsTypes {
+    pub prefill: Option<Py<PyAny>>,
+    pub scheduler: Option<Py<PyAny>>,
+}
+
 /// Most engines whose output order is remembered (more engines only lose prediction).
 const MAX_ORDERS: usize = 64;
 
@@ -71,6 +79,7 @@ pub struct NativeDecoder {
     consts: &'static Consts,
     state: DecoderState,
     scratch: Scratch,
+    stats_types: StatsTypes,
 }
 
 /// Frames per message handled without a heap allocation.
@@ -87,10 +96,27 @@ const MAX_CACHED_KEY: usize = 64;
 impl NativeDecoder {
     #[new]
     #[pyo3(
-        signature = (intern_capacity = DEFAULT_INTERN_CAPACITY),
-        text_signature = "(intern_capacity=16384)"
+        signature = (intern_capacity = DEFAULT_INTERN_CAPACITY, *, prefill_stats = None, scheduler_stats = None),
+        text_signature = "(intern_capacity=16384, *, prefill_stats=None, scheduler_stats=None)"
     )]
-    fn new(py: Python<'_>, intern_capacity: usize) -> PyResult<Self> {
+    fn new(
+        py: Python<'_>,
+        intern_capacity: usize,
+        prefill_stats: Option<Bound<'_, PyAny>>,
+        scheduler_stats: Option<Bound<'_, PyAny>>,
+    ) -> PyResult<Self> {
+        let callable = |name: &str, v: Option<Bound<'_, PyAny>>| -> PyResult<Option<Py<PyAny>>> {
+            match v {
+                Some(f) if !f.is_callable() => Err(pyo3::exceptions::PyTypeError::new_err(
+                    format!("{name} must be callable"),
+                )),
+                v => Ok(v.map(Bound::unbind)),
+            }
+        };
+        let stats_types = StatsTypes {
+            prefill: callable("prefill_stats", prefill_stats)?,
+            scheduler: callable("scheduler_stats", scheduler_stats)?,
+        };
         let mut keys = InternCache::new(KEY_CACHE_CAPACITY);
         keys.set_max_key_len(MAX_CACHED_KEY);
         Ok(NativeDecoder {
@@ -104,6 +130,7 @@ impl NativeDecoder {
                 refreshed_at: 0,
             },
             scratch: Scratch::default(),
+            stats_types,
         })
     }
 
@@ -126,7 +153,13 @@ impl NativeDecoder {
             many = held.iter().map(|f| unsafe { detach(f) }).collect();
             &many
         };
-        let mut builder = PyBuilder::new(py, self.consts, &mut self.state, &mut held);
+        let mut builder = PyBuilder::new(
+            py,
+            self.consts,
+            &mut self.state,
+            &mut held,
+            &self.stats_types,
+        );
         let scratch = &mut self.scratch;
         let result = catch_unwind(AssertUnwindSafe(|| {
             decode_outputs(slices, &mut builder, scratch)

@@ -225,7 +225,7 @@ const OUTPUT_MEMBERS: [(&CStr, &CStr); 13] = [
     (c"events", c"A list of EngineCoreEvent, or None."),
     (c"kv_transfer_params", c"A dict, or None."),
     (c"trace_headers", c"A dict of str, or None."),
-    (c"prefill_stats", c"A dict, or None."),
+    (c"prefill_stats", c"A dict (or what the decoder's prefill_stats converter made of it), or None."),
     (c"routed_experts", c"A numpy array, or None."),
     (
         c"num_nans_in_logits",
@@ -439,7 +439,7 @@ const MESSAGE_MEMBERS: [(&CStr, &CStr); 8] = [
         c"Index of the engine that sent the message.",
     ),
     (c"outputs", c"A list of EngineCoreOutput."),
-    (c"scheduler_stats", c"A dict, or None."),
+    (c"scheduler_stats", c"A dict (or what the decoder's scheduler_stats converter made of it), or None."),
     (
         c"timestamp",
         c"The engine's monotonic clock, in seconds (float).",

@@ -1,0 +1,12 @@
+"""corewire inside vLLM 0.25.1: the ``vllm.general_plugins`` plugin and its adapters.
+
+- :mod:`corewire.vllm.plugin`: the entry point vLLM runs in each of its processes; with
+  ``COREWIRE_VLLM_CLIENT=1`` it makes vLLM's ``AsyncLLM`` build corewire's client.
+- :mod:`corewire.vllm.client`: corewire's clients with vLLM's constructor arguments and the
+  attributes vLLM's front-end reads.
+- :mod:`corewire.vllm.model_dir` and :mod:`corewire.vllm.stack`: a tiny local model
+  directory and the launcher of a ``vllm serve`` stack over corewire engines (the serve
+  script, tests and benchmarks).
+
+Nothing here imports vLLM at package import time: ``import corewire`` never needs vLLM.
+"""

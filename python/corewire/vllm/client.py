@@ -1,0 +1,272 @@
+"""corewire's clients built from vLLM 0.25.1's client-factory arguments.
+
+vLLM's ``AsyncLLM`` builds its engine-core client with
+``(vllm_config, executor_class, log_stats, client_addresses, client_count, client_index)``
+and then reads a few attributes of it. The classes here take exactly those arguments and
+differ from corewire's own clients only where vLLM's front-end needs it:
+
+- **Engines.** Without ``client_addresses`` the client binds its sockets and lets vLLM's
+  own ``launch_core_engines`` start local engines and run the start-up handshake with
+  engines that join from elsewhere (``vllm serve --data-parallel-size-local 0`` with
+  ``corewire engine --handshake-address ...`` or vLLM's ``--headless`` engines). Local
+  engine processes join corewire's engine monitor; every engine is also watched by
+  corewire's health watchdog, which vLLM's own client lacks for remote engines.
+- **Ready responses** are decoded as strictly as vLLM decodes them and applied to the
+  ``VllmConfig`` the same way (``max_model_len``, KV-cache blocks, block size ...).
+- **Decoded outputs** stay native; only ``prefill_stats`` and ``scheduler_stats`` maps
+  are turned into vLLM's own stats dataclasses by the decoder (vLLM reads them by
+  attribute), once per request and once per message, never per output.
+- **Engine death** raises :class:`EngineDeadError`, which both ``except
+  corewire.EngineDeadError`` and vLLM's ``except EngineDeadError`` catch.
+
+Health watchdog settings come from the environment: ``COREWIRE_HEALTH_CHECK_INTERVAL_S``
+(default 5) and ``COREWIRE_HEALTH_CHECK_TIMEOUT_S`` (default 10); an interval of 0 turns
+the watchdog off.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from typing import Any
+
+import msgspec
+import zmq
+from vllm import envs
+from vllm.v1.engine import EngineCoreReadyResponse
+from vllm.v1.engine.exceptions import EngineDeadError as _VllmEngineDeadError
+from vllm.v1.engine.utils import get_engine_zmq_addresses, launch_core_engines
+from vllm.v1.metrics.stats import PrefillStats, SchedulerStats
+
+import corewire.errors
+from corewire.client.async_client import AsyncMPClient
+from corewire.codec import NativeDecoder
+
+__all__ = [
+    "EngineDeadError",
+    "VllmAsyncMPClient",
+    "VllmClientMixin",
+    "apply_ready_response",
+    "make_async_mp_client",
+    "make_output_decoder",
+]
+
+#: Environment variables of the health watchdog (seconds).
+HEALTH_INTERVAL_ENV = "COREWIRE_HEALTH_CHECK_INTERVAL_S"
+HEALTH_TIMEOUT_ENV = "COREWIRE_HEALTH_CHECK_TIMEOUT_S"
+DEFAULT_HEALTH_INTERVAL_S = 5.0
+DEFAULT_HEALTH_TIMEOUT_S = 10.0
+
+
+class EngineDeadError(corewire.errors.EngineDeadError, _VllmEngineDeadError):
+    """An engine death under vLLM: caught by ``except corewire.EngineDeadError`` and by
+    vLLM's ``except EngineDeadError`` (its serving code and health endpoint)."""
+
+
+def make_async_mp_client(
+    vllm_config: Any,
+    executor_class: Any,
+    log_stats: bool,
+    client_addresses: dict[str, Any] | None = None,
+    client_count: int = 1,
+    client_index: int = 0,
+) -> Any:
+    """vLLM's ``EngineCoreClient.make_async_mp_client`` with corewire's clients.
+
+    Chooses as vLLM chooses: a data-parallel group gets the DP client with external or
+    internal load balancing, anything else :class:`VllmAsyncMPClient`.
+    """
+    args = (vllm_config, executor_class, log_stats, client_addresses, client_count, client_index)
+    parallel_config = vllm_config.parallel_config
+    if parallel_config.data_parallel_size > 1:
+        from corewire.vllm.dp_client import VllmDPAsyncMPClient, VllmDPLBAsyncMPClient
+
+        if parallel_config.data_parallel_external_lb:
+            return VllmDPAsyncMPClient(*args)
+        return VllmDPLBAsyncMPClient(*args)
+    return VllmAsyncMPClient(*args)
+
+
+def apply_ready_response(vllm_config: Any, info: dict[str, Any]) -> EngineCoreReadyResponse:
+    """Decode one engine's ready map as vLLM does (every required key) and apply it to
+    ``vllm_config`` as vLLM's client does; returns the decoded response.
+
+    Raises ``msgspec.ValidationError`` for a map vLLM would refuse.
+    """
+    response = msgspec.convert(info, EngineCoreReadyResponse)
+    model_config = vllm_config.model_config
+    model_config.max_model_len = min(model_config.max_model_len, response.max_model_len)
+    cache_config = vllm_config.cache_config
+    # KV-cache blocks add up over a DP group; the block size is the engine's own.
+    cache_config.num_gpu_blocks = (cache_config.num_gpu_blocks or 0) + response.num_gpu_blocks
+    cache_config.block_size = response.block_size
+    # Capacity figures are per engine: the first engine's stay.
+    for key in ("kv_cache_size_tokens", "kv_cache_max_concurrency"):
+        if getattr(cache_config, key, None) is None:
+            setattr(cache_config, key, getattr(response, key))
+    return response
+
+
+def make_output_decoder() -> NativeDecoder:
+    """The native decoder as vLLM's front-end needs it: stats maps become vLLM's
+    ``PrefillStats`` / ``SchedulerStats`` (nested stats included), all else as usual."""
+    return NativeDecoder(
+        prefill_stats=_stats_converter(PrefillStats),
+        scheduler_stats=_stats_converter(SchedulerStats),
+    )
+
+
+def _stats_converter(cls: type) -> Callable[[dict[str, Any]], Any]:
+    def convert(stats: dict[str, Any]) -> Any:
+        # Validated like vLLM's typed msgpack decoder does it (nested stats included).
+        return msgspec.convert(stats, cls)
+
+    convert.__qualname__ = f"convert_to_{cls.__name__}"
+    return convert
+
+
+def _env_seconds(name: str, default: float) -> float:
+    raw = os.environ.get(name)
+    if raw is None or raw == "":
+        return default
+    try:
+        value = float(raw)
+    except ValueError:
+        raise ValueError(f"{name} must be a number of seconds, got {raw!r}") from None
+    if value < 0:
+        raise ValueError(f"{name} must not be negative, got {raw!r}")
+    return value
+
+
+class VllmClientMixin:
+    """The parts every corewire client shares under vLLM (see the module docstring).
+
+    Mixed in before a corewire client class; :meth:`_vllm_setup` turns vLLM's factory
+    arguments into that class's keyword arguments.
+    """
+
+    # Provided by the corewire client class this is mixed into.
+    resources: Any
+    input_socket: Any
+    output_socket: Any
+    input_address: str
+    output_address: str
+    ready_info: dict[bytes, dict[str, Any]]
+
+    def _vllm_setup(
+        self,
+        vllm_config: Any,
+        executor_class: Any,
+        log_stats: bool,
+        client_addresses: dict[str, Any] | None,
+        client_count: int,
+        client_index: int,
+    ) -> dict[str, Any]:
+        """Record vLLM's arguments; return the corewire client's keyword arguments."""
+        self.vllm_config = vllm_config
+        self.stats_update_address: str | None = None
+        #: vLLM's engine manager and DP coordinator, when vLLM launched engines.
+        self.vllm_engine_manager: Any = None
+        self.vllm_coordinator: Any = None
+        self._vllm_launch: tuple[Any, bool] | None = None
+        if client_addresses:
+            # Engines managed elsewhere (e.g. by vLLM's multi-API-server parent).
+            addresses: dict[str, str] | None = {
+                "input_address": client_addresses["input_address"],
+                "output_address": client_addresses["output_address"],
+            }
+            self.stats_update_address = client_addresses.get("stats_update_address")
+        else:
+            self._vllm_launch = (executor_class, log_stats)
+            planned = get_engine_zmq_addresses(vllm_config)
+            if planned.inputs[0].startswith("ipc://"):
+                # Local engines only: corewire's own endpoints in a private 0700 dir,
+                # handed to the engines by vLLM's handshake.
+                addresses = None
+            else:
+                addresses = {
+                    "input_address": planned.inputs[0],
+                    "output_address": planned.outputs[0],
+                }
+        interval = _env_seconds(HEALTH_INTERVAL_ENV, DEFAULT_HEALTH_INTERVAL_S)
+        return {
+            "client_addresses": addresses,
+            "engine_indices": _ranks_managed(vllm_config.parallel_config),
+            "client_index": client_index,
+            "client_count": client_count,
+            "ready_timeout": float(envs.VLLM_ENGINE_READY_TIMEOUT_S),
+            "health_check_interval": interval or None,
+            "health_check_timeout": _env_seconds(HEALTH_TIMEOUT_ENV, DEFAULT_HEALTH_TIMEOUT_S),
+        }
+
+    def _vllm_finish_setup(self) -> None:
+        """Apply every engine's ready response to the VllmConfig (after the ready wait)."""
+        for info in self.ready_info.values():
+            response = apply_ready_response(self.vllm_config, info)
+            if response.dp_stats_address is not None and self.stats_update_address is None:
+                self.stats_update_address = response.dp_stats_address
+
+    def _make_output_decoder(self) -> Any:
+        return make_output_decoder()
+
+    def _launch_engines(self, engine_main: Any, external: bool) -> None:
+        # Raised from now on, including by a death during the ready wait below.
+        self.resources.dead_error_class = EngineDeadError
+        if self._vllm_launch is None:
+            return
+        executor_class, log_stats = self._vllm_launch
+        addresses = get_engine_zmq_addresses(self.vllm_config)
+        # The sockets are bound: hand the engines the real endpoints (a tcp port 0
+        # placeholder resolved, or corewire's private ipc paths).
+        self.input_address = addresses.inputs[0] = _bound_endpoint(self.input_socket)
+        self.output_address = addresses.outputs[0] = _bound_endpoint(self.output_socket)
+        with launch_core_engines(self.vllm_config, executor_class, log_stats, addresses) as (
+            engine_manager,
+            coordinator,
+            launched,
+            _tensor_queue,
+        ):
+            self.vllm_engine_manager = engine_manager
+            self.vllm_coordinator = coordinator
+            # Watched by corewire's monitor and stopped with the client.
+            self.resources.processes.extend(getattr(engine_manager, "processes", None) or ())
+            if coordinator is not None:
+                self.resources.processes.append(coordinator.proc)
+        self.stats_update_address = launched.frontend_stats_publish_address
+        self.resources.processes_changed()
+
+
+class VllmAsyncMPClient(VllmClientMixin, AsyncMPClient):
+    """:class:`corewire.AsyncMPClient` built from vLLM's factory arguments (one engine)."""
+
+    def __init__(
+        self,
+        vllm_config: Any,
+        executor_class: Any,
+        log_stats: bool,
+        client_addresses: dict[str, Any] | None = None,
+        client_count: int = 1,
+        client_index: int = 0,
+    ) -> None:
+        kwargs = self._vllm_setup(
+            vllm_config, executor_class, log_stats, client_addresses, client_count, client_index
+        )
+        super().__init__(**kwargs)
+        self._vllm_finish_setup()
+
+
+def _ranks_managed(parallel_config: Any) -> list[int]:
+    """The DP ranks a front-end drives, as vLLM's client computes them."""
+    dp_rank = parallel_config.data_parallel_index
+    if parallel_config.data_parallel_rank_local is not None:  # offline mode: one engine
+        return [dp_rank]
+    if parallel_config.local_engines_only:
+        count = parallel_config.data_parallel_size_local
+    else:
+        count = parallel_config.data_parallel_size
+    return list(range(dp_rank, dp_rank + count))
+
+
+def _bound_endpoint(sock: Any) -> str:
+    endpoint = sock.getsockopt(zmq.LAST_ENDPOINT)
+    return endpoint.decode() if isinstance(endpoint, bytes) else str(endpoint)

@@ -1,0 +1,53 @@
+"""The ``vllm.general_plugins`` entry point: corewire's client inside vLLM's ``AsyncLLM``.
+
+``pip install corewire`` registers :func:`register` with vLLM, which calls it in each of
+its processes. It does nothing unless ``COREWIRE_VLLM_CLIENT=1`` is set; then it replaces
+``EngineCoreClient.make_async_mp_client``, the factory through which vLLM's ``AsyncLLM``
+builds its engine-core client, with :func:`corewire.vllm.client.make_async_mp_client`.
+vLLM looks the factory up when ``AsyncLLM`` starts, after the plugins ran. Engine-core and
+worker processes never call that factory, so nothing changes for them, and vLLM's
+synchronous ``LLM`` class keeps its own client.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import Any
+
+__all__ = ["ENV_SWITCH", "enabled", "register"]
+
+logger = logging.getLogger("corewire.vllm")
+
+#: The switch: "1" (or "true", "yes", "on") makes vLLM use corewire's client.
+ENV_SWITCH = "COREWIRE_VLLM_CLIENT"
+_TRUE = frozenset({"1", "true", "yes", "on"})
+_FALSE = frozenset({"", "0", "false", "no", "off"})
+
+
+def enabled() -> bool:
+    """Whether ``COREWIRE_VLLM_CLIENT`` asks for corewire's client.
+
+    Raises ``ValueError`` for a value that is neither on nor off, rather than guessing.
+    """
+    raw = os.environ.get(ENV_SWITCH, "").strip().lower()
+    if raw in _TRUE:
+        return True
+    if raw in _FALSE:
+        return False
+    raise ValueError(f"{ENV_SWITCH} must be 1 or 0, got {os.environ[ENV_SWITCH]!r}")
+
+
+def register() -> None:
+    """Entry point run by vLLM: install corewire's client factory when switched on."""
+    if not enabled():
+        return
+    from vllm.v1.engine.core_client import EngineCoreClient
+
+    from corewire.vllm.client import make_async_mp_client
+
+    current: Any = EngineCoreClient.__dict__.get("make_async_mp_client")
+    if getattr(current, "__func__", None) is make_async_mp_client:
+        return  # vLLM loads plugins more than once per process
+    EngineCoreClient.make_async_mp_client = staticmethod(make_async_mp_client)  # type: ignore[method-assign]
+    logger.info("corewire: vLLM's AsyncLLM uses corewire's engine-core client")
