@@ -11,3 +11,9 @@ export VIRTUAL_ENV="$COREWIRE_VENV"
 export PATH="$COREWIRE_VENV/bin:$PATH"
 # maturin is needed before the project itself can be built.
 python -m pip install -q "maturin>=1.5,<2"
+
+# vLLM's front-end needs a platform on a machine without a GPU: this test/serve-only plugin
+# names vLLM's CPU platform. Installed here, never a dependency of corewire itself.
+install_cpu_platform() {
+    python -m pip install -q --no-build-isolation "$(dirname "${BASH_SOURCE[0]}")/../tools/vllm-cpu-platform"
+}

@@ -239,10 +239,13 @@ class DPAsyncMPClient(AsyncMPClient):
         )
         resources.add_task(task)
 
-    def _apply_stats(self, counts: list[list[int]], wave: int, running: bool) -> None:
-        """One publication ``[counts, current_wave, engines_running]`` arrived."""
+    def _apply_stats(self, counts: list[list[int]] | None, wave: int, running: bool) -> None:
+        """One publication ``[counts, current_wave, engines_running]`` arrived; ``counts``
+        is None when only the wave state changed (vLLM's coordinator sends that)."""
         self.current_wave = wave
         self.engines_running = running
+        if counts is None:
+            return
         self.lb_engines = [counts[i] if i < len(counts) else [0, 0] for i in self.engine_indices]
         for size, waiter in list(self._stats_waiters):
             if len(counts) == size and not waiter.done():
@@ -385,9 +388,10 @@ class DPLBAsyncMPClient(DPAsyncMPClient):
         """The routing state (in-flight counts, loads); for inspection."""
         return self._router
 
-    def _apply_stats(self, counts: list[list[int]], wave: int, running: bool) -> None:
+    def _apply_stats(self, counts: list[list[int]] | None, wave: int, running: bool) -> None:
         super()._apply_stats(counts, wave, running)
-        self._router.update_counts(counts)
+        if counts is not None:
+            self._router.update_counts(counts)
 
     def get_core_engine_for_request(self, request: EngineCoreRequest) -> bytes:
         """Route ``request`` (least loaded, or its ``data_parallel_rank``) and remember
@@ -637,7 +641,7 @@ async def _stats_update_loop(
                     break
             try:
                 counts, wave, running = decode(frame)
-                if not isinstance(counts, list) or type(wave) is not int:
+                if not (counts is None or isinstance(counts, list)) or type(wave) is not int:
                     raise ValueError("expected [counts, current_wave, engines_running]")
             except (msgspec.DecodeError, ValueError, TypeError) as exc:
                 logger.warning("ignoring a malformed coordinator publication: %s", exc)

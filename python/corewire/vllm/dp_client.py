@@ -1,0 +1,87 @@
+"""corewire's data-parallel clients built from vLLM 0.25.1's client-factory arguments.
+
+Under vLLM the DP coordinator is vLLM's own (started by ``launch_core_engines`` on rank 0,
+or reached through ``client_addresses["stats_update_address"]``): these clients start no
+coordinator of their own and follow vLLM's publications on its front-end stats address,
+whose format (``[counts, current_wave, engines_running]``) corewire's DP clients already
+read. Routing, aborts, utility fan-out and death handling are corewire's.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from corewire.client.dp import DPAsyncMPClient, DPLBAsyncMPClient
+from corewire.coordinator import CoordinatorAddresses
+from corewire.vllm.client import VllmClientMixin
+
+__all__ = ["VllmDPAsyncMPClient", "VllmDPLBAsyncMPClient"]
+
+# Filled in once vLLM's coordinator is known (after the engines' start-up); the engine
+# endpoints are never used here: vLLM's handshake gives the engines their own.
+_UNKNOWN = CoordinatorAddresses(front_publish="", engine_stats="", engine_publish="")
+
+
+class _VllmDPMixin(VllmClientMixin):
+    """Construction shared by both DP adapters."""
+
+    coordinator_addresses: CoordinatorAddresses
+
+    def _vllm_dp_kwargs(self, *args: Any) -> dict[str, Any]:
+        kwargs = self._vllm_setup(*args)
+        kwargs["data_parallel_size"] = self.vllm_config.parallel_config.data_parallel_size
+        kwargs["coordinator_addresses"] = _UNKNOWN
+        return kwargs
+
+    def _vllm_finish_setup(self) -> None:
+        super()._vllm_finish_setup()
+        if self.stats_update_address is None:
+            raise RuntimeError(
+                "vLLM's DP coordinator address is unknown: no engine's ready response and "
+                "no client_addresses named it"
+            )
+        self.coordinator_addresses = dataclasses.replace(
+            self.coordinator_addresses, front_publish=self.stats_update_address
+        )
+
+
+class VllmDPAsyncMPClient(_VllmDPMixin, DPAsyncMPClient):
+    """:class:`corewire.DPAsyncMPClient` (external load balancing) from vLLM's arguments."""
+
+    def __init__(
+        self,
+        vllm_config: Any,
+        executor_class: Any,
+        log_stats: bool,
+        client_addresses: dict[str, Any] | None = None,
+        client_count: int = 1,
+        client_index: int = 0,
+    ) -> None:
+        super().__init__(
+            **self._vllm_dp_kwargs(
+                vllm_config, executor_class, log_stats, client_addresses, client_count, client_index
+            )
+        )
+        self._vllm_finish_setup()
+
+
+class VllmDPLBAsyncMPClient(_VllmDPMixin, DPLBAsyncMPClient):
+    """:class:`corewire.DPLBAsyncMPClient` (one front-end over N engines) from vLLM's
+    arguments."""
+
+    def __init__(
+        self,
+        vllm_config: Any,
+        executor_class: Any,
+        log_stats: bool,
+        client_addresses: dict[str, Any] | None = None,
+        client_count: int = 1,
+        client_index: int = 0,
+    ) -> None:
+        super().__init__(
+            **self._vllm_dp_kwargs(
+                vllm_config, executor_class, log_stats, client_addresses, client_count, client_index
+            )
+        )
+        self._vllm_finish_setup()
