@@ -468,7 +468,8 @@ def test_external_engine_via_client_addresses() -> None:
 
 async def test_reference_engine_by_default() -> None:
     with no_leaks(grace=20), tempfile.TemporaryDirectory(prefix="corewire-test-") as tmp:
-        client = AsyncMPClient()
+        # Traces go only into the engine's profile_dir (vLLM sends a file-name prefix).
+        client = AsyncMPClient(engine_args={"profile_dir": tmp})
         try:
             (pid,) = client.engine_pids
             assert await client.call_utility_async("echo", [1, 2]) == [1, 2]
@@ -486,9 +487,10 @@ async def test_reference_engine_by_default() -> None:
             await client.resume_scheduler_async()
             assert await client.is_scheduler_paused_async() is False
             await client.profile_async(True)
-            await client.profile_async(False, tmp)
+            await client.profile_async(False, "client-trace")
             (trace,) = os.listdir(tmp)
-            assert trace.endswith(".json") and os.path.getsize(os.path.join(tmp, trace)) > 0
+            assert trace.startswith("client-trace-") and trace.endswith(".json")
+            assert os.path.getsize(os.path.join(tmp, trace)) > 0
             with pytest.raises(UtilityError, match="Call to add_lora method failed"):
                 await client.add_lora_async(None)
             for i in range(3):

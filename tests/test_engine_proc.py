@@ -12,6 +12,7 @@ import json
 import math
 import multiprocessing
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -118,7 +119,23 @@ def sampled(rid: str, prompt: list[int], max_tokens: int = 8, **kw: Any) -> Engi
 def test_ready_message_identity_and_map(ref: FrontEnd) -> None:
     identity, ready = ref.ready  # type: ignore[attr-defined]
     assert identity == ENGINE_INDEX.to_bytes(2, "little") == b"\x03\x00"
-    assert ready == {"status": "READY", "engine_index": ENGINE_INDEX, "pid": ref.procs[0].pid}
+    # vLLM 0.25.1's EngineCoreReadyResponse, every key, with the engine's own values
+    # (the reference engine has no KV cache), plus corewire's own three keys.
+    assert ready == {
+        "max_model_len": 2048,
+        "num_gpu_blocks": 0,
+        "block_size": 16,
+        "dp_stats_address": None,
+        "dtype": "float32",
+        "vllm_version": "0.25.1",
+        "world_size": 1,
+        "data_parallel_size": 1,
+        "kv_cache_size_tokens": None,
+        "kv_cache_max_concurrency": None,
+        "status": "READY",
+        "engine_index": ENGINE_INDEX,
+        "pid": ref.procs[0].pid,
+    }
 
 
 def test_add_short_vllm_layout_and_output_golden_layout(ref: FrontEnd) -> None:
@@ -222,7 +239,7 @@ def test_failing_utility_calls_exact_text_and_engine_lives(ref: FrontEnd) -> Non
     text = failure("echo")  # missing argument
     assert text.startswith("Call to echo method failed: ") and "missing" in text
     text = failure("sleep", 7)
-    assert text == "Call to sleep method failed: sleep level must be 1 or 2, got 7"
+    assert text == "Call to sleep method failed: sleep level must be 0, 1 or 2, got 7"
     assert ref.value("echo", "still alive") == "still alive"
     assert ref.procs[0].is_alive()
 
@@ -453,12 +470,13 @@ def test_reference_utilities(ref: FrontEnd, tmp_path: Path) -> None:
     assert [t for o in ref.collect(["util-asleep"])["util-asleep"] for t in o.new_token_ids] == (
         baseline
     )
-    # A real torch profiler trace, written where asked.
-    trace = tmp_path / "trace.json"
-    assert ref.value("profile", True, str(trace)) is None
+    # A real torch profiler trace, named by vLLM's profile_prefix (never a path).
+    assert ref.value("profile", True, "util-trace") is None
     ref.generate(greedy("util-profiled", [4, 5], 4))
-    assert ref.value("profile", False) == str(trace)
+    trace = Path(ref.value("profile", False))
+    assert trace.name.startswith("util-trace-") and trace.suffix == ".json"
     events = json.loads(trace.read_text())["traceEvents"]
+    shutil.rmtree(trace.parent)
     assert any("linear" in str(e.get("name", "")).lower() for e in events)
     again = ref.call("profile", False).failure_message
     assert again == "Call to profile method failed: the profiler is not running"

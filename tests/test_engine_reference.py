@@ -11,6 +11,7 @@ import concurrent.futures
 import json
 import math
 import queue
+import shutil
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -409,23 +410,30 @@ def test_utility_methods(engine: ReferenceEngine, tmp_path: Path) -> None:
     assert isinstance(future, concurrent.futures.Future)
     assert future.result(timeout=5) == "later"
 
-    # Profiler: a real Chrome trace, into a directory or a named file.
-    engine.profile(True)
+    # Profiler: a real Chrome trace named by vLLM's profile_prefix, written only into
+    # the engine's profile_dir; a prefix that is a path is refused.
+    eng = ReferenceEngine(device="cpu", profile_dir=str(tmp_path))
+    eng.profile(True, "run1")
     with pytest.raises(RuntimeError, match="already running"):
-        engine.profile(True)
-    gen(engine, temperature=0.0, max_tokens=2)
-    path = engine.profile(False, str(tmp_path))
-    assert Path(path).parent == tmp_path
-    assert "traceEvents" in json.loads(Path(path).read_text())
+        eng.profile(True)
+    gen(eng, temperature=0.0, max_tokens=2)
+    path = Path(eng.profile(False))
+    assert path.parent == tmp_path and path.name.startswith("run1-")
+    assert "traceEvents" in json.loads(path.read_text())
     with pytest.raises(RuntimeError, match="not running"):
-        engine.profile(False)
-    # Anything else is a file-name prefix in the temp directory (vLLM's profile_prefix).
+        eng.profile(False)
+    for bad in ("../escape", str(tmp_path / "abs"), "", ".."):
+        with pytest.raises(ValueError, match="file-name prefix, not a path"):
+            eng.profile(True, bad)
+    assert sorted(tmp_path.iterdir()) == [path]
+    # Without a profile_dir: a private directory made on first use.
     engine.profile(True)
     prefixed = Path(engine.profile(False, "corewire-test-prefix"))
     try:
         assert prefixed.name.startswith("corewire-test-prefix-") and prefixed.is_file()
+        assert prefixed.parent.stat().st_mode & 0o777 == 0o700
     finally:
-        prefixed.unlink()
+        shutil.rmtree(prefixed.parent)
 
 
 def test_fail_next_step_and_shutdown_cancels_pending_futures() -> None:

@@ -20,11 +20,10 @@ import collections
 import concurrent.futures
 import contextlib
 import logging
-import os
 import queue
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import msgspec
@@ -32,6 +31,8 @@ import zmq
 
 from corewire.codec import Encoder, MsgspecDecoder
 from corewire.engine.interface import INTERFACE_METHODS, Engine
+from corewire.engine.ready import engine_info_of, ready_response
+from corewire.engine.utilities import DEFAULT_UTILITIES, UtilityDefaults
 from corewire.errors import ProtocolError
 from corewire.protocol import (
     ENGINE_CORE_DEAD,
@@ -82,17 +83,26 @@ class EngineCoreProc:
     """Runs an :class:`~corewire.engine.Engine` behind the engine-core sockets.
 
     ``input_address`` is the front-end's ROUTER (this side connects a DEALER whose
-    identity is ``engine_index`` as 2 bytes little-endian); ``output_address`` is the
-    front-end's PULL (one address, or one per front-end client: outputs then go to the
-    socket of the request's ``client_index``).
+    identity is ``engine_index`` as 2 bytes little-endian), or one per front-end client;
+    ``output_address`` is the front-end's PULL (one address, or one per front-end
+    client: outputs then go to the socket of the request's ``client_index``).
+    ``dp_stats_address`` is reported in the ready response (where front-ends subscribe
+    to DP load stats). :attr:`ready_event` is set once the ready response went out on
+    every request link (and :meth:`_open_extra_inputs` returned).
+
+    Utility calls go to the engine's public methods; the ones vLLM's front-end makes
+    that the engine lacks are answered by
+    :class:`~corewire.engine.utilities.UtilityDefaults`.
 
     Subclasses (data parallel) extend the loop through these hooks:
     :meth:`run_busy_loop`, :meth:`_has_work`, :meth:`_process_input_queue`,
     :meth:`_process_engine_step`, :meth:`_make_outputs`, :meth:`_send_outputs`,
     :meth:`_handle_input`, :meth:`_handle_add`, :meth:`_handle_abort`,
     :meth:`_handle_start_dp_wave`, :meth:`_scheduler_stats`, :meth:`_ready_message`,
-    :meth:`_on_idle`, :meth:`configure_socket` and :meth:`_all_output_addresses` (append
-    extra PUSH targets, e.g. a coordinator, addressed by index in :meth:`_send_outputs`).
+    :meth:`_on_idle`, :meth:`configure_socket`, :meth:`_open_extra_inputs` (more sockets
+    for the input thread, e.g. a coordinator's publisher) and
+    :meth:`_all_output_addresses` (append extra PUSH targets, e.g. a coordinator,
+    addressed by index in :meth:`_send_outputs`).
     A loop that replaces :meth:`run_busy_loop` calls :meth:`_flush_deferred_replies`
     after each step. Unknown keyword options are accepted and ignored, so that a
     launcher can pass data-parallel options to whichever class it runs.
@@ -102,13 +112,14 @@ class EngineCoreProc:
         self,
         engine: Engine,
         *,
-        input_address: str,
+        input_address: str | Sequence[str],
         output_address: str | Sequence[str],
         engine_index: int = 0,
         log_stats: bool = True,
         include_finished_set: bool = False,
         idle_poll_s: float = 1.0,
         linger_ms: int = 5000,
+        dp_stats_address: str | None = None,
         **options: Any,
     ) -> None:
         if not 0 <= engine_index < 1 << 16:
@@ -118,7 +129,18 @@ class EngineCoreProc:
         self.engine = engine
         self.engine_index = engine_index
         self.identity = engine_index.to_bytes(2, "little")
-        self.input_address = input_address
+        self.input_addresses: list[str] = (
+            [input_address] if isinstance(input_address, str) else list(input_address)
+        )
+        if not self.input_addresses:
+            raise ValueError("at least one input address is required")
+        self.input_address = self.input_addresses[0]
+        self.dp_stats_address = dp_stats_address
+        # Read once, before any thread starts: the ready response repeats it.
+        self.engine_info = engine_info_of(engine)
+        self._utility_defaults = UtilityDefaults(engine)
+        #: Set once the ready response went out on every request link.
+        self.ready_event = threading.Event()
         self.output_addresses: list[str] = (
             [output_address] if isinstance(output_address, str) else list(output_address)
         )
@@ -438,6 +460,8 @@ class EngineCoreProc:
         if method.startswith("_") or method in INTERFACE_METHODS:
             raise AttributeError(f"{method!r} is not a utility method")
         fn = getattr(self.engine, method, None)
+        if fn is None and method in DEFAULT_UTILITIES:
+            fn = getattr(self._utility_defaults, method)
         if fn is None:
             raise AttributeError(f"engine has no utility method {method!r}")
         if not callable(fn):
@@ -508,38 +532,72 @@ class EngineCoreProc:
         """Hook run on every socket just before it connects to ``address`` (e.g. to
         apply CURVE keys for ``tcp://`` peers); does nothing here."""
 
+    def _data_parallel_size(self) -> int:
+        """The DP group size reported in the ready response (1 here)."""
+        return 1
+
     def _ready_message(self) -> dict[str, Any]:
-        """The map sent once on the input socket when it is connected."""
-        return {"status": "READY", "engine_index": self.engine_index, "pid": os.getpid()}
+        """The ready response, sent once on each request link when it is connected."""
+        return ready_response(
+            self.engine_info,
+            engine_index=self.engine_index,
+            data_parallel_size=self._data_parallel_size(),
+            dp_stats_address=self.dp_stats_address,
+        )
+
+    def _open_extra_inputs(
+        self, ctx: zmq.Context[Any]
+    ) -> list[tuple[zmq.Socket[Any], Callable[[list[zmq.Frame]], None]]]:
+        """Hook run on the input thread after the ready responses went out: more sockets
+        for it to poll, each with the function that handles its messages. It may block
+        (e.g. on a coordinator's go-ahead) while :meth:`input_stopping` is false. The
+        input thread closes the sockets. None here."""
+        return []
+
+    def input_stopping(self) -> bool:
+        """Whether the input thread was told to stop (for hooks that wait)."""
+        return self._input_stop.is_set()
 
     def _input_thread_main(self) -> None:
-        sock = self._ctx.socket(zmq.DEALER)
+        sockets: list[zmq.Socket[Any]] = []
         try:
-            sock.setsockopt(zmq.IDENTITY, self.identity)
-            sock.setsockopt(zmq.LINGER, 0)
-            self.configure_socket(sock, self.input_address)
-            sock.connect(self.input_address)
-            # The ROUTER cannot address this engine until it has heard from it.
-            sock.send(msgspec.msgpack.encode(self._ready_message()))
+            ready = msgspec.msgpack.encode(self._ready_message())
+            handlers: dict[zmq.Socket[Any], Callable[[list[zmq.Frame]], None]] = {}
             decoder = _InputDecoder(self)
+            for address in self.input_addresses:
+                sock = self._ctx.socket(zmq.DEALER)
+                sockets.append(sock)
+                sock.setsockopt(zmq.IDENTITY, self.identity)
+                sock.setsockopt(zmq.LINGER, 0)
+                self.configure_socket(sock, address)
+                sock.connect(address)
+                # The ROUTER cannot address this engine until it has heard from it.
+                sock.send(ready)
+                handlers[sock] = decoder.decode
+            for sock, handler in self._open_extra_inputs(self._ctx):
+                sockets.append(sock)
+                handlers[sock] = handler
+            self.ready_event.set()
             poller = zmq.Poller()
-            poller.register(sock, zmq.POLLIN)
+            for sock in sockets:
+                poller.register(sock, zmq.POLLIN)
             while not self._input_stop.is_set():
-                if not poller.poll(200):
-                    continue
-                # Drain everything ready before polling again.
-                while True:
-                    try:
-                        frames = sock.recv_multipart(flags=zmq.NOBLOCK, copy=False)
-                    except zmq.Again:
-                        break
-                    decoder.decode(frames)
+                for sock, _ in poller.poll(200):
+                    handler = handlers[sock]
+                    # Drain everything ready before polling again.
+                    while True:
+                        try:
+                            frames = sock.recv_multipart(flags=zmq.NOBLOCK, copy=False)
+                        except zmq.Again:
+                            break
+                        handler(frames)
         except Exception as exc:
             if not self._input_stop.is_set():
                 logger.exception("engine input thread failed")
                 self.input_queue.put((_IN_FATAL, exc))
         finally:
-            sock.close(linger=0)
+            for sock in sockets:
+                sock.close(linger=0)
 
     # ------------------------------------------------------------------ output thread
 

@@ -112,9 +112,12 @@ class DPEngineCoreProc(EngineCoreProc):
         #: Index of the coordinator's PUSH socket among the output sockets.
         self.coordinator_index: int | None = None
         if coordinator_addresses is not None:
-            _front, self.coordinator_stats_address, self.coordinator_wave_address = (
+            front, self.coordinator_stats_address, self.coordinator_wave_address = (
                 coordinator_addresses
             )
+            # The ready response names the publisher front-ends subscribe to.
+            if self.dp_stats_address is None and front:
+                self.dp_stats_address = front
             self.coordinator_index = len(self.output_addresses)
         # Request ids this engine holds, so that a retiring engine can finish them all.
         self._live: set[str] = set()
@@ -227,8 +230,8 @@ class DPEngineCoreProc(EngineCoreProc):
             stats = {**stats, "current_wave": self.current_wave, "step_counter": self.step_counter}
         return stats
 
-    def _ready_message(self) -> dict[str, Any]:
-        return {**super()._ready_message(), "data_parallel_size": self.data_parallel_size}
+    def _data_parallel_size(self) -> int:
+        return self.data_parallel_size
 
     # ------------------------------------------------------------------ requests
 

@@ -3,11 +3,56 @@
 from __future__ import annotations
 
 import abc
+import dataclasses
 from typing import Any
 
 from corewire.protocol import EngineCoreOutput, EngineCoreRequest
 
-__all__ = ["INTERFACE_METHODS", "Engine"]
+__all__ = ["INTERFACE_METHODS", "NO_MODEL_LEN_LIMIT", "Engine", "EngineInfo"]
+
+#: ``max_model_len`` of an engine that sets no limit of its own: a front-end that takes
+#: the smaller of its own limit and the engine's (vLLM does) keeps its own.
+NO_MODEL_LEN_LIMIT = (1 << 31) - 1
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineInfo:
+    """What an engine reports about itself in its ready response (see
+    :meth:`Engine.engine_info`).
+
+    The engine process adds what it knows itself (the DP group size, the DP stats
+    address, the protocol version) and sends the map once on each request link.
+    vLLM's front-end takes the smaller of its own ``max_model_len`` and this one, and
+    copies ``block_size``, ``num_gpu_blocks`` and the KV-cache figures into its cache
+    config (its metrics and logs show them).
+    """
+
+    #: Longest sequence (prompt + output) the engine accepts.
+    max_model_len: int = NO_MODEL_LEN_LIMIT
+    #: Model dtype, without the ``torch.`` prefix (``"float32"``, ``"bfloat16"`` ...).
+    dtype: str = "float32"
+    #: KV-cache blocks; 0 for an engine without a paged KV cache.
+    num_gpu_blocks: int = 0
+    #: Tokens per KV-cache block (an engine without a KV cache keeps vLLM's usual 16).
+    block_size: int = 16
+    #: Workers (devices) behind this engine.
+    world_size: int = 1
+    #: KV-cache capacity in tokens; None for an engine without a KV cache.
+    kv_cache_size_tokens: int | None = None
+    #: How many requests of ``max_model_len`` tokens fit in the KV cache at once; None
+    #: for an engine without a KV cache.
+    kv_cache_max_concurrency: float | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("max_model_len", "num_gpu_blocks", "block_size", "world_size"):
+            value = getattr(self, name)
+            least = 0 if name == "num_gpu_blocks" else 1
+            if type(value) is not int or value < least:
+                raise ValueError(f"EngineInfo.{name} must be an int >= {least}, got {value!r}")
+        if not isinstance(self.dtype, str) or not self.dtype:
+            raise ValueError(f"EngineInfo.dtype must be a dtype name, got {self.dtype!r}")
+        if self.dtype.startswith("torch."):
+            object.__setattr__(self, "dtype", self.dtype.removeprefix("torch."))
 
 
 class Engine(abc.ABC):
@@ -54,6 +99,13 @@ class Engine(abc.ABC):
         so that the busy loop waits for input instead of spinning.
         """
 
+    def engine_info(self) -> EngineInfo:
+        """Facts about the model for the ready response: ``max_model_len``, ``dtype``,
+        KV-cache size ... (see :class:`EngineInfo`). Called once, after the constructor
+        and before the first request. The default claims no length limit and no KV
+        cache; an engine with real limits should report them."""
+        return EngineInfo()
+
     def scheduler_stats(self) -> dict[str, Any] | None:
         """Counters sent with every batch of outputs (``num_running_reqs``,
         ``num_waiting_reqs``, ...), or None to send none."""
@@ -72,6 +124,7 @@ INTERFACE_METHODS = frozenset(
         "step",
         "has_unfinished_requests",
         "scheduler_stats",
+        "engine_info",
         "shutdown",
     }
 )

@@ -19,7 +19,14 @@ from typing import Any
 from corewire.engine.core import EngineCoreProc
 from corewire.engine.interface import Engine
 
-__all__ = ["ENGINE_ALIASES", "load_engine", "run_engine_core", "serve_engine"]
+__all__ = [
+    "ENGINE_ALIASES",
+    "configure_logging",
+    "load_engine",
+    "run_engine_core",
+    "run_proc",
+    "serve_engine",
+]
 
 logger = logging.getLogger("corewire.engine")
 
@@ -67,7 +74,7 @@ def _proc_class(dp_options: dict[str, Any]) -> type[EngineCoreProc]:
 def serve_engine(
     *,
     engine_index: int,
-    input_address: str,
+    input_address: str | list[str],
     output_address: str | list[str],
     engine: str | None = None,
     engine_args: dict[str, Any] | None = None,
@@ -81,7 +88,7 @@ def serve_engine(
     ENGINE_CORE_DEAD and returns 1. An engine that fails to build returns 1 before the
     ready message, so the front-end sees the process exit instead of a ready engine.
     """
-    _configure_logging(engine_index)
+    configure_logging(engine_index)
     try:
         built = load_engine(engine, engine_args)
         proc = _proc_class(dp_options)(
@@ -94,6 +101,15 @@ def serve_engine(
     except Exception:
         logger.exception("engine %d failed to start", engine_index)
         return 1
+    return run_proc(proc, parent_pid)
+
+
+def run_proc(proc: EngineCoreProc, parent_pid: int | None = None) -> int:
+    """Run a built engine core on this thread until it stops; return its exit status.
+
+    SIGTERM and SIGINT stop it cleanly when called on the main thread; with
+    ``parent_pid`` it also stops when that process dies.
+    """
 
     def _stop(signum: int, _frame: Any) -> None:
         proc.request_stop()
@@ -110,14 +126,14 @@ def serve_engine(
         watcher.stop()
         for sig, previous in installed.items():
             signal.signal(sig, previous)
-    logger.info("engine %d stopped (status %d)", engine_index, status)
+    logger.info("engine %d stopped (status %d)", proc.engine_index, status)
     return status
 
 
 def run_engine_core(
     *,
     engine_index: int,
-    input_address: str,
+    input_address: str | list[str],
     output_address: str | list[str],
     engine: str | None = None,
     engine_args: dict[str, Any] | None = None,
@@ -210,8 +226,9 @@ class _Watcher:
                     os._exit(1)
 
 
-def _configure_logging(engine_index: int) -> None:
-    """Log to stderr with the engine's name, unless the host configured logging."""
+def configure_logging(engine_index: int) -> None:
+    """Log to stderr with the engine's name, unless the host configured logging
+    (level from ``COREWIRE_LOG_LEVEL``, default INFO)."""
     root = logging.getLogger()
     if root.handlers:
         return

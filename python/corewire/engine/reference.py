@@ -29,7 +29,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from corewire.engine.interface import Engine
+from corewire.engine.interface import Engine, EngineInfo
 from corewire.protocol import (
     EngineCoreEvent,
     EngineCoreEventType,
@@ -67,6 +67,20 @@ def _top_p_mask(probs: torch.Tensor, top_p: torch.Tensor, steps: int = 24) -> to
     # The most probable token alone may already hold the mass.
     top_ok = (probs * (probs >= hi)).sum(dim=-1, keepdim=True) >= top_p
     return probs >= torch.where(top_ok, hi, lo)
+
+
+def _check_file_prefix(prefix: str) -> None:
+    """Refuse a profile prefix that would name a path instead of a file in the
+    engine's own directory."""
+    if (
+        not isinstance(prefix, str)
+        or not prefix
+        or prefix in (".", "..")
+        or os.path.basename(prefix) != prefix
+        or "\x00" in prefix
+        or (os.altsep is not None and os.altsep in prefix)
+    ):
+        raise ValueError(f"profile_prefix must be a file-name prefix, not a path: {prefix!r}")
 
 
 class _Block(nn.Module):
@@ -208,8 +222,12 @@ class ReferenceEngine(Engine):
     ``window`` (tokens the model reads), ``max_model_len``, ``eos_token_id``,
     ``pad_token_id``, ``seed`` (weights and the unseeded sampling stream),
     ``max_logprobs``, ``num_threads`` (torch CPU threads), ``step_delay`` (seconds slept
-    per step, to emulate a slower model) and ``record_events`` (QUEUED / SCHEDULED
-    events on each request's first output).
+    per step, to emulate a slower model), ``record_events`` (QUEUED / SCHEDULED
+    events on each request's first output) and ``profile_dir`` (where ``profile()``
+    writes its traces; default: a private directory made on first use).
+
+    Its ready response reports ``max_model_len`` and ``dtype`` as configured, one
+    worker, and no KV cache (the model re-reads a window of tokens each step).
     """
 
     def __init__(
@@ -230,6 +248,7 @@ class ReferenceEngine(Engine):
         num_threads: int | None = None,
         step_delay: float = 0.0,
         record_events: bool = False,
+        profile_dir: str | None = None,
     ) -> None:
         if device == "auto":
             device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -277,7 +296,8 @@ class ReferenceEngine(Engine):
         self._sleep_level = 0
         self._fail_next_step: str | None = None
         self._profiler: Any = None
-        self._profile_path: str | None = None
+        self._profile_prefix: str | None = None
+        self._profile_dir = profile_dir
         # Pending delayed_echo timers and the futures they will resolve.
         self._timers: dict[threading.Timer, concurrent.futures.Future] = {}
         self._timers_lock = threading.Lock()
@@ -375,6 +395,13 @@ class ReferenceEngine(Engine):
         if self._drain_ids is not None:
             return bool(self._drain_ids)
         return bool(self._running or self._waiting or self._pooling)
+
+    def engine_info(self) -> EngineInfo:
+        """The configured ``max_model_len`` and dtype, one worker, no KV cache."""
+        return EngineInfo(
+            max_model_len=self.max_model_len,
+            dtype=str(self.dtype).removeprefix("torch."),
+        )
 
     def scheduler_stats(self) -> dict[str, Any]:
         """Request counts and the number of steps taken."""
@@ -672,11 +699,37 @@ class ReferenceEngine(Engine):
         """There is no prefix cache (each step re-reads its window); always succeeds."""
         return True
 
-    def sleep(self, level: int = 1) -> None:
-        """Release the model: level 1 moves weights to host memory (on CUDA), level 2
-        discards them (rebuilt from the seed on wake-up). Steps stop until woken."""
-        if level not in (1, 2):
-            raise ValueError(f"sleep level must be 1 or 2, got {level}")
+    def sleep(self, level: int = 1, mode: str = "abort") -> concurrent.futures.Future | None:
+        """Sleep as vLLM's engines do: pause the scheduler with ``mode`` (see
+        :meth:`pause_scheduler`), then release the model: level 0 releases nothing
+        (a pause only), level 1 moves the weights to host memory (on CUDA), level 2
+        discards them (rebuilt from the seed on wake-up). With ``mode="wait"`` the
+        reply waits until the requests in flight finished and the model is released."""
+        if level not in (0, 1, 2):
+            raise ValueError(f"sleep level must be 0, 1 or 2, got {level}")
+        paused = self.pause_scheduler(mode, clear_cache=level >= 1)
+        if level == 0:
+            return paused
+        if paused is None:
+            self._release_model(level)
+            return None
+        slept: concurrent.futures.Future = concurrent.futures.Future()
+
+        def _then_release(done: concurrent.futures.Future) -> None:
+            if not slept.set_running_or_notify_cancel():
+                return
+            try:
+                done.result()
+                self._release_model(level)
+            except BaseException as exc:  # a cancelled pause cancels the sleep reply
+                slept.set_exception(exc)
+            else:
+                slept.set_result(None)
+
+        paused.add_done_callback(_then_release)
+        return slept
+
+    def _release_model(self, level: int) -> None:
         if self._asleep:
             return
         if level == 2:
@@ -690,8 +743,9 @@ class ReferenceEngine(Engine):
 
     def wake_up(self, tags: list[str] | None = None) -> None:
         """Restore what sleep() released: ``tags`` among "weights" and "kv_cache"
-        (None = all). The engine steps again once nothing is asleep."""
-        wanted = set(_SLEEP_TAGS if tags is None else tags)
+        (None = all); "scheduling" alone wakes nothing. Once nothing is asleep the
+        scheduler resumes (vLLM's behaviour: a sleep's pause ends with the sleep)."""
+        wanted = set(_SLEEP_TAGS if tags is None else tags) - {"scheduling"}
         unknown = wanted - _SLEEP_TAGS
         if unknown:
             raise ValueError(f"unknown wake-up tags {sorted(unknown)}")
@@ -701,10 +755,13 @@ class ReferenceEngine(Engine):
             else:
                 self._model.to(self.device)
         self._asleep -= wanted
+        if not self._asleep:
+            self.resume_scheduler()
 
     def is_sleeping(self) -> bool:
-        """Whether any part of the engine is asleep."""
-        return bool(self._asleep)
+        """Whether the scheduler is paused or any part of the model is asleep (vLLM
+        counts a level-0 sleep, a pause, as sleeping)."""
+        return self.is_scheduler_paused() or bool(self._asleep)
 
     def pause_scheduler(
         self, mode: str = "keep", clear_cache: bool = False
@@ -752,36 +809,37 @@ class ReferenceEngine(Engine):
         moment it was asked for)."""
         return self._paused or self._drain_ids is not None
 
-    def profile(self, is_start: bool = True, path: str | None = None) -> str | None:
+    def profile(self, is_start: bool = True, profile_prefix: str | None = None) -> str | None:
         """Start (``is_start``) or stop a torch profiler; stopping writes a Chrome trace
         and returns the file's path.
 
-        ``path`` (given when starting or stopping) is an existing directory to write
-        into, a file name ending in ".json", or otherwise a file-name prefix in the temp
-        directory (what vLLM front-ends send as ``profile_prefix``); default: the temp
-        directory.
+        As with vLLM, ``profile_prefix`` (given when starting or stopping) is a file-name
+        prefix, never a path: traces are written only into the engine's ``profile_dir``
+        (a private directory made on first use when none was configured).
         """
+        if profile_prefix is not None:
+            _check_file_prefix(profile_prefix)
         if is_start:
             if self._profiler is not None:
                 raise RuntimeError("the profiler is already running")
             activities = [torch.profiler.ProfilerActivity.CPU]
             if self.device.type == "cuda":
                 activities.append(torch.profiler.ProfilerActivity.CUDA)
-            profiler = torch.profiler.profile(activities=activities)
+            # One profiler object per start/stop pair: there is a single cycle, so
+            # keeping events "across cycles" changes nothing (and avoids torch's warning).
+            profiler = torch.profiler.profile(activities=activities, acc_events=True)
             profiler.start()
             self._profiler = profiler
-            self._profile_path = path
+            self._profile_prefix = profile_prefix
             return None
         if self._profiler is None:
             raise RuntimeError("the profiler is not running")
         profiler, self._profiler = self._profiler, None
         profiler.stop()
-        target = path or self._profile_path or tempfile.gettempdir()
-        name = f"corewire-engine-trace-{os.getpid()}-{time.time_ns()}.json"
-        if os.path.isdir(target):
-            target = os.path.join(target, name)
-        elif not target.endswith(".json"):
-            target = os.path.join(tempfile.gettempdir(), f"{os.path.basename(target)}-{name}")
+        if self._profile_dir is None:
+            self._profile_dir = tempfile.mkdtemp(prefix="corewire-profile-")
+        prefix = profile_prefix or self._profile_prefix or "corewire-engine-trace"
+        target = os.path.join(self._profile_dir, f"{prefix}-{os.getpid()}-{time.time_ns()}.json")
         profiler.export_chrome_trace(target)
         return target
 

@@ -1,0 +1,190 @@
+"""Helpers for tests that put ``corewire engine`` processes behind vLLM 0.25.1's own
+front-end classes (imported only by modules that skip without vllm).
+
+- :func:`frontend_platform`: vLLM's front-end code needs a platform; on a machine
+  without a GPU (and without the project's CPU platform plugin installed) it resolves to
+  an unspecified one, so the tests set vLLM's CPU platform in this process only.
+- :func:`vllm_config`: the smallest real ``VllmConfig`` built offline: a model directory
+  with just a llama-style ``config.json`` and ``skip_tokenizer_init``.
+- :class:`EngineProcs`: ``corewire engine`` command-line processes, their logs, and a
+  clean stop (SIGTERM, then SIGKILL).
+- :func:`reference_run`: the same requests through an in-process ``ReferenceEngine``,
+  the expected tokens and logprobs of a run behind vLLM.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import warnings
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from corewire.engine.reference import ReferenceEngine
+from corewire.protocol import EngineCoreRequest, SamplingParams
+
+#: Engine arguments shared by the vLLM interop tests: a light CPU engine whose steps
+#: take a few milliseconds (so that an abort lands mid-request).
+ENGINE_ARGS: dict[str, Any] = {
+    "device": "cpu",
+    "num_threads": 1,
+    "max_model_len": 512,
+    "step_delay": 0.004,
+}
+#: The front-end's own limit; the engine's smaller one must win.
+FRONTEND_MAX_MODEL_LEN = 1024
+
+_OFFLINE_ENV = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1"}
+
+
+def offline_environment() -> None:
+    """No network for vLLM or Hugging Face in this process."""
+    os.environ.update(_OFFLINE_ENV)
+
+
+def frontend_platform() -> None:
+    """Make vLLM's platform resolve in this process (its CPU platform where none
+    would: the engines are corewire's, the front-end needs no device)."""
+    import vllm.platforms as platforms
+
+    if platforms.current_platform.is_unspecified():
+        from vllm.platforms.cpu import CpuPlatform
+
+        platforms.current_platform = CpuPlatform()
+
+
+def write_model_dir(path: Path, vocab_size: int = 4096) -> Path:
+    """A model directory with only a tiny llama ``config.json`` (nothing downloaded)."""
+    path.mkdir(parents=True, exist_ok=True)
+    config = {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "vocab_size": vocab_size,
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_hidden_layers": 1,
+        "num_attention_heads": 2,
+        "num_key_value_heads": 2,
+        "max_position_embeddings": 2048,
+        "torch_dtype": "float32",
+        "bos_token_id": 1,
+        "eos_token_id": 2,
+    }
+    (path / "config.json").write_text(json.dumps(config))
+    return path
+
+
+def vllm_config(model_dir: Path, **parallel: Any) -> Any:
+    """A real ``VllmConfig`` for the front-end side; ``parallel`` goes to
+    ``ParallelConfig`` (data-parallel size, rpc port ...)."""
+    # Building the config imports torch modules that warn about their own deprecated
+    # APIs (torch.jit); those are not this project's to fix.
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)
+        from vllm.config import ModelConfig, ParallelConfig, VllmConfig
+
+        model = ModelConfig(
+            model=str(model_dir),
+            skip_tokenizer_init=True,
+            dtype="float32",
+            max_model_len=FRONTEND_MAX_MODEL_LEN,
+            enforce_eager=True,
+        )
+        return VllmConfig(model_config=model, parallel_config=ParallelConfig(**parallel))
+
+
+def free_tcp_port() -> int:
+    """A loopback TCP port that was free a moment ago."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+class EngineProcs:
+    """``corewire engine`` processes started from the command line, with logs in
+    ``log_dir``; :meth:`stop` ends them (SIGTERM, then SIGKILL) and returns their
+    exit codes."""
+
+    def __init__(self, log_dir: Path) -> None:
+        self.log_dir = log_dir
+        self.procs: list[subprocess.Popen[bytes]] = []
+
+    def start(self, *args: str, engine_args: dict[str, Any] | None = None) -> subprocess.Popen:
+        """Start ``corewire engine ARGS --engine-args JSON --parent-pid <this pid>``."""
+        command = [
+            sys.executable,
+            "-m",
+            "corewire.cli",
+            "engine",
+            *args,
+            "--engine-args",
+            json.dumps(ENGINE_ARGS if engine_args is None else engine_args),
+            "--parent-pid",
+            str(os.getpid()),
+        ]
+        log = open(self.log_dir / f"engine-{len(self.procs)}.log", "wb")  # noqa: SIM115
+        env = {**os.environ, **_OFFLINE_ENV, "COREWIRE_LOG_LEVEL": "INFO"}
+        try:
+            proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env)
+        finally:
+            log.close()  # the child holds its own copy
+        self.procs.append(proc)
+        return proc
+
+    @property
+    def pids(self) -> set[int]:
+        """Process ids of the engines started so far."""
+        return {p.pid for p in self.procs}
+
+    def logs(self) -> str:
+        """Every engine's log, for assertion messages."""
+        return "\n".join(p.read_text(errors="replace") for p in sorted(self.log_dir.glob("*.log")))
+
+    def stop(self, timeout: float = 15.0) -> list[int | None]:
+        """SIGTERM every engine, wait, SIGKILL what is left; the exit codes."""
+        for proc in self.procs:
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + timeout
+        codes: list[int | None] = []
+        for proc in self.procs:
+            try:
+                codes.append(proc.wait(max(0.1, deadline - time.monotonic())))
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait(5)
+                codes.append(None)
+        return codes
+
+
+def reference_run(
+    requests: list[tuple[str, list[int], dict[str, Any]]],
+    engine_args: dict[str, Any] | None = None,
+) -> dict[str, tuple[list[int], list[np.ndarray]]]:
+    """Run ``(request_id, prompt, sampling kwargs)`` requests through an in-process
+    reference engine; per request, the tokens and each token's logprob rows."""
+    args = {k: v for k, v in (ENGINE_ARGS if engine_args is None else engine_args).items()}
+    args["step_delay"] = 0.0
+    engine = ReferenceEngine(**args)
+    for rid, prompt, sp in requests:
+        engine.add_request(
+            EngineCoreRequest(
+                request_id=rid, prompt_token_ids=list(prompt), sampling_params=SamplingParams(**sp)
+            )
+        )
+    result: dict[str, tuple[list[int], list[np.ndarray]]] = {r[0]: ([], []) for r in requests}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            tokens, logprobs = result[out.request_id]
+            tokens.extend(out.new_token_ids)
+            if out.new_logprobs is not None:
+                logprobs.append(np.asarray(out.new_logprobs.logprobs))
+    engine.shutdown()
+    return result
