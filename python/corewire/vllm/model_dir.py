@@ -37,7 +37,7 @@ _SPECIALS = (PAD_TOKEN, BOS_TOKEN, EOS_TOKEN, UNK_TOKEN)  # ids 0, 1, 2, 3
 
 # Words a hand-written prompt is likely to use; anything else maps to <unk>. The chat
 # template's role names and ":" are here so that a rendered chat never hits <unk>.
-_WORDS = """
+_WORD_TEXT = """
 . , : ; ! ? ' " - ( ) [ ] / * + = # @ & % $ 0 1 2 3 4 5 6 7 8 9 10 100
 system user assistant tool
 the a an and or but not no yes if then else of to in on at by for with from as into over
@@ -57,7 +57,8 @@ house kind head father power hour game line member car city team minute idea bod
 parent face others level office door health person art war history party result change
 morning reason research girl guy moment air teacher force education once upon count
 quick brown fox jumps lazy dog cat red green blue black white sun moon star sky sea
-""".split()
+"""
+_WORDS = _WORD_TEXT.split()
 
 # A small chat template: "role : content" lines, then "assistant :" for the reply.
 CHAT_TEMPLATE = (

@@ -1,0 +1,432 @@
+"""Launch vLLM's OpenAI-compatible API server front-end only, with corewire engines behind it.
+
+The stack is three kinds of processes on loopback:
+
+- ``vllm serve MODEL_DIR`` with ``--data-parallel-size-local 0``: vLLM's API server starts
+  no engine of its own and waits on its handshake port for engines to join, as remote
+  ``--headless`` vLLM engines would;
+- ``corewire engine --handshake-address tcp://127.0.0.1:RPC --engine-index i`` for each
+  of the N engines: reference engines that do vLLM's start-up handshake;
+- with N > 1, vLLM's own DP coordinator, a child of the API server.
+
+``client="corewire"`` sets ``COREWIRE_VLLM_CLIENT=1`` for the API server, so that
+corewire's vLLM plugin makes vLLM's ``AsyncLLM`` use corewire's client; ``client="vllm"``
+leaves vLLM's own client in place. The model directory must match the engines' vocabulary
+(:func:`corewire.vllm.model_dir.write_model_dir` with the same ``vocab_size`` and
+``max_model_len``).
+
+On a machine without a GPU, vLLM's front-end needs a platform plugin (the project's
+``tools/vllm-cpu-platform``), installed by ``scripts/serve`` and the test set-up.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Mapping
+from importlib.metadata import entry_points
+from pathlib import Path
+from types import TracebackType
+from typing import IO, Any, Literal
+
+__all__ = [
+    "CLIENTS",
+    "ServeStack",
+    "StackError",
+    "free_port",
+    "main",
+    "offline_env",
+    "plugin_installed",
+]
+
+CLIENTS = ("corewire", "vllm")
+"""The engine-core clients the API server can use: ``"corewire"`` (the plugin) or ``"vllm"``."""
+
+_LOG_TAIL_BYTES = 6000
+
+
+class StackError(RuntimeError):
+    """The stack could not start, or one of its processes died while starting."""
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port that was free on ``host`` a moment ago (the OS's pick for port 0)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind((host, 0))
+        return int(sock.getsockname()[1])
+
+
+def plugin_installed() -> bool:
+    """Whether corewire's ``vllm.general_plugins`` entry point is installed (vLLM runs it)."""
+    return any(
+        ep.value.startswith("corewire.vllm.plugin")
+        for ep in entry_points(group="vllm.general_plugins")
+    )
+
+
+def offline_env(base: Mapping[str, str] | None = None) -> dict[str, str]:
+    """``base`` (default: this process's environment) with vLLM and Hugging Face offline.
+
+    Nothing is downloaded and no usage statistics are sent: the model directory is local.
+    """
+    env = dict(os.environ if base is None else base)
+    env.update(HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", VLLM_NO_USAGE_STATS="1")
+    env.setdefault("VLLM_DO_NOT_TRACK", "1")
+    return env
+
+
+class ServeStack:
+    """vLLM's API server (front-end only) and ``engines`` corewire engines, as child processes.
+
+    ``model_dir``: a model directory matching the engines (see the module docstring).
+    ``port``: the HTTP port (0: a free one). ``client``: ``"corewire"`` or ``"vllm"``.
+    ``engine_args``: keyword arguments for each reference engine (JSON-serialisable);
+    ``vocab_size`` and ``max_model_len`` should agree with the model directory.
+    ``log_dir``: where each process's output goes (``api-server.log``,
+    ``engine-<i>.log``); ``None`` lets the processes write to this process's stdout and
+    stderr. ``extra_server_args`` are appended to ``vllm serve``'s command line and
+    ``server_env`` to its environment.
+
+    Use it as a context manager, or call :meth:`start` and :meth:`stop`.
+    """
+
+    def __init__(
+        self,
+        model_dir: str | Path,
+        *,
+        port: int = 8000,
+        host: str = "127.0.0.1",
+        engines: int = 1,
+        client: Literal["corewire", "vllm"] = "corewire",
+        served_model_name: str = "corewire-tiny",
+        max_model_len: int = 2048,
+        engine_args: Mapping[str, Any] | None = None,
+        log_dir: str | Path | None = None,
+        extra_server_args: tuple[str, ...] = (),
+        server_env: Mapping[str, str] | None = None,
+    ) -> None:
+        if client not in CLIENTS:
+            raise ValueError(f"client must be one of {CLIENTS}, got {client!r}")
+        if engines < 1:
+            raise ValueError(f"engines must be at least 1, got {engines}")
+        self.model_dir = Path(model_dir)
+        self.host = host
+        self.port = port or free_port(host)
+        self.rpc_port = free_port(host)
+        self.num_engines = engines
+        self.client = client
+        self.served_model_name = served_model_name
+        self.max_model_len = max_model_len
+        self.engine_args = dict(engine_args or {})
+        self.log_dir = Path(log_dir) if log_dir is not None else None
+        self.extra_server_args = tuple(extra_server_args)
+        self.server_env = dict(server_env or {})
+        self.server: subprocess.Popen[bytes] | None = None
+        self.engines: list[subprocess.Popen[bytes]] = []
+        self._logs: list[IO[bytes]] = []
+        self._healthy = False
+
+    # ------------------------------------------------------------------ commands
+
+    @property
+    def base_url(self) -> str:
+        """``http://HOST:PORT`` of the API server."""
+        return f"http://{self.host}:{self.port}"
+
+    @property
+    def handshake_address(self) -> str:
+        """The API server's handshake address, where engines say HELLO."""
+        return f"tcp://{self.host}:{self.rpc_port}"
+
+    def server_command(self) -> list[str]:
+        """``vllm serve`` front-end only: no local engines, engines join on the RPC port."""
+        cmd = [
+            sys.executable,
+            "-m",
+            "vllm.entrypoints.cli.main",
+            "serve",
+            str(self.model_dir),
+            "--served-model-name",
+            self.served_model_name,
+            "--host",
+            self.host,
+            "--port",
+            str(self.port),
+            "--data-parallel-size",
+            str(self.num_engines),
+            "--data-parallel-size-local",
+            "0",
+            "--data-parallel-address",
+            self.host,
+            "--data-parallel-rpc-port",
+            str(self.rpc_port),
+            "--dtype",
+            "float32",
+            "--max-model-len",
+            str(self.max_model_len),
+            "--enforce-eager",
+        ]
+        if self.num_engines > 1:
+            # One API server: more would take vLLM's multi-API-server path.
+            cmd += ["--api-server-count", "1"]
+        return cmd + list(self.extra_server_args)
+
+    def engine_command(self, index: int) -> list[str]:
+        """``corewire engine`` joining the API server through vLLM's start-up handshake."""
+        engine_args = {"max_model_len": self.max_model_len, **self.engine_args}
+        return [
+            sys.executable,
+            "-m",
+            "corewire.cli",
+            "engine",
+            "--handshake-address",
+            self.handshake_address,
+            "--engine-index",
+            str(index),
+            "--engine-args",
+            json.dumps(engine_args),
+            # The engine stops by itself if this launcher goes away without stopping it.
+            "--parent-pid",
+            str(os.getpid()),
+        ]
+
+    def server_environment(self) -> dict[str, str]:
+        """The API server's environment: offline, and the client switch."""
+        env = offline_env()
+        env.pop("COREWIRE_VLLM_CLIENT", None)
+        if self.client == "corewire":
+            env["COREWIRE_VLLM_CLIENT"] = "1"
+        env.update(self.server_env)
+        return env
+
+    # ------------------------------------------------------------------ lifecycle
+
+    def start(self, timeout: float = 120.0) -> None:
+        """Start every process and wait until ``/health`` answers 200.
+
+        Raises :class:`StackError` (with the end of the failing process's log when there
+        is one) if a process exits or the server is not healthy within ``timeout`` seconds;
+        the processes already started are stopped first.
+        """
+        if self.server is not None:
+            raise StackError("the stack is already started")
+        if self.client == "corewire" and not plugin_installed():
+            raise StackError(
+                "client 'corewire' needs corewire's vLLM plugin (the vllm.general_plugins "
+                "entry point), which is not installed here: reinstall corewire"
+            )
+        if self.log_dir is not None:
+            self.log_dir.mkdir(parents=True, exist_ok=True)
+        try:
+            # Start order does not matter to vLLM; the server first gets its imports going.
+            self.server = self._spawn(
+                self.server_command(), self.server_environment(), "api-server.log"
+            )
+            engine_env = offline_env()
+            engine_env.pop("COREWIRE_VLLM_CLIENT", None)
+            for i in range(self.num_engines):
+                self.engines.append(
+                    self._spawn(self.engine_command(i), engine_env, f"engine-{i}.log")
+                )
+            self.wait_healthy(timeout)
+        except BaseException:
+            self.stop()
+            raise
+
+    def wait_healthy(self, timeout: float) -> None:
+        """Poll ``/health`` until it answers 200; raise :class:`StackError` on a dead process."""
+        deadline = time.monotonic() + timeout
+        while True:
+            self.check_alive()
+            if self.health() == 200:
+                self._healthy = True
+                return
+            if time.monotonic() > deadline:
+                raise StackError(
+                    f"the API server was not healthy within {timeout:.0f} s"
+                    + self._log_tail("api-server.log")
+                )
+            time.sleep(0.25)
+
+    def health(self, timeout: float = 5.0) -> int | None:
+        """The status code of ``GET /health``, or ``None`` when nothing answers."""
+        try:
+            with urllib.request.urlopen(f"{self.base_url}/health", timeout=timeout) as resp:
+                return int(resp.status)
+        except urllib.error.HTTPError as exc:
+            return int(exc.code)
+        except (OSError, ValueError):
+            return None
+
+    def check_alive(self) -> None:
+        """Raise :class:`StackError` naming the first process that has exited."""
+        procs = [("API server", "api-server.log", self.server)]
+        procs += [(f"engine {i}", f"engine-{i}.log", p) for i, p in enumerate(self.engines)]
+        for name, log, proc in procs:
+            if proc is not None and proc.poll() is not None:
+                raise StackError(
+                    f"the {name} exited with status {proc.returncode}" + self._log_tail(log)
+                )
+
+    def stop(self, timeout: float = 15.0) -> None:
+        """Stop the API server, then the engines: SIGTERM, then SIGKILL after ``timeout``.
+
+        Each process runs in its own session, and a kill takes its whole process group, so
+        that children (vLLM's DP coordinator) do not outlive the stack. An API server that
+        never became healthy is killed at once: while it waits for engines to join, vLLM
+        ignores SIGTERM and SIGINT. Safe to call twice.
+        """
+        server = [self.server] if self.server is not None else []
+        for group in (server, self.engines):
+            for proc in group:
+                if proc.poll() is None:
+                    with contextlib.suppress(ProcessLookupError):
+                        proc.send_signal(signal.SIGTERM)
+            grace = timeout if self._healthy or group is self.engines else 0.0
+            deadline = time.monotonic() + grace
+            for proc in group:
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    proc.wait(max(0.0, deadline - time.monotonic()))
+                # The group also holds the process's children; kill whatever is left of it.
+                with contextlib.suppress(ProcessLookupError, PermissionError):
+                    os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+        for log in self._logs:
+            log.close()
+        self._logs.clear()
+
+    def __enter__(self) -> ServeStack:
+        self.start()
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.stop()
+
+    # ------------------------------------------------------------------ helpers
+
+    def _spawn(self, cmd: list[str], env: dict[str, str], log_name: str) -> subprocess.Popen[bytes]:
+        stdout: IO[bytes] | None = None
+        if self.log_dir is not None:
+            stdout = open(self.log_dir / log_name, "wb")  # noqa: SIM115 - closed by stop()
+            self._logs.append(stdout)
+        return subprocess.Popen(
+            cmd,
+            env=env,
+            stdin=subprocess.DEVNULL,
+            stdout=stdout,
+            stderr=subprocess.STDOUT if stdout is not None else None,
+            # Own session: a terminal's Ctrl-C reaches only the launcher, which then stops
+            # the processes in order; and stop() can kill a process with its children.
+            start_new_session=True,
+        )
+
+    def _log_tail(self, log_name: str) -> str:
+        if self.log_dir is None:
+            return ""
+        try:
+            data = (self.log_dir / log_name).read_bytes()[-_LOG_TAIL_BYTES:]
+        except OSError:
+            return ""
+        return f"\n--- end of {log_name} ---\n" + data.decode("utf-8", "replace")
+
+
+# ---------------------------------------------------------------------- command line
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m corewire.vllm.stack``: serve until Ctrl-C (the body of ``scripts/serve``).
+
+    Writes the model directory to a temporary directory, starts the stack with the
+    processes' output on this terminal, and stops every process on Ctrl-C or SIGTERM
+    (status 0) or when one of them dies (status 1).
+    """
+    parser = argparse.ArgumentParser(
+        prog="scripts/serve",
+        description="vLLM's OpenAI-compatible API server over corewire reference engines.",
+    )
+    parser.add_argument("--port", type=int, default=8000, help="HTTP port (default 8000)")
+    parser.add_argument("--host", default="127.0.0.1", help="HTTP host (default 127.0.0.1)")
+    parser.add_argument(
+        "--client",
+        choices=CLIENTS,
+        default="corewire",
+        help="the API server's engine-core client (default corewire)",
+    )
+    parser.add_argument("--engines", type=int, default=1, help="engines, DP size (default 1)")
+    parser.add_argument("--max-model-len", type=int, default=2048, help="context length")
+    parser.add_argument(
+        "--engine-args",
+        type=json.loads,
+        default=None,
+        help='JSON object of reference engine arguments, e.g. {"step_delay": 0.01}',
+    )
+    parser.add_argument(
+        "--startup-timeout", type=float, default=300.0, help="seconds to wait for /health"
+    )
+    args = parser.parse_args(argv)
+    if args.engine_args is not None and not isinstance(args.engine_args, dict):
+        parser.error("--engine-args must be a JSON object")
+
+    from corewire.vllm.model_dir import write_model_dir
+
+    # Ctrl-C and SIGTERM stop the stack; SIGINT explicitly, since a shell that starts this
+    # in the background hands it over ignored.
+    signal.signal(signal.SIGINT, _raise_keyboard_interrupt)
+    signal.signal(signal.SIGTERM, _raise_keyboard_interrupt)
+    with tempfile.TemporaryDirectory(prefix="corewire-serve-") as tmp:
+        model_dir = write_model_dir(Path(tmp) / "model", max_model_len=args.max_model_len)
+        stack = ServeStack(
+            model_dir,
+            port=args.port,
+            host=args.host,
+            engines=args.engines,
+            client=args.client,
+            max_model_len=args.max_model_len,
+            engine_args=args.engine_args,
+        )
+        try:
+            stack.start(timeout=args.startup_timeout)
+            print(
+                f"\ncorewire: serving {stack.served_model_name!r} at {stack.base_url} "
+                f"({args.engines} engine(s), {args.client} client); Ctrl-C stops.\n"
+                f"  curl {stack.base_url}/v1/completions -H 'Content-Type: application/json' "
+                f'-d \'{{"model": "{stack.served_model_name}", '
+                f'"prompt": "hello world", "max_tokens": 16}}\'\n',
+                flush=True,
+            )
+            while True:
+                stack.check_alive()
+                time.sleep(0.5)
+        except KeyboardInterrupt:
+            return 0
+        except StackError as exc:
+            print(f"corewire: {exc}", file=sys.stderr)
+            return 1
+        finally:
+            # A second Ctrl-C must not cut the shutdown short and orphan processes.
+            signal.signal(signal.SIGINT, signal.SIG_IGN)
+            signal.signal(signal.SIGTERM, signal.SIG_IGN)
+            stack.stop()
+
+
+def _raise_keyboard_interrupt(signum: int, frame: Any) -> None:
+    raise KeyboardInterrupt
+
+
+if __name__ == "__main__":
+    sys.exit(main())
