@@ -97,3 +97,26 @@ async def test_100k_cancelled_utility_calls_leave_no_registry_entries() -> None:
             assert not client.engine_dead
         finally:
             client.shutdown()
+
+
+@pytest.mark.parametrize("engine_main", [REPLAY, ""], ids=["replay", "reference"])
+async def test_shutdown_under_load_is_quick_and_engines_exit_on_sigterm(
+    engine_main: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Engines stream at full speed into a client that reads nothing; shutdown() still
+    returns at once, every engine leaving on SIGTERM (no kill after the grace period)."""
+    with no_leaks():
+        kwargs = {"engine_main": engine_main} if engine_main else {}
+        client = AsyncMPClient(**kwargs)
+        (pid,) = client.engine_pids
+        for i in range(64):
+            await client.add_request_async(request(f"flood-{i}", max_tokens=10**6))
+        await client.get_output_async()
+        await asyncio.sleep(1.0)  # a backlog builds up in ZeroMQ's queues
+        caplog.set_level("WARNING", logger="corewire.client")
+        started = time.monotonic()
+        client.shutdown()
+        took = time.monotonic() - started
+        assert wait_pid_gone(pid, 5)
+        assert not [r for r in caplog.records if "killing it" in r.getMessage()]
+        assert took < 1.0, f"shutdown under load took {took:.2f} s"

@@ -223,8 +223,11 @@ class ClientResources:
             self.threads.clear()
         if self._monitor is not None:
             self._monitor.release()
-        self.run_on_owner(self._close_loop_side)
+        # Engines before sockets: an engine told to stop sends what it still has queued
+        # and exits at once while this side's sockets are open (ZeroMQ queues on our side
+        # without a reader); with them closed first it would wait out its linger.
         stop_processes(self.processes, self.terminate_grace)
+        self.run_on_owner(self._close_loop_side)
         self.processes.clear()
         if self.ipc_dir is not None:
             shutil.rmtree(self.ipc_dir, ignore_errors=True)
