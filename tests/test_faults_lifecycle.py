@@ -120,3 +120,50 @@ async def test_shutdown_under_load_is_quick_and_engines_exit_on_sigterm(
         assert wait_pid_gone(pid, 5)
         assert not [r for r in caplog.records if "killing it" in r.getMessage()]
         assert took < 1.0, f"shutdown under load took {took:.2f} s"
+
+
+ORPHAN_PARENT = textwrap.dedent(
+    """
+    import sys, time
+    from corewire import AsyncMPClient
+    client = AsyncMPClient(engine_main=sys.argv[1])
+    print(client.engine_pids[0], client.resources.ipc_dir, flush=True)
+    time.sleep(600)
+    """
+)
+
+
+def test_next_client_removes_the_ipc_dir_of_a_killed_front_end() -> None:
+    with no_leaks():
+        env = dict(os.environ)
+        env["PYTHONPATH"] = os.pathsep.join([os.path.dirname(__file__), *sys.path])
+        parent = subprocess.Popen(
+            [sys.executable, "-c", ORPHAN_PARENT, REPLAY], stdout=subprocess.PIPE, env=env
+        )
+        try:
+            assert parent.stdout is not None
+            engine_pid, orphan = parent.stdout.readline().split()
+            orphan_dir = orphan.decode()
+            assert os.path.isdir(orphan_dir) and f"-{parent.pid}-" in orphan_dir
+            parent.kill()
+            parent.wait(10)
+            assert wait_pid_gone(int(engine_pid), 15)
+            assert os.path.isdir(orphan_dir)  # SIGKILL: nobody removed it
+            client = AsyncMPClient(engine_main=REPLAY)
+            try:
+                mine = client.resources.ipc_dir
+                assert not os.path.exists(orphan_dir)
+                assert mine is not None and os.path.isdir(mine)  # a live owner's stays
+                # ...even when another front-end sweeps meanwhile.
+                from corewire.ipcdir import remove_orphaned_dirs
+
+                assert mine not in remove_orphaned_dirs()
+                assert os.path.isdir(mine)
+            finally:
+                client.shutdown()
+        finally:
+            if parent.poll() is None:
+                parent.kill()
+                parent.wait(10)
+            if parent.stdout is not None:
+                parent.stdout.close()

@@ -69,7 +69,6 @@ import shutil
 import signal
 import subprocess
 import sys
-import tempfile
 import time
 import weakref
 from dataclasses import dataclass
@@ -78,6 +77,7 @@ from typing import Any
 import msgspec
 import zmq
 
+from corewire.ipcdir import make_private_dir
 from corewire.keygen import (
     CurveClientKeys,
     CurveServerKeys,
@@ -605,7 +605,7 @@ class DPCoordinator:
     ) -> None:
         directory = None
         if addresses is None:
-            directory = tempfile.mkdtemp(prefix="corewire-dp-")  # mode 0700
+            directory = make_private_dir("dp")
             addresses = CoordinatorAddresses.in_dir(directory)
         if remote is not None:
             addresses = addresses.with_remote(*remote)

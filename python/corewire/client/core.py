@@ -6,7 +6,6 @@ import importlib
 import logging
 import multiprocessing
 import os
-import tempfile
 import time
 import weakref
 from collections.abc import Callable, Mapping, Sequence
@@ -19,6 +18,7 @@ import zmq.asyncio
 from corewire.client._resources import ClientResources
 from corewire.codec import Encoder, MsgspecDecoder
 from corewire.errors import EngineDeadError, ProtocolError, UtilityError
+from corewire.ipcdir import make_private_dir
 from corewire.keygen import require_curve_for
 from corewire.protocol import EngineCoreOutputs
 
@@ -114,7 +114,7 @@ class MPClient:
         success = False
         try:
             if client_addresses is None:
-                resources.ipc_dir = tempfile.mkdtemp(prefix="corewire-")  # mode 0700
+                resources.ipc_dir = make_private_dir("ipc")
                 self.input_address = f"ipc://{resources.ipc_dir}/input"
                 self.output_address = f"ipc://{resources.ipc_dir}/output"
             else:
