@@ -5,6 +5,13 @@ ROUTER and PULL sockets, and each engine process started this way connects to th
 
     corewire engine --input-address ipc:///run/fe/in --output-address ipc:///run/fe/out \\
         --engine-index 0 --engine reference --engine-args '{"max_batch": 64}'
+
+To join a vLLM 0.25.1 API server started front-end only (``vllm serve MODEL
+--data-parallel-size-local 0 --data-parallel-address HOST --data-parallel-rpc-port
+PORT ...``), give its handshake address instead; the engine then does vLLM's start-up
+handshake and learns the addresses from the front-end (:mod:`corewire.engine.handshake`)::
+
+    corewire engine --handshake-address tcp://127.0.0.1:PORT --engine-index 0
 """
 
 from __future__ import annotations
@@ -26,6 +33,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--output-address", default=None, help="the front-end's output (PULL) address"
+    )
+    parser.add_argument(
+        "--handshake-address",
+        metavar="tcp://HOST:PORT",
+        default=None,
+        help="join the vLLM front-end whose start-up handshake listens here (vLLM's "
+        "--data-parallel-address and --data-parallel-rpc-port), as a headless vLLM "
+        "engine does; replaces --input-address/--output-address",
+    )
+    parser.add_argument(
+        "--handshake-timeout",
+        type=float,
+        default=None,
+        metavar="SECONDS",
+        help="with --handshake-address: how long to wait for the front-end's answer (default 300)",
     )
     parser.add_argument(
         "--engine-index",
@@ -58,6 +80,15 @@ def run(args: argparse.Namespace) -> int:
     """Serve until SIGTERM / SIGINT (status 0) or a fatal engine error (status 1)."""
     from corewire.engine.launch import serve_engine
 
+    if args.handshake_address is not None:
+        if args.connect is not None or args.input_address or args.output_address:
+            print(
+                "corewire engine: --handshake-address replaces --connect, --input-address "
+                "and --output-address",
+                file=sys.stderr,
+            )
+            return 2
+        return _join(args)
     if args.connect is not None:
         try:
             addresses = connect_options(args)
@@ -78,6 +109,31 @@ def run(args: argparse.Namespace) -> int:
         engine_args=args.engine_args,
         parent_pid=args.parent_pid,
         **addresses,
+    )
+
+
+def _join(args: argparse.Namespace) -> int:
+    from corewire.engine.handshake import DEFAULT_HANDSHAKE_TIMEOUT_S, join_frontend
+
+    size, index = args.data_parallel_size, args.engine_index
+    # The DP size is only reported (the front-end knows the group); an index past a
+    # size that was given is still a mistake worth stopping on.
+    if size < 1 or index < 0 or (size > 1 and index >= size):
+        print(
+            f"corewire engine: --engine-index {index} is outside a group of "
+            f"--data-parallel-size {size}",
+            file=sys.stderr,
+        )
+        return 2
+    timeout = args.handshake_timeout
+    return join_frontend(
+        handshake_address=args.handshake_address,
+        engine_index=args.engine_index,
+        engine=args.engine,
+        engine_args=args.engine_args,
+        parent_pid=args.parent_pid,
+        data_parallel_size=args.data_parallel_size,
+        handshake_timeout_s=DEFAULT_HANDSHAKE_TIMEOUT_S if timeout is None else timeout,
     )
 
 

@@ -1,0 +1,264 @@
+"""Joining a vLLM front-end the way a vLLM ``--headless`` engine does.
+
+A vLLM 0.25.1 API server started front-end only (``vllm serve MODEL
+--data-parallel-size N --data-parallel-size-local 0 --data-parallel-address HOST
+--data-parallel-rpc-port PORT``) binds a handshake ROUTER on ``tcp://HOST:PORT`` and waits
+for N remote engines. Each corewire engine joins it with::
+
+    corewire engine --handshake-address tcp://HOST:PORT --engine-index N \\
+        [--engine module:Class] [--engine-args JSON] [--data-parallel-size N]
+
+and then serves requests like any vLLM engine core. Start order does not matter: the
+engine's HELLO waits in ZeroMQ until the front-end listens (up to
+``--handshake-timeout`` seconds for the front-end's answer).
+
+The steps (vLLM's ``startup_handshake`` / ``wait_for_engine_startup``, engine side):
+
+1. build the engine first, so that an engine that cannot start never registers (vLLM's
+   front-end refuses a second HELLO from the same index);
+2. DEALER to the handshake address, identity = engine index as 2 bytes little-endian;
+   send msgpack ``{"status": "HELLO", "local": false, "headless": true}``;
+3. receive the metadata map: ``addresses`` (``inputs`` and ``outputs``, one per API
+   server; ``coordinator_input`` / ``coordinator_output`` /
+   ``frontend_stats_publish_address`` with DP > 1) and ``parallel_config``;
+4. connect a DEALER to each input and a PUSH to each output, and send the ready response
+   (:mod:`corewire.engine.ready`) on each input; with a DP coordinator, subscribe to it
+   and wait for its READY (:class:`~corewire.engine.vllm_dp.VllmDPEngineCoreProc`);
+5. send ``{"status": "READY", "local": false, "headless": true}`` on the handshake
+   socket and close it.
+
+A non-empty ``parallel_config`` means a coordinated (MoE) DP group whose ranks step in
+lockstep through torch collectives and must prove identical vLLM parallel configs; a
+corewire engine cannot take part, so it refuses with a clear error instead. (vLLM's own
+engines for other models send no ``parallel_config_hash`` either: they run as
+independent DP = 1 engines, and the front-end checks the hash only for MoE groups.)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import threading
+from typing import Any
+
+import msgspec
+import zmq
+
+from corewire.engine.core import EngineCoreProc
+
+__all__ = [
+    "DEFAULT_HANDSHAKE_TIMEOUT_S",
+    "FrontEndHandshake",
+    "HandshakeError",
+    "HandshakeMetadata",
+    "join_frontend",
+]
+
+logger = logging.getLogger("corewire.engine")
+
+#: How long to wait for the front-end's answer to HELLO (vLLM's engines wait 5 minutes).
+DEFAULT_HANDSHAKE_TIMEOUT_S = 300.0
+_LINGER_MS = 5000
+
+
+class HandshakeError(RuntimeError):
+    """The front-end's side of the start-up handshake was missing or unusable."""
+
+
+@dataclasses.dataclass(frozen=True)
+class HandshakeMetadata:
+    """What the front-end answers to HELLO (vLLM's ``EngineHandshakeMetadata``)."""
+
+    #: Request links (the front-ends' ROUTERs), one per API server.
+    inputs: list[str]
+    #: Output links (the front-ends' PULLs), one per API server.
+    outputs: list[str]
+    #: vLLM's DP coordinator: its XPUB for engines (None without DP).
+    coordinator_input: str | None = None
+    #: vLLM's DP coordinator: its PULL for engine stats (None without DP).
+    coordinator_output: str | None = None
+    #: Where front-ends subscribe to DP stats (reported in the ready response).
+    frontend_stats_publish_address: str | None = None
+    #: DP settings of a coordinated (MoE) group; empty otherwise.
+    parallel_config: dict[str, Any] = dataclasses.field(default_factory=dict)
+
+    @classmethod
+    def decode(cls, payload: bytes) -> HandshakeMetadata:
+        """Parse the metadata map; raises :class:`HandshakeError` when it is unusable."""
+        try:
+            msg = msgspec.msgpack.decode(payload)
+        except msgspec.DecodeError as exc:
+            raise HandshakeError(f"handshake metadata is not msgpack: {exc}") from exc
+        addresses = msg.get("addresses") if isinstance(msg, dict) else None
+        if not isinstance(addresses, dict):
+            raise HandshakeError(f"handshake metadata has no addresses map: {msg!r:.200}")
+        inputs, outputs = addresses.get("inputs"), addresses.get("outputs")
+        if not _str_list(inputs) or not _str_list(outputs) or len(inputs) != len(outputs):
+            raise HandshakeError(
+                f"handshake metadata needs as many input as output addresses: {addresses!r:.200}"
+            )
+        optional = {}
+        for key in ("coordinator_input", "coordinator_output", "frontend_stats_publish_address"):
+            value = addresses.get(key)
+            if value is not None and not isinstance(value, str):
+                raise HandshakeError(f"handshake metadata: {key} is not an address: {value!r}")
+            optional[key] = value
+        if (optional["coordinator_input"] is None) != (optional["coordinator_output"] is None):
+            raise HandshakeError("handshake metadata names only one DP coordinator address")
+        parallel_config = msg.get("parallel_config") or {}
+        if not isinstance(parallel_config, dict):
+            raise HandshakeError(f"handshake metadata: bad parallel_config {parallel_config!r}")
+        return cls(
+            inputs=list(inputs), outputs=list(outputs), parallel_config=parallel_config, **optional
+        )
+
+
+def _str_list(value: Any) -> bool:
+    return isinstance(value, list) and bool(value) and all(isinstance(v, str) for v in value)
+
+
+class FrontEndHandshake:
+    """The engine's end of vLLM's start-up handshake: HELLO, metadata, READY.
+
+    Owns its own ZeroMQ context and DEALER. :meth:`hello` runs on the constructing
+    thread; :meth:`ready` and :meth:`close` may run on another thread afterwards (the
+    socket is handed over, never shared).
+    """
+
+    def __init__(self, address: str, engine_index: int) -> None:
+        if not 0 <= engine_index < 1 << 16:
+            raise ValueError(f"engine_index must fit in 2 bytes, got {engine_index}")
+        self.address = address
+        self.engine_index = engine_index
+        self._ctx = zmq.Context()
+        self._sock = self._ctx.socket(zmq.DEALER)
+        self._sock.setsockopt(zmq.IDENTITY, engine_index.to_bytes(2, "little"))
+        self._sock.setsockopt(zmq.LINGER, _LINGER_MS)
+        self._sock.connect(address)
+        self._closed = False
+
+    def _status(self, status: str) -> bytes:
+        # A joining engine is remote and headless (vLLM refuses anything else here).
+        return msgspec.msgpack.encode({"status": status, "local": False, "headless": True})
+
+    def hello(self, timeout_s: float = DEFAULT_HANDSHAKE_TIMEOUT_S) -> HandshakeMetadata:
+        """Register with the front-end and return its metadata."""
+        self._sock.send(self._status("HELLO"))
+        if not self._sock.poll(int(timeout_s * 1000)):
+            raise HandshakeError(
+                f"no answer to HELLO from the front-end at {self.address} within {timeout_s:g} s"
+            )
+        return HandshakeMetadata.decode(self._sock.recv())
+
+    def ready(self) -> None:
+        """Tell the front-end this engine is serving (after its ready responses)."""
+        self._sock.send(self._status("READY"))
+
+    def close(self) -> None:
+        """Close the socket (lingering so that READY still goes out) and the context."""
+        if self._closed:
+            return
+        self._closed = True
+        self._sock.close(linger=_LINGER_MS)
+        self._ctx.term()
+
+
+def _build_proc(
+    built: Any, meta: HandshakeMetadata, engine_index: int, data_parallel_size: int
+) -> EngineCoreProc:
+    common: dict[str, Any] = {
+        "engine_index": engine_index,
+        "input_address": meta.inputs,
+        "output_address": meta.outputs,
+        "dp_stats_address": meta.frontend_stats_publish_address,
+    }
+    if meta.coordinator_input is None or meta.coordinator_output is None:
+        return EngineCoreProc(built, **common)
+    from corewire.engine.vllm_dp import VllmDPEngineCoreProc
+
+    return VllmDPEngineCoreProc(
+        built,
+        coordinator_input=meta.coordinator_input,
+        coordinator_output=meta.coordinator_output,
+        data_parallel_size=data_parallel_size,
+        **common,
+    )
+
+
+def _send_ready_when_serving(proc: EngineCoreProc, handshake: FrontEndHandshake) -> None:
+    """Thread body: READY once the proc's ready responses went out (never, if the
+    proc stops first); then close the handshake socket, as vLLM's engines do."""
+    try:
+        while not proc.ready_event.wait(0.2):
+            if proc.stop_requested:
+                logger.warning("engine stopped before it was ready; no READY sent")
+                return
+        handshake.ready()
+        logger.info("engine %d joined the front-end at %s", proc.engine_index, handshake.address)
+    finally:
+        handshake.close()
+
+
+def join_frontend(
+    *,
+    handshake_address: str,
+    engine_index: int,
+    engine: str | None = None,
+    engine_args: dict[str, Any] | None = None,
+    parent_pid: int | None = None,
+    data_parallel_size: int = 1,
+    handshake_timeout_s: float = DEFAULT_HANDSHAKE_TIMEOUT_S,
+) -> int:
+    """Join the vLLM front-end whose handshake ROUTER is at ``handshake_address`` and
+    serve until stopped; return the exit status (0 clean stop, 1 failure).
+
+    ``data_parallel_size`` is only reported in the ready response. See the module
+    docstring for the steps and their order.
+    """
+    from corewire.engine.launch import configure_logging, load_engine, run_proc
+
+    configure_logging(engine_index)
+    try:
+        built = load_engine(engine, engine_args)
+    except Exception:
+        logger.exception("engine %d failed to start", engine_index)
+        return 1
+    handshake = FrontEndHandshake(handshake_address, engine_index)
+    try:
+        meta = handshake.hello(handshake_timeout_s)
+        if meta.parallel_config:
+            raise HandshakeError(
+                "the front-end runs a coordinated (MoE) data-parallel group, whose ranks "
+                "step in lockstep through torch collectives; corewire engines can join "
+                "front-ends of other models only"
+            )
+        proc = _build_proc(built, meta, engine_index, data_parallel_size)
+    except Exception:
+        logger.exception(
+            "engine %d could not join the front-end at %s", engine_index, handshake_address
+        )
+        handshake.close()
+        _shutdown_quietly(built)
+        return 1
+    announcer = threading.Thread(
+        target=_send_ready_when_serving,
+        args=(proc, handshake),
+        name=f"corewire-engine-{engine_index}-handshake",
+        daemon=True,
+    )
+    announcer.start()
+    try:
+        return run_proc(proc, parent_pid)
+    finally:
+        # It ends within a poll interval once the proc stopped (plus READY's linger).
+        announcer.join(timeout=_LINGER_MS / 1000 + 1.0)
+
+
+def _shutdown_quietly(engine: Any) -> None:
+    shutdown = getattr(engine, "shutdown", None)
+    if shutdown is None:
+        return
+    try:
+        shutdown()
+    except Exception:
+        logger.exception("engine shutdown() failed")

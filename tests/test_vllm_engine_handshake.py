@@ -1,0 +1,250 @@
+"""``corewire engine --handshake-address`` joins vLLM 0.25.1's own front-end.
+
+The front-end is vLLM's real engine-core client built the way ``vllm serve
+--data-parallel-size-local 0`` builds it: no engines of its own, a handshake ROUTER on
+``--data-parallel-rpc-port``, and (DP > 1) vLLM's own DP coordinator process. The
+engines are ``corewire engine`` processes started from the command line, before the
+front-end (start order must not matter).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import tempfile
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import msgspec
+import pytest
+import zmq
+
+from vllm_support import (
+    ENGINE_ARGS,
+    EngineProcs,
+    free_tcp_port,
+    frontend_platform,
+    offline_environment,
+    reference_run,
+    vllm_config,
+    write_model_dir,
+)
+
+offline_environment()
+pytest.importorskip("vllm")
+
+from vllm import SamplingParams  # noqa: E402
+from vllm.v1.engine import EngineCoreRequest, FinishReason  # noqa: E402
+from vllm.v1.engine.core_client import (  # noqa: E402
+    AsyncMPClient,
+    DPLBAsyncMPClient,
+    EngineCoreClient,
+)
+from vllm.v1.executor.abstract import Executor  # noqa: E402
+
+_DEADLINE_S = 60.0
+
+
+@pytest.fixture
+def root() -> Iterator[Path]:
+    with tempfile.TemporaryDirectory(prefix="corewire-vllm-join-") as tmp:
+        os.chmod(tmp, 0o700)
+        yield Path(tmp)
+
+
+def request(rid: str, prompt: list[int], max_tokens: int = 6) -> EngineCoreRequest:
+    """A greedy request as vLLM's input processor hands it to the client."""
+    return EngineCoreRequest(
+        request_id=rid,
+        prompt_token_ids=prompt,
+        mm_features=None,
+        sampling_params=SamplingParams(temperature=0.0, max_tokens=max_tokens),
+        pooling_params=None,
+        arrival_time=time.time(),
+        lora_request=None,
+        cache_salt=None,
+        data_parallel_rank=None,
+    )
+
+
+async def generate(client: Any, requests: list[EngineCoreRequest]) -> dict[str, Any]:
+    """Send the requests; per request id, ``(tokens, engine indices that served it)``."""
+    for r in requests:
+        await client.add_request_async(r)
+    result: dict[str, Any] = {r.request_id: ([], set()) for r in requests}
+    pending = set(result)
+    while pending:
+        batch = await client.get_output_async()
+        for out in batch.outputs:
+            if out.request_id in result:
+                result[out.request_id][0].extend(out.new_token_ids)
+                result[out.request_id][1].add(batch.engine_index)
+                if out.finish_reason is not None:
+                    assert out.finish_reason == FinishReason.LENGTH
+                    pending.discard(out.request_id)
+    return result
+
+
+def join_args(port: int, index: int, *extra: str) -> list[str]:
+    """``corewire engine`` arguments that join the front-end at ``port``."""
+    return [
+        "--handshake-address",
+        f"tcp://127.0.0.1:{port}",
+        "--engine-index",
+        str(index),
+        "--handshake-timeout",
+        "60",
+        *extra,
+    ]
+
+
+def run_frontend(config: Any, engines: EngineProcs, scenario: Any) -> Any:
+    """Build vLLM's client (it waits for the engines' handshake), run ``scenario(client)``
+    on its loop, and shut everything down: the engines must exit cleanly."""
+    loop = asyncio.new_event_loop()
+    client = None
+    try:
+
+        async def main() -> Any:
+            nonlocal client
+            # vLLM's own factory, as its AsyncLLM calls it.
+            client = EngineCoreClient.make_async_mp_client(config, Executor, False)
+            return await scenario(client)
+
+        return loop.run_until_complete(asyncio.wait_for(main(), _DEADLINE_S))
+    finally:
+        if client is not None:
+            client.shutdown()
+            loop.run_until_complete(asyncio.sleep(0))
+            # vLLM's client leaves its ZeroMQ context to the process exit.
+            client.resources.ctx.destroy(linger=0)
+        loop.close()
+        codes = engines.stop()
+        assert codes == [0] * len(codes), engines.logs()
+
+
+def test_one_engine_joins_a_frontend_only_vllm_client(root: Path) -> None:
+    port = free_tcp_port()
+    engines = EngineProcs(root)
+    engines.start(*join_args(port, 0))
+    frontend_platform()
+    config = vllm_config(
+        write_model_dir(root / "model"),
+        data_parallel_size=1,
+        data_parallel_size_local=0,
+        data_parallel_master_ip="127.0.0.1",
+        data_parallel_rpc_port=port,
+    )
+
+    async def scenario(client: Any) -> Any:
+        assert type(client) is AsyncMPClient
+        tasks = await client.get_supported_tasks_async()
+        got = await generate(client, [request("a", [5, 6, 7]), request("b", [8])])
+        return tasks, got
+
+    tasks, got = run_frontend(config, engines, scenario)
+    assert tasks == ["generate", "embed"]
+    # The ready response reached vLLM's config: the engine's smaller limit won.
+    assert config.model_config.max_model_len == ENGINE_ARGS["max_model_len"]
+    expected = reference_run(
+        [(r, p, {"temperature": 0.0, "max_tokens": 6}) for r, p in (("a", [5, 6, 7]), ("b", [8]))]
+    )
+    assert {rid: toks for rid, (toks, _) in got.items()} == {
+        rid: toks for rid, (toks, _) in expected.items()
+    }
+    assert "joined the front-end" in engines.logs()
+
+
+def test_two_engines_join_behind_vllms_dp_coordinator(root: Path) -> None:
+    port = free_tcp_port()
+    engines = EngineProcs(root)
+    for index in (0, 1):
+        engines.start(*join_args(port, index, "--data-parallel-size", "2"))
+    frontend_platform()
+    config = vllm_config(
+        write_model_dir(root / "model"),
+        data_parallel_size=2,
+        data_parallel_size_local=0,
+        data_parallel_master_ip="127.0.0.1",
+        data_parallel_rpc_port=port,
+    )
+
+    async def scenario(client: Any) -> Any:
+        assert type(client) is DPLBAsyncMPClient
+        # Listen to what vLLM's coordinator publishes to front-ends, as its client does.
+        ctx = zmq.Context()
+        stats = ctx.socket(zmq.XSUB)
+        try:
+            stats.connect(client.stats_update_address)
+            stats.send(b"\x01")
+            await asyncio.sleep(0.2)
+            prompts = {f"r{i}": [3 + i, 4] for i in range(10)}
+            got = await generate(client, [request(r, p, 40) for r, p in prompts.items()])
+            await asyncio.sleep(0.3)
+            published = []
+            while stats.poll(0):
+                published.append(msgspec.msgpack.decode(stats.recv()))
+        finally:
+            stats.close(linger=0)
+            ctx.term()
+        return prompts, got, published
+
+    prompts, got, published = run_frontend(config, engines, scenario)
+    sp = {"temperature": 0.0, "max_tokens": 40}
+    expected = reference_run([(r, p, sp) for r, p in prompts.items()])
+    served = {rid: engines_seen for rid, (_, engines_seen) in got.items()}
+    assert all(len(s) == 1 for s in served.values())  # one engine per request
+    per_engine = [sum(1 for s in served.values() if s == {i}) for i in (0, 1)]
+    assert per_engine[0] >= 2 and per_engine[1] >= 2, per_engine
+    assert {rid: toks for rid, (toks, _) in got.items()} == {
+        rid: toks for rid, (toks, _) in expected.items()
+    }
+    # The engines' [waiting, running] counts reached the coordinator, which published
+    # them (both engines busy at some point, all idle at the end).
+    counts = [c for c, _wave, _running in published if c is not None]
+    assert any(c[0] != [0, 0] for c in counts) and any(c[1] != [0, 0] for c in counts), counts
+    assert counts[-1] == [[0, 0], [0, 0]]
+
+
+def test_handshake_refuses_a_coordinated_moe_group(root: Path) -> None:
+    # A stand-in front-end (vLLM's handshake messages, hand-made) that answers HELLO
+    # with the parallel_config a coordinated (MoE) DP group sends: the engine must
+    # refuse and exit instead of joining collectives it cannot run.
+    port = free_tcp_port()
+    ctx = zmq.Context()
+    router = ctx.socket(zmq.ROUTER)
+    router.bind(f"tcp://127.0.0.1:{port}")
+    engines = EngineProcs(root)
+    try:
+        proc = engines.start(*join_args(port, 0))
+        assert router.poll(30_000), engines.logs()
+        identity, hello = router.recv_multipart()
+        assert identity == b"\x00\x00"
+        assert msgspec.msgpack.decode(hello) == {
+            "status": "HELLO",
+            "local": False,
+            "headless": True,
+        }
+        router.send_multipart(
+            [
+                identity,
+                msgspec.msgpack.encode(
+                    {
+                        "addresses": {
+                            "inputs": ["tcp://127.0.0.1:1"],
+                            "outputs": ["tcp://127.0.0.1:2"],
+                        },
+                        "parallel_config": {"data_parallel_size": 2},
+                    }
+                ),
+            ]
+        )
+        assert proc.wait(30) == 1
+        assert "coordinated (MoE) data-parallel group" in engines.logs()
+        assert not router.poll(200)  # no READY
+    finally:
+        engines.stop()
+        router.close(linger=0)
+        ctx.term()
