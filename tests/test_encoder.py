@@ -1,7 +1,8 @@
-"""The Encoder writes exactly the spec's bytes: requests, request payloads and outputs.
+"""The Encoder writes exactly vLLM 0.25.1's bytes: requests, request payloads and outputs.
 
 Expected payloads are written as literal bytes or as ``msgspec.msgpack.encode`` of plain
-lists and dicts laid out by hand from ``shared/wire-protocol.md``; the Encoder is given
+lists and dicts laid out by hand as vLLM 0.25.1's real ``MsgpackEncoder`` writes them
+(``test_vllm_wire.py`` checks corewire against that encoder itself); the Encoder is given
 ``corewire.protocol`` structs. Arrays and tensors under 256 bytes must travel inline as
 extension type 3, from 256 bytes on as zero-copy aux frames.
 """
@@ -17,24 +18,40 @@ from codec_support import TORCH_DTYPES, ext, nd, normalize, pack, tensor_bytes
 from corewire import protocol as p
 from corewire.codec import INLINE_THRESHOLD, RAW_VIEW_EXT, Encoder, MsgspecDecoder
 
+# `SamplingParams(max_tokens=8)` as vLLM writes it. msgspec (hence vLLM) writes a map16
+# header for a struct of more than 15 fields, however many of them are omitted as defaults.
+# vLLM's SamplingParams turns unset stop / stop_token_ids / bad_words into [] and always
+# sets skip_reading_prefix_cache, so those are no longer their defaults and are written.
+SP8_PAYLOAD = bytes.fromhex(
+    "de0005"  # map16 of 5
+    "a473746f7090"  # "stop": []
+    "ae73746f705f746f6b656e5f69647390"  # "stop_token_ids": []
+    "aa6d61785f746f6b656e7308"  # "max_tokens": 8
+    "a96261645f776f72647390"  # "bad_words": []
+    "b9736b69705f72656164696e675f7072656669785f6361636865c2"  # skip_reading_prefix_cache
+)
+
 # `EngineCoreRequest(request_id="r1", prompt_token_ids=[1, 2],
-# sampling_params=SamplingParams(max_tokens=8))`, every one of the 20 fields written.
-R1_PAYLOAD = bytes.fromhex(
-    "dc0014"  # array16 of 20 fields
-    "a27231"  # 0 request_id "r1"
-    "920102"  # 1 prompt_token_ids [1, 2]
-    "c0"  # 2 mm_features nil
-    # 3 sampling_params {"max_tokens": 8}: msgspec (hence vLLM) writes a map16 header for a
-    # struct of more than 15 fields, however many of them are omitted as defaults.
-    "de0001aa6d61785f746f6b656e7308"
-    "c0"  # 4 pooling_params nil
-    "cb0000000000000000"  # 5 arrival_time 0.0 (float64)
-    "c0c0c0c0c0"  # 6-10 lora_request, cache_salt, data_parallel_rank, prompt_embeds, ...
-    "000000"  # 11-13 client_index, current_wave, priority
-    "c0"  # 14 trace_headers nil
-    "c2"  # 15 resumable false
-    "c0c0c0"  # 16-18 external_req_id, reasoning_ended, reasoning_parser_kwargs
-    "c2"  # 19 abort_immediately false
+# sampling_params=SamplingParams(max_tokens=8))`, every one of the 20 fields written: vLLM
+# declares the struct with omit_defaults, but msgspec ignores that on array-like structs.
+R1_PAYLOAD = (
+    bytes.fromhex(
+        "dc0014"  # array16 of 20 fields
+        "a27231"  # 0 request_id "r1"
+        "920102"  # 1 prompt_token_ids [1, 2]
+        "c0"  # 2 mm_features nil
+    )
+    + SP8_PAYLOAD  # 3 sampling_params
+    + bytes.fromhex(
+        "c0"  # 4 pooling_params nil
+        "cb0000000000000000"  # 5 arrival_time 0.0 (float64)
+        "c0c0c0c0c0"  # 6-10 lora_request, cache_salt, data_parallel_rank, prompt_embeds, ...
+        "000000"  # 11-13 client_index, current_wave, priority
+        "c0"  # 14 trace_headers nil
+        "c2"  # 15 resumable false
+        "c0c0c0"  # 16-18 external_req_id, reasoning_ended, reasoning_parser_kwargs
+        "c2"  # 19 abort_immediately false
+    )
 )
 
 
@@ -92,11 +109,15 @@ def test_request_all_fields() -> None:
             "temperature": 0.5,
             "top_k": 5,
             "seed": 42,
+            "stop": [],
             "stop_token_ids": [2],
             "max_tokens": 8,
             "logprobs": 5,
+            "_all_stop_token_ids": [2],
+            "bad_words": [],
+            "skip_reading_prefix_cache": False,
         },
-        {"dimensions": 3},
+        [None, 3, None, None, None, False, None, None, None, 2],
         1.25,
         None,
         "salt",
@@ -120,16 +141,58 @@ def test_request_all_fields() -> None:
     assert np.shares_memory(np.frombuffer(frames[1], np.uint8), embeds.view(torch.uint8).numpy())
 
 
+# What vLLM's SamplingParams writes for unset stop / stop_token_ids / bad_words and
+# skip_reading_prefix_cache: its __post_init__ moves them off their defaults.
+UNSET = {"stop": [], "stop_token_ids": [], "bad_words": [], "skip_reading_prefix_cache": False}
+
+
 @pytest.mark.parametrize(
     ("params", "expected"),
     [
-        (p.SamplingParams(), {}),
-        (p.SamplingParams(max_tokens=16, top_k=0, n=1), {}),
-        (p.SamplingParams(seed=None, stop_token_ids=None, ignore_eos=False, min_tokens=0), {}),
-        (p.SamplingParams(max_tokens=None), {"max_tokens": None}),
-        (p.SamplingParams(ignore_eos=True, min_tokens=2), {"ignore_eos": True, "min_tokens": 2}),
-        (p.SamplingParams(logprobs=0, seed=0), {"seed": 0, "logprobs": 0}),
-        (p.SamplingParams(n=2, top_p=0.9), {"n": 2, "top_p": 0.9}),
+        (p.SamplingParams(), UNSET),
+        (p.SamplingParams(max_tokens=16, top_k=0, n=1), UNSET),
+        (p.SamplingParams(seed=None, stop_token_ids=None, ignore_eos=False, min_tokens=0), UNSET),
+        (p.SamplingParams(seed=-1, thinking_token_budget=-1), UNSET),  # -1 means unset
+        (p.SamplingParams(max_tokens=None), {**UNSET, "max_tokens": None}),
+        (
+            p.SamplingParams(ignore_eos=True, min_tokens=2),
+            {**UNSET, "ignore_eos": True, "min_tokens": 2},
+        ),
+        (p.SamplingParams(logprobs=0, seed=0), {**UNSET, "seed": 0, "logprobs": 0}),
+        (p.SamplingParams(logprobs=True), {**UNSET, "logprobs": 1}),
+        (p.SamplingParams(n=2, top_p=0.9), {**UNSET, "n": 2, "top_p": 0.9}),
+        # Greedy: top_p / top_k / min_p are reset to their defaults, so not written.
+        (
+            p.SamplingParams(temperature=0.0, top_p=0.5, top_k=3, min_p=0.2),
+            {**UNSET, "temperature": 0.0},
+        ),
+        (p.SamplingParams(temperature=0.001), {**UNSET, "temperature": 0.01}),
+        (
+            p.SamplingParams(stop="abc", stop_token_ids=[7]),
+            {
+                **UNSET,
+                "stop": ["abc"],
+                "stop_token_ids": [7],
+                "output_text_buffer_length": 2,
+                "_all_stop_token_ids": [7],
+            },
+        ),
+        (
+            p.SamplingParams(stop=["abc"], include_stop_str_in_output=True),
+            {**UNSET, "stop": ["abc"], "include_stop_str_in_output": True},
+        ),
+        (
+            p.SamplingParams(prompt_logprobs=2),
+            {**UNSET, "prompt_logprobs": 2, "skip_reading_prefix_cache": True},
+        ),
+        (
+            p.SamplingParams(eos_token_id=2, all_stop_token_ids={2}, output_kind=1),
+            {**UNSET, "output_kind": 1, "_eos_token_id": 2, "_all_stop_token_ids": [2]},
+        ),
+        (
+            p.SamplingParams(logit_bias={5: -1.5}, bad_words=["x"]),
+            {**UNSET, "logit_bias": {5: -1.5}, "bad_words": ["x"]},
+        ),
     ],
 )
 def test_sampling_params_is_a_map_without_defaults(
@@ -142,14 +205,35 @@ def test_sampling_params_is_a_map_without_defaults(
     """
     payload = Encoder().encode(params)[0]
     assert _raw(payload) == expected
-    if not expected:
-        assert bytes(payload) == b"\xde\x00\x00"
+    assert bytes(payload)[:3] == b"\xde\x00" + bytes([len(expected)])
 
 
-def test_sampling_params_single_key_bytes() -> None:
-    """``{"max_tokens": 8}`` exactly: map16 header of one, fixstr key, fixint value."""
+def test_sampling_params_exact_bytes() -> None:
+    """``SamplingParams(max_tokens=8)`` exactly as vLLM writes it."""
     payload = Encoder().encode(p.SamplingParams(max_tokens=8))[0]
-    assert bytes(payload) == b"\xde\x00\x01\xaamax_tokens\x08"
+    assert bytes(payload) == SP8_PAYLOAD
+    assert bytes(payload).startswith(b"\xde\x00\x05\xa4stop\x90\xaestop_token_ids\x90")
+
+
+def test_sampling_params_explicit_default_float_is_written() -> None:
+    """An explicit ``temperature=1.0`` is written; the default object is not."""
+    explicit = float("1.0")
+    assert _raw(Encoder().encode(p.SamplingParams(temperature=explicit))[0]) == {
+        **UNSET,
+        "temperature": 1.0,
+    }
+
+
+def test_pooling_params_bytes() -> None:
+    """PoolingParams is positional like vLLM's: 10 fields, output_kind 2 (final only)."""
+    assert bytes(Encoder().encode(p.PoolingParams())[0]) == (
+        b"\x9a" + b"\xc0" * 5 + b"\xc2" + b"\xc0" * 3 + b"\x02"
+    )
+    params = p.PoolingParams(normalize=True, dimensions=3, task="embed", extra_kwargs={"a": 1})
+    assert bytes(Encoder().encode(params)[0]) == (
+        b"\x9a\xc3\x03\xc0\xc0\xa5embed\xc2\xc0\xc0\x81\xa1a\x01\x02"
+    )
+    assert params.use_activation is True
 
 
 def test_abort_payload() -> None:
@@ -276,7 +360,11 @@ def test_outputs_exact_bytes() -> None:
 
 
 def test_outputs_default_fields_are_written() -> None:
-    """Encoders write every field, defaults included (vLLM 0.25.1 does)."""
+    """Encoders write every field, defaults included.
+
+    vLLM 0.25.1 declares EngineCoreOutputs and EngineCoreOutput with omit_defaults, but
+    msgspec ignores that option on array-like structs: vLLM writes every field too.
+    """
     frames = Encoder().encode(p.EngineCoreOutputs(outputs=[p.EngineCoreOutput("r", [])]))
     assert bytes(frames[0]) == (
         b"\x98\x00\x91\x9d\xa1r\x90" + b"\xc0" * 10 + b"\x00" + b"\xc0\xcb" + bytes(8) + b"\xc0" * 4
@@ -428,13 +516,39 @@ def test_non_contiguous_inputs_are_sent_in_c_order() -> None:
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_cuda_tensor_is_copied_to_host() -> None:
-    """CUDA tensors are copied to host memory and sent like CPU tensors."""
+    """CUDA tensors are copied to host memory and always sent as aux frames (as vLLM)."""
     host = torch.arange(300, dtype=torch.float32).bfloat16()
+    small = torch.arange(3, dtype=torch.float32)  # 12 bytes: inline on CPU, aux on CUDA
     frames = Encoder().encode(
-        p.EngineCoreOutputs(outputs=[p.EngineCoreOutput("r", [], pooling_output=host.cuda())])
+        p.EngineCoreOutputs(
+            outputs=[
+                p.EngineCoreOutput("r", [], pooling_output=host.cuda()),
+                p.EngineCoreOutput("s", [], pooling_output=small.cuda()),
+            ]
+        )
     )
     assert _raw(frames[0])[1][0][4] == ["bfloat16", [300], 1]  # type: ignore[index]
+    assert _raw(frames[0])[1][1][4] == ["float32", [3], 2]  # type: ignore[index]
     assert bytes(frames[1]) == tensor_bytes(host)
+    assert bytes(frames[2]) == tensor_bytes(small)
+
+
+@pytest.mark.parametrize("threshold", [0, 1, 8])
+def test_zero_dim_ndarray_always_inline(threshold: int) -> None:
+    """A 0-d ndarray travels inline whatever the threshold (vLLM's rule); 1-d ones do not."""
+    scalar = np.full((), 2.5, dtype="<f8")
+    vector = np.full((1,), 2.5, dtype="<f8")
+    frames = Encoder(inline_threshold=threshold).encode([scalar, vector])
+    raw = _raw(frames[0])
+    assert raw[0] == ["<f8", [], ext(scalar.tobytes())]  # type: ignore[index]
+    assert raw[1] == ["<f8", [1], 1]  # type: ignore[index]
+    assert len(frames) == 2
+
+
+def test_void_ndarray_refused() -> None:
+    """Structured (void) arrays have no wire form (vLLM would pickle them)."""
+    with pytest.raises(TypeError, match="pickled"):
+        Encoder().encode(np.zeros(2, dtype=[("a", "<i4"), ("b", "<f4")]))
 
 
 # --------------------------------------------------------------------------- misuse

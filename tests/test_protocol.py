@@ -77,11 +77,14 @@ def test_named_tuples_follow_spec_order() -> None:
 
 
 def test_map_structs() -> None:
-    """SamplingParams, PoolingParams and EngineCoreEvent are maps; params omit defaults."""
-    for struct in (p.SamplingParams, p.PoolingParams, p.EngineCoreEvent):
+    """SamplingParams and EngineCoreEvent are maps, SamplingParams without defaults.
+
+    PoolingParams is positional, as vLLM 0.25.1's (every field written).
+    """
+    for struct in (p.SamplingParams, p.EngineCoreEvent):
         assert struct.__struct_config__.array_like is False
     assert p.SamplingParams.__struct_config__.omit_defaults is True
-    assert p.PoolingParams.__struct_config__.omit_defaults is True
+    assert p.PoolingParams.__struct_config__.array_like is True
     assert p.EngineCoreEvent.__struct_fields__ == ("type", "timestamp")
 
 
@@ -126,7 +129,7 @@ def test_sampling_params_defaults() -> None:
     assert params.top_k == 0
     assert params.top_p == 1.0
     assert params.seed is None
-    assert params.stop_token_ids is None
+    assert params.stop_token_ids == []  # vLLM writes unset stop_token_ids as []
     assert params.ignore_eos is False
     assert params.min_tokens == 0
     assert params.logprobs is None

@@ -1,7 +1,8 @@
 """Encoding and decoding of engine-core frames.
 
 - :class:`Encoder` turns a wire struct into ``[payload, aux_1, ...]``: msgspec msgpack,
-  with arrays and tensors of 256 bytes or more sent as zero-copy aux frames.
+  with arrays and tensors of 256 bytes or more sent as zero-copy aux frames (as vLLM
+  0.25.1's ``MsgpackEncoder``: 0-d arrays always inline, non-CPU tensors always aux).
 - :class:`MsgspecDecoder` is the reference decoder in Python + msgspec, built the way
   vLLM's is. It is the baseline of the benchmarks and the oracle of the tests.
 - ``NativeDecoder`` (re-exported from the Rust extension) decodes ``EngineCoreOutputs``
@@ -87,24 +88,30 @@ class Encoder:
         raise TypeError(f"corewire cannot encode objects of type {type(obj).__name__}")
 
     def _encode_ndarray(self, arr: np.ndarray) -> list[Any]:
-        if arr.dtype.hasobject:
-            raise TypeError("object arrays cannot be sent (nothing on the wire is pickled)")
+        if arr.dtype.hasobject or arr.dtype.kind == "V":
+            # vLLM would pickle these; nothing on the wire is pickled.
+            raise TypeError(f"{arr.dtype} arrays cannot be sent (nothing on the wire is pickled)")
         if not arr.flags.c_contiguous:
             arr = np.ascontiguousarray(arr)
         # A flat byte view: memoryview.cast refuses shapes with zeros, reshape(-1) does not.
         raw = arr.reshape(-1).view(np.uint8)
-        return [arr.dtype.str, list(arr.shape), self._data_ref(raw.data)]
+        # As vLLM: 0-d arrays always travel inline, whatever the threshold.
+        inline = arr.ndim == 0 or raw.nbytes < self._inline_threshold
+        return [arr.dtype.str, list(arr.shape), self._data_ref(raw.data, inline)]
 
     def _encode_tensor(self, tensor: Any) -> list[Any]:
-        if tensor.device.type != "cpu":
+        # As vLLM: only CPU tensors may travel inline; others always take an aux frame.
+        on_cpu = tensor.device.type == "cpu"
+        if not on_cpu:
             tensor = tensor.cpu()
         dtype = str(tensor.dtype).removeprefix("torch.")
         # View as bytes: numpy has no bfloat16, and this never copies a contiguous tensor.
         raw = tensor.contiguous().reshape(-1).view(torch.uint8).numpy()
-        return [dtype, list(tensor.shape), self._data_ref(raw.data)]
+        inline = on_cpu and raw.nbytes < self._inline_threshold
+        return [dtype, list(tensor.shape), self._data_ref(raw.data, inline)]
 
-    def _data_ref(self, data: memoryview) -> Any:
-        if data.nbytes < self._inline_threshold:
+    def _data_ref(self, data: memoryview, inline: bool) -> Any:
+        if inline:
             return msgspec.msgpack.Ext(RAW_VIEW_EXT, data.tobytes())
         assert self._aux is not None  # only reachable from inside encode()
         self._aux.append(data)

@@ -4,9 +4,10 @@ Every struct here mirrors one message of ``shared/wire-protocol.md``. Positional
 (``array_like``) structs keep vLLM's field order exactly: the index of a field is
 part of the wire format, so never reorder, only append.
 
-Array-like structs are encoded with every field (vLLM does not omit trailing
-defaults); decoders accept shorter arrays (missing trailing fields take their
-defaults) and longer ones (unknown trailing fields are ignored).
+Array-like structs are encoded with every field, as vLLM's are: vLLM declares some
+with ``omit_defaults=True``, but msgspec ignores that option on array-like structs.
+Decoders accept shorter arrays (missing trailing fields take their defaults) and
+longer ones (unknown trailing fields are ignored).
 """
 
 from __future__ import annotations
@@ -81,38 +82,133 @@ class EngineCoreEventType(enum.IntEnum):
     PREEMPTED = 3
 
 
+# Sampling defaults shared by the field declarations and ``__post_init__``: msgspec's
+# ``omit_defaults`` omits a float only when it IS the default object, so a value reset to
+# its default must be that very object to be omitted (as vLLM's are).
+_ZERO = 0.0
+_ONE = 1.0
+# vLLM 0.25.1's thresholds: temperatures under _SAMPLING_EPS mean greedy sampling, and
+# positive temperatures under _MIN_TEMPERATURE are raised to it.
+_SAMPLING_EPS = 1e-5
+_MIN_TEMPERATURE = 1e-2
+
+
 class SamplingParams(msgspec.Struct, omit_defaults=True, dict=True, kw_only=True):  # type: ignore[call-arg]
     """Sampling parameters; a msgpack MAP keyed by field name, defaults omitted.
 
-    Unknown keys sent by newer front-ends are ignored on decode.
+    The fields, their order and their wire names are vLLM 0.25.1's ``SamplingParams``,
+    so the map is byte for byte the one vLLM writes. ``__post_init__`` applies vLLM's
+    normalisations that change what is written (it runs on decode too, as vLLM's does):
+    ``stop``, ``stop_token_ids`` and ``bad_words`` become lists (``[]`` when unset, and
+    so always written), ``seed=-1`` and ``thinking_token_budget=-1`` mean unset, greedy
+    sampling resets ``top_p``/``top_k``/``min_p``, ``stop_token_ids`` join
+    ``all_stop_token_ids``. vLLM's value checks are not repeated here.
+
+    ``eos_token_id``, ``all_stop_token_ids`` and ``bad_words_token_ids`` travel as vLLM's
+    private keys ``_eos_token_id``, ``_all_stop_token_ids`` and ``_bad_words_token_ids``;
+    a vLLM front-end fills them from the tokenizer and generation config, and vLLM's
+    engine stops on ``eos_token_id`` (nil with ``ignore_eos``). Unknown keys sent by newer
+    front-ends are ignored on decode.
     """
 
     n: int = 1
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    repetition_penalty: float = 1.0
-    temperature: float = 1.0
-    top_p: float = 1.0
+    presence_penalty: float = _ZERO
+    frequency_penalty: float = _ZERO
+    repetition_penalty: float = _ONE
+    temperature: float = _ONE
+    top_p: float = _ONE
     top_k: int = 0
-    min_p: float = 0.0
+    min_p: float = _ZERO
     seed: int | None = None
-    stop: list[str] | None = None
+    stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
     max_tokens: int | None = 16
     min_tokens: int = 0
     logprobs: int | None = None
     prompt_logprobs: int | None = None
+    logprob_token_ids: list[int] | None = None
+    flat_logprobs: bool = False
+    detokenize: bool = True
     skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+    #: vLLM's ``RequestOutputKind``: 0 cumulative, 1 delta, 2 final only.
     output_kind: int = 0
+    skip_clone: bool = False
+    output_text_buffer_length: int = 0
+    eos_token_id: int | None = msgspec.field(default=None, name="_eos_token_id")
+    all_stop_token_ids: set[int] = msgspec.field(default_factory=set, name="_all_stop_token_ids")
+    #: vLLM's ``StructuredOutputsParams`` (a dataclass: a map of all its fields).
+    structured_outputs: dict[str, Any] | None = None
+    logit_bias: dict[int, float] | None = None
+    allowed_token_ids: list[int] | None = None
+    extra_args: dict[str, Any] | None = None
+    routed_experts_prompt_start: int = 0
+    bad_words: list[str] | None = None
+    bad_words_token_ids: list[list[int]] | None = msgspec.field(
+        default=None, name="_bad_words_token_ids"
+    )
+    skip_reading_prefix_cache: bool | None = None
+    thinking_token_budget: int | None = None
+    #: vLLM's ``RepetitionDetectionParams`` (a dataclass: a map of all its fields).
+    repetition_detection: dict[str, Any] | None = None
+
+    def __post_init__(self) -> None:
+        # Same order as vLLM 0.25.1's SamplingParams.__post_init__.
+        if 0 < self.temperature < _MIN_TEMPERATURE:
+            self.temperature = _MIN_TEMPERATURE
+        if self.seed == -1:
+            self.seed = None
+        if self.thinking_token_budget == -1:
+            self.thinking_token_budget = None
+        if self.stop is None:
+            self.stop = []
+        elif isinstance(self.stop, str):
+            self.stop = [self.stop]
+        if self.stop_token_ids is None:
+            self.stop_token_ids = []
+        if self.bad_words is None:
+            self.bad_words = []
+        if self.logprobs is True:
+            self.logprobs = 1
+        if self.prompt_logprobs is True:
+            self.prompt_logprobs = 1
+        if self.stop and not self.include_stop_str_in_output:
+            self.output_text_buffer_length = max(len(s) for s in self.stop) - 1
+        if self.temperature < _SAMPLING_EPS:
+            self.top_p = _ONE
+            self.top_k = 0
+            self.min_p = _ZERO
+        self.all_stop_token_ids.update(self.stop_token_ids)
+        if self.skip_reading_prefix_cache is None:
+            self.skip_reading_prefix_cache = self.prompt_logprobs is not None
 
 
-class PoolingParams(msgspec.Struct, omit_defaults=True, kw_only=True):  # type: ignore[call-arg]
-    """Pooling (embedding) parameters; a msgpack map, defaults omitted."""
+class PoolingParams(msgspec.Struct, array_like=True, omit_defaults=True, kw_only=True):  # type: ignore[call-arg]
+    """Pooling (embedding) parameters; a positional array, as vLLM 0.25.1's.
 
+    Every field is written (msgspec ignores ``omit_defaults`` on array-like structs).
+    ``normalize`` is vLLM's ``use_activation`` (position 0; for embeddings it switches
+    normalisation); ``output_kind`` defaults to 2, vLLM's ``FINAL_ONLY``.
+    """
+
+    normalize: bool | None = msgspec.field(default=None, name="use_activation")
     dimensions: int | None = None
-    normalize: bool | None = None
+    step_tag_id: int | None = None
+    returned_token_ids: list[int] | None = None
     task: str | None = None
+    requires_token_ids: bool = False
+    skip_reading_prefix_cache: bool | None = None
+    #: vLLM's ``LateInteractionParams`` (an array-like struct).
+    late_interaction_params: Any = None
+    extra_kwargs: dict[str, Any] | None = None
+    output_kind: int = 2
+
+    @property
+    def use_activation(self) -> bool | None:
+        """vLLM's name for :attr:`normalize`."""
+        return self.normalize
 
 
 class EngineCoreRequest(msgspec.Struct, array_like=True, kw_only=True, gc=False):  # type: ignore[call-arg]
