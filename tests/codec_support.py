@@ -1,8 +1,10 @@
 """Helpers shared by the codec tests: decoders under test, frame builders, normalization.
 
-The frame builders produce the wire layout of ``shared/wire-protocol.md`` from plain
-lists, dicts and ``msgspec.msgpack.Ext`` values, never from ``corewire.protocol``
-structs, so the golden tests pin the byte layout independently of the code under test.
+The frame builders produce vLLM 0.25.1's wire layout (every field of a positional struct
+written, as vLLM's encoder does: msgspec ignores ``omit_defaults`` on array-like structs)
+from plain lists, dicts and ``msgspec.msgpack.Ext`` values, never from
+``corewire.protocol`` structs, so the golden tests pin the byte layout independently of
+the code under test.
 
 :func:`normalize` turns a decoded ``EngineCoreOutputs`` from either decoder (or a
 ``corewire.protocol`` struct built by hand) into plain, comparable Python: arrays and
@@ -49,7 +51,7 @@ __all__ = [
 #: msgpack extension type that carries raw array bytes inline.
 RAW_EXT = 3
 
-# Field names, in wire order, of every positional message of the spec.
+# Field names, in wire order, of every positional message (vLLM 0.25.1's order).
 OUTPUTS_FIELDS = (
     "engine_index",
     "outputs",

@@ -1,7 +1,8 @@
-"""Golden EngineCoreOutputs frames, built by hand from the spec, through both decoders.
+"""Golden EngineCoreOutputs frames, built by hand as vLLM 0.25.1 writes them, through both decoders.
 
 Every frame here is written with ``msgspec.msgpack.encode`` of plain lists, dicts and
-``Ext`` values (or with literal bytes), following ``shared/wire-protocol.md`` rather than
+``Ext`` values (or with literal bytes, some captured from vLLM 0.25.1's own
+``MsgpackEncoder``), following vLLM's real layout (every field written) rather than
 ``corewire.protocol``, so a change to the wire layout shows up as a failure here. Each
 frame must decode, on the reference MsgspecDecoder and on the Rust NativeDecoder, to the
 values the spec says; every malformed case of the spec must raise ProtocolError, and a
@@ -532,7 +533,103 @@ def _wide_ints(value: int) -> dict[str, bytes]:
     }
 
 
-GOLDEN = _cases()
+# Payloads written by vLLM 0.25.1's own MsgpackEncoder (captured once, kept as literals).
+# 1: EngineCoreOutputs(engine_index=1, outputs=[EngineCoreOutput("r", [5],
+#    finish_reason=STOP, prefill_stats=PrefillStats(3, 1, 2, 2, 0))], timestamp=1.5,
+#    finished_requests={"r"}): all 8 and 13 fields, prefill_stats a map of its 5 fields.
+VLLM_PREFILL_FRAME = bytes.fromhex(
+    "9801919da1729105c0c0c000c0c0c0c085b16e756d5f70726f6d70745f746f6b656e7303b36e756d5f636f"
+    "6d70757465645f746f6b656e7301b16e756d5f6361636865645f746f6b656e7302b76e756d5f6c6f63616c"
+    "5f6361636865645f746f6b656e7302ba6e756d5f65787465726e616c5f6361636865645f746f6b656e7300"
+    "c000c0cb3ff8000000000000c091a172c0c0"
+)
+# 2: EngineCoreOutputs(scheduler_stats=SchedulerStats(num_running_reqs=2,
+#    kv_cache_usage=0.25, prefix_cache_stats=PrefixCacheStats(requests=1, queries=8,
+#    hits=4)), timestamp=2.0): the dataclass as a map of all 15 fields, nested ones too.
+VLLM_SCHEDULER_FRAME = bytes.fromhex(
+    "9800908fb06e756d5f72756e6e696e675f7265717302b06e756d5f77616974696e675f7265717300b86e75"
+    "6d5f736b69707065645f77616974696e675f7265717300ac737465705f636f756e74657200ac6375727265"
+    "6e745f7761766500ae6b765f63616368655f7573616765cb3fd0000000000000b27072656669785f636163"
+    "68655f737461747387a57265736574c2a8726571756573747301a77175657269657308a46869747304b270"
+    "7265656d707465645f726571756573747300b1707265656d707465645f7175657269657300ae707265656d"
+    "707465645f6869747300bc636f6e6e6563746f725f7072656669785f63616368655f7374617473c0b86b76"
+    "5f63616368655f6576696374696f6e5f6576656e747390b3737065635f6465636f64696e675f7374617473"
+    "c0b26b765f636f6e6e6563746f725f7374617473c0b577616974696e675f6c6f72615f616461707465727380"
+    "b572756e6e696e675f6c6f72615f616461707465727380af6375646167726170685f7374617473c0aa7065"
+    "72665f7374617473c0cb4000000000000000c0c0c0c0"
+)
+_VLLM_PREFILL = {
+    "num_prompt_tokens": 3,
+    "num_computed_tokens": 1,
+    "num_cached_tokens": 2,
+    "num_local_cached_tokens": 2,
+    "num_external_cached_tokens": 0,
+}
+_VLLM_SCHEDULER = {
+    "num_running_reqs": 2,
+    "num_waiting_reqs": 0,
+    "num_skipped_waiting_reqs": 0,
+    "step_counter": 0,
+    "current_wave": 0,
+    "kv_cache_usage": 0.25,
+    "prefix_cache_stats": {
+        "reset": False,
+        "requests": 1,
+        "queries": 8,
+        "hits": 4,
+        "preempted_requests": 0,
+        "preempted_queries": 0,
+        "preempted_hits": 0,
+    },
+    "connector_prefix_cache_stats": None,
+    "kv_cache_eviction_events": [],
+    "spec_decoding_stats": None,
+    "kv_connector_stats": None,
+    "waiting_lora_adapters": {},
+    "running_lora_adapters": {},
+    "cudagraph_stats": None,
+    "perf_stats": None,
+}
+
+
+def _vllm_cases() -> list[Any]:
+    """The frames vLLM itself wrote, and the same frames laid out by hand."""
+    prefill_expected = p.EngineCoreOutputs(
+        engine_index=1,
+        outputs=[
+            p.EngineCoreOutput(
+                "r", [5], finish_reason=p.FinishReason.STOP, prefill_stats=_VLLM_PREFILL
+            )
+        ],
+        timestamp=1.5,
+        finished_requests={"r"},
+    )
+    by_hand = pack(
+        outputs_msg(
+            engine_index=1,
+            outputs=[output("r", [5], finish_reason=0, prefill_stats=_VLLM_PREFILL)],
+            timestamp=1.5,
+            finished_requests=["r"],
+        )
+    )
+    scheduler_expected = p.EngineCoreOutputs(scheduler_stats=_VLLM_SCHEDULER, timestamp=2.0)
+    by_hand_stats = pack(outputs_msg(scheduler_stats=_VLLM_SCHEDULER, timestamp=2.0))
+    return [
+        pytest.param([VLLM_PREFILL_FRAME], prefill_expected, id="vllm_prefill_stats_frame"),
+        pytest.param([by_hand], prefill_expected, id="vllm_prefill_stats_by_hand"),
+        pytest.param([VLLM_SCHEDULER_FRAME], scheduler_expected, id="vllm_scheduler_frame"),
+        pytest.param([by_hand_stats], scheduler_expected, id="vllm_scheduler_by_hand"),
+    ]
+
+
+GOLDEN = _cases() + _vllm_cases()
+
+
+def test_vllm_frames_are_the_hand_built_layout() -> None:
+    """vLLM's captured bytes are exactly what the hand-built builders write."""
+    frames = [param.values[0][0] for param in _vllm_cases()]
+    assert frames[0] == frames[1]
+    assert frames[2] == frames[3]
 
 
 @pytest.mark.parametrize(("frames", "expected"), GOLDEN)
