@@ -53,7 +53,7 @@ from vllm.v1.serial_utils import MsgpackDecoder, MsgpackEncoder
 from vllm.v1.serial_utils import UtilityResult as VUtilityResult
 from vllm.v1.spec_decode.metrics import SpecDecodingStats
 
-from codec_support import normalize
+from codec_support import check_types, normalize
 from corewire import protocol as p
 from corewire.codec import INLINE_THRESHOLD, Encoder, MsgspecDecoder, NativeDecoder
 
@@ -622,7 +622,9 @@ def test_outputs_byte_for_byte(seed: int) -> None:
         expected = _norm_outputs(theirs_dec.decode(frames))
         assert expected == normalize(cw)
         for decoder in ours:
-            assert _norm_outputs(decoder.decode(frames)) == expected, type(decoder).__name__
+            decoded = decoder.decode(frames)
+            check_types(decoded)
+            assert _norm_outputs(decoded) == expected, type(decoder).__name__
     assert aux_frames > 0
 
 
