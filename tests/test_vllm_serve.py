@@ -17,7 +17,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -25,7 +25,8 @@ import httpx
 import psutil
 import pytest
 
-from corewire.vllm.stack import ServeStack, free_port
+from corewire.vllm.model_dir import write_model_dir
+from corewire.vllm.stack import ServeStack, StackError, free_port
 from engine_support import assert_no_stray_children
 from serve_support import (
     MAX_MODEL_LEN,
@@ -544,3 +545,50 @@ def test_serve_command_serves_until_ctrl_c(tmp_path: Path) -> None:
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+# ---------------------------------------------------------------------- no server
+
+
+def test_model_dir_tokenizer_matches_the_engine_vocabulary(tmp_path: Path) -> None:
+    """The written tokenizer loads as vLLM loads it: one token per engine id, the engine's
+    eos and pad ids as special tokens, text decoded as words joined by spaces, a chat
+    template; ids the engine could not use are refused."""
+    from vllm.tokenizers import get_tokenizer
+
+    model_dir = write_model_dir(tmp_path / "model", vocab_size=512, max_model_len=256)
+    config = json.loads((model_dir / "config.json").read_text())
+    assert (config["vocab_size"], config["max_position_embeddings"]) == (512, 256)
+    tok = get_tokenizer(str(model_dir))
+    assert len(tok) == 512
+    assert (tok.eos_token_id, tok.pad_token_id) == (2, 0)
+    ids = tok.encode("hello world , the fox")
+    assert 3 not in ids  # no <unk>: every word is in the vocabulary
+    assert tok.decode(ids) == "hello world , the fox"
+    assert tok.decode([511, 2, 7], skip_special_tokens=True) == "w511 " + tok.decode([7])
+    chat_ids = tok.apply_chat_template(
+        [{"role": "user", "content": "hi"}], tokenize=True, add_generation_prompt=True
+    )
+    if isinstance(chat_ids, Mapping):  # transformers 5 returns a BatchEncoding
+        chat_ids = chat_ids["input_ids"]
+    assert tok.decode(chat_ids) == "user : hi assistant :"
+    with pytest.raises(ValueError, match="eos"):
+        write_model_dir(tmp_path / "bad", eos_token_id=7)
+
+
+def test_stack_start_fails_fast_when_an_engine_dies(tmp_path: Path) -> None:
+    """An engine that cannot start ends start() with StackError naming it and showing its
+    log, at once (not after the start-up timeout), and nothing is left running."""
+    model_dir = write_model_dir(tmp_path / "model")
+    stack = ServeStack(
+        model_dir,
+        port=0,
+        client="vllm",
+        engine_args={"vocab_size": 2},  # the eos id 2 is outside: the engine refuses
+        log_dir=tmp_path / "logs",
+    )
+    started = time.monotonic()
+    with pytest.raises(StackError, match=r"engine 0 exited(?s:.*)eos_token_id"):
+        stack.start(timeout=60)
+    assert time.monotonic() - started < 30
+    assert stack.server is not None and stack.server.poll() is not None
