@@ -31,6 +31,7 @@ import torch
 
 pytest.importorskip("vllm")
 
+from vllm.compilation.cuda_graph import CUDAGraphStat
 from vllm.lora.request import LoRARequest
 from vllm.pooling_params import LateInteractionParams
 from vllm.pooling_params import PoolingParams as VPoolingParams
@@ -41,6 +42,7 @@ from vllm.sampling_params import (
 )
 from vllm.sampling_params import SamplingParams as VSamplingParams
 from vllm.v1 import engine as v
+from vllm.v1.metrics.perf import PerfStats
 from vllm.v1.metrics.stats import (
     KVCacheEvictionEvent,
     PrefillStats,
@@ -498,6 +500,8 @@ def _scheduler_stats(rng: random.Random) -> SchedulerStats:
         kv_connector_stats=_maybe(rng, lambda: {"bytes": rng.randint(0, 2**40)}, 0.3),
         waiting_lora_adapters=rng.choice([{}, {"a": 1}]),
         running_lora_adapters=rng.choice([{}, {"b": 2}]),
+        cudagraph_stats=_maybe(rng, lambda: CUDAGraphStat(5, 8, 3, "FULL"), 0.2),
+        perf_stats=_maybe(rng, lambda: PerfStats(2**45, 2**33, rng.randint(0, 9)), 0.2),
     )
 
 
@@ -653,6 +657,26 @@ def test_stats_dataclasses_decode_from_corewire_maps() -> None:
         again = decoder.decode(frames)
         assert again.scheduler_stats == stats
         assert again.outputs[0].prefill_stats == prefill
+
+
+@pytest.mark.parametrize(
+    "payload",
+    [
+        [7, [], None, 3.5],
+        [0, [["r", [1, 2]]], None, 3.5],
+        [0, [["r", [], None, None, None, 1]], None, 3.5, [5]],
+        [1, [["r", [4], *[None] * 10, 0, "future"]], None, 3.5, [5, None, [None, 1], "x"], None],
+        [0, [], None, 3.5, None, ["a"], None, None, "future", {"k": 1}],
+    ],
+    ids=["outputs_short", "output_short", "utility_short", "fields_appended", "outputs_long"],
+)
+def test_short_and_long_arrays_decode_alike(payload: list[Any]) -> None:
+    """Arrays cut short or with extra trailing fields: vLLM's decoder takes them too, and
+    reads the same values as corewire's decoders."""
+    frames = [msgspec.msgpack.encode(payload)]
+    expected = _norm_outputs(MsgpackDecoder(v.EngineCoreOutputs).decode(frames))
+    for decoder in (MsgspecDecoder(p.EngineCoreOutputs), NativeDecoder()):
+        assert _norm_outputs(decoder.decode(frames)) == expected
 
 
 def test_zero_timestamp_is_replaced_by_vllms_decoder() -> None:
