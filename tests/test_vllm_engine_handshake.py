@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import os
 import tempfile
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -248,3 +249,84 @@ def test_handshake_refuses_a_coordinated_moe_group(root: Path) -> None:
         engines.stop()
         router.close(linger=0)
         ctx.term()
+
+
+def test_one_engine_serves_two_api_servers(root: Path) -> None:
+    # vLLM's multi-API-server layout (``--api-server-count 2``): the handshake names two
+    # request links and two output links; each API server's client has its own
+    # client_index, and the engine answers each on its own link.
+    from vllm.v1.engine.utils import EngineZmqAddresses, launch_core_engines
+
+    port = free_tcp_port()
+    engines = EngineProcs(root)
+    engines.start(*join_args(port, 0))
+    frontend_platform()
+    model_dir = write_model_dir(root / "model")
+    parallel = {
+        "data_parallel_size": 1,
+        "data_parallel_size_local": 0,
+        "data_parallel_master_ip": "127.0.0.1",
+        "data_parallel_rpc_port": port,
+    }
+    links = [
+        {"input_address": f"ipc://{root}/in{i}", "output_address": f"ipc://{root}/out{i}"}
+        for i in (0, 1)
+    ]
+    results: dict[int, Any] = {}
+
+    def api_server(index: int) -> None:
+        async def main() -> Any:
+            client = AsyncMPClient(
+                vllm_config(model_dir, **parallel),
+                Executor,
+                False,
+                client_addresses=links[index],
+                client_count=2,
+                client_index=index,
+            )
+            try:
+                tasks = await client.get_supported_tasks_async()
+                got = await generate(
+                    client, [request(f"s{index}-{i}", [index + 1, i]) for i in (0, 1)]
+                )
+                return tasks, got
+            finally:
+                client.shutdown()
+                await asyncio.sleep(0)
+                client.resources.ctx.destroy(linger=0)
+
+        try:
+            results[index] = asyncio.run(asyncio.wait_for(main(), _DEADLINE_S))
+        except BaseException as exc:  # reported by the main thread
+            results[index] = exc
+
+    servers = [
+        threading.Thread(target=api_server, args=(i,), name=f"api-server-{i}") for i in (0, 1)
+    ]
+    try:
+        for server in servers:
+            server.start()
+        addresses = EngineZmqAddresses(
+            inputs=[link["input_address"] for link in links],
+            outputs=[link["output_address"] for link in links],
+        )
+        # vLLM's launcher side: binds the handshake port, waits for the engine's HELLO
+        # and READY (on leaving the block), as `vllm serve` does.
+        with launch_core_engines(
+            vllm_config(model_dir, **parallel), Executor, False, addresses, num_api_servers=2
+        ):
+            pass
+        for server in servers:
+            server.join(_DEADLINE_S)
+    finally:
+        codes = engines.stop()
+    assert codes == [0], engines.logs()
+    sp = {"temperature": 0.0, "max_tokens": 6}
+    for index in (0, 1):
+        assert not isinstance(results[index], BaseException), results[index]
+        tasks, got = results[index]
+        assert tasks == ["generate", "embed"]
+        expected = reference_run([(f"s{index}-{i}", [index + 1, i], sp) for i in (0, 1)])
+        assert {rid: toks for rid, (toks, _) in got.items()} == {
+            rid: toks for rid, (toks, _) in expected.items()
+        }
