@@ -53,6 +53,8 @@ CLIENTS = ("corewire", "vllm")
 """The engine-core clients the API server can use: ``"corewire"`` (the plugin) or ``"vllm"``."""
 
 _LOG_TAIL_BYTES = 6000
+_LOOPBACK = "127.0.0.1"
+_ANY_HOST = frozenset({"", "0.0.0.0", "::"})
 
 
 class StackError(RuntimeError):
@@ -89,7 +91,8 @@ class ServeStack:
     """vLLM's API server (front-end only) and ``engines`` corewire engines, as child processes.
 
     ``model_dir``: a model directory matching the engines (see the module docstring).
-    ``port``: the HTTP port (0: a free one). ``client``: ``"corewire"`` or ``"vllm"``.
+    ``port``: the HTTP port (0: a free one); ``host``: the HTTP host (the engines always
+    join on loopback). ``client``: ``"corewire"`` or ``"vllm"``.
     ``engine_args``: keyword arguments for each reference engine (JSON-serialisable);
     ``vocab_size`` and ``max_model_len`` should agree with the model directory.
     ``log_dir``: where each process's output goes (``api-server.log``,
@@ -122,7 +125,10 @@ class ServeStack:
         self.model_dir = Path(model_dir)
         self.host = host
         self.port = port or free_port(host)
-        self.rpc_port = free_port(host)
+        # The engines' link stays on loopback whatever the HTTP host: corewire refuses
+        # plain (non-CURVE) engine links that other hosts could reach.
+        self.engine_host = _LOOPBACK
+        self.rpc_port = free_port(self.engine_host)
         self.num_engines = engines
         self.client = client
         self.served_model_name = served_model_name
@@ -141,12 +147,13 @@ class ServeStack:
     @property
     def base_url(self) -> str:
         """``http://HOST:PORT`` of the API server."""
-        return f"http://{self.host}:{self.port}"
+        host = _LOOPBACK if self.host in _ANY_HOST else self.host
+        return f"http://{host}:{self.port}"
 
     @property
     def handshake_address(self) -> str:
         """The API server's handshake address, where engines say HELLO."""
-        return f"tcp://{self.host}:{self.rpc_port}"
+        return f"tcp://{self.engine_host}:{self.rpc_port}"
 
     def server_command(self) -> list[str]:
         """``vllm serve`` front-end only: no local engines, engines join on the RPC port."""
@@ -167,7 +174,7 @@ class ServeStack:
             "--data-parallel-size-local",
             "0",
             "--data-parallel-address",
-            self.host,
+            self.engine_host,
             "--data-parallel-rpc-port",
             str(self.rpc_port),
             "--dtype",
@@ -360,7 +367,11 @@ def main(argv: list[str] | None = None) -> int:
         description="vLLM's OpenAI-compatible API server over corewire reference engines.",
     )
     parser.add_argument("--port", type=int, default=8000, help="HTTP port (default 8000)")
-    parser.add_argument("--host", default="127.0.0.1", help="HTTP host (default 127.0.0.1)")
+    parser.add_argument(
+        "--host",
+        default="127.0.0.1",
+        help="HTTP host (default 127.0.0.1; the engines' link stays on loopback)",
+    )
     parser.add_argument(
         "--client",
         choices=CLIENTS,
