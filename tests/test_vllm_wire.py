@@ -297,7 +297,9 @@ def _sampling_pair(rng: random.Random) -> Pair:
     if eos is not None:
         csp.all_stop_token_ids.add(eos)
     if config:
-        csp.all_stop_token_ids.add(7)
+        # A set's iteration order (its bytes) depends on how it was built: add what vLLM
+        # adds, the way it adds it. Decoders read sets, so only the bytes would differ.
+        csp.all_stop_token_ids.update({7})
         if not csp.ignore_eos:
             # vLLM rebuilds stop_token_ids from a set; take its order, the contents are checked.
             assert set(vsp.stop_token_ids) == {7, *csp.stop_token_ids}  # type: ignore[arg-type]
