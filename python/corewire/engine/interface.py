@@ -68,6 +68,14 @@ class Engine(abc.ABC):
     dicts). A method may return a :class:`concurrent.futures.Future`; the reply is sent
     when the future completes (from whatever thread completes it). An exception becomes
     the failure text ``Call to <method> method failed: <error>`` and the engine lives on.
+    The utilities vLLM's front-end calls (``get_supported_tasks``, ``sleep(level, mode)``,
+    ``profile(is_start, profile_prefix)``, LoRA ...) take vLLM's argument lists; those an
+    engine does not define are answered by
+    :class:`~corewire.engine.utilities.UtilityDefaults` (no-ops, "no", or a clear
+    "not supported" failure).
+
+    Ready response: :meth:`engine_info` reports the model's limits (``max_model_len``,
+    dtype, KV cache) that front-ends apply to their own configuration.
 
     An exception raised by :meth:`step` (or by the other interface methods that the loop
     cannot attribute to one request) is fatal: the process sends ``ENGINE_CORE_DEAD`` and

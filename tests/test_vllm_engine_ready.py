@@ -1,0 +1,173 @@
+"""The ready response against vLLM 0.25.1's own ``EngineCoreReadyResponse`` type.
+
+Each engine sends it once on each request link; vLLM's front-end decodes it strictly
+with its own type. These tests build the map the way the engine process does and decode
+it with vLLM's class (no re-typed copy of it here).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import msgspec
+import pytest
+
+from corewire.engine import EngineCoreProc
+from corewire.engine.dp import DPEngineCoreProc
+from corewire.engine.interface import NO_MODEL_LEN_LIMIT, EngineInfo
+from corewire.engine.ready import VLLM_PROTOCOL_VERSION, engine_info_of, ready_response
+from corewire.engine.reference import ReferenceEngine
+from corewire.engine.utilities import DEFAULT_UTILITIES, UnsupportedUtility, UtilityDefaults
+from vllm_support import offline_environment
+
+offline_environment()
+pytest.importorskip("vllm")
+
+import vllm  # noqa: E402
+from vllm.v1.engine import EngineCoreReadyResponse  # noqa: E402
+
+
+class _KVEngine(ReferenceEngine):
+    """A reference engine that claims a paged KV cache, to see every figure travel."""
+
+    def engine_info(self) -> EngineInfo:
+        return EngineInfo(
+            max_model_len=300,
+            dtype="torch.bfloat16",
+            num_gpu_blocks=100,
+            block_size=32,
+            world_size=2,
+            kv_cache_size_tokens=3200,
+            kv_cache_max_concurrency=10.67,
+        )
+
+
+class _DuckEngine:
+    """The Engine interface by duck typing, without engine_info()."""
+
+    def add_request(self, request: Any) -> None:
+        pass
+
+    def abort_requests(self, request_ids: list[str]) -> None:
+        pass
+
+    def step(self) -> list[Any]:
+        return []
+
+    def has_unfinished_requests(self) -> bool:
+        return False
+
+
+def _decoded(message: dict[str, Any]) -> Any:
+    # Exactly what vLLM's client does with the bytes (strict msgspec decode).
+    return msgspec.msgpack.decode(msgspec.msgpack.encode(message), type=EngineCoreReadyResponse)
+
+
+def test_version_is_the_installed_vllm() -> None:
+    assert vllm.__version__ == VLLM_PROTOCOL_VERSION == "0.25.1"
+
+
+def test_reference_engine_ready_map_decodes_as_vllms_type(tmp_path: Any) -> None:
+    proc = EngineCoreProc(
+        ReferenceEngine(device="cpu", max_model_len=777, dtype="float32"),
+        input_address=f"ipc://{tmp_path}/in",
+        output_address=f"ipc://{tmp_path}/out",
+        engine_index=5,
+    )
+    proc._ctx.term()  # never started: only its ready map is needed
+    message = proc._ready_message()
+    fields = [f.name for f in dataclasses.fields(EngineCoreReadyResponse)]
+    assert list(message)[: len(fields)] == fields  # every key, in vLLM's order
+    assert set(message) - set(fields) == {"status", "engine_index", "pid"}
+    response = _decoded(message)
+    assert response == EngineCoreReadyResponse(
+        max_model_len=777,
+        num_gpu_blocks=0,
+        block_size=16,
+        dp_stats_address=None,
+        dtype="float32",
+        vllm_version="0.25.1",
+        world_size=1,
+        data_parallel_size=1,
+        kv_cache_size_tokens=None,
+        kv_cache_max_concurrency=None,
+    )
+    assert message["status"] == "READY" and message["engine_index"] == 5
+
+
+def test_engine_info_figures_travel_and_dp_proc_reports_its_group(tmp_path: Any) -> None:
+    proc = DPEngineCoreProc(
+        _KVEngine(device="cpu"),
+        input_address=f"ipc://{tmp_path}/in",
+        output_address=f"ipc://{tmp_path}/out",
+        engine_index=1,
+        data_parallel_size=3,
+        coordinator_addresses=[f"ipc://{tmp_path}/front", "ipc://s", "ipc://w"],
+    )
+    proc._ctx.term()  # never started: only its ready map is needed
+    response = _decoded(proc._ready_message())
+    assert (response.max_model_len, response.dtype, response.world_size) == (300, "bfloat16", 2)
+    assert (response.num_gpu_blocks, response.block_size) == (100, 32)
+    assert response.kv_cache_size_tokens == 3200
+    assert response.kv_cache_max_concurrency == pytest.approx(10.67)
+    assert response.data_parallel_size == 3
+    assert response.dp_stats_address == f"ipc://{tmp_path}/front"
+
+
+def test_duck_typed_engine_gets_the_defaults() -> None:
+    info = engine_info_of(_DuckEngine())
+    assert info == EngineInfo() and info.max_model_len == NO_MODEL_LEN_LIMIT
+    response = _decoded(ready_response(info, engine_index=0))
+    assert response.max_model_len == NO_MODEL_LEN_LIMIT and response.num_gpu_blocks == 0
+
+    class _Wrong(_DuckEngine):
+        def engine_info(self) -> Any:
+            return {"max_model_len": 5}
+
+    with pytest.raises(TypeError, match=r"_Wrong.engine_info\(\) must return an EngineInfo"):
+        engine_info_of(_Wrong())
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"max_model_len": 0}, "max_model_len must be an int >= 1"),
+        ({"num_gpu_blocks": -1}, "num_gpu_blocks must be an int >= 0"),
+        ({"block_size": 1.5}, "block_size must be an int >= 1"),
+        ({"world_size": True}, "world_size must be an int >= 1"),
+        ({"dtype": ""}, "dtype must be a dtype name"),
+    ],
+)
+def test_engine_info_is_checked(kwargs: dict[str, Any], message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        EngineInfo(**kwargs)
+
+
+def test_utility_defaults_cover_what_vllms_client_calls() -> None:
+    from vllm.v1.engine.core_client import AsyncMPClient
+
+    # Every utility vLLM's AsyncMPClient has a wrapper for: an engine that lacks one
+    # still answers it (a no-op, "no", or a clear failure).
+    names = {
+        name.removesuffix("_async")
+        for name in vars(AsyncMPClient)
+        if name.endswith("_async")
+        and name
+        not in {
+            "get_output_async",
+            "add_request_async",
+            "abort_requests_async",
+            "call_utility_async",
+            "_call_utility_async",
+        }
+    }
+    assert names <= DEFAULT_UTILITIES, names - DEFAULT_UTILITIES
+    defaults = UtilityDefaults(_DuckEngine())
+    assert defaults.get_supported_tasks() == ["generate"]
+    assert defaults.reset_prefix_cache(True, True) is True
+    assert defaults.is_sleeping() is False and defaults.is_scheduler_paused() is False
+    with pytest.raises(UnsupportedUtility, match="LoRA adapters are not supported by _DuckEngine"):
+        defaults.add_lora(["name", 1, "/path"])
+    with pytest.raises(UnsupportedUtility, match="sleep is not supported by _DuckEngine"):
+        defaults.sleep(1, "abort")
