@@ -330,3 +330,67 @@ def test_one_engine_serves_two_api_servers(root: Path) -> None:
         assert {rid: toks for rid, (toks, _) in got.items()} == {
             rid: toks for rid, (toks, _) in expected.items()
         }
+
+
+def test_no_answer_to_hello_ends_the_engine_with_a_clear_error(root: Path) -> None:
+    engines = EngineProcs(root)
+    port = free_tcp_port()  # nothing listens there
+    proc = engines.start(
+        "--handshake-address", f"tcp://127.0.0.1:{port}", "--handshake-timeout", "1"
+    )
+    try:
+        assert proc.wait(30) == 1
+    finally:
+        engines.stop()
+    assert f"no answer to HELLO from the front-end at tcp://127.0.0.1:{port}" in engines.logs()
+
+
+@pytest.mark.parametrize(
+    ("metadata", "message"),
+    [
+        (b"\xc1", "not msgpack"),
+        ({"addresses": None}, "no addresses map"),
+        ({"addresses": {"inputs": ["a"], "outputs": []}}, "as many input as output"),
+        ({"addresses": {"inputs": ["a"], "outputs": [1]}}, "as many input as output"),
+        (
+            {"addresses": {"inputs": ["a"], "outputs": ["b"], "coordinator_input": "c"}},
+            "only one DP coordinator address",
+        ),
+        (
+            {"addresses": {"inputs": ["a"], "outputs": ["b"], "coordinator_input": 5}},
+            "coordinator_input is not an address",
+        ),
+    ],
+)
+def test_unusable_handshake_metadata_is_refused(metadata: Any, message: str) -> None:
+    from corewire.engine.handshake import HandshakeError, HandshakeMetadata
+
+    payload = metadata if isinstance(metadata, bytes) else msgspec.msgpack.encode(metadata)
+    with pytest.raises(HandshakeError, match=message):
+        HandshakeMetadata.decode(payload)
+
+
+def test_handshake_metadata_from_vllms_own_type() -> None:
+    from vllm.v1.engine.utils import EngineHandshakeMetadata, EngineZmqAddresses
+
+    from corewire.engine.handshake import HandshakeMetadata
+
+    sent = EngineHandshakeMetadata(
+        addresses=EngineZmqAddresses(
+            inputs=["tcp://h:1", "tcp://h:2"],
+            outputs=["tcp://h:3", "tcp://h:4"],
+            coordinator_input="ipc:///c-in",
+            coordinator_output="ipc:///c-out",
+            frontend_stats_publish_address="ipc:///stats",
+        ),
+        parallel_config={},
+    )
+    got = HandshakeMetadata.decode(msgspec.msgpack.encode(sent))
+    assert got == HandshakeMetadata(
+        inputs=["tcp://h:1", "tcp://h:2"],
+        outputs=["tcp://h:3", "tcp://h:4"],
+        coordinator_input="ipc:///c-in",
+        coordinator_output="ipc:///c-out",
+        frontend_stats_publish_address="ipc:///stats",
+        parallel_config={},
+    )

@@ -93,7 +93,13 @@ class HandshakeMetadata:
         if not isinstance(addresses, dict):
             raise HandshakeError(f"handshake metadata has no addresses map: {msg!r:.200}")
         inputs, outputs = addresses.get("inputs"), addresses.get("outputs")
-        if not _str_list(inputs) or not _str_list(outputs) or len(inputs) != len(outputs):
+        if (
+            not isinstance(inputs, list)
+            or not isinstance(outputs, list)
+            or not _str_list(inputs)
+            or not _str_list(outputs)
+            or len(inputs) != len(outputs)
+        ):
             raise HandshakeError(
                 f"handshake metadata needs as many input as output addresses: {addresses!r:.200}"
             )
