@@ -17,7 +17,8 @@ from typing import Any
 
 __all__ = ["ENV_SWITCH", "enabled", "register"]
 
-logger = logging.getLogger("corewire.vllm")
+# Under vLLM's logger namespace: its handlers (and level) show this in the server's log.
+logger = logging.getLogger("vllm.corewire")
 
 #: The switch: "1" (or "true", "yes", "on") makes vLLM use corewire's client.
 ENV_SWITCH = "COREWIRE_VLLM_CLIENT"
