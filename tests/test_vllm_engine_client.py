@@ -20,7 +20,10 @@ from typing import Any, TypeVar
 
 import numpy as np
 import pytest
+import torch
 
+import corewire.protocol as corewire_protocol
+from corewire.engine.reference import ReferenceEngine
 from vllm_support import (
     ENGINE_ARGS,
     EngineProcs,
@@ -34,7 +37,7 @@ from vllm_support import (
 offline_environment()
 pytest.importorskip("vllm")
 
-from vllm import SamplingParams  # noqa: E402
+from vllm import PoolingParams, SamplingParams  # noqa: E402
 from vllm.lora.request import LoRARequest  # noqa: E402
 from vllm.v1.engine import EngineCoreRequest, FinishReason  # noqa: E402
 from vllm.v1.engine.core_client import AsyncMPClient  # noqa: E402
@@ -370,3 +373,71 @@ def test_sleep_and_pause_modes_act_on_running_requests(stack: Stack) -> None:
     )
     assert seen["drained"] == FinishReason.LENGTH
     assert seen["paused"] == FinishReason.ABORT
+
+
+def test_embedding_request_returns_a_tensor(stack: Stack) -> None:
+    request = vllm_request("emb", [1, 2, 3])
+    request.sampling_params = None
+    request.pooling_params = PoolingParams(task="embed", dimensions=16)
+    (out,) = stack.run(collect_after(stack.client, request))
+    engine = ReferenceEngine(**{**ENGINE_ARGS, "step_delay": 0.0})
+    engine.add_request(
+        corewire_protocol.EngineCoreRequest(
+            request_id="emb",
+            prompt_token_ids=[1, 2, 3],
+            pooling_params=corewire_protocol.PoolingParams(dimensions=16),
+        )
+    )
+    (want,) = engine.step()
+    assert out.finish_reason == FinishReason.STOP and out.new_token_ids == []
+    assert isinstance(out.pooling_output, torch.Tensor) and out.pooling_output.shape == (16,)
+    torch.testing.assert_close(out.pooling_output, want.pooling_output)
+
+
+async def collect_after(client: Any, request: EngineCoreRequest) -> list[Any]:
+    """Send one request and return its outputs."""
+    await client.add_request_async(request)
+    return (await collect(client, {request.request_id}))[request.request_id]
+
+
+def test_a_fatal_engine_error_reaches_vllms_client_as_engine_dead(tmp_path: Path) -> None:
+    from vllm.v1.engine.exceptions import EngineDeadError
+
+    engines = EngineProcs(tmp_path)
+    addresses = {
+        "input_address": f"ipc://{tmp_path}/in",
+        "output_address": f"ipc://{tmp_path}/out",
+    }
+    proc = engines.start(
+        "--input-address",
+        addresses["input_address"],
+        "--output-address",
+        addresses["output_address"],
+    )
+    config = vllm_config(write_model_dir(tmp_path / "model"))
+    loop = asyncio.new_event_loop()
+    client = None
+
+    async def scenario() -> None:
+        nonlocal client
+        client = AsyncMPClient(config, Executor, False, client_addresses=addresses)
+        await client.call_utility_async("fail_next_step", "injected by the test")
+        await client.add_request_async(vllm_request("doomed", [1], temperature=0.0, max_tokens=4))
+        with pytest.raises(EngineDeadError):
+            while True:
+                await client.get_output_async()
+
+    try:
+        loop.run_until_complete(asyncio.wait_for(scenario(), _CALL_TIMEOUT_S))
+    finally:
+        if client is not None:
+            client.shutdown()
+            loop.run_until_complete(asyncio.sleep(0))
+            client.resources.ctx.destroy(linger=0)
+        loop.close()
+        try:
+            code = proc.wait(20)  # the engine leaves by itself after ENGINE_CORE_DEAD
+        finally:
+            engines.stop()
+    assert code == 1, engines.logs()
+    assert "injected by the test" in engines.logs()

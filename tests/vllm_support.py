@@ -82,8 +82,9 @@ def write_model_dir(path: Path, vocab_size: int = 4096) -> Path:
 
 
 def vllm_config(model_dir: Path, **parallel: Any) -> Any:
-    """A real ``VllmConfig`` for the front-end side; ``parallel`` goes to
-    ``ParallelConfig`` (data-parallel size, rpc port ...)."""
+    """A real ``VllmConfig`` for the front-end side (a platform resolved first);
+    ``parallel`` goes to ``ParallelConfig`` (data-parallel size, rpc port ...)."""
+    frontend_platform()
     # Building the config imports torch modules that warn about their own deprecated
     # APIs (torch.jit); those are not this project's to fix.
     with warnings.catch_warnings():
