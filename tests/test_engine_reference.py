@@ -339,6 +339,36 @@ def test_pause_and_sleep_stop_stepping(engine: ReferenceEngine) -> None:
         assert tokens(run(engine)[f"asleep{level}"]) == expected
 
 
+def test_sleep_follows_vllms_levels_and_modes() -> None:
+    eng = ReferenceEngine(device="cpu")
+    expected = gen(eng, "base", temperature=0.0, max_tokens=3)
+    # Level 0 is a pause only; the "scheduling" tag ends it.
+    assert eng.sleep(0, "keep") is None
+    assert eng.is_sleeping() and eng.is_scheduler_paused() and eng._model is not None
+    eng.wake_up(["scheduling"])
+    assert not eng.is_sleeping()
+    # "wait": the reply waits until the request in flight finished, then level 2
+    # discards the weights; waking up rebuilds them and scheduling resumes.
+    eng.add_request(req("inflight", temperature=0.0, max_tokens=3))
+    slept = eng.sleep(2, "wait")
+    assert isinstance(slept, concurrent.futures.Future) and not slept.done()
+    outs = run(eng)
+    assert slept.result(timeout=0) is None
+    assert tokens(outs["inflight"]) == expected and eng._model is None and eng.is_sleeping()
+    eng.wake_up()
+    assert not eng.is_sleeping() and gen(eng, "again", temperature=0.0, max_tokens=3) == expected
+    # "abort": running requests finish as ABORT before the model is released.
+    eng.add_request(req("cut", temperature=0.0, max_tokens=50))
+    eng.step()
+    assert eng.sleep(1, "abort") is None
+    (cut,) = run(eng)["cut"]
+    assert cut.finish_reason == FinishReason.ABORT and eng.is_sleeping()
+    with pytest.raises(ValueError, match="sleep level must be 0, 1 or 2, got 3"):
+        eng.sleep(3)
+    with pytest.raises(ValueError, match="pause mode"):
+        eng.sleep(1, "later")
+
+
 def test_pause_modes_abort_and_wait() -> None:
     eng = ReferenceEngine(device="cpu", max_batch=2)
     for rid, n in (("a", 3), ("b", 5), ("queued", 2)):
