@@ -339,6 +339,31 @@ def test_pause_and_sleep_stop_stepping(engine: ReferenceEngine) -> None:
         assert tokens(run(engine)[f"asleep{level}"]) == expected
 
 
+def test_prompt_logprobs_match_what_generation_sees() -> None:
+    eng = ReferenceEngine(device="cpu")
+    prompt = [5, 6, 7, 8, 9]
+    (first, *_) = run(eng, req("p", prompt, temperature=0.0, max_tokens=2, prompt_logprobs=2))["p"]
+    lp = first.new_prompt_logprobs_tensors
+    # One row per prompt token after the first: that token, then the top 2.
+    assert lp.logprob_token_ids.shape == lp.logprobs.shape == (4, 3)
+    assert lp.logprob_token_ids[:, 0].tolist() == prompt[1:]
+    assert lp.selected_token_ranks.shape == (4,) and bool((lp.selected_token_ranks >= 1).all())
+    # Row 1 predicts prompt[2] from prompt[:2]: its top-1 is what greedy generation
+    # picks after prompt[:2], with the same logprob.
+    (out,) = run(eng, req("g", prompt[:2], temperature=0.0, max_tokens=1, logprobs=1))["g"]
+    assert lp.logprob_token_ids[1, 1].item() == out.new_token_ids[0]
+    # (batch shapes differ, so equal up to float rounding)
+    assert lp.logprobs[1, 1].item() == pytest.approx(
+        float(out.new_logprobs.logprobs[0, 0]), abs=1e-4
+    )
+    # A one-token prompt has no rows; only the first output carries them.
+    outs = run(eng, req("one", [5], temperature=0.0, max_tokens=2, prompt_logprobs=0))["one"]
+    assert outs[0].new_prompt_logprobs_tensors.logprobs.shape == (0, 1)
+    assert outs[1].new_prompt_logprobs_tensors is None
+    with pytest.raises(ValueError, match="prompt_logprobs must be in"):
+        eng.add_request(req("bad", prompt_logprobs=21))
+
+
 def test_sleep_follows_vllms_levels_and_modes() -> None:
     eng = ReferenceEngine(device="cpu")
     expected = gen(eng, "base", temperature=0.0, max_tokens=3)

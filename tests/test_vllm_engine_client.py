@@ -236,6 +236,28 @@ def test_seeded_sampling_with_every_parameter_and_logprobs(stack: Stack) -> None
         assert lp.sampled_token_ranks.shape == (1,) and lp.sampled_token_ranks[0] >= 1
 
 
+def test_prompt_logprobs_arrive_as_vllms_tensors(stack: Stack) -> None:
+    prompt = [21, 22, 23, 24]
+    request = vllm_request("pl", prompt, temperature=0.0, max_tokens=2, prompt_logprobs=3)
+    first = stack.run(collect_after(stack.client, request))[0]
+    lp = first.new_prompt_logprobs_tensors
+    assert isinstance(lp.logprobs, torch.Tensor) and lp.logprobs.shape == (3, 4)
+    assert lp.logprob_token_ids[:, 0].tolist() == prompt[1:]
+    engine = ReferenceEngine(**{**ENGINE_ARGS, "step_delay": 0.0})
+    engine.add_request(
+        corewire_protocol.EngineCoreRequest(
+            request_id="pl",
+            prompt_token_ids=prompt,
+            sampling_params=corewire_protocol.SamplingParams(
+                temperature=0.0, max_tokens=2, prompt_logprobs=3
+            ),
+        )
+    )
+    want = engine.step()[0].new_prompt_logprobs_tensors
+    torch.testing.assert_close(lp.logprobs, want.logprobs)
+    torch.testing.assert_close(lp.logprob_token_ids, want.logprob_token_ids)
+
+
 def test_abort_stops_a_running_request(stack: Stack) -> None:
     client = stack.client
 

@@ -9,8 +9,10 @@ no KV cache to manage and a step over hundreds of requests stays cheap on a CPU.
 
 Sampling follows vLLM's semantics for the parameters it honours: ``max_tokens``,
 ``min_tokens``, ``temperature`` (0 = greedy), ``top_k``, ``top_p``, ``seed``,
-``stop_token_ids``, ``ignore_eos`` and top-k ``logprobs`` (raw model logprobs, the
-sampled token first). Pooling requests get the mean of the last layer's hidden states.
+``stop_token_ids``, ``ignore_eos``, top-k ``logprobs`` (raw model logprobs, the sampled
+token first) and ``prompt_logprobs`` (the same for each prompt token after the first, with
+the request's first output). Pooling requests get the mean of the last layer's hidden
+states.
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ from corewire.protocol import (
     EngineCoreRequest,
     FinishReason,
     LogprobsLists,
+    LogprobsTensors,
     PoolingParams,
     SamplingParams,
 )
@@ -157,6 +160,7 @@ class _Request:
         "min_tokens",
         "num_output",
         "pooling",
+        "prompt_logprobs",
         "request_id",
         "stop_ids",
         "temperature",
@@ -178,6 +182,7 @@ class _Request:
         self.stop_ids: frozenset[int] = frozenset()
         self.ignore_eos = False
         self.logprobs: int | None = None
+        self.prompt_logprobs: int | None = None
         self.pooling: PoolingParams | None = None
         self.events: list[EngineCoreEvent] | None = None
 
@@ -361,6 +366,10 @@ class ReferenceEngine(Engine):
             raise ValueError(f"min_tokens must be in [0, max_tokens], got {sp.min_tokens}")
         if sp.logprobs is not None and not 0 <= sp.logprobs <= self.max_logprobs:
             raise ValueError(f"logprobs must be in [0, {self.max_logprobs}], got {sp.logprobs}")
+        if sp.prompt_logprobs is not None and not 0 <= sp.prompt_logprobs <= self.max_logprobs:
+            raise ValueError(
+                f"prompt_logprobs must be in [0, {self.max_logprobs}], got {sp.prompt_logprobs}"
+            )
         req.max_tokens = max_tokens
         req.min_tokens = sp.min_tokens
         req.temperature = sp.temperature
@@ -369,6 +378,7 @@ class ReferenceEngine(Engine):
         req.stop_ids = frozenset(sp.stop_token_ids or ())
         req.ignore_eos = sp.ignore_eos
         req.logprobs = sp.logprobs
+        req.prompt_logprobs = sp.prompt_logprobs
         if sp.seed is not None:
             req.generator = torch.Generator(device=self.device).manual_seed(sp.seed & _U64)
 
@@ -530,6 +540,8 @@ class ReferenceEngine(Engine):
                 stop_reason=stop_reason,
                 events=req.events,
             )
+            if req.prompt_logprobs is not None and req.num_output == 1:
+                out.new_prompt_logprobs_tensors = self._prompt_logprobs(req)
             req.events = None
             outputs.append(out)
             if finish is None:
@@ -619,6 +631,32 @@ class ReferenceEngine(Engine):
                 None,
             )
         return result
+
+    def _prompt_logprobs(self, req: _Request) -> LogprobsTensors:
+        """vLLM's prompt logprobs, sent with a request's first output: one row per prompt
+        token after the first (the model's raw logprob of that token given the tokens
+        before it, then the top ``prompt_logprobs``), and each token's rank."""
+        assert self._model is not None
+        prompt = req.tokens[: len(req.tokens) - req.num_output]
+        w, k = self.window, req.prompt_logprobs or 0
+        padded = [self.pad_token_id] * (w - 1) + prompt
+        # Row j predicts prompt[j + 1] from the window that ends at prompt[j].
+        flat = [t for j in range(len(prompt) - 1) for t in padded[j : j + w]]
+        dev = self.device
+        if not flat:
+            empty = torch.zeros((0, k + 1))
+            return LogprobsTensors(empty.long(), empty, torch.zeros(0, dtype=torch.long))
+        windows = torch.tensor(flat, dtype=torch.long).view(-1, w).to(dev)
+        raw_lp = torch.log_softmax(self._model(windows).float(), dim=-1)
+        actual = torch.tensor(prompt[1:], dtype=torch.long, device=dev).unsqueeze(1)
+        actual_lp = raw_lp.gather(1, actual)
+        ranks = (raw_lp > actual_lp).sum(dim=-1) + 1
+        ids, vals = actual, actual_lp
+        if k:
+            top_lp, top_ids = raw_lp.topk(k, dim=-1)
+            ids = torch.cat([actual, top_ids], dim=1)
+            vals = torch.cat([actual_lp, top_lp], dim=1)
+        return LogprobsTensors(ids.cpu(), vals.cpu(), ranks.cpu())
 
     def _pool(self) -> list[EngineCoreOutput]:
         """Embed pending pooling requests: the mean of the hidden state after every
