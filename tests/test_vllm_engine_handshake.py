@@ -394,3 +394,115 @@ def test_handshake_metadata_from_vllms_own_type() -> None:
         frontend_stats_publish_address="ipc:///stats",
         parallel_config={},
     )
+
+
+def test_dp_rank_speaks_vllms_coordinator_protocol(root: Path) -> None:
+    # vLLM's own message types and coordinator helpers on hand-bound sockets, to see each
+    # step of a DP rank's start-up and its wave / stats traffic in order.
+    from vllm.v1.engine import EngineCoreOutputs, EngineCoreReadyResponse
+    from vllm.v1.engine.coordinator import DPCoordinatorProc
+    from vllm.v1.engine.utils import EngineHandshakeMetadata, EngineZmqAddresses
+    from vllm.v1.serial_utils import MsgpackDecoder, MsgpackEncoder
+
+    port = free_tcp_port()
+    ctx = zmq.Context()
+    sockets: dict[str, zmq.Socket[bytes]] = {}
+    for name, kind, address in (
+        ("handshake", zmq.ROUTER, f"tcp://127.0.0.1:{port}"),
+        ("input", zmq.ROUTER, f"ipc://{root}/in"),
+        ("output", zmq.PULL, f"ipc://{root}/out"),
+        ("coord_in", zmq.XPUB, f"ipc://{root}/coord-in"),
+        ("coord_out", zmq.PULL, f"ipc://{root}/coord-out"),
+    ):
+        sockets[name] = ctx.socket(kind)
+        sockets[name].bind(address)
+    hs, inp, out, cin, cout = (
+        sockets[n] for n in ("handshake", "input", "output", "coord_in", "coord_out")
+    )
+    decoder = MsgpackDecoder(EngineCoreOutputs)
+    engines = EngineProcs(root)
+    try:
+        proc = engines.start(*join_args(port, 1, "--data-parallel-size", "2"))
+        assert hs.poll(30_000), engines.logs()
+        identity, _hello = hs.recv_multipart()
+        assert identity == b"\x01\x00"
+        metadata = EngineHandshakeMetadata(
+            addresses=EngineZmqAddresses(
+                inputs=[f"ipc://{root}/in"],
+                outputs=[f"ipc://{root}/out"],
+                coordinator_input=f"ipc://{root}/coord-in",
+                coordinator_output=f"ipc://{root}/coord-out",
+                frontend_stats_publish_address=f"ipc://{root}/stats",
+            ),
+            parallel_config={},
+        )
+        hs.send_multipart([identity, msgspec.msgpack.encode(metadata)])
+        # The ready response on the request link, decoded as vLLM decodes it.
+        assert inp.poll(10_000)
+        identity, payload = inp.recv_multipart()
+        ready = msgspec.msgpack.decode(payload, type=EngineCoreReadyResponse)
+        assert ready.dp_stats_address == f"ipc://{root}/stats" and ready.data_parallel_size == 2
+        # It subscribes to the coordinator, and is not READY until the coordinator is.
+        assert cin.poll(10_000) and cin.recv() == b"\x01"
+        assert not hs.poll(500)
+        cin.send(b"READY")
+        assert hs.poll(10_000)
+        _, status = hs.recv_multipart()
+        assert msgspec.msgpack.decode(status) == {
+            "status": "READY",
+            "local": False,
+            "headless": True,
+        }
+
+        call_ids = iter(range(1, 1000))
+
+        def dp_state() -> dict[str, Any]:
+            call_id = next(call_ids)
+            inp.send_multipart(
+                [identity, b"\x03", msgspec.msgpack.encode([0, call_id, "dp_state", []])]
+            )
+            while True:
+                assert out.poll(10_000)
+                outputs = decoder.decode(out.recv_multipart())
+                if outputs.utility_output is not None and outputs.utility_output.call_id == call_id:
+                    return outputs.utility_output.result.result
+
+        def wave_becomes(wave: int) -> bool:
+            deadline = time.monotonic() + 10
+            while time.monotonic() < deadline:
+                if dp_state()["current_wave"] == wave:
+                    return True
+                time.sleep(0.05)
+            return False
+
+        # START_DP_WAVE as vLLM's coordinator sends it; an excluded engine ignores it.
+        DPCoordinatorProc._send_start_wave(cin, 4, None)
+        assert wave_becomes(4)
+        DPCoordinatorProc._send_start_wave(cin, 9, 1)
+        DPCoordinatorProc._send_start_wave(cin, 5, 0)
+        assert wave_becomes(5)
+        # A request: counts go to the coordinator as vLLM's SchedulerStats, and the
+        # finished request's id comes back in finished_requests.
+        encoded = MsgpackEncoder().encode(request("dp", [4, 5], max_tokens=3))
+        inp.send_multipart([identity, b"\x00", *encoded])
+        finished: set[str] = set()
+        deadline = time.monotonic() + 10
+        while "dp" not in finished and time.monotonic() < deadline:
+            if out.poll(100):
+                finished |= decoder.decode(out.recv_multipart()).finished_requests or set()
+        assert finished == {"dp"}
+        reports = []
+        while cout.poll(500):
+            reports.append(decoder.decode(cout.recv()))
+        stats = [r.scheduler_stats for r in reports]
+        assert all(r.engine_index == 1 and not r.outputs for r in reports)
+        assert any(s.num_running_reqs + s.num_waiting_reqs == 1 for s in stats), stats
+        assert stats[-1].num_running_reqs == stats[-1].num_waiting_reqs == 0
+        assert {s.current_wave for s in stats} == {5}
+        assert proc.poll() is None
+    finally:
+        codes = engines.stop()
+        for sock in sockets.values():
+            sock.close(linger=0)
+        ctx.term()
+    assert codes == [0], engines.logs()
