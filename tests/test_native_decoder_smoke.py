@@ -227,3 +227,146 @@ def test_no_reference_leaks_over_many_messages() -> None:
     after_refs = sys.getrefcount(frames[0])  # (not inside assert: rewriting holds a ref)
     assert after_refs == before_refs
     assert len(gc.get_objects()) - before_objects < 50
+
+
+def _lists_step(rows: list[tuple[list[int], list[float], int]], **kw: object) -> list[bytes]:
+    """One output per row, with sampled-token logprobs as small inline arrays."""
+    dtype_ids = kw.pop("dtype_ids", np.int32)
+    outs = [
+        p.EngineCoreOutput(
+            f"r{i}",
+            [ids[0]],
+            new_logprobs=p.LogprobsLists(
+                np.array([ids], dtype_ids),
+                np.array([lps], np.float32),
+                np.array([rank], np.int64),
+            ),
+        )
+        for i, (ids, lps, rank) in enumerate(rows)
+    ]
+    return _frames(outs, **kw)
+
+
+def _rows(seed: int, n: int, k: int = 5) -> list[tuple[list[int], list[float], int]]:
+    rng = np.random.default_rng(seed)
+    return [
+        (
+            [int(x) for x in rng.integers(0, 150_000, k + 1)],
+            [float(np.float32(x)) for x in -rng.random(k + 1) * 10],
+            int(rng.integers(1, 20)),
+        )
+        for _ in range(n)
+    ]
+
+
+def _lists_values(message: object) -> list[tuple[list[int], list[float], list[int]]]:
+    return [
+        (
+            out.new_logprobs.logprob_token_ids.tolist()[0],
+            out.new_logprobs.logprobs.tolist()[0],
+            out.new_logprobs.sampled_token_ranks.tolist(),
+        )
+        for out in message.outputs  # type: ignore[attr-defined]
+    ]
+
+
+def _expected(rows: list[tuple[list[int], list[float], int]]) -> list[tuple]:
+    return [(ids, lps, [rank]) for ids, lps, rank in rows]
+
+
+def test_inline_logprobs_arrays_are_owned_numpy_arrays() -> None:
+    """Inline LogprobsLists arrays are exact ndarrays holding a copy of their bytes (the
+    payload is not kept alive by them); they index, slice and convert like any other."""
+    frames = _lists_step(_rows(1, 3))
+    lp = NativeDecoder().decode(frames).outputs[1].new_logprobs
+    assert type(lp) is p.LogprobsLists
+    ids, lps, ranks, cu = lp
+    assert cu is None
+    for arr, dtype, shape in ((ids, "<i4", (1, 6)), (lps, "<f4", (1, 6)), (ranks, "<i8", (1,))):
+        assert type(arr) is np.ndarray
+        assert (arr.dtype.str, arr.shape) == (dtype, shape)
+        assert arr.base is None and arr.flags.owndata and arr.flags.c_contiguous
+        assert not np.shares_memory(arr, np.frombuffer(frames[0], np.uint8))
+    ids_row, lps_row, rank = _expected(_rows(1, 3))[1]
+    assert ids.tolist() == [ids_row] and ids[0].tolist() == ids_row
+    assert ids[0, 1:3].tolist() == ids_row[1:3] and int(ids[0, -1]) == ids_row[-1]
+    assert lps[:, 0].tolist() == [lps_row[0]] and ranks.tolist() == rank
+    assert gc.is_tracked(lp)
+
+
+def test_recycled_logprobs_carry_each_message_values() -> None:
+    """Messages decoded one after the other (each dropped before the next, so their
+    LogprobsLists are recycled) carry their own values, also when k, the dtype or the
+    batch size change between messages."""
+    decoder = NativeDecoder()
+    steps = [
+        (_rows(10, 8), {}),
+        (_rows(11, 8), {}),
+        (_rows(12, 3, k=2), {}),
+        (_rows(13, 12), {"dtype_ids": np.int64}),
+        (_rows(14, 12), {}),
+    ]
+    for rows, kw in steps * 3:
+        message = decoder.decode(_lists_step(rows, **kw))
+        assert _lists_values(message) == _expected(rows)
+        del message
+
+
+@pytest.mark.parametrize("keep", ["tuple", "array", "view", "weakref", "message"])
+def test_kept_logprobs_are_never_reused(keep: str) -> None:
+    """A LogprobsLists, or one of its arrays, that the caller still holds in any way
+    (the tuple, an array, a view of an array, a weak reference, the message) keeps its
+    values through later decodes."""
+    decoder = NativeDecoder()
+    first = _rows(20, 4)
+    message = decoder.decode(_lists_step(first))
+    lp = message.outputs[2].new_logprobs
+    kept: object = {
+        "tuple": lp,
+        "array": lp.logprobs,
+        "view": lp.logprob_token_ids[0, 1:],
+        "weakref": weakref.ref(lp.sampled_token_ranks),
+        "message": message,
+    }[keep]
+    ids, lps, rank = _expected(first)[2]
+    del lp  # (first: the message's death is what recycles its tuples)
+    del message
+    for seed in range(21, 25):
+        later = decoder.decode(_lists_step(_rows(seed, 4)))
+        assert _lists_values(later) == _expected(_rows(seed, 4))
+        del later
+    if keep == "tuple":
+        assert _lists_values(p.EngineCoreOutputs(outputs=[p.EngineCoreOutput("x", [], kept)])) == [
+            (ids, lps, rank)
+        ]
+    elif keep == "array":
+        assert kept.tolist() == [lps]  # type: ignore[attr-defined]
+    elif keep == "view":
+        assert kept.tolist() == ids[1:]  # type: ignore[attr-defined]
+    elif keep == "weakref":
+        # Weakly referenced only: freed with its tuple, never recycled under the ref.
+        assert kept() is None  # type: ignore[operator]
+    else:
+        assert _lists_values(kept) == _expected(first)
+
+
+def test_recycled_logprobs_leak_nothing() -> None:
+    """Many messages with logprobs: refcounts, live objects and GC-tracked objects flat,
+    and a recycled LogprobsLists is tracked by the GC again once handed out."""
+    decoder = NativeDecoder()
+    frames = _lists_step(_rows(30, 64))
+    for _ in range(200):
+        decoder.decode(frames)
+    gc.collect()
+    before_objects = len(gc.get_objects())
+    before_refs = sys.getrefcount(frames[0])
+    for _ in range(2000):
+        message = decoder.decode(frames)
+        for out in message.outputs:
+            out.new_logprobs.logprobs  # noqa: B018
+    assert all(gc.is_tracked(o.new_logprobs) for o in message.outputs)
+    del message
+    gc.collect()
+    after_refs = sys.getrefcount(frames[0])
+    assert after_refs == before_refs
+    assert len(gc.get_objects()) - before_objects < 50

@@ -308,6 +308,25 @@ impl<'a> Reader<'a> {
         Ok(Item::Ext(code, self.take(n)?))
     }
 
+    /// The bytes of a raw-view extension (type [`RAW_VIEW_EXT`]) in its short forms
+    /// (fixext 1..16, ext8: every inline array under 256 bytes), consumed; `None` (nothing
+    /// consumed) for anything else, which [`Reader::next_item`] then reads.
+    #[inline]
+    pub fn small_raw_view(&mut self) -> Option<&'a [u8]> {
+        let p = self.pos;
+        let (len, code_at) = match *self.data.get(p)? {
+            b @ 0xd4..=0xd8 => (1usize << (b - 0xd4), p + 1),
+            0xc7 => (*self.data.get(p + 1)? as usize, p + 2),
+            _ => return None,
+        };
+        if *self.data.get(code_at)? as i8 != RAW_VIEW_EXT {
+            return None;
+        }
+        let bytes = self.data.get(code_at + 1..code_at + 1 + len)?;
+        self.pos = code_at + 1 + len;
+        Some(bytes)
+    }
+
     /// Reads an array header; `expected` names the wanted type in the error.
     #[inline]
     pub fn array_len(&mut self, expected: &'static str) -> DecodeResult<usize> {
@@ -549,6 +568,46 @@ mod tests {
         assert_eq!(r.uint32_or_int().unwrap(), 127);
         assert_eq!(r.uint32_or_int().unwrap(), 256, "short tail: general path");
         assert!(r.uint32_or_int().is_err());
+    }
+
+    #[test]
+    fn small_raw_view_reads_what_next_item_reads() {
+        // fixext 1..16 and ext8 of type 3: the same bytes and position as the general
+        // reader; other types, other forms and truncated data: nothing consumed.
+        let mut cases: Vec<Vec<u8>> = Vec::new();
+        for (marker, len) in [
+            (0xd4u8, 1usize),
+            (0xd5, 2),
+            (0xd6, 4),
+            (0xd7, 8),
+            (0xd8, 16),
+        ] {
+            cases.push([&[marker, 3][..], &vec![0xab; len], &[0xc0]].concat());
+        }
+        for len in [0usize, 1, 24, 255] {
+            cases.push([&[0xc7, len as u8, 3][..], &vec![0x5a; len], &[0x01]].concat());
+        }
+        for bytes in &cases {
+            let mut fast = Reader::new(bytes);
+            let mut slow = Reader::new(bytes);
+            let got = fast.small_raw_view().expect("a raw view");
+            assert_eq!(slow.next_item().unwrap(), Item::Ext(RAW_VIEW_EXT, got));
+            assert_eq!(fast.pos, slow.pos);
+        }
+        let others: [&[u8]; 7] = [
+            &[0xd6, 4, 0, 0, 0, 0],
+            &[0xc7, 2, 1, 0, 0],
+            &[0xc8, 0, 2, 3, 0, 0],
+            &[0x05],
+            &[0xc7, 24, 3, 0],
+            &[0xd7, 3, 0],
+            &[0xc7],
+        ];
+        for bytes in others {
+            let mut r = Reader::new(bytes);
+            assert_eq!(r.small_raw_view(), None, "{bytes:02x?}");
+            assert_eq!(r.pos, 0);
+        }
     }
 
     #[test]

@@ -141,6 +141,10 @@ pub trait Builder {
     fn dtype_itemsize(&mut self, kind: ArrayKind, dtype: &str) -> DecodeResult<usize>;
     /// An ndarray or tensor over the checked bytes `array.data`.
     fn array(&mut self, array: &ArrayRef<'_>) -> DecodeResult<Self::Obj>;
+    /// Called before the three arrays of a `LogprobsLists` / `LogprobsTensors`: the next
+    /// three [`Builder::array`] calls are that tuple's, in order, and [`Builder::logprobs`]
+    /// follows them unless the walk fails (a builder may reuse storage for them).
+    fn begin_logprobs(&mut self, _kind: ArrayKind) {}
     /// `LogprobsLists` (ndarrays) or `LogprobsTensors` (tensors).
     fn logprobs(
         &mut self,
@@ -549,6 +553,7 @@ impl<'a, B: Builder> Walk<'a, '_, B> {
         if n < 3 {
             return Err(DecodeError::new(ErrorKind::TooShort { min: 3, got: n }));
         }
+        self.b.begin_logprobs(kind);
         let ids = field!("logprob_token_ids", self.array(kind))?;
         let lps = field!("logprobs", self.array(kind))?;
         let ranks = match kind {
@@ -643,6 +648,13 @@ impl<'a, B: Builder> Walk<'a, '_, B> {
     }
 
     fn data_ref(&mut self) -> DecodeResult<DataRef> {
+        if let Some(bytes) = self.r.small_raw_view() {
+            return Ok(DataRef {
+                frame: 0,
+                offset: bytes.as_ptr() as usize - self.payload_start,
+                len: bytes.len(),
+            });
+        }
         let save = self.r.clone();
         match self.r.next_item()? {
             Item::Ext(RAW_VIEW_EXT, bytes) => Ok(DataRef {

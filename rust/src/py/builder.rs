@@ -13,8 +13,12 @@ use pyo3::types::{PyDict, PyFloat, PyString, PyTuple};
 
 use super::consts::Consts;
 use super::decoder::{DecoderState, StatsTypes};
+use super::ffi::refill_array;
 use super::frames::Frame;
-use super::objects::{int_object, new_message, new_output, token_list, OutputValues};
+use super::objects::{
+    enable_logprobs_pool, int_object, new_message, new_output, pop_logprobs, token_list,
+    OutputValues,
+};
 use super::torch;
 use crate::core::error::{ArrayKind, DecodeError, DecodeResult, ErrorKind};
 use crate::core::msgpack::check_utf8;
@@ -34,6 +38,18 @@ pub struct PyBuilder<'a, 'py> {
     dtype: Option<Bound<'py, PyAny>>,
     /// Index in `state.orders` of the sending engine's id order, if tracked.
     order: Option<usize>,
+    /// The `LogprobsLists` whose arrays are being built, between `begin_logprobs` and
+    /// `logprobs`.
+    lists: Option<PendingLists<'py>>,
+}
+
+/// A `LogprobsLists` in the making.
+struct PendingLists<'py> {
+    /// Which of its arrays the next `array` call builds (0 ids, 1 logprobs, 2 ranks).
+    next: usize,
+    /// A pooled tuple, and its arrays, which are refilled in place where dtype and
+    /// shape match.
+    reuse: Option<(Bound<'py, PyAny>, [*mut ffi::PyObject; 3])>,
 }
 
 type Obj<'py> = Bound<'py, PyAny>;
@@ -63,6 +79,7 @@ impl<'a, 'py> PyBuilder<'a, 'py> {
             error: None,
             dtype: None,
             order: None,
+            lists: None,
         }
     }
 
@@ -146,6 +163,64 @@ impl<'a, 'py> PyBuilder<'a, 'py> {
         let obj = PyString::new(self.py, v);
         self.state.keys.insert(v.as_bytes(), obj.clone().unbind());
         Ok(obj.into_any())
+    }
+
+    /// An inline array of a `LogprobsLists` (`slot` 0 ids, 1 logprobs, 2 ranks): the
+    /// pooled tuple's array refilled in place, or a new array owning a copy of the bytes.
+    /// A copy of a few dozen bytes costs less than a view's base bookkeeping, and lets
+    /// the tuple be pooled and the payload be freed while the front-end keeps the arrays.
+    fn inline_lists_array(
+        &mut self,
+        slot: usize,
+        a: &ArrayRef<'_>,
+        dtype: &Obj<'py>,
+    ) -> PyResult<Obj<'py>> {
+        let src = self.frames[0].ptr_at(a.data.offset);
+        if let Some((_, arrays)) = self.lists.as_ref().and_then(|l| l.reuse.as_ref()) {
+            // SAFETY: the items of a pooled tuple, arrays only it references (checked
+            // when pooled; nothing could reach them since); the walk checked that `len`
+            // bytes of that dtype and shape lie at `src`.
+            unsafe {
+                let item = arrays[slot];
+                if refill_array(item, dtype.as_ptr(), a.shape, src, a.data.len) {
+                    return Ok(Bound::from_borrowed_ptr(self.py, item));
+                }
+            }
+        }
+        // SAFETY: as above, `len` readable bytes at `src`.
+        unsafe {
+            self.consts
+                .numpy
+                .array_copy(dtype, a.shape, src, a.data.len)
+        }
+    }
+
+    /// Completes a pooled `LogprobsLists` with the arrays built for it (usually its own,
+    /// refilled) and `cu`, and hands it out again (tracked by the GC again).
+    fn refilled_lists(
+        &mut self,
+        (t, items): (Obj<'py>, [*mut ffi::PyObject; 3]),
+        arrays: [Obj<'py>; 3],
+        cu: Option<Obj<'py>>,
+    ) -> Obj<'py> {
+        let py = self.py;
+        // SAFETY: `t` is a 4-tuple only this reference holds (so SetItem may replace
+        // items: it steals the new reference and releases the old item), untracked;
+        // `items` are its first three items.
+        unsafe {
+            for (i, (array, item)) in arrays.into_iter().zip(items).enumerate() {
+                // A refilled array is the item itself (the extra reference drops here).
+                if array.as_ptr() != item {
+                    ffi::PyTuple_SetItem(t.as_ptr(), i as isize, array.into_ptr());
+                }
+            }
+            let cu = cu.unwrap_or_else(|| py.None().into_bound(py));
+            if ffi::PyTuple_GetItem(t.as_ptr(), 3) != cu.as_ptr() {
+                ffi::PyTuple_SetItem(t.as_ptr(), 3, cu.into_ptr());
+            }
+            ffi::PyObject_GC_Track(t.as_ptr().cast());
+        }
+        t
     }
 
     fn tensor(&mut self, a: &ArrayRef<'_>, dtype: Obj<'py>) -> PyResult<Obj<'py>> {
@@ -338,8 +413,19 @@ impl<'py> Builder for PyBuilder<'_, 'py> {
                 "internal error: array without dtype".into(),
             )));
         };
-        let r = match a.kind {
-            ArrayKind::Ndarray => {
+        // Which array of a LogprobsLists this is, if it is one.
+        let slot = match self.lists.as_mut() {
+            Some(l) if l.next < 3 => {
+                l.next += 1;
+                Some(l.next - 1)
+            }
+            _ => None,
+        };
+        let r = match (a.kind, slot) {
+            (ArrayKind::Ndarray, Some(slot)) if a.data.frame == 0 => {
+                self.inline_lists_array(slot, a, &dtype)
+            }
+            (ArrayKind::Ndarray, _) => {
                 let frame = &mut self.frames[a.data.frame];
                 let ptr = frame.ptr_at(a.data.offset);
                 let writable = frame.writable;
@@ -354,9 +440,20 @@ impl<'py> Builder for PyBuilder<'_, 'py> {
                     Err(e) => Err(e),
                 }
             }
-            ArrayKind::Tensor => self.tensor(a, dtype),
+            (ArrayKind::Tensor, _) => self.tensor(a, dtype),
         };
         self.check(r)
+    }
+
+    fn begin_logprobs(&mut self, kind: ArrayKind) {
+        if kind == ArrayKind::Ndarray {
+            let c = self.consts;
+            enable_logprobs_pool(c.logprobs_lists.as_ptr().cast(), c.numpy.array_type());
+            self.lists = Some(PendingLists {
+                next: 0,
+                reuse: pop_logprobs(self.py),
+            });
+        }
     }
 
     fn logprobs(
@@ -371,6 +468,9 @@ impl<'py> Builder for PyBuilder<'_, 'py> {
             ArrayKind::Ndarray => c.logprobs_lists.bind(py),
             ArrayKind::Tensor => c.logprobs_tensors.bind(py),
         };
+        if let Some(reuse) = self.lists.take().and_then(|l| l.reuse) {
+            return Ok(self.refilled_lists(reuse, arrays, cu_num_generated_tokens));
+        }
         let [ids, lps, ranks] = arrays;
         let cu = self.opt(cu_num_generated_tokens).into_bound(py);
         // tuple.__new__(cls, items): the named tuple without its Python-level __new__.

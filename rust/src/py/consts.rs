@@ -95,7 +95,29 @@ const DTYPE_CACHE_MAX: usize = 32;
 /// Wire dtype string -> (dtype object, itemsize), for the few dtypes a peer uses.
 #[derive(Default)]
 pub struct DtypeCache {
-    entries: Vec<(Box<str>, Py<PyAny>, usize)>,
+    entries: Vec<DtypeEntry>,
+}
+
+struct DtypeEntry {
+    /// The dtype string's first 16 bytes, zero-padded: numpy's strings (`"<f4"`) and
+    /// torch's names (`"bfloat16"`) fit, so finding one is a compare of two words
+    /// (a lookup runs for every array, three times per output with logprobs).
+    head: u128,
+    key: Box<str>,
+    dtype: Py<PyAny>,
+    itemsize: usize,
+}
+
+/// The first 16 bytes of `s`, zero-padded, as a little-endian number. Built byte by
+/// byte in a register: copying into a stack buffer and reading it back as words stalls
+/// on store forwarding, which cost more than the whole lookup.
+#[inline]
+fn head(s: &[u8]) -> u128 {
+    let mut v = 0u128;
+    for (i, &b) in s.iter().take(16).enumerate() {
+        v |= (b as u128) << (8 * i);
+    }
+    v
 }
 
 /// What `DtypeCache::lookup` finds: the dtype object and its itemsize, or None.
@@ -103,22 +125,39 @@ pub type DtypeFound<'py> = Option<(Bound<'py, PyAny>, usize)>;
 
 impl DtypeCache {
     /// The cached entry for `s`, or what `make` says (cached when found and room left).
+    #[inline]
     pub fn lookup<'py>(
         &mut self,
         py: Python<'py>,
         s: &str,
         make: impl FnOnce(Python<'py>, &str) -> PyResult<DtypeFound<'py>>,
     ) -> PyResult<DtypeFound<'py>> {
-        for (key, dtype, itemsize) in &self.entries {
-            if **key == *s {
-                return Ok(Some((dtype.bind(py).clone(), *itemsize)));
+        let h = head(s.as_bytes());
+        for e in &self.entries {
+            if e.head == h && (s.len() <= 16 || *e.key == *s) && e.key.len() == s.len() {
+                return Ok(Some((e.dtype.bind(py).clone(), e.itemsize)));
             }
         }
+        self.lookup_slow(py, s, make)
+    }
+
+    #[cold]
+    #[inline(never)]
+    fn lookup_slow<'py>(
+        &mut self,
+        py: Python<'py>,
+        s: &str,
+        make: impl FnOnce(Python<'py>, &str) -> PyResult<DtypeFound<'py>>,
+    ) -> PyResult<DtypeFound<'py>> {
         let made = make(py, s)?;
         if let Some((dtype, itemsize)) = &made {
             if self.entries.len() < DTYPE_CACHE_MAX {
-                self.entries
-                    .push((s.into(), dtype.clone().unbind(), *itemsize));
+                self.entries.push(DtypeEntry {
+                    head: head(s.as_bytes()),
+                    key: s.into(),
+                    dtype: dtype.clone().unbind(),
+                    itemsize: *itemsize,
+                });
             }
         }
         Ok(made)

@@ -111,6 +111,27 @@ impl Drop for HeldBuffer {
 
 /// `NPY_ARRAY_WRITEABLE`.
 pub const NPY_ARRAY_WRITEABLE: c_int = 0x0400;
+/// `NPY_ARRAY_C_CONTIGUOUS`.
+pub const NPY_ARRAY_C_CONTIGUOUS: c_int = 0x0001;
+/// `NPY_ARRAY_OWNDATA`.
+pub const NPY_ARRAY_OWNDATA: c_int = 0x0004;
+
+/// The leading fields of numpy's `PyArrayObject_fields` (numpy/ndarraytypes.h). This
+/// layout is part of numpy's ABI: every compiled extension reads these fields through
+/// numpy's inline accessors (`PyArray_DATA`, `PyArray_DIMS` ...), so it is the same in
+/// numpy 1.x and 2.x.
+#[repr(C)]
+pub struct NdArrayFields {
+    pub ob_base: ffi::PyObject,
+    pub data: *mut u8,
+    pub nd: c_int,
+    pub dimensions: *mut ffi::Py_ssize_t,
+    pub strides: *mut ffi::Py_ssize_t,
+    pub base: *mut ffi::PyObject,
+    pub descr: *mut ffi::PyObject,
+    pub flags: c_int,
+    pub weakreflist: *mut ffi::PyObject,
+}
 
 type NewFromDescr = unsafe extern "C" fn(
     subtype: *mut ffi::PyTypeObject,
@@ -175,6 +196,56 @@ impl NumpyApi {
         }
     }
 
+    /// `numpy.ndarray`.
+    #[inline]
+    pub fn array_type(&self) -> *mut ffi::PyTypeObject {
+        self.array_type
+    }
+
+    /// A new C-contiguous ndarray of `descr` and `shape` that owns a copy of the
+    /// `product(shape) * itemsize(descr)` bytes at `src`.
+    ///
+    /// # Safety
+    /// `src` must point to that many readable bytes.
+    pub unsafe fn array_copy<'py>(
+        &self,
+        descr: &Bound<'py, PyAny>,
+        shape: &[usize],
+        src: *const u8,
+        len: usize,
+    ) -> PyResult<Bound<'py, PyAny>> {
+        let py = descr.py();
+        let mut dims = [0 as ffi::Py_ssize_t; crate::core::schema::MAX_DIMS];
+        for (d, &s) in dims.iter_mut().zip(shape) {
+            *d = s as ffi::Py_ssize_t;
+        }
+        // SAFETY: NULL data: numpy allocates (and owns) the array's memory; the
+        // descriptor reference is stolen.
+        let arr = unsafe {
+            (self.new_from_descr)(
+                self.array_type,
+                descr.clone().into_ptr(),
+                shape.len() as c_int,
+                dims.as_ptr(),
+                std::ptr::null(),
+                std::ptr::null_mut(),
+                0,
+                std::ptr::null_mut(),
+            )
+        };
+        // SAFETY: a new reference or NULL with an exception set.
+        let arr = unsafe { Bound::from_owned_ptr_or_err(py, arr)? };
+        if len != 0 {
+            // SAFETY: the new array owns `len` bytes (the walk checked `len` against
+            // shape and itemsize), which cannot overlap the frame.
+            unsafe {
+                let fields = arr.as_ptr().cast::<NdArrayFields>();
+                std::ptr::copy_nonoverlapping(src, (*fields).data, len);
+            }
+        }
+        Ok(arr)
+    }
+
     /// A C-contiguous ndarray of `descr` and `shape` over `data`, which `base` keeps
     /// alive (the array holds a reference to `base`).
     ///
@@ -219,5 +290,60 @@ impl NumpyApi {
             return Err(PyErr::fetch(py));
         }
         Ok(arr)
+    }
+}
+
+/// Whether `arr` (an exact ndarray made by [`NumpyApi::array_copy`]) can take `len` new
+/// bytes of the same dtype object and shape in place: nothing but its owner references
+/// it (refcount 1, no weak references, no base) and it still owns its C-contiguous,
+/// writable memory of that shape.
+///
+/// # Safety
+/// `arr` must be a live exact ndarray, attached.
+#[inline]
+pub unsafe fn reusable_array(arr: *mut ffi::PyObject) -> bool {
+    const WANTED: c_int = NPY_ARRAY_OWNDATA | NPY_ARRAY_WRITEABLE | NPY_ARRAY_C_CONTIGUOUS;
+    // SAFETY: per the contract, `arr` has numpy's array layout.
+    unsafe {
+        let f = arr.cast::<NdArrayFields>();
+        ffi::Py_REFCNT(arr) == 1
+            && (*f).base.is_null()
+            && (*f).weakreflist.is_null()
+            && (*f).flags & WANTED == WANTED
+            && !(*f).data.is_null()
+    }
+}
+
+/// Copies `len` bytes from `src` into the pooled array `arr` if it has exactly dtype
+/// object `descr` and `shape`; false (nothing written) otherwise.
+///
+/// # Safety
+/// `arr` must be an exact ndarray for which [`reusable_array`] held when it was pooled
+/// and that nothing else referenced since; `src` must point to `len` readable bytes,
+/// `len == product(shape) * itemsize(descr)`.
+#[inline]
+pub unsafe fn refill_array(
+    arr: *mut ffi::PyObject,
+    descr: *mut ffi::PyObject,
+    shape: &[usize],
+    src: *const u8,
+    len: usize,
+) -> bool {
+    // SAFETY: per the contract.
+    unsafe {
+        let f = arr.cast::<NdArrayFields>();
+        if (*f).descr != descr || (*f).nd as usize != shape.len() {
+            return false;
+        }
+        if !shape.is_empty() {
+            let dims = std::slice::from_raw_parts((*f).dimensions, shape.len());
+            if dims.iter().zip(shape).any(|(&d, &s)| d as usize != s) {
+                return false;
+            }
+        }
+        if len != 0 {
+            std::ptr::copy_nonoverlapping(src, (*f).data, len);
+        }
+        true
     }
 }

@@ -15,18 +15,21 @@
 //! - freed output objects go to a free list, and so do their `new_token_ids` lists when
 //!   nothing else holds them: in steady state a decode step allocates no object per
 //!   output at all (a list the caller keeps is simply not recycled), and token ids map
-//!   to cached ints.
+//!   to cached ints;
+//! - likewise a dead output's `LogprobsLists` of inline arrays, when nothing else holds
+//!   the tuple or its arrays, is pooled and refilled in place by a later message.
 
 use std::ffi::{c_void, CStr};
 use std::mem::offset_of;
 use std::ptr;
+use std::sync::atomic::{AtomicPtr, Ordering};
 
 use pyo3::ffi;
 use pyo3::prelude::*;
 use pyo3::sync::PyOnceLock;
 use pyo3::types::{PyString, PyTuple, PyType};
 
-use super::ffi::HeldBuffer;
+use super::ffi::{reusable_array, HeldBuffer};
 
 /// A Python int for any msgpack integer.
 #[inline]
@@ -151,6 +154,93 @@ unsafe fn release_token_list(list: *mut ffi::PyObject) {
     }
 }
 
+/// Most `LogprobsLists` kept for reuse (a step of this many outputs with logprobs
+/// allocates nothing for them in steady state).
+const LOGPROBS_POOL_MAX: usize = 4096;
+
+/// `LogprobsLists` whose output died while nothing else referenced the tuple or its three
+/// arrays (each an exact ndarray owning its memory: inline arrays the decoder copied),
+/// kept with their arrays to be refilled in place by the next message: a tuple and three
+/// arrays per output with logprobs cost most of a decode step otherwise. Pooled tuples
+/// are untracked by the cyclic GC (nothing can reach them), and tracked again when
+/// handed out.
+struct LogprobsPool(std::cell::UnsafeCell<Vec<PooledLists>>);
+
+/// A pooled `LogprobsLists` (an owned reference) and its three arrays (borrowed from it).
+pub struct PooledLists {
+    pub tuple: *mut ffi::PyObject,
+    pub arrays: [*mut ffi::PyObject; 3],
+}
+
+// SAFETY: as for `FreeList`: only touched with the GIL held.
+unsafe impl Sync for LogprobsPool {}
+
+static LOGPROBS_POOL: LogprobsPool = LogprobsPool(std::cell::UnsafeCell::new(Vec::new()));
+
+/// The `LogprobsLists` class and `numpy.ndarray` (null until the decoder first builds a
+/// `LogprobsLists`: nothing is pooled before). Both are kept alive by the decoder's
+/// process-wide constants.
+static LOGPROBS_TYPE: AtomicPtr<ffi::PyTypeObject> = AtomicPtr::new(ptr::null_mut());
+static NDARRAY_TYPE: AtomicPtr<ffi::PyTypeObject> = AtomicPtr::new(ptr::null_mut());
+
+/// Turns the `LogprobsLists` pool on for tuples of `lists_type` over `array_type` arrays.
+#[inline]
+pub fn enable_logprobs_pool(
+    lists_type: *mut ffi::PyTypeObject,
+    array_type: *mut ffi::PyTypeObject,
+) {
+    if LOGPROBS_TYPE.load(Ordering::Relaxed).is_null() {
+        NDARRAY_TYPE.store(array_type, Ordering::Relaxed);
+        LOGPROBS_TYPE.store(lists_type, Ordering::Relaxed);
+    }
+}
+
+/// A pooled `LogprobsLists` (the only reference to it; still untracked by the GC, and
+/// its arrays referenced only by it) and its arrays, if any.
+#[inline]
+pub fn pop_logprobs(py: Python<'_>) -> Option<(Bound<'_, PyAny>, [*mut ffi::PyObject; 3])> {
+    // SAFETY: attached; no Python code runs while the pool is borrowed. A pooled tuple
+    // is an owned reference.
+    unsafe {
+        (*LOGPROBS_POOL.0.get())
+            .pop()
+            .map(|p| (Bound::from_owned_ptr(py, p.tuple), p.arrays))
+    }
+}
+
+/// Releases an output's `new_logprobs`, pooling it when it may be refilled in place.
+#[inline]
+unsafe fn release_logprobs(p: *mut ffi::PyObject) {
+    // SAFETY: `p` is an owned reference (or None, which `release` skips); attached; no
+    // Python code runs while the pool is borrowed (GetItem and UnTrack run none).
+    unsafe {
+        if p != none_ptr()
+            && ffi::Py_REFCNT(p) == 1
+            && ffi::Py_TYPE(p) == LOGPROBS_TYPE.load(Ordering::Relaxed)
+            && ffi::Py_SIZE(p) == 4
+        {
+            let pool = &mut *LOGPROBS_POOL.0.get();
+            let array_type = NDARRAY_TYPE.load(Ordering::Relaxed);
+            let arrays = [
+                ffi::PyTuple_GetItem(p, 0),
+                ffi::PyTuple_GetItem(p, 1),
+                ffi::PyTuple_GetItem(p, 2),
+            ];
+            let arrays_free = arrays
+                .iter()
+                .all(|&a| !a.is_null() && ffi::Py_TYPE(a) == array_type && reusable_array(a));
+            if arrays_free && pool.len() < LOGPROBS_POOL_MAX {
+                if ffi::PyObject_GC_IsTracked(p) != 0 {
+                    ffi::PyObject_GC_UnTrack(p.cast());
+                }
+                pool.push(PooledLists { tuple: p, arrays });
+                return;
+            }
+        }
+        release(p);
+    }
+}
+
 /// A field value to store: an owned reference, or None (stored without a reference).
 #[inline]
 fn store(v: Option<Bound<'_, PyAny>>) -> *mut ffi::PyObject {
@@ -225,7 +315,10 @@ const OUTPUT_MEMBERS: [(&CStr, &CStr); 13] = [
     (c"events", c"A list of EngineCoreEvent, or None."),
     (c"kv_transfer_params", c"A dict, or None."),
     (c"trace_headers", c"A dict of str, or None."),
-    (c"prefill_stats", c"A dict (or what the decoder's prefill_stats converter made of it), or None."),
+    (
+        c"prefill_stats",
+        c"A dict (or what the decoder's prefill_stats converter made of it), or None.",
+    ),
     (c"routed_experts", c"A numpy array, or None."),
     (
         c"num_nans_in_logits",
@@ -260,6 +353,8 @@ struct OutputObject {
 
 /// Index of `new_token_ids` and `finish_reason` in `OutputObject::fields`.
 const TOKENS_FIELD: usize = 1;
+/// Index of `new_logprobs`: right after the token ids, first of the optional fields.
+const LOGPROBS_FIELD: usize = 2;
 const FINISH_FIELD: usize = 5;
 
 static OUTPUT_TYPE: PyOnceLock<Py<PyType>> = PyOnceLock::new();
@@ -385,9 +480,10 @@ unsafe extern "C" fn output_dealloc(obj: *mut ffi::PyObject) {
         // Usually every optional field is None: one branch-free scan (every field was
         // written by `new_output`, none is NULL) instead of a test per field.
         let none = none_ptr();
-        let optional = &fields[TOKENS_FIELD + 1..OUTPUT_FIELDS.len() - 1];
+        let optional = &fields[LOGPROBS_FIELD..OUTPUT_FIELDS.len() - 1];
         if optional.iter().fold(false, |any, &p| any | (p != none)) {
-            for &p in optional {
+            release_logprobs(optional[0]);
+            for &p in &optional[1..] {
                 release(p);
             }
         }
@@ -439,7 +535,10 @@ const MESSAGE_MEMBERS: [(&CStr, &CStr); 8] = [
         c"Index of the engine that sent the message.",
     ),
     (c"outputs", c"A list of EngineCoreOutput."),
-    (c"scheduler_stats", c"A dict (or what the decoder's scheduler_stats converter made of it), or None."),
+    (
+        c"scheduler_stats",
+        c"A dict (or what the decoder's scheduler_stats converter made of it), or None.",
+    ),
     (
         c"timestamp",
         c"The engine's monotonic clock, in seconds (float).",
