@@ -137,6 +137,9 @@ def test_duck_typed_engine_gets_the_defaults() -> None:
         ({"block_size": 1.5}, "block_size must be an int >= 1"),
         ({"world_size": True}, "world_size must be an int >= 1"),
         ({"dtype": ""}, "dtype must be a dtype name"),
+        ({"kv_cache_size_tokens": -1}, "kv_cache_size_tokens must be None or an int >= 0"),
+        ({"kv_cache_max_concurrency": "2"}, "kv_cache_max_concurrency must be None or a number"),
+        ({"kv_cache_max_concurrency": float("nan")}, "kv_cache_max_concurrency must be"),
     ],
 )
 def test_engine_info_is_checked(kwargs: dict[str, Any], message: str) -> None:

@@ -49,6 +49,18 @@ class EngineInfo:
             least = 0 if name == "num_gpu_blocks" else 1
             if type(value) is not int or value < least:
                 raise ValueError(f"EngineInfo.{name} must be an int >= {least}, got {value!r}")
+        tokens, concurrency = self.kv_cache_size_tokens, self.kv_cache_max_concurrency
+        if tokens is not None and (type(tokens) is not int or tokens < 0):
+            raise ValueError(
+                f"EngineInfo.kv_cache_size_tokens must be None or an int >= 0, got {tokens!r}"
+            )
+        if concurrency is not None and (
+            type(concurrency) not in (int, float) or not concurrency >= 0
+        ):
+            raise ValueError(
+                f"EngineInfo.kv_cache_max_concurrency must be None or a number >= 0, "
+                f"got {concurrency!r}"
+            )
         if not isinstance(self.dtype, str) or not self.dtype:
             raise ValueError(f"EngineInfo.dtype must be a dtype name, got {self.dtype!r}")
         if self.dtype.startswith("torch."):
