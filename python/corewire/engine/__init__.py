@@ -3,7 +3,9 @@
 :class:`~corewire.engine.reference.ReferenceEngine` (a small torch language model).
 
 An engine process is started with :func:`corewire.engine.launch.run_engine_core`
-(by a client) or ``corewire engine`` (external engine mode).
+(by a client) or ``corewire engine`` (external engine mode, or joining a vLLM front-end
+through vLLM's start-up handshake: :mod:`corewire.engine.handshake`). What an engine
+reports about itself in its ready response is an :class:`EngineInfo`.
 """
 
 from __future__ import annotations
@@ -12,9 +14,16 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 from corewire.engine.core import EngineCoreProc
-from corewire.engine.interface import Engine
+from corewire.engine.interface import Engine, EngineInfo
 
-__all__ = ["Engine", "EngineCoreProc", "ReferenceEngine", "load_engine", "run_engine_core"]
+__all__ = [
+    "Engine",
+    "EngineCoreProc",
+    "EngineInfo",
+    "ReferenceEngine",
+    "load_engine",
+    "run_engine_core",
+]
 
 # Loaded on first use: the reference engine builds torch modules, the launcher is only
 # needed inside engine processes.
