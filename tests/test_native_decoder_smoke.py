@@ -247,11 +247,13 @@ def _lists_step(rows: list[tuple[list[int], list[float], int]], **kw: object) ->
     return _frames(outs, **kw)
 
 
-def _rows(seed: int, n: int, k: int = 5) -> list[tuple[list[int], list[float], int]]:
+def _rows(
+    seed: int, n: int, k: int = 5, vocab: int = 150_000
+) -> list[tuple[list[int], list[float], int]]:
     rng = np.random.default_rng(seed)
     return [
         (
-            [int(x) for x in rng.integers(0, 150_000, k + 1)],
+            [int(x) for x in rng.integers(0, vocab, k + 1)],
             [float(np.float32(x)) for x in -rng.random(k + 1) * 10],
             int(rng.integers(1, 20)),
         )
@@ -303,6 +305,8 @@ def test_recycled_logprobs_carry_each_message_values() -> None:
         (_rows(10, 8), {}),
         (_rows(11, 8), {}),
         (_rows(12, 3, k=2), {}),
+        (_rows(15, 5, k=0), {}),
+        (_rows(16, 5, k=1, vocab=30_000), {"dtype_ids": np.int16}),
         (_rows(13, 12), {"dtype_ids": np.int64}),
         (_rows(14, 12), {}),
     ]

@@ -35,12 +35,22 @@ pub struct PyBuilder<'a, 'py> {
     /// A foreign Python error behind an [`ErrorKind::Foreign`] result.
     pub error: Option<PyErr>,
     /// The dtype object found by the last `dtype_itemsize`, for the `array` call after it.
-    dtype: Option<Bound<'py, PyAny>>,
+    dtype: HeldDtype<'py>,
     /// Index in `state.orders` of the sending engine's id order, if tracked.
     order: Option<usize>,
     /// The `LogprobsLists` whose arrays are being built, between `begin_logprobs` and
     /// `logprobs`.
     lists: Option<PendingLists<'py>>,
+}
+
+/// A dtype object found for the next array.
+enum HeldDtype<'py> {
+    None,
+    /// Borrowed from the decoder's dtype cache (whose entries outlive the builder): no
+    /// reference count traffic on the usual path.
+    Cached(*mut ffi::PyObject),
+    /// Not cached (the cache was full).
+    Owned(Bound<'py, PyAny>),
 }
 
 /// A `LogprobsLists` in the making.
@@ -77,7 +87,7 @@ impl<'a, 'py> PyBuilder<'a, 'py> {
             frames,
             stats_types,
             error: None,
-            dtype: None,
+            dtype: HeldDtype::None,
             order: None,
             lists: None,
         }
@@ -173,7 +183,8 @@ impl<'a, 'py> PyBuilder<'a, 'py> {
         &mut self,
         slot: usize,
         a: &ArrayRef<'_>,
-        dtype: &Obj<'py>,
+        dtype_ptr: *mut ffi::PyObject,
+        dtype: impl FnOnce() -> Obj<'py>,
     ) -> PyResult<Obj<'py>> {
         let src = self.frames[0].ptr_at(a.data.offset);
         if let Some((_, arrays)) = self.lists.as_ref().and_then(|l| l.reuse.as_ref()) {
@@ -182,7 +193,7 @@ impl<'a, 'py> PyBuilder<'a, 'py> {
             // bytes of that dtype and shape lie at `src`.
             unsafe {
                 let item = arrays[slot];
-                if refill_array(item, dtype.as_ptr(), a.shape, src, a.data.len) {
+                if refill_array(item, dtype_ptr, a.shape, src, a.data.len) {
                     return Ok(Bound::from_borrowed_ptr(self.py, item));
                 }
             }
@@ -191,7 +202,7 @@ impl<'a, 'py> PyBuilder<'a, 'py> {
         unsafe {
             self.consts
                 .numpy
-                .array_copy(dtype, a.shape, src, a.data.len)
+                .array_copy(&dtype(), a.shape, src, a.data.len)
         }
     }
 
@@ -221,6 +232,35 @@ impl<'a, 'py> PyBuilder<'a, 'py> {
             ffi::PyObject_GC_Track(t.as_ptr().cast());
         }
         t
+    }
+
+    /// `dtype_itemsize` for a dtype not in the cache yet.
+    #[cold]
+    #[inline(never)]
+    fn new_dtype(&mut self, kind: ArrayKind, dtype: &str) -> DecodeResult<usize> {
+        let consts = self.consts;
+
+        let r = match kind {
+            ArrayKind::Ndarray => self
+                .state
+                .np_dtypes
+                .lookup(self.py, dtype, |py, s| consts.numpy_dtype(py, s)),
+            ArrayKind::Tensor => self
+                .state
+                .torch_dtypes
+                .lookup(self.py, dtype, |py, s| torch::dtype(py, s)),
+        };
+        match r {
+            Ok(Some((obj, itemsize))) => {
+                self.dtype = HeldDtype::Owned(obj);
+                Ok(itemsize)
+            }
+            Ok(None) => Err(DecodeError::new(ErrorKind::UnknownDtype {
+                kind,
+                dtype: dtype.to_owned(),
+            })),
+            Err(e) => Err(self.fail(e)),
+        }
     }
 
     fn tensor(&mut self, a: &ArrayRef<'_>, dtype: Obj<'py>) -> PyResult<Obj<'py>> {
@@ -382,36 +422,34 @@ impl<'py> Builder for PyBuilder<'_, 'py> {
         self.check(r)
     }
 
+    #[inline]
     fn dtype_itemsize(&mut self, kind: ArrayKind, dtype: &str) -> DecodeResult<usize> {
-        let consts = self.consts;
-        let r = match kind {
-            ArrayKind::Ndarray => self
-                .state
-                .np_dtypes
-                .lookup(self.py, dtype, |py, s| consts.numpy_dtype(py, s)),
-            ArrayKind::Tensor => self
-                .state
-                .torch_dtypes
-                .lookup(self.py, dtype, |py, s| torch::dtype(py, s)),
+        let cache = match kind {
+            ArrayKind::Ndarray => &self.state.np_dtypes,
+            ArrayKind::Tensor => &self.state.torch_dtypes,
         };
-        match r {
-            Ok(Some((obj, itemsize))) => {
-                self.dtype = Some(obj);
-                Ok(itemsize)
-            }
-            Ok(None) => Err(DecodeError::new(ErrorKind::UnknownDtype {
-                kind,
-                dtype: dtype.to_owned(),
-            })),
-            Err(e) => Err(self.fail(e)),
+        if let Some((obj, itemsize)) = cache.find(dtype) {
+            self.dtype = HeldDtype::Cached(obj);
+            return Ok(itemsize);
         }
+        self.new_dtype(kind, dtype)
     }
 
     fn array(&mut self, a: &ArrayRef<'_>) -> DecodeResult<Obj<'py>> {
-        let Some(dtype) = self.dtype.take() else {
-            return Err(DecodeError::new(ErrorKind::Rejected(
-                "internal error: array without dtype".into(),
-            )));
+        let (dtype_ptr, owned) = match std::mem::replace(&mut self.dtype, HeldDtype::None) {
+            HeldDtype::Cached(p) => (p, None),
+            HeldDtype::Owned(d) => (d.as_ptr(), Some(d)),
+            HeldDtype::None => {
+                return Err(DecodeError::new(ErrorKind::Rejected(
+                    "internal error: array without dtype".into(),
+                )))
+            }
+        };
+        let py = self.py;
+        // SAFETY: a live dtype object: in the cache, or held by `owned`.
+        let dtype = || match &owned {
+            Some(d) => d.clone(),
+            None => unsafe { Bound::from_borrowed_ptr(py, dtype_ptr) },
         };
         // Which array of a LogprobsLists this is, if it is one.
         let slot = match self.lists.as_mut() {
@@ -423,7 +461,7 @@ impl<'py> Builder for PyBuilder<'_, 'py> {
         };
         let r = match (a.kind, slot) {
             (ArrayKind::Ndarray, Some(slot)) if a.data.frame == 0 => {
-                self.inline_lists_array(slot, a, &dtype)
+                self.inline_lists_array(slot, a, dtype_ptr, dtype)
             }
             (ArrayKind::Ndarray, _) => {
                 let frame = &mut self.frames[a.data.frame];
@@ -435,12 +473,12 @@ impl<'py> Builder for PyBuilder<'_, 'py> {
                     Ok(base) => unsafe {
                         self.consts
                             .numpy
-                            .array_over(&dtype, a.shape, ptr, writable, base)
+                            .array_over(&dtype(), a.shape, ptr, writable, base)
                     },
                     Err(e) => Err(e),
                 }
             }
-            (ArrayKind::Tensor, _) => self.tensor(a, dtype),
+            (ArrayKind::Tensor, _) => self.tensor(a, dtype()),
         };
         self.check(r)
     }

@@ -124,6 +124,17 @@ fn head(s: &[u8]) -> u128 {
 pub type DtypeFound<'py> = Option<(Bound<'py, PyAny>, usize)>;
 
 impl DtypeCache {
+    /// The cached dtype object for `s` (borrowed: entries live as long as the cache) and
+    /// its itemsize.
+    #[inline]
+    pub fn find(&self, s: &str) -> Option<(*mut pyo3::ffi::PyObject, usize)> {
+        let h = head(s.as_bytes());
+        self.entries
+            .iter()
+            .find(|e| e.head == h && e.key.len() == s.len() && (s.len() <= 16 || *e.key == *s))
+            .map(|e| (e.dtype.as_ptr(), e.itemsize))
+    }
+
     /// The cached entry for `s`, or what `make` says (cached when found and room left).
     #[inline]
     pub fn lookup<'py>(

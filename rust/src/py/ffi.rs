@@ -341,9 +341,40 @@ pub unsafe fn refill_array(
                 return false;
             }
         }
-        if len != 0 {
-            std::ptr::copy_nonoverlapping(src, (*f).data, len);
-        }
+        copy_small(src, (*f).data, len);
         true
+    }
+}
+
+/// `copy_nonoverlapping` for the few dozen bytes of a logprobs row, without a call to
+/// `memcpy`: two overlapping word-sized moves cover any length from one word to two.
+///
+/// # Safety
+/// As for `copy_nonoverlapping`.
+#[inline(always)]
+unsafe fn copy_small(src: *const u8, dst: *mut u8, len: usize) {
+    // SAFETY: per the contract; unaligned reads and writes within `len` bytes.
+    unsafe {
+        macro_rules! two {
+            ($t:ty) => {{
+                let n = std::mem::size_of::<$t>();
+                let head = src.cast::<$t>().read_unaligned();
+                let tail = src.add(len - n).cast::<$t>().read_unaligned();
+                dst.cast::<$t>().write_unaligned(head);
+                dst.add(len - n).cast::<$t>().write_unaligned(tail);
+            }};
+        }
+        match len {
+            0 => {}
+            1..=3 => {
+                for i in 0..len {
+                    *dst.add(i) = *src.add(i);
+                }
+            }
+            4..=7 => two!(u32),
+            8..=15 => two!(u64),
+            16..=31 => two!(u128),
+            _ => std::ptr::copy_nonoverlapping(src, dst, len),
+        }
     }
 }
