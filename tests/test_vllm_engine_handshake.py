@@ -506,3 +506,35 @@ def test_dp_rank_speaks_vllms_coordinator_protocol(root: Path) -> None:
             sock.close(linger=0)
         ctx.term()
     assert codes == [0], engines.logs()
+
+
+def test_a_stopped_engine_aborts_its_requests_and_tells_vllms_client(root: Path) -> None:
+    from vllm.v1.engine.exceptions import EngineDeadError
+
+    port = free_tcp_port()
+    engines = EngineProcs(root)
+    proc = engines.start(*join_args(port, 0))
+    config = vllm_config(
+        write_model_dir(root / "model"),
+        data_parallel_size=1,
+        data_parallel_size_local=0,
+        data_parallel_master_ip="127.0.0.1",
+        data_parallel_rpc_port=port,
+    )
+
+    async def scenario(client: Any) -> Any:
+        await client.add_request_async(request("long", [3], max_tokens=400))
+        first = await client.get_output_async()
+        assert first.outputs[0].request_id == "long"
+        proc.terminate()  # SIGTERM, as an operator or orchestrator stops it
+        finishes = []
+        with pytest.raises(EngineDeadError):
+            while True:
+                batch = await client.get_output_async()
+                finishes += [o.finish_reason for o in batch.outputs if o.finish_reason]
+        return finishes
+
+    # Without the notice, vLLM's client would wait for "long" forever (and route new
+    # requests to the stopped engine).
+    assert run_frontend(config, engines, scenario) == [FinishReason.ABORT]
+    assert "aborted 1 request(s), telling the front-end" in engines.logs()

@@ -88,7 +88,9 @@ class EngineCoreProc:
     client: outputs then go to the socket of the request's ``client_index``).
     ``dp_stats_address`` is reported in the ready response (where front-ends subscribe
     to DP load stats). :attr:`ready_event` is set once the ready response went out on
-    every request link (and :meth:`_open_extra_inputs` returned).
+    every request link (and :meth:`_open_extra_inputs` returned). With ``stop_notice``,
+    a requested stop first finishes the requests in flight with ABORT and then sends
+    ENGINE_CORE_DEAD (for front-ends that cannot take a stopped engine back).
 
     Utility calls go to the engine's public methods; the ones vLLM's front-end makes
     that the engine lacks are answered by
@@ -120,6 +122,7 @@ class EngineCoreProc:
         idle_poll_s: float = 1.0,
         linger_ms: int = 5000,
         dp_stats_address: str | None = None,
+        stop_notice: bool = False,
         **options: Any,
     ) -> None:
         if not 0 <= engine_index < 1 << 16:
@@ -136,6 +139,9 @@ class EngineCoreProc:
             raise ValueError("at least one input address is required")
         self.input_address = self.input_addresses[0]
         self.dp_stats_address = dp_stats_address
+        self.stop_notice = stop_notice
+        # Requests in flight, tracked only for the stop notice.
+        self._in_flight: set[str] | None = set() if stop_notice else None
         # Read once, before any thread starts: the ready response repeats it.
         self.engine_info = engine_info_of(engine)
         self._utility_defaults = UtilityDefaults(engine)
@@ -185,12 +191,41 @@ class EngineCoreProc:
         self._start_io_threads()
         try:
             self.run_busy_loop()
+            if self.stop_notice and self.linger_ms > 0:
+                self._send_stop_notice()
         except Exception as exc:
             self._on_fatal(exc)
         finally:
             self._stop_requested = True
             self._close()
         return self._exit_code
+
+    def _send_stop_notice(self) -> None:
+        """A requested stop with ``stop_notice``: finish every request in flight with
+        ABORT (as vLLM's engines do on SIGTERM), then send ENGINE_CORE_DEAD so that the
+        front-end routes nothing more here (a vLLM front-end cannot take a stopped engine
+        back, and its own client would otherwise never notice)."""
+        ids = sorted(self._in_flight or ())
+        if ids:
+            self.engine.abort_requests(ids)
+            self._send_outputs(
+                EngineCoreOutputs(
+                    engine_index=self.engine_index,
+                    outputs=[
+                        EngineCoreOutput(rid, [], finish_reason=FinishReason.ABORT) for rid in ids
+                    ],
+                    timestamp=time.monotonic(),
+                    finished_requests=set(ids) if self.include_finished_set else None,
+                )
+            )
+        logger.info(
+            "engine %d stopping: aborted %d request(s), telling the front-end",
+            self.engine_index,
+            len(ids),
+        )
+        self._send_engine_dead()
+        # A front-end that already left must not hold the exit for the full linger.
+        self.linger_ms = min(self.linger_ms, 2000)
 
     def request_stop(self, discard_pending: bool = False) -> None:
         """Ask the busy loop to stop after the current step. Safe in signal handlers.
@@ -286,6 +321,10 @@ class EngineCoreProc:
 
     def _make_outputs(self, outputs: list[EngineCoreOutput]) -> EngineCoreOutputs | None:
         """Wrap one step's outputs; None when there is nothing to send."""
+        if self._in_flight is not None:
+            for out in outputs:
+                if out.finish_reason is not None:
+                    self._in_flight.discard(out.request_id)
         finished: set[str] | None = None
         if self.include_finished_set:
             finished = self._pending_finished
@@ -386,6 +425,9 @@ class EngineCoreProc:
             self.engine.add_request(request)
         except Exception as exc:
             self._finish_with_error(request.request_id, request.client_index, str(exc))
+            return
+        if self._in_flight is not None:
+            self._in_flight.add(request.request_id)
 
     def _finish_with_error(self, request_id: str, client_index: int, reason: str) -> None:
         logger.warning("request %r failed: %s", request_id, reason)
@@ -411,6 +453,8 @@ class EngineCoreProc:
         self.engine.abort_requests(request_ids)
         for request_id in request_ids:
             self._request_clients.pop(request_id, None)
+        if self._in_flight is not None:
+            self._in_flight.difference_update(request_ids)
         if self.include_finished_set:
             self._pending_finished.update(request_ids)
 

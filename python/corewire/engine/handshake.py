@@ -27,6 +27,11 @@ The steps (vLLM's ``startup_handshake`` / ``wait_for_engine_startup``, engine si
 5. send ``{"status": "READY", "local": false, "headless": true}`` on the handshake
    socket and close it.
 
+Stopping (SIGTERM / SIGINT): the engine finishes its requests in flight with ABORT, as
+vLLM's engines do, and then sends ENGINE_CORE_DEAD: a vLLM front-end cannot take a
+stopped engine back, and its own client never notices a remote engine leaving, so it
+would keep routing requests into the void.
+
 A non-empty ``parallel_config`` means a coordinated (MoE) DP group whose ranks step in
 lockstep through torch collectives and must prove identical vLLM parallel configs; a
 corewire engine cannot take part, so it refuses with a clear error instead. (vLLM's own
@@ -177,6 +182,8 @@ def _build_proc(
         "input_address": meta.inputs,
         "output_address": meta.outputs,
         "dp_stats_address": meta.frontend_stats_publish_address,
+        # vLLM's front-end never takes a stopped engine back: tell it when stopping.
+        "stop_notice": True,
     }
     if meta.coordinator_input is None or meta.coordinator_output is None:
         return EngineCoreProc(built, **common)
