@@ -1,28 +1,54 @@
-"""Decode benchmark: MsgspecDecoder (reference) vs NativeDecoder (Rust), same frames.
+"""Decode benchmark: corewire's NativeDecoder vs vLLM 0.25.1's own MsgpackDecoder.
 
-Frames are built with ``corewire.codec.Encoder`` from realistic decode steps: request ids
-like ``cmpl-<uuid>-0``, one new token per output (ids up to ~150k), about 2% of the
-outputs finishing, optionally top-5 logprobs (``LogprobsLists`` of int32/float32 arrays
-[1, 6] and int32 [1], sent inline). Both decoders run in one process, interleaved, on
-the same frames, in two modes:
+The baseline is vLLM itself when it is installed (the interop environment): frames are
+made by vLLM's ``MsgpackEncoder`` from vLLM's real ``EngineCoreOutputs`` structs, and
+vLLM's ``MsgpackDecoder(EngineCoreOutputs)`` decodes them next to corewire's
+``NativeDecoder``; corewire's pure-Python ``MsgspecDecoder`` (a vLLM-style reference)
+stays as an extra column. Without vLLM the frames come from ``corewire.codec.Encoder``
+and ``MsgspecDecoder`` is the only baseline.
+
+Frames are the decode steps vLLM's scheduler sends: request ids like ``cmpl-<uuid>-0``,
+one new token per output (ids up to ~150k), about 2% of the outputs finishing, at
+batch 1, 32, 256 and 1024, in three cases:
+
+- ``plain``: no logprobs;
+- ``top-5``: sampled-token logprobs, per output a ``LogprobsLists`` of three tiny arrays
+  that travel inline (extension type 3): ``1 x 6`` int32 token ids, ``1 x 6`` float32
+  logprobs and the ``[1]`` int64 rank (vLLM's sampler counts ranks in int64), sliced per
+  request from the step's arrays as vLLM's ``LogprobsLists.slice_request`` does;
+- ``prompt``: prompt logprobs, per output a ``LogprobsTensors`` of a 64-token prompt
+  with top-5 (``63 x 6`` int32 / float32 and ``[63]`` int64 tensors, over 256 bytes each
+  so they travel as aux frames).
+
+Frames are handed to the decoders as ``zmq.Frame`` objects, as both clients receive them
+(``recv_multipart(copy=False)``). Timed, in one process and interleaved:
 
 - ``decode``: decode the frame only;
-- ``decode+touch``: also read ``request_id``, ``new_token_ids`` and ``finish_reason`` of
-  every output, and the logprobs arrays when present (what a front-end always does).
+- ``decode+touch``: also read what a front-end reads of every output (``request_id``,
+  ``new_token_ids``, ``finish_reason``, ``stop_reason`` of finished ones, both logprobs
+  fields and the three arrays of each logprobs tuple). The goals are read on this mode;
+- ``decode+tolist`` (logprobs cases): also what vLLM's ``LogprobsProcessor`` does with the
+  arrays before detokenizing (unpack the tuple, per row ``.tolist()`` of ranks, logprobs
+  and ids; the whole tensors' ``.tolist()`` for prompt logprobs).
 
-Prints µs per frame, ns per output and the speed-up, checks that both decoders' results
-are equal field by field, and says whether the goals at batch 256 decode+touch are met
-(>= 2x without logprobs, >= 20x with). ``--plot FILE.png`` draws the table (needs
-matplotlib), ``--quick`` runs a short version.
+Before any timing, every field of every output decoded by each decoder is compared with
+vLLM's result (arrays by dtype, shape and bytes; enums by value), and so are the lists the
+``tolist`` mode produces. Prints µs per frame, ns per output and the ratios against vLLM;
+the goals at batch 256 (decode+touch) are >= 3x vLLM without logprobs and >= 20x with
+top-5 logprobs. ``--plot FILE.png`` draws ns/output vs batch (needs matplotlib),
+``--quick`` runs a short version.
 
-    python benches/decode.py [--quick] [--plot decode.png]
+    python benches/decode.py [--quick] [--plot decode.png] [--wall]
 """
 
 from __future__ import annotations
 
 import argparse
+import enum
 import gc
 import math
+import os
+import platform
 import random
 import sys
 import time
@@ -31,38 +57,104 @@ from collections.abc import Callable
 from typing import Any
 
 import numpy as np
+import zmq
 
-from corewire import protocol as p
+from corewire import protocol as cw
 from corewire.codec import Encoder, MsgspecDecoder, NativeDecoder
 
+try:  # the baseline, when the interop environment has it
+    from vllm.v1 import engine as vllm_engine
+    from vllm.v1 import outputs as vllm_outputs
+    from vllm.v1.serial_utils import MsgpackDecoder as VllmDecoder
+    from vllm.v1.serial_utils import MsgpackEncoder as VllmEncoder
+except ImportError:  # pragma: no cover - depends on the environment
+    vllm_engine = None
+
+try:  # prompt logprobs travel as torch tensors
+    import torch
+except ImportError:  # pragma: no cover - depends on the environment
+    torch = None
+
 BATCHES = (1, 32, 256, 1024)
+CASES = ("plain", "top-5", "prompt")
 TOP_K = 5
+PROMPT_LEN = 64
 VOCAB = 151_000
 FINISH_EVERY = 50
-GOALS = {False: 2.0, True: 20.0}  # batch 256, decode+touch: speed-up needed
+#: Goals at batch 256, decode+touch: ratio to vLLM's decoder needed, per case.
+GOALS = {"plain": 3.0, "top-5": 20.0}
 
 
-def make_message(batch: int, logprobs: bool, rng: random.Random) -> p.EngineCoreOutputs:
-    """One decode step of ``batch`` running requests."""
-    outputs = []
-    for i in range(batch):
-        token = rng.randrange(VOCAB)
-        lp = None
-        if logprobs:
-            ids = np.array([[token] + [rng.randrange(VOCAB) for _ in range(TOP_K)]], np.int32)
-            values = np.array([[-rng.random() * 10 for _ in range(TOP_K + 1)]], np.float32)
-            lp = p.LogprobsLists(ids, values, np.array([rng.randrange(TOP_K)], np.int32))
-        finished = i % FINISH_EVERY == FINISH_EVERY - 1
-        outputs.append(
-            p.EngineCoreOutput(
-                request_id=f"cmpl-{uuid.UUID(int=rng.getrandbits(128))}-0",
-                new_token_ids=[token],
-                new_logprobs=lp,
-                finish_reason=p.FinishReason.STOP if finished else None,
-                stop_reason=None,
+# -- frames --------------------------------------------------------------------------------
+
+
+class Wire:
+    """The structs and encoder frames are built with: vLLM's own if installed."""
+
+    def __init__(self, use_vllm: bool) -> None:
+        self.vllm = use_vllm
+        if use_vllm:
+            self.outputs_cls = vllm_engine.EngineCoreOutputs
+            self.output_cls = vllm_engine.EngineCoreOutput
+            self.finish_stop = vllm_engine.FinishReason.STOP
+            self.lists_cls = vllm_outputs.LogprobsLists
+            self.tensors_cls = vllm_outputs.LogprobsTensors
+            self._encode = VllmEncoder().encode
+        else:
+            self.outputs_cls = cw.EngineCoreOutputs
+            self.output_cls = cw.EngineCoreOutput
+            self.finish_stop = cw.FinishReason.STOP
+            self.lists_cls = cw.LogprobsLists
+            self.tensors_cls = cw.LogprobsTensors
+            self._encode = Encoder().encode
+
+    def message(self, case: str, batch: int, rng: random.Random) -> Any:
+        """One engine step of ``batch`` running requests."""
+        tokens = [rng.randrange(VOCAB) for _ in range(batch)]
+        step_lists = None
+        if case == "top-5":
+            # The sampler's arrays for the whole step; each output gets its row.
+            ids = np.array(
+                [[t] + [rng.randrange(VOCAB) for _ in range(TOP_K)] for t in tokens], np.int32
             )
-        )
-    return p.EngineCoreOutputs(engine_index=0, outputs=outputs, timestamp=time.monotonic())
+            values = -np.sort(
+                np.array(
+                    [[rng.random() * 10 for _ in range(TOP_K + 1)] for _ in tokens], np.float32
+                )
+            )
+            ranks = np.array([rng.randrange(1, 20) for _ in tokens], np.int64)
+            step_lists = (ids, values, ranks)
+        outputs = []
+        for i, token in enumerate(tokens):
+            new_logprobs = prompt = None
+            if step_lists is not None:
+                ids, values, ranks = step_lists
+                new_logprobs = self.lists_cls(ids[i : i + 1], values[i : i + 1], ranks[i : i + 1])
+            if case == "prompt":
+                n = PROMPT_LEN - 1
+                prompt = self.tensors_cls(
+                    torch.randint(0, VOCAB, (n, TOP_K + 1), dtype=torch.int32),
+                    -torch.rand((n, TOP_K + 1), dtype=torch.float32) * 10,
+                    torch.randint(1, 20, (n,), dtype=torch.int64),
+                )
+            finished = i % FINISH_EVERY == FINISH_EVERY - 1
+            outputs.append(
+                self.output_cls(
+                    request_id=f"cmpl-{uuid.UUID(int=rng.getrandbits(128))}-0",
+                    new_token_ids=[token],
+                    new_logprobs=new_logprobs,
+                    new_prompt_logprobs_tensors=prompt,
+                    finish_reason=self.finish_stop if finished else None,
+                )
+            )
+        return self.outputs_cls(engine_index=0, outputs=outputs, timestamp=time.monotonic())
+
+    def frames(self, message: Any) -> list[zmq.Frame]:
+        """The message's frames as a client receives them (``copy=False``)."""
+        return [zmq.Frame(bytes(f)) for f in self._encode(message)]
+
+
+# -- what a front-end does with a decoded frame --------------------------------------------
 
 
 def touch(message: Any) -> None:
@@ -70,44 +162,76 @@ def touch(message: Any) -> None:
     for out in message.outputs:
         out.request_id  # noqa: B018
         out.new_token_ids  # noqa: B018
-        out.finish_reason  # noqa: B018
+        if out.finish_reason is not None:
+            out.stop_reason  # noqa: B018
         lp = out.new_logprobs
         if lp is not None:
             lp.logprob_token_ids  # noqa: B018
             lp.logprobs  # noqa: B018
             lp.sampled_token_ranks  # noqa: B018
+        lp = out.new_prompt_logprobs_tensors
+        if lp is not None:
+            lp.logprob_token_ids  # noqa: B018
+            lp.logprobs  # noqa: B018
+            lp.selected_token_ranks  # noqa: B018
 
 
-def _plain(v: Any) -> Any:
-    """Comparable form of a decoded value (arrays by dtype, shape and bytes)."""
+def tolist(message: Any) -> list[Any]:
+    """What vLLM's LogprobsProcessor turns the arrays into (before detokenizing)."""
+    got = []
+    for out in message.outputs:
+        lp = out.new_logprobs
+        if lp is not None:
+            token_ids, logprobs, ranks, _ = lp
+            for rank, row, ids in zip(ranks, logprobs, token_ids):  # noqa: B905 (as vLLM)
+                got.append((rank.tolist(), row.tolist(), ids.tolist()))
+        lp = out.new_prompt_logprobs_tensors
+        if lp is not None:
+            token_ids, logprobs, ranks, _ = lp
+            got.append((ranks.tolist(), logprobs.tolist(), token_ids.tolist()))
+    return got
+
+
+# -- equality --------------------------------------------------------------------------------
+
+
+def plain(v: Any) -> Any:
+    """Comparable form of a decoded value: arrays and tensors by dtype, shape and bytes,
+    enums by value, named tuples and lists element by element."""
     if isinstance(v, np.ndarray):
         return ("ndarray", v.dtype.str, v.shape, v.tobytes())
-    if isinstance(v, tuple) and hasattr(v, "_fields"):
-        return tuple(_plain(x) for x in v)
+    if torch is not None and isinstance(v, torch.Tensor):
+        return ("tensor", str(v.dtype), tuple(v.shape), v.contiguous().numpy().tobytes())
+    if isinstance(v, enum.Enum):
+        return ("enum", v.name, v.value)
+    if isinstance(v, tuple):
+        return (type(v).__name__, *(plain(x) for x in v))
     if isinstance(v, list):
-        return [_plain(x) for x in v]
+        return [plain(x) for x in v]
+    if isinstance(v, (set, frozenset)):
+        return ("set", sorted(plain(x) for x in v))
     if isinstance(v, dict):
-        return {k: _plain(x) for k, x in v.items()}
-    return v
+        return {k: plain(x) for k, x in v.items()}
+    return (type(v).__name__, v)
 
 
-def results_equal(a: Any, b: Any) -> bool:
-    """Whether two decoded EngineCoreOutputs hold the same values and types, field by field."""
+def differences(expected: Any, got: Any, fields: tuple[str, ...], out_fields: tuple[str, ...]):
+    """Where ``got`` (a decoded EngineCoreOutputs) differs from ``expected``: field names."""
+    bad = [
+        f
+        for f in fields
+        if f != "outputs" and plain(getattr(expected, f)) != plain(getattr(got, f))
+    ]
+    if len(expected.outputs) != len(got.outputs):
+        return [*bad, "len(outputs)"]
+    for i, (x, y) in enumerate(zip(expected.outputs, got.outputs, strict=True)):
+        bad += [
+            f"outputs[{i}].{f}" for f in out_fields if plain(getattr(x, f)) != plain(getattr(y, f))
+        ]
+    return bad
 
-    def same(x: Any, y: Any) -> bool:
-        return type(x) is type(y) and _plain(x) == _plain(y)
 
-    for name in p.EngineCoreOutputs.__struct_fields__:
-        if name != "outputs" and not same(getattr(a, name), getattr(b, name)):
-            return False
-    if len(a.outputs) != len(b.outputs):
-        return False
-    return all(
-        same(getattr(x, name), getattr(y, name))
-        for x, y in zip(a.outputs, b.outputs, strict=True)
-        for name in p.EngineCoreOutput.__struct_fields__
-    )
-
+# -- timing ----------------------------------------------------------------------------------
 
 #: The clock: CPU time of this process by default, so that other load on a shared
 #: machine (time this process spends descheduled) does not distort the numbers;
@@ -136,82 +260,112 @@ def time_per_call(fn: Callable[[], Any], min_seconds: float, repeats: int) -> fl
     return best
 
 
-def run(quick: bool) -> list[dict[str, Any]]:
-    """Times every configuration; returns one row per (batch, logprobs, mode)."""
+def decoders(use_vllm: bool) -> dict[str, Any]:
+    """The decoders compared, baseline first."""
+    found: dict[str, Any] = {}
+    if use_vllm:
+        found["vllm"] = VllmDecoder(vllm_engine.EngineCoreOutputs)
+    found["msgspec"] = MsgspecDecoder(cw.EngineCoreOutputs)
+    found["corewire"] = NativeDecoder()
+    return found
+
+
+def modes(case: str) -> tuple[str, ...]:
+    """The modes timed for a case."""
+    if case == "plain":
+        return ("decode", "decode+touch")
+    return ("decode", "decode+touch", "decode+tolist")
+
+
+def check(decs: dict[str, Any], frames: list[zmq.Frame], wire: Wire) -> list[str]:
+    """What any decoder gets wrong, compared with the first (the baseline): every field of
+    every output, and the lists vLLM's logprobs code makes of the arrays."""
+    fields = tuple(wire.outputs_cls.__struct_fields__)
+    out_fields = tuple(wire.output_cls.__struct_fields__)
+    names = list(decs)
+    expected = decs[names[0]].decode(frames)
+    wrong = []
+    for name in names[1:]:
+        got = decs[name].decode(frames)
+        bad = differences(expected, got, fields, out_fields)
+        if tolist(got) != tolist(expected):
+            bad.append("tolist()")
+        wrong += [f"{name}: {b}" for b in bad[:5]]
+    return wrong
+
+
+def run(quick: bool, cases: tuple[str, ...], batches: tuple[int, ...]) -> list[dict[str, Any]]:
+    """Times every configuration; returns one row per (case, batch, mode)."""
+    use_vllm = vllm_engine is not None
+    wire = Wire(use_vllm)
+    decs = decoders(use_vllm)
+    names = list(decs)
     rng = random.Random(20250101)
-    encoder = Encoder()
-    reference = MsgspecDecoder(p.EngineCoreOutputs)
-    native = NativeDecoder()
-    min_seconds = 0.05 if quick else 0.3
-    repeats = 3 if quick else 7
+    if torch is not None:
+        torch.manual_seed(20250101)
+    min_seconds = 0.04 if quick else 0.2
+    repeats = 3 if quick else 5
     rows = []
-    for logprobs in (False, True):
-        for batch in BATCHES:
-            message = make_message(batch, logprobs, rng)
-            # As received with copy=True: the payload and each aux frame as bytes.
-            frames = [bytes(f) for f in encoder.encode(message)]
-            equal = results_equal(reference.decode(frames), native.decode(frames))
-            for mode in ("decode", "decode+touch"):
-                if mode == "decode":
-
-                    def ref_fn(frames: list[bytes] = frames) -> Any:
-                        return reference.decode(frames)
-
-                    def nat_fn(frames: list[bytes] = frames) -> Any:
-                        return native.decode(frames)
-
-                else:
-
-                    def ref_fn(frames: list[bytes] = frames) -> Any:
-                        return touch(reference.decode(frames))
-
-                    def nat_fn(frames: list[bytes] = frames) -> Any:
-                        return touch(native.decode(frames))
-
-                # Interleave the two so that machine noise hits both alike.
-                ref_times, nat_times = [], []
-                for _ in range(2):
-                    ref_times.append(time_per_call(ref_fn, min_seconds / 2, repeats))
-                    nat_times.append(time_per_call(nat_fn, min_seconds / 2, repeats))
+    for case in cases:
+        for batch in batches:
+            frames = wire.frames(wire.message(case, batch, rng))
+            wrong = check(decs, frames, wire)
+            for mode in modes(case):
+                seconds = dict.fromkeys(names, math.inf)
+                for _ in range(2):  # interleaved, so that machine noise hits all alike
+                    for name, dec in decs.items():
+                        fn = _timed(mode, dec.decode, frames)
+                        seconds[name] = min(
+                            seconds[name], time_per_call(fn, min_seconds / 2, repeats)
+                        )
                     gc.collect()
-                ref_s, nat_s = min(ref_times), min(nat_times)
-                rows.append(
-                    {
-                        "batch": batch,
-                        "logprobs": logprobs,
-                        "mode": mode,
-                        "frame_bytes": sum(len(f) for f in frames),
-                        "msgspec_us": ref_s * 1e6,
-                        "native_us": nat_s * 1e6,
-                        "msgspec_ns_out": ref_s * 1e9 / batch,
-                        "native_ns_out": nat_s * 1e9 / batch,
-                        "ratio": ref_s / nat_s,
-                        "equal": equal,
-                    }
-                )
-                print_row(rows[-1])
+                row = {
+                    "case": case,
+                    "batch": batch,
+                    "mode": mode,
+                    "frame_bytes": sum(len(f.bytes) for f in frames),
+                    "frames": len(frames),
+                    "us": {n: s * 1e6 for n, s in seconds.items()},
+                    "ns_out": {n: s * 1e9 / batch for n, s in seconds.items()},
+                    "baseline": names[0],
+                    "wrong": wrong,
+                }
+                rows.append(row)
+                print_row(row, names)
     return rows
 
 
-HEADER = (
-    f"{'batch':>5} {'logprobs':>8} {'mode':>12} | {'msgspec µs/frame':>16} {'native µs/frame':>15}"
-    f" | {'msgspec ns/out':>14} {'native ns/out':>13} | {'speed-up':>8} | equal"
-)
+def _timed(mode: str, decode: Callable[[Any], Any], frames: list[zmq.Frame]) -> Callable[[], Any]:
+    if mode == "decode":
+        return lambda: decode(frames)
+    if mode == "decode+touch":
+        return lambda: touch(decode(frames))
+    return lambda: tolist(decode(frames))
 
 
-def print_row(r: dict[str, Any]) -> None:
+def header(names: list[str]) -> str:
+    """The results table's header."""
+    us = "".join(f"{n + ' µs':>13}" for n in names)
+    ns = "".join(f"{n[:8] + ' ns/out':>16}" for n in names)
+    ratios = "".join(f"{'x ' + n:>11}" for n in names[:-1])
+    return f"{'case':>6} {'batch':>5} {'mode':>13} |{us} |{ns} |{ratios} | equal"
+
+
+def print_row(r: dict[str, Any], names: list[str]) -> None:
     """One line of the results table."""
+    us = "".join(f"{r['us'][n]:>13.2f}" for n in names)
+    ns = "".join(f"{r['ns_out'][n]:>16.1f}" for n in names)
+    ratios = "".join(f"{r['us'][n] / r['us']['corewire']:>10.2f}x" for n in names[:-1])
     print(
-        f"{r['batch']:>5} {'top-5' if r['logprobs'] else 'no':>8} {r['mode']:>12} | "
-        f"{r['msgspec_us']:>16.2f} {r['native_us']:>15.2f} | "
-        f"{r['msgspec_ns_out']:>14.1f} {r['native_ns_out']:>13.1f} | "
-        f"{r['ratio']:>7.2f}x | {'yes' if r['equal'] else 'NO'}",
+        f"{r['case']:>6} {r['batch']:>5} {r['mode']:>13} |{us} |{ns} |{ratios} | "
+        f"{'NO' if r['wrong'] else 'yes'}",
         flush=True,
     )
 
 
 def plot(rows: list[dict[str, Any]], path: str) -> bool:
-    """Draws ns/output per batch size for both decoders; False if matplotlib is missing."""
+    """Draws ns/output (decode+touch) per batch size, one panel per case; False if
+    matplotlib is missing."""
     try:
         import matplotlib
 
@@ -219,91 +373,113 @@ def plot(rows: list[dict[str, Any]], path: str) -> bool:
         import matplotlib.pyplot as plt
     except ImportError:
         return False
-    fig, axes = plt.subplots(1, 2, figsize=(12, 4.5), sharey=False)
-    for ax, logprobs in zip(axes, (False, True), strict=True):
-        for mode, style in (("decode", "--"), ("decode+touch", "-")):
-            sel = [r for r in rows if r["logprobs"] == logprobs and r["mode"] == mode]
-            xs = [r["batch"] for r in sel]
-            ax.plot(
-                xs,
-                [r["msgspec_ns_out"] for r in sel],
-                style,
-                marker="o",
-                label=f"MsgspecDecoder {mode}",
+    cases = list(dict.fromkeys(r["case"] for r in rows))
+    fig, axes = plt.subplots(1, len(cases), figsize=(5.5 * len(cases), 4.5), squeeze=False)
+    labels = {
+        "vllm": "vLLM 0.25.1 MsgpackDecoder",
+        "msgspec": "MsgspecDecoder (reference)",
+        "corewire": "corewire NativeDecoder",
+    }
+    styles = {"vllm": ("o", "-"), "msgspec": ("^", ":"), "corewire": ("s", "-")}
+    for ax, case in zip(axes[0], cases, strict=True):
+        sel = [r for r in rows if r["case"] == case and r["mode"] == "decode+touch"]
+        xs = [r["batch"] for r in sel]
+        for name in sel[0]["us"]:
+            marker, line = styles[name]
+            ax.plot(xs, [r["ns_out"][name] for r in sel], line, marker=marker, label=labels[name])
+        for r in sel:
+            ax.annotate(
+                f"{r['us'][r['baseline']] / r['us']['corewire']:.1f}x",
+                (r["batch"], r["ns_out"]["corewire"]),
+                textcoords="offset points",
+                xytext=(0, -13),
+                ha="center",
+                fontsize=8,
             )
-            ax.plot(
-                xs,
-                [r["native_ns_out"] for r in sel],
-                style,
-                marker="s",
-                label=f"NativeDecoder {mode}",
-            )
-            for r in sel:
-                ax.annotate(
-                    f"{r['ratio']:.1f}x",
-                    (r["batch"], r["native_ns_out"]),
-                    textcoords="offset points",
-                    xytext=(0, -12),
-                    ha="center",
-                    fontsize=7,
-                )
         ax.set_xscale("log", base=2)
         ax.set_yscale("log")
         ax.set_xlabel("outputs per frame (batch)")
-        ax.set_ylabel("ns per output")
-        ax.set_title("with top-5 logprobs" if logprobs else "no logprobs")
+        ax.set_ylabel("ns per output (decode + touch)")
+        ax.set_title(
+            {
+                "plain": "no logprobs",
+                "top-5": "top-5 logprobs (inline arrays)",
+                "prompt": f"prompt logprobs ({PROMPT_LEN} tokens, top-5, tensors)",
+            }[case]
+        )
         ax.grid(True, which="both", alpha=0.3)
-        ax.legend(fontsize=7)
-    fig.suptitle("corewire: decoding EngineCoreOutputs frames (lower is better)")
+        ax.legend(fontsize=8)
+    fig.suptitle("Decoding EngineCoreOutputs frames, ratio to vLLM annotated (lower is better)")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     return True
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Runs the benchmark; exit status 1 if the decoders disagree."""
+    """Runs the benchmark; exit status 1 if a decoder disagrees with the baseline."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="short run (less precise)")
     parser.add_argument("--plot", metavar="FILE.png", help="draw the results (matplotlib)")
     parser.add_argument(
         "--wall", action="store_true", help="time with the wall clock instead of CPU time"
     )
+    parser.add_argument("--cases", default=",".join(CASES), help="comma-separated subset")
+    parser.add_argument("--batches", default=",".join(map(str, BATCHES)), help="batch sizes")
     args = parser.parse_args(argv)
     global clock
     clock = time.perf_counter if args.wall else time.process_time
+    cases = tuple(c for c in args.cases.split(",") if c)
+    if torch is None and "prompt" in cases:
+        print("torch is not installed: the prompt-logprobs case is skipped")
+        cases = tuple(c for c in cases if c != "prompt")
+    batches = tuple(int(b) for b in args.batches.split(",") if b)
 
+    use_vllm = vllm_engine is not None
     print(
-        f"python {sys.version.split()[0]}, numpy {np.__version__}; "
-        f"{'quick' if args.quick else 'full'} run; best of interleaved repeats; "
-        f"{'wall-clock' if args.wall else 'CPU'} time"
+        f"{time.strftime('%Y-%m-%d')}; python {platform.python_version()}, numpy {np.__version__}"
+        f"; {os.cpu_count()} CPUs; {'quick' if args.quick else 'full'} run; best of "
+        f"interleaved repeats; {'wall-clock' if args.wall else 'CPU'} time"
     )
-    print(HEADER)
-    print("-" * len(HEADER))
-    rows = run(args.quick)
+    if use_vllm:
+        import vllm
+
+        print(f"baseline: vLLM {vllm.__version__} MsgpackDecoder on frames from its MsgpackEncoder")
+    else:
+        print("vLLM is not installed: baseline is corewire's MsgspecDecoder (reference)")
+    names = list(decoders(use_vllm))
+    print(header(names))
+    print("-" * len(header(names)))
+    rows = run(args.quick, cases, batches)
 
     print()
-    all_equal = all(r["equal"] for r in rows)
-    print(
-        f"results equal (every field of every output, both decoders): "
-        f"{'yes' if all_equal else 'NO'}"
-    )
-    for logprobs, goal in GOALS.items():
+    wrong = [w for r in rows for w in r["wrong"]]
+    baseline = names[0]
+    print(f"every field of every output equal to {baseline}'s: {'yes' if not wrong else 'NO'}")
+    for w in dict.fromkeys(wrong):
+        print(f"  differs: {w}")
+    for case, goal in GOALS.items():
         row = next(
-            r
-            for r in rows
-            if r["batch"] == 256 and r["logprobs"] == logprobs and r["mode"] == "decode+touch"
+            (
+                r
+                for r in rows
+                if r["batch"] == 256 and r["case"] == case and r["mode"] == "decode+touch"
+            ),
+            None,
         )
-        verdict = "met" if row["ratio"] >= goal else "NOT met"
+        if row is None:
+            continue
+        ratio = row["us"][baseline] / row["us"]["corewire"]
+        verdict = "met" if ratio >= goal else "NOT met"
         print(
-            f"goal at batch 256 decode+touch, {'top-5 logprobs' if logprobs else 'no logprobs'}:"
-            f" >= {goal:g}x -> {row['ratio']:.2f}x ({verdict})"
+            f"goal at batch 256 decode+touch, {case}: >= {goal:g}x {baseline}"
+            f" -> {ratio:.2f}x ({verdict})"
         )
     if args.plot:
         if plot(rows, args.plot):
             print(f"plot written to {args.plot}")
         else:
             print("--plot: matplotlib is not installed; no plot drawn (pip install matplotlib)")
-    return 0 if all_equal else 1
+    return 1 if wrong else 0
 
 
 if __name__ == "__main__":
