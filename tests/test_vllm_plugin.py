@@ -14,7 +14,7 @@ import pytest
 
 pytest.importorskip("vllm")
 
-from corewire.vllm import plugin  # noqa: E402
+from corewire.vllm import plugin
 
 # Loads the plugins the way vLLM's processes do, then reports which factory AsyncLLM
 # would call and how many times the plugin ran.
