@@ -28,6 +28,7 @@ _LAZY = {
     "DPLBAsyncMPClient": "corewire.client",
     "Engine": "corewire.engine",
     "EngineCoreProc": "corewire.engine",
+    "EngineInfo": "corewire.engine",
 }
 
 __all__ = [
@@ -38,6 +39,7 @@ __all__ = [
     "Engine",
     "EngineCoreProc",
     "EngineDeadError",
+    "EngineInfo",
     "MPClient",
     "MsgspecDecoder",
     "NativeDecoder",
@@ -56,7 +58,7 @@ if TYPE_CHECKING:
         SyncMPClient,
     )
     from corewire.codec import Encoder, MsgspecDecoder, NativeDecoder
-    from corewire.engine import Engine, EngineCoreProc
+    from corewire.engine import Engine, EngineCoreProc, EngineInfo
 
 
 def __getattr__(name: str) -> Any:
