@@ -79,9 +79,9 @@ import zmq
 
 from corewire.ipcdir import make_private_dir
 from corewire.keygen import (
+    CurveAuthenticator,
     CurveClientKeys,
     CurveServerKeys,
-    ZapHandler,
     apply_server,
     is_loopback_address,
     require_curve_for,
@@ -366,7 +366,7 @@ class _Coordinator:
         self.parent_pid = parent_pid
         self.stop = False
         self.ctx: zmq.Context[Any] = zmq.Context()
-        self.zap = ZapHandler(self.ctx, keys.authorized) if keys is not None else None
+        self.zap = CurveAuthenticator(self.ctx, keys.authorized) if keys is not None else None
         self.front = self.ctx.socket(zmq.XPUB)
         self.stats = self.ctx.socket(zmq.PULL)
         self.wave = self.ctx.socket(zmq.XPUB)

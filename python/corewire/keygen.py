@@ -21,7 +21,8 @@ Copy ``DIR/server`` to the front-end host and ``DIR/client-K`` to each engine ho
 ``corewire engine``. Key files use ZeroMQ's certificate format (readable by
 ``zmq.auth.load_certificate``).
 
-Authentication runs in a ZAP handler (:class:`ZapHandler`, one named thread per ZeroMQ
+Authentication runs in pyzmq's own ZAP authenticator (``zmq.auth.thread.
+ThreadAuthenticator``, wrapped by :class:`CurveAuthenticator`: one thread per ZeroMQ
 context) that accepts a CURVE client only if its public key is in the authorized set; a
 client with any other key, or one that does not know the server's public key, fails the
 handshake and never reaches the application.
@@ -30,11 +31,11 @@ handshake and never reaches the application.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import ipaddress
 import logging
 import os
-import threading
 import weakref
 from dataclasses import dataclass
 from pathlib import Path
@@ -43,13 +44,13 @@ from urllib.parse import urlsplit
 
 import zmq
 import zmq.auth
-import zmq.utils.z85
+import zmq.auth.thread
 
 logger = logging.getLogger("corewire.keygen")
 __all__ = [
+    "CurveAuthenticator",
     "CurveClientKeys",
     "CurveServerKeys",
-    "ZapHandler",
     "add_arguments",
     "apply_client",
     "apply_server",
@@ -62,8 +63,7 @@ __all__ = [
 _SERVER_NAME = "server"
 _CLIENT_NAME = "client"
 _AUTHORIZED_DIR = "authorized_clients"
-_ZAP_ENDPOINT = "inproc://zeromq.zap.01"
-#: The ZAP domain corewire sockets use; the handler only answers for it.
+#: The ZAP domain corewire sockets use; the authenticator only accepts keys for it.
 ZAP_DOMAIN = "corewire"
 
 
@@ -130,7 +130,10 @@ class CurveServerKeys:
         directory = Path(directory)
         public, secret = _load_pair(directory / f"{_SERVER_NAME}.key_secret")
         auth_dir = directory / _AUTHORIZED_DIR
-        authorized = frozenset(_load_public(p) for p in sorted(auth_dir.glob("*.key")))
+        if not auth_dir.is_dir():
+            raise ValueError(f"no authorized client keys: {auth_dir} is not a directory")
+        # pyzmq's loader of a key directory (every *.key file), as zmq.auth reads it.
+        authorized = frozenset(zmq.auth.load_certificates(auth_dir))
         if not authorized:
             raise ValueError(f"no authorized client keys (*.key) in {auth_dir}")
         return cls(public=public, secret=secret, authorized=authorized)
@@ -164,8 +167,9 @@ class CurveClientKeys:
 
 
 def apply_server(sock: zmq.Socket[Any], keys: CurveServerKeys) -> None:
-    """Makes ``sock`` a CURVE server; call before ``bind``. Needs a :class:`ZapHandler`
-    running on the socket's context, or every client is refused."""
+    """Makes ``sock`` a CURVE server; call before ``bind``. Needs a
+    :class:`CurveAuthenticator` running on the socket's context, or every client is
+    refused."""
     sock.curve_secretkey = keys.secret
     sock.curve_publickey = keys.public
     sock.zap_domain = ZAP_DOMAIN.encode()
@@ -206,93 +210,65 @@ def require_curve_for(address: str, keys: object | None) -> None:
         )
 
 
-def _zap_reply(
-    request: list[bytes], authorized: frozenset[bytes], refused: dict[tuple[bytes, bytes], int]
-) -> list[bytes]:
-    # ZAP request: version, request id, domain, address, identity, mechanism, credentials...
-    if len(request) < 6 or request[0] != b"1.0":
-        return [b"1.0", request[1] if len(request) > 1 else b"", b"500", b"bad request", b"", b""]
-    version, request_id, domain, address, _identity, mechanism = request[:6]
-    credentials = request[6:]
-    key = zmq.utils.z85.encode(credentials[0]) if len(credentials) == 1 else b""
-    if domain == ZAP_DOMAIN.encode() and mechanism == b"CURVE" and key in authorized:
-        return [version, request_id, b"200", b"OK", b"", b""]
-    # A refused peer retries every ~100 ms: log each (peer, key) once, count the rest.
-    seen = refused.get((address, key), 0)
-    refused[(address, key)] = seen + 1
-    if not seen:
-        logger.warning(
-            "refused a %s peer from %s with key %s: not an authorized client key",
-            mechanism.decode(errors="replace"),
-            address.decode(errors="replace"),
-            key.decode(errors="replace") or "(none)",
-        )
-    return [version, request_id, b"400", b"key not authorized", b"", b""]
+class _AuthorizedKeys:
+    """The authenticator's credentials provider (pyzmq's ``configure_curve_callback``
+    protocol): accepts the authorized keys and logs each refused key once.
+
+    pyzmq's directory mode (``configure_curve``) would accept the same keys but report a
+    refusal only at DEBUG level; an intruder knocking should be visible in the log.
+    """
+
+    def __init__(self, authorized: frozenset[bytes]) -> None:
+        self.authorized = authorized
+        #: Refused handshakes so far, per z85 public key.
+        self.refused: dict[bytes, int] = {}
+
+    def callback(self, domain: str, key: bytes) -> bool:
+        """Whether the CURVE client with z85 public ``key`` may connect (auth thread)."""
+        if key in self.authorized:
+            return True
+        # A refused peer retries every ~100 ms: log each key once, count the rest.
+        seen = self.refused.get(key, 0)
+        self.refused[key] = seen + 1
+        if not seen:
+            logger.warning(
+                "refused a CURVE peer with key %s: not an authorized client key",
+                key.decode(errors="replace"),
+            )
+        return False
 
 
-def _zap_loop(
-    zap: zmq.Socket[Any],
-    control: zmq.Socket[Any],
-    authorized: frozenset[bytes],
-    refused: dict[tuple[bytes, bytes], int],
-) -> None:
-    poller = zmq.Poller()
-    poller.register(zap, zmq.POLLIN)
-    poller.register(control, zmq.POLLIN)
-    try:
-        while True:
-            ready = dict(poller.poll())
-            if control in ready:
-                return
-            if zap in ready:
-                zap.send_multipart(_zap_reply(zap.recv_multipart(), authorized, refused))
-    except zmq.ContextTerminated:  # the owner tore the context down first: nothing to answer
-        pass
-    finally:
-        zap.close(linger=0)
-        control.close(linger=0)
+def _stop_authenticator(auth: zmq.auth.thread.ThreadAuthenticator) -> None:
+    # A context already gone took the thread's sockets with it: nothing left to stop.
+    with contextlib.suppress(zmq.ZMQError):
+        auth.stop()
 
 
-def _stop_zap(control: zmq.Socket[Any], thread: threading.Thread) -> None:
-    try:
-        control.send(b"stop")
-    except zmq.ZMQError:  # context already terminated: the thread's sockets are gone too
-        pass
-    finally:
-        control.close(linger=0)
-    if thread is not threading.current_thread():
-        thread.join(timeout=5)
+class CurveAuthenticator:
+    """pyzmq's ZAP authenticator on ``ctx``: CURVE clients whose public key is in
+    ``authorized`` get in, every other peer is refused.
 
-
-class ZapHandler:
-    """Answers ZeroMQ's authentication requests for one context: CURVE clients whose
-    public key is in ``authorized`` are accepted, every other peer is refused.
-
-    Owns one thread named ``corewire-zap``; :meth:`stop` (or collection of the handler)
-    ends it. Start it before binding any CURVE server socket on ``ctx``.
+    Owns one thread, named ``corewire-zap``; :meth:`stop` (or collection of this object)
+    ends it. Start it before binding any CURVE server socket on ``ctx``, stop it before
+    terminating ``ctx``.
     """
 
     def __init__(self, ctx: zmq.Context[Any], authorized: frozenset[bytes]) -> None:
-        zap = ctx.socket(zmq.REP)
-        zap.linger = 0
-        zap.bind(_ZAP_ENDPOINT)
-        # A per-handler inproc pair wakes the thread at once on stop.
-        endpoint = f"inproc://corewire-zap-control-{id(self):x}"
-        thread_control = ctx.socket(zmq.PAIR)
-        thread_control.bind(endpoint)
-        control = ctx.socket(zmq.PAIR)
-        control.connect(endpoint)
-        #: Refused handshakes so far, per (peer address, public key); written by the thread.
-        self.refused: dict[tuple[bytes, bytes], int] = {}
-        #: The handler's thread (``corewire-zap``).
-        self.thread = threading.Thread(
-            target=_zap_loop,
-            args=(zap, thread_control, authorized, self.refused),
-            name="corewire-zap",
-            daemon=True,
-        )
-        self.thread.start()
-        self._finalizer = weakref.finalize(self, _stop_zap, control, self.thread)
+        self._keys = _AuthorizedKeys(authorized)
+        auth = zmq.auth.thread.ThreadAuthenticator(ctx, log=logger)
+        auth.configure_curve_callback(ZAP_DOMAIN, credentials_provider=self._keys)
+        auth.start()
+        #: The authenticator's thread (renamed ``corewire-zap``, to tell it in a dump).
+        self.thread = auth.thread
+        self.thread.name = "corewire-zap"
+        # pyzmq's own __del__ never runs while its thread refers to it: stop it from
+        # here when this wrapper goes, holding the authenticator but not the wrapper.
+        self._finalizer = weakref.finalize(self, _stop_authenticator, auth)
+
+    @property
+    def refused(self) -> dict[bytes, int]:
+        """Refused handshakes so far, per z85 public key."""
+        return self._keys.refused
 
     def stop(self) -> None:
         """Stops the thread (idempotent); call before terminating the context."""

@@ -50,8 +50,8 @@ from corewire.client._resources import ClientResources, stop_processes
 from corewire.client.async_client import AsyncMPClient
 from corewire.coordinator import CoordinatorAddresses, DPCoordinator, TcpEndpoints
 from corewire.keygen import (
+    CurveAuthenticator,
     CurveServerKeys,
-    ZapHandler,
     apply_server,
     is_loopback_address,
 )
@@ -130,7 +130,7 @@ class DPAsyncMPClient(AsyncMPClient):
                 )
         elif len(self._local_indices) < len(engine_indices):
             raise ValueError("engines on other hosts need data_parallel_address='tcp://HOST:PORT'")
-        self._zap: ZapHandler | None = None
+        self._zap: CurveAuthenticator | None = None
         self._coordinator: DPCoordinator | None = None
         if coordinator_addresses is None:
             remote = None
@@ -204,7 +204,7 @@ class DPAsyncMPClient(AsyncMPClient):
             # hosts come in over TCP, behind CURVE when keys are given.
             if self._server_keys is not None:
                 if self._zap is None:
-                    self._zap = ZapHandler(self.ctx, self._server_keys.authorized)
+                    self._zap = CurveAuthenticator(self.ctx, self._server_keys.authorized)
                     self.resources.add_thread(self._zap.thread, self._zap.stop)
                 apply_server(sock, self._server_keys)
             sock.bind(self._tcp.input if kind == zmq.ROUTER else self._tcp.output)
