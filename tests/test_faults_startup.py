@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import multiprocessing
 import time
+from typing import Any
 
 import pytest
 
@@ -12,24 +14,91 @@ from corewire import AsyncMPClient, SyncMPClient
 
 @pytest.mark.parametrize("cls", [AsyncMPClient, SyncMPClient])
 def test_engine_process_crashing_at_startup(cls: type) -> None:
+    # The exception names the process's own error, not only its exit code.
     with (
         no_leaks(),
-        pytest.raises(RuntimeError, match=r"corewire-engine-0 exited with code 1 before"),
+        pytest.raises(
+            RuntimeError,
+            match=r"corewire-engine-0 exited with code 1 before it was ready: "
+            r"RuntimeError: engine failed to start \(on purpose\)$",
+        ),
     ):
         cls(engine_main=CRASH_ON_START, ready_timeout=60)
 
 
 def test_engine_class_failing_to_build() -> None:
+    # The constructor raises in the engine process: only the process can tell, and does.
     with (
         no_leaks(grace=15),
-        pytest.raises(RuntimeError, match="exited with code 1 before it was ready"),
+        pytest.raises(
+            RuntimeError,
+            match=r"exited with code 1 before it was ready: "
+            r"RuntimeError: engine constructor failed \(on purpose\)$",
+        ),
     ):
         AsyncMPClient(engine="client_support:BrokenEngine", ready_timeout=120)
 
 
-def test_unknown_engine_class() -> None:
-    with no_leaks(grace=15), pytest.raises(RuntimeError, match="exited with code"):
-        AsyncMPClient(engine="no_such_module_xyz:Engine", ready_timeout=120)
+def test_misspelt_reference_engine_argument_names_the_engines_error() -> None:
+    # The reference engine is not imported in the client (torch takes seconds), so its
+    # constructor's own TypeError comes back from the engine process.
+    with (
+        no_leaks(grace=15),
+        pytest.raises(
+            RuntimeError,
+            match=r"before it was ready: TypeError: .*unexpected keyword argument 'no_such_arg'",
+        ),
+    ):
+        AsyncMPClient(engine_args={"no_such_arg": 1}, ready_timeout=120)
+
+
+def _fails_before_any_process(cls: type[BaseException], match: str, **kwargs: Any) -> None:
+    """The client raises ``cls`` at once, without starting (or waiting for) a process."""
+    children_before = set(multiprocessing.active_children())
+    start = time.monotonic()
+    with no_leaks(), pytest.raises(cls, match=match):
+        AsyncMPClient(ready_timeout=120, **kwargs)
+    # Starting an engine process alone takes seconds (a spawned interpreter); failing
+    # in the parent takes milliseconds.
+    assert time.monotonic() - start < 2.0
+    assert set(multiprocessing.active_children()) <= children_before
+
+
+def test_unknown_engine_module_fails_in_the_parent() -> None:
+    _fails_before_any_process(
+        ModuleNotFoundError, "No module named 'no_such_module_xyz'", engine="no_such_module_xyz:E"
+    )
+
+
+def test_unknown_engine_class_fails_in_the_parent() -> None:
+    _fails_before_any_process(
+        AttributeError,
+        "'client_support' has no attribute 'NoSuchEngine'",
+        engine="client_support:NoSuchEngine",
+    )
+
+
+def test_a_class_that_is_no_engine_fails_in_the_parent() -> None:
+    _fails_before_any_process(
+        TypeError,
+        r"'collections:OrderedDict' is not an Engine: .* \(it lacks add_request, abort_requests, "
+        r"step, has_unfinished_requests\)",
+        engine="collections:OrderedDict",
+    )
+
+
+def test_misspelt_engine_argument_fails_in_the_parent() -> None:
+    _fails_before_any_process(
+        TypeError,
+        r"'client_support:FailingEngine' does not take these engine_args: "
+        r".*unexpected keyword argument 'fail_afterr'",
+        engine="client_support:FailingEngine",
+        engine_args={"fail_afterr": 2},
+    )
+
+
+def test_malformed_engine_spec_fails_in_the_parent() -> None:
+    _fails_before_any_process(ValueError, "engine must be 'module:Class'", engine="no_colon")
 
 
 def test_ready_timeout_names_the_missing_engine() -> None:

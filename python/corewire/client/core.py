@@ -17,6 +17,7 @@ import zmq.asyncio
 
 from corewire.client._resources import ClientResources
 from corewire.codec import Encoder, MsgspecDecoder
+from corewire.engine.startup import check_engine_spec, engine_process_main, read_startup_error
 from corewire.errors import EngineDeadError, ProtocolError, UtilityError
 from corewire.ipcdir import make_private_dir
 from corewire.keygen import require_curve_for
@@ -83,6 +84,9 @@ class MPClient:
     #: Subclasses (DP) may define ``process_engine_outputs(self, outputs)``, plain or
     #: async: it sees every output message before the queue does.
     process_engine_outputs: Callable[..., Any] | None = None
+    #: Whether ``engine`` is checked in this process before engines start (the default
+    #: process target's; another target may read ``engine`` its own way).
+    _check_engine = False
 
     def __init__(
         self,
@@ -152,6 +156,7 @@ class MPClient:
         """
         if not external:
             self._engine_main = _resolve(engine_main)
+            self._check_engine = engine_main == DEFAULT_ENGINE_MAIN
             self._start_engine_processes(self.engine_indices)
 
     def _make_socket(self, kind: int, address: str, *, asyncio_mode: bool = False) -> Any:
@@ -185,13 +190,21 @@ class MPClient:
 
     def _start_engine_processes(self, indices: Sequence[int]) -> list[Any]:
         """Start one engine process per index (spawn); they belong to :attr:`resources`."""
+        if indices and self._check_engine:
+            # What this process can check fails here, before any process starts.
+            check_engine_spec(self.engine, self.engine_args)
         ctx = multiprocessing.get_context("spawn")
         started = []
         for index in indices:
+            name = f"corewire-engine-{index}"
+            report = self._startup_report_path(name)
+            if report is not None and os.path.exists(report):
+                os.unlink(report)  # an earlier process's (scale-up after a failed one)
             proc = ctx.Process(
-                target=self._engine_main,
+                target=engine_process_main,
+                args=(self._engine_main, report),
                 kwargs=self._engine_process_kwargs(index),
-                name=f"corewire-engine-{index}",
+                name=name,
                 daemon=True,
             )
             proc.start()
@@ -199,6 +212,12 @@ class MPClient:
             started.append(proc)
         self.resources.processes_changed()
         return started
+
+    def _startup_report_path(self, process_name: str) -> str | None:
+        """Where engine process ``process_name`` reports why it failed to start (see
+        :mod:`corewire.engine.startup`); None without a private ipc directory."""
+        ipc_dir = self.resources.ipc_dir
+        return None if ipc_dir is None else os.path.join(ipc_dir, f"{process_name}.startup-error")
 
     def _wait_for_ready(
         self, identities: Sequence[bytes], timeout: float
@@ -231,9 +250,10 @@ class MPClient:
             if dead:
                 proc = dead[0]
                 proc.join(1.0)
+                cause = read_startup_error(self._startup_report_path(proc.name))
                 raise RuntimeError(
                     f"engine process {proc.name} exited with code {proc.exitcode} before it "
-                    "was ready; its error is logged above"
+                    + (f"was ready: {cause}" if cause else "was ready; its error is logged above")
                 )
             while cast(int, sock.get(zmq.EVENTS)) & zmq.POLLIN:
                 identity, *rest = sock.recv_multipart()

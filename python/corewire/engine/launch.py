@@ -18,6 +18,7 @@ from typing import Any
 
 from corewire.engine.core import EngineCoreProc
 from corewire.engine.interface import Engine
+from corewire.engine.startup import report_startup_error
 
 __all__ = [
     "ENGINE_ALIASES",
@@ -98,8 +99,9 @@ def serve_engine(
             output_address=output_address,
             **dp_options,
         )
-    except Exception:
+    except Exception as exc:
         logger.exception("engine %d failed to start", engine_index)
+        report_startup_error(exc)  # to the client that started this process, if one did
         return 1
     return run_proc(proc, parent_pid)
 
