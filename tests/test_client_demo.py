@@ -2,7 +2,14 @@
 
 from __future__ import annotations
 
+import fcntl
+import os
+import pty
 import re
+import struct
+import subprocess
+import sys
+import termios
 
 import pytest
 
@@ -45,3 +52,66 @@ def test_demo_reports_an_engine_that_dies(capsys: pytest.CaptureFixture[str]) ->
         )  # fmt: skip
     assert status == 1
     assert "engine core died" in capsys.readouterr().err.lower()
+
+
+_STATS = r"[\d,]+ tok/s, TTFT p50 [\d.]+ p99 [\d.]+ ms, ITL p50 [\d.]+ p99 [\d.]+ ms"
+
+
+def test_demo_progress_off_a_terminal_is_plain_lines(capsys: pytest.CaptureFixture[str]) -> None:
+    # capsys's stderr is no terminal: whole lines, no carriage returns, no escapes.
+    with no_leaks(grace=15):
+        status = main(["demo", "--requests", "12", "--concurrency", "4", "--max-tokens", "5"])
+    assert status == 0
+    err = capsys.readouterr().err
+    assert "\r" not in err and "\x1b" not in err, repr(err)
+    lines = err.splitlines()
+    pattern = r"corewire demo: \d+/12 requests, " + _STATS
+    assert lines and all(re.fullmatch(pattern, x) for x in lines), lines
+    assert lines[-1].startswith("corewire demo: 12/12 requests, ")
+
+
+def _read_all(fd: int) -> bytes:
+    out = b""
+    while True:
+        try:
+            chunk = os.read(fd, 1 << 16)
+        except OSError:  # EIO: the other side of the pty is closed
+            return out
+        if not chunk:
+            return out
+        out += chunk
+
+
+def test_demo_progress_on_a_terminal_is_one_live_line() -> None:
+    # stderr on a pseudo-terminal (120 columns): the bar is redrawn in place, with the
+    # throughput and latency percentiles, and a shorter redraw leaves no old characters.
+    primary, secondary = pty.openpty()
+    fcntl.ioctl(secondary, termios.TIOCSWINSZ, struct.pack("HHHH", 24, 120, 0, 0))
+    with no_leaks(grace=15):
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "corewire.cli", "demo", "--requests", "64",
+             "--concurrency", "4", "--max-tokens", "64"],
+            stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=secondary,
+        )  # fmt: skip
+        os.close(secondary)
+        try:
+            err = _read_all(primary).decode(errors="replace").replace("\r\n", "\n")
+            out = proc.communicate(timeout=100)[0].decode()
+        finally:
+            os.close(primary)
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    assert proc.returncode == 0, err
+    assert "tokens/s" in out
+    line = next(x for x in err.split("\n") if "\r" in x)  # the engine logs on other lines
+    draws = [d for d in line.split("\r") if d]
+    # The first draw is the empty bar; every later one carries the figures.
+    assert all(re.search(r"\d+/64 \[.*, " + _STATS + r"\]", d) for d in draws[1:]), draws
+    assert any("/64 " in d and " 64/64 " not in d for d in draws), "no draw before the end"
+    # What the terminal shows: each draw written over the last from the line's start.
+    screen = ""
+    for draw in draws:
+        screen = draw + screen[len(draw) :]
+    assert screen.rstrip() == draws[-1].rstrip(), (screen, draws[-1])
+    assert " 64/64 " in screen and all(len(d) <= 120 for d in draws)

@@ -2,21 +2,34 @@
 
 Starts one engine process (the built-in reference model unless ``--engine`` names
 another), sends ``--requests`` streaming requests with at most ``--concurrency`` in
-flight, shows a progress bar on stderr, and prints throughput and latency percentiles:
+flight, shows its progress on stderr, and prints throughput and latency percentiles:
 time to first token (TTFT) and inter-token latency (ITL).
+
+The progress is tqdm's bar when stderr is a terminal (redrawn in place, with throughput
+and recent TTFT/ITL percentiles after it) and a plain line every few seconds otherwise
+(logs and CI keep no carriage returns). tqdm rather than rich: the demo needs one line
+redrawn in place, which tqdm does in one small pure-Python package without dependencies
+(rich brings pygments and markdown-it-py for layouts the demo does not use), and it
+already sits in every vLLM installation. Its redraw pads over a shorter line, so no
+characters of an old one stay behind.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import collections
 import json
 import random
 import sys
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TextIO
 
+from tqdm import tqdm
+
+from corewire._optional import MissingDependency
+from corewire.engine.startup import describe_error
 from corewire.errors import EngineDeadError
 
 __all__ = ["add_arguments", "run"]
@@ -38,7 +51,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--engine-args", default=None, help="JSON object of engine constructor arguments"
     )
-    parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+    parser.add_argument("--no-progress", action="store_true", help="no progress display")
     parser.add_argument("--uvloop", action="store_true", help="run on uvloop")
 
 
@@ -60,49 +73,94 @@ def _percentiles(values: list[float], points: tuple[int, ...] = (50, 90, 99)) ->
     return [ordered[min(last, round(p / 100 * last))] for p in points]
 
 
-class _Progress:
-    """A one-line progress bar on stderr, redrawn at most ten times a second."""
+class _Bar(tqdm):  # type: ignore[type-arg]
+    """tqdm's bar without its monitor thread: the demo redraws it itself, often enough."""
 
-    def __init__(self, total: int, enabled: bool) -> None:
+    monitor_interval = 0
+
+
+class _Progress:
+    """Progress on ``stream``: tqdm's bar, redrawn in place, on a terminal; a plain line
+    every :attr:`PLAIN_INTERVAL_S` seconds otherwise. Both show throughput and the
+    percentiles of the most recent TTFT and ITL samples."""
+
+    #: Seconds between redraws of the bar, and between plain lines.
+    LIVE_INTERVAL_S = 0.2
+    PLAIN_INTERVAL_S = 2.0
+    #: Latency samples the live percentiles cover (the most recent ones).
+    WINDOW = 4096
+
+    def __init__(self, total: int, enabled: bool, stream: TextIO | None = None) -> None:
         self.total = total
-        self.enabled = enabled and sys.stderr.isatty()
+        self.stream = sys.stderr if stream is None else stream
+        live = enabled and self.stream.isatty()
+        self.plain = enabled and not live
+        self.interval = self.LIVE_INTERVAL_S if live else self.PLAIN_INTERVAL_S
         self.start = time.perf_counter()
-        self._drawn = 0.0
+        self._drawn = self.start
+        self.ttft_ms: collections.deque[float] = collections.deque(maxlen=self.WINDOW)
+        self.itl_ms: collections.deque[float] = collections.deque(maxlen=self.WINDOW)
+        self.bar: _Bar | None = None
+        if live:
+            # smoothing=0: the rate is the run's average, as in the final summary.
+            self.bar = _Bar(
+                total=total, unit="req", desc="demo", file=self.stream, dynamic_ncols=True,
+                smoothing=0, mininterval=0, leave=True,
+            )  # fmt: skip
+
+    def _stats(self, tokens: int, now: float) -> str:
+        rate = tokens / max(1e-9, now - self.start)
+        parts = [f"{rate:,.0f} tok/s"]
+        for label, samples in (("TTFT", self.ttft_ms), ("ITL", self.itl_ms)):
+            if samples:
+                p50, p99 = _percentiles(list(samples), (50, 99))
+                parts.append(f"{label} p50 {p50:.1f} p99 {p99:.1f} ms")
+        return ", ".join(parts)
 
     def update(self, done: int, tokens: int, force: bool = False) -> None:
-        """Redraw with ``done`` finished requests and ``tokens`` tokens so far."""
+        """Show ``done`` finished requests and ``tokens`` tokens so far (at most once per
+        interval unless ``force``)."""
         now = time.perf_counter()
-        if not self.enabled or (not force and now - self._drawn < 0.1):
+        if not (self.bar or self.plain) or (not force and now - self._drawn < self.interval):
             return
         self._drawn = now
-        width = 30
-        filled = width * done // max(1, self.total)
-        rate = tokens / max(1e-9, now - self.start)
-        sys.stderr.write(
-            f"\r[{'#' * filled}{'.' * (width - filled)}] {done}/{self.total} requests "
-            f"{tokens} tokens {rate:,.0f} tok/s"
-        )
-        sys.stderr.flush()
+        stats = self._stats(tokens, now)
+        if self.bar is not None:
+            self.bar.n = done
+            self.bar.set_postfix_str(stats, refresh=False)
+            self.bar.refresh()
+        else:
+            print(f"corewire demo: {done}/{self.total} requests, {stats}", file=self.stream)
+            self.stream.flush()
 
     def close(self) -> None:
-        """End the line."""
-        if self.enabled:
-            sys.stderr.write("\n")
-            sys.stderr.flush()
+        """End the bar's line (nothing to do for plain lines)."""
+        if self.bar is not None:
+            self.bar.close()
+
+
+class _StartFailed(Exception):
+    """The engine did not start; the message is the one line the user sees."""
 
 
 async def _demo(args: argparse.Namespace) -> dict[str, Any]:
     from corewire.client import AsyncMPClient
     from corewire.protocol import EngineCoreRequest, SamplingParams
 
-    engine_args = json.loads(args.engine_args) if args.engine_args else None
-    started = time.perf_counter()
-    client = AsyncMPClient(engine=args.engine, engine_args=engine_args)
+    try:
+        engine_args = json.loads(args.engine_args) if args.engine_args else None
+        started = time.perf_counter()
+        client = AsyncMPClient(engine=args.engine, engine_args=engine_args)
+    except MissingDependency as exc:
+        raise _StartFailed(str(exc)) from exc
+    except (ImportError, AttributeError, TypeError, ValueError, RuntimeError) as exc:
+        # The client names the engine's own error (see corewire.engine.startup).
+        raise _StartFailed(f"the engine failed to start: {describe_error(exc)}") from exc
     startup = time.perf_counter() - started
+    progress = _Progress(args.requests, not args.no_progress)
     try:
         rng = random.Random(args.seed)
         streams: dict[str, _Stream] = {}
-        progress = _Progress(args.requests, not args.no_progress)
         finished = 0
         tokens = 0
 
@@ -113,8 +171,15 @@ async def _demo(args: argparse.Namespace) -> dict[str, Any]:
                 now = time.perf_counter()
                 for out in outputs.outputs:
                     stream = streams[out.request_id]
-                    stream.token_times.extend([now] * len(out.new_token_ids))
-                    tokens += len(out.new_token_ids)
+                    count = len(out.new_token_ids)
+                    if count:
+                        times = stream.token_times
+                        if times:
+                            progress.itl_ms.append((now - times[-1]) * 1e3)
+                        else:
+                            progress.ttft_ms.append((now - stream.sent) * 1e3)
+                        times.extend([now] * count)
+                    tokens += count
                     if out.finish_reason is not None:
                         finished += 1
                         assert stream.done is not None
@@ -151,8 +216,8 @@ async def _demo(args: argparse.Namespace) -> dict[str, Any]:
         await asyncio.gather(dispatch(), *(one(i) for i in range(args.requests)))
         elapsed = time.perf_counter() - t0
         progress.update(finished, tokens, force=True)
-        progress.close()
     finally:
+        progress.close()
         client.shutdown()
     ttft = [(s.token_times[0] - s.sent) * 1e3 for s in streams.values() if s.token_times]
     itl = [
@@ -188,6 +253,9 @@ def run(args: argparse.Namespace) -> int:
             result = asyncio.run(_demo(args))
     except EngineDeadError as exc:
         print(f"corewire demo: the engine core died: {exc}", file=sys.stderr)
+        return 1
+    except _StartFailed as exc:
+        print(f"corewire demo: {exc}", file=sys.stderr)
         return 1
     engine = args.engine or "reference engine"
     print(
