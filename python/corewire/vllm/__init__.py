@@ -9,4 +9,11 @@
   script, tests and benchmarks).
 
 Nothing here imports vLLM at package import time: ``import corewire`` never needs vLLM.
+Importing any of these modules without vLLM installed raises
+:class:`corewire._optional.MissingDependency` (an ``ImportError``) whose message names
+``pip install vllm==0.25.1``; it is only looked up here (not imported).
 """
+
+from corewire._optional import require
+
+require("vllm", "corewire.vllm (corewire inside vLLM)")

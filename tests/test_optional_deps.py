@@ -1,0 +1,130 @@
+"""Optional dependencies missing: one clear line naming what to install, in the process
+that asked, at once.
+
+Each case runs in a fresh interpreter where the module is blocked the way Python blocks
+an import on purpose (``sys.modules[name] = None``), so nothing is uninstalled.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+
+from corewire._optional import MissingDependency, import_optional, is_installed, require
+
+TORCH_LINE = "needs torch, which is not installed: pip install 'corewire[torch]'"
+
+
+def run_without(modules: list[str], code: str) -> subprocess.CompletedProcess[str]:
+    """Run ``code`` in a fresh interpreter in which ``modules`` cannot be imported."""
+    block = "import sys\n" + "".join(f"sys.modules[{m!r}] = None\n" for m in modules)
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([os.path.dirname(__file__), *sys.path])
+    return subprocess.run(
+        [sys.executable, "-c", block + textwrap.dedent(code)],
+        capture_output=True,
+        text=True,
+        timeout=100,
+        env=env,
+    )
+
+
+def test_helper_names_the_install_command() -> None:
+    assert is_installed("msgspec") and not is_installed("corewire_no_such_module")
+    require("msgspec", "anything")
+    with pytest.raises(MissingDependency, match=r"^--x needs corewire_no_such_module, which is "):
+        require("corewire_no_such_module.sub", "--x")
+    with pytest.raises(ImportError, match=r"pip install corewire_no_such_module$"):
+        import_optional("corewire_no_such_module", "--x")
+
+
+def test_helper_sees_a_blocked_module_and_keeps_other_import_errors() -> None:
+    result = run_without(
+        ["matplotlib", "vllm"],
+        """
+        from corewire._optional import MissingDependency, import_optional, is_installed
+        assert not is_installed("matplotlib") and not is_installed("matplotlib.pyplot")
+        try:
+            import_optional("matplotlib.pyplot", "--plot")
+        except MissingDependency as exc:
+            print(exc)
+        # A package that is there but fails on a missing dependency of its own keeps
+        # its own error (here: corewire.vllm, which needs vllm).
+        try:
+            import_optional("corewire.vllm.client", "the adapter")
+        except MissingDependency as exc:
+            print(exc.name, exc)
+        """,
+    )
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.splitlines() == [
+        "--plot needs matplotlib, which is not installed: pip install 'corewire[bench]'",
+        "vllm corewire.vllm (corewire inside vLLM) needs vllm, which is not installed: "
+        "pip install vllm==0.25.1",
+    ]
+
+
+def test_demo_without_torch_is_one_line_at_once() -> None:
+    start = time.monotonic()
+    result = run_without(
+        ["torch"],
+        """
+        from corewire.cli import main
+        sys.exit(main(["demo", "--requests", "4"]))
+        """,
+    )
+    took = time.monotonic() - start
+    assert result.returncode == 1
+    assert result.stderr == f"corewire demo: the reference engine {TORCH_LINE}\n"
+    assert result.stdout == ""
+    # An engine process that found out itself would take seconds (spawn, imports).
+    assert took < 15
+
+
+def test_client_with_the_reference_engine_without_torch_fails_in_the_caller() -> None:
+    result = run_without(
+        ["torch"],
+        """
+        import multiprocessing
+        from corewire import AsyncMPClient, SyncMPClient
+        for cls in (AsyncMPClient, SyncMPClient):
+            try:
+                cls(ready_timeout=60)
+            except ImportError as exc:
+                print(type(exc).__name__, exc)
+        assert not multiprocessing.active_children()
+        # Engines that need no torch still run.
+        client = SyncMPClient(engine="corewire.engine.synthetic:SyntheticEngine")
+        client.shutdown()
+        print("synthetic ok")
+        """,
+    )
+    assert result.returncode == 0, result.stderr
+    line = f"MissingDependency the reference engine {TORCH_LINE}"
+    assert result.stdout.splitlines() == [line, line, "synthetic ok"]
+    assert "Traceback" not in result.stderr
+
+
+def test_vllm_adapters_without_vllm_name_the_version_to_install() -> None:
+    result = run_without(
+        ["vllm"],
+        """
+        import corewire, corewire.client  # the core never needs vLLM
+        for name in ("corewire.vllm.client", "corewire.vllm.dp_client", "corewire.vllm.plugin"):
+            try:
+                __import__(name)
+            except ImportError as exc:
+                print(type(exc).__name__, exc)
+        """,
+    )
+    assert result.returncode == 0, result.stderr
+    line = (
+        "MissingDependency corewire.vllm (corewire inside vLLM) needs vllm, which is not "
+        "installed: pip install vllm==0.25.1"
+    )
+    assert result.stdout.splitlines() == [line] * 3
