@@ -115,3 +115,26 @@ def test_demo_progress_on_a_terminal_is_one_live_line() -> None:
         screen = draw + screen[len(draw) :]
     assert screen.rstrip() == draws[-1].rstrip(), (screen, draws[-1])
     assert " 64/64 " in screen and all(len(d) <= 120 for d in draws)
+
+
+@pytest.mark.parametrize(
+    ("argv", "line"),
+    [
+        # Found before any process starts...
+        (["--engine", "no_such_module_xyz:E"],
+         "corewire demo: the engine failed to start: ModuleNotFoundError: No module named "
+         "'no_such_module_xyz'"),
+        # ...and reported by the engine process.
+        (["--engine-args", '{"no_such_arg": 1}'],
+         "corewire demo: engine process corewire-engine-0 exited with code 1 before it was "
+         "ready: TypeError: ReferenceEngine.__init__() got an unexpected keyword argument "
+         "'no_such_arg'"),
+    ],
+)  # fmt: skip
+def test_demo_names_why_the_engine_did_not_start(
+    argv: list[str], line: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with no_leaks(grace=15):
+        assert main(["demo", "--requests", "2", *argv]) == 1
+    captured = capsys.readouterr()
+    assert captured.err == line + "\n" and captured.out == ""

@@ -153,8 +153,10 @@ async def _demo(args: argparse.Namespace) -> dict[str, Any]:
         client = AsyncMPClient(engine=args.engine, engine_args=engine_args)
     except MissingDependency as exc:
         raise _StartFailed(str(exc)) from exc
-    except (ImportError, AttributeError, TypeError, ValueError, RuntimeError) as exc:
-        # The client names the engine's own error (see corewire.engine.startup).
+    except RuntimeError as exc:  # the engine process's own error is in the message
+        raise _StartFailed(str(exc)) from exc
+    except (ImportError, AttributeError, TypeError, ValueError) as exc:
+        # Found in this process before any engine started (corewire.engine.startup).
         raise _StartFailed(f"the engine failed to start: {describe_error(exc)}") from exc
     startup = time.perf_counter() - started
     progress = _Progress(args.requests, not args.no_progress)
