@@ -26,7 +26,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, TextIO
 
-from tqdm import tqdm
+from tqdm import tqdm  # type: ignore[import-untyped]  # no stubs shipped
 
 from corewire._optional import MissingDependency
 from corewire.engine.startup import describe_error
@@ -73,7 +73,7 @@ def _percentiles(values: list[float], points: tuple[int, ...] = (50, 90, 99)) ->
     return [ordered[min(last, round(p / 100 * last))] for p in points]
 
 
-class _Bar(tqdm):  # type: ignore[type-arg]
+class _Bar(tqdm):
     """tqdm's bar without its monitor thread: the demo redraws it itself, often enough."""
 
     monitor_interval = 0
