@@ -18,6 +18,8 @@ enum V {
     Raw(Vec<u8>),
     Bin(Vec<u8>),
     Ext(i8, Vec<u8>),
+    /// Bytes written as they are (a value already encoded, in a chosen form).
+    Pre(Vec<u8>),
     A(Vec<V>),
     M(Vec<(V, V)>),
 }
@@ -94,6 +96,7 @@ fn enc_into(v: &V, out: &mut Vec<u8>) {
             put_len(out, bytes.len(), Some((0xa0, 31)), Some(0xd9), 0xda, 0xdb);
             out.extend(bytes);
         }
+        V::Pre(bytes) => out.extend(bytes),
         V::Bin(bytes) => {
             put_len(out, bytes.len(), None, Some(0xc4), 0xc5, 0xc6);
             out.extend(bytes);
@@ -534,6 +537,80 @@ fn aux_frames_and_inline_data() {
         );
         assert!(matches!(o.routed_experts, Tree::Array { data: d, .. } if d == data));
     }
+}
+
+/// `[dtype, shape, data]` inline in the longest forms: array16, str8 dtype, array16 of
+/// uint16 dims, ext16 data.
+fn arr_inline_long(dtype: &str, shape: &[i128], data: &[u8]) -> V {
+    let mut b = vec![0xdc, 0, 3, 0xd9, dtype.len() as u8];
+    b.extend(dtype.as_bytes());
+    b.extend([0xdc, 0, shape.len() as u8]);
+    for &d in shape {
+        b.push(0xcd);
+        b.extend((d as u16).to_be_bytes());
+    }
+    b.push(0xc8);
+    b.extend((data.len() as u16).to_be_bytes());
+    b.push(3);
+    b.extend(data);
+    V::Pre(b)
+}
+
+#[test]
+fn small_inline_arrays_read_alike_in_every_form() {
+    // The short forms (fixstr dtype, fixint dims, fixext or ext8 data: what encoders
+    // write for logprobs rows, and what the raw-view fast path reads) and the longest
+    // forms build the same arrays: logprobs rows, 0-d, empty, 4-d and 5-d arrays, every
+    // fixext size, dims over 127.
+    let cases: Vec<(&str, Vec<i128>, usize)> = vec![
+        ("<i4", vec![1, 6], 4),
+        ("<f4", vec![1, 6], 4),
+        ("<i8", vec![1], 8),
+        ("|b1", vec![1], 1),
+        ("<i2", vec![1], 2),
+        ("<f4", vec![1], 4),
+        ("<f8", vec![2], 8),
+        ("<i4", vec![], 4),
+        ("<i4", vec![0, 5], 4),
+        ("<f8", vec![2, 2, 2, 2], 8),
+        ("<i2", vec![1, 1, 1, 1, 2], 2),
+        ("|u1", vec![200], 1),
+    ];
+    for (dtype, shape, itemsize) in cases {
+        let n: i128 = shape.iter().product();
+        let data: Vec<u8> = (0..n as usize * itemsize).map(|b| b as u8 ^ 0x5a).collect();
+        let lists = |arr: V| a(vec![arr.clone(), arr.clone(), arr, V::Nil]);
+        let short = decode(&msg(vec![out_with(
+            2,
+            lists(arr_inline(dtype, &shape, &data)),
+        )]));
+        let long = decode(&msg(vec![out_with(
+            2,
+            lists(arr_inline_long(dtype, &shape, &data)),
+        )]));
+        let short = short.unwrap();
+        assert_eq!(short, long.unwrap(), "{dtype} {shape:?}");
+        match only_output(short).new_logprobs {
+            Tree::Logprobs { arrays, .. } => match &arrays[1] {
+                Tree::Array {
+                    dtype: d,
+                    shape: s,
+                    data: got,
+                    frame,
+                    ..
+                } => {
+                    assert_eq!((d.as_str(), *frame), (dtype, 0));
+                    assert_eq!(s, &shape.iter().map(|&x| x as usize).collect::<Vec<_>>());
+                    assert_eq!(got, &data);
+                }
+                other => panic!("{other:?}"),
+            },
+            other => panic!("{other:?}"),
+        }
+    }
+    // A non-ASCII dtype string is read, and unknown.
+    let err = decode_err(&msg(vec![out_with(11, arr_inline("<é4", &[1], &[0; 4]))]));
+    assert_eq!(err.path_string(), "outputs[0].routed_experts.dtype");
 }
 
 fn assert_err(msg: &V, path: &str, kind: ErrorKind) {
