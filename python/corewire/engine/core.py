@@ -12,6 +12,17 @@ Three threads, as in vLLM's engine core:
 
 The queues are :class:`queue.SimpleQueue`: ``put`` is safe from a signal handler, which is
 how SIGTERM stops the loop without interrupting a step half-way.
+
+Input the engine cannot take is answered where the sender can be named and otherwise
+dropped, never fatal: a frame that does not decode (a failure reply to a readable call
+id, an ERROR finish to a readable request id, however deep the frame is nested), a
+request over ``max_model_len`` (refused before the engine sees it, whatever its kind),
+a request the engine refuses (ERROR finish with a short safe reason in ``stop_reason``,
+see :mod:`corewire.engine.reasons`). An ADD that reuses the id of a request still in
+flight is dropped without any output: an ERROR under that id would end the running
+request's stream on the front-end while its tokens keep coming. Each of these is logged
+at most a few times per interval (:mod:`corewire.engine.logthrottle`) and counted; the
+``engine_core_counters`` utility reports the counts.
 """
 
 from __future__ import annotations
@@ -30,8 +41,11 @@ import msgspec
 import zmq
 
 from corewire.codec import Encoder, MsgspecDecoder
+from corewire.engine.frame_head import read_head
 from corewire.engine.interface import INTERFACE_METHODS, Engine
+from corewire.engine.logthrottle import ThrottledWarning
 from corewire.engine.ready import engine_info_of, ready_response
+from corewire.engine.reasons import reason_for, safe_reason
 from corewire.engine.utilities import DEFAULT_UTILITIES, UtilityDefaults
 from corewire.errors import ProtocolError
 from corewire.protocol import (
@@ -68,6 +82,8 @@ _STOP = (6,)  # request_stop(): leave the busy loop
 _MAX_FREE_BUFFERS = 8
 # A buffer that grew past this is dropped instead of being kept for reuse.
 _MAX_KEPT_BUFFER_BYTES = 16 << 20
+# Utilities the engine process itself answers (before the engine's own methods).
+_CORE_UTILITIES = frozenset({"engine_core_counters"})
 
 
 class _Encoded:
@@ -140,8 +156,14 @@ class EngineCoreProc:
         self.input_address = self.input_addresses[0]
         self.dp_stats_address = dp_stats_address
         self.stop_notice = stop_notice
-        # Requests in flight, tracked only for the stop notice.
-        self._in_flight: set[str] | None = set() if stop_notice else None
+        # Ids of the requests the engine accepted and has not finished: a second ADD
+        # with one of them is dropped (and the stop notice aborts them).
+        self._in_flight: set[str] = set()
+        # Warnings about dropped or refused input, rate-limited; their totals are the
+        # counters engine_core_counters() reports.
+        self._malformed_log = ThrottledWarning(logger, "malformed request")
+        self._refused_log = ThrottledWarning(logger, "refused request")
+        self._duplicate_log = ThrottledWarning(logger, "duplicate request id")
         # Read once, before any thread starts: the ready response repeats it.
         self.engine_info = engine_info_of(engine)
         self._utility_defaults = UtilityDefaults(engine)
@@ -205,7 +227,8 @@ class EngineCoreProc:
         ABORT (as vLLM's engines do on SIGTERM), then send ENGINE_CORE_DEAD so that the
         front-end routes nothing more here (a vLLM front-end cannot take a stopped engine
         back, and its own client would otherwise never notice)."""
-        ids = sorted(self._in_flight or ())
+        ids = sorted(self._in_flight)
+        self._in_flight.clear()
         if ids:
             self.engine.abort_requests(ids)
             self._send_outputs(
@@ -259,6 +282,8 @@ class EngineCoreProc:
             self.engine.shutdown()
         except Exception:
             logger.exception("engine shutdown() failed")
+        for log in (self._malformed_log, self._refused_log, self._duplicate_log):
+            log.close()
         self._input_stop.set()
         self.output_queue.put(_STOP)
         deadline = time.monotonic() + self.linger_ms / 1000 + 2.0
@@ -296,6 +321,8 @@ class EngineCoreProc:
             try:
                 item = get(timeout=self.idle_poll_s)
             except queue.Empty:
+                self._refused_log.flush()
+                self._duplicate_log.flush()
                 self._on_idle()
                 continue
             self._handle_input(item)
@@ -321,16 +348,15 @@ class EngineCoreProc:
 
     def _make_outputs(self, outputs: list[EngineCoreOutput]) -> EngineCoreOutputs | None:
         """Wrap one step's outputs; None when there is nothing to send."""
-        if self._in_flight is not None:
-            for out in outputs:
-                if out.finish_reason is not None:
-                    self._in_flight.discard(out.request_id)
         finished: set[str] | None = None
         if self.include_finished_set:
             finished = self._pending_finished
             self._pending_finished = set()
-            for out in outputs:
-                if out.finish_reason is not None:
+        in_flight = self._in_flight
+        for out in outputs:
+            if out.finish_reason is not None:
+                in_flight.discard(out.request_id)
+                if finished is not None:
                     finished.add(out.request_id)
         if not outputs and not finished:
             return None
@@ -411,27 +437,74 @@ class EngineCoreProc:
         elif kind == _IN_START_DP_WAVE:
             self._handle_start_dp_wave(item[1], item[2])
         elif kind == _IN_ADD_FAILED:
-            self._finish_with_error(item[1], item[2], item[3])
+            self._refuse_malformed(item[1], item[2], item[3])
         elif kind == _IN_FATAL:
             raise RuntimeError("fatal error in an engine I/O thread") from item[1]
         elif item is _STOP:
             self._stop_requested = True
 
     def _handle_add(self, request: EngineCoreRequest) -> None:
-        """Hand a new request to the engine; a rejected request finishes with ERROR."""
-        if len(self.output_addresses) > 1:
-            self._request_clients[request.request_id] = request.client_index
+        """Hand a new request to the engine; a rejected request finishes with ERROR, a
+        duplicate of a request in flight is dropped (see the module docstring)."""
+        request_id = request.request_id
+        if request_id in self._in_flight:
+            self._duplicate_log.warning(
+                "dropping an ADD for request %r: a request with that id is in flight",
+                request_id,
+            )
+            return
+        limit = self._check_limits(request)
+        if limit is not None:
+            self._finish_with_error(request_id, request.client_index, limit)
+            return
         try:
             self.engine.add_request(request)
         except Exception as exc:
-            self._finish_with_error(request.request_id, request.client_index, str(exc))
+            self._finish_with_error(request_id, request.client_index, reason_for(exc), exc)
             return
-        if self._in_flight is not None:
-            self._in_flight.add(request.request_id)
+        self._in_flight.add(request_id)
+        if len(self.output_addresses) > 1:
+            self._request_clients[request_id] = request.client_index
 
-    def _finish_with_error(self, request_id: str, client_index: int, reason: str) -> None:
-        logger.warning("request %r failed: %s", request_id, reason)
-        self._request_clients.pop(request_id, None)
+    def _check_limits(self, request: EngineCoreRequest) -> str | None:
+        """Why ``request`` exceeds the engine's limits, checked before it costs anything
+        (the engine would otherwise validate, and maybe run, a prompt of any size)."""
+        limit = self.engine_info.max_model_len
+        if request.prompt_token_ids is not None:
+            length = len(request.prompt_token_ids)
+        else:
+            shape = getattr(request.prompt_embeds, "shape", None)
+            length = int(shape[0]) if shape else 0
+        if length > limit:
+            return f"prompt of {length} tokens exceeds max_model_len {limit}"
+        return None
+
+    def _refuse_malformed(self, request_id: str, client_index: int, error: str) -> None:
+        """An ADD that did not decode but named its request id."""
+        if request_id in self._in_flight:
+            # Finishing it would end the running request's stream: drop it instead.
+            self._duplicate_log.warning(
+                "dropping a malformed ADD for request %r: a request with that id is in flight",
+                request_id,
+            )
+            return
+        self._finish_with_error(request_id, client_index, safe_reason(error))
+
+    def _finish_with_error(
+        self,
+        request_id: str,
+        client_index: int,
+        reason: str,
+        cause: BaseException | None = None,
+    ) -> None:
+        """Finish a request the engine never took with ERROR; ``reason`` (already safe
+        to show) goes to the client in ``stop_reason``, ``cause`` only to the log."""
+        self._refused_log.warning(
+            "request %r refused: %s", request_id, reason if cause is None else repr(cause)
+        )
+        if len(self.output_addresses) > 1:
+            # _send_outputs routes request outputs by this map, and forgets the id.
+            self._request_clients[request_id] = client_index
         self._send_outputs(
             EngineCoreOutputs(
                 engine_index=self.engine_index,
@@ -440,6 +513,7 @@ class EngineCoreProc:
                         request_id=request_id,
                         new_token_ids=[],
                         finish_reason=FinishReason.ERROR,
+                        stop_reason=reason,
                     )
                 ],
                 timestamp=time.monotonic(),
@@ -453,8 +527,7 @@ class EngineCoreProc:
         self.engine.abort_requests(request_ids)
         for request_id in request_ids:
             self._request_clients.pop(request_id, None)
-        if self._in_flight is not None:
-            self._in_flight.difference_update(request_ids)
+        self._in_flight.difference_update(request_ids)
         if self.include_finished_set:
             self._pending_finished.update(request_ids)
 
@@ -500,9 +573,24 @@ class EngineCoreProc:
             for client_index, call_id, method, future in replies:
                 self._reply_future(client_index, call_id, method, future)
 
+    def engine_core_counters(self) -> dict[str, int]:
+        """Input this process dropped or refused since it started (the utility call
+        ``engine_core_counters``): frames that did not decode, ADDs dropped for reusing
+        the id of a request in flight, requests finished with ERROR at once, and the
+        warnings about them left out of the log."""
+        logs = (self._malformed_log, self._refused_log, self._duplicate_log)
+        return {
+            "malformed_frames": self._malformed_log.total,
+            "duplicate_requests": self._duplicate_log.total,
+            "refused_requests": self._refused_log.total,
+            "log_lines_suppressed": sum(log.suppressed for log in logs),
+        }
+
     def _resolve_utility(self, method: str) -> Any:
         if method.startswith("_") or method in INTERFACE_METHODS:
             raise AttributeError(f"{method!r} is not a utility method")
+        if method in _CORE_UTILITIES:
+            return getattr(self, method)
         fn = getattr(self.engine, method, None)
         if fn is None and method in DEFAULT_UTILITIES:
             fn = getattr(self._utility_defaults, method)
@@ -626,6 +714,7 @@ class EngineCoreProc:
             for sock in sockets:
                 poller.register(sock, zmq.POLLIN)
             while not self._input_stop.is_set():
+                self._malformed_log.flush()
                 for sock, _ in poller.poll(200):
                     handler = handlers[sock]
                     # Drain everything ready before polling again.
@@ -724,9 +813,11 @@ class EngineCoreProc:
 class _InputDecoder:
     """Decodes request frames on the input thread and queues them for the busy loop.
 
-    A frame that does not decode is logged and dropped; it never stops the thread. When a
-    broken ADD still names its request id, or a broken UTILITY its call id, the sender
-    gets an answer (an ERROR finish, a failure reply) instead of waiting forever.
+    A frame that does not decode is logged (rate-limited), counted and dropped; it never
+    stops the thread. When a broken ADD still names its request id, or a broken UTILITY
+    its call id, the sender gets an answer (an ERROR finish, a failure reply) instead of
+    waiting forever; the ids are read by :func:`~corewire.engine.frame_head.read_head`,
+    which needs no recursion, so a frame nested past any decoder's limit is answered too.
     """
 
     def __init__(self, proc: EngineCoreProc) -> None:
@@ -734,10 +825,15 @@ class _InputDecoder:
         self._put = proc.input_queue.put
         self._add_decoder = MsgspecDecoder(EngineCoreRequest)
         self._any_decoder = MsgspecDecoder()
+        self._log = proc._malformed_log
 
     def decode(self, frames: list[zmq.Frame]) -> None:
+        """Decode one request message and queue it (or answer / drop it if broken)."""
         if len(frames) < 2:
-            logger.warning("dropping a request of %d frame(s): need type and payload", len(frames))
+            self._log.warning(
+                "dropping a malformed request of %d frame(s): need type and payload",
+                len(frames),
+            )
             return
         request_type = frames[0].bytes
         try:
@@ -761,17 +857,19 @@ class _InputDecoder:
                 self._put((_IN_START_DP_WAVE, wave[0], wave[1]))
             else:
                 raise ProtocolError(f"unknown request type {request_type!r}")
-        except ProtocolError as exc:
-            logger.warning("dropping a malformed request: %s", exc)
+        except Exception as exc:  # nothing a peer sends may stop the input thread
+            self._log.warning("dropping a malformed request: %s", exc)
 
     def _decode_add(self, frames: list[zmq.Frame]) -> None:
         try:
             request = self._add_decoder.decode(frames[1:])
         except ProtocolError as exc:
-            head = _lenient_decode(frames[1])
-            if isinstance(head, list) and head and isinstance(head[0], str):
-                client_index = head[11] if len(head) > 11 and type(head[11]) is int else 0
-                self._put((_IN_ADD_FAILED, head[0], client_index, f"malformed request: {exc}"))
+            head = read_head(frames[1].buffer, (0, 11)) or {}
+            request_id = head.get(0)
+            if isinstance(request_id, str):
+                client_index = head.get(11)
+                client_index = client_index if type(client_index) is int else 0
+                self._put((_IN_ADD_FAILED, request_id, client_index, f"malformed request: {exc}"))
             raise
         self._put((_IN_ADD, request))
 
@@ -783,7 +881,8 @@ class _InputDecoder:
             # Still try to read the call id, to answer the caller instead of leaving it
             # waiting forever.
             error = exc
-            call = _lenient_decode(frames[1])
+            head = read_head(frames[1].buffer, (0, 1, 2)) or {}
+            call = [head.get(0), head.get(1), head.get(2)] if 1 in head else None
         ok = (
             isinstance(call, list)
             and len(call) >= 4
@@ -804,11 +903,3 @@ class _InputDecoder:
             method = call[2] if len(call) > 2 and isinstance(call[2], str) else "<unknown>"
             self._proc._reply_utility(client_index, call[1], method, failure=error, fresh=True)
         raise error
-
-
-def _lenient_decode(frame: zmq.Frame) -> Any:
-    """Best-effort plain msgpack decode of a payload (for error replies); None if not."""
-    try:
-        return msgspec.msgpack.decode(frame.buffer)
-    except Exception:
-        return None

@@ -119,8 +119,6 @@ class DPEngineCoreProc(EngineCoreProc):
             if self.dp_stats_address is None and front:
                 self.dp_stats_address = front
             self.coordinator_index = len(self.output_addresses)
-        # Request ids this engine holds, so that a retiring engine can finish them all.
-        self._live: set[str] = set()
         self._last_report: tuple[int, int, int, bool] | None = None
         self._dummy_batch = getattr(engine, "execute_dummy_batch", None)
         self._wave_thread: threading.Thread | None = None
@@ -217,13 +215,6 @@ class DPEngineCoreProc(EngineCoreProc):
         self._report_counts()
         return sent
 
-    def _make_outputs(self, outputs: list[EngineCoreOutput]) -> EngineCoreOutputs | None:
-        live = self._live
-        for out in outputs:
-            if out.finish_reason is not None:
-                live.discard(out.request_id)
-        return super()._make_outputs(outputs)
-
     def _scheduler_stats(self) -> dict[str, Any] | None:
         stats = super()._scheduler_stats()
         if stats is not None:
@@ -253,17 +244,11 @@ class DPEngineCoreProc(EngineCoreProc):
                 # A request for a wave that ended while this engine was paused: the
                 # others are paused too; ask the coordinator to wake them.
                 self._to_coordinator(start_wave=self.current_wave)
-        self._live.add(request.request_id)
         self.engines_running = True
         super()._handle_add(request)
 
-    def _finish_with_error(self, request_id: str, client_index: int, reason: str) -> None:
-        self._live.discard(request_id)
-        super()._finish_with_error(request_id, client_index, reason)
-
     def _handle_abort(self, request_ids: list[str]) -> None:
         super()._handle_abort(request_ids)
-        self._live.difference_update(request_ids)
         # Aborts may arrive while the loop waits for input (a paused scheduler holding
         # requests): report now, not at the next step.
         self._report_counts()
@@ -281,8 +266,8 @@ class DPEngineCoreProc(EngineCoreProc):
             return  # this engine already moved past it
         self.current_wave = wave + 1
         self.step_counter = 0
-        self.engines_running = bool(self._live)
-        if self._live:
+        self.engines_running = bool(self._in_flight)
+        if self._in_flight:
             self._to_coordinator(start_wave=self.current_wave)
         self._report_counts()
 
@@ -304,7 +289,7 @@ class DPEngineCoreProc(EngineCoreProc):
     def _counts_stats(self) -> dict[str, Any]:
         stats = self.engine.scheduler_stats()
         if stats is None:  # an engine without counters: all it holds counts as running
-            waiting, running = 0, len(self._live)
+            waiting, running = 0, len(self._in_flight)
         else:
             waiting = int(stats.get("num_waiting_reqs", 0))
             running = int(stats.get("num_running_reqs", 0))
@@ -370,7 +355,7 @@ class DPEngineCoreProc(EngineCoreProc):
             "current_wave": self.current_wave,
             "engines_running": self.engines_running,
             "data_parallel_size": self.data_parallel_size,
-            "num_requests": len(self._live),
+            "num_requests": len(self._in_flight),
         }
 
     def reconfigure_data_parallel(self, new_size: int) -> int:
@@ -389,10 +374,10 @@ class DPEngineCoreProc(EngineCoreProc):
     def shutdown_for_scale_down(self) -> int:
         """Leave the group: finish every held request with ABORT, notify
         SHUTDOWN_COMPLETE, then stop. Returns how many requests were aborted."""
-        ids = sorted(self._live)
+        ids = sorted(self._in_flight)
         if ids:
             self.engine.abort_requests(ids)
-            self._live.clear()
+            self._in_flight.clear()
             self._send_outputs(
                 EngineCoreOutputs(
                     engine_index=self.engine_index,
