@@ -186,7 +186,12 @@ def test_add_short_vllm_layout_and_output_golden_layout(ref: FrontEnd) -> None:
             assert out[7][0]["timestamp"] <= out[7][1]["timestamp"]
         else:
             assert out[7] is None
-        assert out[8:12] == [None, None, None, None]
+        assert out[8:10] == [None, None]
+        # prefill_stats (vLLM's PrefillStats as a map) with the first output only.
+        prefill = {"num_prompt_tokens": 3, "num_computed_tokens": 3, "num_cached_tokens": 0}
+        prefill |= {"num_local_cached_tokens": 0, "num_external_cached_tokens": 0}
+        assert out[10] == (prefill if n == 0 else None)
+        assert out[11] is None
         assert out[12] == 0
         tokens.append(out[1][0])
     # The short array and the unknown sampling keys did not change the request.
@@ -228,7 +233,10 @@ def test_failing_utility_calls_exact_text_and_engine_lives(ref: FrontEnd) -> Non
         assert reply.failure_message is not None
         return reply.failure_message
 
-    assert failure("raise_error", "boom") == "Call to raise_error method failed: boom"
+    # The shipped engine has no fault hooks (they live in tests/hook_engine.py).
+    assert failure("raise_error", "boom") == (
+        "Call to raise_error method failed: engine has no utility method 'raise_error'"
+    )
     assert (
         failure("no_such_method")
         == "Call to no_such_method method failed: engine has no utility method 'no_such_method'"
@@ -398,6 +406,8 @@ def test_malformed_frames_never_kill_the_engine(ref: FrontEnd) -> None:
     ref.send_frames([START_DP_WAVE, encode(["x"])])
     ref.send_frames([UTILITY, b"\xff\xff"])  # not msgpack: no call id to answer
     ref.send_frames([UTILITY, encode([0, 7, "echo", [1]]) + b"\x00"])  # trailing bytes
+    # A frame that does not decode still names its caller: it gets a failure reply.
+    assert ref.wait_utility(7).failure_message.startswith("Call to echo method failed: ")
     # A readable call id gets a failure reply instead of silence.
     ref.send_frames([UTILITY, encode([0, 99, "echo"])])
     reply = ref.wait_utility(99)

@@ -303,7 +303,11 @@ def test_max_batch_abort_and_stats() -> None:
     eng.add_request(
         EngineCoreRequest(request_id="pool", prompt_token_ids=[1], pooling_params=PoolingParams())
     )
-    assert eng.scheduler_stats() == {"num_running_reqs": 0, "num_waiting_reqs": 6, "num_steps": 0}
+    assert eng.scheduler_stats() == {
+        "num_running_reqs": 0,
+        "num_waiting_reqs": 6,
+        "step_counter": 0,
+    }
     eng.abort_requests(["q4", "pool", "unknown"])
     first = eng.step()
     assert [o.request_id for o in first] == ["q0", "q1"]  # one batch of max_batch
@@ -459,8 +463,6 @@ def test_utility_methods(engine: ReferenceEngine, tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="public worker method"):
         engine.collective_rpc("_engine")
     assert engine.reset_prefix_cache() is True
-    with pytest.raises(RuntimeError, match="boom"):
-        engine.raise_error("boom")
     future = engine.delayed_echo("later", 0.05)
     assert isinstance(future, concurrent.futures.Future)
     assert future.result(timeout=5) == "later"
@@ -492,7 +494,11 @@ def test_utility_methods(engine: ReferenceEngine, tmp_path: Path) -> None:
 
 
 def test_fail_next_step_and_shutdown_cancels_pending_futures() -> None:
-    eng = ReferenceEngine(device="cpu")
+    from hook_engine import HookEngine
+
+    eng = HookEngine(device="cpu")
+    with pytest.raises(RuntimeError, match="boom"):
+        eng.raise_error("boom")
     eng.fail_next_step("kaboom")
     eng.add_request(req("x", max_tokens=1))
     with pytest.raises(RuntimeError, match="kaboom"):

@@ -8,7 +8,7 @@ from typing import Any
 
 from corewire.protocol import EngineCoreOutput, EngineCoreRequest
 
-__all__ = ["INTERFACE_METHODS", "NO_MODEL_LEN_LIMIT", "Engine", "EngineInfo"]
+__all__ = ["INTERFACE_METHODS", "NO_MODEL_LEN_LIMIT", "Engine", "EngineInfo", "prefill_stats"]
 
 #: ``max_model_len`` of an engine that sets no limit of its own: a front-end that takes
 #: the smaller of its own limit and the engine's (vLLM does) keeps its own.
@@ -148,3 +148,16 @@ INTERFACE_METHODS = frozenset(
         "shutdown",
     }
 )
+
+
+def prefill_stats(num_prompt_tokens: int, num_cached_tokens: int = 0) -> dict[str, int]:
+    """vLLM's ``PrefillStats`` for a request's first output (``prefill_stats``), where a
+    vLLM front-end counts the request's prompt tokens for its metrics: the prompt, and
+    how much of it came from a local cache instead of being computed."""
+    return {
+        "num_prompt_tokens": num_prompt_tokens,
+        "num_computed_tokens": num_prompt_tokens - num_cached_tokens,
+        "num_cached_tokens": num_cached_tokens,
+        "num_local_cached_tokens": num_cached_tokens,
+        "num_external_cached_tokens": 0,
+    }

@@ -13,6 +13,13 @@ Sampling follows vLLM's semantics for the parameters it honours: ``max_tokens``,
 token first) and ``prompt_logprobs`` (the same for each prompt token after the first, with
 the request's first output). Pooling requests get the mean of the last layer's hidden
 states.
+
+Each request's first output carries vLLM's ``prefill_stats`` (every prompt token computed,
+none cached: there is no prefix cache), from which vLLM's front-end counts prompt tokens
+in its metrics. The utilities a client can call are bounded: ``delayed_echo`` shares one
+timer thread and a capped backlog, ``profile`` writes only into the engine's own
+directory and fails when it cannot write there. Fault hooks for tests are not part of
+this engine (the project's tests subclass it).
 """
 
 from __future__ import annotations
@@ -22,7 +29,6 @@ import concurrent.futures
 import math
 import os
 import tempfile
-import threading
 import time
 from typing import Any
 
@@ -31,7 +37,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from corewire.engine.interface import Engine, EngineInfo
+from corewire.engine.delayed import DelayedResults
+from corewire.engine.interface import Engine, EngineInfo, prefill_stats
 from corewire.protocol import (
     EngineCoreEvent,
     EngineCoreEventType,
@@ -160,6 +167,7 @@ class _Request:
         "min_tokens",
         "num_output",
         "pooling",
+        "prompt_len",
         "prompt_logprobs",
         "request_id",
         "stop_ids",
@@ -172,6 +180,7 @@ class _Request:
     def __init__(self, request_id: str, tokens: list[int]) -> None:
         self.request_id = request_id
         self.tokens = tokens
+        self.prompt_len = len(tokens)
         self.num_output = 0
         self.max_tokens = 0
         self.min_tokens = 0
@@ -299,13 +308,11 @@ class ReferenceEngine(Engine):
         self._pending_outputs: list[EngineCoreOutput] = []
         self._asleep: set[str] = set()
         self._sleep_level = 0
-        self._fail_next_step: str | None = None
         self._profiler: Any = None
         self._profile_prefix: str | None = None
         self._profile_dir = profile_dir
-        # Pending delayed_echo timers and the futures they will resolve.
-        self._timers: dict[threading.Timer, concurrent.futures.Future] = {}
-        self._timers_lock = threading.Lock()
+        # Pending delayed_echo replies: one thread for all of them, a capped backlog.
+        self._delayed = DelayedResults("corewire-reference-delayed-echo")
         self._worker = _ReferenceWorker(self)
 
     def _build_model(self) -> TinyLM:
@@ -324,6 +331,12 @@ class ReferenceEngine(Engine):
             if request.prompt_embeds is not None:
                 raise ValueError("the reference engine does not accept prompt_embeds")
             raise ValueError("request has no prompt_token_ids")
+        # Length first: every other check (and the request's memory) grows with it.
+        if len(request.prompt_token_ids) > self.max_model_len:
+            raise ValueError(
+                f"prompt of {len(request.prompt_token_ids)} tokens exceeds max_model_len "
+                f"{self.max_model_len}"
+            )
         tokens = list(request.prompt_token_ids)
         vocab = self.vocab_size
         for t in tokens:
@@ -414,18 +427,16 @@ class ReferenceEngine(Engine):
         )
 
     def scheduler_stats(self) -> dict[str, Any]:
-        """Request counts and the number of steps taken."""
+        """Request counts and the number of steps taken, under the names of vLLM's
+        ``SchedulerStats`` fields (vLLM drops keys it does not know)."""
         return {
             "num_running_reqs": len(self._running),
             "num_waiting_reqs": len(self._waiting) + len(self._pooling),
-            "num_steps": self._num_steps,
+            "step_counter": self._num_steps,
         }
 
     def step(self) -> list[EngineCoreOutput]:
         """Answer pending pooling requests and advance every running request one token."""
-        if self._fail_next_step is not None:
-            message, self._fail_next_step = self._fail_next_step, None
-            raise RuntimeError(message)
         outputs, self._pending_outputs = self._pending_outputs, []
         if self._paused or self._asleep:
             return outputs  # only the finishes of requests aborted by a pause
@@ -479,11 +490,7 @@ class ReferenceEngine(Engine):
         if self._profiler is not None:
             self._profiler.stop()
             self._profiler = None
-        with self._timers_lock:
-            timers, self._timers = self._timers, {}
-        for timer, future in timers.items():
-            timer.cancel()
-            future.cancel()
+        self._delayed.close()
         waiters, self._pause_waiters = self._pause_waiters, []
         for future in waiters:
             future.cancel()
@@ -540,8 +547,10 @@ class ReferenceEngine(Engine):
                 stop_reason=stop_reason,
                 events=req.events,
             )
-            if req.prompt_logprobs is not None and req.num_output == 1:
-                out.new_prompt_logprobs_tensors = self._prompt_logprobs(req)
+            if req.num_output == 1:
+                out.prefill_stats = prefill_stats(req.prompt_len)
+                if req.prompt_logprobs is not None:
+                    out.new_prompt_logprobs_tensors = self._prompt_logprobs(req)
             req.events = None
             outputs.append(out)
             if finish is None:
@@ -637,7 +646,7 @@ class ReferenceEngine(Engine):
         token after the first (the model's raw logprob of that token given the tokens
         before it, then the top ``prompt_logprobs``), and each token's rank."""
         assert self._model is not None
-        prompt = req.tokens[: len(req.tokens) - req.num_output]
+        prompt = req.tokens[: req.prompt_len]
         w, k = self.window, req.prompt_logprobs or 0
         padded = [self.pad_token_id] * (w - 1) + prompt
         # Row j predicts prompt[j + 1] from the window that ends at prompt[j].
@@ -699,6 +708,7 @@ class ReferenceEngine(Engine):
                     pooling_output=emb.clone(),
                     finish_reason=FinishReason.STOP,
                     events=req.events,
+                    prefill_stats=prefill_stats(req.prompt_len),
                 )
             )
             del self._requests[req.request_id]
@@ -879,6 +889,9 @@ class ReferenceEngine(Engine):
         prefix = profile_prefix or self._profile_prefix or "corewire-engine-trace"
         target = os.path.join(self._profile_dir, f"{prefix}-{os.getpid()}-{time.time_ns()}.json")
         profiler.export_chrome_trace(target)
+        # torch logs a failed write and returns as if it had written: check the file.
+        if not os.path.isfile(target) or os.path.getsize(target) == 0:
+            raise OSError("could not write the profiler trace into the profile directory")
         return target
 
     def echo(self, x: Any) -> Any:
@@ -887,27 +900,7 @@ class ReferenceEngine(Engine):
 
     def delayed_echo(self, x: Any, delay: float) -> concurrent.futures.Future:
         """Return ``x`` after ``delay`` seconds without blocking the engine (the reply
-        waits on a future): a slow utility call for tests and demos."""
-        future: concurrent.futures.Future = concurrent.futures.Future()
-
-        def _fire() -> None:
-            with self._timers_lock:
-                self._timers.pop(timer, None)
-            if future.set_running_or_notify_cancel():
-                future.set_result(x)
-
-        timer = threading.Timer(float(delay), _fire)
-        timer.name = "corewire-reference-delayed-echo"
-        timer.daemon = True
-        with self._timers_lock:
-            self._timers[timer] = future
-        timer.start()
-        return future
-
-    def raise_error(self, message: str = "requested failure") -> None:
-        """Fail with ``RuntimeError(message)``: a failing utility call, for tests."""
-        raise RuntimeError(message)
-
-    def fail_next_step(self, message: str = "injected step failure") -> None:
-        """Make the next step raise: a fatal engine error on demand (fault tests)."""
-        self._fail_next_step = message
+        waits on a future): a slow utility call for tests and demos. ``delay`` is a
+        number of seconds in [0, 3600]; at most 1024 replies wait at once, all on one
+        thread."""
+        return self._delayed.schedule(x, delay)

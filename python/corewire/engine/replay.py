@@ -112,7 +112,10 @@ class EngineLink:
             return None
 
     def push(self, outputs: EngineCoreOutputs) -> None:
-        """Encode and send ``outputs``."""
+        """Encode and send ``outputs`` (stamped now if they carry no timestamp: vLLM's
+        front-end takes a 0.0 for a missing one and uses its own clock)."""
+        if not outputs.timestamp:
+            outputs.timestamp = time.monotonic()
         self.outputs.send_multipart(self.encoder.encode(outputs), copy=False)
 
     def reply(self, call_id: int, result: Any = None, failure: str | None = None) -> None:
@@ -126,7 +129,7 @@ class EngineLink:
                         self.engine_index,
                         [],
                         None,
-                        0.0,
+                        time.monotonic(),
                         [call_id, None, [None, result]],
                         None,
                         None,

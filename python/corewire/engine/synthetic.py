@@ -4,7 +4,9 @@
 ``min_tokens``, ``stop_token_ids``, the EOS token unless ``ignore_eos``, top-k
 ``logprobs``, aborts) but computes no model: each request's tokens follow a fixed,
 prompt-seeded sequence, and logprobs are made up yet well-formed (descending values, the
-sampled token first with its rank). Every running request gets one token per step, so the
+sampled token first with its rank), and each request's first output carries vLLM's
+``prefill_stats`` (its prompt tokens, none cached). Every running request gets one token
+per step, so the
 engine streams as fast as the front-end takes its outputs, or one step per ``step_delay``
 seconds. Use it with ``corewire engine --engine corewire.engine.synthetic:SyntheticEngine``.
 """
@@ -16,7 +18,7 @@ from typing import Any
 
 import numpy as np
 
-from corewire.engine.interface import Engine, EngineInfo
+from corewire.engine.interface import Engine, EngineInfo, prefill_stats
 from corewire.protocol import (
     EngineCoreOutput,
     EngineCoreRequest,
@@ -38,14 +40,16 @@ class _Running:
         "max_tokens",
         "min_tokens",
         "produced",
+        "prompt_len",
         "request_id",
         "stops",
         "token",
     )
 
-    def __init__(self, request_id: str, token: int) -> None:
+    def __init__(self, request_id: str, token: int, prompt_len: int) -> None:
         self.request_id = request_id
         self.token = token
+        self.prompt_len = prompt_len
         self.produced = 0
         self.max_tokens = 16
         self.min_tokens = 0
@@ -99,13 +103,14 @@ class SyntheticEngine(Engine):
             raise ValueError("SyntheticEngine serves generate requests with prompt token ids")
         if request.request_id in self._running or request.request_id in self._waiting:
             raise ValueError(f"request id {request.request_id!r} is already running")
-        if any(type(t) is not int or not 0 <= t < self.vocab_size for t in prompt):
-            raise ValueError(f"prompt token ids must lie in [0, {self.vocab_size})")
         sp = request.sampling_params
+        # Length before the per-token check, whose cost grows with it.
         room = self.max_model_len - len(prompt)
         if room < 1:
             raise ValueError(f"prompt of {len(prompt)} tokens exceeds max_model_len")
-        req = _Running(request.request_id, sum(prompt) % self._span)
+        if any(type(t) is not int or not 0 <= t < self.vocab_size for t in prompt):
+            raise ValueError(f"prompt token ids must lie in [0, {self.vocab_size})")
+        req = _Running(request.request_id, sum(prompt) % self._span, len(prompt))
         req.max_tokens = min(sp.max_tokens if sp.max_tokens is not None else room, room)
         req.min_tokens = sp.min_tokens
         req.stops = frozenset(sp.stop_token_ids or ())
@@ -160,6 +165,7 @@ class SyntheticEngine(Engine):
                     new_logprobs=self._logprobs(token, req.logprobs) if req.logprobs else None,
                     finish_reason=reason,
                     stop_reason=stop_reason,
+                    prefill_stats=prefill_stats(req.prompt_len) if req.produced == 1 else None,
                 )
             )
             if reason is not None:

@@ -1,0 +1,51 @@
+"""A reference engine with fault hooks, for tests only.
+
+The shipped :class:`~corewire.engine.reference.ReferenceEngine` answers utility calls from
+any client that can reach it, so it carries nothing that fails or kills it on demand. The
+hooks the fault tests need live here instead: load this engine in a spawned engine
+process as ``"hook_engine:HookEngine"`` (pytest puts ``tests/`` on ``sys.path`` and spawn
+children inherit it) or, for the ``corewire engine`` command, with ``tests/`` on
+``PYTHONPATH``.
+"""
+
+from __future__ import annotations
+
+from corewire.engine.reference import ReferenceEngine
+from corewire.protocol import EngineCoreOutput, EngineCoreRequest
+
+#: Request ids that make :meth:`HookEngine.add_request` fail in a set way.
+INTERNAL_ERROR_ID = "hook-internal-error"
+VALUE_ERROR_WITH_PATH_ID = "hook-value-error-path"
+
+
+class HookEngine(ReferenceEngine):
+    """The reference engine plus ``raise_error`` and ``fail_next_step`` utilities, and
+    ``add_request`` failures chosen by request id (see the module constants)."""
+
+    def __init__(self, **kwargs: object) -> None:
+        super().__init__(**kwargs)  # type: ignore[arg-type]
+        self._fail_next_step: str | None = None
+
+    def add_request(self, request: EngineCoreRequest) -> None:
+        """As the reference engine, except for the hook request ids: an unexpected
+        error whose text names a file, and a ValueError whose text names one."""
+        if request.request_id == INTERNAL_ERROR_ID:
+            raise RuntimeError("cannot open /opt/secret/weights/shard-7.bin")
+        if request.request_id == VALUE_ERROR_WITH_PATH_ID:
+            raise ValueError("prompt refused by /etc/corewire/policy.json\nTraceback: x")
+        super().add_request(request)
+
+    def raise_error(self, message: str = "requested failure") -> None:
+        """Fail with ``RuntimeError(message)``: a failing utility call."""
+        raise RuntimeError(message)
+
+    def fail_next_step(self, message: str = "injected step failure") -> None:
+        """Make the next step raise: a fatal engine error on demand."""
+        self._fail_next_step = message
+
+    def step(self) -> list[EngineCoreOutput]:
+        """The reference step, or the failure :meth:`fail_next_step` asked for."""
+        if self._fail_next_step is not None:
+            message, self._fail_next_step = self._fail_next_step, None
+            raise RuntimeError(message)
+        return super().step()
