@@ -293,7 +293,26 @@ def test_inline_logprobs_arrays_are_owned_numpy_arrays() -> None:
     assert ids.tolist() == [ids_row] and ids[0].tolist() == ids_row
     assert ids[0, 1:3].tolist() == ids_row[1:3] and int(ids[0, -1]) == ids_row[-1]
     assert lps[:, 0].tolist() == [lps_row[0]] and ranks.tolist() == rank
-    assert gc.is_tracked(lp)
+    # Arrays and None only: no cycle possible, so not tracked (as CPython does for
+    # exact tuples of such items).
+    assert not gc.is_tracked(lp)
+
+
+def test_logprobs_with_a_list_are_gc_tracked() -> None:
+    """A LogprobsLists whose cu_num_generated_tokens is a list can be part of a cycle:
+    tracked by the GC, also when a recycled tuple is handed out with one."""
+    decoder = NativeDecoder()
+    rows = _rows(2, 2)
+    plain_frames = _lists_step(rows)
+    cu = p.LogprobsLists(*NativeDecoder().decode(plain_frames).outputs[0].new_logprobs[:3], [0])
+    cu_frames = _frames([p.EngineCoreOutput("a", [1], new_logprobs=cu)])
+    for _ in range(3):
+        message = decoder.decode(plain_frames)
+        assert not any(gc.is_tracked(o.new_logprobs) for o in message.outputs)
+        del message
+        lp = decoder.decode(cu_frames).outputs[0].new_logprobs
+        assert gc.is_tracked(lp) and lp.cu_num_generated_tokens == [0]
+        del lp
 
 
 def test_recycled_logprobs_carry_each_message_values() -> None:
@@ -356,7 +375,7 @@ def test_kept_logprobs_are_never_reused(keep: str) -> None:
 
 def test_recycled_logprobs_leak_nothing() -> None:
     """Many messages with logprobs: refcounts, live objects and GC-tracked objects flat,
-    and a recycled LogprobsLists is tracked by the GC again once handed out."""
+    and a recycled LogprobsLists stays invisible to the GC."""
     decoder = NativeDecoder()
     frames = _lists_step(_rows(30, 64))
     for _ in range(200):
@@ -368,7 +387,7 @@ def test_recycled_logprobs_leak_nothing() -> None:
         message = decoder.decode(frames)
         for out in message.outputs:
             out.new_logprobs.logprobs  # noqa: B018
-    assert all(gc.is_tracked(o.new_logprobs) for o in message.outputs)
+    assert not any(gc.is_tracked(o.new_logprobs) for o in message.outputs)
     del message
     gc.collect()
     after_refs = sys.getrefcount(frames[0])

@@ -207,7 +207,7 @@ impl<'a, 'py> PyBuilder<'a, 'py> {
     }
 
     /// Completes a pooled `LogprobsLists` with the arrays built for it (usually its own,
-    /// refilled) and `cu`, and hands it out again (tracked by the GC again).
+    /// refilled) and `cu`, and hands it out again.
     fn refilled_lists(
         &mut self,
         (t, items): (Obj<'py>, [*mut ffi::PyObject; 3]),
@@ -225,11 +225,15 @@ impl<'a, 'py> PyBuilder<'a, 'py> {
                     ffi::PyTuple_SetItem(t.as_ptr(), i as isize, array.into_ptr());
                 }
             }
+            // Untracked like a new one (see `logprobs`) unless `cu` is a list.
+            let track = cu.is_some();
             let cu = cu.unwrap_or_else(|| py.None().into_bound(py));
             if ffi::PyTuple_GetItem(t.as_ptr(), 3) != cu.as_ptr() {
                 ffi::PyTuple_SetItem(t.as_ptr(), 3, cu.into_ptr());
             }
-            ffi::PyObject_GC_Track(t.as_ptr().cast());
+            if track {
+                ffi::PyObject_GC_Track(t.as_ptr().cast());
+            }
         }
         t
     }
@@ -509,12 +513,21 @@ impl<'py> Builder for PyBuilder<'_, 'py> {
         if let Some(reuse) = self.lists.take().and_then(|l| l.reuse) {
             return Ok(self.refilled_lists(reuse, arrays, cu_num_generated_tokens));
         }
+        let untrack = kind == ArrayKind::Ndarray && cu_num_generated_tokens.is_none();
         let [ids, lps, ranks] = arrays;
         let cu = self.opt(cu_num_generated_tokens).into_bound(py);
         // tuple.__new__(cls, items): the named tuple without its Python-level __new__.
         let r = PyTuple::new(py, [ids, lps, ranks, cu])
             .and_then(|items| c.tuple_new.bind(py).call1((cls, items)));
-        self.check(r)
+        let t = self.check(r)?;
+        if untrack {
+            // Three ndarrays (not GC objects) and None: the tuple cannot be part of a
+            // cycle, so the collector need not see it (CPython untracks exact tuples of
+            // such items itself; a tuple subclass it leaves tracked).
+            // SAFETY: a live GC object, tracked by tuple.__new__.
+            unsafe { ffi::PyObject_GC_UnTrack(t.as_ptr().cast()) };
+        }
+        Ok(t)
     }
 
     fn utility_result(&mut self, value: Obj<'py>) -> DecodeResult<Obj<'py>> {

@@ -162,8 +162,8 @@ const LOGPROBS_POOL_MAX: usize = 4096;
 /// arrays (each an exact ndarray owning its memory: inline arrays the decoder copied),
 /// kept with their arrays to be refilled in place by the next message: a tuple and three
 /// arrays per output with logprobs cost most of a decode step otherwise. Pooled tuples
-/// are untracked by the cyclic GC (nothing can reach them), and tracked again when
-/// handed out.
+/// are untracked by the cyclic GC (nothing can reach them); the decoder tracks one again
+/// only if it hands it out with a `cu_num_generated_tokens` list.
 struct LogprobsPool(std::cell::UnsafeCell<Vec<PooledLists>>);
 
 /// A pooled `LogprobsLists` (an owned reference) and its three arrays (borrowed from it).
