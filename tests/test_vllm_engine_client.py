@@ -422,9 +422,14 @@ async def collect_after(client: Any, request: EngineCoreRequest) -> list[Any]:
     return (await collect(client, {request.request_id}))[request.request_id]
 
 
-def test_a_fatal_engine_error_reaches_vllms_client_as_engine_dead(tmp_path: Path) -> None:
+def test_a_fatal_engine_error_reaches_vllms_client_as_engine_dead(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     from vllm.v1.engine.exceptions import EngineDeadError
 
+    # The fault hook lives in the tests' own engine, which the engine command imports.
+    tests_dir = str(Path(__file__).parent)
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([tests_dir, os.environ.get("PYTHONPATH", "")]))
     engines = EngineProcs(tmp_path)
     addresses = {
         "input_address": f"ipc://{tmp_path}/in",
@@ -435,6 +440,8 @@ def test_a_fatal_engine_error_reaches_vllms_client_as_engine_dead(tmp_path: Path
         addresses["input_address"],
         "--output-address",
         addresses["output_address"],
+        "--engine",
+        "hook_engine:HookEngine",
     )
     config = vllm_config(write_model_dir(tmp_path / "model"))
     loop = asyncio.new_event_loop()

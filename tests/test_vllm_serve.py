@@ -406,9 +406,6 @@ def test_metrics(stack: ServeStack, http: httpx.Client) -> None:
     assert {labels.get("engine") for labels, _ in after} == {"0"}
 
 
-@pytest.mark.xfail(
-    strict=True, reason="the reference engine sends no prefill_stats, vLLM's prompt token source"
-)
 def test_metrics_prompt_tokens(stack: ServeStack, http: httpx.Client) -> None:
     """vLLM counts prompt tokens from the prefill_stats of each request's first output."""
     before = metric_values(http.get("/metrics").text, "vllm:prompt_tokens_total")
