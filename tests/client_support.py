@@ -96,6 +96,10 @@ class SupportEngine(ReplayEngine):
         self._after_reply = lambda: self.link.outputs.send_multipart(frames)
         return then_value
 
+    def utility_unreadable_reply(self) -> Any:
+        """Reply with a value no decoder accepts (an unknown msgpack extension type)."""
+        return msgspec.msgpack.Ext(99, b"boom")
+
     def utility_notify(self, kind: str, rank: int) -> None:
         """After the reply, push an elastic-scaling notification (call_id -1)."""
         note = EngineCoreOutputs(

@@ -55,3 +55,45 @@ def test_malformed_frame_sync_client() -> None:
             assert finished(client.get_output(timeout=5)) == ["ok"]
         finally:
             client.shutdown()
+
+
+async def test_undecodable_utility_reply_fails_its_caller() -> None:
+    """The reply's call id is still readable: that caller gets the ProtocolError (it used
+    to wait forever while the error went to the output queue)."""
+    with no_leaks():
+        client = AsyncMPClient(engine_main=SUPPORT)
+        try:
+            with pytest.raises(ProtocolError, match="extension"):
+                await asyncio.wait_for(client.call_utility_async("unreadable_reply"), 10)
+            assert len(client.resources.registry) == 0
+            assert client.outputs_queue.empty()  # attributed to its caller, nowhere else
+            assert await client.call_utility_async("echo", "alive") == "alive"
+        finally:
+            client.shutdown()
+
+
+def test_undecodable_utility_reply_fails_its_caller_sync() -> None:
+    with no_leaks():
+        client = SyncMPClient(engine_main=SUPPORT)
+        try:
+            with pytest.raises(ProtocolError, match="extension"):
+                client.call_utility("unreadable_reply", timeout=10)
+            assert client.call_utility("echo", 2) == 2
+        finally:
+            client.shutdown()
+
+
+async def test_undecodable_outputs_name_their_requests() -> None:
+    with no_leaks():
+        client = AsyncMPClient(engine_main=SUPPORT)
+        try:
+            await client.call_utility_async("garbage", "aux_out_of_range")
+            with pytest.raises(ProtocolError) as info:
+                await asyncio.wait_for(client.get_output_async(), 10)
+            assert info.value.request_ids == ("req",)
+            await client.call_utility_async("garbage", "not_msgpack")
+            with pytest.raises(ProtocolError) as info:
+                await asyncio.wait_for(client.get_output_async(), 10)
+            assert info.value.request_ids == ()
+        finally:
+            client.shutdown()

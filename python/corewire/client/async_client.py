@@ -17,6 +17,7 @@ import zmq
 
 from corewire.client._resources import ClientResources
 from corewire.client.core import HEALTH_CHECK_METHOD, MPClient, resolve_utility_output
+from corewire.client.salvage import fail_undecodable
 from corewire.errors import EngineDeadError, ProtocolError, UtilityError
 from corewire.protocol import ENGINE_CORE_DEAD, EngineCoreOutputs, EngineCoreRequest
 from corewire.protocol import EngineCoreRequestType as RequestType
@@ -495,7 +496,8 @@ async def _output_loop(
             outputs = decode(frames)
         except ProtocolError as exc:
             # One bad frame fails alone; the requests in other frames go on.
-            put(exc)
+            if fail_undecodable(exc, frames, pop):
+                put(exc)
             return None
         utility = outputs.utility_output
         if utility is None:

@@ -14,6 +14,7 @@ import zmq
 
 from corewire.client._resources import ClientResources
 from corewire.client.core import HEALTH_CHECK_METHOD, MPClient, resolve_utility_output
+from corewire.client.salvage import fail_undecodable
 from corewire.errors import EngineDeadError, ProtocolError, UtilityError
 from corewire.protocol import ENGINE_CORE_DEAD, EngineCoreOutputs, EngineCoreRequest
 from corewire.protocol import EngineCoreRequestType as RequestType
@@ -216,7 +217,8 @@ def _output_thread(
                 try:
                     decoded = decode(frames)
                 except ProtocolError as exc:
-                    put(exc)
+                    if fail_undecodable(exc, frames, pop):
+                        put(exc)
                     continue
                 utility = decoded.utility_output
                 if utility is None:

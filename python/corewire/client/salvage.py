@@ -1,0 +1,61 @@
+"""What can still be read from an output frame that failed to decode.
+
+A frame that breaks the protocol fails alone (:class:`corewire.ProtocolError`), but the
+callers whose answers it carried must not wait forever: when the frame is still plain
+msgpack, the utility call id and the request ids are read from their places and those
+callers are failed with the frame's error (the call's future) or told which requests it
+concerned (``ProtocolError.request_ids``). This runs only on the error path.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any
+
+import msgspec
+
+__all__ = ["fail_undecodable", "readable_ids"]
+
+# Field positions in EngineCoreOutputs / EngineCoreOutput / UtilityOutput (corewire.protocol).
+_OUTPUTS = 1
+_UTILITY_OUTPUT = 4
+_REQUEST_ID = 0
+_CALL_ID = 0
+
+
+def readable_ids(frames: list[Any]) -> tuple[int | None, tuple[str, ...]]:
+    """The utility call id and the request ids of an undecodable message, as far as
+    they can be read (``(None, ())`` when the payload is not even generic msgpack)."""
+    payload = frames[0]
+    buffer = getattr(payload, "buffer", payload)
+    try:
+        message = msgspec.msgpack.decode(buffer)
+    except (msgspec.DecodeError, RecursionError, ValueError, TypeError):
+        return None, ()
+    if not isinstance(message, list):
+        return None, ()
+    request_ids: list[str] = []
+    outputs = message[_OUTPUTS] if len(message) > _OUTPUTS else None
+    if isinstance(outputs, list):
+        for output in outputs:
+            if isinstance(output, list) and output and isinstance(output[_REQUEST_ID], str):
+                request_ids.append(output[_REQUEST_ID])
+    call_id = None
+    utility = message[_UTILITY_OUTPUT] if len(message) > _UTILITY_OUTPUT else None
+    if isinstance(utility, list) and utility and type(utility[_CALL_ID]) is int:
+        call_id = utility[_CALL_ID]
+    return call_id, tuple(request_ids)
+
+
+def fail_undecodable(exc: BaseException, frames: list[Any], pop: Any) -> bool:
+    """Fail the utility caller a bad frame was meant for and note its request ids on
+    ``exc``; returns whether ``exc`` should still reach the output queue (it carried
+    request outputs, or nothing could be attributed)."""
+    call_id, request_ids = readable_ids(frames)
+    exc.request_ids = request_ids  # type: ignore[attr-defined]
+    future = pop(call_id) if call_id is not None else None
+    if future is not None and not future.done():
+        # (cancelled meanwhile: an asyncio or concurrent future then refuses the result)
+        with contextlib.suppress(Exception):
+            future.set_exception(exc)
+    return future is None or bool(request_ids)
