@@ -26,7 +26,9 @@ the watchdog off.
 
 from __future__ import annotations
 
+import logging
 import os
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -41,6 +43,8 @@ from vllm.v1.metrics.stats import PrefillStats, SchedulerStats
 import corewire.errors
 from corewire.client.async_client import AsyncMPClient
 from corewire.codec import NativeDecoder
+from corewire.errors import ProtocolError
+from corewire.protocol import EngineCoreOutput, EngineCoreOutputs, FinishReason
 
 __all__ = [
     "EngineDeadError",
@@ -50,6 +54,12 @@ __all__ = [
     "make_async_mp_client",
     "make_output_decoder",
 ]
+
+logger = logging.getLogger("vllm.corewire")
+
+#: Protocol errors logged one by one; after that, one summary line per interval.
+_LOGGED_ERRORS = 10
+_ERROR_SUMMARY_INTERVAL_S = 60.0
 
 #: Environment variables of the health watchdog (seconds).
 HEALTH_INTERVAL_ENV = "COREWIRE_HEALTH_CHECK_INTERVAL_S"
@@ -169,6 +179,9 @@ class VllmClientMixin:
         self.vllm_engine_manager: Any = None
         self.vllm_coordinator: Any = None
         self._vllm_launch: tuple[Any, bool] | None = None
+        #: Engine frames that broke the protocol (dropped, their requests ended).
+        self.protocol_errors = 0
+        self._next_error_summary = 0.0
         if client_addresses:
             # Engines managed elsewhere (e.g. by vLLM's multi-API-server parent).
             addresses: dict[str, str] | None = {
@@ -208,6 +221,45 @@ class VllmClientMixin:
 
     def _make_output_decoder(self) -> Any:
         return make_output_decoder()
+
+    async def get_output_async(self) -> Any:
+        """The next outputs for vLLM's output handler; a frame that breaks the protocol
+        never reaches it as an exception.
+
+        vLLM's handler stops on any exception and fails every request with it, so one bad
+        frame would take the server down (vLLM's own client does exactly that). Here the
+        requests the frame named finish with ``FinishReason.ERROR``, and a frame that
+        names none is dropped; both are counted (:attr:`protocol_errors`) and logged.
+        """
+        while True:
+            try:
+                return await super().get_output_async()  # type: ignore[misc]
+            except ProtocolError as exc:
+                request_ids = getattr(exc, "request_ids", ())
+                self._note_protocol_error(exc, request_ids)
+                if request_ids:
+                    return EngineCoreOutputs(
+                        outputs=[
+                            EngineCoreOutput(rid, [], finish_reason=FinishReason.ERROR)
+                            for rid in request_ids
+                        ],
+                        timestamp=time.monotonic(),
+                    )
+
+    def _note_protocol_error(self, exc: BaseException, request_ids: tuple[str, ...]) -> None:
+        self.protocol_errors += 1
+        count = self.protocol_errors
+        now = time.monotonic()
+        if count <= _LOGGED_ERRORS:
+            logger.error(
+                "corewire: dropped an engine frame that breaks the protocol (%s); "
+                "%d request(s) in it finish with an error",
+                exc,
+                len(request_ids),
+            )
+        elif now >= self._next_error_summary:
+            self._next_error_summary = now + _ERROR_SUMMARY_INTERVAL_S
+            logger.error("corewire: %d engine frames broke the protocol so far", count)
 
     def _launch_engines(self, engine_main: Any, external: bool) -> None:
         # Raised from now on, including by a death during the ready wait below.
