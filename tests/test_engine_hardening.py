@@ -144,6 +144,17 @@ def test_aborted_id_can_be_reused_at_once(eng: FrontEnd) -> None:
     assert eng.nothing_for(0.2)
 
 
+def test_resumable_requests_are_refused_without_streaming_input(eng: FrontEnd) -> None:
+    # vLLM's streaming input sends later chunks under the same id; an engine that cannot
+    # take them refuses the request up front instead of failing a chunk mid-stream.
+    request = greedy("resumable", [1, 2], 4)
+    request.resumable = True
+    eng.add(request)
+    (out,) = eng.collect(["resumable"])["resumable"]
+    assert out.finish_reason == FinishReason.ERROR
+    assert out.stop_reason == "streaming input (resumable requests) is not supported"
+
+
 # ---------------------------------------------------------------------- engine limits
 
 

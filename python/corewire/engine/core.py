@@ -20,7 +20,9 @@ request over ``max_model_len`` (refused before the engine sees it, whatever its 
 a request the engine refuses (ERROR finish with a short safe reason in ``stop_reason``,
 see :mod:`corewire.engine.reasons`). An ADD that reuses the id of a request still in
 flight is dropped without any output: an ERROR under that id would end the running
-request's stream on the front-end while its tokens keep coming. Each of these is logged
+request's stream on the front-end while its tokens keep coming (a request sent as
+``resumable``, vLLM's streaming input, takes its later chunks under the same id: those
+go to the engine). Each of these is logged
 at most a few times per interval (:mod:`corewire.engine.logthrottle`) and counted; the
 ``engine_core_counters`` utility reports the counts.
 """
@@ -156,9 +158,11 @@ class EngineCoreProc:
         self.input_address = self.input_addresses[0]
         self.dp_stats_address = dp_stats_address
         self.stop_notice = stop_notice
-        # Ids of the requests the engine accepted and has not finished: a second ADD
-        # with one of them is dropped (and the stop notice aborts them).
-        self._in_flight: set[str] = set()
+        # Ids of the requests the engine accepted and has not finished, each with its
+        # ``resumable`` flag: a second ADD with one of them is dropped unless the first
+        # was resumable (vLLM's streaming input: more chunks under the same id, which
+        # the engine takes or refuses). The stop notice aborts them.
+        self._in_flight: dict[str, bool] = {}
         # Warnings about dropped or refused input, rate-limited; their totals are the
         # counters engine_core_counters() reports.
         self._malformed_log = ThrottledWarning(logger, "malformed request")
@@ -355,7 +359,7 @@ class EngineCoreProc:
         in_flight = self._in_flight
         for out in outputs:
             if out.finish_reason is not None:
-                in_flight.discard(out.request_id)
+                in_flight.pop(out.request_id, None)
                 if finished is not None:
                     finished.add(out.request_id)
         if not outputs and not finished:
@@ -447,7 +451,7 @@ class EngineCoreProc:
         """Hand a new request to the engine; a rejected request finishes with ERROR, a
         duplicate of a request in flight is dropped (see the module docstring)."""
         request_id = request.request_id
-        if request_id in self._in_flight:
+        if self._in_flight.get(request_id) is False:
             self._duplicate_log.warning(
                 "dropping an ADD for request %r: a request with that id is in flight",
                 request_id,
@@ -462,7 +466,7 @@ class EngineCoreProc:
         except Exception as exc:
             self._finish_with_error(request_id, request.client_index, reason_for(exc), exc)
             return
-        self._in_flight.add(request_id)
+        self._in_flight[request_id] = request.resumable
         if len(self.output_addresses) > 1:
             self._request_clients[request_id] = request.client_index
 
@@ -527,7 +531,7 @@ class EngineCoreProc:
         self.engine.abort_requests(request_ids)
         for request_id in request_ids:
             self._request_clients.pop(request_id, None)
-        self._in_flight.difference_update(request_ids)
+            self._in_flight.pop(request_id, None)
         if self.include_finished_set:
             self._pending_finished.update(request_ids)
 

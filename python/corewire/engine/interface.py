@@ -100,7 +100,16 @@ class Engine(abc.ABC):
 
         Raise ``ValueError`` for a request that cannot run (bad token ids, bad sampling
         parameters): the process then finishes that request alone with
-        ``FinishReason.ERROR`` and the engine keeps serving the others.
+        ``FinishReason.ERROR`` and the engine keeps serving the others. The error's text
+        is the client's reason (``stop_reason``: its first line, file paths replaced by
+        ``<path>``, at most 200 characters), so word it for the caller; any other
+        exception sends only "internal engine error" (details stay in the engine log).
+
+        The process has already refused prompts longer than :meth:`engine_info`'s
+        ``max_model_len``, and never passes a request whose id is still in flight
+        (unless that request was sent ``resumable``: vLLM's streaming input, whose later
+        chunks reuse the id; an engine without streaming input should refuse
+        ``resumable`` requests).
         """
 
     @abc.abstractmethod

@@ -327,6 +327,8 @@ class ReferenceEngine(Engine):
         rid = request.request_id
         if rid in self._requests:
             raise ValueError(f"request id {rid!r} is already running")
+        if request.resumable:
+            raise ValueError("streaming input (resumable requests) is not supported")
         if request.prompt_token_ids is None:
             if request.prompt_embeds is not None:
                 raise ValueError("the reference engine does not accept prompt_embeds")

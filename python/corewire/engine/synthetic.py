@@ -103,6 +103,8 @@ class SyntheticEngine(Engine):
             raise ValueError("SyntheticEngine serves generate requests with prompt token ids")
         if request.request_id in self._running or request.request_id in self._waiting:
             raise ValueError(f"request id {request.request_id!r} is already running")
+        if request.resumable:
+            raise ValueError("streaming input (resumable requests) is not supported")
         sp = request.sampling_params
         # Length before the per-token check, whose cost grows with it.
         room = self.max_model_len - len(prompt)
