@@ -567,6 +567,14 @@ def test_sigterm_stops_cleanly_and_outputs_follow_client_index(tmp_path: Path) -
         fe.add(r1)
         assert [len(o) for o in fe.collect(["c0"], client=0).values()] == [2]
         assert [len(o) for o in fe.collect(["c1"], client=1).values()] == [3]
+        # A refused request's ERROR goes to the client that sent it too.
+        bad = greedy("c1-bad", [1, 99999], 2)
+        bad.client_index = 1
+        fe.add(bad)
+        assert [o.finish_reason for o in fe.collect(["c1-bad"], client=1)["c1-bad"]] == [
+            FinishReason.ERROR
+        ]
+        assert fe.nothing_for(0.1, client=0)
         # A utility reply goes to the client that asked.
         fe.send(UTILITY, [1, 42, "echo", ["to client 1"]])
         msg = fe.recv(client=1)
