@@ -416,6 +416,22 @@ def test_embedding_request_returns_a_tensor(stack: Stack) -> None:
     torch.testing.assert_close(out.pooling_output, want.pooling_output)
 
 
+def test_error_reason_and_prefill_stats_reach_vllms_client(stack: Stack) -> None:
+    from vllm.v1.metrics.stats import PrefillStats
+
+    # A refused request: ERROR with the engine's short reason as a str stop_reason,
+    # which vLLM's output processor hands on unchanged.
+    refused = vllm_request("refused", [1, 99999], max_tokens=2)
+    (bad,) = stack.run(collect_after(stack.client, refused))
+    assert bad.finish_reason == FinishReason.ERROR and bad.new_token_ids == []
+    assert bad.stop_reason == "prompt token id 99999 is outside the vocabulary [0, 4096)"
+    # Prompt tokens for vLLM's metrics: PrefillStats with the first output only.
+    counted = vllm_request("counted", [1, 2, 3], max_tokens=3, temperature=0.0)
+    outs = stack.run(collect_after(stack.client, counted))
+    assert outs[0].prefill_stats == PrefillStats(3, 3, 0, 0, 0)
+    assert all(o.prefill_stats is None for o in outs[1:])
+
+
 async def collect_after(client: Any, request: EngineCoreRequest) -> list[Any]:
     """Send one request and return its outputs."""
     await client.add_request_async(request)
