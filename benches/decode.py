@@ -482,6 +482,21 @@ def main(argv: list[str] | None = None) -> int:
             f"goal at batch 256 decode+touch, {case}: >= {goal:g}x {baseline}"
             f" -> {ratio:.2f}x ({verdict})"
         )
+    for_lists = {
+        r["case"]: r["ns_out"]
+        for r in rows
+        if r["batch"] == 256 and r["mode"] == "decode" and r["case"] in ("plain", "top-5")
+    }
+    if len(for_lists) == 2:
+        extra = {n: for_lists["top-5"][n] - for_lists["plain"][n] for n in names}
+        print(
+            "top-5 logprobs at batch 256, decode: "
+            + ", ".join(
+                f"{n} +{extra[n]:.0f} ns per output ({extra[n] / 3:.0f} ns per array)"
+                for n in names
+            )
+            + " over plain"
+        )
     if args.plot:
         if plot(rows, args.plot):
             print(f"plot written to {args.plot}")
