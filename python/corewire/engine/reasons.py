@@ -27,7 +27,7 @@ MAX_REASON_CHARS = 200
 
 # An absolute, home or dot-relative path: a slash-led run of segments not glued to a
 # word before it (so "and/or" or "3/4" stay), with an optional ~, . or .. in front.
-_PATH = re.compile(r"(?<![\w.~/])(?:~|\.{1,2})?(?:/[^\s/'\"`,;()\[\]{}<>]+)+/?")
+_PATH = re.compile(r"(?<![\w.~/])(?:~|\.{1,2})?(?:/[^\s/'\"`,;:()\[\]{}<>]+)+/?")
 
 
 def safe_reason(text: str) -> str:
