@@ -22,9 +22,9 @@ see :mod:`corewire.engine.reasons`). An ADD that reuses the id of a request stil
 flight is dropped without any output: an ERROR under that id would end the running
 request's stream on the front-end while its tokens keep coming (a request sent as
 ``resumable``, vLLM's streaming input, takes its later chunks under the same id: those
-go to the engine). Each of these is logged
-at most a few times per interval (:mod:`corewire.engine.logthrottle`) and counted; the
-``engine_core_counters`` utility reports the counts.
+go to the engine). Each of these is logged at most a few times per interval
+(:mod:`corewire.engine.logthrottle`) and counted; the ``engine_core_counters`` utility
+reports the counts.
 """
 
 from __future__ import annotations
@@ -506,6 +506,8 @@ class EngineCoreProc:
         self._refused_log.warning(
             "request %r refused: %s", request_id, reason if cause is None else repr(cause)
         )
+        if not 0 <= client_index < len(self.output_addresses):
+            client_index = 0  # never an extra socket (a DP coordinator's) by mistake
         if len(self.output_addresses) > 1:
             # _send_outputs routes request outputs by this map, and forgets the id.
             self._request_clients[request_id] = client_index
