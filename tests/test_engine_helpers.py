@@ -75,7 +75,13 @@ def test_read_head_never_fails_on_truncated_or_hostile_input() -> None:
 def test_read_head_reads_past_nesting_deeper_than_any_recursion_limit() -> None:
     deep = b"\x91" * 300_000 + b"\xc0"
     payload = b"\x94" + _encode(3) + _encode(2**64 - 1) + deep + _encode("after")
-    assert read_head(payload, (0, 1, 2, 3)) == {0: 3, 1: 2**64 - 1, 3: "after"}
+    assert read_head(payload, (0, 1, 2, 3), budget=400_000) == {0: 3, 1: 2**64 - 1, 3: "after"}
+    # The default budget bounds the work: fields past it are left out, those before kept.
+    started = time.perf_counter()
+    assert read_head(payload, (0, 1, 2, 3)) == {0: 3, 1: 2**64 - 1}
+    assert time.perf_counter() - started < 1.0
+    wide = _encode(["rid", list(range(2_000_000)), None, 5])
+    assert read_head(wide, (0, 3)) == {0: "rid"}
 
 
 def test_throttled_warning_logs_a_burst_then_a_summary(caplog: pytest.LogCaptureFixture) -> None:

@@ -5,8 +5,9 @@ read who that is: the request id of an ADD (field 0, and the client index, field
 the call id of a UTILITY (fields 0-2). A full decode cannot be the fallback, because
 the frame may have failed precisely for being nested past the decoder's recursion
 limit. :func:`read_head` walks the frame iteratively (a count of items still to skip,
-no recursion), so its cost is linear in the bytes it passes over and its stack use is
-constant whatever the nesting.
+no recursion), so its stack use is constant whatever the nesting, and it stops after a
+budget of items, so a large broken frame costs the input thread a bounded time (about
+15 ms for the default budget) however many items it holds.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import struct
 from collections.abc import Iterable
 from typing import Any
 
-__all__ = ["read_head"]
+__all__ = ["DEFAULT_BUDGET", "read_head"]
 
 _UINT = {0xCC: ">B", 0xCD: ">H", 0xCE: ">I", 0xCF: ">Q"}
 _INT = {0xD0: ">b", 0xD1: ">h", 0xD2: ">i", 0xD3: ">q"}
@@ -94,12 +95,17 @@ def _text(buf: memoryview, start: int, end: int) -> Any:
 
 _NOT_SCALAR: Any = object()
 
+#: Items :func:`read_head` reads at most by default.
+DEFAULT_BUDGET = 1 << 15
 
-def read_head(payload: Any, fields: Iterable[int]) -> dict[int, Any] | None:
+
+def read_head(
+    payload: Any, fields: Iterable[int], budget: int = DEFAULT_BUDGET
+) -> dict[int, Any] | None:
     """The scalar values at positions ``fields`` of the top-level msgpack array in
     ``payload`` (a bytes-like object), as ``{index: value}``; a field that is absent,
-    not a scalar (nil, bool, int, float, str), or past a truncation is left out.
-    None when the payload is not a msgpack array."""
+    not a scalar (nil, bool, int, float, str), past a truncation, or past the first
+    ``budget`` items read is left out. None when the payload is not a msgpack array."""
     wanted = set(fields)
     buf = memoryview(payload).cast("B")
     if not buf or not (0x90 <= buf[0] <= 0x9F or buf[0] in (0xDC, 0xDD)):
@@ -113,6 +119,7 @@ def read_head(payload: Any, fields: Iterable[int]) -> dict[int, Any] | None:
     try:
         for index in range(min(count, last + 1)):
             pos, pending, value = _header(buf, pos)
+            budget -= 1
             if index in wanted and value is not _NOT_SCALAR and pending == 0:
                 found[index] = value
             # Skip the item's children without recursion: each header read consumes
@@ -120,7 +127,10 @@ def read_head(payload: Any, fields: Iterable[int]) -> dict[int, Any] | None:
             while pending:
                 if pending > len(buf) - pos:
                     raise _Truncated  # every item takes at least one byte
+                if budget <= 0:
+                    raise _Truncated
                 pos, children, _ = _header(buf, pos)
+                budget -= 1
                 pending += children - 1
             if pos > len(buf):
                 raise _Truncated
