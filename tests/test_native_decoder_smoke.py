@@ -174,6 +174,38 @@ def test_tensor_over_writable_frame_shares_it() -> None:
     assert np.frombuffer(frames[1], np.float32)[0] == 1.0
 
 
+@pytest.mark.parametrize(
+    "dtype", [torch.float32, torch.int64, torch.int32, torch.bool, torch.float16, torch.bfloat16]
+)
+@pytest.mark.parametrize("shape", [(63, 6), (300,), (2, 3, 50)])
+def test_tensors_of_every_dtype_share_their_frame(dtype: torch.dtype, shape: tuple) -> None:
+    """Aux-frame tensors (prompt logprobs, pooling output) of every common dtype and
+    shape: right values, C-contiguous, pointing into their frame, alive after the frames
+    and the message are gone, no warning for read-only frames."""
+    gen = torch.Generator().manual_seed(3)
+    tensor = (torch.rand(shape, generator=gen) * 100).to(dtype)
+    frames = _frames([p.EngineCoreOutput("r", [1], pooling_output=tensor)])
+    storage = bytes(frames[1])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        got = NativeDecoder().decode([frames[0], storage]).outputs[0].pooling_output
+    assert got.dtype == dtype and got.shape == tensor.shape and got.is_contiguous()
+    address = np.frombuffer(storage, np.uint8).ctypes.data
+    assert got.data_ptr() == address
+    del frames, storage
+    gc.collect()
+    assert torch.equal(got, tensor)
+
+
+def test_inline_tensor_at_any_offset() -> None:
+    """Inline tensors sit at any offset of the payload, aligned or not: right values."""
+    for pad in range(8):
+        tensor = torch.arange(5, dtype=torch.float32) + pad
+        out = p.EngineCoreOutput("r" * (pad + 1), [1], pooling_output=tensor)
+        got = NativeDecoder().decode(_frames([out])).outputs[0].pooling_output
+        assert torch.equal(got, tensor)
+
+
 def test_frame_released_with_its_last_array() -> None:
     """An aux frame given as a memoryview stays pinned by its array, then is freed."""
 

@@ -270,6 +270,28 @@ impl<'a, 'py> PyBuilder<'a, 'py> {
     fn tensor(&mut self, a: &ArrayRef<'_>, dtype: Obj<'py>) -> PyResult<Obj<'py>> {
         let py = self.py;
         let api = torch::api(py)?;
+        if a.data.len != 0 {
+            let frame = &mut self.frames[a.data.frame];
+            let ptr = frame.ptr_at(a.data.offset);
+            if let Some(twin) = api.numpy_twin(py, a.dtype) {
+                // torch keeps the array (and so its base, the frame) alive. Aligned data
+                // only: inline bytes can sit at any offset of the payload.
+                if (ptr as usize) % a.itemsize == 0 {
+                    let base = frame.base()?;
+                    // The array is marked writable even over read-only memory: it is
+                    // torch's alone, and a tensor is writable whatever its memory (which
+                    // `torch.frombuffer` would only warn about).
+                    // SAFETY: the walk checked that `len == product(shape) * itemsize`
+                    // bytes lie at `ptr` inside the frame, which `base` keeps alive.
+                    let arr = unsafe {
+                        self.consts
+                            .numpy
+                            .array_over(twin, a.shape, ptr, true, base)?
+                    };
+                    return api.from_numpy.bind(py).call1((arr,));
+                }
+            }
+        }
         let shape = PyTuple::new(py, a.shape)?;
         let kwargs = PyDict::new(py);
         kwargs.set_item("dtype", &dtype)?;

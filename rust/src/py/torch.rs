@@ -5,10 +5,30 @@ use pyo3::prelude::*;
 use pyo3::sync::PyOnceLock;
 use pyo3::types::{PyList, PyTuple};
 
+/// Torch dtypes that numpy has too (wire name, numpy dtype string): tensors of these are
+/// made as `torch.from_numpy` of a numpy view, one C-level array and one call, instead of
+/// `torch.frombuffer` and a `view`.
+const NUMPY_TWINS: [(&str, &str); 11] = [
+    ("float32", "<f4"),
+    ("float64", "<f8"),
+    ("float16", "<f2"),
+    ("int64", "<i8"),
+    ("int32", "<i4"),
+    ("int16", "<i2"),
+    ("int8", "|i1"),
+    ("uint8", "|u1"),
+    ("bool", "|b1"),
+    ("complex64", "<c8"),
+    ("complex128", "<c16"),
+];
+
 /// The torch functions the decoder calls.
 pub struct TorchApi {
     pub frombuffer: Py<PyAny>,
+    pub from_numpy: Py<PyAny>,
     pub empty: Py<PyAny>,
+    /// The numpy dtype object of each of [`NUMPY_TWINS`], in that order.
+    numpy_twins: Vec<Py<PyAny>>,
     module: Py<PyAny>,
     dtype_type: Py<PyAny>,
     warnings: Py<PyAny>,
@@ -41,8 +61,15 @@ fn load(py: Python<'_>) -> PyResult<TorchApi> {
             0i32.into_pyobject(py)?.into_any(),
         ],
     )?;
+    let np_dtype = py.import("numpy")?.getattr("dtype")?;
+    let numpy_twins = NUMPY_TWINS
+        .iter()
+        .map(|(_, np)| np_dtype.call1((*np,)).map(Bound::unbind))
+        .collect::<PyResult<Vec<_>>>()?;
     Ok(TorchApi {
         frombuffer: torch.getattr("frombuffer")?.unbind(),
+        from_numpy: torch.getattr("from_numpy")?.unbind(),
+        numpy_twins,
         empty: torch.getattr("empty")?.unbind(),
         dtype_type: torch.getattr("dtype")?.unbind(),
         filters_mutated: warnings.getattr("_filters_mutated").ok().map(Bound::unbind),
@@ -69,6 +96,15 @@ pub fn dtype<'py>(py: Python<'py>, s: &str) -> PyResult<Option<(Bound<'py, PyAny
 }
 
 impl TorchApi {
+    /// The numpy dtype with the same layout as torch dtype `name`, if numpy has one.
+    #[inline]
+    pub fn numpy_twin<'py>(&self, py: Python<'py>, name: &str) -> Option<&Bound<'py, PyAny>> {
+        NUMPY_TWINS
+            .iter()
+            .position(|(t, _)| *t == name)
+            .map(|i| self.numpy_twins[i].bind(py))
+    }
+
     /// Runs `f` with torch's "buffer is not writable" warning ignored, and nothing else.
     ///
     /// The filter goes in front of `warnings.filters` and comes out right after; no
