@@ -12,7 +12,7 @@ import msgspec
 import pytest
 
 from corewire.engine.delayed import DelayedResults
-from corewire.engine.frame_head import read_head
+from corewire.engine.frame_head import array_length, read_head
 from corewire.engine.logthrottle import ThrottledWarning
 from corewire.engine.reasons import INTERNAL_ERROR_REASON, reason_for, safe_reason
 
@@ -82,6 +82,16 @@ def test_read_head_reads_past_nesting_deeper_than_any_recursion_limit() -> None:
     assert time.perf_counter() - started < 1.0
     wide = _encode(["rid", list(range(2_000_000)), None, 5])
     assert read_head(wide, (0, 3)) == {0: "rid"}
+
+
+def test_array_length_reads_the_declared_count_alone() -> None:
+    assert array_length(_encode(["r", list(range(70_000))]), 1) == 70_000
+    assert array_length(_encode(["r", [1, 2]]), 1) == 2
+    assert array_length(_encode(["r", "not an array"]), 1) is None
+    assert array_length(_encode(["r"]), 1) is None
+    # The header alone counts: a frame cut right after it still tells.
+    assert array_length(b"\x92\xa1r\xdd\x00\x10\x00\x00", 1) == 1 << 20
+    assert array_length(_encode({"a": 1}), 0) is None
 
 
 def test_throttled_warning_logs_a_burst_then_a_summary(caplog: pytest.LogCaptureFixture) -> None:

@@ -574,6 +574,15 @@ def test_sigterm_stops_cleanly_and_outputs_follow_client_index(tmp_path: Path) -
         assert [o.finish_reason for o in fe.collect(["c1-bad"], client=1)["c1-bad"]] == [
             FinishReason.ERROR
         ]
+        # Prompts over max_model_len: refused from the frame's header when the client
+        # index is within reach, else after a full decode; either way to client 1.
+        for rid, length in (("c1-long", 3000), ("c1-very-long", 60_000)):
+            long = greedy(rid, [1] * length, 2)
+            long.client_index = 1
+            fe.add(long)
+            (out,) = fe.collect([rid], client=1)[rid]
+            assert out.finish_reason == FinishReason.ERROR
+            assert out.stop_reason == f"prompt of {length} tokens exceeds max_model_len 2048"
         assert fe.nothing_for(0.1, client=0)
         # A utility reply goes to the client that asked.
         fe.send(UTILITY, [1, 42, "echo", ["to client 1"]])

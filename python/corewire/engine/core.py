@@ -43,7 +43,7 @@ import msgspec
 import zmq
 
 from corewire.codec import Encoder, MsgspecDecoder
-from corewire.engine.frame_head import read_head
+from corewire.engine.frame_head import array_length, read_head
 from corewire.engine.interface import INTERFACE_METHODS, Engine
 from corewire.engine.logthrottle import ThrottledWarning
 from corewire.engine.ready import engine_info_of, ready_response
@@ -75,7 +75,7 @@ _IN_ADD = 0
 _IN_ABORT = 1
 _IN_START_DP_WAVE = 2
 _IN_UTILITY = 3
-_IN_ADD_FAILED = 4  # an ADD frame that did not decode but whose request id could be read
+_IN_ADD_FAILED = 4  # an ADD refused undecoded (broken, or its prompt too long), id readable
 _IN_FATAL = 5  # another thread hit a fatal error; the busy loop must go down
 _STOP = (6,)  # request_stop(): leave the busy loop
 
@@ -441,7 +441,7 @@ class EngineCoreProc:
         elif kind == _IN_START_DP_WAVE:
             self._handle_start_dp_wave(item[1], item[2])
         elif kind == _IN_ADD_FAILED:
-            self._refuse_malformed(item[1], item[2], item[3])
+            self._refuse_undecoded(item[1], item[2], item[3])
         elif kind == _IN_FATAL:
             raise RuntimeError("fatal error in an engine I/O thread") from item[1]
         elif item is _STOP:
@@ -483,12 +483,13 @@ class EngineCoreProc:
             return f"prompt of {length} tokens exceeds max_model_len {limit}"
         return None
 
-    def _refuse_malformed(self, request_id: str, client_index: int, error: str) -> None:
-        """An ADD that did not decode but named its request id."""
+    def _refuse_undecoded(self, request_id: str, client_index: int, error: str) -> None:
+        """An ADD the input thread refused without decoding it (it did not decode, or
+        its header declared a prompt over the limit) but whose request id it read."""
         if request_id in self._in_flight:
             # Finishing it would end the running request's stream: drop it instead.
             self._duplicate_log.warning(
-                "dropping a malformed ADD for request %r: a request with that id is in flight",
+                "dropping a refused ADD for request %r: a request with that id is in flight",
                 request_id,
             )
             return
@@ -832,6 +833,8 @@ class _InputDecoder:
         self._add_decoder = MsgspecDecoder(EngineCoreRequest)
         self._any_decoder = MsgspecDecoder()
         self._log = proc._malformed_log
+        self._max_model_len = proc.engine_info.max_model_len
+        self._single_client = len(proc.output_addresses) == 1
 
     def decode(self, frames: list[zmq.Frame]) -> None:
         """Decode one request message and queue it (or answer / drop it if broken)."""
@@ -867,17 +870,38 @@ class _InputDecoder:
             self._log.warning("dropping a malformed request: %s", exc)
 
     def _decode_add(self, frames: list[zmq.Frame]) -> None:
+        payload = frames[1].buffer
+        # The prompt's length, from its array header, before decoding anything: a
+        # prompt over the limit costs no decode, however large (the busy loop checks
+        # again, for prompt_embeds and for frames this header read cannot follow).
+        declared = array_length(payload, 1)
+        if declared is not None and declared > self._max_model_len:
+            limit = f"prompt of {declared} tokens exceeds max_model_len {self._max_model_len}"
+            # The refusal goes to the sender: with several clients, only if its
+            # client_index (after the prompt) was within reach; else decode after all.
+            if self._refuse(payload, limit, need_client=not self._single_client):
+                return
         try:
             request = self._add_decoder.decode(frames[1:])
         except ProtocolError as exc:
-            head = read_head(frames[1].buffer, (0, 11)) or {}
-            request_id = head.get(0)
-            if isinstance(request_id, str):
-                client_index = head.get(11)
-                client_index = client_index if type(client_index) is int else 0
-                self._put((_IN_ADD_FAILED, request_id, client_index, f"malformed request: {exc}"))
+            self._refuse(payload, f"malformed request: {exc}")
             raise
         self._put((_IN_ADD, request))
+
+    def _refuse(self, payload: Any, reason: str, need_client: bool = False) -> bool:
+        """Queue the refusal of the ADD in ``payload`` if its request id (and, with
+        ``need_client``, its client index) can be read; return whether it was."""
+        head = read_head(payload, (0, 11)) or {}
+        request_id = head.get(0)
+        client_index = head.get(11)
+        if not isinstance(request_id, str):
+            return False
+        if type(client_index) is not int:
+            if need_client:
+                return False
+            client_index = 0
+        self._put((_IN_ADD_FAILED, request_id, client_index, reason))
+        return True
 
     def _decode_utility(self, frames: list[zmq.Frame]) -> None:
         error: ProtocolError | None = None

@@ -13,10 +13,10 @@ budget of items, so a large broken frame costs the input thread a bounded time (
 from __future__ import annotations
 
 import struct
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from typing import Any
 
-__all__ = ["DEFAULT_BUDGET", "read_head"]
+__all__ = ["DEFAULT_BUDGET", "array_length", "read_head"]
 
 _UINT = {0xCC: ">B", 0xCD: ">H", 0xCE: ">I", 0xCF: ">Q"}
 _INT = {0xD0: ">b", 0xD1: ">h", 0xD2: ">i", 0xD3: ">q"}
@@ -99,6 +99,36 @@ _NOT_SCALAR: Any = object()
 DEFAULT_BUDGET = 1 << 15
 
 
+def _top_items(buf: memoryview, budget: int) -> Iterator[tuple[int, Any, int]]:
+    """``(first byte, scalar, children)`` of each item of the top-level array in turn;
+    each item's children are skipped (iteratively: each header read consumes one
+    pending item and adds its own children) when the consumer asks for the next.
+    Raises ``_Truncated`` at a truncation or when ``budget`` items were read."""
+    pos, count, _ = _header(buf, 0)
+    for _ in range(count):
+        if pos >= len(buf):
+            raise _Truncated
+        first = buf[pos]
+        pos, pending, value = _header(buf, pos)
+        budget -= 1
+        yield first, value, pending
+        while pending:
+            if pending > len(buf) - pos or budget <= 0:
+                raise _Truncated  # every item takes at least one byte
+            pos, children, _ = _header(buf, pos)
+            budget -= 1
+            pending += children - 1
+        if pos > len(buf):
+            raise _Truncated
+
+
+def _as_array(payload: Any) -> memoryview | None:
+    buf = memoryview(payload).cast("B")
+    if not buf or not (0x90 <= buf[0] <= 0x9F or buf[0] in (0xDC, 0xDD)):
+        return None
+    return buf
+
+
 def read_head(
     payload: Any, fields: Iterable[int], budget: int = DEFAULT_BUDGET
 ) -> dict[int, Any] | None:
@@ -106,34 +136,35 @@ def read_head(
     ``payload`` (a bytes-like object), as ``{index: value}``; a field that is absent,
     not a scalar (nil, bool, int, float, str), past a truncation, or past the first
     ``budget`` items read is left out. None when the payload is not a msgpack array."""
+    buf = _as_array(payload)
+    if buf is None:
+        return None
     wanted = set(fields)
-    buf = memoryview(payload).cast("B")
-    if not buf or not (0x90 <= buf[0] <= 0x9F or buf[0] in (0xDC, 0xDD)):
-        return None
-    try:
-        pos, count, _ = _header(buf, 0)
-    except _Truncated:
-        return None
-    found: dict[int, Any] = {}
     last = max(wanted, default=-1)
+    found: dict[int, Any] = {}
     try:
-        for index in range(min(count, last + 1)):
-            pos, pending, value = _header(buf, pos)
-            budget -= 1
-            if index in wanted and value is not _NOT_SCALAR and pending == 0:
+        for index, (_, value, children) in enumerate(_top_items(buf, budget)):
+            if index > last:
+                break
+            if index in wanted and value is not _NOT_SCALAR and children == 0:
                 found[index] = value
-            # Skip the item's children without recursion: each header read consumes
-            # one pending item and adds its own children.
-            while pending:
-                if pending > len(buf) - pos:
-                    raise _Truncated  # every item takes at least one byte
-                if budget <= 0:
-                    raise _Truncated
-                pos, children, _ = _header(buf, pos)
-                budget -= 1
-                pending += children - 1
-            if pos > len(buf):
-                raise _Truncated
     except _Truncated:
         pass
     return found
+
+
+def array_length(payload: Any, field: int, budget: int = DEFAULT_BUDGET) -> int | None:
+    """How many elements the array at position ``field`` of the top-level msgpack array
+    in ``payload`` declares (read from its header alone, not counted); None when that
+    field is not an array or cannot be reached."""
+    buf = _as_array(payload)
+    if buf is None:
+        return None
+    try:
+        for index, (first, _, children) in enumerate(_top_items(buf, budget)):
+            if index == field:
+                is_array = 0x90 <= first <= 0x9F or first in (0xDC, 0xDD)
+                return children if is_array else None
+    except _Truncated:
+        pass
+    return None
