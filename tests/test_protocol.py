@@ -1,7 +1,7 @@
-"""corewire.protocol: field order, defaults and enums of every wire type, as the spec says.
+"""corewire.protocol: field order, defaults and enums of every wire type, as docs/protocol.md says.
 
 The index of a field of a positional (``array_like``) struct is part of the wire format,
-so the field lists below are copied from ``shared/wire-protocol.md`` and compared with
+so the field lists below are copied from ``docs/protocol.md`` (§4.2, §4.3.1, §5) and compared with
 the structs. Requests are also decoded from hand-built arrays (short, long, with unknown
 sampling keys) the way an engine receives them.
 """
@@ -122,7 +122,7 @@ def test_request_by_keyword_with_defaults() -> None:
 
 
 def test_sampling_params_defaults() -> None:
-    """The keys an engine must honour default as the spec says."""
+    """The keys an engine must honour default as docs/protocol.md says."""
     params = p.SamplingParams()
     assert params.max_tokens == 16
     assert params.temperature == 1.0

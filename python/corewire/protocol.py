@@ -1,6 +1,6 @@
 """Wire types of the engine-core protocol (vLLM 0.25.1 layout, byte for byte).
 
-Every struct here mirrors one message of ``shared/wire-protocol.md``. Positional
+Every struct here mirrors one message of ``docs/protocol.md`` (requests §4, outputs §5). Positional
 (``array_like``) structs keep vLLM's field order exactly: the index of a field is
 part of the wire format, so never reorder, only append.
 

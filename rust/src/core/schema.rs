@@ -1,6 +1,6 @@
 //! The wire schema of engine -> front-end messages, walked over a [`Reader`].
 //!
-//! [`decode_outputs`] reads one `EngineCoreOutputs` message (shared/wire-protocol.md;
+//! [`decode_outputs`] reads one `EngineCoreOutputs` message (docs/protocol.md §5-§6;
 //! mirrored by `corewire.protocol`) and drives a [`Builder`] that makes the values: the
 //! Python binding's builder makes Python objects, [`super::tree::TreeBuilder`] makes
 //! plain Rust values for tests and fuzzing. The walk checks every type, length, index
