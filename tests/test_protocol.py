@@ -1,4 +1,4 @@
-"""corewire.protocol: field order, defaults and enums of every wire type, as docs/protocol.md says.
+"""corewire.protocol: field order, defaults and enums of every wire type (docs/protocol.md).
 
 The index of a field of a positional (``array_like``) struct is part of the wire format,
 so the field lists below are copied from ``docs/protocol.md`` (§4.2, §4.3.1, §5) and compared with
