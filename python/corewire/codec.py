@@ -4,9 +4,11 @@
   with arrays and tensors of 256 bytes or more sent as zero-copy aux frames (as vLLM
   0.25.1's ``MsgpackEncoder``: 0-d arrays always inline, non-CPU tensors always aux).
 - :class:`MsgspecDecoder` is the reference decoder in Python + msgspec, built the way
-  vLLM's is. It is the baseline of the benchmarks and the oracle of the tests.
+  vLLM's is: an in-house baseline of the benchmarks (vLLM's own decoder is the main one)
+  and the oracle of the tests.
 - ``NativeDecoder`` (re-exported from the Rust extension) decodes ``EngineCoreOutputs``
-  frames several times faster, with zero-copy arrays.
+  frames several times faster; arrays in aux frames are zero-copy views, the tiny inline
+  logprobs arrays owned copies (recycled in place once nothing holds them).
 
 Nothing is ever pickled: an object that has no wire form raises ``TypeError``.
 """
