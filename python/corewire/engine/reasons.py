@@ -3,9 +3,10 @@
 vLLM 0.25.1's engines leave ``stop_reason`` None on an ERROR finish, and its front-end
 passes the field through untouched: ``OutputProcessor`` copies it into the finished
 ``CompletionOutput.stop_reason`` (seen by ``LLM`` / ``AsyncLLM`` callers), while the
-OpenAI server answers any ``finish_reason == "error"`` with its own "Internal server
-error" and shows nothing of it. corewire engines fill it in with a short reason, so a
-caller can tell a refused request from an engine fault, on these terms:
+OpenAI server's completion and chat endpoints answer any ``finish_reason == "error"``
+with their own "Internal server error" and show nothing of it. corewire engines fill it
+in with a short reason, so a caller can tell a refused request from an engine fault, on
+these terms:
 
 - a request the engine refused (``add_request`` raised ``ValueError`` or ``TypeError``,
   a length limit, a frame that did not decode) gets that text: its first line, file
