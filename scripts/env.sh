@@ -15,5 +15,5 @@ python -m pip install -q "maturin>=1.5,<2"
 # vLLM's front-end needs a platform on a machine without a GPU: this test/serve-only plugin
 # names vLLM's CPU platform. Installed here, never a dependency of corewire itself.
 install_cpu_platform() {
-    python -m pip install -q --no-build-isolation "$(dirname "${BASH_SOURCE[0]}")/../tools/vllm-cpu-platform"
+    python -m pip install -q "$(dirname "${BASH_SOURCE[0]}")/../tools/vllm-cpu-platform"
 }
