@@ -151,8 +151,8 @@ def _env_seconds(name: str, default: float) -> float:
 class VllmClientMixin:
     """The parts every corewire client shares under vLLM (see the module docstring).
 
-    Mixed in before a corewire client class; :meth:`_vllm_setup` turns vLLM's factory
-    arguments into that class's keyword arguments.
+    Mixed in before a corewire client class, whose constructor it calls with the keyword
+    arguments :meth:`_vllm_setup` makes of vLLM's factory arguments.
     """
 
     # Provided by the corewire client class this is mixed into.
@@ -162,6 +162,22 @@ class VllmClientMixin:
     input_address: str
     output_address: str
     ready_info: dict[bytes, dict[str, Any]]
+
+    def __init__(
+        self,
+        vllm_config: Any,
+        executor_class: Any,
+        log_stats: bool,
+        client_addresses: dict[str, Any] | None = None,
+        client_count: int = 1,
+        client_index: int = 0,
+    ) -> None:
+        """vLLM's client-factory arguments (see :func:`make_async_mp_client`)."""
+        kwargs = self._vllm_setup(
+            vllm_config, executor_class, log_stats, client_addresses, client_count, client_index
+        )
+        super().__init__(**kwargs)
+        self._vllm_finish_setup()
 
     def _vllm_setup(
         self,
@@ -290,21 +306,6 @@ class VllmClientMixin:
 
 class VllmAsyncMPClient(VllmClientMixin, AsyncMPClient):
     """:class:`corewire.AsyncMPClient` built from vLLM's factory arguments (one engine)."""
-
-    def __init__(
-        self,
-        vllm_config: Any,
-        executor_class: Any,
-        log_stats: bool,
-        client_addresses: dict[str, Any] | None = None,
-        client_count: int = 1,
-        client_index: int = 0,
-    ) -> None:
-        kwargs = self._vllm_setup(
-            vllm_config, executor_class, log_stats, client_addresses, client_count, client_index
-        )
-        super().__init__(**kwargs)
-        self._vllm_finish_setup()
 
 
 def _ranks_managed(parallel_config: Any) -> list[int]:

@@ -28,8 +28,8 @@ class _VllmDPMixin(VllmClientMixin):
 
     coordinator_addresses: CoordinatorAddresses
 
-    def _vllm_dp_kwargs(self, *args: Any) -> dict[str, Any]:
-        kwargs = self._vllm_setup(*args)
+    def _vllm_setup(self, *args: Any) -> dict[str, Any]:
+        kwargs = super()._vllm_setup(*args)
         kwargs["data_parallel_size"] = self.vllm_config.parallel_config.data_parallel_size
         kwargs["coordinator_addresses"] = _UNKNOWN
         return kwargs
@@ -49,39 +49,7 @@ class _VllmDPMixin(VllmClientMixin):
 class VllmDPAsyncMPClient(_VllmDPMixin, DPAsyncMPClient):
     """:class:`corewire.DPAsyncMPClient` (external load balancing) from vLLM's arguments."""
 
-    def __init__(
-        self,
-        vllm_config: Any,
-        executor_class: Any,
-        log_stats: bool,
-        client_addresses: dict[str, Any] | None = None,
-        client_count: int = 1,
-        client_index: int = 0,
-    ) -> None:
-        super().__init__(
-            **self._vllm_dp_kwargs(
-                vllm_config, executor_class, log_stats, client_addresses, client_count, client_index
-            )
-        )
-        self._vllm_finish_setup()
-
 
 class VllmDPLBAsyncMPClient(_VllmDPMixin, DPLBAsyncMPClient):
     """:class:`corewire.DPLBAsyncMPClient` (one front-end over N engines) from vLLM's
     arguments."""
-
-    def __init__(
-        self,
-        vllm_config: Any,
-        executor_class: Any,
-        log_stats: bool,
-        client_addresses: dict[str, Any] | None = None,
-        client_count: int = 1,
-        client_index: int = 0,
-    ) -> None:
-        super().__init__(
-            **self._vllm_dp_kwargs(
-                vllm_config, executor_class, log_stats, client_addresses, client_count, client_index
-            )
-        )
-        self._vllm_finish_setup()
