@@ -1,4 +1,4 @@
-"""The ``corewire`` command: ``demo``, ``engine``, ``keygen``.
+"""The ``corewire`` command: ``demo``, ``engine``, ``keygen``, ``bench``.
 
 Each subcommand lives in its own module, which provides ``add_arguments(parser)`` and
 ``run(args) -> int``; this file only dispatches, so a subcommand's heavy imports (torch,
@@ -17,6 +17,7 @@ _COMMANDS: dict[str, tuple[str, str]] = {
     "demo": ("corewire.demo", "run streaming requests against the built-in reference engine"),
     "engine": ("corewire.engine.cli", "start an engine that connects to a listening front-end"),
     "keygen": ("corewire.keygen", "write a ZeroMQ CURVE key pair for engines on other hosts"),
+    "bench": ("corewire.bench", "measure corewire against vLLM 0.25.1 (decode, client, dp, serve)"),
 }
 
 
