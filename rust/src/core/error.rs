@@ -82,8 +82,9 @@ pub enum ErrorKind {
     InvalidUtf8,
     /// A value outside an enumeration (finish_reason, event type).
     InvalidEnum { what: &'static str, value: i128 },
-    /// Nesting deeper than the decoder allows.
-    TooDeep { limit: usize },
+    /// A container at nesting level `depth` (1: the value of a free-form field's
+    /// entry) where at most `limit` levels are allowed.
+    TooDeep { depth: usize, limit: usize },
     /// A msgpack extension type other than 3 (raw array data).
     UnknownExt { code: i8 },
     /// Array data must be extension type 3 or an aux frame index.
@@ -147,8 +148,11 @@ impl fmt::Display for ErrorKind {
             }
             ErrorKind::InvalidUtf8 => write!(f, "invalid UTF-8 in string"),
             ErrorKind::InvalidEnum { what, value } => write!(f, "invalid {what} value {value}"),
-            ErrorKind::TooDeep { limit } => {
-                write!(f, "nesting deeper than {limit} levels")
+            ErrorKind::TooDeep { depth, limit } => {
+                write!(
+                    f,
+                    "value nested {depth} levels deep, deeper than the {limit} allowed"
+                )
             }
             ErrorKind::UnknownExt { code } => write!(f, "unknown msgpack extension type {code}"),
             ErrorKind::BadArrayData { got } => write!(
@@ -194,6 +198,9 @@ pub enum Seg {
     /// A map key itself.
     KeyOf(usize),
 }
+
+/// Path segments shown in full in an error message; longer paths are shortened.
+pub const PATH_SHOWN: usize = 32;
 
 /// A decoding error: what (`kind()`) and where (`path()`, outermost first when displayed).
 ///
@@ -265,10 +272,24 @@ impl DecodeError {
         self.0.path_rev.iter().rev()
     }
 
-    /// The path as text: `outputs[3].new_token_ids[2]`; empty for the top level.
+    /// The path as text: `outputs[3].new_token_ids[2]`; empty for the top level. A path
+    /// longer than [`PATH_SHOWN`] segments (a deeply nested value) shows its first and
+    /// last segments around the count of those left out: `a[0][0]…(980 more)…[0][0]`.
     pub fn path_string(&self) -> String {
         let mut out = String::new();
-        for seg in self.path() {
+        let len = self.0.path_rev.len();
+        let (head, tail) = if len > PATH_SHOWN {
+            (PATH_SHOWN / 2, PATH_SHOWN / 4)
+        } else {
+            (len, 0)
+        };
+        for (n, seg) in self.path().enumerate() {
+            if n == head && head + tail < len {
+                out.push_str(&format!("…({} more)…", len - head - tail));
+            }
+            if n >= head && n < len - tail {
+                continue;
+            }
             match seg {
                 Seg::Field(name) => {
                     if !out.is_empty() {

@@ -11,4 +11,6 @@ pub mod schema;
 pub mod tree;
 
 #[cfg(test)]
+mod depth_tests;
+#[cfg(test)]
 mod schema_tests;

@@ -13,8 +13,17 @@
 use super::error::{ArrayKind, DecodeError, DecodeResult, ErrorKind, Kind};
 use super::msgpack::{check_utf8, Item, Reader, RAW_VIEW_EXT};
 
-/// Deepest nesting of containers inside a free-form (`Any`) field.
-pub const MAX_DEPTH: usize = 64;
+/// Deepest nesting of containers inside a free-form (`Any`) field: the containers a
+/// field's value may hold one inside the other.
+///
+/// vLLM 0.25.1's decoder (msgspec) stops where Python's recursion limit (1000 by
+/// default) runs out, counted from the top of the frame and including its caller's
+/// Python frames: it reads `kv_transfer_params` values up to about 994 levels deep, a
+/// utility result up to about 995, fewer from a deeper call stack. 1000 levels read
+/// every such frame. The walk keeps open containers on a stack on the heap, so the
+/// bound is about the values it hands over, not about the decoder's own stack: walking
+/// at the bound uses no more of the thread's stack than walking a scalar.
+pub const MAX_DEPTH: usize = 1000;
 /// Most dimensions an array may have (numpy 1.x's limit; torch allows more).
 pub const MAX_DIMS: usize = 32;
 
@@ -191,6 +200,7 @@ pub fn decode_outputs<B: Builder>(
         payload_start: payload.as_ptr() as usize,
         b: builder,
         scratch,
+        open: Vec::new(),
     };
     let message = walk.message()?;
     walk.r.finish()?;
@@ -210,6 +220,30 @@ struct Walk<'a, 'b, B: Builder> {
     payload_start: usize,
     b: &'b mut B,
     scratch: &'b mut Scratch,
+    /// The open containers of the free-form value being read, outermost first (empty
+    /// between values; allocated on the first nested container of a message).
+    open: Vec<Open<'a, B::Obj>>,
+}
+
+/// A container of a free-form value whose elements are still being read.
+enum Open<'a, O> {
+    /// A list of `len` elements, `next` of them set; `as_key`: a map key's array, whose
+    /// elements are keys too and which becomes a tuple when complete.
+    List {
+        obj: O,
+        len: usize,
+        next: usize,
+        as_key: bool,
+    },
+    /// A dict of `len` entries, `next` of them set; `key`: the key of entry `next` once
+    /// read (its value is read next), which starts at `key_at` (to name it in errors).
+    Dict {
+        obj: O,
+        len: usize,
+        next: usize,
+        key: Option<O>,
+        key_at: Reader<'a>,
+    },
 }
 
 impl<'a, B: Builder> Walk<'a, '_, B> {
@@ -687,9 +721,24 @@ impl<'a, B: Builder> Walk<'a, '_, B> {
         }
     }
 
-    /// A free-form (`Any`) value; `depth` counts the enclosing free-form containers.
+    /// A free-form (`Any`) value; `depth` counts the free-form containers around it
+    /// (the field's own map or array).
+    ///
+    /// Scalars return at once; containers are read by [`Walk::nested`] without recursion.
+    /// (Out of line: free-form fields are rare and kept off the hot output path.)
+    #[inline(never)]
     fn value(&mut self, depth: usize) -> DecodeResult<B::Obj> {
-        match self.r.next_item()? {
+        let item = self.r.next_item()?;
+        match item {
+            Item::Array(_) | Item::Map(_) => self.nested(depth, item),
+            _ => self.scalar(item),
+        }
+    }
+
+    /// A value that is not a container.
+    #[inline]
+    fn scalar(&mut self, item: Item<'a>) -> DecodeResult<B::Obj> {
+        match item {
             Item::Nil => Ok(self.b.none()),
             Item::Bool(v) => Ok(self.b.bool(v)),
             Item::Int(v) => self.b.int(v),
@@ -701,62 +750,183 @@ impl<'a, B: Builder> Walk<'a, '_, B> {
             Item::Bin(v) => self.b.bytes(v),
             Item::Ext(RAW_VIEW_EXT, v) => self.b.bytes(v),
             Item::Ext(code, _) => Err(DecodeError::new(ErrorKind::UnknownExt { code })),
-            Item::Array(n) => {
-                check_depth(depth)?;
-                let mut list = self.b.list(n)?;
-                for i in 0..n {
-                    let item = self.value(depth + 1).map_err(|e| e.at_index(i))?;
-                    self.b.list_set(&mut list, i, item);
-                }
-                Ok(list)
-            }
-            Item::Map(n) => {
-                check_depth(depth)?;
-                let mut dict = self.b.dict()?;
-                for i in 0..n {
-                    let key_at = self.r.clone();
-                    let key = self.key(depth + 1).map_err(|e| e.at_key_of(i))?;
-                    let value = self
-                        .value(depth + 1)
-                        .map_err(|e| at_map_value(e, key_at.clone(), i))?;
-                    self.b
-                        .dict_set(&mut dict, key, value)
-                        .map_err(|e| at_map_value(e, key_at, i))?;
-                }
-                Ok(dict)
-            }
+            Item::Array(_) | Item::Map(_) => unreachable!("containers are read by nested()"),
         }
     }
 
-    /// A map key: like a value, but arrays become tuples and maps are unhashable.
-    fn key(&mut self, depth: usize) -> DecodeResult<B::Obj> {
-        match self.r.peek_kind() {
-            Kind::Map => Err(DecodeError::new(ErrorKind::UnhashableKey)),
-            Kind::Array => {
-                check_depth(depth)?;
-                let n = self.r.array_len("array")?;
-                let mut list = self.b.list(n)?;
-                for i in 0..n {
-                    let item = self.key(depth + 1).map_err(|e| e.at_index(i))?;
-                    self.b.list_set(&mut list, i, item);
+    /// The container that starts with `first` (its header, already read) and all it
+    /// holds, read with an explicit stack of open containers (`self.open`) instead of
+    /// recursion: the decoder's stack use does not grow with the nesting. `depth`
+    /// counts the containers around `first`.
+    ///
+    /// Map keys are read like values, except that arrays become tuples and maps are
+    /// unhashable (as in Python, and msgspec).
+    #[inline(never)]
+    fn nested(&mut self, depth: usize, first: Item<'a>) -> DecodeResult<B::Obj> {
+        debug_assert!(self.open.is_empty());
+        let r = self.nested_inner(depth, first);
+        if r.is_err() {
+            // Whatever failed, no container stays open for the next value.
+            self.open.clear();
+        }
+        r
+    }
+
+    fn nested_inner(&mut self, depth: usize, first: Item<'a>) -> DecodeResult<B::Obj> {
+        let mut item = first;
+        let mut item_as_key = false;
+        loop {
+            // Read `item`: a complete value, or a container opened (then its first element
+            // is read next).
+            let mut done = match item {
+                Item::Array(n) => {
+                    self.check_depth(depth)?;
+                    let list = self.b.list(n).map_err(|e| self.unwind(e))?;
+                    if n == 0 {
+                        self.complete_list(list, item_as_key)?
+                    } else {
+                        self.open.push(Open::List {
+                            obj: list,
+                            len: n,
+                            next: 0,
+                            as_key: item_as_key,
+                        });
+                        (item, item_as_key) = self.next_element()?;
+                        continue;
+                    }
                 }
-                self.b.tuple_from_list(list)
+                Item::Map(n) => {
+                    self.check_depth(depth)?;
+                    let dict = self.b.dict().map_err(|e| self.unwind(e))?;
+                    if n == 0 {
+                        dict
+                    } else {
+                        self.open.push(Open::Dict {
+                            obj: dict,
+                            len: n,
+                            next: 0,
+                            key: None,
+                            key_at: self.r.clone(),
+                        });
+                        (item, item_as_key) = self.next_element()?;
+                        continue;
+                    }
+                }
+                Item::Str(raw) if item_as_key => {
+                    let r = check_utf8(raw).and_then(|s| self.b.key_str(s));
+                    r.map_err(|e| self.unwind(e))?
+                }
+                other => self.scalar(other).map_err(|e| self.unwind(e))?,
+            };
+            // Hand the complete value to its container, closing every container that it
+            // completes, until one still wants elements (or the outermost is done).
+            loop {
+                match self.open.last_mut() {
+                    None => return Ok(done),
+                    Some(Open::List { obj, len, next, .. }) => {
+                        self.b.list_set(obj, *next, done);
+                        *next += 1;
+                        if *next < *len {
+                            break;
+                        }
+                        let Some(Open::List { obj, as_key, .. }) = self.open.pop() else {
+                            unreachable!("the innermost open container is this list")
+                        };
+                        done = self.complete_list(obj, as_key)?;
+                    }
+                    Some(Open::Dict {
+                        obj,
+                        len,
+                        next,
+                        key,
+                        key_at,
+                    }) => match key.take() {
+                        None => {
+                            *key = Some(done);
+                            break;
+                        }
+                        Some(k) => {
+                            if let Err(e) = self.b.dict_set(obj, k, done) {
+                                let e = at_map_value(e, key_at.clone(), *next);
+                                self.open.pop();
+                                return Err(self.unwind(e));
+                            }
+                            *next += 1;
+                            if *next < *len {
+                                *key_at = self.r.clone();
+                                break;
+                            }
+                            let Some(Open::Dict { obj, .. }) = self.open.pop() else {
+                                unreachable!("the innermost open container is this dict")
+                            };
+                            done = obj;
+                        }
+                    },
+                }
             }
-            Kind::Str => {
-                let s = self.r.str()?;
-                self.b.key_str(s)
-            }
-            _ => self.value(depth),
+            (item, item_as_key) = self.next_element()?;
         }
     }
-}
 
-#[inline]
-fn check_depth(depth: usize) -> DecodeResult<()> {
-    if depth > MAX_DEPTH {
-        return Err(DecodeError::new(ErrorKind::TooDeep { limit: MAX_DEPTH }));
+    /// A list whose elements are all set: the list, or the tuple made of it for a key.
+    #[inline]
+    fn complete_list(&mut self, list: B::Obj, as_key: bool) -> DecodeResult<B::Obj> {
+        if as_key {
+            let r = self.b.tuple_from_list(list);
+            return r.map_err(|e| self.unwind(e));
+        }
+        Ok(list)
     }
-    Ok(())
+
+    /// Reads the header of the next element of the innermost open container (a key
+    /// of a dict whose `key` is unset, else a value), and says whether it is a key.
+    #[inline]
+    fn next_element(&mut self) -> DecodeResult<(Item<'a>, bool)> {
+        let as_key = match self.open.last() {
+            Some(Open::List { as_key, .. }) => *as_key,
+            Some(Open::Dict { key, .. }) => key.is_none(),
+            None => false,
+        };
+        if as_key && self.r.peek_kind() == Kind::Map {
+            return Err(self.unwind(DecodeError::new(ErrorKind::UnhashableKey)));
+        }
+        match self.r.next_item() {
+            Ok(item) => Ok((item, as_key)),
+            Err(e) => Err(self.unwind(e)),
+        }
+    }
+
+    /// Fails if a container opened now would be nested deeper than [`MAX_DEPTH`];
+    /// `depth` counts the containers around the outermost open one.
+    #[inline]
+    fn check_depth(&mut self, depth: usize) -> DecodeResult<()> {
+        let level = depth + self.open.len();
+        if level > MAX_DEPTH {
+            let e = DecodeError::new(ErrorKind::TooDeep {
+                depth: level,
+                limit: MAX_DEPTH,
+            });
+            return Err(self.unwind(e));
+        }
+        Ok(())
+    }
+
+    /// Closes every open container, adding to `e` the path from the outermost to the
+    /// failing value (innermost segment first, as an error bubbling up would).
+    #[cold]
+    #[inline(never)]
+    fn unwind(&mut self, mut e: DecodeError) -> DecodeError {
+        while let Some(open) = self.open.pop() {
+            e = match open {
+                Open::List { next, .. } => e.at_index(next),
+                Open::Dict {
+                    next, key: None, ..
+                } => e.at_key_of(next),
+                Open::Dict { next, key_at, .. } => at_map_value(e, key_at, next),
+            };
+        }
+        e
+    }
 }
 
 /// Adds the key of map entry `entry` (re-read from `key_at`) to an error's path.

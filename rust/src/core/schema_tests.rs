@@ -911,7 +911,13 @@ fn nesting_limit() {
     // MAX_DEPTH containers inside the dict value are fine; one more is not.
     decode(&stats(nest(MAX_DEPTH))).unwrap();
     let err = decode_err(&stats(nest(MAX_DEPTH + 1)));
-    assert_eq!(err.kind(), &ErrorKind::TooDeep { limit: MAX_DEPTH });
+    assert_eq!(
+        err.kind(),
+        &ErrorKind::TooDeep {
+            depth: MAX_DEPTH + 1,
+            limit: MAX_DEPTH
+        }
+    );
     assert!(
         err.path_string()
             .starts_with("scheduler_stats[\"deep\"][0][0]"),
@@ -924,7 +930,10 @@ fn nesting_limit() {
     }
     assert_eq!(
         decode_err(&stats(m)).kind(),
-        &ErrorKind::TooDeep { limit: MAX_DEPTH }
+        &ErrorKind::TooDeep {
+            depth: MAX_DEPTH + 1,
+            limit: MAX_DEPTH
+        }
     );
     // Deeply nested junk in an ignored trailing field is skipped without recursion.
     // (Written by hand: the test writer itself recurses.)
