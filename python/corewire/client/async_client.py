@@ -8,6 +8,7 @@ import contextlib
 import functools
 import inspect
 import logging
+import time
 import weakref
 from collections import deque
 from collections.abc import Awaitable, Callable, Generator
@@ -63,23 +64,76 @@ _SENT = _Sent()
 class OutputQueue:
     """The outputs of an :class:`AsyncMPClient`, in arrival order.
 
-    Like ``asyncio.Queue`` without a size limit, but cheaper, and with a sticky error:
-    after :meth:`set_error`, :meth:`get` returns the queued items, then that error to
-    every caller, for ever.
+    Like ``asyncio.Queue``, but cheaper, and with a sticky error: after
+    :meth:`set_error`, :meth:`get` returns the queued items, then that error to every
+    caller, for ever.
+
+    It counts its backlog (:attr:`held`: the outputs of the queued messages plus one per
+    message). :meth:`put_nowait` never refuses an item; the producer asks :meth:`full`
+    and stops producing, and a getter that takes the backlog down to ``high // 2`` calls
+    :attr:`on_room` once (the producer's cue to go on). ``high`` None: never full.
     """
 
-    __slots__ = ("_error", "_items", "_waiters")
+    __slots__ = (
+        "_error",
+        "_items",
+        "_waiters",
+        "held",
+        "high",
+        "low",
+        "on_room",
+        "pauses",
+        "resumed_at",
+    )
 
-    def __init__(self) -> None:
+    def __init__(self, high: int | None = None) -> None:
         self._items: deque[Any] = deque()
         self._waiters: deque[asyncio.Future[None]] = deque()
         self._error: BaseException | None = None
+        #: Outputs (plus one per message) queued; exceptions count nothing.
+        self.held = 0
+        #: The high-water mark of :attr:`held` (None: unbounded) and the low one.
+        self.high = high
+        self.low = -1 if high is None else high // 2
+        #: Called once when a getter takes :attr:`held` down to :attr:`low` after the
+        #: producer saw :meth:`full` (set by the producer, cleared before the call).
+        self.on_room: Callable[[], None] | None = None
+        #: Times the queue was found full, and when (monotonic) the last such pause
+        #: ended: a health check does not count time in which the backlog was full.
+        self.pauses = 0
+        self.resumed_at = 0.0
 
     def put_nowait(self, item: Any) -> None:
         """Append ``item`` and wake one waiting getter (loop thread only)."""
         self._items.append(item)
+        if not isinstance(item, BaseException):
+            self.held += len(item.outputs) + 1
         if self._waiters:
             self._wake_one()
+
+    def full(self) -> bool:
+        """Whether the backlog reached its high-water mark (the producer should wait
+        for :attr:`on_room`)."""
+        high = self.high
+        if high is None or self.held < high:
+            return False
+        self.pauses += 1
+        return True
+
+    @property
+    def paused(self) -> bool:
+        """Whether the producer waits for room (:attr:`on_room` is set)."""
+        return self.on_room is not None
+
+    def _take(self) -> Any:
+        item = self._items.popleft()
+        if not isinstance(item, BaseException):
+            held = self.held = self.held - len(item.outputs) - 1
+            if held <= self.low and self.on_room is not None:
+                on_room, self.on_room = self.on_room, None
+                self.resumed_at = time.monotonic()
+                on_room()
+        return item
 
     def set_error(self, exc: BaseException) -> None:
         """Make ``exc`` the answer of every later :meth:`get` once the queue is empty."""
@@ -99,7 +153,7 @@ class OutputQueue:
     def get_nowait(self) -> Any:
         """The next item, the sticky error, or ``asyncio.QueueEmpty``."""
         if self._items:
-            return self._items.popleft()
+            return self._take()
         if self._error is not None:
             return self._error
         raise asyncio.QueueEmpty
@@ -158,7 +212,7 @@ class AsyncMPClient(MPClient):
         super().__init__(asyncio_mode=True, **kwargs)
         self.health_check_interval = health_check_interval
         self.health_check_timeout = health_check_timeout
-        self.outputs_queue = OutputQueue()
+        self.outputs_queue = OutputQueue(self.max_output_backlog)
         self.resources.set_fail_queue(self.outputs_queue.set_error)
         try:
             asyncio.get_running_loop()
@@ -222,7 +276,7 @@ class AsyncMPClient(MPClient):
         if resources.output_task is None or resources.loop is not asyncio.get_running_loop():
             self._ensure_output_queue_task()
         queue = self.outputs_queue
-        item = queue._items.popleft() if queue._items else await queue.get()
+        item = queue._take() if queue._items else await queue.get()
         if isinstance(item, BaseException):
             raise self._format_exception(item) from None
         return item  # type: ignore[no-any-return]
@@ -290,20 +344,38 @@ class AsyncMPClient(MPClient):
 
         A failure reply still proves the engine alive. The client's state is left
         unchanged: a later check may pass (a stopped engine that was continued).
+
+        Backpressure: while the output backlog is full, the client reads nothing, and
+        the reply waits behind the outputs the engine sent before it. A window of
+        ``timeout`` seconds in which the backlog was full at any time does not count:
+        the check waits on, and fails only after a whole window in which the client
+        read freely and no reply came (so a slow consumer delays it, and never makes
+        a healthy engine look dead; a hung engine is found ``timeout`` seconds after
+        the consumer caught up).
         """
         self.ensure_alive()
-        calls = [
-            self._call_utility_async(HEALTH_CHECK_METHOD, engine=engine)
-            for engine in self.core_engines
-        ]
+        queue = self.outputs_queue
+        calls = asyncio.gather(
+            *(
+                self._call_utility_async(HEALTH_CHECK_METHOD, engine=engine)
+                for engine in self.core_engines
+            ),
+            return_exceptions=True,
+        )
         try:
-            results = await asyncio.wait_for(
-                asyncio.gather(*calls, return_exceptions=True), timeout
-            )
-        except asyncio.TimeoutError:
-            raise self.resources.dead_error(
-                f"engine core did not answer a health check within {timeout:g} s"
-            ) from None
+            while True:
+                pauses, started = queue.pauses, time.monotonic()
+                done, _ = await asyncio.wait((calls,), timeout=timeout)
+                if done:
+                    break
+                if not queue.paused and queue.pauses == pauses and queue.resumed_at < started:
+                    raise self.resources.dead_error(
+                        f"engine core did not answer a health check within {timeout:g} s"
+                    )
+        finally:
+            if not calls.done():
+                calls.cancel()
+        results = calls.result()
         for result in results:
             if isinstance(result, BaseException) and not isinstance(result, UtilityError):
                 raise self._format_exception(result)
@@ -433,6 +505,8 @@ class _Readable:
 
 #: What the dispatch step returns when the output path must end (the engine is dead).
 _STOP: Any = object()
+#: What a pump returns when the output backlog is full: reading waits for ``on_room``.
+_PAUSED: Any = object()
 
 
 async def _output_loop(
@@ -457,6 +531,11 @@ async def _output_loop(
     descriptor's reader callback: a reply completes its caller's future in the loop
     iteration that saw the descriptor turn readable, one task hand-off sooner. With an
     async hook, the task itself receives and awaits it.
+
+    Backpressure: once the queue's backlog reaches its high-water mark, nothing more is
+    received until the consumer took it down to the low one (``queue.on_room``). The
+    messages then wait in ZeroMQ, whose finite receive limit blocks the engines' sends
+    in turn. A utility reply waits behind the outputs sent before it, as they do.
     """
     # A blocking view of the socket: a direct non-blocking receive costs a fraction of
     # pyzmq's asyncio receive, whose machinery is not needed to wait on the descriptor.
@@ -470,6 +549,8 @@ async def _output_loop(
     decode = decoder.decode
     pop = resources.registry.pop
     put = queue.put_nowait
+    # Checked after each queued message; the queue's own test counts the pause.
+    high = queue.high if queue.high is not None else 1 << 62
     loop = asyncio.get_running_loop()
     stopped: asyncio.Future[None] = loop.create_future()
 
@@ -522,9 +603,10 @@ async def _output_loop(
             resources.mark_dead(f"The client's output task failed: {exc!r}")
         stop()
 
-    def pump() -> bool:
+    def pump() -> Any:
         """Drain up to DRAIN_BUDGET messages; returns True when the budget ran out
-        with messages left (the caller lets the consumer run, then resumes)."""
+        with messages left (the caller lets the consumer run, then resumes), and
+        _PAUSED when the backlog is full (``queue.on_room`` then resumes)."""
         try:
             work = 0
             for n in range(DRAIN_BUDGET):
@@ -545,6 +627,9 @@ async def _output_loop(
                         del client
                     if outputs.outputs or outputs.scheduler_stats:
                         put(outputs)
+                        if queue.held >= high and queue.full():
+                            queue.on_room = on_room
+                            return _PAUSED
                         work += len(outputs.outputs)
                         if work >= OUTPUT_BUDGET:
                             break
@@ -562,10 +647,13 @@ async def _output_loop(
     # already ran does nothing. That loses no wake-up: the resumption drains, or it
     # drained up to an empty queue, after which a new message signals the descriptor
     # again (and a descriptor left unread stays readable).
+    # While the backlog is full, busy stays set: a pump resumes only through on_room.
     busy = False
 
     def resume() -> None:
-        loop.call_soon(resume if pump() else release)
+        more = pump()
+        if more is not _PAUSED:
+            loop.call_soon(resume if more else release)
 
     def release() -> None:
         nonlocal busy
@@ -573,9 +661,17 @@ async def _output_loop(
 
     def on_readable() -> None:
         nonlocal busy
-        if not busy and pump():
-            busy = True
-            loop.call_soon(resume)  # budget spent: the consumer runs first
+        if not busy:
+            more = pump()
+            if more:
+                busy = True
+                if more is not _PAUSED:
+                    loop.call_soon(resume)  # budget spent: the consumer runs first
+
+    def on_room() -> None:
+        # The consumer took the backlog down: read again, after the getter's own turn
+        # (messages that came meanwhile left the descriptor without a new edge).
+        loop.call_soon(resume)
 
     fd = cast(int, raw.getsockopt(zmq.FD))
     readable = _Readable(loop)
@@ -611,6 +707,12 @@ async def _output_loop(
                 del client
                 if outputs.outputs or outputs.scheduler_stats:
                     put(outputs)
+                    if queue.held >= high and queue.full():
+                        room = loop.create_future()
+                        queue.on_room = functools.partial(_set_done, room)
+                        await room
+                        budget, work = DRAIN_BUDGET, 0
+                        continue
                     work += len(outputs.outputs)
             budget -= 1
             if budget == DRAIN_BUDGET - 1 and not get(EVENTS) & POLLIN:
@@ -626,6 +728,11 @@ async def _output_loop(
         fail(exc)
     finally:
         remove_reader()
+
+
+def _set_done(future: asyncio.Future[None]) -> None:
+    if not future.done():
+        future.set_result(None)
 
 
 def _remove_reader(loop: asyncio.AbstractEventLoop, fd: int) -> None:

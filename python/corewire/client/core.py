@@ -33,6 +33,15 @@ DEFAULT_ENGINE_MAIN = "corewire.engine.launch:run_engine_core"
 DEFAULT_READY_TIMEOUT_S = 600.0
 #: Utility method the health check calls: cheap, and every vLLM-style engine has it.
 HEALTH_CHECK_METHOD = "is_sleeping"
+#: Default ``max_output_backlog``: outputs (plus one per message) decoded and waiting for
+#: the consumer, past which the client stops reading its output socket. 64 full batches
+#: of 1024 requests: a consumer that keeps up with its engine never comes near it, and
+#: it bounds a slow one's backlog to tens of MB.
+DEFAULT_MAX_OUTPUT_BACKLOG = 65536
+#: ZeroMQ's receive high-water mark (messages) of the output socket when the backlog is
+#: bounded: what waits undecoded in this process once the client stopped reading; past
+#: it the engines' sends block and their loops pause.
+OUTPUT_RCVHWM = 128
 
 
 def make_output_decoder() -> Any:
@@ -79,6 +88,13 @@ class MPClient:
             ``corewire.engine.launch.run_engine_core`` (a callable or "module:function");
             for engines that speak the protocol without ``EngineCoreProc``.
         engine_options: more keyword arguments for every engine process.
+        max_output_backlog: outputs received and not yet taken by the consumer (each
+            message counts one more than its outputs), past which the client stops
+            reading its output socket until the consumer took half of them; ZeroMQ's
+            high-water marks then block the engines' sends and their loops pause
+            stepping (backpressure: nothing is dropped). None: unbounded, as vLLM.
+            Utility replies travel behind the outputs sent before them and wait as they
+            do; a health check does not count the time the backlog was full.
     """
 
     #: Subclasses (DP) may define ``process_engine_outputs(self, outputs)``, plain or
@@ -100,8 +116,13 @@ class MPClient:
         client_count: int = 1,
         ready_timeout: float = DEFAULT_READY_TIMEOUT_S,
         engine_main: str | Callable[..., Any] = DEFAULT_ENGINE_MAIN,
+        max_output_backlog: int | None = DEFAULT_MAX_OUTPUT_BACKLOG,
         **engine_options: Any,
     ) -> None:
+        if max_output_backlog is not None and max_output_backlog < 2:
+            raise ValueError(f"max_output_backlog must be >= 2 or None, got {max_output_backlog}")
+        #: The output backlog's high-water mark (None: unbounded); see the class docstring.
+        self.max_output_backlog = max_output_backlog
         self.client_index = client_index
         self.client_count = client_count
         self.engine = engine
@@ -167,9 +188,12 @@ class MPClient:
             sock = self.ctx.socket(kind)
         self.resources.sockets.append(sock)
         sock.setsockopt(zmq.LINGER, 0)
-        # Unbounded queues, as vLLM: a full ROUTER pipe would drop requests silently.
+        # Unbounded queues, as vLLM: a full ROUTER pipe would drop requests silently. The
+        # output PULL of a bounded backlog has a finite receive limit, which drops
+        # nothing: its engines' sends block (backpressure).
         sock.setsockopt(zmq.SNDHWM, 0)
-        sock.setsockopt(zmq.RCVHWM, 0)
+        bounded = kind == zmq.PULL and self.max_output_backlog is not None
+        sock.setsockopt(zmq.RCVHWM, OUTPUT_RCVHWM if bounded else 0)
         # The plain client has no CURVE: an address other hosts can reach would let anyone
         # who reaches the port inject requests, so only ipc:// and loopback TCP are bound.
         require_curve_for(address, None)

@@ -8,6 +8,7 @@ import logging
 import os
 import queue
 import threading
+import time
 from typing import Any
 
 import zmq
@@ -24,6 +25,32 @@ __all__ = ["SyncMPClient"]
 logger = logging.getLogger("corewire.client")
 
 _DEAD_LEN = len(ENGINE_CORE_DEAD)
+#: How often a paused output thread looks whether the consumer made room.
+_PAUSE_POLL_MS = 5
+
+
+class _Backlog:
+    """The output backlog of a :class:`SyncMPClient`, counted as outputs plus one per
+    message: ``produced`` is written by the output thread only, ``consumed`` by the
+    consumer only, so neither needs a lock."""
+
+    __slots__ = ("consumed", "high", "low", "paused", "pauses", "produced", "resumed_at")
+
+    def __init__(self, high: int | None) -> None:
+        self.produced = 0
+        self.consumed = 0
+        self.high = high if high is not None else 1 << 62
+        self.low = self.high // 2
+        #: Whether the output thread waits for the consumer (it reads nothing).
+        self.paused = False
+        #: Times it waited, and when (monotonic) it last went on: a health check does
+        #: not count time in which the backlog was full.
+        self.pauses = 0
+        self.resumed_at = 0.0
+
+    def held(self) -> int:
+        """Outputs received and not yet taken."""
+        return self.produced - self.consumed
 
 
 class SyncMPClient(MPClient):
@@ -34,17 +61,29 @@ class SyncMPClient(MPClient):
     :meth:`get_output`. Engine death fails every pending call and output waiter with
     :class:`corewire.EngineDeadError`, and every later call raises it. Parameters as
     :class:`MPClient`. Use it from one thread at a time.
+
+    Backpressure (``max_output_backlog``): past the high-water mark the thread stops
+    reading until :meth:`get_output` took the backlog down to half of it; utility
+    replies behind the waiting outputs wait too (see :meth:`check_health`).
     """
 
     def __init__(self, **kwargs: Any) -> None:
         super().__init__(asyncio_mode=False, **kwargs)
         self.outputs_queue: queue.Queue[Any] = queue.Queue()
+        self._backlog = backlog = _Backlog(self.max_output_backlog)
         resources = self.resources
         resources.set_fail_queue(self.outputs_queue.put_nowait)
         wake_r, wake_w = os.pipe()
         thread = threading.Thread(
             target=_output_thread,
-            args=(self.output_socket, wake_r, self.decoder, resources, self.outputs_queue),
+            args=(
+                self.output_socket,
+                wake_r,
+                self.decoder,
+                resources,
+                self.outputs_queue,
+                backlog,
+            ),
             name="corewire-output-thread",
             daemon=True,
         )
@@ -66,6 +105,7 @@ class SyncMPClient(MPClient):
             if isinstance(item, EngineDeadError):
                 self.outputs_queue.put_nowait(item)  # sticky: every later caller sees it
             raise self._format_exception(item) from None
+        self._backlog.consumed += len(item.outputs) + 1
         return item  # type: ignore[no-any-return]
 
     def _send_input(
@@ -115,17 +155,41 @@ class SyncMPClient(MPClient):
 
     def check_health(self, timeout: float = 5.0) -> None:
         """Raise :class:`EngineDeadError` when the engine is dead or does not answer a
-        cheap utility call within ``timeout`` seconds; a failure reply counts as alive."""
+        cheap utility call within ``timeout`` seconds; a failure reply counts as alive.
+
+        A window of ``timeout`` seconds in which the output backlog was full at any
+        time (the reply waits behind unread outputs) does not count: the check waits
+        on, as :meth:`AsyncMPClient.check_health_async` does."""
         self.ensure_alive()
+        resources = self.resources
+        backlog = self._backlog
         for engine in self.core_engines:
+            future: concurrent.futures.Future[Any] = concurrent.futures.Future()
+            call_id = resources.registry.register(future)
             try:
-                self._call_utility(HEALTH_CHECK_METHOD, (), engine, timeout)
+                self._send_input(
+                    RequestType.UTILITY,
+                    (self.client_index, call_id, HEALTH_CHECK_METHOD, ()),
+                    engine,
+                )
+                while True:
+                    pauses, started = backlog.pauses, time.monotonic()
+                    try:
+                        future.result(timeout)
+                        break
+                    except concurrent.futures.TimeoutError:
+                        if (
+                            not backlog.paused
+                            and backlog.pauses == pauses
+                            and backlog.resumed_at < started
+                        ):
+                            raise resources.dead_error(
+                                f"engine core did not answer a health check within {timeout:g} s"
+                            ) from None
             except UtilityError:
                 pass
-            except TimeoutError:
-                raise self.resources.dead_error(
-                    f"engine core did not answer a health check within {timeout:g} s"
-                ) from None
+            finally:
+                resources.registry.discard(call_id)
 
     def collective_rpc(
         self,
@@ -184,11 +248,16 @@ def _output_thread(
     decoder: Any,
     resources: ClientResources,
     outputs: queue.Queue[Any],
+    backlog: _Backlog,
 ) -> None:
-    """Receive, decode and dispatch frames until woken through ``wake_r``."""
+    """Receive, decode and dispatch frames until woken through ``wake_r``; while the
+    backlog is full, wait for the consumer instead of reading."""
     poller = zmq.Poller()
     poller.register(sock, zmq.POLLIN)
     poller.register(wake_r, zmq.POLLIN)
+    waker = zmq.Poller()
+    waker.register(wake_r, zmq.POLLIN)
+    high = backlog.high
     recv = sock.recv
     decode = decoder.decode
     pop = resources.registry.pop
@@ -223,6 +292,15 @@ def _output_thread(
                 utility = decoded.utility_output
                 if utility is None:
                     put(decoded)
+                    backlog.produced += len(decoded.outputs) + 1
+                    if backlog.produced - backlog.consumed >= high:
+                        backlog.paused = True
+                        backlog.pauses += 1
+                        while backlog.held() > backlog.low:
+                            if waker.poll(_PAUSE_POLL_MS):
+                                return
+                        backlog.resumed_at = time.monotonic()
+                        backlog.paused = False
                     continue
                 future = pop(utility.call_id)
                 if future is not None and not future.done():

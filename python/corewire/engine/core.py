@@ -78,14 +78,37 @@ _IN_UTILITY = 3
 _IN_ADD_FAILED = 4  # an ADD refused undecoded (broken, or its prompt too long), id readable
 _IN_FATAL = 5  # another thread hit a fatal error; the busy loop must go down
 _STOP = (6,)  # request_stop(): leave the busy loop
+_RESUME = (7,)  # from the output thread: the output backlog fell to its low-water mark
 
 # Payload buffers kept for reuse by the output thread; more are allocated while ZeroMQ
 # still holds the ones in flight (slow reader), but only this many are kept afterwards.
 _MAX_FREE_BUFFERS = 8
 # A buffer that grew past this is dropped instead of being kept for reuse.
 _MAX_KEPT_BUFFER_BYTES = 16 << 20
+# Backpressure. Output messages queued for the output thread at which the busy loop
+# stops stepping (the PUSH blocks because the front-end stopped reading), and at which
+# the output thread tells it to go on. A message is one step's outputs: a few queued
+# messages are enough to keep the output thread busy while the loop steps.
+OUTPUT_QUEUE_HIGH = 8
+OUTPUT_QUEUE_LOW = 2
+# Messages the PUSH socket queues for a front-end that is not reading (ZeroMQ's send
+# high-water mark); a send past it blocks. Small, so that a paused front-end holds the
+# engine back soon; a front-end that reads (vLLM's, with an unbounded receive queue)
+# never lets it fill.
+OUTPUT_SNDHWM = 128
+# How often a paused loop looks at the output queue again if no resume note came.
+_PAUSE_POLL_S = 0.05
+# Once a stop is requested, how long the output thread waits for a front-end that takes
+# nothing (it is shutting down without reading) before it drops what is left, and the
+# linger of its sockets after it was blocked.
+_STOP_SEND_WAIT_S = 0.5
+_STOP_LINGER_MS = 500
 # Utilities the engine process itself answers (before the engine's own methods).
 _CORE_UTILITIES = frozenset({"engine_core_counters"})
+
+
+class _Abandoned(Exception):
+    """The front-end took no output for too long after a stop was requested."""
 
 
 class _Encoded:
@@ -185,6 +208,13 @@ class EngineCoreProc:
 
         self.input_queue: queue.SimpleQueue[tuple[Any, ...]] = queue.SimpleQueue()
         self.output_queue: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        # Set by the busy loop when it pauses for the output queue, cleared by the output
+        # thread when it sends the resume note (a plain bool: one writer at a time).
+        self._output_paused = False
+        # When a send last found the front-end not reading (monotonic seconds, 0: never).
+        self._output_blocked_at = 0.0
+        #: Times the busy loop paused stepping because the output queue was full.
+        self.output_pauses = 0
         # A plain bool, not an Event: request_stop() runs inside signal handlers, where
         # taking the Event's lock could deadlock against the interrupted main thread.
         self._stop_requested = False
@@ -317,25 +347,50 @@ class EngineCoreProc:
         return self.engine.has_unfinished_requests()
 
     def _process_input_queue(self) -> None:
-        """Block for input while there is no work, then apply everything queued."""
+        """Block for input while there is no work, or while the output queue is full
+        (backpressure: input is still applied, nothing is stepped), then apply
+        everything queued."""
         get = self.input_queue.get
-        while not self._stop_requested and not self._has_work():
-            if self._pending_finished:
-                self._flush_finished()
-            try:
-                item = get(timeout=self.idle_poll_s)
-            except queue.Empty:
-                self._refused_log.flush()
-                self._duplicate_log.flush()
-                self._on_idle()
-                continue
-            self._handle_input(item)
+        while not self._stop_requested:
+            if not self._has_work():
+                if self._pending_finished:
+                    self._flush_finished()
+                try:
+                    item = get(timeout=self.idle_poll_s)
+                except queue.Empty:
+                    self._refused_log.flush()
+                    self._duplicate_log.flush()
+                    self._on_idle()
+                    continue
+            elif self.output_queue.qsize() >= OUTPUT_QUEUE_HIGH and self._output_full():
+                try:
+                    item = get(timeout=_PAUSE_POLL_S)
+                except queue.Empty:
+                    continue
+            else:
+                break
+            if item is not _RESUME:
+                self._handle_input(item)
         while not self._stop_requested:
             try:
                 item = get(block=False)
             except queue.Empty:
                 return
-            self._handle_input(item)
+            if item is not _RESUME:
+                self._handle_input(item)
+
+    def _output_full(self) -> bool:
+        """Pause stepping until the output thread reports room; False when the queue
+        drained meanwhile. The output thread posts ``_RESUME`` on the input queue."""
+        if not self._output_paused:
+            self._output_paused = True
+            self.output_pauses += 1
+        # Checked again after the flag is set: the output thread may have drained the
+        # queue before it could see the flag (the poll timeout covers any other race).
+        if self.output_queue.qsize() > OUTPUT_QUEUE_LOW:
+            return True
+        self._output_paused = False
+        return False
 
     def _on_idle(self) -> None:
         """Called every ``idle_poll_s`` seconds while the loop waits for input."""
@@ -583,14 +638,16 @@ class EngineCoreProc:
     def engine_core_counters(self) -> dict[str, int]:
         """Input this process dropped or refused since it started (the utility call
         ``engine_core_counters``): frames that did not decode, ADDs dropped for reusing
-        the id of a request in flight, requests finished with ERROR at once, and the
-        warnings about them left out of the log."""
+        the id of a request in flight, requests finished with ERROR at once, the
+        warnings about them left out of the log, and the times the loop paused stepping
+        because the front-end was not taking its outputs (backpressure)."""
         logs = (self._malformed_log, self._refused_log, self._duplicate_log)
         return {
             "malformed_frames": self._malformed_log.total,
             "duplicate_requests": self._duplicate_log.total,
             "refused_requests": self._refused_log.total,
             "log_lines_suppressed": sum(log.suppressed for log in logs),
+            "output_pauses": self.output_pauses,
         }
 
     def _resolve_utility(self, method: str) -> Any:
@@ -747,14 +804,29 @@ class EngineCoreProc:
 
     def _output_thread_main(self) -> None:
         sockets: list[zmq.Socket] = []
+        linger = self.linger_ms
         try:
             for address in self._all_output_addresses():
                 sock = self._ctx.socket(zmq.PUSH)
                 sock.setsockopt(zmq.LINGER, self.linger_ms)
+                sock.setsockopt(zmq.SNDHWM, OUTPUT_SNDHWM)
                 self.configure_socket(sock, address)
                 sock.connect(address)
                 sockets.append(sock)
             self._output_loop(sockets)
+            if time.monotonic() - self._output_blocked_at < 1.0:
+                # The front-end was not reading lately: what ZeroMQ still queues may
+                # never be taken, and must not hold the exit for the whole linger.
+                linger = min(linger, _STOP_LINGER_MS)
+        except _Abandoned:
+            logger.warning(
+                "engine %d stopping: the front-end took no output for %.1f s; dropping "
+                "%d unsent message(s)",
+                self.engine_index,
+                _STOP_SEND_WAIT_S,
+                self.output_queue.qsize(),
+            )
+            linger = 0
         except Exception as exc:
             logger.exception("engine output thread failed")
             with self._dead_lock:
@@ -767,7 +839,7 @@ class EngineCoreProc:
             self.input_queue.put((_IN_FATAL, exc))
         finally:
             for sock in sockets:
-                sock.close(linger=self.linger_ms)
+                sock.close(linger=min(linger, self.linger_ms))
 
     def _output_loop(self, sockets: list[zmq.Socket]) -> None:
         """Encode and send until the stop sentinel.
@@ -783,19 +855,29 @@ class EngineCoreProc:
             collections.deque()
         )
         num_clients = len(self.output_addresses)
-        get = self.output_queue.get
+        output_queue = self.output_queue
+        get = output_queue.get
+        qsize = output_queue.qsize
+        wait = self._wait_writable
         SNDMORE = zmq.SNDMORE
+        NOBLOCK = zmq.NOBLOCK
+        Again = zmq.Again
         while True:
+            if self._output_paused and qsize() <= OUTPUT_QUEUE_LOW:
+                self._output_paused = False
+                self.input_queue.put(_RESUME)
             item = get()
             if item is _STOP:
                 return
             index, message = item
             if message is ENGINE_CORE_DEAD:
                 for sock in sockets[:num_clients]:
+                    wait(sock)
                     sock.send(ENGINE_CORE_DEAD)
                 continue
             sock = sockets[index] if -len(sockets) <= index < len(sockets) else sockets[0]
             if isinstance(message, _Encoded):
+                wait(sock)
                 sock.send_multipart(message.frames, copy=False)
                 continue
             while in_flight and in_flight[0][0].done:
@@ -808,13 +890,34 @@ class EngineCoreProc:
             # send_multipart returns belongs to the last frame, which for a small aux
             # frame (copied) is done at once while ZeroMQ still holds the payload.
             last = len(frames) - 1
-            tracker = sock.send(buf, SNDMORE if last else 0, copy=False, track=True)
+            # Only a message's first part can block (ZeroMQ takes the rest once it took
+            # the first): when the front-end stopped reading, wait for room.
+            try:
+                tracker = sock.send(buf, (SNDMORE if last else 0) | NOBLOCK, copy=False, track=True)
+            except Again:
+                wait(sock)
+                tracker = sock.send(buf, SNDMORE if last else 0, copy=False, track=True)
             for i in range(1, last + 1):
                 sock.send(frames[i], SNDMORE if i < last else 0, copy=False)
             if not isinstance(tracker, zmq.MessageTracker) or tracker.done:
                 free.append(buf)
             else:
                 in_flight.append((tracker, buf, frames))
+
+    def _wait_writable(self, sock: zmq.Socket) -> None:
+        """Return once ``sock`` takes a message; raise :class:`_Abandoned` when a stop
+        was requested and the front-end took nothing for ``_STOP_SEND_WAIT_S``."""
+        if sock.poll(0, zmq.POLLOUT):
+            return
+        deadline = None
+        self._output_blocked_at = time.monotonic()
+        while not sock.poll(50, zmq.POLLOUT):
+            now = self._output_blocked_at = time.monotonic()
+            if self._stop_requested:
+                if deadline is None:
+                    deadline = now + _STOP_SEND_WAIT_S
+                elif now > deadline:
+                    raise _Abandoned
 
 
 class _InputDecoder:
