@@ -602,7 +602,8 @@ def goals(measured: dict[str, Any]) -> list[common.Goal]:
 
 
 def plot(measured: dict[str, Any], path: str) -> None:
-    """µs per frame and frames/s against batch (per GC mode and case), and the utility
+    """Per case, µs per frame (top) and frames/s (bottom) against batch, one colour per
+    client, solid for the default GC and dashed after ``gc.freeze()``; then the utility
     rates (matplotlib)."""
     plt = common.pyplot()
     labels = {
@@ -612,37 +613,46 @@ def plot(measured: dict[str, Any], path: str) -> None:
         "corewire": "corewire AsyncMPClient",
         "d+t": "corewire decode+touch, no I/O",
     }
-    styles = {"raw": ":", "vllm": "-", "baseline": "--", "corewire": "-", "d+t": ":"}
+    colours = {"raw": "grey", "vllm": "C0", "baseline": "C1", "corewire": "C2", "d+t": "C4"}
     markers = {"raw": ".", "vllm": "o", "baseline": "^", "corewire": "s", "d+t": "x"}
-    series = list(dict.fromkeys((r["gc"], r["case"]) for r in measured["stream"]))
-    fig, axes = plt.subplots(
-        2, len(series) + 1, figsize=(5 * (len(series) + 1), 8.5), squeeze=False
-    )
-    for col, (gc_mode, case) in enumerate(series):
-        rows = [r for r in measured["stream"] if r["gc"] == gc_mode and r["case"] == case]
-        xs = [r["batch"] for r in rows]
-        for name in rows[0]["us_per_frame"]:
-            for row_index, key in ((0, "us_per_frame"), (1, "frames_per_s")):
-                axes[row_index][col].plot(
-                    xs,
-                    [r[key][name] for r in rows],
-                    styles[name],
-                    marker=markers[name],
-                    label=labels[name],
-                )
-        for r in rows:
-            ratio = r["ratios"].get(measured["base"])
-            if ratio is not None:
-                axes[0][col].annotate(
-                    f"{ratio:.1f}x",
-                    (r["batch"], r["us_per_frame"]["corewire"]),
-                    textcoords="offset points",
-                    xytext=(0, -13),
-                    ha="center",
-                    fontsize=8,
-                )
-        title = f"{'no logprobs' if case == 'plain' else 'top-5 logprobs'}, {gc_mode} GC"
-        for row_index, ylabel in ((0, "µs per frame (lower is better)"), (1, "frames/s")):
+    lines = {"default": "-", "frozen": "--"}
+    cases = list(dict.fromkeys(r["case"] for r in measured["stream"]))
+    fig, axes = plt.subplots(2, len(cases) + 1, figsize=(5.5 * (len(cases) + 1), 8.5))
+    for col, case in enumerate(cases):
+        for gc_mode in GC_MODES:
+            rows = [r for r in measured["stream"] if r["gc"] == gc_mode and r["case"] == case]
+            if not rows:
+                continue
+            xs = [r["batch"] for r in rows]
+            for name in rows[0]["us_per_frame"]:
+                for row_index, key in ((0, "us_per_frame"), (1, "frames_per_s")):
+                    axes[row_index][col].plot(
+                        xs,
+                        [r[key][name] for r in rows],
+                        lines[gc_mode],
+                        color=colours[name],
+                        marker=markers[name],
+                        # One legend entry per client; the line style says the GC mode.
+                        label=labels[name] if gc_mode == GC_MODES[0] else None,
+                    )
+            for r in rows:
+                ratio = r["ratios"].get(measured["base"])
+                if ratio is not None:
+                    axes[0][col].annotate(
+                        f"{ratio:.1f}x",
+                        (r["batch"], r["us_per_frame"]["corewire"]),
+                        textcoords="offset points",
+                        xytext=(0, -13 if gc_mode == "default" else 6),
+                        ha="center",
+                        fontsize=8,
+                    )
+        for gc_mode in GC_MODES:
+            axes[0][col].plot([], [], lines[gc_mode], color="black", label=f"{gc_mode} GC")
+        title = "no logprobs" if case == "plain" else "top-5 logprobs (inline arrays)"
+        for row_index, ylabel in (
+            (0, "µs per frame, every output touched (lower is better)"),
+            (1, "frames/s (higher is better)"),
+        ):
             ax = axes[row_index][col]
             ax.set_xscale("log", base=2)
             ax.set_yscale("log")
@@ -650,14 +660,14 @@ def plot(measured: dict[str, Any], path: str) -> None:
             ax.set_ylabel(ylabel)
             ax.set_title(title)
             ax.grid(True, which="both", alpha=0.3)
-            ax.legend(fontsize=7)
+        axes[0][col].legend(fontsize=7)
     ax = axes[0][-1]
     names = [n for n in measured["names"] if n != "raw"]
     width = 0.8 / max(len(names), 1)
     for i, name in enumerate(names):
         rates = [r["calls_per_s"].get(name, 0.0) for r in measured["utility"]]
         positions = [j + i * width for j in range(len(rates))]
-        ax.bar(positions, rates, width, label=labels[name])
+        ax.bar(positions, rates, width, color=colours[name], label=labels[name])
     raw = [r["calls_per_s"].get("raw") for r in measured["utility"]]
     if raw and raw[0]:
         ax.axhline(raw[0], color="grey", linestyle=":", label="raw ping-pong (sequential)")
@@ -672,7 +682,9 @@ def plot(measured: dict[str, Any], path: str) -> None:
     ax.set_title("utility round trips (echo)")
     ax.legend(fontsize=7)
     axes[1][-1].axis("off")
-    fig.suptitle(f"Engine-core client streams, ratio to {labels[measured['base']]} annotated")
+    fig.suptitle(
+        f"Engine-core client streams, corewire's ratio to {labels[measured['base']]} annotated"
+    )
     common.save_figure(fig, path)
 
 
