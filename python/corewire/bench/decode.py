@@ -61,7 +61,7 @@ import numpy as np
 import zmq
 
 from corewire import protocol as cw
-from corewire._optional import is_installed
+from corewire._optional import import_optional, is_installed
 from corewire.bench import common
 from corewire.codec import Encoder, MsgspecDecoder, NativeDecoder
 
@@ -80,10 +80,12 @@ def _load_optional(use_vllm: bool) -> None:
     """Import vLLM's structs and codec (when ``use_vllm``) and torch (when installed)."""
     global vllm_engine, vllm_outputs, VllmDecoder, VllmEncoder, torch
     if use_vllm:
-        from vllm.v1 import engine as vllm_engine
-        from vllm.v1 import outputs as vllm_outputs
-        from vllm.v1.serial_utils import MsgpackDecoder as VllmDecoder
-        from vllm.v1.serial_utils import MsgpackEncoder as VllmEncoder
+        purpose = "the decode benchmark's vLLM baseline"
+        vllm_engine = import_optional("vllm.v1.engine", purpose)
+        vllm_outputs = import_optional("vllm.v1.outputs", purpose)
+        serial_utils = import_optional("vllm.v1.serial_utils", purpose)
+        VllmDecoder = serial_utils.MsgpackDecoder
+        VllmEncoder = serial_utils.MsgpackEncoder
     if is_installed("torch"):  # prompt logprobs travel as torch tensors
         import torch
 

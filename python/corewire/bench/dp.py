@@ -35,6 +35,7 @@ from collections.abc import Callable
 from typing import Any
 
 from corewire._native import Router
+from corewire._optional import import_optional
 from corewire.bench import common
 
 __all__ = ["add_arguments", "run"]
@@ -143,9 +144,8 @@ class VllmRule:
     vLLM learns of them only from the coordinator's counts."""
 
     def __init__(self, n: int) -> None:
-        from vllm.v1.engine.core_client import DPLBAsyncMPClient
-
-        self._rule = DPLBAsyncMPClient.get_core_engine_for_request
+        core_client = import_optional("vllm.v1.engine.core_client", "vLLM's DP routing rule")
+        self._rule = core_client.DPLBAsyncMPClient.get_core_engine_for_request
         # The engines' identities are their indexes: the rule returns one of them.
         self._client = types.SimpleNamespace(
             lb_engines=[[0, 0] for _ in range(n)],
