@@ -83,13 +83,31 @@ def check_png(path: Path, min_width: int = 600, min_height: int = 300) -> None:
     assert (pixels.min(axis=2) < 200).mean() > 0.01
 
 
-def test_bench_lists_every_benchmark() -> None:
+def test_bench_lists_every_benchmark(capsys: pytest.CaptureFixture[str]) -> None:
     parser = cli.build_parser("bench")
-    help_text = parser._subparsers._group_actions[0].choices["bench"].format_help()  # type: ignore[union-attr]
+    with pytest.raises(SystemExit) as exc:
+        parser.parse_args(["bench", "--help"])
+    assert exc.value.code == 0
+    help_text = capsys.readouterr().out
     for name in ("decode", "client", "dp", "serve"):
-        assert name in help_text
+        assert f"    {name} " in help_text
     args = parser.parse_args(["bench", "decode", "--quick", "--json", "x.json", "--plot", "x.png"])
     assert (args.bench, args.quick, args.json, args.plot) == ("decode", True, "x.json", "x.png")
+
+
+def test_serve_arguments() -> None:
+    parser = cli.build_parser("bench")
+    args = parser.parse_args(["bench", "serve"])
+    assert (args.streams, args.logprobs, args.clients) == ([64, 256], [0, 5], ["vllm", "corewire"])
+    assert (args.profile, args.no_stats, args.quick, args.json, args.plot) == (
+        True, False, False, None, None,
+    )  # fmt: skip
+    args = parser.parse_args(
+        ["bench", "serve", "--streams", "8,16", "--logprobs", "5", "--clients", "corewire",
+         "--no-profile", "--step-delay", "0.001", "--max-tokens", "32"]
+    )  # fmt: skip
+    assert (args.streams, args.logprobs, args.clients) == ([8, 16], [5], ["corewire"])
+    assert (args.profile, args.step_delay, args.max_tokens) == (False, 0.001, 32)
 
 
 def test_bad_arguments_stop_before_any_run(capsys: pytest.CaptureFixture[str]) -> None:
@@ -98,9 +116,14 @@ def test_bad_arguments_stop_before_any_run(capsys: pytest.CaptureFixture[str]) -
     with pytest.raises(SystemExit) as exc:
         cli.main(["bench", "client", "--cases", "plain:7"])
     assert exc.value.code == 2
-    with pytest.raises(SystemExit) as exc:
-        cli.main(["bench", "serve", "--clients", "vllm,other"])
-    assert exc.value.code == 2
+    for bad in (["--clients", "vllm,other"], ["--streams", "8,x"], ["--logprobs", "-1"]):
+        with pytest.raises(SystemExit) as exc:
+            cli.main(["bench", "serve", *bad])
+        assert exc.value.code == 2
+    capsys.readouterr()
+    assert cli.main(["bench", "serve", "--rounds", "0"]) == 2
+    expected = "must be at least 1" if HAVE_VLLM else "vLLM is not installed"
+    assert expected in capsys.readouterr().err
 
 
 @needs_matplotlib
