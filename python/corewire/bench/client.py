@@ -50,7 +50,7 @@ import sys
 import tempfile
 import time
 import uuid
-from collections.abc import Awaitable
+from collections.abc import Coroutine
 from typing import Any
 
 import msgspec
@@ -205,7 +205,7 @@ class _Engine:
         self.output.bind(self.output_address)
         self.proc = _start_engine(self.input_address, self.output_address)
         self.identity = (0).to_bytes(2, "little")
-        ready = zmq.Socket.shadow(self.input.underlying)
+        ready: zmq.Socket[bytes] = zmq.Socket.shadow(self.input.underlying)
         if not ready.poll(120_000):
             raise TimeoutError("replay engine did not start")
         ready.recv_multipart()
@@ -458,7 +458,7 @@ async def measure(
         )
         print()
         print("1. stream: µs per frame received + every output touched (lower is better)")
-        names = [n for n in ("raw", "vllm", "baseline", "corewire") if n in variants]
+        names: list[str] = [n for n in ("raw", "vllm", "baseline", "corewire") if n in variants]
         header = (
             f"{'gc':<8}{'case':>6}{'batch':>6}"
             + "".join(f"{n:>10}" for n in names)
@@ -753,7 +753,7 @@ def run(args: argparse.Namespace) -> int:
         "uvloop": args.uvloop,
     }
 
-    def coro() -> Awaitable[dict[str, Any]]:
+    def coro() -> Coroutine[Any, Any, dict[str, Any]]:
         return measure(
             quick=args.quick,
             trials=trials,
@@ -766,7 +766,7 @@ def run(args: argparse.Namespace) -> int:
     if args.uvloop:
         import uvloop
 
-        measured = uvloop.run(coro())
+        measured: dict[str, Any] = uvloop.run(coro())
     else:
         measured = asyncio.run(coro())
     found = goals(measured)

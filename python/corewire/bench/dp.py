@@ -100,7 +100,7 @@ def bench_decision_cost(n_calls: int, use_vllm: bool) -> list[dict[str, Any]]:
         + f"{'python/native':>14} {'native-rr':>10}"
         + (f" {'vllm/native':>12}" if use_vllm else "")
     )
-    rows = []
+    rows: list[dict[str, Any]] = []
     for n in (2, 16, 64):
         router = Router(n)
         native = time_decisions(router.choose, router.note_finished, n_calls)
@@ -265,7 +265,7 @@ def bench_spread(scale: float, use_vllm: bool) -> list[dict[str, Any]]:
         f"{'scenario':>8} {'engines':>7} {'policy':>12} {'req max/min':>12} "
         f"{'load max/min':>13} {'worst':>7} {'queue wait':>11} {'last done':>10}"
     )
-    rows = []
+    rows: list[dict[str, Any]] = []
     for scenario in ("burst", "stream"):
         for n in (4, 16):
             capacity = n * max_batch / mean_len  # requests per step the group can finish
