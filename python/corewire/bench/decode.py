@@ -500,7 +500,10 @@ def run(args: argparse.Namespace) -> int:
     use_vllm = vllm_version is not None
     _load_optional(use_vllm)
     if torch is None and "prompt" in cases:
-        print("torch is not installed: the prompt-logprobs case is skipped")
+        print(
+            "torch is not installed: the prompt-logprobs case is skipped"
+            " (pip install 'corewire[torch]')"
+        )
         cases = tuple(c for c in cases if c != "prompt")
 
     print(
