@@ -17,6 +17,7 @@ import time
 from typing import Any
 
 import psutil
+import pytest
 
 from client_support import no_leaks
 from corewire import AsyncMPClient, SyncMPClient
@@ -205,3 +206,50 @@ def test_sync_flood_with_a_slow_consumer_stays_bounded_and_loses_nothing() -> No
             _report("sync flood", peak.growth(), elapsed)
         finally:
             client.shutdown()
+
+
+def test_a_paused_engine_still_takes_aborts_and_utility_calls() -> None:
+    """With the client not reading, the engine stops stepping but not listening: an abort
+    sent then ends the flood; the utility call sent after it is answered behind the
+    outputs already sent, and nothing follows it."""
+    max_tokens, count = 2000, 64
+    with no_leaks():
+        client = AsyncMPClient(
+            engine=SYNTHETIC, engine_args={"max_batch": count}, max_output_backlog=2048
+        )
+        try:
+
+            async def run() -> None:
+                tally = _Tally(max_tokens, count)
+                for req in _requests(max_tokens, count):
+                    await client.add_request_async(req)
+                tally.take(await client.get_output_async())
+                await asyncio.sleep(1.0)  # the backlog fills; the engine pauses
+                assert client.outputs_queue.paused
+                await client.abort_requests_async([f"flood-{i}" for i in range(count)])
+                counters = asyncio.ensure_future(client.call_utility_async("engine_core_counters"))
+                while not counters.done():
+                    tally.take(await client.get_output_async())
+                    await asyncio.sleep(0.001)
+                assert counters.result()["output_pauses"] > 0
+                while not client.outputs_queue.empty():  # read before the reply
+                    tally.take(await client.get_output_async())
+                # Every request stopped where the abort found it (no finish: an abort
+                # has no output), each stream a prefix of the engine's sequence; far
+                # from max_tokens (the engine ran ahead of the client by its queues
+                # only), and nothing comes after the reply.
+                for i in range(count):
+                    got = tally.tokens[f"flood-{i}"]
+                    assert 0 < len(got) < max_tokens // 2
+                    assert got == _expected_tokens(_prompt(i), len(got)), f"flood-{i}"
+                await asyncio.sleep(0.3)
+                assert client.outputs_queue.empty()
+
+            asyncio.run(run())
+        finally:
+            client.shutdown()
+
+
+def test_max_output_backlog_is_checked() -> None:
+    with pytest.raises(ValueError, match="max_output_backlog"):
+        SyncMPClient(engine=SYNTHETIC, max_output_backlog=1)

@@ -101,8 +101,8 @@ _PAUSE_POLL_S = 0.05
 # Once a stop is requested, how long the output thread waits for a front-end that takes
 # nothing (it is shutting down without reading) before it drops what is left, and the
 # linger of its sockets after it was blocked.
-_STOP_SEND_WAIT_S = 0.5
-_STOP_LINGER_MS = 500
+_STOP_SEND_WAIT_S = 0.25
+_STOP_LINGER_MS = 250
 # Utilities the engine process itself answers (before the engine's own methods).
 _CORE_UTILITIES = frozenset({"engine_core_counters"})
 
