@@ -253,3 +253,41 @@ def test_a_paused_engine_still_takes_aborts_and_utility_calls() -> None:
 def test_max_output_backlog_is_checked() -> None:
     with pytest.raises(ValueError, match="max_output_backlog"):
         SyncMPClient(engine=SYNTHETIC, max_output_backlog=1)
+
+
+class _AsyncHookClient(AsyncMPClient):
+    """A client with an async ``process_engine_outputs`` hook (the output task then
+    receives and awaits in a task instead of the reader callback)."""
+
+    async def process_engine_outputs(self, outputs: EngineCoreOutputs) -> None:  # type: ignore[override]
+        await asyncio.sleep(0)
+
+
+@pytest.mark.parametrize("client_class", [AsyncMPClient, _AsyncHookClient], ids=["plain", "hook"])
+def test_the_backlog_stays_under_its_mark(client_class: type[AsyncMPClient]) -> None:
+    """Past ``max_output_backlog`` the client reads nothing more: the queue never holds
+    more than the mark plus one message, and every token still arrives in order."""
+    max_tokens, count, mark = 300, 64, 1024
+    with no_leaks():
+        client = client_class(
+            engine=SYNTHETIC, engine_args={"max_batch": count}, max_output_backlog=mark
+        )
+        try:
+
+            async def run() -> int:
+                tally = _Tally(max_tokens, count)
+                for req in _requests(max_tokens, count):
+                    await client.add_request_async(req)
+                largest = 0
+                while not tally.done():
+                    largest = max(largest, client.outputs_queue.held)
+                    tally.take(await client.get_output_async())
+                    await asyncio.sleep(0.002)
+                tally.check()
+                return largest
+
+            largest = asyncio.run(run())
+            assert mark <= largest <= mark + count + 1
+            assert client.outputs_queue.pauses > 0
+        finally:
+            client.shutdown()

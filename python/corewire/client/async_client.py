@@ -670,8 +670,10 @@ async def _output_loop(
 
     def on_room() -> None:
         # The consumer took the backlog down: read again, after the getter's own turn
-        # (messages that came meanwhile left the descriptor without a new edge).
-        loop.call_soon(resume)
+        # (messages that came meanwhile left the descriptor without a new edge), unless
+        # the output path ended while it waited.
+        if not stopped.done():
+            loop.call_soon(resume)
 
     fd = cast(int, raw.getsockopt(zmq.FD))
     readable = _Readable(loop)
