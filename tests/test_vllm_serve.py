@@ -414,6 +414,30 @@ def test_metrics_prompt_tokens(stack: ServeStack, http: httpx.Client) -> None:
     assert sum(v for _, v in after) - sum(v for _, v in before) == 3
 
 
+def test_corewire_metrics_in_vllms_metrics(stack: ServeStack, http: httpx.Client) -> None:
+    """With the plugin on, corewire's client metrics appear in vLLM's own /metrics (the
+    default registry) and count the messages of a request; with vLLM's client, none."""
+    text = http.get("/metrics").text
+    before = metric_values(text, "corewire_frames_received_total")
+    if stack.client != "corewire":
+        assert "corewire_" not in text
+        return
+    completion(http, prompt="one two three", max_tokens=5, temperature=0.0, ignore_eos=True)
+    text = http.get("/metrics").text
+    after = metric_values(text, "corewire_frames_received_total")
+    assert {labels.get("engine") for labels, _ in after} == {"0"}
+    # At least one message per generated token came through corewire's decoder.
+    assert sum(v for _, v in after) - sum(v for _, v in before) >= 5
+    outputs = metric_values(text, "corewire_outputs_received_total")
+    assert sum(v for _, v in outputs) >= 5
+    for name in (
+        "corewire_decode_seconds_count",
+        "corewire_output_backlog",
+        "corewire_pending_utility_calls",
+    ):
+        assert metric_values(text, name), name
+
+
 # ---------------------------------------------------------------------- own stacks
 
 

@@ -17,12 +17,15 @@ import shutil
 import threading
 import time
 from collections.abc import Callable, Iterable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import zmq
 
 from corewire._native import CallRegistry, SendTracker
 from corewire.errors import EngineDeadError
+
+if TYPE_CHECKING:
+    from corewire.metrics import ClientMetrics
 
 __all__ = ["ClientResources", "stop_processes"]
 
@@ -83,6 +86,8 @@ class ClientResources:
         self._closed_event = threading.Event()
         self._loop_side_closed = False
         self._monitor: _EngineMonitor | None = None
+        #: This client's metrics (:mod:`corewire.metrics`); None when they are off.
+        self.metrics: ClientMetrics | None = None
 
     # -- death -----------------------------------------------------------------------
 
@@ -108,6 +113,8 @@ class ClientResources:
         # Set before looking at the loop: a caller that registers after this line sees
         # the flag (or the closed registry), one that registered before is drained.
         self.engine_dead = True
+        if self.metrics is not None:
+            self.metrics.engine_died()
         self.run_on_owner(self._fail_waiters)
 
     def _fail_waiters(self) -> None:
@@ -205,6 +212,8 @@ class ClientResources:
         if not self.engine_dead:
             self.dead_reason = "The client was shut down."
         self.engine_dead = True
+        if self.metrics is not None:
+            self.metrics.close()
         with self._threads_lock:  # no thread starts after this
             self.closed = True
             threads = list(self.threads)

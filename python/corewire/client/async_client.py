@@ -20,6 +20,7 @@ from corewire.client._resources import ClientResources
 from corewire.client.core import HEALTH_CHECK_METHOD, MPClient, resolve_utility_output
 from corewire.client.salvage import fail_undecodable
 from corewire.errors import EngineDeadError, ProtocolError, UtilityError
+from corewire.metrics import for_client
 from corewire.protocol import ENGINE_CORE_DEAD, EngineCoreOutputs, EngineCoreRequest
 from corewire.protocol import EngineCoreRequestType as RequestType
 
@@ -209,11 +210,17 @@ class AsyncMPClient(MPClient):
         health_check_timeout: float = 5.0,
         **kwargs: Any,
     ) -> None:
+        # Before any engine starts: a bad COREWIRE_METRICS value fails here.
+        metrics = for_client(kwargs.get("client_index", 0))
         super().__init__(asyncio_mode=True, **kwargs)
         self.health_check_interval = health_check_interval
         self.health_check_timeout = health_check_timeout
         self.outputs_queue = OutputQueue(self.max_output_backlog)
         self.resources.set_fail_queue(self.outputs_queue.set_error)
+        if metrics is not None:
+            self.resources.metrics = metrics
+            queue = self.outputs_queue
+            metrics.watch(lambda: queue.held, self.resources.registry.__len__)
         try:
             asyncio.get_running_loop()
         except RuntimeError:
@@ -546,7 +553,9 @@ async def _output_loop(
     EVENTS = zmq.EVENTS
     POLLIN = zmq.POLLIN
     Again = zmq.Again
-    decode = decoder.decode
+    metrics = resources.metrics
+    # Metrics on: a decoder that times and counts each message; off: the plain one.
+    decode = decoder.decode if metrics is None else metrics.wrap_decode(decoder.decode)
     pop = resources.registry.pop
     put = queue.put_nowait
     # Checked after each queued message; the queue's own test counts the pause.
@@ -577,7 +586,7 @@ async def _output_loop(
             outputs = decode(frames)
         except ProtocolError as exc:
             # One bad frame fails alone; the requests in other frames go on.
-            if fail_undecodable(exc, frames, pop):
+            if fail_undecodable(exc, frames, pop, metrics):
                 put(exc)
             return None
         utility = outputs.utility_output

@@ -47,10 +47,13 @@ def readable_ids(frames: list[Any]) -> tuple[int | None, tuple[str, ...]]:
     return call_id, tuple(request_ids)
 
 
-def fail_undecodable(exc: BaseException, frames: list[Any], pop: Any) -> bool:
+def fail_undecodable(exc: BaseException, frames: list[Any], pop: Any, metrics: Any = None) -> bool:
     """Fail the utility caller a bad frame was meant for and note its request ids on
     ``exc``; returns whether ``exc`` should still reach the output queue (it carried
-    request outputs, or nothing could be attributed)."""
+    request outputs, or nothing could be attributed). ``metrics`` (the client's
+    :class:`corewire.metrics.ClientMetrics`, if on) counts the frame."""
+    if metrics is not None:
+        metrics.protocol_error()
     call_id, request_ids = readable_ids(frames)
     exc.request_ids = request_ids  # type: ignore[attr-defined]
     future = pop(call_id) if call_id is not None else None

@@ -17,6 +17,7 @@ from corewire.client._resources import ClientResources
 from corewire.client.core import HEALTH_CHECK_METHOD, MPClient, resolve_utility_output
 from corewire.client.salvage import fail_undecodable
 from corewire.errors import EngineDeadError, ProtocolError, UtilityError
+from corewire.metrics import for_client
 from corewire.protocol import ENGINE_CORE_DEAD, EngineCoreOutputs, EngineCoreRequest
 from corewire.protocol import EngineCoreRequestType as RequestType
 
@@ -68,11 +69,16 @@ class SyncMPClient(MPClient):
     """
 
     def __init__(self, **kwargs: Any) -> None:
+        # Before any engine starts: a bad COREWIRE_METRICS value fails here.
+        metrics = for_client(kwargs.get("client_index", 0))
         super().__init__(asyncio_mode=False, **kwargs)
         self.outputs_queue: queue.Queue[Any] = queue.Queue()
         self._backlog = backlog = _Backlog(self.max_output_backlog)
         resources = self.resources
         resources.set_fail_queue(self.outputs_queue.put_nowait)
+        if metrics is not None:
+            resources.metrics = metrics
+            metrics.watch(backlog.held, resources.registry.__len__)
         wake_r, wake_w = os.pipe()
         thread = threading.Thread(
             target=_output_thread,
@@ -259,7 +265,9 @@ def _output_thread(
     waker.register(wake_r, zmq.POLLIN)
     high = backlog.high
     recv = sock.recv
-    decode = decoder.decode
+    metrics = resources.metrics
+    # Metrics on: a decoder that times and counts each message; off: the plain one.
+    decode = decoder.decode if metrics is None else metrics.wrap_decode(decoder.decode)
     pop = resources.registry.pop
     put = outputs.put_nowait
     NOBLOCK = zmq.NOBLOCK
@@ -286,7 +294,7 @@ def _output_thread(
                 try:
                     decoded = decode(frames)
                 except ProtocolError as exc:
-                    if fail_undecodable(exc, frames, pop):
+                    if fail_undecodable(exc, frames, pop, metrics):
                         put(exc)
                     continue
                 utility = decoded.utility_output

@@ -264,6 +264,9 @@ class VllmClientMixin:
 
     def _note_protocol_error(self, exc: BaseException, request_ids: tuple[str, ...]) -> None:
         self.protocol_errors += 1
+        metrics = self.resources.metrics
+        if metrics is not None:  # the frame itself was counted where it failed to decode
+            metrics.protocol_error_requests(len(request_ids))
         count = self.protocol_errors
         now = time.monotonic()
         if count <= _LOGGED_ERRORS:

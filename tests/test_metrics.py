@@ -1,0 +1,194 @@
+"""Prometheus metrics of corewire's clients, read from prometheus_client's default registry
+while real clients talk to real engine processes."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+
+from client_support import REPLAY, SUPPORT, no_leaks
+from corewire import AsyncMPClient, ProtocolError, SyncMPClient
+from corewire.metrics import ENV_SWITCH, enabled
+
+prometheus_client = pytest.importorskip("prometheus_client")
+pytestmark = pytest.mark.skipif(
+    os.environ.get(ENV_SWITCH, "").strip().lower() in {"0", "false", "no", "off"},
+    reason=f"{ENV_SWITCH} turns metrics off in this environment",
+)
+
+REGISTRY = prometheus_client.REGISTRY
+BATCH = 16
+FRAMES = 50
+
+
+def sample(name: str, **labels: str) -> float:
+    """The current value of one sample (0 before it exists)."""
+    value = REGISTRY.get_sample_value(name, labels)
+    return 0.0 if value is None else value
+
+
+def per_engine(client: AsyncMPClient | SyncMPClient) -> dict[str, str]:
+    return {"client": str(client.client_index), "engine": "0"}
+
+
+def counts(labels: dict[str, str]) -> tuple[float, float, float]:
+    """Messages, outputs and decode observations of one client and engine."""
+    return (
+        sample("corewire_frames_received_total", **labels),
+        sample("corewire_outputs_received_total", **labels),
+        sample("corewire_decode_seconds_count", **labels),
+    )
+
+
+async def wait_for(predicate, timeout: float = 10.0) -> None:  # type: ignore[no-untyped-def]
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, "timed out"
+        await asyncio.sleep(0.01)
+
+
+def test_switch() -> None:
+    """On by default with prometheus_client installed; a value that is neither on nor off
+    is refused, not guessed."""
+    assert enabled()
+    os.environ[ENV_SWITCH] = "maybe"
+    try:
+        with pytest.raises(ValueError, match=ENV_SWITCH):
+            enabled()
+        # A client refuses it before any engine process starts.
+        with no_leaks(), pytest.raises(ValueError, match=ENV_SWITCH):
+            SyncMPClient(engine_main=REPLAY)
+    finally:
+        del os.environ[ENV_SWITCH]
+
+
+async def test_async_client_counts_what_it_received() -> None:
+    with no_leaks():
+        client = AsyncMPClient(engine_main=REPLAY)
+        try:
+            labels = per_engine(client)
+            gauge = {"client": labels["client"]}
+            frames0, outputs0, decoded0 = counts(labels)
+            await client.call_utility_async("replay", BATCH, FRAMES)
+            # Nothing taken yet: everything received waits in the backlog.
+            held = FRAMES * (BATCH + 1)
+            await wait_for(lambda: sample("corewire_output_backlog", **gauge) >= held)
+            assert sample("corewire_output_backlog", **gauge) == held
+            received = 0
+            for _ in range(FRAMES):
+                received += len((await client.get_output_async()).outputs)
+            assert received == FRAMES * BATCH
+            assert sample("corewire_output_backlog", **gauge) == 0
+            frames, outputs, decoded = counts(labels)
+            # The utility reply is a message too (without outputs).
+            assert frames - frames0 == FRAMES + 1
+            assert outputs - outputs0 == received
+            assert decoded - decoded0 == FRAMES + 1
+            assert sample("corewire_decode_seconds_sum", **labels) > 0
+        finally:
+            client.shutdown()
+        # A closed client exports nothing more.
+        assert sample("corewire_output_backlog", **gauge) == 0
+
+
+async def test_pending_utility_calls_gauge() -> None:
+    with no_leaks():
+        client = AsyncMPClient(engine_main=SUPPORT)
+        try:
+            gauge = {"client": str(client.client_index)}
+            assert sample("corewire_pending_utility_calls", **gauge) == 0
+            call = asyncio.ensure_future(client.call_utility_async("block", 0.5))
+            await wait_for(lambda: sample("corewire_pending_utility_calls", **gauge) == 1)
+            await call
+            assert sample("corewire_pending_utility_calls", **gauge) == 0
+        finally:
+            client.shutdown()
+
+
+def test_sync_client_counts_what_it_received() -> None:
+    with no_leaks():
+        client = SyncMPClient(engine_main=REPLAY)
+        try:
+            labels = per_engine(client)
+            frames0, outputs0, _ = counts(labels)
+            client.call_utility("replay", BATCH, FRAMES)
+            received = sum(len(client.get_output(timeout=10).outputs) for _ in range(FRAMES))
+            frames, outputs, _ = counts(labels)
+            assert frames - frames0 == FRAMES + 1
+            assert outputs - outputs0 == received == FRAMES * BATCH
+        finally:
+            client.shutdown()
+
+
+async def test_bad_frame_counts_a_protocol_error() -> None:
+    with no_leaks():
+        client = AsyncMPClient(engine_main=SUPPORT)
+        try:
+            labels = {"client": str(client.client_index)}
+            before = sample("corewire_protocol_errors_total", **labels)
+            assert await client.call_utility_async("garbage", "not_msgpack", "sent") == "sent"
+            with pytest.raises(ProtocolError):
+                await asyncio.wait_for(client.get_output_async(), 10)
+            assert sample("corewire_protocol_errors_total", **labels) == before + 1
+        finally:
+            client.shutdown()
+
+
+async def test_engine_sigkill_counts_a_death() -> None:
+    with no_leaks():
+        client = AsyncMPClient(engine_main=REPLAY)
+        try:
+            labels = {"client": str(client.client_index)}
+            before = sample("corewire_engine_deaths_total", **labels)
+            os.kill(client.engine_pids[0], signal.SIGKILL)
+            await wait_for(lambda: client.engine_dead)
+            assert sample("corewire_engine_deaths_total", **labels) == before + 1
+        finally:
+            client.shutdown()
+        # Shutting a client down is no death.
+        assert sample("corewire_engine_deaths_total", **labels) == before + 1
+
+
+_OFF_SCRIPT = textwrap.dedent(
+    """
+    import asyncio, json
+    from prometheus_client import REGISTRY
+    from corewire import AsyncMPClient
+
+    async def main():
+        client = AsyncMPClient(engine_main="corewire.engine.replay:run_replay_engine")
+        try:
+            await client.call_utility_async("replay", 4, 3)
+            received = [len((await client.get_output_async()).outputs) for _ in range(3)]
+        finally:
+            client.shutdown()
+        names = [m.name for m in REGISTRY.collect() if m.name.startswith("corewire")]
+        print(json.dumps({"received": received, "names": names,
+                          "metrics": client.resources.metrics is not None}))
+
+    asyncio.run(main())
+    """
+)
+
+
+def test_switched_off_registers_nothing() -> None:
+    """COREWIRE_METRICS=0: a client that works registers no metric and binds no hook."""
+    env = {**os.environ, ENV_SWITCH: "0"}
+    done = subprocess.run(
+        [sys.executable, "-c", _OFF_SCRIPT],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+    )
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    assert result == {"received": [4, 4, 4], "names": [], "metrics": False}
