@@ -53,7 +53,6 @@ import uuid
 from collections.abc import Coroutine
 from typing import Any
 
-import msgspec
 import numpy as np
 import zmq
 import zmq.asyncio
@@ -61,8 +60,6 @@ import zmq.asyncio
 from corewire.bench import common
 from corewire.client import AsyncMPClient
 from corewire.codec import Encoder, MsgspecDecoder
-from corewire.engine.interface import EngineInfo
-from corewire.engine.ready import ready_response
 from corewire.engine.replay import EngineLink, ReplayEngine
 from corewire.protocol import (
     ENGINE_CORE_DEAD,
@@ -133,15 +130,7 @@ class BenchEngine(ReplayEngine):
     def utility_replay_case(self, case: str, batch: int, count: int) -> int:
         """After the reply, push ``count`` frames of ``case`` at ``batch``; returns the
         frame's size in bytes."""
-        frame = case_frame(case, batch)
-        send = self.link.outputs.send
-
-        def push_all() -> None:
-            for _ in range(count):
-                send(frame)
-
-        self._after_reply = push_all
-        return len(frame)
+        return self.push_after_reply(case_frame(case, batch), count)
 
 
 def run_bench_engine(
@@ -154,8 +143,6 @@ def run_bench_engine(
 ) -> None:
     """Process target (``engine_main``) running a :class:`BenchEngine`."""
     link = EngineLink(engine_index, input_address, output_address, parent_pid)
-    ready = ready_response(EngineInfo(max_model_len=2048), engine_index=engine_index)
-    link.send_ready = lambda: link.requests.send(msgspec.msgpack.encode(ready))  # type: ignore[method-assign]
     try:
         BenchEngine(link).serve()
     finally:

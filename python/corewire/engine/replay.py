@@ -28,6 +28,8 @@ import msgspec
 import zmq
 
 from corewire.codec import Encoder, MsgspecDecoder
+from corewire.engine.interface import EngineInfo
+from corewire.engine.ready import ready_response
 from corewire.protocol import (
     EngineCoreOutput,
     EngineCoreOutputs,
@@ -92,8 +94,10 @@ class EngineLink:
         self._plain = msgspec.msgpack.Encoder()
 
     def send_ready(self) -> None:
-        """The one ready message, on the requests link."""
-        self.requests.send(msgspec.msgpack.encode({"status": "READY", "local": True}))
+        """The one ready message, on the requests link: a complete ready response, so
+        that vLLM's own client (which decodes it strictly) can drive this engine too."""
+        ready = ready_response(EngineInfo(), engine_index=self.engine_index)
+        self.requests.send(msgspec.msgpack.encode(ready))
 
     def parent_alive(self) -> bool:
         """Whether the process that started this engine is still alive."""
@@ -261,7 +265,11 @@ class ReplayEngine:
     def utility_replay(self, batch: int, count: int) -> int:
         """After the reply, push ``count`` frames of ``batch`` outputs; returns the
         frame's size in bytes."""
-        frame = replay_frame(batch, self.link.engine_index)
+        return self.push_after_reply(replay_frame(batch, self.link.engine_index), count)
+
+    def push_after_reply(self, frame: bytes, count: int) -> int:
+        """Right after the current utility reply, push ``frame`` ``count`` times as fast
+        as ZeroMQ takes it; returns the frame's size in bytes."""
         send = self.link.outputs.send
 
         def push_all() -> None:
