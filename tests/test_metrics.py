@@ -192,3 +192,60 @@ def test_switched_off_registers_nothing() -> None:
     )
     result = json.loads(done.stdout.strip().splitlines()[-1])
     assert result == {"received": [4, 4, 4], "names": [], "metrics": False}
+
+
+_MULTIPROCESS_SCRIPT = textwrap.dedent(
+    """
+    import asyncio, json, time
+    from prometheus_client import CollectorRegistry, multiprocess
+    from corewire import AsyncMPClient
+
+    def samples():
+        registry = CollectorRegistry()
+        multiprocess.MultiProcessCollector(registry)
+        found = {}
+        for metric in registry.collect():
+            for s in metric.samples:
+                if s.name.startswith("corewire_") and not s.name.endswith("_bucket"):
+                    found[s.name] = found.get(s.name, 0) + s.value
+        return found
+
+    async def main():
+        client = AsyncMPClient(engine_main="corewire.engine.replay:run_replay_engine")
+        try:
+            await client.call_utility_async("replay", 4, 3)
+            while client.outputs_queue.held < 15:
+                await asyncio.sleep(0.01)
+            time.sleep(1.5)  # the gauges reach the files once a second
+            held = samples()
+            for _ in range(3):
+                await client.get_output_async()
+        finally:
+            client.shutdown()
+        print(json.dumps(held))
+
+    asyncio.run(main())
+    """
+)
+
+
+def test_multiprocess_mode(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """Under PROMETHEUS_MULTIPROC_DIR (vLLM with several API servers), the multiprocess
+    collector finds every metric, the gauges included, in the files."""
+    env = {**os.environ, "PROMETHEUS_MULTIPROC_DIR": str(tmp_path)}
+    env.pop(ENV_SWITCH, None)
+    done = subprocess.run(
+        [sys.executable, "-c", _MULTIPROCESS_SCRIPT],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+    )
+    found = json.loads(done.stdout.strip().splitlines()[-1])
+    assert found["corewire_frames_received_total"] == 4
+    assert found["corewire_outputs_received_total"] == 12
+    assert found["corewire_decode_seconds_count"] == 4
+    assert found["corewire_output_backlog"] == 15
+    assert found["corewire_pending_utility_calls"] == 0
+    assert found["corewire_engine_deaths_total"] == 0

@@ -3,9 +3,11 @@
 Metrics are on when ``prometheus_client`` is installed (``pip install 'corewire[metrics]'``)
 unless ``COREWIRE_METRICS=0`` (or ``false``, ``no``, ``off``). They live in
 ``prometheus_client``'s default registry, the one vLLM's API server serves at ``/metrics``
-(with ``--api-server-count`` > 1, vLLM's multiprocess collector reads the counters and
-histograms of every API server; the two gauges, read at scrape time, are per process and
-not exported there).
+With ``--api-server-count`` > 1, vLLM serves ``prometheus_client``'s multiprocess
+collector (``PROMETHEUS_MULTIPROC_DIR``), which reads what every API server wrote to its
+files: counters and histograms write there as they count; the two gauges, read from the
+clients at scrape time in one process, are copied there once a second by a thread
+(``livesum``: the live API servers' values added up).
 
 Every client asks :func:`for_client` once, at construction: None when metrics are off,
 so that the clients' hot paths hold either the plain decoder or the timed one of
@@ -53,6 +55,8 @@ _TRUE = frozenset({"", "1", "true", "yes", "on"})
 # Decode time of one message: a few µs (a small frame) to tens of ms (a large batch with
 # logprobs). Few buckets: each observation walks them.
 _DECODE_BUCKETS = (1e-5, 3e-5, 1e-4, 3e-4, 1e-3, 3e-3, 1e-2, 3e-2, 0.1)
+#: Seconds between copies of the gauges to the multiprocess files.
+MULTIPROCESS_REFRESH_S = 1.0
 
 
 def enabled() -> bool:
@@ -88,15 +92,20 @@ class _Family:
             both,
             buckets=_DECODE_BUCKETS,
         )
+        # The environment variable vLLM sets, and reads, for its multiprocess registry.
+        self.multiprocess = os.environ.get("PROMETHEUS_MULTIPROC_DIR") is not None
+        mode = {"multiprocess_mode": "livesum"} if self.multiprocess else {}
         self.backlog = prom.Gauge(
             "corewire_output_backlog",
             "Outputs (plus one per message) received and not yet taken by the consumer.",
             ("client",),
+            **mode,
         )
         self.pending = prom.Gauge(
             "corewire_pending_utility_calls",
             "Utility calls sent and not yet answered.",
             ("client",),
+            **mode,
         )
         self.deaths = prom.Counter(
             "corewire_engine_deaths_total",
@@ -118,6 +127,31 @@ class _Family:
         # replaced under the lock, so a scrape reads one without it.
         self.live: dict[str, tuple[ClientMetrics, ...]] = {}
         self.lock = threading.Lock()
+        self.refresher: threading.Thread | None = None
+
+    def export_gauges(self, client: str) -> None:
+        """Export the gauges of the clients labelled ``client`` (under :attr:`lock`)."""
+        if not self.multiprocess:
+            # Read at scrape time: nothing runs between scrapes.
+            backlog = functools.partial(_sum_live, self, client, "backlog")
+            pending = functools.partial(_sum_live, self, client, "pending")
+            self.backlog.labels(client).set_function(backlog)
+            self.pending.labels(client).set_function(pending)
+        elif self.refresher is None:
+            # The multiprocess collector reads files only: copy the values there.
+            self.refresher = threading.Thread(
+                target=self._refresh, name="corewire-metrics", daemon=True
+            )
+            self.refresher.start()
+
+    def _refresh(self) -> None:
+        while True:
+            with self.lock:
+                clients = list(self.live)
+            for client in clients:
+                self.backlog.labels(client).set(_sum_live(self, client, "backlog"))
+                self.pending.labels(client).set(_sum_live(self, client, "pending"))
+            time.sleep(MULTIPROCESS_REFRESH_S)
 
 
 _family: _Family | None = None
@@ -213,12 +247,7 @@ class ClientMetrics:
             live = family.live.get(self.client, ())
             family.live[self.client] = (*live, self)
             if not live:
-                family.backlog.labels(self.client).set_function(
-                    functools.partial(_sum_live, family, self.client, "backlog")
-                )
-                family.pending.labels(self.client).set_function(
-                    functools.partial(_sum_live, family, self.client, "pending")
-                )
+                family.export_gauges(self.client)
         self._watching = True
 
     def close(self) -> None:
