@@ -249,3 +249,41 @@ def test_multiprocess_mode(tmp_path) -> None:  # type: ignore[no-untyped-def]
     assert found["corewire_output_backlog"] == 15
     assert found["corewire_pending_utility_calls"] == 0
     assert found["corewire_engine_deaths_total"] == 0
+
+
+async def test_vllm_adapter_counts_the_requests_a_bad_frame_ended(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """Under vLLM, a bad frame counts once as a protocol error, and the requests it named
+    (finished with an error instead of failing the server) count too."""
+    pytest.importorskip("vllm")
+    import threading
+
+    from corewire.protocol import FinishReason
+    from corewire.vllm.client import VllmAsyncMPClient
+    from test_vllm_client_faults import _HandEngine, _output
+    from vllm_support import vllm_config, write_model_dir
+
+    config = vllm_config(write_model_dir(tmp_path / "model"))
+    addresses = {
+        "input_address": f"ipc://{tmp_path}/in",
+        "output_address": f"ipc://{tmp_path}/out",
+    }
+    engine: list[_HandEngine] = []
+    joiner = threading.Timer(0.3, lambda: engine.append(_HandEngine(*addresses.values())))
+    joiner.start()
+    client = VllmAsyncMPClient(config, None, False, client_addresses=addresses)
+    joiner.join()
+    hand = engine[0]
+    try:
+        labels = {"client": str(client.client_index)}
+        errors = sample("corewire_protocol_errors_total", **labels)
+        ended = sample("corewire_protocol_error_requests_total", **labels)
+        hand.push([0, [_output("bad", ["x"]), _output("also-bad", [1])], None, 1.0])
+        hand.push(b"\xc1 not msgpack at all")
+        hand.push([0, [_output("good", [7], FinishReason.LENGTH)], None, 2.0])
+        await asyncio.wait_for(client.get_output_async(), 10)
+        await asyncio.wait_for(client.get_output_async(), 10)
+        assert sample("corewire_protocol_errors_total", **labels) == errors + 2
+        assert sample("corewire_protocol_error_requests_total", **labels) == ended + 2
+    finally:
+        client.shutdown()
+        hand.close()
