@@ -159,8 +159,9 @@ async def test_engine_sigkill_counts_a_death() -> None:
 
 _OFF_SCRIPT = textwrap.dedent(
     """
-    import asyncio, json
-    from prometheus_client import REGISTRY
+    import asyncio, json, sys
+    if sys.argv[1] == "absent":
+        sys.modules["prometheus_client"] = None  # an import of it now fails
     from corewire import AsyncMPClient
 
     async def main():
@@ -170,7 +171,10 @@ _OFF_SCRIPT = textwrap.dedent(
             received = [len((await client.get_output_async()).outputs) for _ in range(3)]
         finally:
             client.shutdown()
-        names = [m.name for m in REGISTRY.collect() if m.name.startswith("corewire")]
+        names = []
+        if sys.argv[1] == "env":
+            from prometheus_client import REGISTRY
+            names = [m.name for m in REGISTRY.collect() if m.name.startswith("corewire")]
         print(json.dumps({"received": received, "names": names,
                           "metrics": client.resources.metrics is not None}))
 
@@ -179,11 +183,16 @@ _OFF_SCRIPT = textwrap.dedent(
 )
 
 
-def test_switched_off_registers_nothing() -> None:
-    """COREWIRE_METRICS=0: a client that works registers no metric and binds no hook."""
-    env = {**os.environ, ENV_SWITCH: "0"}
+@pytest.mark.parametrize("off", ["env", "absent"])
+def test_switched_off_registers_nothing(off: str) -> None:
+    """COREWIRE_METRICS=0, or prometheus_client not installed: a client that works
+    registers no metric and binds no hook."""
+    env = {**os.environ}
+    env.pop(ENV_SWITCH, None)
+    if off == "env":
+        env[ENV_SWITCH] = "0"
     done = subprocess.run(
-        [sys.executable, "-c", _OFF_SCRIPT],
+        [sys.executable, "-c", _OFF_SCRIPT, off],
         env=env,
         capture_output=True,
         text=True,
