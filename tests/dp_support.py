@@ -1,4 +1,4 @@
-"""Helpers for the data-parallel tests: raw peers of the coordinator, requests, waits."""
+"""Helpers for the data-parallel tests: raw peers of the coordinator, waits."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import zmq
 
 from corewire.coordinator import CoordinatorAddresses
 from corewire.keygen import CurveClientKeys, apply_client
-from corewire.protocol import EngineCoreRequest, FinishReason, SamplingParams
+from corewire.protocol import FinishReason
 
 T = TypeVar("T")
 
@@ -164,21 +164,6 @@ class EnginePeer:
 LIGHT: dict[str, Any] = {"num_threads": 1, "device": "cpu"}
 
 
-def request(
-    request_id: str,
-    max_tokens: int = 4,
-    rank: int | None = None,
-    prompt: list[int] | None = None,
-) -> EngineCoreRequest:
-    """A generation request that runs exactly ``max_tokens`` steps."""
-    return EngineCoreRequest(
-        request_id=request_id,
-        prompt_token_ids=prompt or [5, 6, 7],
-        sampling_params=SamplingParams(max_tokens=max_tokens, ignore_eos=True, temperature=0.0),
-        data_parallel_rank=rank,
-    )
-
-
 class Finished(NamedTuple):
     """How one request ended, as the client saw it."""
 
@@ -265,6 +250,7 @@ def netns_front_end() -> int:
     import json
     import sys
 
+    from client_support import request
     from corewire import DPLBAsyncMPClient
 
     address, keys = sys.argv[1], sys.argv[2]
