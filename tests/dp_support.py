@@ -1,8 +1,9 @@
-"""Helpers for the data-parallel tests: raw peers of the coordinator, waits."""
+"""Helpers for the data-parallel tests: raw peers of the coordinator, waits, free ports."""
 
 from __future__ import annotations
 
 import asyncio
+import socket
 import time
 from collections.abc import Callable, Collection
 from pathlib import Path
@@ -216,10 +217,16 @@ def run_keygen(directory: Path, clients: int) -> int:
     return keygen.run(parser.parse_args([str(directory), "--clients", str(clients)]))
 
 
+def free_tcp_port() -> int:
+    """A loopback TCP port that was free a moment ago."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
 def free_port_block(count: int = 4) -> int:
     """A base port such that ``base .. base+count-1`` on 127.0.0.1 were all free."""
     import random
-    import socket
 
     rng = random.Random()
     for _ in range(200):
