@@ -100,8 +100,9 @@ def no_leaks(
     inside is left and no child process runs but multiprocessing's session helpers and
     the ``allowed`` pids (a callable is asked at the end, for a set that changes).
 
-    ``fds=False`` leaves descriptors out: the check after every test does, because the
-    first test to import torch or vLLM opens files that those keep for the session.
+    ``fds=False`` leaves descriptors out: the check after every test does, because vLLM's
+    own front-end classes in the interop tests keep some past a test (two pipes after
+    the DP-coordinator handshake test); the client and fault tests check them.
     Leaked processes are killed before failing, so that one leak does not fail the tests
     after it too. An exception from the body passes through unchecked.
     """
