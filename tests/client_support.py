@@ -1,4 +1,4 @@
-"""Engines that misbehave on purpose, and leak checks, for the client and fault tests.
+"""Engines that misbehave on purpose, and requests, for the client, fault and DP tests.
 
 Everything here is importable in a spawned engine process: ``multiprocessing``'s spawn
 start method gives the child the parent's ``sys.path``, which holds ``tests/`` under
@@ -8,16 +8,11 @@ pytest, so ``engine_main="client_support:run_support_engine"`` and
 
 from __future__ import annotations
 
-import contextlib
 import os
-import threading
 import time
-from collections.abc import Iterator
 from typing import Any
 
 import msgspec
-import psutil
-import zmq
 
 from corewire.engine.interface import Engine
 from corewire.engine.replay import EngineLink, ReplayEngine
@@ -26,28 +21,10 @@ from corewire.protocol import (
     EngineCoreOutput,
     EngineCoreOutputs,
     EngineCoreRequest,
+    SamplingParams,
     UtilityOutput,
     UtilityResult,
 )
-
-
-def _warm_up_pyzmq_zero_copy() -> None:
-    """pyzmq frees zero-copy frames through one process-wide helper thread, with its own
-    context and socket, made on the first zero-copy send and kept for the process's
-    life. Make them now, at collection, so that no test sees them appear as leaks."""
-    ctx = zmq.Context()
-    a, b = ctx.socket(zmq.PAIR), ctx.socket(zmq.PAIR)
-    a.bind("inproc://warm-up")
-    b.connect("inproc://warm-up")
-    tracker = a.send(bytearray(1 << 17), copy=False, track=True)
-    b.recv(copy=False)
-    tracker.wait(10)
-    a.close(linger=0)
-    b.close(linger=0)
-    ctx.term()
-
-
-_warm_up_pyzmq_zero_copy()
 
 REPLAY = "corewire.engine.replay:run_replay_engine"
 SUPPORT = "client_support:run_support_engine"
@@ -205,75 +182,18 @@ class BrokenEngine(FailingEngine):
         raise RuntimeError("engine constructor failed (on purpose)")
 
 
-# -- leak checks -------------------------------------------------------------------------
-
-
-def _fds() -> dict[str, str]:
-    out = {}
-    for fd in os.listdir("/proc/self/fd"):
-        with contextlib.suppress(OSError):
-            out[fd] = os.readlink(f"/proc/self/fd/{fd}")
-    return out
-
-
-def _live_children() -> set[int]:
-    pids = set()
-    for child in psutil.Process().children(recursive=True):
-        with contextlib.suppress(psutil.Error):
-            if child.status() != psutil.STATUS_ZOMBIE and "resource_tracker" not in " ".join(
-                child.cmdline()
-            ):
-                pids.add(child.pid)
-    return pids
-
-
-@contextlib.contextmanager
-def no_leaks(grace: float = 5.0) -> Iterator[None]:
-    """Fail unless every fd, thread and child process made inside is gone at the end."""
-    from multiprocessing import resource_tracker
-
-    resource_tracker.ensure_running()  # a session-wide helper: not a leak
-    fds_before = _fds()
-    threads_before = set(threading.enumerate())
-    children_before = _live_children()
-    yield
-    deadline = time.monotonic() + grace
-    while True:
-        new_fds = {fd: target for fd, target in _fds().items() if fd not in fds_before}
-        new_threads = [t for t in threading.enumerate() if t not in threads_before]
-        new_children = _live_children() - children_before
-        if not (new_fds or new_threads or new_children):
-            return
-        if time.monotonic() > deadline:
-            raise AssertionError(
-                f"leaked fds {new_fds}, threads {[t.name for t in new_threads]}, "
-                f"processes {sorted(new_children)}"
-            )
-        time.sleep(0.05)
-
-
-def wait_pid_gone(pid: int, timeout: float) -> bool:
-    """Whether process ``pid`` exits (or turns zombie) within ``timeout`` seconds."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        try:
-            if psutil.Process(pid).status() == psutil.STATUS_ZOMBIE:
-                return True
-        except psutil.NoSuchProcess:
-            return True
-        time.sleep(0.05)
-    return False
-
-
-def request(request_id: str, max_tokens: int = 4, **kwargs: Any) -> EngineCoreRequest:
-    """A generation request with greedy sampling."""
-    from corewire.protocol import SamplingParams
-
+def request(
+    request_id: str, max_tokens: int = 4, rank: int | None = None, **fields: Any
+) -> EngineCoreRequest:
+    """A greedy generation request that runs exactly ``max_tokens`` steps (it ignores EOS),
+    for the data-parallel rank ``rank`` when one is given; ``fields`` are further
+    ``EngineCoreRequest`` fields."""
     return EngineCoreRequest(
         request_id=request_id,
         prompt_token_ids=[1, 2, 3],
-        sampling_params=SamplingParams(max_tokens=max_tokens, temperature=0.0),
-        **kwargs,
+        sampling_params=SamplingParams(max_tokens=max_tokens, ignore_eos=True, temperature=0.0),
+        data_parallel_rank=rank,
+        **fields,
     )
 
 
@@ -292,8 +212,6 @@ __all__ = [
     "FailingEngine",
     "SupportEngine",
     "finished",
-    "no_leaks",
     "request",
     "run_support_engine",
-    "wait_pid_gone",
 ]

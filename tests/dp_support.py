@@ -1,8 +1,9 @@
-"""Helpers for the data-parallel tests: raw peers of the coordinator, requests, waits."""
+"""Helpers for the data-parallel tests: raw peers of the coordinator, waits, free ports."""
 
 from __future__ import annotations
 
 import asyncio
+import socket
 import time
 from collections.abc import Callable, Collection
 from pathlib import Path
@@ -13,7 +14,7 @@ import zmq
 
 from corewire.coordinator import CoordinatorAddresses
 from corewire.keygen import CurveClientKeys, apply_client
-from corewire.protocol import EngineCoreRequest, FinishReason, SamplingParams
+from corewire.protocol import FinishReason
 
 T = TypeVar("T")
 
@@ -164,21 +165,6 @@ class EnginePeer:
 LIGHT: dict[str, Any] = {"num_threads": 1, "device": "cpu"}
 
 
-def request(
-    request_id: str,
-    max_tokens: int = 4,
-    rank: int | None = None,
-    prompt: list[int] | None = None,
-) -> EngineCoreRequest:
-    """A generation request that runs exactly ``max_tokens`` steps."""
-    return EngineCoreRequest(
-        request_id=request_id,
-        prompt_token_ids=prompt or [5, 6, 7],
-        sampling_params=SamplingParams(max_tokens=max_tokens, ignore_eos=True, temperature=0.0),
-        data_parallel_rank=rank,
-    )
-
-
 class Finished(NamedTuple):
     """How one request ended, as the client saw it."""
 
@@ -231,10 +217,16 @@ def run_keygen(directory: Path, clients: int) -> int:
     return keygen.run(parser.parse_args([str(directory), "--clients", str(clients)]))
 
 
+def free_tcp_port() -> int:
+    """A loopback TCP port that was free a moment ago."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
 def free_port_block(count: int = 4) -> int:
     """A base port such that ``base .. base+count-1`` on 127.0.0.1 were all free."""
     import random
-    import socket
 
     rng = random.Random()
     for _ in range(200):
@@ -265,6 +257,7 @@ def netns_front_end() -> int:
     import json
     import sys
 
+    from client_support import request
     from corewire import DPLBAsyncMPClient
 
     address, keys = sys.argv[1], sys.argv[2]

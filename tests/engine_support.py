@@ -23,7 +23,6 @@ from pathlib import Path
 from typing import Any
 
 import msgspec
-import psutil
 import torch
 import zmq
 
@@ -236,24 +235,6 @@ class FrontEnd:
         self.ctx.term()
 
 
-def gone(pid: int) -> bool:
-    """Whether ``pid`` has exited (a zombie nobody reaped yet counts as gone)."""
-    try:
-        return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
-    except psutil.NoSuchProcess:
-        return True
-
-
-def wait_gone(pid: int, timeout: float) -> bool:
-    """Wait up to ``timeout`` seconds for ``pid`` to exit."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if gone(pid):
-            return True
-        time.sleep(0.05)
-    return gone(pid)
-
-
 def start_engine_then_wait(
     input_address: str, output_address: str, conn: multiprocessing.connection.Connection
 ) -> None:
@@ -371,35 +352,3 @@ class BigPayloadEngine(QuietEngine):
     def has_unfinished_requests(self) -> bool:
         """Work while a request is present."""
         return bool(self.requests)
-
-
-# ---------------------------------------------------------------------- leak checks
-
-
-def stray_children(allowed: Iterable[int] = ()) -> list[psutil.Process]:
-    """Live child processes of this test process, except multiprocessing's session
-    helpers and the ``allowed`` pids (a module's shared engine)."""
-    allowed = set(allowed)
-    strays = []
-    for child in psutil.Process().children(recursive=True):
-        try:
-            if child.pid in allowed or child.status() == psutil.STATUS_ZOMBIE:
-                continue
-            cmdline = " ".join(child.cmdline())
-        except psutil.NoSuchProcess:
-            continue
-        if "resource_tracker" not in cmdline and "forkserver" not in cmdline:
-            strays.append(child)
-    return strays
-
-
-def assert_no_stray_children(allowed: Iterable[int] = (), grace: float = 5.0) -> None:
-    """Fail (after killing them) if child processes other than ``allowed`` remain."""
-    deadline = time.monotonic() + grace
-    while stray_children(allowed) and time.monotonic() < deadline:
-        time.sleep(0.05)
-    strays = stray_children(allowed)
-    for child in strays:
-        child.kill()
-    psutil.wait_procs(strays, timeout=5)
-    assert not strays, f"test leaked processes {[c.pid for c in strays]}"

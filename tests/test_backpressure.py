@@ -19,9 +19,9 @@ from typing import Any
 import psutil
 import pytest
 
-from client_support import no_leaks
 from corewire import AsyncMPClient, SyncMPClient
 from corewire.protocol import EngineCoreOutputs, EngineCoreRequest, FinishReason, SamplingParams
+from leak_support import no_leaks
 
 SYNTHETIC = "corewire.engine.synthetic:SyntheticEngine"
 #: Requests streaming at once (async test; the sync one, slower per batch, runs twice

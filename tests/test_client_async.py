@@ -17,11 +17,12 @@ import pytest
 import torch
 import uvloop
 
-from client_support import REPLAY, SUPPORT, finished, no_leaks, request
+from client_support import REPLAY, SUPPORT, finished, request
 from corewire import AsyncMPClient, EngineDeadError, UtilityError
 from corewire.client.async_client import DRAIN_BUDGET
 from corewire.engine.replay import run_replay_engine
 from corewire.protocol import EngineCoreOutputs
+from leak_support import no_leaks
 
 
 async def collect(client: AsyncMPClient, n_requests: int) -> dict[str, list[int]]:

@@ -13,8 +13,8 @@ import termios
 
 import pytest
 
-from client_support import no_leaks
 from corewire.cli import main
+from leak_support import no_leaks
 
 
 def test_demo_prints_throughput_and_latency_percentiles(capsys: pytest.CaptureFixture[str]) -> None:

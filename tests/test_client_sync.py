@@ -12,8 +12,9 @@ import weakref
 
 import pytest
 
-from client_support import REPLAY, SUPPORT, finished, no_leaks, request, wait_pid_gone
+from client_support import REPLAY, SUPPORT, finished, request
 from corewire import EngineDeadError, SyncMPClient, UtilityError
+from leak_support import no_leaks, wait_pid_gone
 
 
 def test_streaming_and_utility_calls() -> None:

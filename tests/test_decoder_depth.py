@@ -171,8 +171,9 @@ def test_bound_on_a_thread_with_a_small_stack() -> None:
 async def test_a_deep_utility_result_reaches_its_caller() -> None:
     """A real engine echoes a value 800 levels deep (deeper than the old bound of 64, as
     deep as vLLM's own client reads from its asyncio loop): the call completes with it."""
-    from client_support import REPLAY, no_leaks
+    from client_support import REPLAY
     from corewire import AsyncMPClient
+    from leak_support import no_leaks
 
     value: list[Any] = []
     for _ in range(799):

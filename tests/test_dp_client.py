@@ -15,10 +15,11 @@ from collections.abc import Callable
 import psutil
 import pytest
 
+from client_support import request
 from corewire import DPAsyncMPClient, DPLBAsyncMPClient, EngineDeadError, UtilityError
 from corewire.client.dp import DPConsensusError
 from corewire.protocol import FinishReason
-from dp_support import LIGHT, EnginePeer, Sockets, collect_finished, request, wait_until
+from dp_support import LIGHT, EnginePeer, Sockets, collect_finished, wait_until
 
 
 async def engine_states(client: DPAsyncMPClient) -> list[dict]:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import socket
 import stat
 import subprocess
 import sys
@@ -24,14 +23,14 @@ from corewire.keygen import (
     is_loopback_address,
     require_curve_for,
 )
-from dp_support import EnginePeer, FrontEndPeer, Sockets, coordinator_addresses, run_keygen
-
-
-def free_port() -> int:
-    """A TCP port on 127.0.0.1 that was free a moment ago."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+from dp_support import (
+    EnginePeer,
+    FrontEndPeer,
+    Sockets,
+    coordinator_addresses,
+    free_tcp_port,
+    run_keygen,
+)
 
 
 @pytest.fixture
@@ -211,7 +210,7 @@ def test_authenticator_stops_on_collection(keys: Path) -> None:
 
 def test_coordinator_behind_curve(keys: Path, ipc_dir: Path) -> None:
     addresses = coordinator_addresses(ipc_dir).with_remote(
-        f"tcp://127.0.0.1:{free_port()}", f"tcp://127.0.0.1:{free_port()}"
+        f"tcp://127.0.0.1:{free_tcp_port()}", f"tcp://127.0.0.1:{free_tcp_port()}"
     )
     coord = DPCoordinator(2, addresses, curve_server_dir=keys / "server")
     sockets = Sockets()
@@ -244,6 +243,6 @@ def test_remote_listening_needs_keys_unless_loopback(ipc_dir: Path) -> None:
     with pytest.raises(ValueError, match="CURVE"):
         DPCoordinator(1, exposed)
     loopback = coordinator_addresses(ipc_dir).with_remote(
-        f"tcp://127.0.0.1:{free_port()}", f"tcp://127.0.0.1:{free_port()}"
+        f"tcp://127.0.0.1:{free_tcp_port()}", f"tcp://127.0.0.1:{free_tcp_port()}"
     )
     DPCoordinator(1, loopback).shutdown()

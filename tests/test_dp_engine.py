@@ -15,8 +15,9 @@ import msgspec
 import pytest
 import zmq
 
+from client_support import request
 from corewire.protocol import FinishReason
-from dp_support import LIGHT, request
+from dp_support import LIGHT
 from engine_support import START_DP_WAVE, FrontEnd
 
 

@@ -18,9 +18,10 @@ from pathlib import Path
 
 import pytest
 
+from client_support import request
 from corewire import DPAsyncMPClient, DPLBAsyncMPClient
 from corewire.coordinator import TcpEndpoints
-from dp_support import LIGHT, collect_finished, free_port_block, request, run_keygen
+from dp_support import LIGHT, collect_finished, free_port_block, run_keygen
 
 TESTS_DIR = Path(__file__).resolve().parent
 

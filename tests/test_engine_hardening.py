@@ -27,7 +27,6 @@ import msgspec
 import numpy as np
 import psutil
 import pytest
-from zmq.utils.garbage import GarbageCollectorThread
 
 from corewire.engine.reference import ReferenceEngine
 from corewire.protocol import (
@@ -43,9 +42,9 @@ from engine_support import (
     LIGHT_REFERENCE,
     UTILITY,
     FrontEnd,
-    assert_no_stray_children,
 )
 from hook_engine import INTERNAL_ERROR_ID, VALUE_ERROR_WITH_PATH_ID
+from leak_support import no_leaks
 
 MAX_MODEL_LEN = 512
 _SHARED_PIDS: set[int] = set()
@@ -56,21 +55,8 @@ _encode = msgspec.msgpack.encode
 def no_leaked_processes_or_threads() -> Iterator[None]:
     """The suite's leak check, except that the module's shared engine may outlive a test
     (its own clean exit is checked when the module ends)."""
-    threads_before = {t.ident for t in threading.enumerate()}
-    yield
-    assert_no_stray_children(_SHARED_PIDS)
-    deadline = time.monotonic() + 5
-    threads: list[threading.Thread] = []
-    while time.monotonic() < deadline:
-        threads = [
-            t
-            for t in threading.enumerate()
-            if t.ident not in threads_before and not isinstance(t, GarbageCollectorThread)
-        ]
-        if not threads:
-            break
-        time.sleep(0.05)
-    assert not threads, f"test leaked threads {[t.name for t in threads]}"
+    with no_leaks(fds=False, allowed=_SHARED_PIDS):
+        yield
 
 
 @pytest.fixture(scope="module")

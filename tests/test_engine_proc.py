@@ -17,7 +17,6 @@ import signal
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -43,11 +42,9 @@ from engine_support import (
     START_DP_WAVE,
     UTILITY,
     FrontEnd,
-    assert_no_stray_children,
-    gone,
     start_engine_then_wait,
-    wait_gone,
 )
+from leak_support import no_leaks, pid_gone, wait_pid_gone
 
 ENGINE_INDEX = 3
 _SHARED_PIDS: set[int] = set()
@@ -57,16 +54,8 @@ _SHARED_PIDS: set[int] = set()
 def no_leaked_processes_or_threads() -> Iterator[None]:
     """Like the suite-wide leak check, but the module's shared engine may outlive a test
     (its own exit is checked when the module ends)."""
-    threads_before = {t.ident for t in threading.enumerate()}
-    yield
-    assert_no_stray_children(_SHARED_PIDS)
-    deadline = time.monotonic() + 5
-    while time.monotonic() < deadline:
-        threads = [t for t in threading.enumerate() if t.ident not in threads_before]
-        if not threads:
-            break
-        time.sleep(0.05)
-    assert not threads, f"test leaked threads {[t.name for t in threads]}"
+    with no_leaks(fds=False, allowed=_SHARED_PIDS):
+        yield
 
 
 @pytest.fixture(scope="module")
@@ -79,20 +68,21 @@ def private_dir() -> Iterator[Path]:
 
 @pytest.fixture(scope="module")
 def ref(private_dir: Path) -> Iterator[FrontEnd]:
-    """A front-end with one reference engine (index 3, events on) shared by the module."""
-    fe = FrontEnd(private_dir, "shared")
-    proc = fe.start_engine(None, {**LIGHT_REFERENCE, "record_events": True}, ENGINE_INDEX)
-    _SHARED_PIDS.add(proc.pid)
-    fe.ready = fe.wait_ready()  # type: ignore[attr-defined]
-    yield fe
-    assert proc.is_alive(), "the shared engine died during the module"
-    proc.terminate()  # SIGTERM: must be a clean exit
-    proc.join(10)
-    exitcode = proc.exitcode
-    _SHARED_PIDS.discard(proc.pid)
-    fe.close()
-    assert exitcode == 0
-    assert_no_stray_children()
+    """A front-end with one reference engine (index 3, events on) shared by the module;
+    nothing of it outlives the module."""
+    with no_leaks(fds=False):
+        fe = FrontEnd(private_dir, "shared")
+        proc = fe.start_engine(None, {**LIGHT_REFERENCE, "record_events": True}, ENGINE_INDEX)
+        _SHARED_PIDS.add(proc.pid)
+        fe.ready = fe.wait_ready()  # type: ignore[attr-defined]
+        yield fe
+        assert proc.is_alive(), "the shared engine died during the module"
+        proc.terminate()  # SIGTERM: must be a clean exit
+        proc.join(10)
+        exitcode = proc.exitcode
+        _SHARED_PIDS.discard(proc.pid)
+        fe.close()
+        assert exitcode == 0
 
 
 def greedy(rid: str, prompt: list[int], max_tokens: int = 8, **kw: Any) -> EngineCoreRequest:
@@ -542,13 +532,13 @@ def test_engine_exits_when_its_parent_is_killed(tmp_path: Path) -> None:
         assert fe.value("echo", "alive") == "alive"
         os.kill(middle.pid, signal.SIGKILL)
         middle.join(10)
-        assert wait_gone(engine_pid, 5.0), "engine outlived its parent"
+        assert wait_pid_gone(engine_pid, 5.0), "engine outlived its parent"
     finally:
         if middle.is_alive():
             middle.kill()
             middle.join(5)
         middle.close()
-        if engine_pid is not None and not gone(engine_pid):
+        if engine_pid is not None and not pid_gone(engine_pid):
             os.kill(engine_pid, signal.SIGKILL)
         parent_end.close()
         child_end.close()

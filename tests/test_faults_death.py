@@ -10,9 +10,10 @@ from typing import Any
 
 import pytest
 
-from client_support import REPLAY, SUPPORT, no_leaks, request, wait_pid_gone
+from client_support import REPLAY, SUPPORT, request
 from corewire import AsyncMPClient, EngineDeadError, SyncMPClient
 from corewire.client import MPClient
+from leak_support import no_leaks, wait_pid_gone
 
 
 async def _consume_until_error(client: AsyncMPClient) -> BaseException:

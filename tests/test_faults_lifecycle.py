@@ -13,9 +13,10 @@ import weakref
 
 import pytest
 
-from client_support import REPLAY, no_leaks, request, wait_pid_gone
+from client_support import REPLAY, request
 from corewire import AsyncMPClient
 from corewire.client._resources import TERMINATE_GRACE_S
+from leak_support import no_leaks, wait_pid_gone
 
 
 async def test_client_collected_while_its_task_runs() -> None:

@@ -6,8 +6,9 @@ import asyncio
 
 import pytest
 
-from client_support import GARBAGE, SUPPORT, finished, no_leaks, request
+from client_support import GARBAGE, SUPPORT, finished, request
 from corewire import AsyncMPClient, ProtocolError, SyncMPClient
+from leak_support import no_leaks
 
 
 @pytest.mark.parametrize("kind", sorted(GARBAGE))

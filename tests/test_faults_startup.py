@@ -8,8 +8,9 @@ from typing import Any
 
 import pytest
 
-from client_support import CRASH_ON_START, NEVER_READY, no_leaks
+from client_support import CRASH_ON_START, NEVER_READY
 from corewire import AsyncMPClient, SyncMPClient
+from leak_support import no_leaks
 
 
 @pytest.mark.parametrize("cls", [AsyncMPClient, SyncMPClient])

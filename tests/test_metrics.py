@@ -14,9 +14,10 @@ import time
 
 import pytest
 
-from client_support import REPLAY, SUPPORT, no_leaks
+from client_support import REPLAY, SUPPORT
 from corewire import AsyncMPClient, ProtocolError, SyncMPClient
 from corewire.metrics import ENV_SWITCH, enabled
+from leak_support import no_leaks
 
 prometheus_client = pytest.importorskip("prometheus_client")
 pytestmark = pytest.mark.skipif(

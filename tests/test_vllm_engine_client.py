@@ -12,7 +12,6 @@ import asyncio
 import dataclasses
 import os
 import tempfile
-import threading
 import time
 from collections.abc import Awaitable, Iterator
 from pathlib import Path
@@ -43,7 +42,7 @@ from vllm.v1.engine import EngineCoreRequest, FinishReason  # noqa: E402
 from vllm.v1.engine.core_client import AsyncMPClient  # noqa: E402
 from vllm.v1.executor.abstract import Executor  # noqa: E402
 
-from engine_support import assert_no_stray_children  # noqa: E402
+from leak_support import no_leaks  # noqa: E402
 
 T = TypeVar("T")
 _SHARED_PIDS: set[int] = set()
@@ -69,16 +68,8 @@ class Stack:
 def no_leaked_processes_or_threads() -> Iterator[None]:
     """The suite's leak check, except the module's shared engine (its clean exit is
     checked when the module ends)."""
-    before = {t.ident for t in threading.enumerate()}
-    yield
-    assert_no_stray_children(_SHARED_PIDS)
-    deadline = time.monotonic() + 5
-    while True:
-        threads = [t.name for t in threading.enumerate() if t.ident not in before]
-        if not threads or time.monotonic() > deadline:
-            break
-        time.sleep(0.05)
-    assert not threads, f"test leaked threads {threads}"
+    with no_leaks(fds=False, allowed=_SHARED_PIDS):
+        yield
 
 
 @pytest.fixture(scope="module")

@@ -22,10 +22,10 @@ import msgspec
 import pytest
 import zmq
 
+from dp_support import free_tcp_port
 from vllm_support import (
     ENGINE_ARGS,
     EngineProcs,
-    free_tcp_port,
     frontend_platform,
     offline_environment,
     reference_run,

@@ -15,7 +15,6 @@ import os
 import signal
 import subprocess
 import sys
-import threading
 import time
 from collections.abc import Iterator, Mapping
 from pathlib import Path
@@ -27,7 +26,7 @@ import pytest
 
 from corewire.vllm.model_dir import write_model_dir
 from corewire.vllm.stack import ServeStack, StackError, free_port
-from engine_support import assert_no_stray_children
+from leak_support import no_leaks
 from serve_support import (
     MAX_MODEL_LEN,
     MODEL,
@@ -79,17 +78,8 @@ def _shared_tree() -> set[int]:
 @pytest.fixture(autouse=True)
 def no_leaked_processes_or_threads() -> Iterator[None]:
     """Like the suite-wide leak check, but the module's shared stack may outlive a test."""
-    threads_before = {t.ident for t in threading.enumerate()}
-    yield
-    assert_no_stray_children(_shared_tree())
-    deadline = time.monotonic() + 5
-    threads: list[threading.Thread] = []
-    while time.monotonic() < deadline:
-        threads = [t for t in threading.enumerate() if t.ident not in threads_before]
-        if not threads:
-            break
-        time.sleep(0.05)
-    assert not threads, f"test leaked threads {[t.name for t in threads]}"
+    with no_leaks(fds=False, allowed=_shared_tree):
+        yield
 
 
 @pytest.fixture(scope="module", params=CLIENTS)

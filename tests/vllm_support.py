@@ -17,7 +17,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -99,13 +98,6 @@ def vllm_config(model_dir: Path, **parallel: Any) -> Any:
             enforce_eager=True,
         )
         return VllmConfig(model_config=model, parallel_config=ParallelConfig(**parallel))
-
-
-def free_tcp_port() -> int:
-    """A loopback TCP port that was free a moment ago."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 class EngineProcs:

@@ -1,0 +1,97 @@
+"""The suite's own helpers can fail: a leak checker that saw nothing, or a pid waiter that
+waited for nothing, would let every test that relies on them pass vacuously."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import threading
+
+import psutil
+import pytest
+
+from client_support import request
+from leak_support import no_leaks, pid_gone, wait_pid_gone
+
+
+def _sleeper() -> subprocess.Popen[bytes]:
+    return subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+
+
+def test_no_leaks_fails_on_a_thread_left_running() -> None:
+    stop = threading.Event()
+    try:
+        with pytest.raises(AssertionError, match=r"threads \['left-behind'\]"), no_leaks(0.2):
+            threading.Thread(target=stop.wait, name="left-behind").start()
+    finally:
+        stop.set()
+    with no_leaks():  # a thread that ends within the grace period is no leak
+        threading.Thread(target=stop.wait).start()
+
+
+def test_no_leaks_fails_on_a_child_process_and_kills_it() -> None:
+    with pytest.raises(AssertionError, match=r"leaked processes \['\d+ "), no_leaks(0.2):
+        proc = _sleeper()
+    assert proc.wait(5) is not None  # killed by the checker: it cannot fail the next test
+    with no_leaks(0.2):
+        proc = _sleeper()
+        proc.kill()
+        proc.wait(5)
+
+
+def test_no_leaks_fails_on_a_file_descriptor_unless_told_not_to() -> None:
+    with pytest.raises(AssertionError, match=r"fds \{'\d+': 'pipe:"), no_leaks(0.2):
+        fds = os.pipe()
+    os.close(fds[0])
+    os.close(fds[1])
+    with no_leaks(0.2, fds=False):
+        fds = os.pipe()
+    os.close(fds[0])
+    os.close(fds[1])
+
+
+def test_no_leaks_spares_allowed_pids_read_at_the_end() -> None:
+    shared: set[int] = set()
+    with no_leaks(0.2, allowed=shared):
+        proc = _sleeper()
+        shared.add(proc.pid)
+    with pytest.raises(AssertionError, match=f"'{proc.pid} "), no_leaks(0.2, allowed=set):
+        pass  # the same process, now not allowed (asked of a callable)
+    assert proc.wait(5) is not None
+
+
+def test_no_leaks_lets_the_bodys_own_error_through() -> None:
+    stop = threading.Event()
+    try:
+        with pytest.raises(KeyError), no_leaks(0.2):
+            threading.Thread(target=stop.wait).start()
+            raise KeyError("the body's failure")
+    finally:
+        stop.set()
+
+
+def test_wait_pid_gone_waits_for_a_real_exit() -> None:
+    proc = _sleeper()
+    try:
+        assert not pid_gone(proc.pid)
+        assert not wait_pid_gone(proc.pid, 0)
+        assert not wait_pid_gone(proc.pid, 0.3)
+        proc.kill()
+        assert wait_pid_gone(proc.pid, 5)  # a zombie not reaped yet counts as gone
+        assert psutil.Process(proc.pid).status() == psutil.STATUS_ZOMBIE
+    finally:
+        proc.kill()
+        proc.wait(5)
+    assert pid_gone(proc.pid)
+
+
+def test_request_runs_max_tokens_greedily_for_a_rank() -> None:
+    req = request("r", max_tokens=7, rank=1)
+    assert (req.request_id, req.data_parallel_rank) == ("r", 1)
+    params = req.sampling_params
+    assert params is not None
+    assert (params.max_tokens, params.ignore_eos, params.temperature) == (7, True, 0.0)
+    assert req.prompt_token_ids
+    assert request("s").data_parallel_rank is None
+    assert request("s", cache_salt="salt").cache_salt == "salt"
