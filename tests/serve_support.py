@@ -85,6 +85,7 @@ def running_stack(
     engines: int = 1,
     engine_overrides: Mapping[str, Any] | None = None,
     server_env: Mapping[str, str] | None = None,
+    api_servers: int = 1,
     timeout: float = 90.0,
 ) -> Iterator[ServeStack]:
     """A started stack with its model directory and logs under ``workdir``; stopped on exit."""
@@ -99,6 +100,7 @@ def running_stack(
         engine_args=engine_args(**(engine_overrides or {})),
         log_dir=workdir / "logs",
         server_env=server_env,
+        api_servers=api_servers,
     )
     stack.start(timeout=timeout)
     try:

@@ -523,6 +523,33 @@ def test_two_engines_behind_one_front_end(tmp_path: Path) -> None:
         assert sum(per_engine.values()) == 8
 
 
+@pytest.mark.skipif(_NO_PLUGIN is not None, reason=_NO_PLUGIN or "")
+def test_two_api_servers_with_corewire_clients(tmp_path: Path) -> None:
+    """vLLM's multi-API-server layout (``--api-server-count 2``) with the plugin on: each
+    server process builds corewire's client on the addresses vLLM's parent hands it and
+    reports the endpoints it bound back to that parent, which only then starts the
+    engine handshake. Both servers answer, on the one shared port."""
+    with (
+        running_stack(tmp_path, client="corewire", api_servers=2, timeout=150.0) as stack,
+        httpx.Client(base_url=stack.base_url, timeout=HTTP_TIMEOUT) as http,
+    ):
+        switched = [line for line in server_log(stack).splitlines() if PLUGIN_LOG_LINE in line]
+        servers = {line.split(" pid=")[0] for line in switched if "(ApiServer_" in line}
+        assert servers == {"(ApiServer_0", "(ApiServer_1"}, switched
+        body = {"prompt": "the quick brown fox", "max_tokens": 8, "temperature": 0.0}
+
+        async def burst() -> list[Any]:
+            async with httpx.AsyncClient(base_url=stack.base_url, timeout=HTTP_TIMEOUT) as c:
+                return await asyncio.gather(
+                    *(c.post("/v1/completions", json={"model": MODEL, **body}) for _ in range(8))
+                )
+
+        resps = asyncio.run(burst())
+        assert [r.status_code for r in resps] == [200] * 8
+        assert len({r.json()["choices"][0]["text"] for r in resps}) == 1
+        assert http.get("/health").status_code == 200
+
+
 def test_serve_command_serves_until_ctrl_c(tmp_path: Path) -> None:
     """``python -m corewire.vllm.stack`` (the body of scripts/serve): serves on the given
     port, and Ctrl-C (SIGINT) stops the API server and the engines, status 0."""

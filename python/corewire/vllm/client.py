@@ -195,6 +195,8 @@ class VllmClientMixin:
         self.vllm_engine_manager: Any = None
         self.vllm_coordinator: Any = None
         self._vllm_launch: tuple[Any, bool] | None = None
+        #: vLLM's multi-API-server parent waits on this pipe for the endpoints we bind.
+        self._vllm_address_pipe: Any = None
         #: Engine frames that broke the protocol (dropped, their requests ended).
         self.protocol_errors = 0
         self._next_error_summary = 0.0
@@ -205,6 +207,7 @@ class VllmClientMixin:
                 "output_address": client_addresses["output_address"],
             }
             self.stats_update_address = client_addresses.get("stats_update_address")
+            self._vllm_address_pipe = client_addresses.get("actual_address_pipe")
         else:
             self._vllm_launch = (executor_class, log_stats)
             planned = get_engine_zmq_addresses(vllm_config)
@@ -280,9 +283,30 @@ class VllmClientMixin:
             self._next_error_summary = now + _ERROR_SUMMARY_INTERVAL_S
             logger.error("corewire: %d engine frames broke the protocol so far", count)
 
+    def _report_bound_endpoints(self, pipe: Any) -> None:
+        """Tell vLLM's multi-API-server parent the endpoints this client bound.
+
+        The parent forwards them to the engines in its start-up handshake and starts
+        that handshake only once every API server has reported, so the ready wait that
+        follows would hang without this. The pipe is vLLM's own local parent-child link
+        (a ``multiprocessing`` connection), not the engine wire.
+        """
+        self._vllm_address_pipe = None
+        try:
+            pipe.send(
+                {
+                    "input_address": _bound_endpoint(self.input_socket),
+                    "output_address": _bound_endpoint(self.output_socket),
+                }
+            )
+        finally:
+            pipe.close()
+
     def _launch_engines(self, engine_main: Any, external: bool) -> None:
         # Raised from now on, including by a death during the ready wait below.
         self.resources.dead_error_class = EngineDeadError
+        if self._vllm_address_pipe is not None:
+            self._report_bound_endpoints(self._vllm_address_pipe)
         if self._vllm_launch is None:
             return
         executor_class, log_stats = self._vllm_launch

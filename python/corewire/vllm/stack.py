@@ -98,7 +98,9 @@ class ServeStack:
     ``log_dir``: where each process's output goes (``api-server.log``,
     ``engine-<i>.log``); ``None`` lets the processes write to this process's stdout and
     stderr. ``extra_server_args`` are appended to ``vllm serve``'s command line and
-    ``server_env`` to its environment.
+    ``server_env`` to its environment. ``api_servers`` > 1 runs vLLM's multi-API-server
+    layout (``--api-server-count``): that many server processes share the HTTP port, each
+    with its own engine-core client.
 
     Use it as a context manager, or call :meth:`start` and :meth:`stop`.
     """
@@ -117,11 +119,14 @@ class ServeStack:
         log_dir: str | Path | None = None,
         extra_server_args: tuple[str, ...] = (),
         server_env: Mapping[str, str] | None = None,
+        api_servers: int = 1,
     ) -> None:
         if client not in CLIENTS:
             raise ValueError(f"client must be one of {CLIENTS}, got {client!r}")
         if engines < 1:
             raise ValueError(f"engines must be at least 1, got {engines}")
+        if api_servers < 1:
+            raise ValueError(f"api_servers must be at least 1, got {api_servers}")
         self.model_dir = Path(model_dir)
         self.host = host
         self.port = port or free_port(host)
@@ -130,6 +135,7 @@ class ServeStack:
         self.engine_host = _LOOPBACK
         self.rpc_port = free_port(self.engine_host)
         self.num_engines = engines
+        self.api_servers = api_servers
         self.client = client
         self.served_model_name = served_model_name
         self.max_model_len = max_model_len
@@ -183,9 +189,9 @@ class ServeStack:
             str(self.max_model_len),
             "--enforce-eager",
         ]
-        if self.num_engines > 1:
-            # One API server: more would take vLLM's multi-API-server path.
-            cmd += ["--api-server-count", "1"]
+        if self.num_engines > 1 or self.api_servers > 1:
+            # Explicit: with DP > 1 vLLM would otherwise start one API server per engine.
+            cmd += ["--api-server-count", str(self.api_servers)]
         return cmd + list(self.extra_server_args)
 
     def engine_command(self, index: int) -> list[str]:
@@ -379,6 +385,12 @@ def main(argv: list[str] | None = None) -> int:
         help="the API server's engine-core client (default corewire)",
     )
     parser.add_argument("--engines", type=int, default=1, help="engines, DP size (default 1)")
+    parser.add_argument(
+        "--api-servers",
+        type=int,
+        default=1,
+        help="API server processes sharing the port (vLLM's --api-server-count, default 1)",
+    )
     parser.add_argument("--max-model-len", type=int, default=2048, help="context length")
     parser.add_argument(
         "--engine-args",
@@ -409,6 +421,7 @@ def main(argv: list[str] | None = None) -> int:
             client=args.client,
             max_model_len=args.max_model_len,
             engine_args=args.engine_args,
+            api_servers=args.api_servers,
         )
         try:
             stack.start(timeout=args.startup_timeout)
