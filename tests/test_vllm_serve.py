@@ -548,6 +548,9 @@ def test_two_api_servers_with_corewire_clients(tmp_path: Path) -> None:
         assert [r.status_code for r in resps] == [200] * 8
         assert len({r.json()["choices"][0]["text"] for r in resps}) == 1
         assert http.get("/health").status_code == 200
+        # vLLM aggregates the servers' metrics (prometheus multiprocess mode).
+        done = metric_values(http.get("/metrics").text, "vllm:request_success_total")
+        assert sum(v for _, v in done) == 8, done
 
 
 def test_serve_command_serves_until_ctrl_c(tmp_path: Path) -> None:
