@@ -59,7 +59,6 @@ coordinator then runs a ZAP handler and accepts only the authorized client keys.
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import dataclasses
 import logging
@@ -77,15 +76,9 @@ from typing import Any
 import msgspec
 import zmq
 
+from corewire.curve import require_curve_for
 from corewire.ipcdir import make_private_dir
-from corewire.keygen import (
-    CurveAuthenticator,
-    CurveClientKeys,
-    CurveServerKeys,
-    apply_server,
-    is_loopback_address,
-    require_curve_for,
-)
+from corewire.keygen import CurveAuthenticator, CurveServerKeys, apply_server
 
 __all__ = [
     "START_DP_WAVE",
@@ -94,8 +87,6 @@ __all__ = [
     "CoordinatorState",
     "DPCoordinator",
     "TcpEndpoints",
-    "add_connect_arguments",
-    "connect_options",
 ]
 
 logger = logging.getLogger("corewire.coordinator")
@@ -708,56 +699,6 @@ def _read_line(stream: Any, timeout: float) -> str:
                 break
             buf += chunk
     return buf.decode(errors="replace").strip()
-
-
-def add_connect_arguments(parser: argparse.ArgumentParser) -> None:
-    """Options of ``corewire engine`` for joining a DP front-end on another host."""
-    parser.add_argument(
-        "--connect",
-        metavar="tcp://HOST:PORT",
-        default=None,
-        help="join the DP front-end listening on this data_parallel_address (its requests, "
-        "outputs and coordinator ports); replaces --input-address/--output-address",
-    )
-    parser.add_argument(
-        "--data-parallel-size",
-        type=int,
-        default=1,
-        help="engines in the DP group (with --connect); default 1",
-    )
-    parser.add_argument(
-        "--curve-keys",
-        metavar="DIR",
-        default=None,
-        help="client key directory written by `corewire keygen` (client-K); required "
-        "when --connect names a non-loopback host",
-    )
-
-
-def connect_options(args: argparse.Namespace) -> dict[str, Any]:
-    """``serve_engine`` keyword arguments for ``--connect`` (addresses, DP options, CURVE
-    keys); raises ``ValueError`` for a missing key directory on a non-loopback host."""
-    endpoints = TcpEndpoints.from_address(args.connect)
-    keys = None
-    if args.curve_keys is not None:
-        keys = CurveClientKeys.from_dir(args.curve_keys)
-    elif not is_loopback_address(args.connect):
-        raise ValueError(
-            f"{args.connect} is on another host: pass --curve-keys DIR (from `corewire keygen`)"
-        )
-    if args.data_parallel_size < 1 or not 0 <= args.engine_index < args.data_parallel_size:
-        raise ValueError(
-            f"--engine-index {args.engine_index} is outside a group of "
-            f"--data-parallel-size {args.data_parallel_size}"
-        )
-    return {
-        "input_address": endpoints.input,
-        "output_address": endpoints.output,
-        "data_parallel_size": args.data_parallel_size,
-        "coordinator_addresses": ["", endpoints.coordinator_stats, endpoints.coordinator_publish],
-        "curve_keys": keys.to_wire() if keys is not None else None,
-        "include_finished_set": True,
-    }
 
 
 if __name__ == "__main__":
