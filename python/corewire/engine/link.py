@@ -4,7 +4,8 @@ Every engine-side socket is made by :func:`connect_socket`, every receiving thre
 engine core's input thread with its request links and coordinator subscriptions, the
 replay engine's request link) drains its sockets the same way (:class:`Receiver`), and
 every ``EngineCoreOutputs`` an engine sends is built by :func:`engine_outputs`, which
-stamps it with the engine's index and the send time.
+stamps it with the engine's index and the time (:func:`stamp_unstamped` for messages a
+test engine built itself).
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ import zmq
 
 from corewire.protocol import EngineCoreOutputs
 
-__all__ = ["Receiver", "connect_socket", "engine_outputs"]
+__all__ = ["Receiver", "connect_socket", "engine_outputs", "stamp_unstamped"]
 
 #: How often a receiving loop that waits looks at its stop flag (milliseconds).
 POLL_INTERVAL_MS = 200
@@ -28,6 +29,15 @@ def engine_outputs(engine_index: int, **fields: Any) -> EngineCoreOutputs:
     """An ``EngineCoreOutputs`` from engine ``engine_index``, stamped now
     (``time.monotonic()``, as vLLM's engines stamp theirs); ``fields`` are the others."""
     return EngineCoreOutputs(engine_index=engine_index, timestamp=time.monotonic(), **fields)
+
+
+def stamp_unstamped(outputs: EngineCoreOutputs) -> EngineCoreOutputs:
+    """``outputs`` built without :func:`engine_outputs` (by a test engine), stamped now
+    if they carry no timestamp: vLLM's front-end takes a 0.0 for a missing one and uses
+    its own clock."""
+    if not outputs.timestamp:
+        outputs.timestamp = time.monotonic()
+    return outputs
 
 
 def connect_socket(
