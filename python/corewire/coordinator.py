@@ -34,9 +34,9 @@ own and every message is msgpack (nothing is pickled), each a named type of
   the front-end link).
 
 How the coordinator reaches the engines' input: over its own wave XPUB, not through the
-front-end. Every engine subscribes to it from a thread of its own and feeds what arrives
-into its input queue, so waves never wait on a front-end's event loop and a front-end that
-owns no engines (external load balancing) still wakes them all.
+front-end. Every engine's input thread subscribes to it next to the request links and
+feeds what arrives into its input queue, so waves never wait on a front-end's event loop
+and a front-end that owns no engines (external load balancing) still wakes them all.
 
 How a wave ends: corewire's engines have no collective to agree that all are idle, so the
 coordinator is the reduction point. Engines report counts on every change; when every
@@ -79,6 +79,8 @@ import zmq
 
 from corewire.curve import require_curve_for
 from corewire.dp_messages import (
+    XPUB_SUBSCRIBE,
+    XPUB_UNSUBSCRIBE,
     CoordinatorLinks,
     DPState,
     EngineReport,
@@ -418,8 +420,8 @@ class _Coordinator:
                 frame = self.front.recv(zmq.NOBLOCK)
             except zmq.Again:
                 return
-            if frame[:1] in (b"\x00", b"\x01"):
-                if frame[:1] == b"\x01":
+            if frame[:1] in (XPUB_UNSUBSCRIBE, XPUB_SUBSCRIBE):
+                if frame[:1] == XPUB_SUBSCRIBE:
                     self.state.changed = True  # a new front-end: send it the state soon
                 continue
             self._handle_front_message(frame)
@@ -463,7 +465,7 @@ class _Coordinator:
                 frame = self.wave.recv(zmq.NOBLOCK)
             except zmq.Again:
                 break
-            subscribed = subscribed or frame[:1] == b"\x01"
+            subscribed = subscribed or frame[:1] == XPUB_SUBSCRIBE
         if subscribed:
             self._broadcast([self.state.wave_state_message()])
 

@@ -32,6 +32,8 @@ from corewire.protocol import EngineCoreRequestType
 
 __all__ = [
     "WAVE_COMPLETE",
+    "XPUB_SUBSCRIBE",
+    "XPUB_UNSUBSCRIBE",
     "CoordinatorLinks",
     "DPState",
     "EngineReport",
@@ -44,6 +46,11 @@ __all__ = [
     "decode_wave_message",
 ]
 
+#: What a subscriber sends an XPUB to subscribe to everything (ZeroMQ's framing; the
+#: coordinators' publishers are XPUBs that act on each subscription).
+XPUB_SUBSCRIBE = b"\x01"
+#: What an XPUB passes on when a subscriber leaves.
+XPUB_UNSUBSCRIBE = b"\x00"
 #: Type byte of :class:`WaveComplete`: corewire's own, only on the coordinator's wave
 #: socket (never on a front-end's request link).
 WAVE_COMPLETE = b"\x10"

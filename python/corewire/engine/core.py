@@ -372,7 +372,6 @@ class EngineCoreProc:
                 except queue.Empty:
                     self._refused_log.flush()
                     self._duplicate_log.flush()
-                    self._on_idle()
                     continue
             elif self.output_queue.qsize() >= OUTPUT_QUEUE_HIGH and self._output_full():
                 try:
@@ -403,9 +402,6 @@ class EngineCoreProc:
             return True
         self._output_paused = False
         return False
-
-    def _on_idle(self) -> None:
-        """Called every ``idle_poll_s`` seconds while the loop waits for input."""
 
     def _process_engine_step(self) -> bool:
         """Step the engine once if it has work; return whether outputs were sent."""

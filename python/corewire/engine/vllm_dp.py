@@ -39,7 +39,7 @@ from typing import Any, ClassVar
 import msgspec
 import zmq
 
-from corewire.dp_messages import StartWave
+from corewire.dp_messages import XPUB_SUBSCRIBE, StartWave
 from corewire.engine.core import EngineCoreProc
 from corewire.engine.interface import Engine
 from corewire.protocol import EngineCoreRequest, EngineCoreRequestType
@@ -50,7 +50,6 @@ logger = logging.getLogger("corewire.engine")
 
 #: What vLLM's coordinator sends an engine once the whole group subscribed.
 COORDINATOR_READY = b"READY"
-_SUBSCRIBE = b"\x01"
 _START_DP_WAVE = EngineCoreRequestType.START_DP_WAVE.value
 
 
@@ -90,7 +89,7 @@ class VllmDPEngineCoreProc(EngineCoreProc):
         subscribed) before this engine counts as ready."""
         sock = self._connect(zmq.XSUB, self.coordinator_input, identity=self.identity)
         try:
-            sock.send(_SUBSCRIBE)
+            sock.send(XPUB_SUBSCRIBE)
             logged = time.monotonic()
             while not sock.poll(200):
                 if self.input_stopping():
