@@ -2,8 +2,9 @@
 
 Three threads, as in vLLM's engine core:
 
-- the *input thread* owns a DEALER socket connected to the front-end's ROUTER. It sends
-  the ready message first, then decodes every incoming request and queues it;
+- the *input thread* owns a DEALER socket connected to the front-end's ROUTER (and a DP
+  engine's coordinator subscription). It sends the ready message first, then decodes
+  every incoming request and queues it (as :mod:`corewire.engine.inputs` items);
 - the *busy loop* (the thread that calls :meth:`EngineCoreProc.run`, normally the main
   thread) applies queued requests to the :class:`~corewire.engine.Engine` and calls
   ``step()`` while there is work;
@@ -440,7 +441,7 @@ class EngineCoreProc:
     def _send_outputs(self, outputs: EngineCoreOutputs, client_index: int = 0) -> None:
         """Queue outputs for the output thread.
 
-        ``client_index`` indexes :meth:`_all_output_addresses`. With several client
+        ``client_index`` indexes :attr:`output_addresses`. With several client
         sockets, request outputs are instead split by the client that sent each request
         (``client_index`` then only routes a message that carries no request outputs).
         """
