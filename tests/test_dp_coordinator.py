@@ -16,13 +16,24 @@ import msgspec
 import psutil
 import pytest
 
-from corewire.coordinator import (
-    START_DP_WAVE,
+from corewire.codec import Encoder
+from corewire.coordinator import CoordinatorState, DPCoordinator
+from corewire.dp_messages import (
     WAVE_COMPLETE,
-    CoordinatorState,
-    DPCoordinator,
+    DPState,
+    EngineReport,
+    FirstRequest,
+    ScaleNotice,
+    StartWave,
+    WaveComplete,
+    decode_front_message,
+    decode_wave_message,
 )
+from corewire.errors import ProtocolError
+from corewire.protocol import EngineCoreOutputs, EngineCoreRequestType
 from dp_support import EnginePeer, FrontEndPeer, Sockets, coordinator_addresses, wait_for
+
+START_DP_WAVE = EngineCoreRequestType.START_DP_WAVE.value
 
 # ---------------------------------------------------------------- bookkeeping, no sockets
 
@@ -36,8 +47,8 @@ def test_state_rejects_an_empty_group() -> None:
 
 def test_first_request_starts_the_wave_on_the_other_engines() -> None:
     s = CoordinatorState(3)
-    assert s.snapshot() == [[[0, 0]] * 3, 0, False]
-    assert s.on_first_request(1, 0) == [(START_DP_WAVE, [0, 1])]
+    assert s.snapshot() == DPState([[0, 0]] * 3, 0, False)
+    assert s.on_first_request(1, 0) == [StartWave(0, 1)]
     assert s.engines_running
     # A second notice for a running wave changes nothing.
     assert s.on_first_request(2, 0) == []
@@ -46,7 +57,7 @@ def test_first_request_starts_the_wave_on_the_other_engines() -> None:
 def test_stale_notice_wakes_every_engine() -> None:
     s = CoordinatorState(2)
     s.current_wave = 5
-    assert s.on_first_request(0, 3) == [(START_DP_WAVE, [5, -1])]
+    assert s.on_first_request(0, 3) == [StartWave(5, -1)]
 
 
 def test_wave_ends_when_every_engine_reports_idle() -> None:
@@ -57,7 +68,7 @@ def test_wave_ends_when_every_engine_reports_idle() -> None:
     assert s.on_engine_report(1, {"num_waiting_reqs": 0, "num_running_reqs": 0}, None, None) == []
     assert s.counts == [[2, 1], [0, 0]]
     assert s.on_engine_report(0, {"num_waiting_reqs": 0, "num_running_reqs": 0}, None, None) == [
-        (WAVE_COMPLETE, [0])
+        WaveComplete(0)
     ]
     assert (s.current_wave, s.engines_running) == (1, False)
     # Idle reports while paused end nothing.
@@ -68,17 +79,17 @@ def test_engine_start_wave_only_for_a_newer_or_paused_wave() -> None:
     s = CoordinatorState(2)
     s.current_wave = 3
     # Paused at wave 3: an engine that got a stale request asks for wave 3.
-    assert s.on_engine_report(1, None, 3, None) == [(START_DP_WAVE, [3, 1])]
+    assert s.on_engine_report(1, None, 3, None) == [StartWave(3, 1)]
     # Running wave 3: asking again is a no-op; asking for an older wave too.
     assert s.on_engine_report(0, None, 3, None) == []
     assert s.on_engine_report(0, None, 2, None) == []
     # A newer wave moves everyone forward.
-    assert s.on_engine_report(0, None, 4, None) == [(START_DP_WAVE, [4, 0])]
+    assert s.on_engine_report(0, None, 4, None) == [StartWave(4, 0)]
 
 
 def test_notified_engine_counts_as_busy_until_it_reports() -> None:
     s = CoordinatorState(2)
-    assert s.on_first_request(0, 0, now=10.0) == [(START_DP_WAVE, [0, 0])]
+    assert s.on_first_request(0, 0, now=10.0) == [StartWave(0, 0)]
     idle = {"num_waiting_reqs": 0, "num_running_reqs": 0}
     # Engine 1 (woken, no work) reports idle before engine 0 got its request: no end.
     assert s.on_engine_report(1, idle, None, None) == []
@@ -86,7 +97,7 @@ def test_notified_engine_counts_as_busy_until_it_reports() -> None:
     assert s.on_tick(10.1) == []
     # Engine 0 reports its request, then finishes it: the wave ends then.
     assert s.on_engine_report(0, {"num_waiting_reqs": 1}, None, None) == []
-    assert s.on_engine_report(0, idle, None, None) == [(WAVE_COMPLETE, [0])]
+    assert s.on_engine_report(0, idle, None, None) == [WaveComplete(0)]
 
 
 def test_pending_engine_that_never_reports_expires() -> None:
@@ -94,7 +105,7 @@ def test_pending_engine_that_never_reports_expires() -> None:
     s.on_first_request(1, 0, now=5.0)
     assert s.on_engine_report(0, {"num_waiting_reqs": 0}, None, None) == []
     assert s.on_tick(5.49) == []
-    assert s.on_tick(5.5) == [(WAVE_COMPLETE, [0])]
+    assert s.on_tick(5.5) == [WaveComplete(0)]
     assert s.next_deadline() is None
 
 
@@ -102,7 +113,7 @@ def test_engine_wave_complete_is_honoured() -> None:
     s = CoordinatorState(2)
     s.on_first_request(0, 0)
     s.counts = [[0, 3], [0, 0]]
-    assert s.on_engine_report(0, None, None, 0) == [(WAVE_COMPLETE, [0])]
+    assert s.on_engine_report(0, None, None, 0) == [WaveComplete(0)]
     assert (s.current_wave, s.engines_running) == (1, False)
     # An old wave's completion is ignored.
     assert s.on_engine_report(0, None, None, 0) == []
@@ -123,6 +134,65 @@ def test_scale_grows_idle_and_shrinks() -> None:
     assert s.counts == [[1, 1], [2, 2], [0, 0]]
     s.on_scale(1)
     assert s.counts == [[1, 1]]
+
+
+# ---------------------------------------------------------------- the messages
+
+
+def test_messages_encode_as_the_plain_lists_of_the_protocol_page() -> None:
+    encode = msgspec.msgpack.encode
+    assert DPState([[1, 2]], 3, True).encode() == encode([[[1, 2]], 3, True])
+    assert FirstRequest(1, 4).encode() == encode([1, 4])
+    assert ScaleNotice(3).encode() == encode(["scale", 3])
+    assert StartWave(3, -1).to_frames() == [b"\x02", bytes.fromhex("9203ff")]
+    assert WaveComplete(2).to_frames() == [b"\x10", bytes.fromhex("9102")]
+    assert decode_front_message(encode([1, 4])) == FirstRequest(1, 4)
+    assert decode_front_message(encode(["scale", 3])) == ScaleNotice(3)
+    assert decode_wave_message(StartWave(7, 1).to_frames()) == StartWave(7, 1)
+    assert decode_wave_message(WaveComplete(6).to_frames()) == WaveComplete(6)
+    assert DPState.decode(encode([None, 2, False])) == DPState(None, 2, False)
+
+
+@pytest.mark.parametrize(
+    "payload",
+    [[True, 1], [1], ["scale", "2"], ["SCALE_ELASTIC_EP", 2], {"a": 1}, [1, 2, 3], 7],
+)
+def test_bad_front_end_messages_are_protocol_errors(payload: object) -> None:
+    with pytest.raises(ProtocolError):
+        decode_front_message(msgspec.msgpack.encode(payload))
+
+
+@pytest.mark.parametrize(
+    "frames",
+    [
+        [b"\x02", msgspec.msgpack.encode([1])],
+        [b"\x02", msgspec.msgpack.encode([1, None])],  # nil only from vLLM's coordinator
+        [b"\x10", msgspec.msgpack.encode(["x"])],
+        [b"\x11", msgspec.msgpack.encode([1])],
+        [b"\x02", b"\xc1"],
+        [b"\x02"],
+    ],
+)
+def test_bad_wave_messages_are_protocol_errors(frames: list[bytes]) -> None:
+    with pytest.raises(ProtocolError):
+        decode_wave_message(frames)
+
+
+def test_start_wave_takes_nil_exclude_only_where_asked() -> None:
+    assert StartWave.from_payload([3, None], nil_excludes_none=True) == StartWave(3, -1)
+    with pytest.raises(ProtocolError):
+        StartWave.from_payload([3, None])
+
+
+def test_engine_report_reads_engine_core_outputs_by_its_field_order() -> None:
+    """The coordinator's view of an engine report is EngineCoreOutputs, field for field."""
+    assert EngineReport.__struct_fields__ == EngineCoreOutputs.__struct_fields__
+    sent = EngineCoreOutputs(
+        engine_index=3, scheduler_stats={"num_waiting_reqs": 1}, wave_complete=4, start_wave=5
+    )
+    report = msgspec.msgpack.decode(Encoder().encode(sent)[0], type=EngineReport)
+    assert (report.engine_index, report.scheduler_stats) == (3, {"num_waiting_reqs": 1})
+    assert (report.wave_complete, report.start_wave) == (4, 5)
 
 
 # ---------------------------------------------------------------- the process

@@ -429,3 +429,22 @@ def test_replay_engine_outputs_carry_a_timestamp(tmp_path: Path) -> None:
     finally:
         link.close()
         fe.close()
+
+
+@pytest.mark.parametrize(
+    "result",
+    [None, "plain", [1, 2.5, {"a": [True, None]}], -(2**63), 2**64 - 1, b"\x00bin", {"k": "v"}],
+)
+def test_replay_plain_reply_is_the_codec_encoding(result: Any) -> None:
+    """The replay link's cheap utility reply is byte for byte what the codec writes for
+    the same EngineCoreOutputs; values the plain encoder cannot write go to the codec."""
+    from corewire.codec import Encoder
+    from corewire.engine.link import engine_outputs
+    from corewire.engine.replay import encode_plain_outputs
+    from corewire.protocol import UtilityOutput, UtilityResult
+
+    outputs = engine_outputs(3, utility_output=UtilityOutput(7, None, UtilityResult(result)))
+    (codec,) = Encoder().encode(outputs)
+    assert encode_plain_outputs(outputs) == bytes(codec)
+    array = engine_outputs(3, utility_output=UtilityOutput(7, None, UtilityResult(np.zeros(2))))
+    assert encode_plain_outputs(array) is None

@@ -155,3 +155,20 @@ def test_reasons_are_short_one_line_and_free_of_paths() -> None:
     assert reason_for(TypeError("bad type")) == "bad type"
     assert reason_for(RuntimeError("CUDA error at /opt/x.cu:7")) == INTERNAL_ERROR_REASON
     assert reason_for(KeyError("secret")) == INTERNAL_ERROR_REASON
+
+
+def test_launch_picks_the_dp_proc_and_fails_loudly_without_it(monkeypatch):
+    """DP options select the DP proc class; a DP module that cannot be imported is an
+    error, never a plain engine that would silently ignore the options."""
+    import sys
+
+    from corewire.engine.core import EngineCoreProc
+    from corewire.engine.dp import DPEngineCoreProc
+    from corewire.engine.launch import _proc_class
+
+    assert _proc_class({}) is EngineCoreProc
+    assert _proc_class({"data_parallel_size": 2}) is DPEngineCoreProc
+    monkeypatch.setitem(sys.modules, "corewire.engine.dp", None)
+    with pytest.raises(ImportError):
+        _proc_class({"data_parallel_size": 2})
+    assert _proc_class({}) is EngineCoreProc

@@ -186,6 +186,19 @@ def test_request_types() -> None:
     assert p.ENGINE_CORE_DEAD == b"ENGINE_CORE_DEAD"
 
 
+def test_elastic_scaling_notifications() -> None:
+    """Notifications are utility outputs with call_id -1 and a ``[kind, rank]`` result;
+    the kinds are strings, equal to (and encoded as) their values."""
+    assert p.EEP_NOTIFICATION_CALL_ID == -1
+    assert {t.name: t.value for t in p.EEPNotificationType} == {
+        "NEW_CORE_ENGINES_INIT_READY": "NEW_CORE_ENGINES_INIT_READY",
+        "NEW_CORE_ENGINES_WEIGHTS_INIT_READY": "NEW_CORE_ENGINES_WEIGHTS_INIT_READY",
+        "RECONFIGURE_FINISHED": "RECONFIGURE_FINISHED",
+        "SHUTDOWN_COMPLETE": "SHUTDOWN_COMPLETE",
+    }
+    assert p.EEPNotificationType.SHUTDOWN_COMPLETE == "SHUTDOWN_COMPLETE"
+
+
 def test_utility_result() -> None:
     """UtilityResult holds ``.result``, compares by value and is not hashable."""
     assert p.UtilityResult().result is None

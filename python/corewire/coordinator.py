@@ -13,7 +13,8 @@ Sockets (the coordinator binds all three; ``ipc://`` in a private directory by d
     wave  XPUB  -> engines connect SUB (subscribed to everything)
 
 Only the engine <-> front-end links are vLLM's protocol; everything here is corewire's
-own and every message is msgpack (nothing is pickled):
+own and every message is msgpack (nothing is pickled), each a named type of
+:mod:`corewire.dp_messages`:
 
 - coordinator -> front-ends: ``[counts, current_wave, engines_running]`` with counts one
   ``[waiting, running]`` pair per engine in rank order, at most every 100 ms while
@@ -33,9 +34,9 @@ own and every message is msgpack (nothing is pickled):
   the front-end link).
 
 How the coordinator reaches the engines' input: over its own wave XPUB, not through the
-front-end. Every engine subscribes to it from a thread of its own and feeds what arrives
-into its input queue, so waves never wait on a front-end's event loop and a front-end that
-owns no engines (external load balancing) still wakes them all.
+front-end. Every engine's input thread subscribes to it next to the request links and
+feeds what arrives into its input queue, so waves never wait on a front-end's event loop
+and a front-end that owns no engines (external load balancing) still wakes them all.
 
 How a wave ends: corewire's engines have no collective to agree that all are idle, so the
 coordinator is the reduction point. Engines report counts on every change; when every
@@ -59,7 +60,6 @@ coordinator then runs a ZAP handler and accepts only the authorized client keys.
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import dataclasses
 import logging
@@ -77,33 +77,30 @@ from typing import Any
 import msgspec
 import zmq
 
-from corewire.ipcdir import make_private_dir
-from corewire.keygen import (
-    CurveAuthenticator,
-    CurveClientKeys,
-    CurveServerKeys,
-    apply_server,
-    is_loopback_address,
-    require_curve_for,
+from corewire.curve import require_curve_for
+from corewire.dp_messages import (
+    XPUB_SUBSCRIBE,
+    XPUB_UNSUBSCRIBE,
+    CoordinatorLinks,
+    DPState,
+    EngineReport,
+    ScaleNotice,
+    StartWave,
+    WaveComplete,
+    WaveMessage,
+    decode_front_message,
 )
+from corewire.ipcdir import make_private_dir
+from corewire.keygen import CurveAuthenticator, CurveServerKeys, apply_server
 
 __all__ = [
-    "START_DP_WAVE",
-    "WAVE_COMPLETE",
     "CoordinatorAddresses",
     "CoordinatorState",
     "DPCoordinator",
     "TcpEndpoints",
-    "add_connect_arguments",
-    "connect_options",
 ]
 
 logger = logging.getLogger("corewire.coordinator")
-
-#: Type byte of START_DP_WAVE, the same as on the engines' input link.
-START_DP_WAVE = b"\x02"
-#: corewire's own type byte: the coordinator ended a wave (payload ``[finished_wave]``).
-WAVE_COMPLETE = b"\x10"
 
 #: Minimum time between two stats messages to the front-ends.
 PUBLISH_INTERVAL_S = 0.1
@@ -143,14 +140,15 @@ class CoordinatorAddresses:
         """A copy that also listens on ``stats`` and ``publish`` for remote engines."""
         return dataclasses.replace(self, remote_engine_stats=stats, remote_engine_publish=publish)
 
-    def for_engine(self, remote: bool = False) -> list[str]:
-        """What an engine needs (its ``coordinator_addresses`` option):
-        ``[front_publish, stats, publish]``."""
+    def for_engine(self, remote: bool = False) -> CoordinatorLinks:
+        """What an engine needs (its ``coordinator_addresses`` option)."""
         if remote:
             if self.remote_engine_stats is None or self.remote_engine_publish is None:
                 raise ValueError("this coordinator does not listen for remote engines")
-            return [self.front_publish, self.remote_engine_stats, self.remote_engine_publish]
-        return [self.front_publish, self.engine_stats, self.engine_publish]
+            return CoordinatorLinks(
+                self.front_publish, self.remote_engine_stats, self.remote_engine_publish
+            )
+        return CoordinatorLinks(self.front_publish, self.engine_stats, self.engine_publish)
 
     def to_wire(self) -> list[str | None]:
         """The addresses as a list, for a child process's configuration."""
@@ -198,24 +196,11 @@ class TcpEndpoints:
         return cls(*(f"tcp://{host}:{port + i}" for i in range(4)))
 
 
-class _EngineReport(msgspec.Struct, array_like=True):  # type: ignore[call-arg]
-    """The fields of EngineCoreOutputs the coordinator reads; the rest stay raw bytes."""
-
-    engine_index: int = 0
-    outputs: msgspec.Raw = msgspec.Raw(b"\x90")
-    scheduler_stats: dict[str, Any] | None = None
-    timestamp: msgspec.Raw = msgspec.Raw(b"\xc0")
-    utility_output: msgspec.Raw = msgspec.Raw(b"\xc0")
-    finished_requests: msgspec.Raw = msgspec.Raw(b"\xc0")
-    wave_complete: int | None = None
-    start_wave: int | None = None
-
-
 class CoordinatorState:
     """The coordinator's bookkeeping, free of sockets so tests can drive it directly.
 
-    Each ``on_*`` method returns the messages to broadcast to the engines as
-    ``(type_byte, payload)`` pairs.
+    Each ``on_*`` method returns the messages to broadcast to the engines
+    (:class:`~corewire.dp_messages.StartWave`, :class:`~corewire.dp_messages.WaveComplete`).
     """
 
     def __init__(self, num_engines: int) -> None:
@@ -236,31 +221,29 @@ class CoordinatorState:
         """Engines in the group."""
         return len(self.counts)
 
-    def snapshot(self) -> list[Any]:
-        """The message for the front-ends: ``[counts, current_wave, engines_running]``."""
-        return [self.counts, self.current_wave, self.engines_running]
+    def snapshot(self) -> DPState:
+        """The message for the front-ends."""
+        return DPState(self.counts, self.current_wave, self.engines_running)
 
-    def wave_state_message(self) -> tuple[bytes, list[int]]:
+    def wave_state_message(self) -> WaveMessage:
         """What a late engine needs: the running wave, or the last one that ended."""
         if self.engines_running:
-            return (START_DP_WAVE, [self.current_wave, -1])
-        return (WAVE_COMPLETE, [self.current_wave - 1])
+            return StartWave(self.current_wave, -1)
+        return WaveComplete(self.current_wave - 1)
 
-    def _start(self, wave: int, exclude: int) -> list[tuple[bytes, list[int]]]:
+    def _start(self, wave: int, exclude: int) -> list[WaveMessage]:
         self.current_wave = wave
         self.engines_running = True
         self.changed = True
-        return [(START_DP_WAVE, [wave, exclude])]
+        return [StartWave(wave, exclude)]
 
-    def _complete(self, wave: int) -> list[tuple[bytes, list[int]]]:
+    def _complete(self, wave: int) -> list[WaveMessage]:
         self.current_wave = wave + 1
         self.engines_running = False
         self.changed = True
-        return [(WAVE_COMPLETE, [wave])]
+        return [WaveComplete(wave)]
 
-    def on_first_request(
-        self, engine_index: int, wave: int, now: float = 0.0
-    ) -> list[tuple[bytes, list[int]]]:
+    def on_first_request(self, engine_index: int, wave: int, now: float = 0.0) -> list[WaveMessage]:
         """A front-end sent a request to ``engine_index`` while it saw the engines paused."""
         if 0 <= engine_index < len(self.counts):
             self.pending[engine_index] = now + PENDING_REQUEST_S
@@ -280,11 +263,11 @@ class CoordinatorState:
         stats: dict[str, Any] | None,
         start_wave: int | None,
         wave_complete: int | None,
-    ) -> list[tuple[bytes, list[int]]]:
+    ) -> list[WaveMessage]:
         """An engine sent its counts and/or a wave event."""
         if not 0 <= engine_index < len(self.counts):
             return []  # an engine removed by a scale-down, still draining
-        out: list[tuple[bytes, list[int]]] = []
+        out: list[WaveMessage] = []
         if stats is not None:
             self.pending.pop(engine_index, None)
             pair = [int(stats.get("num_waiting_reqs", 0)), int(stats.get("num_running_reqs", 0))]
@@ -315,7 +298,7 @@ class CoordinatorState:
         """When :meth:`on_tick` has something to do (a pending engine expires)."""
         return min(self.pending.values(), default=None)
 
-    def on_tick(self, now: float) -> list[tuple[bytes, list[int]]]:
+    def on_tick(self, now: float) -> list[WaveMessage]:
         """Expire pending engines whose report never came (their request finished before
         the notice arrived); end the wave if that leaves the group idle."""
         expired = [e for e, deadline in self.pending.items() if deadline <= now]
@@ -378,9 +361,7 @@ class _Coordinator:
         _bind(self.front, addresses.front_publish, None, None)
         _bind(self.stats, addresses.engine_stats, addresses.remote_engine_stats, keys)
         _bind(self.wave, addresses.engine_publish, addresses.remote_engine_publish, keys)
-        self.encoder = msgspec.msgpack.Encoder()
-        self.decoder = msgspec.msgpack.Decoder()
-        self.report_decoder = msgspec.msgpack.Decoder(_EngineReport)
+        self.report_decoder = msgspec.msgpack.Decoder(EngineReport)
         self.last_publish = 0.0
 
     def close(self) -> None:
@@ -424,13 +405,13 @@ class _Coordinator:
                 self._publish()
 
     def _publish(self) -> None:
-        self.front.send(self.encoder.encode(self.state.snapshot()))
+        self.front.send(self.state.snapshot().encode())
         self.state.changed = False
         self.last_publish = time.monotonic()
 
-    def _broadcast(self, messages: list[tuple[bytes, list[int]]]) -> None:
-        for type_byte, payload in messages:
-            self.wave.send_multipart([type_byte, self.encoder.encode(payload)])
+    def _broadcast(self, messages: list[WaveMessage]) -> None:
+        for message in messages:
+            self.wave.send_multipart(message.to_frames())
 
     def _drain_front(self) -> None:
         # Edge-triggered readiness: take everything that is there before polling again.
@@ -439,26 +420,22 @@ class _Coordinator:
                 frame = self.front.recv(zmq.NOBLOCK)
             except zmq.Again:
                 return
-            if frame[:1] in (b"\x00", b"\x01"):
-                if frame[:1] == b"\x01":
+            if frame[:1] in (XPUB_UNSUBSCRIBE, XPUB_SUBSCRIBE):
+                if frame[:1] == XPUB_SUBSCRIBE:
                     self.state.changed = True  # a new front-end: send it the state soon
                 continue
             self._handle_front_message(frame)
 
     def _handle_front_message(self, frame: bytes) -> None:
         try:
-            msg = self.decoder.decode(frame)
-            if isinstance(msg, list) and len(msg) == 2 and msg[0] == "scale":
-                self.state.on_scale(int(msg[1]))
-            elif (
-                isinstance(msg, list)
-                and len(msg) == 2
-                and all(isinstance(v, int) and not isinstance(v, bool) for v in msg)
-            ):
-                self._broadcast(self.state.on_first_request(msg[0], msg[1], time.monotonic()))
+            msg = decode_front_message(frame)
+            if isinstance(msg, ScaleNotice):
+                self.state.on_scale(msg.new_size)
             else:
-                raise ValueError(f"unknown front-end message {msg!r:.100}")
-        except (msgspec.DecodeError, ValueError, TypeError) as exc:
+                self._broadcast(
+                    self.state.on_first_request(msg.engine_index, msg.wave, time.monotonic())
+                )
+        except ValueError as exc:  # ProtocolError included
             logger.warning("DP coordinator: ignoring bad front-end message: %s", exc)
 
     def _drain_stats(self) -> None:
@@ -488,7 +465,7 @@ class _Coordinator:
                 frame = self.wave.recv(zmq.NOBLOCK)
             except zmq.Again:
                 break
-            subscribed = subscribed or frame[:1] == b"\x01"
+            subscribed = subscribed or frame[:1] == XPUB_SUBSCRIBE
         if subscribed:
             self._broadcast([self.state.wave_state_message()])
 
@@ -708,56 +685,6 @@ def _read_line(stream: Any, timeout: float) -> str:
                 break
             buf += chunk
     return buf.decode(errors="replace").strip()
-
-
-def add_connect_arguments(parser: argparse.ArgumentParser) -> None:
-    """Options of ``corewire engine`` for joining a DP front-end on another host."""
-    parser.add_argument(
-        "--connect",
-        metavar="tcp://HOST:PORT",
-        default=None,
-        help="join the DP front-end listening on this data_parallel_address (its requests, "
-        "outputs and coordinator ports); replaces --input-address/--output-address",
-    )
-    parser.add_argument(
-        "--data-parallel-size",
-        type=int,
-        default=1,
-        help="engines in the DP group (with --connect); default 1",
-    )
-    parser.add_argument(
-        "--curve-keys",
-        metavar="DIR",
-        default=None,
-        help="client key directory written by `corewire keygen` (client-K); required "
-        "when --connect names a non-loopback host",
-    )
-
-
-def connect_options(args: argparse.Namespace) -> dict[str, Any]:
-    """``serve_engine`` keyword arguments for ``--connect`` (addresses, DP options, CURVE
-    keys); raises ``ValueError`` for a missing key directory on a non-loopback host."""
-    endpoints = TcpEndpoints.from_address(args.connect)
-    keys = None
-    if args.curve_keys is not None:
-        keys = CurveClientKeys.from_dir(args.curve_keys)
-    elif not is_loopback_address(args.connect):
-        raise ValueError(
-            f"{args.connect} is on another host: pass --curve-keys DIR (from `corewire keygen`)"
-        )
-    if args.data_parallel_size < 1 or not 0 <= args.engine_index < args.data_parallel_size:
-        raise ValueError(
-            f"--engine-index {args.engine_index} is outside a group of "
-            f"--data-parallel-size {args.data_parallel_size}"
-        )
-    return {
-        "input_address": endpoints.input,
-        "output_address": endpoints.output,
-        "data_parallel_size": args.data_parallel_size,
-        "coordinator_addresses": ["", endpoints.coordinator_stats, endpoints.coordinator_publish],
-        "curve_keys": keys.to_wire() if keys is not None else None,
-        "include_finished_set": True,
-    }
 
 
 if __name__ == "__main__":

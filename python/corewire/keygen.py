@@ -33,18 +33,19 @@ from __future__ import annotations
 import argparse
 import contextlib
 import datetime
-import ipaddress
 import logging
 import os
 import weakref
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
-from urllib.parse import urlsplit
 
 import zmq
 import zmq.auth
 import zmq.auth.thread
+
+# The policy lives in corewire.curve; re-exported here for importers of the old place.
+from corewire.curve import is_loopback_address, require_curve_for
 
 logger = logging.getLogger("corewire.keygen")
 __all__ = [
@@ -182,32 +183,6 @@ def apply_client(sock: zmq.Socket[Any], keys: CurveClientKeys) -> None:
     sock.curve_secretkey = keys.secret
     sock.curve_publickey = keys.public
     sock.curve_serverkey = keys.server_public
-
-
-def is_loopback_address(address: str) -> bool:
-    """Whether a ZeroMQ endpoint is reachable only from this host (ipc, inproc, loopback)."""
-    scheme, _, rest = address.partition("://")
-    if scheme in ("ipc", "inproc"):
-        return True
-    if scheme != "tcp":
-        return False
-    host = urlsplit(f"//{rest}").hostname or ""
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:  # a hostname, '*' or an interface name: may be reachable from outside
-        return False
-
-
-def require_curve_for(address: str, keys: object | None) -> None:
-    """Raises ``ValueError`` when ``address`` can be reached from other hosts but no CURVE
-    keys are given: an open port would let anyone inject requests."""
-    if keys is None and not is_loopback_address(address):
-        raise ValueError(
-            f"binding {address} exposes engines to other hosts: pass CURVE keys "
-            "(write them with `corewire keygen DIR`), or bind a loopback address"
-        )
 
 
 class _AuthorizedKeys:

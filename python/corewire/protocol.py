@@ -29,7 +29,9 @@ except ImportError:  # pragma: no cover - exercised only without torch
 
 
 __all__ = [
+    "EEP_NOTIFICATION_CALL_ID",
     "ENGINE_CORE_DEAD",
+    "EEPNotificationType",
     "EngineCoreEvent",
     "EngineCoreEventType",
     "EngineCoreOutput",
@@ -59,6 +61,22 @@ class EngineCoreRequestType(enum.Enum):
     # Engine-internal, never sent on the wire.
     EXECUTOR_FAILED = b"\x04"
     WAKEUP = b"\x05"
+
+
+#: ``call_id`` of an elastic-scaling notification: a UtilityOutput that answers no call,
+#: whose result is ``[EEPNotificationType value, engine_rank]``.
+EEP_NOTIFICATION_CALL_ID = -1
+
+
+class EEPNotificationType(str, enum.Enum):
+    """Kinds of elastic-scaling notification (the first element of its result)."""
+
+    NEW_CORE_ENGINES_INIT_READY = "NEW_CORE_ENGINES_INIT_READY"
+    NEW_CORE_ENGINES_WEIGHTS_INIT_READY = "NEW_CORE_ENGINES_WEIGHTS_INIT_READY"
+    #: An engine applied a new DP group size.
+    RECONFIGURE_FINISHED = "RECONFIGURE_FINISHED"
+    #: An engine removed by a scale-down aborted its requests and is stopping.
+    SHUTDOWN_COMPLETE = "SHUTDOWN_COMPLETE"
 
 
 class FinishReason(enum.IntEnum):

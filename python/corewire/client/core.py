@@ -17,10 +17,10 @@ import zmq.asyncio
 
 from corewire.client._resources import ClientResources
 from corewire.codec import Encoder, MsgspecDecoder
+from corewire.curve import require_curve_for
 from corewire.engine.startup import check_engine_spec, engine_process_main, read_startup_error
 from corewire.errors import EngineDeadError, ProtocolError, UtilityError
 from corewire.ipcdir import make_private_dir
-from corewire.keygen import require_curve_for
 from corewire.protocol import EngineCoreOutputs
 
 __all__ = ["DEFAULT_ENGINE_MAIN", "MPClient", "make_output_decoder", "resolve_utility_output"]

@@ -21,7 +21,9 @@ import json
 import sys
 from typing import Any
 
-from corewire.coordinator import add_connect_arguments, connect_options
+from corewire.coordinator import TcpEndpoints
+from corewire.curve import is_loopback_address
+from corewire.keygen import CurveClientKeys
 
 __all__ = ["add_arguments", "run"]
 
@@ -73,7 +75,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="stop when this process exits (default: run until SIGTERM / SIGINT)",
     )
     # Data parallel: --connect tcp://HOST:PORT, --data-parallel-size, --curve-keys.
-    add_connect_arguments(parser)
+    _add_connect_arguments(parser)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -91,7 +93,7 @@ def run(args: argparse.Namespace) -> int:
         return _join(args)
     if args.connect is not None:
         try:
-            addresses = connect_options(args)
+            addresses = _connect_options(args)
         except (ValueError, OSError) as exc:
             print(f"corewire engine: {exc}", file=sys.stderr)
             return 2
@@ -135,6 +137,56 @@ def _join(args: argparse.Namespace) -> int:
         data_parallel_size=args.data_parallel_size,
         handshake_timeout_s=DEFAULT_HANDSHAKE_TIMEOUT_S if timeout is None else timeout,
     )
+
+
+def _add_connect_arguments(parser: argparse.ArgumentParser) -> None:
+    """Options of ``corewire engine`` for joining a DP front-end on another host."""
+    parser.add_argument(
+        "--connect",
+        metavar="tcp://HOST:PORT",
+        default=None,
+        help="join the DP front-end listening on this data_parallel_address (its requests, "
+        "outputs and coordinator ports); replaces --input-address/--output-address",
+    )
+    parser.add_argument(
+        "--data-parallel-size",
+        type=int,
+        default=1,
+        help="engines in the DP group (with --connect); default 1",
+    )
+    parser.add_argument(
+        "--curve-keys",
+        metavar="DIR",
+        default=None,
+        help="client key directory written by `corewire keygen` (client-K); required "
+        "when --connect names a non-loopback host",
+    )
+
+
+def _connect_options(args: argparse.Namespace) -> dict[str, Any]:
+    """``serve_engine`` keyword arguments for ``--connect`` (addresses, DP options, CURVE
+    keys); raises ``ValueError`` for a missing key directory on a non-loopback host."""
+    endpoints = TcpEndpoints.from_address(args.connect)
+    keys = None
+    if args.curve_keys is not None:
+        keys = CurveClientKeys.from_dir(args.curve_keys)
+    elif not is_loopback_address(args.connect):
+        raise ValueError(
+            f"{args.connect} is on another host: pass --curve-keys DIR (from `corewire keygen`)"
+        )
+    if args.data_parallel_size < 1 or not 0 <= args.engine_index < args.data_parallel_size:
+        raise ValueError(
+            f"--engine-index {args.engine_index} is outside a group of "
+            f"--data-parallel-size {args.data_parallel_size}"
+        )
+    return {
+        "input_address": endpoints.input,
+        "output_address": endpoints.output,
+        "data_parallel_size": args.data_parallel_size,
+        "coordinator_addresses": ["", endpoints.coordinator_stats, endpoints.coordinator_publish],
+        "curve_keys": keys.to_wire() if keys is not None else None,
+        "include_finished_set": True,
+    }
 
 
 def _json_object(text: str) -> dict[str, Any]:

@@ -2,8 +2,9 @@
 
 Three threads, as in vLLM's engine core:
 
-- the *input thread* owns a DEALER socket connected to the front-end's ROUTER. It sends
-  the ready message first, then decodes every incoming request and queues it;
+- the *input thread* owns a DEALER socket connected to the front-end's ROUTER (and a DP
+  engine's coordinator subscription). It sends the ready message first, then decodes
+  every incoming request and queues it (as :mod:`corewire.engine.inputs` items);
 - the *busy loop* (the thread that calls :meth:`EngineCoreProc.run`, normally the main
   thread) applies queued requests to the :class:`~corewire.engine.Engine` and calls
   ``step()`` while there is work;
@@ -37,14 +38,26 @@ import queue
 import threading
 import time
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, ClassVar
 
 import msgspec
 import zmq
 
 from corewire.codec import Encoder, MsgspecDecoder
+from corewire.dp_messages import StartWave, WaveComplete
 from corewire.engine.frame_head import array_length, read_head
+from corewire.engine.inputs import (
+    RESUME,
+    STOP,
+    AbortRequests,
+    AddRefused,
+    AddRequest,
+    InputItem,
+    IOFailed,
+    UtilityCall,
+)
 from corewire.engine.interface import INTERFACE_METHODS, Engine
+from corewire.engine.link import Receiver, connect_socket, engine_outputs
 from corewire.engine.logthrottle import ThrottledWarning
 from corewire.engine.ready import engine_info_of, ready_response
 from corewire.engine.reasons import reason_for, safe_reason
@@ -70,15 +83,13 @@ _ABORT = EngineCoreRequestType.ABORT.value
 _START_DP_WAVE = EngineCoreRequestType.START_DP_WAVE.value
 _UTILITY = EngineCoreRequestType.UTILITY.value
 
-# Kinds of items on the input queue (first element of each tuple).
-_IN_ADD = 0
-_IN_ABORT = 1
-_IN_START_DP_WAVE = 2
-_IN_UTILITY = 3
-_IN_ADD_FAILED = 4  # an ADD refused undecoded (broken, or its prompt too long), id readable
-_IN_FATAL = 5  # another thread hit a fatal error; the busy loop must go down
-_STOP = (6,)  # request_stop(): leave the busy loop
-_RESUME = (7,)  # from the output thread: the output backlog fell to its low-water mark
+# Where the ids an undecoded frame is answered by sit in its payload array.
+_REQUEST_FIELDS = EngineCoreRequest.__struct_fields__
+_REQUEST_ID = _REQUEST_FIELDS.index("request_id")
+_PROMPT_TOKEN_IDS = _REQUEST_FIELDS.index("prompt_token_ids")
+_CLIENT_INDEX = _REQUEST_FIELDS.index("client_index")
+# The fields of a UTILITY payload read from a frame that does not decode.
+_CALL_HEAD = tuple(UtilityCall._fields.index(f) for f in ("client_index", "call_id", "method"))
 
 # Payload buffers kept for reuse by the output thread; more are allocated while ZeroMQ
 # still holds the ones in flight (slow reader), but only this many are kept afterwards.
@@ -103,8 +114,6 @@ _PAUSE_POLL_S = 0.05
 # linger of its sockets after it was blocked.
 _STOP_SEND_WAIT_S = 0.25
 _STOP_LINGER_MS = 250
-# Utilities the engine process itself answers (before the engine's own methods).
-_CORE_UTILITIES = frozenset({"engine_core_counters"})
 
 
 class _Abandoned(Exception):
@@ -137,19 +146,19 @@ class EngineCoreProc:
     that the engine lacks are answered by
     :class:`~corewire.engine.utilities.UtilityDefaults`.
 
-    Subclasses (data parallel) extend the loop through these hooks:
-    :meth:`run_busy_loop`, :meth:`_has_work`, :meth:`_process_input_queue`,
-    :meth:`_process_engine_step`, :meth:`_make_outputs`, :meth:`_send_outputs`,
-    :meth:`_handle_input`, :meth:`_handle_add`, :meth:`_handle_abort`,
-    :meth:`_handle_start_dp_wave`, :meth:`_scheduler_stats`, :meth:`_ready_message`,
-    :meth:`_on_idle`, :meth:`configure_socket`, :meth:`_open_extra_inputs` (more sockets
-    for the input thread, e.g. a coordinator's publisher) and
-    :meth:`_all_output_addresses` (append extra PUSH targets, e.g. a coordinator,
-    addressed by index in :meth:`_send_outputs`).
-    A loop that replaces :meth:`run_busy_loop` calls :meth:`_flush_deferred_replies`
-    after each step. Unknown keyword options are accepted and ignored, so that a
-    launcher can pass data-parallel options to whichever class it runs.
+    Data-parallel subclasses set :attr:`data_parallel_size` (reported in the ready
+    response), :attr:`coordinator_output` (a PUSH target after the client sockets, sent
+    to by :meth:`_to_coordinator`) and :attr:`PROC_UTILITIES` (utility methods of the
+    proc itself), and override these hooks: :meth:`configure_socket`,
+    :meth:`_open_extra_inputs` (more sockets for the input thread, e.g. a coordinator's
+    publisher), :meth:`_has_work`, :meth:`_process_engine_step`, :meth:`_report_load`,
+    :meth:`_scheduler_stats`, :meth:`_handle_add`, :meth:`_handle_start_dp_wave` and
+    :meth:`_handle_wave_complete`. Unknown keyword options are accepted and ignored, so
+    that a launcher can pass data-parallel options to whichever class it runs.
     """
+
+    #: Utility methods the proc itself answers (before the engine's own methods).
+    PROC_UTILITIES: ClassVar[frozenset[str]] = frozenset({"engine_core_counters"})
 
     def __init__(
         self,
@@ -180,6 +189,10 @@ class EngineCoreProc:
             raise ValueError("at least one input address is required")
         self.input_address = self.input_addresses[0]
         self.dp_stats_address = dp_stats_address
+        #: The DP group's size, reported in the ready response (1: no data parallelism).
+        self.data_parallel_size = 1
+        #: A DP coordinator's PULL that gets this engine's load (None: no coordinator).
+        self.coordinator_output: str | None = None
         self.stop_notice = stop_notice
         # Ids of the requests the engine accepted and has not finished, each with its
         # ``resumable`` flag: a second ADD with one of them is dropped unless the first
@@ -206,7 +219,7 @@ class EngineCoreProc:
         self.idle_poll_s = idle_poll_s
         self.linger_ms = linger_ms
 
-        self.input_queue: queue.SimpleQueue[tuple[Any, ...]] = queue.SimpleQueue()
+        self.input_queue: queue.SimpleQueue[InputItem] = queue.SimpleQueue()
         self.output_queue: queue.SimpleQueue[Any] = queue.SimpleQueue()
         # Set by the busy loop when it pauses for the output queue, cleared by the output
         # thread when it sends the resume note (a plain bool: one writer at a time).
@@ -266,12 +279,10 @@ class EngineCoreProc:
         if ids:
             self.engine.abort_requests(ids)
             self._send_outputs(
-                EngineCoreOutputs(
-                    engine_index=self.engine_index,
+                self._outputs(
                     outputs=[
                         EngineCoreOutput(rid, [], finish_reason=FinishReason.ABORT) for rid in ids
                     ],
-                    timestamp=time.monotonic(),
                     finished_requests=set(ids) if self.include_finished_set else None,
                 )
             )
@@ -293,7 +304,7 @@ class EngineCoreProc:
         if discard_pending:
             self.linger_ms = 0
         self._stop_requested = True
-        self.input_queue.put(_STOP)
+        self.input_queue.put(STOP)
 
     @property
     def stop_requested(self) -> bool:
@@ -319,7 +330,7 @@ class EngineCoreProc:
         for log in (self._malformed_log, self._refused_log, self._duplicate_log):
             log.close()
         self._input_stop.set()
-        self.output_queue.put(_STOP)
+        self.output_queue.put(STOP)
         deadline = time.monotonic() + self.linger_ms / 1000 + 2.0
         threads = [t for t in (self._input_thread, self._output_thread) if t is not None]
         for thread in threads:
@@ -337,9 +348,11 @@ class EngineCoreProc:
         """Alternate between applying queued input and stepping the engine."""
         while not self._stop_requested:
             self._process_input_queue()
+            self._report_load()
             if self._stop_requested:
                 break
             self._process_engine_step()
+            self._report_load()
             self._flush_deferred_replies()
 
     def _has_work(self) -> bool:
@@ -360,7 +373,6 @@ class EngineCoreProc:
                 except queue.Empty:
                     self._refused_log.flush()
                     self._duplicate_log.flush()
-                    self._on_idle()
                     continue
             elif self.output_queue.qsize() >= OUTPUT_QUEUE_HIGH and self._output_full():
                 try:
@@ -369,19 +381,19 @@ class EngineCoreProc:
                     continue
             else:
                 break
-            if item is not _RESUME:
+            if item is not RESUME:
                 self._handle_input(item)
         while not self._stop_requested:
             try:
                 item = get(block=False)
             except queue.Empty:
                 return
-            if item is not _RESUME:
+            if item is not RESUME:
                 self._handle_input(item)
 
     def _output_full(self) -> bool:
         """Pause stepping until the output thread reports room; False when the queue
-        drained meanwhile. The output thread posts ``_RESUME`` on the input queue."""
+        drained meanwhile. The output thread posts ``RESUME`` on the input queue."""
         if not self._output_paused:
             self._output_paused = True
             self.output_pauses += 1
@@ -391,9 +403,6 @@ class EngineCoreProc:
             return True
         self._output_paused = False
         return False
-
-    def _on_idle(self) -> None:
-        """Called every ``idle_poll_s`` seconds while the loop waits for input."""
 
     def _process_engine_step(self) -> bool:
         """Step the engine once if it has work; return whether outputs were sent."""
@@ -419,11 +428,9 @@ class EngineCoreProc:
                     finished.add(out.request_id)
         if not outputs and not finished:
             return None
-        return EngineCoreOutputs(
-            engine_index=self.engine_index,
+        return self._outputs(
             outputs=outputs,
             scheduler_stats=self._scheduler_stats(),
-            timestamp=time.monotonic(),
             finished_requests=finished or None,
         )
 
@@ -434,7 +441,7 @@ class EngineCoreProc:
     def _send_outputs(self, outputs: EngineCoreOutputs, client_index: int = 0) -> None:
         """Queue outputs for the output thread.
 
-        ``client_index`` indexes :meth:`_all_output_addresses`. With several client
+        ``client_index`` indexes :attr:`output_addresses`. With several client
         sockets, request outputs are instead split by the client that sent each request
         (``client_index`` then only routes a message that carries no request outputs).
         """
@@ -450,56 +457,59 @@ class EngineCoreProc:
         if not by_client:
             by_client[client_index] = []
         for index, outs in by_client.items():
-            self.output_queue.put(
-                (
-                    index,
-                    EngineCoreOutputs(
-                        engine_index=outputs.engine_index,
-                        outputs=outs,
-                        scheduler_stats=outputs.scheduler_stats,
-                        timestamp=outputs.timestamp,
-                        finished_requests=outputs.finished_requests,
-                        wave_complete=outputs.wave_complete,
-                        start_wave=outputs.start_wave,
-                    ),
-                )
-            )
+            self.output_queue.put((index, msgspec.structs.replace(outputs, outputs=outs)))
 
     def _flush_finished(self) -> None:
         """Report aborted ids while idle, so a DP front-end can forget them."""
         finished, self._pending_finished = self._pending_finished, set()
         self._send_outputs(
-            EngineCoreOutputs(
-                engine_index=self.engine_index,
-                scheduler_stats=self._scheduler_stats(),
-                timestamp=time.monotonic(),
-                finished_requests=finished,
-            )
+            self._outputs(scheduler_stats=self._scheduler_stats(), finished_requests=finished)
         )
+
+    def _outputs(self, **fields: Any) -> EngineCoreOutputs:
+        """An output message of this engine, stamped now (see
+        :func:`~corewire.engine.link.engine_outputs`)."""
+        return engine_outputs(self.engine_index, **fields)
+
+    @property
+    def coordinator_index(self) -> int | None:
+        """Index of the coordinator's PUSH among the output sockets (None: none)."""
+        return None if self.coordinator_output is None else len(self.output_addresses)
+
+    def _to_coordinator(self, outputs: EngineCoreOutputs) -> None:
+        """Queue ``outputs`` for the DP coordinator (dropped without one)."""
+        index = self.coordinator_index
+        if index is not None:
+            self.output_queue.put((index, outputs))
+
+    def _report_load(self) -> None:
+        """Hook run after each pass over the input queue, each step and each abort: a DP
+        engine tells its coordinator its request counts if they changed. Nothing here."""
 
     # ------------------------------------------------------------------ requests
 
-    def _handle_input(self, item: tuple[Any, ...]) -> None:
+    def _handle_input(self, item: InputItem) -> None:
         try:
             self._dispatch_input(item)
         finally:
             self._flush_deferred_replies()
 
-    def _dispatch_input(self, item: tuple[Any, ...]) -> None:
-        kind = item[0]
-        if kind == _IN_ADD:
-            self._handle_add(item[1])
-        elif kind == _IN_ABORT:
-            self._handle_abort(item[1])
-        elif kind == _IN_UTILITY:
-            self._handle_utility(item[1], item[2], item[3], item[4])
-        elif kind == _IN_START_DP_WAVE:
-            self._handle_start_dp_wave(item[1], item[2])
-        elif kind == _IN_ADD_FAILED:
-            self._refuse_undecoded(item[1], item[2], item[3])
-        elif kind == _IN_FATAL:
-            raise RuntimeError("fatal error in an engine I/O thread") from item[1]
-        elif item is _STOP:
+    def _dispatch_input(self, item: InputItem) -> None:
+        if isinstance(item, AddRequest):
+            self._handle_add(item.request)
+        elif isinstance(item, AbortRequests):
+            self._handle_abort(item.request_ids)
+        elif isinstance(item, UtilityCall):
+            self._handle_utility(item.client_index, item.call_id, item.method, item.args)
+        elif isinstance(item, StartWave):
+            self._handle_start_dp_wave(item.wave, item.exclude_engine_index)
+        elif isinstance(item, WaveComplete):
+            self._handle_wave_complete(item.wave)
+        elif isinstance(item, AddRefused):
+            self._refuse_undecoded(item.request_id, item.client_index, item.reason)
+        elif isinstance(item, IOFailed):
+            raise RuntimeError("fatal error in an engine I/O thread") from item.error
+        elif item is STOP:
             self._stop_requested = True
 
     def _handle_add(self, request: EngineCoreRequest) -> None:
@@ -568,8 +578,7 @@ class EngineCoreProc:
             # _send_outputs routes request outputs by this map, and forgets the id.
             self._request_clients[request_id] = client_index
         self._send_outputs(
-            EngineCoreOutputs(
-                engine_index=self.engine_index,
+            self._outputs(
                 outputs=[
                     EngineCoreOutput(
                         request_id=request_id,
@@ -578,7 +587,6 @@ class EngineCoreProc:
                         stop_reason=reason,
                     )
                 ],
-                timestamp=time.monotonic(),
                 finished_requests={request_id} if self.include_finished_set else None,
             ),
             client_index,
@@ -592,10 +600,17 @@ class EngineCoreProc:
             self._in_flight.pop(request_id, None)
         if self.include_finished_set:
             self._pending_finished.update(request_ids)
+        # Aborts may arrive while the loop waits for input (a paused scheduler holding
+        # requests): the load changed now, not at the next step.
+        self._report_load()
 
     def _handle_start_dp_wave(self, new_wave: int, exclude_engine_index: int) -> None:
         """START_DP_WAVE: only meaningful with data parallelism; ignored here."""
         logger.debug("ignoring START_DP_WAVE(%d, %d)", new_wave, exclude_engine_index)
+
+    def _handle_wave_complete(self, wave: int) -> None:
+        """WAVE_COMPLETE from corewire's coordinator; ignored without data parallelism."""
+        logger.debug("ignoring WAVE_COMPLETE(%d)", wave)
 
     # ------------------------------------------------------------------ utilities
 
@@ -651,10 +666,10 @@ class EngineCoreProc:
         }
 
     def _resolve_utility(self, method: str) -> Any:
+        if method in self.PROC_UTILITIES:
+            return getattr(self, method)
         if method.startswith("_") or method in INTERFACE_METHODS:
             raise AttributeError(f"{method!r} is not a utility method")
-        if method in _CORE_UTILITIES:
-            return getattr(self, method)
         fn = getattr(self.engine, method, None)
         if fn is None and method in DEFAULT_UTILITIES:
             fn = getattr(self._utility_defaults, method)
@@ -683,11 +698,7 @@ class EngineCoreProc:
         else:
             try:
                 frames = encoder.encode(
-                    EngineCoreOutputs(
-                        engine_index=self.engine_index,
-                        timestamp=time.monotonic(),
-                        utility_output=UtilityOutput(call_id, None, UtilityResult(value)),
-                    )
+                    self._outputs(utility_output=UtilityOutput(call_id, None, UtilityResult(value)))
                 )
             except (TypeError, ValueError, OverflowError) as exc:
                 err = TypeError(f"result of type {type(value).__name__} cannot be sent: {exc}")
@@ -699,13 +710,8 @@ class EngineCoreProc:
     ) -> EngineCoreOutputs:
         if not isinstance(failure, concurrent.futures.CancelledError):
             logger.debug("utility call %s failed: %r", method, failure)
-        return EngineCoreOutputs(
-            engine_index=self.engine_index,
-            timestamp=time.monotonic(),
-            utility_output=UtilityOutput(
-                call_id, f"Call to {method} method failed: {failure}", None
-            ),
-        )
+        message = f"Call to {method} method failed: {failure}"
+        return self._outputs(utility_output=UtilityOutput(call_id, message, None))
 
     # ------------------------------------------------------------------ fatal
 
@@ -728,16 +734,12 @@ class EngineCoreProc:
         """Hook run on every socket just before it connects to ``address`` (e.g. to
         apply CURVE keys for ``tcp://`` peers); does nothing here."""
 
-    def _data_parallel_size(self) -> int:
-        """The DP group size reported in the ready response (1 here)."""
-        return 1
-
     def _ready_message(self) -> dict[str, Any]:
         """The ready response, sent once on each request link when it is connected."""
         return ready_response(
             self.engine_info,
             engine_index=self.engine_index,
-            data_parallel_size=self._data_parallel_size(),
+            data_parallel_size=self.data_parallel_size,
             dp_stats_address=self.dp_stats_address,
         )
 
@@ -754,65 +756,49 @@ class EngineCoreProc:
         """Whether the input thread was told to stop (for hooks that wait)."""
         return self._input_stop.is_set()
 
+    def _connect(self, socket_type: int, address: str, **options: Any) -> zmq.Socket[Any]:
+        """A socket of this engine connected to ``address`` (through
+        :meth:`configure_socket`); see :func:`~corewire.engine.link.connect_socket`."""
+        return connect_socket(
+            self._ctx, socket_type, address, configure=self.configure_socket, **options
+        )
+
     def _input_thread_main(self) -> None:
-        sockets: list[zmq.Socket[Any]] = []
+        receiver = Receiver()
         try:
             ready = msgspec.msgpack.encode(self._ready_message())
-            handlers: dict[zmq.Socket[Any], Callable[[list[zmq.Frame]], None]] = {}
             decoder = _InputDecoder(self)
             for address in self.input_addresses:
-                sock = self._ctx.socket(zmq.DEALER)
-                sockets.append(sock)
-                sock.setsockopt(zmq.IDENTITY, self.identity)
-                sock.setsockopt(zmq.LINGER, 0)
-                self.configure_socket(sock, address)
-                sock.connect(address)
+                sock = self._connect(zmq.DEALER, address, identity=self.identity)
+                receiver.add(sock, decoder.decode)
                 # The ROUTER cannot address this engine until it has heard from it.
                 sock.send(ready)
-                handlers[sock] = decoder.decode
             for sock, handler in self._open_extra_inputs(self._ctx):
-                sockets.append(sock)
-                handlers[sock] = handler
+                receiver.add(sock, handler)
             self.ready_event.set()
-            poller = zmq.Poller()
-            for sock in sockets:
-                poller.register(sock, zmq.POLLIN)
-            while not self._input_stop.is_set():
-                self._malformed_log.flush()
-                for sock, _ in poller.poll(200):
-                    handler = handlers[sock]
-                    # Drain everything ready before polling again.
-                    while True:
-                        try:
-                            frames = sock.recv_multipart(flags=zmq.NOBLOCK, copy=False)
-                        except zmq.Again:
-                            break
-                        handler(frames)
+            receiver.run(self._input_stop, on_wake=self._malformed_log.flush)
         except Exception as exc:
             if not self._input_stop.is_set():
                 logger.exception("engine input thread failed")
-                self.input_queue.put((_IN_FATAL, exc))
+                self.input_queue.put(IOFailed(exc))
         finally:
-            for sock in sockets:
-                sock.close(linger=0)
+            receiver.close()
 
     # ------------------------------------------------------------------ output thread
-
-    def _all_output_addresses(self) -> list[str]:
-        """Every PUSH target; the first ``len(output_addresses)`` are client sockets."""
-        return list(self.output_addresses)
 
     def _output_thread_main(self) -> None:
         sockets: list[zmq.Socket] = []
         linger = self.linger_ms
+        hwm = ((zmq.SNDHWM, OUTPUT_SNDHWM),)
         try:
-            for address in self._all_output_addresses():
-                sock = self._ctx.socket(zmq.PUSH)
-                sock.setsockopt(zmq.LINGER, self.linger_ms)
-                sock.setsockopt(zmq.SNDHWM, OUTPUT_SNDHWM)
-                self.configure_socket(sock, address)
-                sock.connect(address)
-                sockets.append(sock)
+            for address in self.output_addresses:
+                sockets.append(
+                    self._connect(zmq.PUSH, address, linger_ms=self.linger_ms, options=hwm)
+                )
+            if self.coordinator_output is not None:
+                # No linger: load reports are disposable, and a coordinator that is gone
+                # must not hold this process at exit.
+                sockets.append(self._connect(zmq.PUSH, self.coordinator_output, options=hwm))
             self._output_loop(sockets)
             if time.monotonic() - self._output_blocked_at < 1.0:
                 # The front-end was not reading lately: what ZeroMQ still queues may
@@ -836,7 +822,7 @@ class EngineCoreProc:
                 for sock in sockets[: len(self.output_addresses)]:
                     with contextlib.suppress(zmq.ZMQError):
                         sock.send(ENGINE_CORE_DEAD, flags=zmq.NOBLOCK)
-            self.input_queue.put((_IN_FATAL, exc))
+            self.input_queue.put(IOFailed(exc))
         finally:
             for sock in sockets:
                 sock.close(linger=min(linger, self.linger_ms))
@@ -865,9 +851,9 @@ class EngineCoreProc:
         while True:
             if self._output_paused and qsize() <= OUTPUT_QUEUE_LOW:
                 self._output_paused = False
-                self.input_queue.put(_RESUME)
+                self.input_queue.put(RESUME)
             item = get()
-            if item is _STOP:
+            if item is STOP:
                 return
             index, message = item
             if message is ENGINE_CORE_DEAD:
@@ -957,16 +943,9 @@ class _InputDecoder:
                 ids = self._any_decoder.decode(frames[1:])
                 if not isinstance(ids, list) or not all(isinstance(i, str) for i in ids):
                     raise ProtocolError("ABORT payload must be an array of request-id strings")
-                self._put((_IN_ABORT, ids))
+                self._put(AbortRequests(ids))
             elif request_type == _START_DP_WAVE:
-                wave = self._any_decoder.decode(frames[1:])
-                if (
-                    not isinstance(wave, list)
-                    or len(wave) < 2
-                    or not all(type(v) is int for v in wave[:2])
-                ):
-                    raise ProtocolError("START_DP_WAVE payload must be [new_wave, exclude_index]")
-                self._put((_IN_START_DP_WAVE, wave[0], wave[1]))
+                self._put(StartWave.from_payload(self._any_decoder.decode(frames[1:])))
             else:
                 raise ProtocolError(f"unknown request type {request_type!r}")
         except Exception as exc:  # nothing a peer sends may stop the input thread
@@ -977,7 +956,7 @@ class _InputDecoder:
         # The prompt's length, from its array header, before decoding anything: a
         # prompt over the limit costs no decode, however large (the busy loop checks
         # again, for prompt_embeds and for frames this header read cannot follow).
-        declared = array_length(payload, 1)
+        declared = array_length(payload, _PROMPT_TOKEN_IDS)
         if declared is not None and declared > self._max_model_len:
             limit = f"prompt of {declared} tokens exceeds max_model_len {self._max_model_len}"
             # The refusal goes to the sender: with several clients, only if its
@@ -989,50 +968,61 @@ class _InputDecoder:
         except ProtocolError as exc:
             self._refuse(payload, f"malformed request: {exc}")
             raise
-        self._put((_IN_ADD, request))
+        self._put(AddRequest(request))
 
     def _refuse(self, payload: Any, reason: str, need_client: bool = False) -> bool:
         """Queue the refusal of the ADD in ``payload`` if its request id (and, with
         ``need_client``, its client index) can be read; return whether it was."""
-        head = read_head(payload, (0, 11)) or {}
-        request_id = head.get(0)
-        client_index = head.get(11)
+        head = read_head(payload, (_REQUEST_ID, _CLIENT_INDEX)) or {}
+        request_id = head.get(_REQUEST_ID)
+        client_index = head.get(_CLIENT_INDEX)
         if not isinstance(request_id, str):
             return False
         if type(client_index) is not int:
             if need_client:
                 return False
             client_index = 0
-        self._put((_IN_ADD_FAILED, request_id, client_index, reason))
+        self._put(AddRefused(request_id, client_index, reason))
         return True
 
     def _decode_utility(self, frames: list[zmq.Frame]) -> None:
-        error: ProtocolError | None = None
         try:
             call = self._any_decoder.decode(frames[1:])
         except ProtocolError as exc:
             # Still try to read the call id, to answer the caller instead of leaving it
             # waiting forever.
-            error = exc
-            head = read_head(frames[1].buffer, (0, 1, 2)) or {}
-            call = [head.get(0), head.get(1), head.get(2)] if 1 in head else None
-        ok = (
-            isinstance(call, list)
-            and len(call) >= 4
-            and type(call[0]) is int
-            and type(call[1]) is int
-            and isinstance(call[2], str)
-            and (call[3] is None or isinstance(call[3], list))
+            head = read_head(frames[1].buffer, _CALL_HEAD) or {}
+            self._fail_call({UtilityCall._fields[i]: v for i, v in head.items()}, exc)
+            raise
+        if isinstance(call, list) and len(call) >= len(UtilityCall._fields):
+            item = UtilityCall._make(call[: len(UtilityCall._fields)])
+            if (
+                type(item.client_index) is int
+                and type(item.call_id) is int
+                and isinstance(item.method, str)
+                and (item.args is None or isinstance(item.args, list))
+            ):
+                self._put(item._replace(args=item.args or ()))
+                return
+        error = ProtocolError(
+            "malformed utility request: expected [client_index, call_id, method, args]"
         )
-        if ok and error is None:
-            self._put((_IN_UTILITY, call[0], call[1], call[2], call[3] or ()))
-            return
-        if error is None:
-            error = ProtocolError(
-                "malformed utility request: expected [client_index, call_id, method, args]"
-            )
-        if isinstance(call, list) and len(call) >= 2 and type(call[1]) is int:
-            client_index = call[0] if type(call[0]) is int else 0
-            method = call[2] if len(call) > 2 and isinstance(call[2], str) else "<unknown>"
-            self._proc._reply_utility(client_index, call[1], method, failure=error, fresh=True)
+        if isinstance(call, list):
+            self._fail_call(dict(zip(UtilityCall._fields, call, strict=False)), error)
         raise error
+
+    def _fail_call(self, fields: dict[str, Any], error: ProtocolError) -> None:
+        """Answer a broken utility call with a failure if its call id is readable
+        (``fields``: what could be read of it, by :class:`UtilityCall` field name)."""
+        call_id = fields.get("call_id")
+        if type(call_id) is not int:
+            return
+        client_index = fields.get("client_index")
+        method = fields.get("method")
+        self._proc._reply_utility(
+            client_index if type(client_index) is int else 0,
+            call_id,
+            method if isinstance(method, str) else "<unknown>",
+            failure=error,
+            fresh=True,
+        )

@@ -7,9 +7,9 @@
   counts, its wave number or its running/paused state change, it sends an
   EngineCoreOutputs with ``scheduler_stats`` ``{num_waiting_reqs, num_running_reqs,
   current_wave, step_counter}`` there.
-- **Waves** (see :mod:`corewire.coordinator`). A thread of its own (``...-dp-wave``)
-  subscribes to the coordinator's wave publisher and feeds START_DP_WAVE and
-  WAVE_COMPLETE into the input queue, so the busy loop applies them in order with
+- **Waves** (see :mod:`corewire.coordinator`). The input thread also subscribes to the
+  coordinator's wave publisher and feeds START_DP_WAVE and WAVE_COMPLETE into the input
+  queue (:mod:`corewire.dp_messages`), so the busy loop applies them in order with
   requests. State: ``current_wave`` and ``engines_running`` (paused vs running). A
   request stamped with a newer wave moves the engine forward; one stamped with a wave
   that already ended while the engine was paused makes it send ``start_wave`` so the
@@ -22,8 +22,9 @@
 - **Elastic scaling** utilities, called by the front-end (they are methods of the proc,
   not of the engine): ``reconfigure_data_parallel(new_size)`` and
   ``shutdown_for_scale_down()``. Each sends a notification as a utility output with
-  call_id -1 and result ``[notification_type, engine_rank]``
-  (``"RECONFIGURE_FINISHED"`` / ``"SHUTDOWN_COMPLETE"``) to every client. A retiring
+  call_id -1 (``EEP_NOTIFICATION_CALL_ID``) and result ``[notification_type,
+  engine_rank]`` (``EEPNotificationType``: ``"RECONFIGURE_FINISHED"`` /
+  ``"SHUTDOWN_COMPLETE"``) to every client. A retiring
   engine first finishes each request it holds with ``FinishReason.ABORT`` (so no caller
   waits forever), sends the notification, then stops.
 - ``dp_state()``: the engine's DP view, for front-ends and tests.
@@ -35,61 +36,45 @@ options to a single engine).
 from __future__ import annotations
 
 import logging
-import threading
-import time
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Callable, Sequence
+from typing import Any, ClassVar
 
-import msgspec
 import zmq
 
+from corewire.dp_messages import CoordinatorLinks, decode_wave_message
 from corewire.engine.core import EngineCoreProc
 from corewire.engine.interface import Engine
 from corewire.keygen import CurveClientKeys, apply_client
 from corewire.protocol import (
+    EEP_NOTIFICATION_CALL_ID,
+    EEPNotificationType,
     EngineCoreOutput,
-    EngineCoreOutputs,
     EngineCoreRequest,
     FinishReason,
     UtilityOutput,
     UtilityResult,
 )
 
-__all__ = [
-    "NOTIFICATION_CALL_ID",
-    "NOTIFY_RECONFIGURE_FINISHED",
-    "NOTIFY_SHUTDOWN_COMPLETE",
-    "DPEngineCoreProc",
-]
+__all__ = ["DPEngineCoreProc"]
 
 logger = logging.getLogger("corewire.engine")
-
-#: call_id of an elastic-scaling notification (never a registered call).
-NOTIFICATION_CALL_ID = -1
-#: An engine applied a new DP size.
-NOTIFY_RECONFIGURE_FINISHED = "RECONFIGURE_FINISHED"
-#: An engine removed by a scale-down aborted its requests and is stopping.
-NOTIFY_SHUTDOWN_COMPLETE = "SHUTDOWN_COMPLETE"
-
-# Input-queue kinds of this subclass (the base class uses small integers).
-_IN_DP_START = 100
-_IN_DP_COMPLETE = 101
-
-_START_DP_WAVE = b"\x02"
-_WAVE_COMPLETE = b"\x10"
-
-#: Proc-level utility methods (resolved before the engine's own).
-_DP_UTILITIES = frozenset({"dp_state", "reconfigure_data_parallel", "shutdown_for_scale_down"})
 
 
 class DPEngineCoreProc(EngineCoreProc):
     """An engine core that is one rank of a data-parallel group (see the module doc).
 
     Extra keyword options (all optional): ``data_parallel_size``,
-    ``coordinator_addresses`` (``CoordinatorAddresses.to_wire()``: front, stats, wave),
-    ``curve_keys`` (``CurveClientKeys.to_wire()``: used on every socket that connects to
-    a ``tcp://`` address).
+    ``coordinator_addresses`` (``CoordinatorAddresses.for_engine()``, a
+    :class:`~corewire.dp_messages.CoordinatorLinks`: front, stats, wave), ``curve_keys``
+    (``CurveClientKeys.to_wire()``: used on every socket that connects to a ``tcp://``
+    address).
     """
+
+    PROC_UTILITIES: ClassVar[frozenset[str]] = EngineCoreProc.PROC_UTILITIES | {
+        "dp_state",
+        "reconfigure_data_parallel",
+        "shutdown_for_scale_down",
+    }
 
     def __init__(
         self,
@@ -106,92 +91,47 @@ class DPEngineCoreProc(EngineCoreProc):
         self.engines_running = False
         self.step_counter = 0
         self.curve_keys = CurveClientKeys.from_wire(list(curve_keys)) if curve_keys else None
-        #: The coordinator's stats PULL and wave XPUB (None without a coordinator).
-        self.coordinator_stats_address: str | None = None
+        #: The coordinator's wave XPUB (None without a coordinator); its stats PULL is
+        #: :attr:`coordinator_output`.
         self.coordinator_wave_address: str | None = None
-        #: Index of the coordinator's PUSH socket among the output sockets.
-        self.coordinator_index: int | None = None
         if coordinator_addresses is not None:
-            front, self.coordinator_stats_address, self.coordinator_wave_address = (
-                coordinator_addresses
-            )
+            links = CoordinatorLinks(*coordinator_addresses)
+            self.coordinator_output = links.engine_stats
+            self.coordinator_wave_address = links.engine_publish
             # The ready response names the publisher front-ends subscribe to.
-            if self.dp_stats_address is None and front:
-                self.dp_stats_address = front
-            self.coordinator_index = len(self.output_addresses)
+            if self.dp_stats_address is None and links.front_publish:
+                self.dp_stats_address = links.front_publish
         self._last_report: tuple[int, int, int, bool] | None = None
         self._dummy_batch = getattr(engine, "execute_dummy_batch", None)
-        self._wave_thread: threading.Thread | None = None
 
-    # ------------------------------------------------------------------ sockets, threads
+    # ------------------------------------------------------------------ sockets
 
     def configure_socket(self, sock: zmq.Socket[Any], address: str) -> None:
         """Runs on each socket before it connects to ``address``: CURVE client keys for
-        ``tcp://`` peers; no linger towards the coordinator (stats are disposable, and a
-        coordinator that is gone must not hold this process at exit)."""
-        if address == self.coordinator_stats_address:
-            sock.setsockopt(zmq.LINGER, 0)
+        ``tcp://`` peers."""
         if self.curve_keys is not None and address.startswith("tcp://"):
             apply_client(sock, self.curve_keys)
 
-    def _all_output_addresses(self) -> list[str]:
-        addresses = super()._all_output_addresses()
-        if self.coordinator_stats_address is not None:
-            addresses.append(self.coordinator_stats_address)
-        return addresses
+    def _open_extra_inputs(
+        self, ctx: zmq.Context[Any]
+    ) -> list[tuple[zmq.Socket[Any], Callable[[list[zmq.Frame]], None]]]:
+        """The coordinator's wave publisher, subscribed to everything (a late subscriber
+        gets the current wave state at once)."""
+        if self.coordinator_wave_address is None:
+            return []
+        sock = self._connect(
+            zmq.SUB, self.coordinator_wave_address, options=((zmq.SUBSCRIBE, b""),)
+        )
+        return [(sock, self._on_wave_message)]
 
-    def _start_io_threads(self) -> None:
-        super()._start_io_threads()
-        if self.coordinator_wave_address is not None:
-            self._wave_thread = threading.Thread(
-                target=self._wave_thread_main,
-                name=f"corewire-engine-{self.engine_index}-dp-wave",
-                daemon=True,
-            )
-            self._wave_thread.start()
-
-    def _close(self) -> None:
-        # The wave thread's socket must be closed before the base class ends the context.
-        self._input_stop.set()
-        if self._wave_thread is not None:
-            self._wave_thread.join(timeout=5.0)
-        super()._close()
-
-    def _wave_thread_main(self) -> None:
-        assert self.coordinator_wave_address is not None  # only started with an address
-        sock = self._ctx.socket(zmq.SUB)
+    def _on_wave_message(self, frames: list[zmq.Frame]) -> None:
+        """Input thread: a coordinator's wave message goes to the busy loop."""
         try:
-            sock.setsockopt(zmq.LINGER, 0)
-            sock.setsockopt(zmq.SUBSCRIBE, b"")
-            self.configure_socket(sock, self.coordinator_wave_address)
-            sock.connect(self.coordinator_wave_address)
-            poller = zmq.Poller()
-            poller.register(sock, zmq.POLLIN)
-            decode = msgspec.msgpack.decode
-            put = self.input_queue.put
-            while not self._input_stop.is_set():
-                if not poller.poll(200):
-                    continue
-                while True:
-                    try:
-                        frames = sock.recv_multipart(flags=zmq.NOBLOCK)
-                    except zmq.Again:
-                        break
-                    try:
-                        kind, payload = frames[0], decode(frames[1])
-                        if kind == _START_DP_WAVE:
-                            put((_IN_DP_START, int(payload[0]), int(payload[1])))
-                        elif kind == _WAVE_COMPLETE:
-                            put((_IN_DP_COMPLETE, int(payload[0])))
-                        else:
-                            raise ValueError(f"unknown type {kind!r}")
-                    except (IndexError, ValueError, TypeError, msgspec.DecodeError) as exc:
-                        logger.warning("dropping a malformed coordinator message: %s", exc)
-        except Exception:
-            if not self._input_stop.is_set():
-                logger.exception("engine DP wave thread failed")
-        finally:
-            sock.close(linger=0)
+            message = decode_wave_message([f.buffer for f in frames])
+        except ValueError as exc:  # ProtocolError included
+            logger.warning("dropping a malformed coordinator message: %s", exc)
+            return
+        self.input_queue.put(message)
 
     # ------------------------------------------------------------------ busy loop hooks
 
@@ -199,10 +139,6 @@ class DPEngineCoreProc(EngineCoreProc):
         if super()._has_work():
             return True
         return self.engines_running and self._dummy_batch is not None
-
-    def _process_input_queue(self) -> None:
-        super()._process_input_queue()
-        self._report_counts()
 
     def _process_engine_step(self) -> bool:
         if self.engine.has_unfinished_requests():
@@ -212,7 +148,6 @@ class DPEngineCoreProc(EngineCoreProc):
             if self.engines_running and self._dummy_batch is not None:
                 self._dummy_batch()
         self.step_counter += 1
-        self._report_counts()
         return sent
 
     def _scheduler_stats(self) -> dict[str, Any] | None:
@@ -221,19 +156,7 @@ class DPEngineCoreProc(EngineCoreProc):
             stats = {**stats, "current_wave": self.current_wave, "step_counter": self.step_counter}
         return stats
 
-    def _data_parallel_size(self) -> int:
-        return self.data_parallel_size
-
     # ------------------------------------------------------------------ requests
-
-    def _handle_input(self, item: tuple[Any, ...]) -> None:
-        kind = item[0]
-        if kind == _IN_DP_START:
-            self._handle_start_dp_wave(item[1], item[2])
-        elif kind == _IN_DP_COMPLETE:
-            self._handle_wave_complete(item[1])
-        else:
-            super()._handle_input(item)
 
     def _handle_add(self, request: EngineCoreRequest) -> None:
         if request.current_wave != self.current_wave:
@@ -243,22 +166,16 @@ class DPEngineCoreProc(EngineCoreProc):
             elif not self.engines_running:
                 # A request for a wave that ended while this engine was paused: the
                 # others are paused too; ask the coordinator to wake them.
-                self._to_coordinator(start_wave=self.current_wave)
+                self._ask_for_wave(self.current_wave)
         self.engines_running = True
         super()._handle_add(request)
-
-    def _handle_abort(self, request_ids: list[str]) -> None:
-        super()._handle_abort(request_ids)
-        # Aborts may arrive while the loop waits for input (a paused scheduler holding
-        # requests): report now, not at the next step.
-        self._report_counts()
 
     def _handle_start_dp_wave(self, new_wave: int, exclude_engine_index: int) -> None:
         """START_DP_WAVE: join wave ``new_wave`` unless this engine is the excluded one."""
         if exclude_engine_index != self.engine_index and new_wave >= self.current_wave:
             self.current_wave = new_wave
             self.engines_running = True
-            self._report_counts()
+            self._report_load()
 
     def _handle_wave_complete(self, wave: int) -> None:
         """The coordinator ended ``wave``: pause, unless requests raced its end."""
@@ -268,23 +185,14 @@ class DPEngineCoreProc(EngineCoreProc):
         self.step_counter = 0
         self.engines_running = bool(self._in_flight)
         if self._in_flight:
-            self._to_coordinator(start_wave=self.current_wave)
-        self._report_counts()
+            self._ask_for_wave(self.current_wave)
+        self._report_load()
 
     # ------------------------------------------------------------------ coordinator
 
-    def _to_coordinator(self, *, start_wave: int | None = None) -> None:
-        if self.coordinator_index is None:
-            return
-        self._send_outputs(
-            EngineCoreOutputs(
-                engine_index=self.engine_index,
-                scheduler_stats=self._counts_stats(),
-                timestamp=time.monotonic(),
-                start_wave=start_wave,
-            ),
-            self.coordinator_index,
-        )
+    def _ask_for_wave(self, wave: int) -> None:
+        """Ask the coordinator to start ``wave`` (with this engine's counts)."""
+        self._to_coordinator(self._outputs(scheduler_stats=self._counts_stats(), start_wave=wave))
 
     def _counts_stats(self) -> dict[str, Any]:
         stats = self.engine.scheduler_stats()
@@ -300,7 +208,7 @@ class DPEngineCoreProc(EngineCoreProc):
             "step_counter": self.step_counter,
         }
 
-    def _report_counts(self) -> None:
+    def _report_load(self) -> None:
         """Send the counts to the coordinator if they (or the wave state) changed."""
         if self.coordinator_index is None:
             return
@@ -314,39 +222,16 @@ class DPEngineCoreProc(EngineCoreProc):
         if key == self._last_report:
             return
         self._last_report = key
-        self._send_outputs(
-            EngineCoreOutputs(
-                engine_index=self.engine_index,
-                scheduler_stats=stats,
-                timestamp=time.monotonic(),
-            ),
-            self.coordinator_index,
-        )
+        self._to_coordinator(self._outputs(scheduler_stats=stats))
 
     # ------------------------------------------------------------------ utilities
 
-    def _resolve_utility(self, method: str) -> Any:
-        if method in _DP_UTILITIES:
-            return getattr(self, method)
-        return super()._resolve_utility(method)
-
-    def _notify(self, notification_type: str) -> None:
+    def _notify(self, notification_type: EEPNotificationType) -> None:
         """Send a call_id -1 notification ``[type, engine_rank]`` to every client."""
+        result = UtilityResult([notification_type.value, self.engine_index])
         for client_index in range(len(self.output_addresses)):
-            self.output_queue.put(
-                (
-                    client_index,
-                    EngineCoreOutputs(
-                        engine_index=self.engine_index,
-                        timestamp=time.monotonic(),
-                        utility_output=UtilityOutput(
-                            NOTIFICATION_CALL_ID,
-                            None,
-                            UtilityResult([notification_type, self.engine_index]),
-                        ),
-                    ),
-                )
-            )
+            utility = UtilityOutput(EEP_NOTIFICATION_CALL_ID, None, result)
+            self.output_queue.put((client_index, self._outputs(utility_output=utility)))
 
     def dp_state(self) -> dict[str, Any]:
         """This engine's DP view: wave, running state, group size and requests held."""
@@ -368,7 +253,7 @@ class DPEngineCoreProc(EngineCoreProc):
                 "call shutdown_for_scale_down()"
             )
         self.data_parallel_size = new_size
-        self._notify(NOTIFY_RECONFIGURE_FINISHED)
+        self._notify(EEPNotificationType.RECONFIGURE_FINISHED)
         return new_size
 
     def shutdown_for_scale_down(self) -> int:
@@ -379,21 +264,19 @@ class DPEngineCoreProc(EngineCoreProc):
             self.engine.abort_requests(ids)
             self._in_flight.clear()
             self._send_outputs(
-                EngineCoreOutputs(
-                    engine_index=self.engine_index,
+                self._outputs(
                     outputs=[
                         EngineCoreOutput(
                             request_id=rid, new_token_ids=[], finish_reason=FinishReason.ABORT
                         )
                         for rid in ids
                     ],
-                    timestamp=time.monotonic(),
                     finished_requests=set(ids),
                 )
             )
         self.engines_running = False
-        self._report_counts()
-        self._notify(NOTIFY_SHUTDOWN_COMPLETE)
+        self._report_load()
+        self._notify(EEPNotificationType.SHUTDOWN_COMPLETE)
         # The utility reply and everything above are queued before the stop sentinel.
         self.request_stop()
         return len(ids)

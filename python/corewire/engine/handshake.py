@@ -50,6 +50,7 @@ import msgspec
 import zmq
 
 from corewire.engine.core import EngineCoreProc
+from corewire.engine.link import connect_socket
 
 __all__ = [
     "DEFAULT_HANDSHAKE_TIMEOUT_S",
@@ -142,10 +143,17 @@ class FrontEndHandshake:
         self.address = address
         self.engine_index = engine_index
         self._ctx = zmq.Context()
-        self._sock = self._ctx.socket(zmq.DEALER)
-        self._sock.setsockopt(zmq.IDENTITY, engine_index.to_bytes(2, "little"))
-        self._sock.setsockopt(zmq.LINGER, _LINGER_MS)
-        self._sock.connect(address)
+        try:
+            self._sock = connect_socket(
+                self._ctx,
+                zmq.DEALER,
+                address,
+                linger_ms=_LINGER_MS,
+                identity=engine_index.to_bytes(2, "little"),
+            )
+        except BaseException:
+            self._ctx.term()
+            raise
         self._closed = False
 
     def _status(self, status: str) -> bytes:

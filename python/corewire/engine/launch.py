@@ -62,14 +62,17 @@ def load_engine(spec: str | None = None, engine_args: dict[str, Any] | None = No
 
 
 def _proc_class(dp_options: dict[str, Any]) -> type[EngineCoreProc]:
-    """The data-parallel proc class when DP options are given and available."""
+    """The data-parallel proc class when DP options are given, else the plain one.
+
+    The DP module is imported here, not at the top, so that a plain engine does not
+    load it; an ImportError propagates (a broken install must not quietly run a plain
+    engine that ignores its DP options).
+    """
     if not dp_options:
         return EngineCoreProc
-    try:
-        from corewire.engine import dp
-    except ImportError:
-        return EngineCoreProc
-    return getattr(dp, "DPEngineCoreProc", EngineCoreProc)
+    from corewire.engine.dp import DPEngineCoreProc
+
+    return DPEngineCoreProc
 
 
 def serve_engine(

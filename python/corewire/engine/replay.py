@@ -14,7 +14,9 @@ as identity, PUSH for outputs), sends its ready message, and then:
   protocol's failure text.
 
 It stops on SIGTERM and when the process that started it dies. :class:`EngineLink` and
-:class:`ReplayEngine` are reusable by test engines that misbehave on purpose.
+:class:`ReplayEngine` are reusable by test engines that misbehave on purpose. The link's
+sockets and output messages come from :mod:`corewire.engine.link`, as the engine core's
+do; only its receive differs (one blocking call, no poll, for the lowest round trip).
 """
 
 from __future__ import annotations
@@ -28,7 +30,9 @@ import msgspec
 import zmq
 
 from corewire.codec import Encoder, MsgspecDecoder
+from corewire.engine.inputs import UtilityCall
 from corewire.engine.interface import EngineInfo
+from corewire.engine.link import connect_socket, engine_outputs, stamp_unstamped
 from corewire.engine.ready import ready_response
 from corewire.protocol import (
     EngineCoreOutput,
@@ -40,7 +44,13 @@ from corewire.protocol import (
     UtilityResult,
 )
 
-__all__ = ["EngineLink", "ReplayEngine", "replay_frame", "run_replay_engine"]
+__all__ = [
+    "EngineLink",
+    "ReplayEngine",
+    "encode_plain_outputs",
+    "replay_frame",
+    "run_replay_engine",
+]
 
 _ADD = EngineCoreRequestType.ADD.value
 _ABORT = EngineCoreRequestType.ABORT.value
@@ -60,10 +70,27 @@ def replay_frame(batch: int, engine_index: int = 0) -> bytes:
         )
         for i in range(batch)
     ]
-    frames = Encoder().encode(
-        EngineCoreOutputs(engine_index=engine_index, outputs=outputs, timestamp=time.monotonic())
-    )
+    frames = Encoder().encode(engine_outputs(engine_index, outputs=outputs))
     return bytes(frames[0])
+
+
+def _plain_value(obj: Any) -> Any:
+    if isinstance(obj, UtilityResult):
+        return [None, obj.result]  # no type information: see UtilityResult
+    raise TypeError(f"{type(obj).__name__} is not plain msgpack")
+
+
+_plain_encoder = msgspec.msgpack.Encoder(enc_hook=_plain_value)
+
+
+def encode_plain_outputs(outputs: EngineCoreOutputs) -> bytes | None:
+    """``outputs`` encoded by plain msgspec, the same bytes as the codec's encoding for
+    a fraction of the cost; None when they hold anything but plain msgpack values
+    (arrays, tensors), which only the codec encodes."""
+    try:
+        return _plain_encoder.encode(outputs)
+    except TypeError:
+        return None
 
 
 class EngineLink:
@@ -79,19 +106,25 @@ class EngineLink:
         self.engine_index = engine_index
         self.parent_pid = parent_pid
         self.ctx = zmq.Context(io_threads=1)
-        self.requests = self.ctx.socket(zmq.DEALER)
-        self.requests.setsockopt(zmq.IDENTITY, engine_index.to_bytes(2, "little"))
-        self.outputs = self.ctx.socket(zmq.PUSH)
-        # A blocking receive returns every so often to check on the parent process.
-        self.requests.setsockopt(zmq.RCVTIMEO, _PARENT_POLL_MS)
-        for sock in (self.requests, self.outputs):
-            sock.setsockopt(zmq.LINGER, 0)
-            sock.setsockopt(zmq.SNDHWM, 0)
-            sock.setsockopt(zmq.RCVHWM, 0)
-        self.requests.connect(input_address)
-        self.outputs.connect(output_address)
+        unbounded = ((zmq.SNDHWM, 0), (zmq.RCVHWM, 0))
+        try:
+            # A blocking receive returns every so often to check on the parent process.
+            self.requests = connect_socket(
+                self.ctx,
+                zmq.DEALER,
+                input_address,
+                identity=engine_index.to_bytes(2, "little"),
+                options=(*unbounded, (zmq.RCVTIMEO, _PARENT_POLL_MS)),
+            )
+            try:
+                self.outputs = connect_socket(self.ctx, zmq.PUSH, output_address, options=unbounded)
+            except BaseException:
+                self.requests.close(linger=0)
+                raise
+        except BaseException:
+            self.ctx.term()
+            raise
         self.encoder = Encoder()
-        self._plain = msgspec.msgpack.Encoder()
 
     def send_ready(self) -> None:
         """The one ready message, on the requests link: a complete ready response, so
@@ -116,41 +149,23 @@ class EngineLink:
             return None
 
     def push(self, outputs: EngineCoreOutputs) -> None:
-        """Encode and send ``outputs`` (stamped now if they carry no timestamp: vLLM's
-        front-end takes a 0.0 for a missing one and uses its own clock)."""
-        if not outputs.timestamp:
-            outputs.timestamp = time.monotonic()
-        self.outputs.send_multipart(self.encoder.encode(outputs), copy=False)
+        """Encode and send ``outputs`` (stamped now if they carry no timestamp)."""
+        frames = self.encoder.encode(stamp_unstamped(outputs))
+        self.outputs.send_multipart(frames, copy=False)
 
     def reply(self, call_id: int, result: Any = None, failure: str | None = None) -> None:
         """Answer utility call ``call_id``."""
-        if failure is None:
-            try:
-                # EngineCoreOutputs with only utility_output, as plain msgpack: the same
-                # bytes as the struct's encoding, for a fraction of the cost.
-                payload = self._plain.encode(
-                    [
-                        self.engine_index,
-                        [],
-                        None,
-                        time.monotonic(),
-                        [call_id, None, [None, result]],
-                        None,
-                        None,
-                        None,
-                    ]
-                )
-            except TypeError:  # a result with arrays or tensors
-                pass
-            else:
-                self.outputs.send(payload)
-                return
         utility = UtilityOutput(
             call_id=call_id,
             failure_message=failure,
             result=None if failure is not None else UtilityResult(result),
         )
-        self.push(EngineCoreOutputs(engine_index=self.engine_index, utility_output=utility))
+        outputs = engine_outputs(self.engine_index, utility_output=utility)
+        payload = encode_plain_outputs(outputs)
+        if payload is None:  # a result with arrays or tensors
+            self.push(outputs)
+        else:
+            self.outputs.send(payload)
 
     def close(self) -> None:
         """Close the sockets and the context."""
@@ -192,7 +207,8 @@ class ReplayEngine:
         """Act on one request message."""
         kind, payload = message[0], message[1]
         if kind == _UTILITY:
-            _, call_id, method, args = msgspec.msgpack.decode(payload)
+            call = UtilityCall._make(msgspec.msgpack.decode(payload))
+            call_id, method, args = call.call_id, call.method, call.args or ()
             handler = getattr(self, f"utility_{method}", None)
             if handler is None:
                 self.link.reply(call_id, failure=f"Call to {method} method failed: no such method")
@@ -215,8 +231,8 @@ class ReplayEngine:
                     finished.add(request_id)
             if finished:
                 self.link.push(
-                    EngineCoreOutputs(
-                        engine_index=self.link.engine_index,
+                    engine_outputs(
+                        self.link.engine_index,
                         outputs=[
                             EngineCoreOutput(rid, [], finish_reason=FinishReason.ABORT)
                             for rid in finished
@@ -246,11 +262,7 @@ class ReplayEngine:
             )
             if done:
                 del self.running[request_id]
-        self.link.push(
-            EngineCoreOutputs(
-                engine_index=self.link.engine_index, outputs=outputs, timestamp=time.monotonic()
-            )
-        )
+        self.link.push(engine_outputs(self.link.engine_index, outputs=outputs))
 
     # -- utility methods -------------------------------------------------------------
 

@@ -34,14 +34,15 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import Any, ClassVar
 
 import msgspec
 import zmq
 
+from corewire.dp_messages import XPUB_SUBSCRIBE, StartWave
 from corewire.engine.core import EngineCoreProc
 from corewire.engine.interface import Engine
-from corewire.protocol import EngineCoreOutputs, EngineCoreRequest
+from corewire.protocol import EngineCoreRequest, EngineCoreRequestType
 
 __all__ = ["COORDINATOR_READY", "VllmDPEngineCoreProc"]
 
@@ -49,10 +50,7 @@ logger = logging.getLogger("corewire.engine")
 
 #: What vLLM's coordinator sends an engine once the whole group subscribed.
 COORDINATOR_READY = b"READY"
-_SUBSCRIBE = b"\x01"
-_START_DP_WAVE = b"\x02"
-# Input-queue kind of this class (the base class uses small integers).
-_IN_COORD_START_WAVE = 110
+_START_DP_WAVE = EngineCoreRequestType.START_DP_WAVE.value
 
 
 class VllmDPEngineCoreProc(EngineCoreProc):
@@ -62,6 +60,8 @@ class VllmDPEngineCoreProc(EngineCoreProc):
     XPUB), ``coordinator_output`` (its PULL), ``data_parallel_size`` (reported in the
     ready response). ``include_finished_set`` defaults to True here.
     """
+
+    PROC_UTILITIES: ClassVar[frozenset[str]] = EngineCoreProc.PROC_UTILITIES | {"dp_state"}
 
     def __init__(
         self,
@@ -78,35 +78,18 @@ class VllmDPEngineCoreProc(EngineCoreProc):
         self.coordinator_output = coordinator_output
         self.data_parallel_size = data_parallel_size
         self.current_wave = 0
-        #: Index of the coordinator's PUSH socket among the output sockets.
-        self.coordinator_index = len(self.output_addresses)
         self._last_counts: tuple[int, int, int] | None = None
 
     # ------------------------------------------------------------------ sockets
-
-    def configure_socket(self, sock: zmq.Socket[Any], address: str) -> None:
-        """No linger towards the coordinator: stats are disposable, and a coordinator
-        that is gone must not hold this process at exit."""
-        if address == self.coordinator_output:
-            sock.setsockopt(zmq.LINGER, 0)
-
-    def _all_output_addresses(self) -> list[str]:
-        return [*super()._all_output_addresses(), self.coordinator_output]
-
-    def _data_parallel_size(self) -> int:
-        return self.data_parallel_size
 
     def _open_extra_inputs(
         self, ctx: zmq.Context[Any]
     ) -> list[tuple[zmq.Socket[Any], Callable[[list[zmq.Frame]], None]]]:
         """Subscribe to the coordinator and wait for its go-ahead (the whole group
         subscribed) before this engine counts as ready."""
-        sock = ctx.socket(zmq.XSUB)
+        sock = self._connect(zmq.XSUB, self.coordinator_input, identity=self.identity)
         try:
-            sock.setsockopt(zmq.IDENTITY, self.identity)
-            sock.setsockopt(zmq.LINGER, 0)
-            sock.connect(self.coordinator_input)
-            sock.send(_SUBSCRIBE)
+            sock.send(XPUB_SUBSCRIBE)
             logged = time.monotonic()
             while not sock.poll(200):
                 if self.input_stopping():
@@ -131,41 +114,20 @@ class VllmDPEngineCoreProc(EngineCoreProc):
         try:
             if kind != _START_DP_WAVE or len(frames) < 2:
                 raise ValueError(f"unknown message type {kind[:8]!r}")
-            wave, exclude = msgspec.msgpack.decode(frames[1].buffer)
-            if type(wave) is not int or not (exclude is None or type(exclude) is int):
-                raise ValueError("START_DP_WAVE payload must be [wave, exclude_index]")
-        except (ValueError, TypeError, msgspec.DecodeError) as exc:
+            payload = msgspec.msgpack.decode(frames[1].buffer)
+            wave = StartWave.from_payload(payload, nil_excludes_none=True)
+        except (ValueError, msgspec.DecodeError) as exc:  # ProtocolError is a ValueError
             logger.warning("dropping a malformed DP coordinator message: %s", exc)
             return
-        self.input_queue.put((_IN_COORD_START_WAVE, wave, -1 if exclude is None else exclude))
+        self.input_queue.put(wave)
 
     # ------------------------------------------------------------------ busy loop hooks
-
-    def _handle_input(self, item: tuple[Any, ...]) -> None:
-        if item[0] == _IN_COORD_START_WAVE:
-            self._handle_start_dp_wave(item[1], item[2])
-        else:
-            super()._handle_input(item)
-
-    def _process_input_queue(self) -> None:
-        super()._process_input_queue()
-        self._publish_counts()
-
-    def _process_engine_step(self) -> bool:
-        sent = super()._process_engine_step()
-        self._publish_counts()
-        return sent
 
     def _handle_add(self, request: EngineCoreRequest) -> None:
         # A front-end that saw a newer wave than this engine did.
         if request.current_wave > self.current_wave:
             self.current_wave = request.current_wave
         super()._handle_add(request)
-
-    def _handle_abort(self, request_ids: list[str]) -> None:
-        super()._handle_abort(request_ids)
-        # Aborts may arrive while the loop waits for input (a paused engine).
-        self._publish_counts()
 
     def _handle_start_dp_wave(self, new_wave: int, exclude_engine_index: int) -> None:
         """START_DP_WAVE: move to ``new_wave`` unless this is the excluded engine."""
@@ -174,7 +136,7 @@ class VllmDPEngineCoreProc(EngineCoreProc):
 
     # ------------------------------------------------------------------ coordinator
 
-    def _publish_counts(self) -> None:
+    def _report_load(self) -> None:
         """Send ``[waiting, running]`` to the coordinator when they (or the wave)
         changed; an engine without ``scheduler_stats()`` reports nothing."""
         stats = self.engine.scheduler_stats()
@@ -186,19 +148,13 @@ class VllmDPEngineCoreProc(EngineCoreProc):
         if counts == self._last_counts:
             return
         self._last_counts = counts
-        self._send_outputs(
-            EngineCoreOutputs(
-                engine_index=self.engine_index,
-                scheduler_stats={
-                    "num_running_reqs": running,
-                    "num_waiting_reqs": waiting,
-                    "step_counter": 0,
-                    "current_wave": self.current_wave,
-                },
-                timestamp=time.monotonic(),
-            ),
-            self.coordinator_index,
-        )
+        stats = {
+            "num_running_reqs": running,
+            "num_waiting_reqs": waiting,
+            "step_counter": 0,
+            "current_wave": self.current_wave,
+        }
+        self._to_coordinator(self._outputs(scheduler_stats=stats))
 
     def dp_state(self) -> dict[str, Any]:
         """This engine's DP view (for tests and operators)."""
@@ -208,8 +164,3 @@ class VllmDPEngineCoreProc(EngineCoreProc):
             "data_parallel_size": self.data_parallel_size,
             "last_counts": list(self._last_counts) if self._last_counts else None,
         }
-
-    def _resolve_utility(self, method: str) -> Any:
-        if method == "dp_state":
-            return self.dp_state
-        return super()._resolve_utility(method)
