@@ -60,6 +60,7 @@ import zmq.asyncio
 from corewire.bench import common
 from corewire.client import AsyncMPClient
 from corewire.codec import Encoder, MsgspecDecoder
+from corewire.engine.link import engine_outputs
 from corewire.engine.replay import EngineLink, ReplayEngine
 from corewire.protocol import (
     ENGINE_CORE_DEAD,
@@ -118,7 +119,7 @@ def case_frame(case: str, batch: int) -> bytes:
                 finish_reason=FinishReason.LENGTH if i % 8 == 7 else None,
             )
         )
-    message = EngineCoreOutputs(engine_index=0, outputs=outputs, timestamp=time.monotonic())
+    message = engine_outputs(0, outputs=outputs)
     frames = Encoder().encode(message)
     assert len(frames) == 1, "the bench frames have no aux frames"
     return bytes(frames[0])
