@@ -2,7 +2,7 @@
 //!
 //! Modules depend on each other in one direction only:
 //! `decoder -> builder -> objects / frames / consts / torch -> ffi`; `registry`,
-//! `tracker`, and `router` stand alone over the core. [`register`] is the one
+//! `tracker`, `router` and `wire` stand alone over the core. [`register`] is the one
 //! place that puts names on the extension module.
 
 use pyo3::prelude::*;
@@ -18,6 +18,7 @@ mod ffi;
 mod frames;
 mod objects;
 mod torch;
+mod wire;
 
 /// Registers every binding type and function on the extension module.
 pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
@@ -31,5 +32,8 @@ pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("EngineCoreOutputs", message.bind(py))?;
     m.add("EngineCoreOutput", output.bind(py))?;
     m.add_class::<frames::FrameBuffer>()?;
+    m.add_function(wrap_pyfunction!(wire::wire_fields, m)?)?;
+    m.add_function(wrap_pyfunction!(wire::wire_structs, m)?)?;
+    m.add_function(wrap_pyfunction!(wire::wire_version, m)?)?;
     Ok(())
 }
