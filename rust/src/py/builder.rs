@@ -506,9 +506,9 @@ impl<'py> Builder for PyBuilder<'_, 'py> {
             }
         };
         let py = self.py;
-        // SAFETY: a live dtype object: in the cache, or held by `owned`.
         let dtype = || match &owned {
             Some(d) => d.clone(),
+            // SAFETY: a live dtype object: in the cache, or held by `owned`.
             None => unsafe { Bound::from_borrowed_ptr(py, dtype_ptr) },
         };
         // Which array of a LogprobsLists this is, if it is one.

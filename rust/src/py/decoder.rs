@@ -91,15 +91,16 @@ impl NativeDecoder {
         // The frames' bytes for the core, on the stack for the usual few frames. They
         // borrow the frames' memory, not `held` itself: the builder below needs `held`
         // mutably to create array owners, which never moves or frees that memory.
-        // SAFETY (`detach`): `held` is declared first, so it outlives the slices.
         let mut few: [&[u8]; FEW_FRAMES] = [&[]; FEW_FRAMES];
         let many: Vec<&[u8]>;
         let slices: &[&[u8]] = if held.len() <= FEW_FRAMES {
             for (slot, frame) in few.iter_mut().zip(&held) {
+                // SAFETY: `held` is declared first, so it outlives the slices.
                 *slot = unsafe { detach(frame) };
             }
             &few[..held.len()]
         } else {
+            // SAFETY: as above.
             many = held.iter().map(|f| unsafe { detach(f) }).collect();
             &many
         };
