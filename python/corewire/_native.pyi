@@ -25,6 +25,9 @@ __all__ = [
     "ProtocolError",
     "Router",
     "SendTracker",
+    "wire_fields",
+    "wire_structs",
+    "wire_version",
 ]
 
 # --------------------------------------------------------------------------- decoder
@@ -121,6 +124,20 @@ class EngineCoreOutput:
     @property
     def finished(self) -> bool:
         """Whether this is the request's last output (``finish_reason is not None``)."""
+
+def wire_fields(name: str) -> tuple[str, ...]:
+    """The field names of the ``corewire.protocol`` struct ``name`` in the wire order the
+    decoder reads (the map keys of ``EngineCoreEvent``).
+
+    Raises ``KeyError`` for a struct the decoder has no table for; ``wire_structs()``
+    names those it has.
+    """
+
+def wire_structs() -> tuple[str, ...]:
+    """The names of the structs ``wire_fields`` knows."""
+
+def wire_version() -> str:
+    """The vLLM version whose wire the decoder speaks."""
 
 @final
 class FrameBuffer:

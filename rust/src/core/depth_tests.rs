@@ -8,9 +8,11 @@ use std::hint::black_box;
 
 use super::error::{ArrayKind, DecodeError, DecodeResult, ErrorKind, PATH_SHOWN};
 use super::schema::{
-    decode_outputs, ArrayRef, Builder, MessageParts, OutputParts, Scratch, MAX_DEPTH,
+    decode_outputs, ArrayRef, Builder, LogprobsSlots, MessageSlots, OutputSlots, Scratch,
+    UtilitySlots, MAX_DEPTH,
 };
 use super::tree::{MessageTree, Tree, TreeBuilder};
+use super::wire::{MessageField as MF, OutputField as OF};
 
 /// Stack given to the threads that decode at the bound (the walk needs a few KiB at
 /// any depth; see `stack_use_does_not_grow_with_depth`).
@@ -124,18 +126,20 @@ fn levels_of(mut t: Tree) -> usize {
 
 /// The one value of a message's `scheduler_stats` / first `kv_transfer_params` /
 /// utility result, whichever is set.
-fn the_value(m: MessageTree) -> Tree {
+fn the_value(mut m: MessageTree) -> Tree {
     let dict_value = |t: Tree| match t {
         Tree::Dict(entries) => entries.into_iter().next().expect("one entry").1,
         other => panic!("not a dict: {other:?}"),
     };
-    if m.scheduler_stats != Tree::None {
-        return dict_value(m.scheduler_stats);
+    // (taken out, not cloned: a deep value's clone would recurse)
+    let take = |t: &mut Tree| std::mem::replace(t, Tree::None);
+    if m[MF::SchedulerStats] != Tree::None {
+        return dict_value(take(&mut m[MF::SchedulerStats]));
     }
-    if let Some(out) = m.outputs.into_iter().next() {
-        return dict_value(out.kv_transfer_params);
+    if let Some(mut out) = m.outputs.pop() {
+        return dict_value(take(&mut out[OF::KvTransferParams]));
     }
-    match m.utility_output {
+    match take(&mut m[MF::UtilityOutput]) {
         Tree::UtilityOutput { result, .. } => match *result {
             Tree::UtilityResult(value) => *value,
             other => panic!("not a utility result: {other:?}"),
@@ -311,10 +315,10 @@ fn values_after_a_deep_one_decode_normally() {
     let m = decode(&payload).unwrap();
     let mut out = m.outputs.into_iter().next().unwrap();
     assert_eq!(
-        out.trace_headers,
+        out[OF::TraceHeaders],
         Tree::Dict(vec![(Tree::Str("t".into()), Tree::Str("v".into()))])
     );
-    let kv = std::mem::replace(&mut out.kv_transfer_params, Tree::None);
+    let kv = std::mem::replace(&mut out[OF::KvTransferParams], Tree::None);
     let Tree::Dict(entries) = kv else { panic!() };
     let value = entries.into_iter().next().unwrap().1;
     assert_eq!(levels_of(value), MAX_DEPTH);
@@ -407,27 +411,27 @@ impl Builder for Probe<'_> {
     fn logprobs(
         &mut self,
         kind: ArrayKind,
-        arrays: [Tree; 3],
-        cu: Option<Tree>,
+        fields: &mut LogprobsSlots<Tree>,
     ) -> DecodeResult<Tree> {
-        self.tree.logprobs(kind, arrays, cu)
+        self.tree.logprobs(kind, fields)
     }
     fn utility_result(&mut self, value: Tree) -> DecodeResult<Tree> {
         self.tree.utility_result(value)
     }
-    fn utility_output(
-        &mut self,
-        call_id: i128,
-        failure_message: Option<Tree>,
-        result: Option<Tree>,
-    ) -> DecodeResult<Tree> {
-        self.tree.utility_output(call_id, failure_message, result)
+    fn utility_output(&mut self, fields: &mut UtilitySlots<Tree>) -> DecodeResult<Tree> {
+        self.tree.utility_output(fields)
     }
-    fn output(&mut self, parts: OutputParts<'_, Tree>) -> DecodeResult<Tree> {
-        self.tree.output(parts)
+    fn token_ids(&mut self, ids: &[i128]) -> DecodeResult<Tree> {
+        self.tree.token_ids(ids)
     }
-    fn message(&mut self, parts: MessageParts<Tree>) -> DecodeResult<Tree> {
-        self.tree.message(parts)
+    fn finish_reason(&mut self, code: u8) -> DecodeResult<Tree> {
+        self.tree.finish_reason(code)
+    }
+    fn output(&mut self, fields: &mut OutputSlots<Tree>) -> DecodeResult<Tree> {
+        self.tree.output(fields)
+    }
+    fn message(&mut self, fields: &mut MessageSlots<Tree>) -> DecodeResult<Tree> {
+        self.tree.message(fields)
     }
 }
 

@@ -9,6 +9,7 @@ pub mod intern;
 pub mod msgpack;
 pub mod schema;
 pub mod tree;
+pub mod wire;
 
 #[cfg(test)]
 mod depth_tests;

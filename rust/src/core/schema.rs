@@ -8,10 +8,18 @@
 //! first error, and the builder's values built so far are dropped with it.
 //!
 //! Struct-like arrays follow the protocol's rule: missing trailing fields take their
-//! defaults, extra trailing fields are skipped.
+//! defaults, extra trailing fields are skipped. Which field sits at which position is
+//! not written here but read from a version's [`super::wire::Layout`]; the walk only
+//! knows how to read each [`FieldType`].
+
+use std::marker::PhantomData;
 
 use super::error::{ArrayKind, DecodeError, DecodeResult, ErrorKind, Kind};
 use super::msgpack::{check_utf8, Item, Reader, RAW_VIEW_EXT};
+use super::wire::{
+    Current, EventField, FieldType, ListsField, MessageField, OutputField, StatsKind, StructLayout,
+    TensorsField, UtilityField, Version, WireStruct,
+};
 
 /// Deepest nesting of containers inside a free-form (`Any`) field: the containers a
 /// field's value may hold one inside the other.
@@ -53,47 +61,15 @@ impl ArrayRef<'_> {
     }
 }
 
-/// The fields of one `EngineCoreOutput` (protocol.EngineCoreOutput, positional:
-/// request_id, new_token_ids, new_logprobs, new_prompt_logprobs_tensors,
-/// pooling_output, finish_reason, stop_reason, events, kv_transfer_params,
-/// trace_headers, prefill_stats, routed_experts, num_nans_in_logits).
-/// `None` stands for nil.
-pub struct OutputParts<'s, O> {
-    pub request_id: O,
-    /// Token ids (any msgpack integer), valid until the builder returns.
-    pub new_token_ids: &'s [i128],
-    pub new_logprobs: Option<O>,
-    pub new_prompt_logprobs_tensors: Option<O>,
-    pub pooling_output: Option<O>,
-    /// 0 stop, 1 length, 2 abort, 3 error, 4 repetition (checked).
-    pub finish_reason: Option<u8>,
-    pub stop_reason: Option<O>,
-    pub events: Option<O>,
-    pub kv_transfer_params: Option<O>,
-    pub trace_headers: Option<O>,
-    pub prefill_stats: Option<O>,
-    pub routed_experts: Option<O>,
-    pub num_nans_in_logits: i128,
-}
-
-/// The fields of one `EngineCoreOutputs` (protocol.EngineCoreOutputs, positional:
-/// engine_index, outputs, scheduler_stats, timestamp, utility_output,
-/// finished_requests, wave_complete, start_wave).
-pub struct MessageParts<O> {
-    pub engine_index: i128,
-    /// A list built with [`Builder::list`] of [`Builder::output`] values.
-    pub outputs: O,
-    pub scheduler_stats: Option<O>,
-    pub timestamp: f64,
-    pub utility_output: Option<O>,
-    /// A set built with [`Builder::set`] of [`Builder::request_id`] values.
-    pub finished_requests: Option<O>,
-    pub wave_complete: Option<i128>,
-    pub start_wave: Option<i128>,
-}
-
 /// Makes the values of a decoded message. Every method may fail; an error of kind
 /// [`ErrorKind::Foreign`] means the builder keeps the real error itself.
+///
+/// A struct arrives as its fields by slot ([`WireStruct::slot`], the order of the
+/// struct's table in [`super::wire`]), whatever their wire positions: `None` stands for
+/// nil or absent, and for 0 in a [`FieldType::Count`] field; the walk has made every
+/// other default (0, 0.0, an empty list) itself. The builder takes every value out of
+/// the slots, even when it fails (they are lent, not moved, so that the walk's array is
+/// not copied on the hot path; the walk does not drop them again).
 pub trait Builder {
     /// Any built value.
     type Obj;
@@ -144,37 +120,55 @@ pub trait Builder {
     fn finished_request_id(&mut self, raw: &[u8]) -> DecodeResult<Self::Obj> {
         self.request_id(raw)
     }
+    /// An output's token ids (any msgpack integer; the slice is valid for this call).
+    fn token_ids(&mut self, ids: &[i128]) -> DecodeResult<Self::Obj>;
+    /// A `FinishReason`: 0 stop, 1 length, 2 abort, 3 error, 4 repetition (checked).
+    fn finish_reason(&mut self, code: u8) -> DecodeResult<Self::Obj>;
+    /// A decoded stats map, as the caller wants it (by default the map itself).
+    fn stats(&mut self, _kind: StatsKind, map: Self::Obj) -> DecodeResult<Self::Obj> {
+        Ok(map)
+    }
     /// An `EngineCoreEvent`; `kind` is 1 queued, 2 scheduled, 3 preempted (checked).
     fn event(&mut self, kind: u8, timestamp: f64) -> DecodeResult<Self::Obj>;
     /// Bytes per element of `dtype`, or an [`ErrorKind::UnknownDtype`] error.
     fn dtype_itemsize(&mut self, kind: ArrayKind, dtype: &str) -> DecodeResult<usize>;
     /// An ndarray or tensor over the checked bytes `array.data`.
     fn array(&mut self, array: &ArrayRef<'_>) -> DecodeResult<Self::Obj>;
-    /// Called before the three arrays of a `LogprobsLists` / `LogprobsTensors`: the next
-    /// three [`Builder::array`] calls are that tuple's, in order, and [`Builder::logprobs`]
-    /// follows them unless the walk fails (a builder may reuse storage for them).
+    /// Called before the arrays of a `LogprobsLists` / `LogprobsTensors`: the next three
+    /// [`Builder::array`] calls are that tuple's, in its slot order, and
+    /// [`Builder::logprobs`] follows them unless the walk fails (a builder may reuse
+    /// storage for them).
     fn begin_logprobs(&mut self, _kind: ArrayKind) {}
-    /// `LogprobsLists` (ndarrays) or `LogprobsTensors` (tensors).
+    /// `LogprobsLists` (ndarrays) or `LogprobsTensors` (tensors), by slot
+    /// ([`ListsField`], [`TensorsField`]: the three arrays are always there).
     fn logprobs(
         &mut self,
         kind: ArrayKind,
-        arrays: [Self::Obj; 3],
-        cu_num_generated_tokens: Option<Self::Obj>,
+        fields: &mut LogprobsSlots<Self::Obj>,
     ) -> DecodeResult<Self::Obj>;
     /// `UtilityResult(value)`.
     fn utility_result(&mut self, value: Self::Obj) -> DecodeResult<Self::Obj>;
-    /// `UtilityOutput(call_id, failure_message, result)`.
-    fn utility_output(
-        &mut self,
-        call_id: i128,
-        failure_message: Option<Self::Obj>,
-        result: Option<Self::Obj>,
-    ) -> DecodeResult<Self::Obj>;
-    /// One `EngineCoreOutput`.
-    fn output(&mut self, parts: OutputParts<'_, Self::Obj>) -> DecodeResult<Self::Obj>;
-    /// The whole `EngineCoreOutputs`.
-    fn message(&mut self, parts: MessageParts<Self::Obj>) -> DecodeResult<Self::Obj>;
+    /// `UtilityOutput`, by [`UtilityField`] slot (the call id is always there).
+    fn utility_output(&mut self, fields: &mut UtilitySlots<Self::Obj>) -> DecodeResult<Self::Obj>;
+    /// One `EngineCoreOutput`, by [`OutputField`] slot (request id and token ids are
+    /// always there).
+    fn output(&mut self, fields: &mut OutputSlots<Self::Obj>) -> DecodeResult<Self::Obj>;
+    /// The whole `EngineCoreOutputs`, by [`MessageField`] slot (engine index, outputs
+    /// and timestamp are always there; `outputs` is a [`Builder::list`] of
+    /// [`Builder::output`] values).
+    fn message(&mut self, fields: &mut MessageSlots<Self::Obj>) -> DecodeResult<Self::Obj>;
 }
+
+/// The fields of an `EngineCoreOutputs`, by slot.
+pub type MessageSlots<O> = [Option<O>; MessageField::COUNT];
+/// The fields of an `EngineCoreOutput`, by slot.
+pub type OutputSlots<O> = [Option<O>; OutputField::COUNT];
+/// The fields of a `UtilityOutput`, by slot.
+pub type UtilitySlots<O> = [Option<O>; UtilityField::COUNT];
+/// The fields of a `LogprobsLists` or `LogprobsTensors`, by slot (the two share slots).
+pub type LogprobsSlots<O> = [Option<O>; ListsField::COUNT];
+
+const _: () = assert!(ListsField::COUNT == TensorsField::COUNT);
 
 /// Buffers reused from message to message, so steady-state decoding allocates nothing
 /// on the Rust side.
@@ -184,9 +178,19 @@ pub struct Scratch {
     shape: Vec<usize>,
 }
 
-/// Decodes one `EngineCoreOutputs` message: `frames[0]` is the msgpack payload,
-/// `frames[i]` aux frame `i`. Fails on trailing bytes after the message.
+/// Decodes one `EngineCoreOutputs` message of the protocol version corewire speaks
+/// ([`super::wire::CURRENT`]): `frames[0]` is the msgpack payload, `frames[i]` aux frame
+/// `i`. Fails on trailing bytes after the message.
 pub fn decode_outputs<B: Builder>(
+    frames: &[&[u8]],
+    builder: &mut B,
+    scratch: &mut Scratch,
+) -> DecodeResult<B::Obj> {
+    decode_outputs_as::<Current, B>(frames, builder, scratch)
+}
+
+/// [`decode_outputs`] for the wire of protocol version `V`.
+pub fn decode_outputs_as<V: Version, B: Builder>(
     frames: &[&[u8]],
     builder: &mut B,
     scratch: &mut Scratch,
@@ -194,17 +198,33 @@ pub fn decode_outputs<B: Builder>(
     let Some(payload) = frames.first() else {
         return Err(DecodeError::new(ErrorKind::EmptyMessage));
     };
-    let mut walk = Walk {
+    let mut walk = Walk::<B, V> {
         r: Reader::new(payload),
         frames,
         payload_start: payload.as_ptr() as usize,
         b: builder,
         scratch,
         open: Vec::new(),
+        engine_index: 0,
+        version: PhantomData,
     };
     let message = walk.message()?;
     walk.r.finish()?;
     Ok(message)
+}
+
+/// Forgets a struct's slots once the builder took every value (a drop would test each
+/// slot again).
+#[inline(always)]
+fn taken<O, const N: usize>(fields: [Option<O>; N]) {
+    debug_assert!(fields.iter().all(Option::is_none), "a builder left a value");
+    std::mem::forget(fields);
+}
+
+/// A value read, as a field's value.
+#[inline(always)]
+fn some<O>(r: DecodeResult<O>) -> DecodeResult<Option<O>> {
+    r.map(Some)
 }
 
 /// Wraps an error with a field name (kept out of line: errors are cold).
@@ -214,7 +234,16 @@ macro_rules! field {
     };
 }
 
-struct Walk<'a, 'b, B: Builder> {
+/// Reads the fields at every wire position a struct may have (up to
+/// [`super::wire::MAX_FIELDS`]),
+/// each through [`Walk::field_at`] with its position as a constant.
+macro_rules! each_position {
+    ($walk:ident, $layout:expr, $n:expr, $out:ident; $($pos:literal)*) => {
+        $( $walk.field_at::<_, $pos, _>($layout, $n, $out)?; )*
+    };
+}
+
+struct Walk<'a, 'b, B: Builder, V: Version> {
     r: Reader<'a>,
     frames: &'b [&'a [u8]],
     payload_start: usize,
@@ -223,6 +252,9 @@ struct Walk<'a, 'b, B: Builder> {
     /// The open containers of the free-form value being read, outermost first (empty
     /// between values; allocated on the first nested container of a message).
     open: Vec<Open<'a, B::Obj>>,
+    /// The message's engine index, once read (for [`Builder::begin_outputs`]).
+    engine_index: i128,
+    version: PhantomData<V>,
 }
 
 /// A container of a free-form value whose elements are still being read.
@@ -246,57 +278,199 @@ enum Open<'a, O> {
     },
 }
 
-impl<'a, B: Builder> Walk<'a, '_, B> {
+impl<'a, B: Builder, V: Version> Walk<'a, '_, B, V> {
     fn message(&mut self) -> DecodeResult<B::Obj> {
         let n = self.r.array_len("array (EngineCoreOutputs)")?;
-        let mut engine_index = 0;
-        let mut outputs = None;
-        let mut scheduler_stats = None;
-        let mut timestamp = 0.0;
-        let mut utility_output = None;
-        let mut finished_requests = None;
-        let mut wave_complete = None;
-        let mut start_wave = None;
-        if n > 0 {
-            engine_index = field!("engine_index", self.r.int())?;
+        let mut fields = [const { None }; MessageField::COUNT];
+        self.struct_fields(&V::LAYOUT.message, n, &mut fields)?;
+        let built = self.b.message(&mut fields);
+        taken(fields);
+        built
+    }
+
+    /// The fields of a struct array of `n` elements laid out as `layout`, by slot:
+    /// checks the length, reads every known position, skips the rest, makes defaults.
+    ///
+    /// Every position is its own inlined step with the field and its type known at
+    /// compile time (`V::LAYOUT` is a constant), so the walk is the straight-line code
+    /// a hand-written reader of this version would be: no table lookup at run time.
+    // Inlined where it is used in optimised builds, where the steps fold to straight-line
+    // code; not in debug builds, whose unmerged stack slots would make deep values
+    // overflow small stacks.
+    #[cfg_attr(not(debug_assertions), inline(always))]
+    fn struct_fields<F: WireStruct, const N: usize>(
+        &mut self,
+        layout: &StructLayout<F>,
+        n: usize,
+        out: &mut [Option<B::Obj>; N],
+    ) -> DecodeResult<()> {
+        if n < layout.min_len {
+            return Err(DecodeError::new(ErrorKind::TooShort {
+                min: layout.min_len,
+                got: n,
+            }));
         }
-        if n > 1 {
-            self.b.begin_outputs(engine_index);
-            outputs = Some(field!("outputs", self.outputs())?);
+        const { assert!(N == F::ALL.len()) };
+        const { assert!(super::wire::MAX_FIELDS == 24) };
+        each_position!(self, layout, n, out;
+            0 1 2 3 4 5 6 7 8 9 10 11 12 13 14 15 16 17 18 19 20 21 22 23);
+        self.skip_extra(n, layout.fields.len())?;
+        if F::HAS_VALUE_DEFAULTS {
+            self.defaults::<F, N>(out)?;
         }
-        if n > 2 && !self.r.take_nil() {
-            scheduler_stats = Some(field!("scheduler_stats", self.str_dict(false))?);
+        Ok(())
+    }
+
+    /// Reads the field at wire position `POS` into its slot, if the array and the
+    /// layout have that position.
+    // Inlined where it is used in optimised builds, where the steps fold to straight-line
+    // code; not in debug builds, whose unmerged stack slots would make deep values
+    // overflow small stacks.
+    #[cfg_attr(not(debug_assertions), inline(always))]
+    fn field_at<F: WireStruct, const POS: usize, const N: usize>(
+        &mut self,
+        layout: &StructLayout<F>,
+        n: usize,
+        out: &mut [Option<B::Obj>; N],
+    ) -> DecodeResult<()> {
+        if POS >= layout.fields.len() || POS >= n {
+            return Ok(());
         }
-        if n > 3 {
-            timestamp = field!("timestamp", self.r.float())?;
-        }
-        if n > 4 && !self.r.take_nil() {
-            utility_output = Some(field!("utility_output", self.utility_output())?);
-        }
-        if n > 5 && !self.r.take_nil() {
-            finished_requests = Some(field!("finished_requests", self.str_set())?);
-        }
-        if n > 6 {
-            wave_complete = field!("wave_complete", self.opt_int())?;
-        }
-        if n > 7 {
-            start_wave = field!("start_wave", self.opt_int())?;
-        }
-        self.skip_extra(n, 8)?;
-        let outputs = match outputs {
-            Some(list) => list,
-            None => self.b.list(0)?,
+        let Some(field) = layout.fields[POS] else {
+            return self.r.skip().map_err(|e| e.at_index(POS));
         };
-        self.b.message(MessageParts {
-            engine_index,
-            outputs,
-            scheduler_stats,
-            timestamp,
-            utility_output,
-            finished_requests,
-            wave_complete,
-            start_wave,
-        })
+        let info = field.info();
+        // Nullable fields are nil in the common case: one byte compare each.
+        if info.ty.nullable() && self.r.take_nil() {
+            return Ok(());
+        }
+        match self.value_of(info.ty) {
+            Ok(v) => {
+                out[field.slot()] = v;
+                Ok(())
+            }
+            Err(e) => Err(e.at_field(info.name)),
+        }
+    }
+
+    /// The default of every absent field that has one besides "no value".
+    #[cold]
+    fn defaults<F: WireStruct, const N: usize>(
+        &mut self,
+        out: &mut [Option<B::Obj>; N],
+    ) -> DecodeResult<()> {
+        for &field in F::ALL {
+            if out[field.slot()].is_some() {
+                continue;
+            }
+            out[field.slot()] = match field.info().ty {
+                FieldType::EngineIndex => Some(self.b.int(0)?),
+                FieldType::Float => Some(self.b.float(0.0)?),
+                FieldType::Outputs => Some(self.b.list(0)?),
+                _ => None,
+            };
+        }
+        Ok(())
+    }
+
+    /// A non-nil value of type `ty` (`None`: no value, see [`FieldType::Count`]).
+    ///
+    /// (Every arm is one call whose result is returned as it is: a debug build then
+    /// keeps no temporaries of all the arms in this frame.)
+    // Inlined where it is used in optimised builds, where the steps fold to straight-line
+    // code; not in debug builds, whose unmerged stack slots would make deep values
+    // overflow small stacks.
+    #[cfg_attr(not(debug_assertions), inline(always))]
+    fn value_of(&mut self, ty: FieldType) -> DecodeResult<Option<B::Obj>> {
+        match ty {
+            FieldType::RequestId => self.request_id(),
+            FieldType::TokenIds => self.token_id_list(),
+            FieldType::EngineIndex => self.engine_index(),
+            FieldType::Count => self.count(),
+            FieldType::Int => self.int(),
+            FieldType::OptInt => self.nullable_int(),
+            FieldType::Float => self.float(),
+            FieldType::OptStr => self.string(),
+            FieldType::Outputs => {
+                self.b.begin_outputs(self.engine_index);
+                some(self.outputs())
+            }
+            FieldType::Logprobs(kind) => some(self.logprobs(kind)),
+            FieldType::Array(kind) | FieldType::OptArray(kind) => some(self.array(kind)),
+            FieldType::FinishReason => self.finish_reason_value(),
+            FieldType::StopReason => some(self.stop_reason()),
+            FieldType::Events => some(self.events()),
+            FieldType::AnyDict => some(self.str_dict(false)),
+            FieldType::StrDict => some(self.str_dict(true)),
+            FieldType::Stats(kind) => self.stats(kind),
+            FieldType::UtilityOutput => some(self.utility_output()),
+            FieldType::UtilityResult => some(self.utility_result()),
+            FieldType::RequestIdSet => some(self.str_set()),
+            FieldType::IntList => some(self.int_list()),
+            FieldType::EventType => self.event_type_value(),
+        }
+    }
+
+    #[inline]
+    fn request_id(&mut self) -> DecodeResult<Option<B::Obj>> {
+        let raw = self.r.str_bytes()?;
+        self.b.request_id(raw).map(Some)
+    }
+
+    #[inline]
+    fn token_id_list(&mut self) -> DecodeResult<Option<B::Obj>> {
+        self.token_ids()?;
+        self.b.token_ids(&self.scratch.tokens).map(Some)
+    }
+
+    fn engine_index(&mut self) -> DecodeResult<Option<B::Obj>> {
+        let v = self.r.int()?;
+        self.engine_index = v;
+        self.b.int(v).map(Some)
+    }
+
+    #[cfg_attr(not(debug_assertions), inline(always))]
+    fn count(&mut self) -> DecodeResult<Option<B::Obj>> {
+        match self.r.int()? {
+            0 => Ok(None),
+            v => self.b.int(v).map(Some),
+        }
+    }
+
+    fn int(&mut self) -> DecodeResult<Option<B::Obj>> {
+        let v = self.r.int()?;
+        self.b.int(v).map(Some)
+    }
+
+    fn nullable_int(&mut self) -> DecodeResult<Option<B::Obj>> {
+        let v = self.opt_int()?;
+        self.b.int(v).map(Some)
+    }
+
+    fn float(&mut self) -> DecodeResult<Option<B::Obj>> {
+        let v = self.r.float()?;
+        self.b.float(v).map(Some)
+    }
+
+    fn string(&mut self) -> DecodeResult<Option<B::Obj>> {
+        let s = self.r.str()?;
+        self.b.str(s).map(Some)
+    }
+
+    #[inline]
+    fn finish_reason_value(&mut self) -> DecodeResult<Option<B::Obj>> {
+        let code = self.finish_reason()?;
+        self.b.finish_reason(code).map(Some)
+    }
+
+    fn stats(&mut self, kind: StatsKind) -> DecodeResult<Option<B::Obj>> {
+        let map = self.str_dict(false)?;
+        self.b.stats(kind, map).map(Some)
+    }
+
+    fn event_type_value(&mut self) -> DecodeResult<Option<B::Obj>> {
+        let kind = self.event_type()?;
+        self.b.int(kind.into()).map(Some)
     }
 
     /// Skips the fields of a `len`-element struct array past the `known` ones.
@@ -321,77 +495,11 @@ impl<'a, B: Builder> Walk<'a, '_, B> {
     #[inline]
     fn output(&mut self) -> DecodeResult<B::Obj> {
         let n = self.r.array_len("array (EngineCoreOutput)")?;
-        if n < 2 {
-            return Err(DecodeError::new(ErrorKind::TooShort { min: 2, got: n }));
-        }
-        let raw_id = field!("request_id", self.r.str_bytes())?;
-        let request_id = field!("request_id", self.b.request_id(raw_id))?;
-        field!("new_token_ids", self.token_ids())?;
-
-        let mut new_logprobs = None;
-        let mut new_prompt_logprobs_tensors = None;
-        let mut pooling_output = None;
-        let mut finish_reason = None;
-        let mut stop_reason = None;
-        let mut events = None;
-        let mut kv_transfer_params = None;
-        let mut trace_headers = None;
-        let mut prefill_stats = None;
-        let mut routed_experts = None;
-        let mut num_nans_in_logits = 0;
-        // Fields 2.. are nil in the common case: one byte compare each.
-        if n > 2 && !self.r.take_nil() {
-            new_logprobs = Some(field!("new_logprobs", self.logprobs(ArrayKind::Ndarray))?);
-        }
-        if n > 3 && !self.r.take_nil() {
-            new_prompt_logprobs_tensors = Some(field!(
-                "new_prompt_logprobs_tensors",
-                self.logprobs(ArrayKind::Tensor)
-            )?);
-        }
-        if n > 4 && !self.r.take_nil() {
-            pooling_output = Some(field!("pooling_output", self.array(ArrayKind::Tensor))?);
-        }
-        if n > 5 && !self.r.take_nil() {
-            finish_reason = Some(field!("finish_reason", self.finish_reason())?);
-        }
-        if n > 6 && !self.r.take_nil() {
-            stop_reason = Some(field!("stop_reason", self.stop_reason())?);
-        }
-        if n > 7 && !self.r.take_nil() {
-            events = Some(field!("events", self.events())?);
-        }
-        if n > 8 && !self.r.take_nil() {
-            kv_transfer_params = Some(field!("kv_transfer_params", self.str_dict(false))?);
-        }
-        if n > 9 && !self.r.take_nil() {
-            trace_headers = Some(field!("trace_headers", self.str_dict(true))?);
-        }
-        if n > 10 && !self.r.take_nil() {
-            prefill_stats = Some(field!("prefill_stats", self.str_dict(false))?);
-        }
-        if n > 11 && !self.r.take_nil() {
-            routed_experts = Some(field!("routed_experts", self.array(ArrayKind::Ndarray))?);
-        }
-        if n > 12 {
-            num_nans_in_logits = field!("num_nans_in_logits", self.r.int())?;
-        }
-        self.skip_extra(n, 13)?;
-        self.b.output(OutputParts {
-            request_id,
-            new_token_ids: &self.scratch.tokens,
-            new_logprobs,
-            new_prompt_logprobs_tensors,
-            pooling_output,
-            finish_reason,
-            stop_reason,
-            events,
-            kv_transfer_params,
-            trace_headers,
-            prefill_stats,
-            routed_experts,
-            num_nans_in_logits,
-        })
+        let mut fields = [const { None }; OutputField::COUNT];
+        self.struct_fields(&V::LAYOUT.output, n, &mut fields)?;
+        let built = self.b.output(&mut fields);
+        taken(fields);
+        built
     }
 
     #[inline]
@@ -435,12 +543,10 @@ impl<'a, B: Builder> Walk<'a, '_, B> {
         }
     }
 
+    /// The int of an `int | nil` field (nil handled by the caller).
     #[inline]
-    fn opt_int(&mut self) -> DecodeResult<Option<i128>> {
-        if self.r.take_nil() {
-            return Ok(None);
-        }
-        self.r.int().map(Some).map_err(|e| match e.kind() {
+    fn opt_int(&mut self) -> DecodeResult<i128> {
+        self.r.int().map_err(|e| match e.kind() {
             ErrorKind::Type { got, .. } => DecodeError::new(ErrorKind::Type {
                 expected: "int | nil",
                 got: *got,
@@ -460,8 +566,8 @@ impl<'a, B: Builder> Walk<'a, '_, B> {
         Ok(list)
     }
 
-    /// An `EngineCoreEvent`: a map `{"type": int, "timestamp": float}`; other keys are
-    /// ignored, a later duplicate wins.
+    /// An `EngineCoreEvent`: a map of [`EventField`] keys; other keys are ignored, a
+    /// later duplicate wins.
     fn event(&mut self) -> DecodeResult<B::Obj> {
         let n = self.r.map_len("map (EngineCoreEvent)")?;
         let mut kind = None;
@@ -477,33 +583,41 @@ impl<'a, B: Builder> Walk<'a, '_, B> {
                     );
                 }
             };
-            match key {
-                b"type" => {
-                    let v = self.r.int().map_err(|e| e.at_field("type"))?;
-                    match u8::try_from(v) {
-                        Ok(k @ 1..=3) => kind = Some(k),
-                        _ => {
-                            return Err(DecodeError::new(ErrorKind::InvalidEnum {
-                                what: "EngineCoreEventType",
-                                value: v,
-                            })
-                            .at_field("type"))
-                        }
-                    }
+            let field = EventField::ALL
+                .iter()
+                .find(|f| f.info().name.as_bytes() == key);
+            match field {
+                Some(&f @ EventField::Type) => {
+                    kind = Some(self.event_type().map_err(|e| e.at_field(f.info().name))?);
                 }
-                b"timestamp" => {
-                    timestamp = Some(self.r.float().map_err(|e| e.at_field("timestamp"))?);
+                Some(&f @ EventField::Timestamp) => {
+                    let v = self.r.float().map_err(|e| e.at_field(f.info().name))?;
+                    timestamp = Some(v);
                 }
-                _ => self.r.skip().map_err(|e| e.at_index(i))?,
+                None => self.r.skip().map_err(|e| e.at_index(i))?,
             }
         }
+        let missing =
+            |f: EventField| DecodeError::new(ErrorKind::MissingKey { key: f.info().name });
         let Some(kind) = kind else {
-            return Err(DecodeError::new(ErrorKind::MissingKey { key: "type" }));
+            return Err(missing(EventField::Type));
         };
         let Some(timestamp) = timestamp else {
-            return Err(DecodeError::new(ErrorKind::MissingKey { key: "timestamp" }));
+            return Err(missing(EventField::Timestamp));
         };
         self.b.event(kind, timestamp)
+    }
+
+    /// An `EngineCoreEventType` value: 1 queued, 2 scheduled, 3 preempted.
+    fn event_type(&mut self) -> DecodeResult<u8> {
+        let v = self.r.int()?;
+        match u8::try_from(v) {
+            Ok(k @ 1..=3) => Ok(k),
+            _ => Err(DecodeError::new(ErrorKind::InvalidEnum {
+                what: "EngineCoreEventType",
+                value: v,
+            })),
+        }
     }
 
     /// `set[str]` from an array of str (nil handled by the caller).
@@ -541,24 +655,14 @@ impl<'a, B: Builder> Walk<'a, '_, B> {
         Ok(dict)
     }
 
-    /// `UtilityOutput`: `[call_id, failure_message, result]` (nil handled by the caller).
+    /// `UtilityOutput` (nil handled by the caller).
     fn utility_output(&mut self) -> DecodeResult<B::Obj> {
         let n = self.r.array_len("array (UtilityOutput) | nil")?;
-        if n < 1 {
-            return Err(DecodeError::new(ErrorKind::TooShort { min: 1, got: n }));
-        }
-        let call_id = field!("call_id", self.r.int())?;
-        let mut failure_message = None;
-        let mut result = None;
-        if n > 1 && !self.r.take_nil() {
-            let s = field!("failure_message", self.r.str())?;
-            failure_message = Some(field!("failure_message", self.b.str(s))?);
-        }
-        if n > 2 && !self.r.take_nil() {
-            result = Some(field!("result", self.utility_result())?);
-        }
-        self.skip_extra(n, 3)?;
-        self.b.utility_output(call_id, failure_message, result)
+        let mut fields = [const { None }; UtilityField::COUNT];
+        self.struct_fields(&V::LAYOUT.utility_output, n, &mut fields)?;
+        let built = self.b.utility_output(&mut fields);
+        taken(fields);
+        built
     }
 
     /// `[type_info, value]`; type_info is checked like any value, then dropped
@@ -577,29 +681,26 @@ impl<'a, B: Builder> Walk<'a, '_, B> {
     }
 
     /// `LogprobsLists` / `LogprobsTensors`: three arrays, then
-    /// `cu_num_generated_tokens: list[int] | nil`.
+    /// `cu_num_generated_tokens: list[int] | nil` (nil handled by the caller).
     fn logprobs(&mut self, kind: ArrayKind) -> DecodeResult<B::Obj> {
         let what = match kind {
             ArrayKind::Ndarray => "array (LogprobsLists) | nil",
             ArrayKind::Tensor => "array (LogprobsTensors) | nil",
         };
         let n = self.r.array_len(what)?;
-        if n < 3 {
-            return Err(DecodeError::new(ErrorKind::TooShort { min: 3, got: n }));
-        }
         self.b.begin_logprobs(kind);
-        let ids = field!("logprob_token_ids", self.array(kind))?;
-        let lps = field!("logprobs", self.array(kind))?;
-        let ranks = match kind {
-            ArrayKind::Ndarray => field!("sampled_token_ranks", self.array(kind))?,
-            ArrayKind::Tensor => field!("selected_token_ranks", self.array(kind))?,
-        };
-        let mut cu = None;
-        if n > 3 && !self.r.take_nil() {
-            cu = Some(field!("cu_num_generated_tokens", self.int_list())?);
+        let mut fields = [const { None }; ListsField::COUNT];
+        match kind {
+            ArrayKind::Ndarray => {
+                self.struct_fields(&V::LAYOUT.logprobs_lists, n, &mut fields)?;
+            }
+            ArrayKind::Tensor => {
+                self.struct_fields(&V::LAYOUT.logprobs_tensors, n, &mut fields)?;
+            }
         }
-        self.skip_extra(n, 4)?;
-        self.b.logprobs(kind, [ids, lps, ranks], cu)
+        let built = self.b.logprobs(kind, &mut fields);
+        taken(fields);
+        built
     }
 
     fn int_list(&mut self) -> DecodeResult<B::Obj> {

@@ -3,8 +3,12 @@
 //! small msgpack writer below, so each test shows the exact bytes it feeds.
 
 use super::error::{ArrayKind, DecodeError, ErrorKind, Kind};
-use super::schema::{decode_outputs, Builder, Scratch, MAX_DEPTH, MAX_DIMS};
+use super::schema::{decode_outputs, decode_outputs_as, Builder, Scratch, MAX_DEPTH, MAX_DIMS};
 use super::tree::{MessageTree, OutputTree, Tree, TreeBuilder};
+use super::wire::{
+    layout, wire_fields, Layout, MessageField as MF, OutputField, OutputField as OF, StructLayout,
+    Version, WireStruct, CURRENT, LAYOUT_0_25_1, SKIPPED,
+};
 
 /// A msgpack value to write.
 #[derive(Clone, Debug)]
@@ -185,14 +189,14 @@ fn arr_inline(dtype: &str, shape: &[i128], data: &[u8]) -> V {
 #[test]
 fn minimal_message_gets_defaults() {
     let m = decode(&a(vec![])).unwrap();
-    assert_eq!(m.engine_index, 0);
+    assert_eq!(m[MF::EngineIndex], Tree::Int(0));
     assert!(m.outputs.is_empty());
-    assert_eq!(m.scheduler_stats, Tree::None);
-    assert_eq!(m.timestamp, 0.0);
-    assert_eq!(m.utility_output, Tree::None);
-    assert_eq!(m.finished_requests, Tree::None);
-    assert_eq!(m.wave_complete, None);
-    assert_eq!(m.start_wave, None);
+    assert_eq!(m[MF::SchedulerStats], Tree::None);
+    assert_eq!(m[MF::Timestamp], Tree::Float(0.0));
+    assert_eq!(m[MF::UtilityOutput], Tree::None);
+    assert_eq!(m[MF::FinishedRequests], Tree::None);
+    assert_eq!(m[MF::WaveComplete], Tree::None);
+    assert_eq!(m[MF::StartWave], Tree::None);
 }
 
 #[test]
@@ -218,17 +222,17 @@ fn typical_decode_step() {
         ),
     ]))
     .unwrap();
-    assert_eq!(m.timestamp, 1.5);
+    assert_eq!(m[MF::Timestamp], Tree::Float(1.5));
     assert_eq!(m.outputs.len(), 2);
     let o = &m.outputs[0];
-    assert_eq!(o.request_id, Tree::Str("cmpl-a-0".into()));
-    assert_eq!(o.new_token_ids, vec![151_000]);
-    assert_eq!(o.finish_reason, None);
-    assert_eq!(o.num_nans_in_logits, 0);
-    assert_eq!(o.new_logprobs, Tree::None);
+    assert_eq!(o[OF::RequestId], Tree::Str("cmpl-a-0".into()));
+    assert_eq!(o[OF::NewTokenIds], Tree::ints(&[151_000]));
+    assert_eq!(o[OF::FinishReason], Tree::None);
+    assert_eq!(o[OF::NumNansInLogits], Tree::Int(0));
+    assert_eq!(o[OF::NewLogprobs], Tree::None);
     let o = &m.outputs[1];
-    assert_eq!(o.new_token_ids, vec![7, 8]);
-    assert_eq!(o.finish_reason, Some(1));
+    assert_eq!(o[OF::NewTokenIds], Tree::ints(&[7, 8]));
+    assert_eq!(o[OF::FinishReason], Tree::Int(1));
 }
 
 #[test]
@@ -265,9 +269,9 @@ fn every_output_field() {
         i(4),
     ];
     let o = only_output(decode(&msg(vec![out("ünï-çødé-🙂", &[], fields)])).unwrap());
-    assert_eq!(o.request_id, Tree::Str("ünï-çødé-🙂".into()));
-    assert!(o.new_token_ids.is_empty());
-    match &o.new_logprobs {
+    assert_eq!(o[OF::RequestId], Tree::Str("ünï-çødé-🙂".into()));
+    assert_eq!(o[OF::NewTokenIds], Tree::ints(&[]));
+    match &o[OF::NewLogprobs] {
         Tree::Logprobs {
             kind,
             arrays,
@@ -298,21 +302,21 @@ fn every_output_field() {
         other => panic!("{other:?}"),
     }
     assert!(matches!(
-        &o.new_prompt_logprobs_tensors,
+        &o[OF::NewPromptLogprobsTensors],
         Tree::Logprobs { kind: ArrayKind::Tensor, cu_num_generated_tokens, .. }
             if **cu_num_generated_tokens == Tree::None
     ));
     assert!(matches!(
-        &o.pooling_output,
+        &o[OF::PoolingOutput],
         Tree::Array {
             kind: ArrayKind::Tensor,
             ..
         }
     ));
-    assert_eq!(o.finish_reason, Some(0));
-    assert_eq!(o.stop_reason, Tree::Str("</s>".into()));
+    assert_eq!(o[OF::FinishReason], Tree::Int(0));
+    assert_eq!(o[OF::StopReason], Tree::Str("</s>".into()));
     assert_eq!(
-        o.events,
+        o[OF::Events],
         Tree::List(vec![
             Tree::Event {
                 kind: 1,
@@ -325,38 +329,38 @@ fn every_output_field() {
         ])
     );
     assert_eq!(
-        o.kv_transfer_params,
+        o[OF::KvTransferParams],
         Tree::Dict(vec![(
             Tree::Str("remote".into()),
             Tree::List(vec![Tree::Int(1), Tree::Str("x".into())])
         )])
     );
     assert_eq!(
-        o.trace_headers,
+        o[OF::TraceHeaders],
         Tree::Dict(vec![(
             Tree::Str("traceparent".into()),
             Tree::Str("00-ab".into())
         )])
     );
-    assert!(matches!(&o.prefill_stats, Tree::Dict(e) if e.len() == 1));
+    assert!(matches!(&o[OF::PrefillStats], Tree::Dict(e) if e.len() == 1));
     assert!(matches!(
-        &o.routed_experts,
+        &o[OF::RoutedExperts],
         Tree::Array {
             kind: ArrayKind::Ndarray,
             ..
         }
     ));
-    assert_eq!(o.num_nans_in_logits, 4);
+    assert_eq!(o[OF::NumNansInLogits], Tree::Int(4));
 }
 
 #[test]
 fn stop_reason_int_and_finish_reasons() {
     for code in 0..=4 {
         let o = only_output(decode(&msg(vec![out_with(5, i(code))])).unwrap());
-        assert_eq!(o.finish_reason, Some(code as u8));
+        assert_eq!(o[OF::FinishReason], Tree::Int(code));
     }
     let o = only_output(decode(&msg(vec![out_with(6, i(128_001))])).unwrap());
-    assert_eq!(o.stop_reason, Tree::Int(128_001));
+    assert_eq!(o[OF::StopReason], Tree::Int(128_001));
 }
 
 #[test]
@@ -377,17 +381,17 @@ fn every_message_field_and_call_ids() {
             i(8),
         ]))
         .unwrap();
-        assert_eq!(m.engine_index, 3);
+        assert_eq!(m[MF::EngineIndex], Tree::Int(3));
         assert_eq!(
-            m.scheduler_stats,
+            m[MF::SchedulerStats],
             Tree::Dict(vec![
                 (Tree::Str("num_running_reqs".into()), Tree::Int(2)),
                 (Tree::Str("kv".into()), Tree::Float(0.5)),
             ])
         );
-        assert_eq!(m.timestamp, 12.25);
+        assert_eq!(m[MF::Timestamp], Tree::Float(12.25));
         assert_eq!(
-            m.utility_output,
+            m[MF::UtilityOutput],
             Tree::UtilityOutput {
                 call_id,
                 failure_message: Box::new(Tree::None),
@@ -398,11 +402,11 @@ fn every_message_field_and_call_ids() {
             }
         );
         assert_eq!(
-            m.finished_requests,
+            m[MF::FinishedRequests],
             Tree::Set(vec![Tree::Str("x".into()), Tree::Str("y".into())])
         );
-        assert_eq!(m.wave_complete, Some(7));
-        assert_eq!(m.start_wave, Some(8));
+        assert_eq!(m[MF::WaveComplete], Tree::Int(7));
+        assert_eq!(m[MF::StartWave], Tree::Int(8));
     }
 }
 
@@ -416,9 +420,13 @@ fn utility_failure_and_short_utility() {
         a(vec![i(9), s("Call to x method failed: boom")]),
     ]))
     .unwrap();
-    assert_eq!(m.timestamp, 1.0, "int timestamps widen to float");
     assert_eq!(
-        m.utility_output,
+        m[MF::Timestamp],
+        Tree::Float(1.0),
+        "int timestamps widen to float"
+    );
+    assert_eq!(
+        m[MF::UtilityOutput],
         Tree::UtilityOutput {
             call_id: 9,
             failure_message: Box::new(Tree::Str("Call to x method failed: boom".into())),
@@ -427,7 +435,7 @@ fn utility_failure_and_short_utility() {
     );
     let m = decode(&a(vec![i(0), a(vec![]), V::Nil, i(1), a(vec![i(4)])])).unwrap();
     assert!(matches!(
-        m.utility_output,
+        m[MF::UtilityOutput],
         Tree::UtilityOutput { call_id: 4, .. }
     ));
 }
@@ -468,13 +476,13 @@ fn extra_trailing_fields_are_skipped_everywhere() {
     ];
     top.extend(extra());
     let m = decode(&a(top)).unwrap();
-    assert_eq!(m.engine_index, 1);
+    assert_eq!(m[MF::EngineIndex], Tree::Int(1));
     assert!(matches!(
-        &m.outputs[0].new_logprobs,
+        &m.outputs[0][OF::NewLogprobs],
         Tree::Logprobs { arrays, .. } if arrays.len() == 3
     ));
     assert!(matches!(
-        m.utility_output,
+        m[MF::UtilityOutput],
         Tree::UtilityOutput { call_id: 1, .. }
     ));
 }
@@ -494,15 +502,21 @@ fn short_arrays_stop_at_any_field() {
     ];
     for len in 0..=full.len() {
         let m = decode(&a(full[..len].to_vec())).unwrap();
-        assert_eq!(m.engine_index, if len > 0 { 2 } else { 0 });
+        assert_eq!(m[MF::EngineIndex], Tree::Int(if len > 0 { 2 } else { 0 }));
         assert_eq!(m.outputs.len(), usize::from(len > 1));
-        assert_eq!(m.start_wave, if len > 7 { Some(2) } else { None });
+        assert_eq!(
+            m[MF::StartWave],
+            if len > 7 { Tree::Int(2) } else { Tree::None }
+        );
     }
     let mut out_fields = vec![V::Nil; 10];
     out_fields.push(i(5));
     for len in 0..=out_fields.len() {
         let o = only_output(decode(&msg(vec![out("r", &[], out_fields[..len].to_vec())])).unwrap());
-        assert_eq!(o.num_nans_in_logits, if len == 11 { 5 } else { 0 });
+        assert_eq!(
+            o[OF::NumNansInLogits],
+            Tree::Int(if len == 11 { 5 } else { 0 })
+        );
     }
 }
 
@@ -516,7 +530,7 @@ fn aux_frames_and_inline_data() {
     )]));
     let frames: Vec<&[u8]> = vec![&payload, &aux1, &aux2];
     let o = only_output(decode_frames(&frames).unwrap());
-    match o.routed_experts {
+    match o[OF::RoutedExperts].clone() {
         Tree::Array {
             frame, data, shape, ..
         } => {
@@ -535,7 +549,7 @@ fn aux_frames_and_inline_data() {
         let o = only_output(
             decode(&msg(vec![out_with(11, arr_inline("<i4", &shape, &data))])).unwrap(),
         );
-        assert!(matches!(o.routed_experts, Tree::Array { data: d, .. } if d == data));
+        assert!(matches!(o[OF::RoutedExperts].clone(), Tree::Array { data: d, .. } if d == data));
     }
 }
 
@@ -590,7 +604,7 @@ fn small_inline_arrays_read_alike_in_every_form() {
         )]));
         let short = short.unwrap();
         assert_eq!(short, long.unwrap(), "{dtype} {shape:?}");
-        match only_output(short).new_logprobs {
+        match only_output(short)[OF::NewLogprobs].clone() {
             Tree::Logprobs { arrays, .. } => match &arrays[1] {
                 Tree::Array {
                     dtype: d,
@@ -863,8 +877,8 @@ fn int_ranges_enums_and_utf8() {
         .unwrap(),
     );
     assert_eq!(
-        o.new_token_ids,
-        vec![u64::MAX as i128, i64::MIN as i128, -1]
+        o[OF::NewTokenIds],
+        Tree::ints(&[u64::MAX as i128, i64::MIN as i128, -1])
     );
 }
 
@@ -953,7 +967,7 @@ fn nesting_limit() {
     bytes.extend(std::iter::repeat_n(0x91u8, 50_000));
     bytes.push(0xc0);
     let m = decode_frames(&[&bytes]).unwrap();
-    assert_eq!(m.engine_index, 0);
+    assert_eq!(m[MF::EngineIndex], Tree::Int(0));
 }
 
 #[test]
@@ -974,7 +988,7 @@ fn generic_values() {
         (s("dup"), i(2)),
     ]);
     let m = decode(&a(vec![i(0), a(vec![]), value])).unwrap();
-    let Tree::Dict(entries) = m.scheduler_stats else {
+    let Tree::Dict(entries) = m[MF::SchedulerStats].clone() else {
         panic!()
     };
     let get = |k: &str| {
@@ -1016,7 +1030,7 @@ fn generic_values() {
     .unwrap();
     let Tree::UtilityOutput {
         result: decoded, ..
-    } = m.utility_output
+    } = m[MF::UtilityOutput].clone()
     else {
         panic!()
     };
@@ -1203,30 +1217,39 @@ impl Builder for Refusing<'_> {
             array.dtype
         ))))
     }
+    fn token_ids(&mut self, ids: &[i128]) -> Result<Tree, DecodeError> {
+        self.0.token_ids(ids)
+    }
+    fn finish_reason(&mut self, code: u8) -> Result<Tree, DecodeError> {
+        self.0.finish_reason(code)
+    }
     fn logprobs(
         &mut self,
         k: ArrayKind,
-        arrays: [Tree; 3],
-        cu: Option<Tree>,
+        fields: &mut super::schema::LogprobsSlots<Tree>,
     ) -> Result<Tree, DecodeError> {
-        self.0.logprobs(k, arrays, cu)
+        self.0.logprobs(k, fields)
     }
     fn utility_result(&mut self, value: Tree) -> Result<Tree, DecodeError> {
         self.0.utility_result(value)
     }
     fn utility_output(
         &mut self,
-        c: i128,
-        f: Option<Tree>,
-        r: Option<Tree>,
+        fields: &mut super::schema::UtilitySlots<Tree>,
     ) -> Result<Tree, DecodeError> {
-        self.0.utility_output(c, f, r)
+        self.0.utility_output(fields)
     }
-    fn output(&mut self, parts: super::schema::OutputParts<'_, Tree>) -> Result<Tree, DecodeError> {
-        self.0.output(parts)
+    fn output(
+        &mut self,
+        fields: &mut super::schema::OutputSlots<Tree>,
+    ) -> Result<Tree, DecodeError> {
+        self.0.output(fields)
     }
-    fn message(&mut self, parts: super::schema::MessageParts<Tree>) -> Result<Tree, DecodeError> {
-        self.0.message(parts)
+    fn message(
+        &mut self,
+        fields: &mut super::schema::MessageSlots<Tree>,
+    ) -> Result<Tree, DecodeError> {
+        self.0.message(fields)
     }
 }
 
@@ -1371,7 +1394,7 @@ fn utility_type_info_is_checked_then_ignored() {
         ])
     };
     let m = decode(&with_info(a(vec![s("some.module"), s("Type")]))).unwrap();
-    let Tree::UtilityOutput { result, .. } = m.utility_output else {
+    let Tree::UtilityOutput { result, .. } = m[MF::UtilityOutput].clone() else {
         panic!()
     };
     assert_eq!(*result, Tree::UtilityResult(Box::new(Tree::Int(5))));
@@ -1380,4 +1403,150 @@ fn utility_type_info_is_checked_then_ignored() {
     assert_eq!(err.path_string(), "utility_output.result[0][0]");
     let err = decode_err(&with_info(V::Ext(-127, vec![0])));
     assert_eq!(err.kind(), &ErrorKind::UnknownExt { code: -127 });
+}
+
+// ------------------------------------------------------------------ a second version
+
+/// A later protocol version, as corewire would add one: data only. Like vLLM 0.33.0 it
+/// inserts a field at position 8 of `EngineCoreOutput` (shifting every later field) and
+/// appends one; this build reads both past (a version that surfaces them adds their
+/// rows to the field table, which the objects then carry as attributes).
+enum Inserted {}
+
+const INSERTED: Layout = Layout {
+    version: "test: a field inserted at 8, one appended",
+    message: LAYOUT_0_25_1.message,
+    output: layout!(OutputField[
+        RequestId, NewTokenIds, NewLogprobs, NewPromptLogprobsTensors, PoolingOutput,
+        FinishReason, StopReason, Events, Skip, KvTransferParams, TraceHeaders,
+        PrefillStats, RoutedExperts, NumNansInLogits, Skip,
+    ]),
+    utility_output: LAYOUT_0_25_1.utility_output,
+    logprobs_lists: LAYOUT_0_25_1.logprobs_lists,
+    logprobs_tensors: LAYOUT_0_25_1.logprobs_tensors,
+};
+
+impl Version for Inserted {
+    const LAYOUT: &'static Layout = &INSERTED;
+}
+
+/// A version that predates `routed_experts` and `num_nans_in_logits`: they take their
+/// defaults, and an older peer's longer frame has them read past.
+enum Older {}
+
+const OLDER: Layout = Layout {
+    version: "test: the last two output fields absent",
+    message: LAYOUT_0_25_1.message,
+    output: layout!(OutputField[
+        RequestId, NewTokenIds, NewLogprobs, NewPromptLogprobsTensors, PoolingOutput,
+        FinishReason, StopReason, Events, KvTransferParams, TraceHeaders, PrefillStats,
+    ]),
+    utility_output: LAYOUT_0_25_1.utility_output,
+    logprobs_lists: LAYOUT_0_25_1.logprobs_lists,
+    logprobs_tensors: LAYOUT_0_25_1.logprobs_tensors,
+};
+
+impl Version for Older {
+    const LAYOUT: &'static Layout = &OLDER;
+}
+
+fn decode_as<W: Version>(msg: &V) -> Result<MessageTree, DecodeError> {
+    let payload = enc(msg);
+    let frames: Vec<&[u8]> = vec![&payload];
+    let mut b = TreeBuilder::new(&frames);
+    decode_outputs_as::<W, _>(&frames, &mut b, &mut Scratch::default()).map(Tree::into_message)
+}
+
+/// The 13 fields of a 0.25.1 output after its id and tokens, every one set.
+fn full_output_fields() -> Vec<V> {
+    vec![
+        V::Nil,
+        V::Nil,
+        V::Nil,
+        i(1),
+        i(128_001),
+        V::Nil,
+        V::M(vec![(s("remote"), i(7))]),
+        V::M(vec![(s("traceparent"), s("00-ab"))]),
+        V::M(vec![(s("num_cached_tokens"), i(12))]),
+        arr_inline("|b1", &[2], &[1, 0]),
+        i(3),
+    ]
+}
+
+#[test]
+fn a_version_table_maps_shifted_positions_to_the_same_fields() {
+    let fields = full_output_fields();
+    let expected = only_output(decode(&msg(vec![out("r", &[5], fields.clone())])).unwrap());
+    assert_eq!(
+        expected[OF::KvTransferParams],
+        Tree::Dict(vec![(s_tree("remote"), Tree::Int(7))])
+    );
+
+    // The later layout: a value at position 8 (index 6 of `fields`), the rest shifted,
+    // one more appended.
+    let mut shifted = fields;
+    shifted.insert(6, V::M(vec![(s("ec_connector"), s("x"))]));
+    shifted.push(s("an error"));
+    let frame = msg(vec![out("r", &[5], shifted)]);
+    let got = only_output(decode_as::<Inserted>(&frame).unwrap());
+    assert_eq!(got, expected);
+
+    // Read with 0.25.1's table the same frame is something else: every field after
+    // position 7 lands one slot off (here kv_transfer_params' map in trace_headers).
+    let err = decode(&frame).unwrap_err();
+    assert_eq!(err.path_string(), "outputs[0].trace_headers[\"remote\"]");
+}
+
+#[test]
+fn fields_a_version_lacks_take_their_defaults() {
+    let full = msg(vec![out("r", &[5], full_output_fields())]);
+    let o = only_output(decode_as::<Older>(&full).unwrap());
+    assert_eq!(o[OF::RoutedExperts], Tree::None);
+    assert_eq!(o[OF::NumNansInLogits], Tree::Int(0));
+    assert_eq!(o[OF::StopReason], Tree::Int(128_001));
+    // the current table reads them
+    let o = only_output(decode(&full).unwrap());
+    assert_eq!(o[OF::NumNansInLogits], Tree::Int(3));
+}
+
+#[test]
+fn positions_read_past_are_still_checked() {
+    // An invalid value at a skipped position fails like any other, with its place.
+    let mut fields = full_output_fields();
+    fields.insert(6, V::Pre(vec![0xc1]));
+    let err = decode_as::<Inserted>(&msg(vec![out("r", &[5], fields)])).unwrap_err();
+    assert_eq!(err.path_string(), "outputs[0][8]");
+}
+
+#[test]
+fn the_current_layout_names_every_field_once_in_slot_order() {
+    // 0.25.1's wire order is the slot order of every table (so `__struct_fields__`,
+    // the attributes and repr agree); a later version may differ.
+    fn check<F: WireStruct>(l: &StructLayout<F>) {
+        let fields: Vec<F> = l.fields.iter().map(|f| f.expect("no skip")).collect();
+        assert_eq!(fields, F::ALL, "{}", F::STRUCT);
+    }
+    check(&LAYOUT_0_25_1.message);
+    check(&LAYOUT_0_25_1.output);
+    check(&LAYOUT_0_25_1.utility_output);
+    check(&LAYOUT_0_25_1.logprobs_lists);
+    check(&LAYOUT_0_25_1.logprobs_tensors);
+    assert_eq!(LAYOUT_0_25_1.output.min_len, 2);
+    assert_eq!(LAYOUT_0_25_1.utility_output.min_len, 1);
+    assert_eq!(LAYOUT_0_25_1.logprobs_lists.min_len, 3);
+    assert_eq!(LAYOUT_0_25_1.message.min_len, 0);
+    assert_eq!(
+        wire_fields(CURRENT, "EngineCoreEvent"),
+        Some(vec!["type", "timestamp"])
+    );
+    assert_eq!(wire_fields(CURRENT, "SamplingParams"), None);
+    assert_eq!(
+        wire_fields(&INSERTED, "EngineCoreOutput").unwrap()[8],
+        SKIPPED
+    );
+}
+
+fn s_tree(v: &str) -> Tree {
+    Tree::Str(v.to_owned())
 }

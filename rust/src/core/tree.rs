@@ -1,9 +1,13 @@
 //! A [`Builder`] that makes plain Rust values: the schema's tests and the fuzz target
 //! decode with it, so the whole walk (and every error) runs without Python.
 
+use std::marker::PhantomData;
+use std::ops::{Index, IndexMut};
+
 use super::error::{ArrayKind, DecodeError, DecodeResult, ErrorKind};
 use super::msgpack::check_utf8;
-use super::schema::{ArrayRef, Builder, MessageParts, OutputParts};
+use super::schema::{ArrayRef, Builder, LogprobsSlots, MessageSlots, OutputSlots, UtilitySlots};
+use super::wire::{FieldType, ListsField, MessageField, OutputField, UtilityField, WireStruct};
 
 /// A decoded value.
 #[derive(Clone, Debug, PartialEq)]
@@ -48,38 +52,75 @@ pub enum Tree {
     Message(Box<MessageTree>),
 }
 
-/// A decoded `EngineCoreOutput`.
+/// A decoded struct: its fields by slot of `F`'s table ([`super::wire`]), each absent
+/// field as its default (nil, or 0 for a count).
 #[derive(Clone, Debug, PartialEq)]
-pub struct OutputTree {
-    pub request_id: Tree,
-    pub new_token_ids: Vec<i128>,
-    pub new_logprobs: Tree,
-    pub new_prompt_logprobs_tensors: Tree,
-    pub pooling_output: Tree,
-    pub finish_reason: Option<u8>,
-    pub stop_reason: Tree,
-    pub events: Tree,
-    pub kv_transfer_params: Tree,
-    pub trace_headers: Tree,
-    pub prefill_stats: Tree,
-    pub routed_experts: Tree,
-    pub num_nans_in_logits: i128,
+pub struct StructTree<F> {
+    fields: Vec<Tree>,
+    table: PhantomData<F>,
 }
 
-/// A decoded `EngineCoreOutputs`.
+impl<F: WireStruct, const N: usize> From<[Option<Tree>; N]> for StructTree<F> {
+    fn from(slots: [Option<Tree>; N]) -> Self {
+        let fields = slots
+            .into_iter()
+            .zip(F::ALL)
+            .map(|(v, f)| match (v, f.info().ty) {
+                (Some(v), _) => v,
+                (None, FieldType::Count) => Tree::Int(0),
+                (None, _) => Tree::None,
+            })
+            .collect();
+        StructTree {
+            fields,
+            table: PhantomData,
+        }
+    }
+}
+
+impl<F: WireStruct> Index<F> for StructTree<F> {
+    type Output = Tree;
+    fn index(&self, field: F) -> &Tree {
+        &self.fields[field.slot()]
+    }
+}
+
+impl<F: WireStruct> IndexMut<F> for StructTree<F> {
+    fn index_mut(&mut self, field: F) -> &mut Tree {
+        &mut self.fields[field.slot()]
+    }
+}
+
+/// A decoded `EngineCoreOutput`.
+pub type OutputTree = StructTree<OutputField>;
+
+/// A decoded `EngineCoreOutputs`: its fields, and its outputs taken out of the list
+/// that holds them (whose slot is left nil).
 #[derive(Clone, Debug, PartialEq)]
 pub struct MessageTree {
-    pub engine_index: i128,
+    pub fields: StructTree<MessageField>,
     pub outputs: Vec<OutputTree>,
-    pub scheduler_stats: Tree,
-    pub timestamp: f64,
-    pub utility_output: Tree,
-    pub finished_requests: Tree,
-    pub wave_complete: Option<i128>,
-    pub start_wave: Option<i128>,
+}
+
+impl Index<MessageField> for MessageTree {
+    type Output = Tree;
+    fn index(&self, field: MessageField) -> &Tree {
+        &self.fields[field]
+    }
+}
+
+impl IndexMut<MessageField> for MessageTree {
+    fn index_mut(&mut self, field: MessageField) -> &mut Tree {
+        &mut self.fields[field]
+    }
 }
 
 impl Tree {
+    /// The list of ints `values` (token ids as the walk hands them over).
+    pub fn ints(values: &[i128]) -> Tree {
+        Tree::List(values.iter().map(|&v| Tree::Int(v)).collect())
+    }
+
     /// The message inside a `Tree::Message` (panics otherwise: for tests).
     pub fn into_message(self) -> MessageTree {
         match self {
@@ -224,52 +265,49 @@ impl Builder for TreeBuilder<'_> {
             frame: a.data.frame,
         })
     }
+    fn token_ids(&mut self, ids: &[i128]) -> DecodeResult<Tree> {
+        Ok(Tree::ints(ids))
+    }
+    fn finish_reason(&mut self, code: u8) -> DecodeResult<Tree> {
+        Ok(Tree::Int(code.into()))
+    }
     fn logprobs(
         &mut self,
         kind: ArrayKind,
-        arrays: [Tree; 3],
-        cu_num_generated_tokens: Option<Tree>,
+        fields: &mut LogprobsSlots<Tree>,
     ) -> DecodeResult<Tree> {
+        let [ids, lps, ranks, cu] = std::mem::take(fields).map(opt);
+        debug_assert_eq!(ListsField::CuNumGeneratedTokens.slot(), 3);
         Ok(Tree::Logprobs {
             kind,
-            arrays: arrays.to_vec(),
-            cu_num_generated_tokens: Box::new(opt(cu_num_generated_tokens)),
+            arrays: vec![ids, lps, ranks],
+            cu_num_generated_tokens: Box::new(cu),
         })
     }
     fn utility_result(&mut self, value: Tree) -> DecodeResult<Tree> {
         Ok(Tree::UtilityResult(Box::new(value)))
     }
-    fn utility_output(
-        &mut self,
-        call_id: i128,
-        failure_message: Option<Tree>,
-        result: Option<Tree>,
-    ) -> DecodeResult<Tree> {
+    fn utility_output(&mut self, fields: &mut UtilitySlots<Tree>) -> DecodeResult<Tree> {
+        // (moved out, not cloned: a deep result's clone would recurse)
+        let mut t = StructTree::<UtilityField>::from(std::mem::take(fields));
+        let mut take = |f: UtilityField| Box::new(std::mem::replace(&mut t[f], Tree::None));
+        let Tree::Int(call_id) = *take(UtilityField::CallId) else {
+            return Err(DecodeError::new(ErrorKind::Rejected("no call id".into())));
+        };
         Ok(Tree::UtilityOutput {
             call_id,
-            failure_message: Box::new(opt(failure_message)),
-            result: Box::new(opt(result)),
+            failure_message: take(UtilityField::FailureMessage),
+            result: take(UtilityField::Result),
         })
     }
-    fn output(&mut self, p: OutputParts<'_, Tree>) -> DecodeResult<Tree> {
-        Ok(Tree::Output(Box::new(OutputTree {
-            request_id: p.request_id,
-            new_token_ids: p.new_token_ids.to_vec(),
-            new_logprobs: opt(p.new_logprobs),
-            new_prompt_logprobs_tensors: opt(p.new_prompt_logprobs_tensors),
-            pooling_output: opt(p.pooling_output),
-            finish_reason: p.finish_reason,
-            stop_reason: opt(p.stop_reason),
-            events: opt(p.events),
-            kv_transfer_params: opt(p.kv_transfer_params),
-            trace_headers: opt(p.trace_headers),
-            prefill_stats: opt(p.prefill_stats),
-            routed_experts: opt(p.routed_experts),
-            num_nans_in_logits: p.num_nans_in_logits,
-        })))
+    fn output(&mut self, fields: &mut OutputSlots<Tree>) -> DecodeResult<Tree> {
+        Ok(Tree::Output(Box::new(OutputTree::from(std::mem::take(
+            fields,
+        )))))
     }
-    fn message(&mut self, p: MessageParts<Tree>) -> DecodeResult<Tree> {
-        let outputs = match p.outputs {
+    fn message(&mut self, fields: &mut MessageSlots<Tree>) -> DecodeResult<Tree> {
+        let mut fields = StructTree::<MessageField>::from(std::mem::take(fields));
+        let outputs = match std::mem::replace(&mut fields[MessageField::Outputs], Tree::None) {
             Tree::List(items) => items
                 .into_iter()
                 .filter_map(|t| match t {
@@ -279,15 +317,6 @@ impl Builder for TreeBuilder<'_> {
                 .collect(),
             _ => Vec::new(),
         };
-        Ok(Tree::Message(Box::new(MessageTree {
-            engine_index: p.engine_index,
-            outputs,
-            scheduler_stats: opt(p.scheduler_stats),
-            timestamp: p.timestamp,
-            utility_output: opt(p.utility_output),
-            finished_requests: opt(p.finished_requests),
-            wave_complete: p.wave_complete,
-            start_wave: p.start_wave,
-        })))
+        Ok(Tree::Message(Box::new(MessageTree { fields, outputs })))
     }
 }

@@ -11,18 +11,76 @@ use pyo3::ffi;
 use pyo3::prelude::*;
 use pyo3::types::{PyDict, PyFloat, PyString, PyTuple};
 
-use super::consts::Consts;
-use super::decoder::{DecoderState, StatsTypes};
+use super::consts::{Consts, DtypeCache};
 use super::ffi::refill_array;
 use super::frames::Frame;
 use super::objects::{
     enable_logprobs_pool, int_object, new_message, new_output, pop_logprobs, token_list,
-    OutputValues,
 };
 use super::torch;
 use crate::core::error::{ArrayKind, DecodeError, DecodeResult, ErrorKind};
+use crate::core::intern::{FrameOrder, InternCache};
 use crate::core::msgpack::check_utf8;
-use crate::core::schema::{ArrayRef, Builder, MessageParts, OutputParts};
+use crate::core::schema::{
+    ArrayRef, Builder, LogprobsSlots, MessageSlots, OutputSlots, UtilitySlots,
+};
+use crate::core::wire::StatsKind;
+
+/// What a decoder keeps from frame to frame.
+pub struct DecoderState {
+    /// Request id bytes -> the one str object for that id.
+    pub ids: InternCache<Py<PyString>>,
+    /// Map key bytes -> str (scheduler_stats and friends repeat their keys).
+    pub keys: InternCache<Py<PyString>>,
+    pub np_dtypes: DtypeCache,
+    pub torch_dtypes: DtypeCache,
+    /// Per engine index: the order of its last message's request ids.
+    pub orders: Vec<(i128, FrameOrder<Py<PyString>>)>,
+    /// `ids.rotations()` when the ids held by `orders` were last looked up.
+    pub refreshed_at: u64,
+}
+
+/// Optional converters of the stats maps (`prefill_stats`, `scheduler_stats`): a front-end
+/// that reads them by attribute (vLLM's) passes callables that build its own types.
+#[derive(Default)]
+pub struct StatsTypes {
+    pub prefill: Option<Py<PyAny>>,
+    pub scheduler: Option<Py<PyAny>>,
+}
+
+/// Most engines whose output order is remembered (more engines only lose prediction).
+const MAX_ORDERS: usize = 64;
+
+impl DecoderState {
+    /// The order memory of `engine_index` (made on first use), started for a new message.
+    pub fn start_order(&mut self, engine_index: i128) -> Option<usize> {
+        let at = match self.orders.iter().position(|(e, _)| *e == engine_index) {
+            Some(at) => at,
+            None if self.orders.len() < MAX_ORDERS => {
+                self.orders.push((engine_index, FrameOrder::default()));
+                self.orders.len() - 1
+            }
+            None => return None,
+        };
+        self.orders[at].1.start();
+        Some(at)
+    }
+
+    /// Ids predicted by `orders` skip the intern cache, so the cache would age them out
+    /// while they are alive; after the cache retires a generation, look them all up
+    /// once, which keeps the same str object for the same id.
+    pub fn refresh_if_rotated(&mut self) {
+        if self.ids.rotations() == self.refreshed_at {
+            return;
+        }
+        self.refreshed_at = self.ids.rotations();
+        for (_, order) in &self.orders {
+            for key in order.keys() {
+                let _ = self.ids.get(key);
+            }
+        }
+    }
+}
 
 /// Builds one message's Python objects.
 pub struct PyBuilder<'a, 'py> {
@@ -63,13 +121,6 @@ struct PendingLists<'py> {
 }
 
 type Obj<'py> = Bound<'py, PyAny>;
-
-/// Which stats field a map was decoded for.
-#[derive(Clone, Copy)]
-enum StatsKind {
-    Prefill,
-    Scheduler,
-}
 
 impl<'a, 'py> PyBuilder<'a, 'py> {
     /// A builder over `frames`.
@@ -124,23 +175,6 @@ impl<'a, 'py> PyBuilder<'a, 'py> {
         match v {
             Some(v) => v.unbind(),
             None => self.py.None(),
-        }
-    }
-
-    /// A stats map as the caller wants it: the map itself, or what its converter makes
-    /// of it (a converter's exception rejects the frame like any bad field).
-    #[inline]
-    fn stats(&mut self, v: Option<Obj<'py>>, kind: StatsKind) -> DecodeResult<Option<Obj<'py>>> {
-        let convert = match kind {
-            StatsKind::Prefill => &self.stats_types.prefill,
-            StatsKind::Scheduler => &self.stats_types.scheduler,
-        };
-        match (v, convert) {
-            (Some(map), Some(convert)) => {
-                let r = convert.bind(self.py).call1((map,));
-                self.check(r).map(Some)
-            }
-            (v, _) => Ok(v),
         }
     }
 
@@ -472,9 +506,9 @@ impl<'py> Builder for PyBuilder<'_, 'py> {
             }
         };
         let py = self.py;
-        // SAFETY: a live dtype object: in the cache, or held by `owned`.
         let dtype = || match &owned {
             Some(d) => d.clone(),
+            // SAFETY: a live dtype object: in the cache, or held by `owned`.
             None => unsafe { Bound::from_borrowed_ptr(py, dtype_ptr) },
         };
         // Which array of a LogprobsLists this is, if it is one.
@@ -523,11 +557,16 @@ impl<'py> Builder for PyBuilder<'_, 'py> {
     fn logprobs(
         &mut self,
         kind: ArrayKind,
-        arrays: [Obj<'py>; 3],
-        cu_num_generated_tokens: Option<Obj<'py>>,
+        fields: &mut LogprobsSlots<Obj<'py>>,
     ) -> DecodeResult<Obj<'py>> {
         let py = self.py;
         let c = self.consts;
+        let [Some(ids), Some(lps), Some(ranks), cu_num_generated_tokens] =
+            fields.each_mut().map(Option::take)
+        else {
+            return Err(missing_field());
+        };
+        let arrays = [ids, lps, ranks];
         let cls = match kind {
             ArrayKind::Ndarray => c.logprobs_lists.bind(py),
             ArrayKind::Tensor => c.logprobs_tensors.bind(py),
@@ -557,73 +596,60 @@ impl<'py> Builder for PyBuilder<'_, 'py> {
         self.check(r)
     }
 
-    fn utility_output(
-        &mut self,
-        call_id: i128,
-        failure_message: Option<Obj<'py>>,
-        result: Option<Obj<'py>>,
-    ) -> DecodeResult<Obj<'py>> {
+    fn utility_output(&mut self, fields: &mut UtilitySlots<Obj<'py>>) -> DecodeResult<Obj<'py>> {
         let py = self.py;
-        let call_id = self.int(call_id)?;
-        let failure_message = self.opt(failure_message);
-        let result = self.opt(result);
-        let r = self
-            .consts
-            .utility_output
-            .bind(py)
-            .call1((call_id, failure_message, result));
+        // The struct's fields, positionally in slot order (its field order).
+        let args = fields.each_mut().map(|v| self.opt(v.take()));
+        let r =
+            PyTuple::new(py, args).and_then(|args| self.consts.utility_output.bind(py).call1(args));
         self.check(r)
     }
 
     #[inline]
-    fn output(&mut self, p: OutputParts<'_, Obj<'py>>) -> DecodeResult<Obj<'py>> {
-        let py = self.py;
-        let finish_reason = p
-            .finish_reason
-            .map(|code| self.consts.finish_reasons[code as usize].bind(py).clone());
-        let new_token_ids = match token_list(py, p.new_token_ids) {
-            Ok(list) => list,
-            Err(e) => return Err(self.fail(e)),
-        };
-        let r = new_output(
-            py,
-            OutputValues {
-                request_id: p.request_id,
-                new_token_ids,
-                new_logprobs: p.new_logprobs,
-                new_prompt_logprobs_tensors: p.new_prompt_logprobs_tensors,
-                pooling_output: p.pooling_output,
-                finish_reason,
-                stop_reason: p.stop_reason,
-                events: p.events,
-                kv_transfer_params: p.kv_transfer_params,
-                trace_headers: p.trace_headers,
-                prefill_stats: self.stats(p.prefill_stats, StatsKind::Prefill)?,
-                routed_experts: p.routed_experts,
-                num_nans_in_logits: p.num_nans_in_logits,
-            },
-        );
+    fn token_ids(&mut self, ids: &[i128]) -> DecodeResult<Obj<'py>> {
+        let r = token_list(self.py, ids);
         self.check(r)
     }
 
-    fn message(&mut self, p: MessageParts<Obj<'py>>) -> DecodeResult<Obj<'py>> {
-        let py = self.py;
-        let engine_index = self.int(p.engine_index)?;
-        let wave_complete = p.wave_complete.map(|v| self.int(v)).transpose()?;
-        let start_wave = p.start_wave.map(|v| self.int(v)).transpose()?;
-        let r = new_message(
-            py,
-            [
-                Some(engine_index),
-                Some(p.outputs),
-                self.stats(p.scheduler_stats, StatsKind::Scheduler)?,
-                Some(PyFloat::new(py, p.timestamp).into_any()),
-                p.utility_output,
-                p.finished_requests,
-                wave_complete,
-                start_wave,
-            ],
-        );
+    #[inline]
+    fn finish_reason(&mut self, code: u8) -> DecodeResult<Obj<'py>> {
+        Ok(self.consts.finish_reasons[code as usize]
+            .bind(self.py)
+            .clone())
+    }
+
+    /// The map itself, or what the caller's converter makes of it (a converter's
+    /// exception rejects the frame like any bad field).
+    fn stats(&mut self, kind: StatsKind, map: Obj<'py>) -> DecodeResult<Obj<'py>> {
+        let convert = match kind {
+            StatsKind::Prefill => &self.stats_types.prefill,
+            StatsKind::Scheduler => &self.stats_types.scheduler,
+        };
+        match convert {
+            Some(convert) => {
+                let r = convert.bind(self.py).call1((map,));
+                self.check(r)
+            }
+            None => Ok(map),
+        }
+    }
+
+    #[inline]
+    fn output(&mut self, fields: &mut OutputSlots<Obj<'py>>) -> DecodeResult<Obj<'py>> {
+        let r = new_output(self.py, fields);
         self.check(r)
     }
+
+    fn message(&mut self, fields: &mut MessageSlots<Obj<'py>>) -> DecodeResult<Obj<'py>> {
+        let r = new_message(self.py, fields);
+        self.check(r)
+    }
+}
+
+/// A struct without a field the walk guarantees (a layout that lacks it).
+#[cold]
+fn missing_field() -> DecodeError {
+    DecodeError::new(ErrorKind::Rejected(
+        "internal error: a required field is missing from the layout".into(),
+    ))
 }

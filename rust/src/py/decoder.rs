@@ -3,71 +3,21 @@
 use std::panic::{catch_unwind, AssertUnwindSafe};
 
 use pyo3::prelude::*;
-use pyo3::types::{PyList, PyString, PyTuple};
+use pyo3::types::{PyList, PyTuple};
 
-use super::builder::PyBuilder;
+use super::builder::{DecoderState, PyBuilder, StatsTypes};
 use super::consts::{Consts, DtypeCache};
 use super::frames::Frame;
-use super::ProtocolError;
 use crate::core::error::{DecodeError, ErrorKind};
-use crate::core::intern::{FrameOrder, InternCache};
+use crate::core::intern::InternCache;
 use crate::core::schema::{decode_outputs, Scratch};
 
-/// What a decoder keeps from frame to frame.
-pub struct DecoderState {
-    /// Request id bytes -> the one str object for that id.
-    pub ids: InternCache<Py<PyString>>,
-    /// Map key bytes -> str (scheduler_stats and friends repeat their keys).
-    pub keys: InternCache<Py<PyString>>,
-    pub np_dtypes: DtypeCache,
-    pub torch_dtypes: DtypeCache,
-    /// Per engine index: the order of its last message's request ids.
-    pub orders: Vec<(i128, FrameOrder<Py<PyString>>)>,
-    /// `ids.rotations()` when the ids held by `orders` were last looked up.
-    pub refreshed_at: u64,
-}
-
-/// Optional converters of the stats maps (`prefill_stats`, `scheduler_stats`): a front-end
-/// that reads them by attribute (vLLM's) passes callables that build its own types.
-#[derive(Default)]
-pub struct StatsTypes {
-    pub prefill: Option<Py<PyAny>>,
-    pub scheduler: Option<Py<PyAny>>,
-}
-
-/// Most engines whose output order is remembered (more engines only lose prediction).
-const MAX_ORDERS: usize = 64;
-
-impl DecoderState {
-    /// The order memory of `engine_index` (made on first use), started for a new message.
-    pub fn start_order(&mut self, engine_index: i128) -> Option<usize> {
-        let at = match self.orders.iter().position(|(e, _)| *e == engine_index) {
-            Some(at) => at,
-            None if self.orders.len() < MAX_ORDERS => {
-                self.orders.push((engine_index, FrameOrder::default()));
-                self.orders.len() - 1
-            }
-            None => return None,
-        };
-        self.orders[at].1.start();
-        Some(at)
-    }
-
-    /// Ids predicted by `orders` skip the intern cache, so the cache would age them out
-    /// while they are alive; after the cache retires a generation, look them all up
-    /// once, which keeps the same str object for the same id.
-    pub fn refresh_if_rotated(&mut self) {
-        if self.ids.rotations() == self.refreshed_at {
-            return;
-        }
-        self.refreshed_at = self.ids.rotations();
-        for (_, order) in &self.orders {
-            for key in order.keys() {
-                let _ = self.ids.get(key);
-            }
-        }
-    }
-}
+pyo3::create_exception!(
+    corewire,
+    ProtocolError,
+    pyo3::exceptions::PyValueError,
+    "A frame that does not follow the engine-core wire protocol."
+);
 
 /// Decodes `EngineCoreOutputs` frames (`[payload, aux_1, ...]`) into Python objects.
 ///
@@ -141,15 +91,16 @@ impl NativeDecoder {
         // The frames' bytes for the core, on the stack for the usual few frames. They
         // borrow the frames' memory, not `held` itself: the builder below needs `held`
         // mutably to create array owners, which never moves or frees that memory.
-        // SAFETY (`detach`): `held` is declared first, so it outlives the slices.
         let mut few: [&[u8]; FEW_FRAMES] = [&[]; FEW_FRAMES];
         let many: Vec<&[u8]>;
         let slices: &[&[u8]] = if held.len() <= FEW_FRAMES {
             for (slot, frame) in few.iter_mut().zip(&held) {
+                // SAFETY: `held` is declared first, so it outlives the slices.
                 *slot = unsafe { detach(frame) };
             }
             &few[..held.len()]
         } else {
+            // SAFETY: as above.
             many = held.iter().map(|f| unsafe { detach(f) }).collect();
             &many
         };
@@ -232,11 +183,4 @@ unsafe fn detach<'b>(frame: &Frame<'_>) -> &'b [u8] {
 #[inline(never)]
 fn to_protocol_error(err: DecodeError) -> PyErr {
     ProtocolError::new_err(err.to_string())
-}
-
-/// Registers `NativeDecoder` and the types it returns.
-pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
-    m.add_class::<NativeDecoder>()?;
-    super::objects::register(m)?;
-    Ok(())
 }

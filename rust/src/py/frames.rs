@@ -13,7 +13,6 @@ use pyo3::prelude::*;
 use pyo3::types::PyBytes;
 
 use super::ffi::HeldBuffer;
-use super::objects::FrameBuffer;
 use crate::core::error::{DecodeError, ErrorKind};
 
 /// One frame of the message being decoded.
@@ -118,4 +117,26 @@ fn bad_frame(index: usize, obj: &Bound<'_, PyAny>, err: &PyErr) -> DecodeError {
         format!("cannot read {type_name} as contiguous bytes: {err}")
     };
     DecodeError::new(ErrorKind::BadFrame { index, detail })
+}
+
+/// Keeps a received frame's buffer export alive for the arrays that view it: the `base`
+/// of every decoded ndarray over a non-`bytes` frame. The frame is released when the
+/// last such array is gone.
+#[pyclass(module = "corewire._native", name = "FrameBuffer", frozen)]
+pub struct FrameBuffer {
+    held: HeldBuffer,
+}
+
+#[pymethods]
+impl FrameBuffer {
+    /// Number of bytes in the frame.
+    fn __len__(&self) -> usize {
+        self.held.len()
+    }
+
+    /// The object whose memory this is (a `zmq.Frame`, `memoryview` ...).
+    #[getter]
+    fn obj(&self, py: Python<'_>) -> Py<PyAny> {
+        self.held.exporter(py)
+    }
 }

@@ -1,4 +1,9 @@
 //! Thin binding types of `corewire._native`, one file per Python type.
+//!
+//! Modules depend on each other in one direction only:
+//! `decoder -> builder -> objects / frames / consts / torch -> ffi`; `registry`,
+//! `tracker`, `router` and `wire` stand alone over the core. [`register`] is the one
+//! place that puts names on the extension module.
 
 use pyo3::prelude::*;
 
@@ -13,20 +18,22 @@ mod ffi;
 mod frames;
 mod objects;
 mod torch;
+mod wire;
 
-pyo3::create_exception!(
-    corewire,
-    ProtocolError,
-    pyo3::exceptions::PyValueError,
-    "A frame that does not follow the engine-core wire protocol."
-);
-
-/// Registers every binding type on the extension module.
+/// Registers every binding type and function on the extension module.
 pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
-    m.add("ProtocolError", m.py().get_type::<ProtocolError>())?;
-    registry::register(m)?;
-    tracker::register(m)?;
-    router::register(m)?;
-    decoder::register(m)?;
+    let py = m.py();
+    m.add("ProtocolError", py.get_type::<decoder::ProtocolError>())?;
+    m.add_class::<registry::CallRegistry>()?;
+    m.add_class::<tracker::SendTracker>()?;
+    m.add_class::<router::Router>()?;
+    m.add_class::<decoder::NativeDecoder>()?;
+    let [message, output] = objects::types(py)?;
+    m.add("EngineCoreOutputs", message.bind(py))?;
+    m.add("EngineCoreOutput", output.bind(py))?;
+    m.add_class::<frames::FrameBuffer>()?;
+    m.add_function(wrap_pyfunction!(wire::wire_fields, m)?)?;
+    m.add_function(wrap_pyfunction!(wire::wire_structs, m)?)?;
+    m.add_function(wrap_pyfunction!(wire::wire_version, m)?)?;
     Ok(())
 }

@@ -1,7 +1,8 @@
 //! The Python objects a decoded message is made of.
 //!
 //! `EngineCoreOutputs` and `EngineCoreOutput` mirror `corewire.protocol`'s structs of the
-//! same names, field for field (`__struct_fields__` lists them in wire order). They are
+//! same names, field for field: their slots, attributes, docs, repr and
+//! `__struct_fields__` all come from the struct's table in [`crate::core::wire`]. They are
 //! built here with the C API rather than as pyo3 classes, because the per-output object
 //! is the decoder's hot path and pyo3 0.30 classes are always cyclic-GC types:
 //!
@@ -29,7 +30,9 @@ use pyo3::prelude::*;
 use pyo3::sync::PyOnceLock;
 use pyo3::types::{PyString, PyTuple, PyType};
 
-use super::ffi::{reusable_array, HeldBuffer};
+use super::ffi::reusable_array;
+use crate::core::schema::{MessageSlots, OutputSlots};
+use crate::core::wire::{FieldType, MessageField, OutputField, WireStruct, CURRENT};
 
 /// A Python int for any msgpack integer.
 #[inline]
@@ -133,6 +136,10 @@ pub fn token_list<'py>(py: Python<'py>, ids: &[i128]) -> PyResult<Bound<'py, PyA
 
 /// Releases an output's `new_token_ids` list, recycling it if the output held the only
 /// reference and it still has a poolable length.
+///
+/// # Safety
+/// `list` is NULL or an owned reference to a list, given up by the caller; the caller
+/// is attached to the interpreter.
 #[inline]
 unsafe fn release_token_list(list: *mut ffi::PyObject) {
     // SAFETY: `list` is an owned reference to a list (or NULL); attached.
@@ -209,6 +216,10 @@ pub fn pop_logprobs(py: Python<'_>) -> Option<(Bound<'_, PyAny>, [*mut ffi::PyOb
 }
 
 /// Releases an output's `new_logprobs`, pooling it when it may be refilled in place.
+///
+/// # Safety
+/// `p` is a field value: None, or an owned reference given up by the caller; the caller
+/// is attached to the interpreter.
 #[inline]
 unsafe fn release_logprobs(p: *mut ffi::PyObject) {
     // SAFETY: `p` is an owned reference (or None, which `release` skips); attached; no
@@ -241,16 +252,6 @@ unsafe fn release_logprobs(p: *mut ffi::PyObject) {
     }
 }
 
-/// A field value to store: an owned reference, or None (stored without a reference).
-#[inline]
-fn store(v: Option<Bound<'_, PyAny>>) -> *mut ffi::PyObject {
-    match v {
-        Some(v) if !v.is_none() => v.into_ptr(),
-        // Dropping a Some(None) releases its reference: fields never own None.
-        _ => none_ptr(),
-    }
-}
-
 #[inline]
 fn none_ptr() -> *mut ffi::PyObject {
     // SAFETY: Py_None is a static object.
@@ -269,6 +270,10 @@ fn zero_ptr() -> *mut ffi::PyObject {
 }
 
 /// Releases a field's reference (None and 0 fields hold none).
+///
+/// # Safety
+/// `p` is NULL, None, the shared 0, or an owned reference given up by the caller; the
+/// caller is attached to the interpreter.
 #[inline]
 unsafe fn release(p: *mut ffi::PyObject) {
     if !p.is_null() && p != none_ptr() && p != zero_ptr() {
@@ -279,83 +284,49 @@ unsafe fn release(p: *mut ffi::PyObject) {
 
 // ------------------------------------------------------------------ EngineCoreOutput
 
-/// Field order of `corewire.protocol.EngineCoreOutput`.
-const OUTPUT_FIELDS: [&str; 13] = [
-    "request_id",
-    "new_token_ids",
-    "new_logprobs",
-    "new_prompt_logprobs_tensors",
-    "pooling_output",
-    "finish_reason",
-    "stop_reason",
-    "events",
-    "kv_transfer_params",
-    "trace_headers",
-    "prefill_stats",
-    "routed_experts",
-    "num_nans_in_logits",
-];
+/// A struct's slots as the object's field pointers: each value (an owned reference), or
+/// the field's default, which the object holds without a reference: None, or the shared
+/// 0 of a count (a builder hands nil and 0 over as no value).
+#[inline(always)]
+fn store_slots<F: WireStruct, const N: usize>(
+    slots: &mut [Option<Bound<'_, PyAny>>; N],
+) -> [*mut ffi::PyObject; N] {
+    let none = none_ptr();
+    let zero = zero_ptr();
+    let mut out = [none; N];
+    for (i, v) in slots.iter_mut().enumerate() {
+        match v.take() {
+            // Dropping a Some(None) releases its reference: fields never own None.
+            Some(v) if !v.is_none() => out[i] = v.into_ptr(),
+            _ if is_count::<F>(i) && !zero.is_null() => out[i] = zero,
+            _ => {}
+        }
+    }
+    out
+}
 
-/// Struct members of EngineCoreOutput, as (name, doc), in the order of
-/// `OutputObject::fields` (wire order).
-const OUTPUT_MEMBERS: [(&CStr, &CStr); 13] = [
-    (
-        c"request_id",
-        c"The request id (the same str object every time it decodes).",
-    ),
-    (c"new_token_ids", c"The new token ids (list of int)."),
-    (c"new_logprobs", c"LogprobsLists of numpy arrays, or None."),
-    (
-        c"new_prompt_logprobs_tensors",
-        c"LogprobsTensors of torch tensors, or None.",
-    ),
-    (c"pooling_output", c"A torch tensor, or None."),
-    (c"finish_reason", c"A FinishReason member, or None."),
-    (c"stop_reason", c"int, str or None."),
-    (c"events", c"A list of EngineCoreEvent, or None."),
-    (c"kv_transfer_params", c"A dict, or None."),
-    (c"trace_headers", c"A dict of str, or None."),
-    (
-        c"prefill_stats",
-        c"A dict (or what the decoder's prefill_stats converter made of it), or None.",
-    ),
-    (c"routed_experts", c"A numpy array, or None."),
-    (
-        c"num_nans_in_logits",
-        c"Number of NaNs in the logits (int).",
-    ),
-];
-
-/// The values of one output, as the builder hands them over.
-pub struct OutputValues<'py> {
-    pub request_id: Bound<'py, PyAny>,
-    pub new_token_ids: Bound<'py, PyAny>,
-    pub new_logprobs: Option<Bound<'py, PyAny>>,
-    pub new_prompt_logprobs_tensors: Option<Bound<'py, PyAny>>,
-    pub pooling_output: Option<Bound<'py, PyAny>>,
-    pub finish_reason: Option<Bound<'py, PyAny>>,
-    pub stop_reason: Option<Bound<'py, PyAny>>,
-    pub events: Option<Bound<'py, PyAny>>,
-    pub kv_transfer_params: Option<Bound<'py, PyAny>>,
-    pub trace_headers: Option<Bound<'py, PyAny>>,
-    pub prefill_stats: Option<Bound<'py, PyAny>>,
-    pub routed_experts: Option<Bound<'py, PyAny>>,
-    pub num_nans_in_logits: i128,
+/// Whether slot `i` of `F` is a [`FieldType::Count`].
+#[inline(always)]
+fn is_count<F: WireStruct>(i: usize) -> bool {
+    F::ALL[i].info().ty == FieldType::Count
 }
 
 /// Memory layout of an `EngineCoreOutput` instance.
 #[repr(C)]
 struct OutputObject {
     ob_base: ffi::PyObject,
-    /// Members, in `OUTPUT_MEMBERS` order.
-    fields: [*mut ffi::PyObject; 13],
+    /// Members, by [`OutputField`] slot.
+    fields: [*mut ffi::PyObject; OutputField::COUNT],
 }
 
-/// Index of `new_token_ids` and `finish_reason` in `OutputObject::fields`.
-const TOKENS_FIELD: usize = 1;
-/// Index of `new_logprobs`: right after the token ids, first of the optional fields.
-const LOGPROBS_FIELD: usize = 2;
-const FINISH_FIELD: usize = 5;
+/// The request id and the token ids: the fields an output always owns (its required
+/// slots, before the optional ones).
+const REQUEST_ID: usize = OutputField::RequestId as usize;
+const TOKENS: usize = OutputField::NewTokenIds as usize;
+const _: () = assert!(REQUEST_ID < OutputField::REQUIRED && TOKENS < OutputField::REQUIRED);
+const _: () = assert!(OutputField::REQUIRED == 2);
+// `new_logprobs` is the first optional slot (the dealloc function pools it).
+const _: () = assert!(OutputField::NewLogprobs as usize == OutputField::REQUIRED);
 
 static OUTPUT_TYPE: PyOnceLock<Py<PyType>> = PyOnceLock::new();
 static MESSAGE_TYPE: PyOnceLock<Py<PyType>> = PyOnceLock::new();
@@ -374,6 +345,10 @@ const FREE_LIST_MAX: usize = 4096;
 static OUTPUT_FREE_LIST: FreeList = FreeList(std::cell::UnsafeCell::new(Vec::new()));
 
 /// An output object's memory: a reused one, or a new one.
+///
+/// # Safety
+/// `ty` is the output type made by [`register`]; the caller is attached and writes
+/// every field before the object is used.
 #[inline]
 unsafe fn alloc_output(py: Python<'_>, ty: &Py<PyType>) -> PyResult<*mut ffi::PyObject> {
     // SAFETY: attached (we hold `py`); no Python code runs while the list is borrowed.
@@ -387,6 +362,10 @@ unsafe fn alloc_output(py: Python<'_>, ty: &Py<PyType>) -> PyResult<*mut ffi::Py
 }
 
 /// Returns an output object's memory to the free list (or the allocator when full).
+///
+/// # Safety
+/// `obj` is an output object whose refcount reached zero and whose fields were
+/// released; it is not used again. Called from `tp_dealloc` (attached).
 #[inline]
 unsafe fn free_output(obj: *mut ffi::PyObject) {
     // SAFETY: attached (called from tp_dealloc), fields already released; no Python code
@@ -403,7 +382,11 @@ unsafe fn free_output(obj: *mut ffi::PyObject) {
     }
 }
 
-/// Allocates an instance of `ty` (a type made by `make_type` for layout `T`).
+/// Allocates an instance of `ty` (a type made by `make_type`), fields zeroed.
+///
+/// # Safety
+/// `ty` is a type made by `make_type`; the caller is attached and writes every field
+/// before the object is used.
 #[inline]
 unsafe fn alloc(py: Python<'_>, ty: &Py<PyType>) -> PyResult<*mut ffi::PyObject> {
     // SAFETY: GenericAlloc of a non-GC heap type: zeroed memory, refcount 1, and a new
@@ -416,6 +399,10 @@ unsafe fn alloc(py: Python<'_>, ty: &Py<PyType>) -> PyResult<*mut ffi::PyObject>
 }
 
 /// Frees an instance made by `alloc`, after its fields were released.
+///
+/// # Safety
+/// `obj` came from `alloc`, its refcount reached zero and its fields were released; it
+/// is not used again. Called from `tp_dealloc` (attached).
 #[inline]
 unsafe fn free(obj: *mut ffi::PyObject) {
     // SAFETY: `obj` came from PyType_GenericAlloc of a non-GC type (PyObject_Malloc);
@@ -427,71 +414,72 @@ unsafe fn free(obj: *mut ffi::PyObject) {
     }
 }
 
-/// A new `EngineCoreOutput`.
+/// A new `EngineCoreOutput` from a builder's slots (request id and token ids set),
+/// taking every value out of them, also when it fails.
 #[inline]
-pub fn new_output<'py>(py: Python<'py>, v: OutputValues<'py>) -> PyResult<Bound<'py, PyAny>> {
-    let ty = match OUTPUT_TYPE.get(py) {
-        Some(ty) => ty,
-        None => return Err(not_registered()),
+pub fn new_output<'py>(
+    py: Python<'py>,
+    v: &mut OutputSlots<Bound<'py, PyAny>>,
+) -> PyResult<Bound<'py, PyAny>> {
+    let fields = store_slots::<OutputField, { OutputField::COUNT }>(v);
+    let Some(ty) = OUTPUT_TYPE.get(py) else {
+        // SAFETY: attached; the values are owned references nothing else will release.
+        unsafe { fields.into_iter().for_each(|p| release(p)) };
+        return Err(not_registered());
     };
     // SAFETY: a fresh OutputObject-sized allocation of the output type; every field is
-    // written before the object is handed out, and the dealloc function releases them.
-    let num_nans_in_logits = match v.num_nans_in_logits {
-        0 if !zero_ptr().is_null() => zero_ptr(),
-        n => int_object(py, n)?.into_ptr(),
-    };
+    // written before the object is handed out, and the dealloc function releases them
+    // (or here, if there is no object).
     unsafe {
         let obj = match alloc_output(py, ty) {
             Ok(obj) => obj,
             Err(e) => {
-                release(num_nans_in_logits);
+                for p in fields {
+                    release(p);
+                }
                 return Err(e);
             }
         };
         let o = obj.cast::<OutputObject>();
-        let fields = [
-            v.request_id.into_ptr(),
-            v.new_token_ids.into_ptr(),
-            store(v.new_logprobs),
-            store(v.new_prompt_logprobs_tensors),
-            store(v.pooling_output),
-            store(v.finish_reason),
-            store(v.stop_reason),
-            store(v.events),
-            store(v.kv_transfer_params),
-            store(v.trace_headers),
-            store(v.prefill_stats),
-            store(v.routed_experts),
-            num_nans_in_logits,
-        ];
         ptr::addr_of_mut!((*o).fields).write(fields);
         Ok(Bound::from_owned_ptr(py, obj))
     }
 }
 
+/// `tp_dealloc` of `EngineCoreOutput`: releases the fields (recycling what can be) and
+/// the object's memory.
+///
+/// # Safety
+/// Only CPython calls it, attached, with an output whose refcount reached zero.
 unsafe extern "C" fn output_dealloc(obj: *mut ffi::PyObject) {
     // SAFETY: called by CPython once the refcount is zero; fields were written by
     // `new_output`.
     unsafe {
         let o = obj.cast::<OutputObject>();
         let fields = &(*o).fields;
-        release(fields[0]);
-        release_token_list(fields[TOKENS_FIELD]);
-        // Usually every optional field is None: one branch-free scan (every field was
-        // written by `new_output`, none is NULL) instead of a test per field.
-        let none = none_ptr();
-        let optional = &fields[LOGPROBS_FIELD..OUTPUT_FIELDS.len() - 1];
-        if optional.iter().fold(false, |any, &p| any | (p != none)) {
+        release(fields[REQUEST_ID]);
+        release_token_list(fields[TOKENS]);
+        // Usually every optional field is None or 0: one branch-free scan (every field
+        // was written by `new_output`, none is NULL) instead of a test per field.
+        let (none, zero) = (none_ptr(), zero_ptr());
+        let optional = &fields[OutputField::REQUIRED..];
+        if optional
+            .iter()
+            .fold(false, |any, &p| any | ((p != none) & (p != zero)))
+        {
             release_logprobs(optional[0]);
             for &p in &optional[1..] {
                 release(p);
             }
         }
-        release(fields[OUTPUT_FIELDS.len() - 1]);
         free_output(obj);
     }
 }
 
+/// The `finished` getter of `EngineCoreOutput`.
+///
+/// # Safety
+/// Only CPython calls it, attached, with a live output.
 unsafe extern "C" fn output_finished(
     obj: *mut ffi::PyObject,
     _closure: *mut c_void,
@@ -499,7 +487,7 @@ unsafe extern "C" fn output_finished(
     // SAFETY: CPython calls getters with a live instance of the output type, attached.
     unsafe {
         let o = obj.cast::<OutputObject>();
-        let reason = (*o).fields[FINISH_FIELD];
+        let reason = (*o).fields[OutputField::FinishReason as usize];
         let result = if reason.is_null() || reason == none_ptr() {
             ffi::Py_False()
         } else {
@@ -510,72 +498,57 @@ unsafe extern "C" fn output_finished(
     }
 }
 
+/// `tp_repr` of `EngineCoreOutput`.
+///
+/// # Safety
+/// Only CPython calls it, attached, with a live output.
 unsafe extern "C" fn output_repr(obj: *mut ffi::PyObject) -> *mut ffi::PyObject {
     // SAFETY: CPython calls tp_repr with a live object, attached.
-    unsafe { repr_of(obj, "EngineCoreOutput", &OUTPUT_FIELDS) }
+    unsafe { repr_of::<OutputField>(obj) }
 }
 
 // ------------------------------------------------------------------ EngineCoreOutputs
 
-/// Field order of `corewire.protocol.EngineCoreOutputs` (all struct members).
-const MESSAGE_FIELDS: [&str; 8] = [
-    "engine_index",
-    "outputs",
-    "scheduler_stats",
-    "timestamp",
-    "utility_output",
-    "finished_requests",
-    "wave_complete",
-    "start_wave",
-];
-
-const MESSAGE_MEMBERS: [(&CStr, &CStr); 8] = [
-    (
-        c"engine_index",
-        c"Index of the engine that sent the message.",
-    ),
-    (c"outputs", c"A list of EngineCoreOutput."),
-    (
-        c"scheduler_stats",
-        c"A dict (or what the decoder's scheduler_stats converter made of it), or None.",
-    ),
-    (
-        c"timestamp",
-        c"The engine's monotonic clock, in seconds (float).",
-    ),
-    (
-        c"utility_output",
-        c"A corewire.protocol.UtilityOutput, or None.",
-    ),
-    (c"finished_requests", c"A set of request ids, or None."),
-    (c"wave_complete", c"An int, or None."),
-    (c"start_wave", c"An int, or None."),
-];
-
-/// The values of one message, in `MESSAGE_FIELDS` order.
-pub type MessageValues<'py> = [Option<Bound<'py, PyAny>>; 8];
-
 #[repr(C)]
 struct MessageObject {
     ob_base: ffi::PyObject,
-    fields: [*mut ffi::PyObject; 8],
+    /// Members, by [`MessageField`] slot.
+    fields: [*mut ffi::PyObject; MessageField::COUNT],
 }
 
-/// A new `EngineCoreOutputs`.
-pub fn new_message<'py>(py: Python<'py>, v: MessageValues<'py>) -> PyResult<Bound<'py, PyAny>> {
-    let ty = match MESSAGE_TYPE.get(py) {
-        Some(ty) => ty,
-        None => return Err(not_registered()),
+/// A new `EngineCoreOutputs` from a builder's slots, taking every value out of them,
+/// also when it fails.
+pub fn new_message<'py>(
+    py: Python<'py>,
+    v: &mut MessageSlots<Bound<'py, PyAny>>,
+) -> PyResult<Bound<'py, PyAny>> {
+    let fields = store_slots::<MessageField, { MessageField::COUNT }>(v);
+    let Some(ty) = MESSAGE_TYPE.get(py) else {
+        // SAFETY: attached; the values are owned references nothing else will release.
+        unsafe { fields.into_iter().for_each(|p| release(p)) };
+        return Err(not_registered());
     };
     // SAFETY: as in `new_output`.
     unsafe {
-        let obj = alloc(py, ty)?;
+        let obj = match alloc(py, ty) {
+            Ok(obj) => obj,
+            Err(e) => {
+                for p in fields {
+                    release(p);
+                }
+                return Err(e);
+            }
+        };
         let o = obj.cast::<MessageObject>();
-        ptr::addr_of_mut!((*o).fields).write(v.map(store));
+        ptr::addr_of_mut!((*o).fields).write(fields);
         Ok(Bound::from_owned_ptr(py, obj))
     }
 }
 
+/// `tp_dealloc` of `EngineCoreOutputs`.
+///
+/// # Safety
+/// Only CPython calls it, attached, with a message whose refcount reached zero.
 unsafe extern "C" fn message_dealloc(obj: *mut ffi::PyObject) {
     // SAFETY: as in `output_dealloc`.
     unsafe {
@@ -587,25 +560,34 @@ unsafe extern "C" fn message_dealloc(obj: *mut ffi::PyObject) {
     }
 }
 
+/// `tp_repr` of `EngineCoreOutputs`.
+///
+/// # Safety
+/// Only CPython calls it, attached, with a live message.
 unsafe extern "C" fn message_repr(obj: *mut ffi::PyObject) -> *mut ffi::PyObject {
     // SAFETY: as in `output_repr`.
-    unsafe { repr_of(obj, "EngineCoreOutputs", &MESSAGE_FIELDS) }
+    unsafe { repr_of::<MessageField>(obj) }
 }
 
 // ------------------------------------------------------------------ shared
 
+/// `Name(field=value, ...)` over every attribute of `F`'s table.
+///
+/// # Safety
+/// Called from `tp_repr` of a type made for `F` (attached, live object).
 #[cold]
-unsafe fn repr_of(obj: *mut ffi::PyObject, name: &str, fields: &[&str]) -> *mut ffi::PyObject {
-    // SAFETY: called from tp_repr (attached, live object).
+unsafe fn repr_of<F: WireStruct>(obj: *mut ffi::PyObject) -> *mut ffi::PyObject {
+    // SAFETY: per the caller, attached and `obj` is alive.
     unsafe {
         let py = Python::assume_attached();
         let obj = Bound::from_borrowed_ptr(py, obj);
         let text = (|| -> PyResult<String> {
-            let mut parts = Vec::with_capacity(fields.len());
-            for field in fields {
-                parts.push(format!("{field}={}", obj.getattr(*field)?.repr()?));
+            let mut parts = Vec::with_capacity(F::ALL.len());
+            for field in F::ALL {
+                let name = field.info().name;
+                parts.push(format!("{name}={}", obj.getattr(name)?.repr()?));
             }
-            Ok(format!("{name}({})", parts.join(", ")))
+            Ok(format!("{}({})", F::STRUCT, parts.join(", ")))
         })();
         match text {
             Ok(text) => PyString::new(py, &text).into_ptr(),
@@ -622,31 +604,30 @@ fn not_registered() -> PyErr {
     pyo3::exceptions::PyRuntimeError::new_err("corewire._native types are not initialised")
 }
 
-/// How to build one of the struct types.
+/// How to build the type of struct `F`, whose instances hold a field pointer per slot
+/// from `members_offset` on.
 struct TypeDef {
     name: &'static CStr,
     doc: &'static CStr,
     basicsize: usize,
     members_offset: usize,
-    members: &'static [(&'static CStr, &'static CStr)],
     getsets: Vec<ffi::PyGetSetDef>,
     dealloc: ffi::destructor,
     repr: ffi::reprfunc,
-    fields: &'static [&'static str],
+    /// `__struct_fields__`: the field names in the wire order the decoder speaks.
+    fields: Vec<&'static str>,
 }
 
-fn make_type<'py>(py: Python<'py>, def: TypeDef) -> PyResult<Bound<'py, PyType>> {
+fn make_type<'py, F: WireStruct>(py: Python<'py>, def: TypeDef) -> PyResult<Bound<'py, PyType>> {
     let ptr_size = std::mem::size_of::<*mut ffi::PyObject>();
-    let mut members: Vec<ffi::PyMemberDef> = def
-        .members
+    let mut members: Vec<ffi::PyMemberDef> = F::ALL
         .iter()
-        .enumerate()
-        .map(|(i, (name, doc))| ffi::PyMemberDef {
-            name: name.as_ptr(),
+        .map(|field| ffi::PyMemberDef {
+            name: field.info().c_name.as_ptr(),
             type_code: ffi::Py_T_OBJECT_EX,
-            offset: (def.members_offset + i * ptr_size) as ffi::Py_ssize_t,
+            offset: (def.members_offset + field.slot() * ptr_size) as ffi::Py_ssize_t,
             flags: ffi::Py_READONLY,
-            doc: doc.as_ptr(),
+            doc: field.info().doc.as_ptr(),
         })
         .collect();
     members.push(ffi::PyMemberDef::default());
@@ -689,7 +670,7 @@ fn make_type<'py>(py: Python<'py>, def: TypeDef) -> PyResult<Bound<'py, PyType>>
     // SAFETY: a complete spec; CPython copies the slots and members it reads.
     let ty = unsafe { Bound::from_owned_ptr_or_err(py, ffi::PyType_FromSpec(&mut spec))? };
     drop(members);
-    ty.setattr("__struct_fields__", PyTuple::new(py, def.fields)?)?;
+    ty.setattr("__struct_fields__", PyTuple::new(py, &def.fields)?)?;
     Ok(ty.cast_into::<PyType>()?)
 }
 
@@ -703,23 +684,27 @@ fn getset(name: &'static CStr, get: ffi::getter, doc: &'static CStr) -> ffi::PyG
     }
 }
 
-/// Creates the two types and adds them to the module.
-pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
-    let py = m.py();
+/// Wire names of `F`'s fields in the order the decoder speaks (`__struct_fields__`).
+fn wire_order<F: WireStruct>(layout: &[Option<F>]) -> Vec<&'static str> {
+    layout.iter().flatten().map(|f| f.info().name).collect()
+}
+
+/// The `EngineCoreOutputs` and `EngineCoreOutput` types, created on first call (for the
+/// module to export; the decoder builds their instances).
+pub fn types(py: Python<'_>) -> PyResult<[&Py<PyType>; 2]> {
     if zero_ptr().is_null() {
         // Kept for the life of the process (this reference is never released).
         let zero = 0i32.into_pyobject(py)?.into_any().into_ptr();
         ZERO.store(zero, std::sync::atomic::Ordering::Relaxed);
     }
     let output = OUTPUT_TYPE.get_or_try_init(py, || {
-        make_type(
+        make_type::<OutputField>(
             py,
             TypeDef {
                 name: c"corewire._native.EngineCoreOutput",
                 doc: c"One request's new output: the fields of corewire.protocol.EngineCoreOutput.",
                 basicsize: std::mem::size_of::<OutputObject>(),
                 members_offset: offset_of!(OutputObject, fields),
-                members: &OUTPUT_MEMBERS,
                 getsets: vec![getset(
                     c"finished",
                     output_finished,
@@ -727,52 +712,26 @@ pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
                 )],
                 dealloc: output_dealloc,
                 repr: output_repr,
-                fields: &OUTPUT_FIELDS,
+                fields: wire_order(CURRENT.output.fields),
             },
         )
         .map(Bound::unbind)
     })?;
-    m.add("EngineCoreOutput", output.bind(py))?;
     let message = MESSAGE_TYPE.get_or_try_init(py, || {
-        make_type(
+        make_type::<MessageField>(
             py,
             TypeDef {
                 name: c"corewire._native.EngineCoreOutputs",
                 doc: c"One message from an engine: the fields of corewire.protocol.EngineCoreOutputs.",
                 basicsize: std::mem::size_of::<MessageObject>(),
                 members_offset: offset_of!(MessageObject, fields),
-                members: &MESSAGE_MEMBERS,
                 getsets: Vec::new(),
                 dealloc: message_dealloc,
                 repr: message_repr,
-                fields: &MESSAGE_FIELDS,
+                fields: wire_order(CURRENT.message.fields),
             },
         )
         .map(Bound::unbind)
     })?;
-    m.add("EngineCoreOutputs", message.bind(py))?;
-    m.add_class::<FrameBuffer>()?;
-    Ok(())
-}
-
-/// Keeps a received frame's buffer export alive for the arrays that view it: the `base`
-/// of every decoded ndarray over a non-`bytes` frame. The frame is released when the
-/// last such array is gone.
-#[pyclass(module = "corewire._native", name = "FrameBuffer", frozen)]
-pub struct FrameBuffer {
-    pub held: HeldBuffer,
-}
-
-#[pymethods]
-impl FrameBuffer {
-    /// Number of bytes in the frame.
-    fn __len__(&self) -> usize {
-        self.held.len()
-    }
-
-    /// The object whose memory this is (a `zmq.Frame`, `memoryview` ...).
-    #[getter]
-    fn obj(&self, py: Python<'_>) -> Py<PyAny> {
-        self.held.exporter(py)
-    }
+    Ok([message, output])
 }

@@ -108,8 +108,3 @@ impl CallRegistry {
         )
     }
 }
-
-/// Registers this file's binding types on the extension module.
-pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
-    m.add_class::<CallRegistry>()
-}

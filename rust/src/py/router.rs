@@ -99,8 +99,3 @@ impl Router {
         )
     }
 }
-
-/// Registers this file's binding types on the extension module.
-pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
-    m.add_class::<Router>()
-}

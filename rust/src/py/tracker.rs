@@ -76,8 +76,3 @@ impl SendTracker {
         format!("SendTracker(pending={})", self.inner.len())
     }
 }
-
-/// Registers this file's binding types on the extension module.
-pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
-    m.add_class::<SendTracker>()
-}

@@ -1,0 +1,446 @@
+//! The wire schema of engine -> front-end messages, as data: one table per struct.
+//!
+//! Each struct the decoder reads has one field enum, declared once with [`wire_struct!`]:
+//! a row per field gives its Rust variant, its Python name, how its value is read
+//! ([`FieldType`]) and the doc of the attribute that holds it. The enum's order is the
+//! order of the decoded object's slots (its attributes); everything else reads the
+//! table: the schema walk ([`super::schema`]), the binding's member tables, repr and
+//! `__struct_fields__`, and the test builder ([`super::tree`]).
+//!
+//! Which field sits at which wire position is a separate, per-version table: a
+//! [`Layout`] lists, for each struct, the fields in wire order. A later vLLM that inserts
+//! or appends fields is supported by adding its variants to the enum (the attribute set
+//! is the union over versions; a field a version lacks takes its default) and a
+//! `Layout` of its positions; the walk has no per-version code. [`V0_25_1`] is the only
+//! layout corewire speaks today (docs/protocol.md §5).
+
+use std::ffi::CStr;
+
+use super::error::ArrayKind;
+
+/// How a field's value is read, and what it is when nil or absent.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum FieldType {
+    /// A request id (str), handed to [`super::schema::Builder::request_id`]. Required.
+    RequestId,
+    /// `list[int]` of token ids (any msgpack integer). Required.
+    TokenIds,
+    /// An int, 0 when absent; the sending engine's index, announced to the builder
+    /// before the outputs that follow it.
+    EngineIndex,
+    /// An int, 0 when absent; the walk hands 0 over as no value (`None`) so that a
+    /// builder can share one zero object.
+    Count,
+    /// An int. Required.
+    Int,
+    /// `int | nil`.
+    OptInt,
+    /// A float (ints widen), 0.0 when absent.
+    Float,
+    /// `str | nil`.
+    OptStr,
+    /// `list[EngineCoreOutput]`, empty when absent.
+    Outputs,
+    /// `LogprobsLists` (ndarrays) or `LogprobsTensors` (tensors), or nil.
+    Logprobs(ArrayKind),
+    /// `[dtype, shape, data]` as an ndarray or tensor. Required.
+    Array(ArrayKind),
+    /// [`FieldType::Array`] or nil.
+    OptArray(ArrayKind),
+    /// `FinishReason` (an int 0-4), or nil.
+    FinishReason,
+    /// `int | str | nil`.
+    StopReason,
+    /// `list[EngineCoreEvent] | nil`.
+    Events,
+    /// `dict[str, Any] | nil`.
+    AnyDict,
+    /// `dict[str, str] | nil`.
+    StrDict,
+    /// A stats map (`dict[str, Any] | nil`) that the builder may convert
+    /// ([`super::schema::Builder::stats`]).
+    Stats(StatsKind),
+    /// `UtilityOutput | nil`.
+    UtilityOutput,
+    /// `[type_info, value] | nil`: a utility call's result.
+    UtilityResult,
+    /// `set[str] | nil` of request ids.
+    RequestIdSet,
+    /// `list[int] | nil`.
+    IntList,
+    /// `EngineCoreEventType` (an int 1-3). Required.
+    EventType,
+}
+
+impl FieldType {
+    /// Whether the field must be present (a struct array shorter than its last required
+    /// field is malformed).
+    pub const fn required(self) -> bool {
+        matches!(
+            self,
+            FieldType::RequestId
+                | FieldType::TokenIds
+                | FieldType::Int
+                | FieldType::EventType
+                | FieldType::Array(_)
+        )
+    }
+
+    /// Whether an absent field defaults to a value other than "no value" (see
+    /// [`FieldType::Count`] for 0 in a count).
+    pub const fn has_value_default(self) -> bool {
+        matches!(
+            self,
+            FieldType::EngineIndex | FieldType::Float | FieldType::Outputs
+        )
+    }
+
+    /// Whether nil is a value of the field (read as "no value", its default).
+    #[inline]
+    pub const fn nullable(self) -> bool {
+        !matches!(
+            self,
+            FieldType::RequestId
+                | FieldType::TokenIds
+                | FieldType::EngineIndex
+                | FieldType::Count
+                | FieldType::Int
+                | FieldType::Float
+                | FieldType::Outputs
+                | FieldType::EventType
+                | FieldType::Array(_)
+        )
+    }
+}
+
+/// Which stats map a [`FieldType::Stats`] field holds.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum StatsKind {
+    Prefill,
+    Scheduler,
+}
+
+/// One row of a struct's table.
+#[derive(Debug)]
+pub struct FieldInfo {
+    /// The Python attribute (and msgspec field) name.
+    pub name: &'static str,
+    /// `name` as a C string, for the binding's member tables.
+    pub c_name: &'static CStr,
+    pub ty: FieldType,
+    /// What the attribute holds, for its docstring.
+    pub doc: &'static CStr,
+}
+
+/// A struct's field enum, made by [`wire_struct!`].
+pub trait WireStruct: Copy + Eq + std::fmt::Debug + 'static {
+    /// The struct's name in `corewire.protocol`.
+    const STRUCT: &'static str;
+    /// Every field, in slot order.
+    const ALL: &'static [Self];
+    /// The table row of this field.
+    fn info(self) -> &'static FieldInfo;
+    /// This field's slot in a decoded object (its index in [`WireStruct::ALL`]).
+    fn slot(self) -> usize;
+    /// Whether an absent field of this struct defaults to a value other than "no value"
+    /// (0, 0.0, an empty list), which the walk then makes.
+    const HAS_VALUE_DEFAULTS: bool;
+}
+
+/// `s` (which ends with NUL) as a C string, at compile time.
+pub const fn cstr(s: &'static str) -> &'static CStr {
+    match CStr::from_bytes_with_nul(s.as_bytes()) {
+        Ok(c) => c,
+        Err(_) => panic!("a wire table name or doc holds a NUL byte"),
+    }
+}
+
+/// Declares a struct's field enum and its table: one row per field,
+/// `Variant = python_name: FieldType, "doc";`, in slot order.
+macro_rules! wire_struct {
+    (
+        $(#[$meta:meta])*
+        pub enum $enum:ident for $struct:literal {
+            $( $variant:ident = $name:ident : $ty:expr, $doc:literal; )*
+        }
+    ) => {
+        $(#[$meta])*
+        #[derive(Clone, Copy, Debug, PartialEq, Eq)]
+        #[repr(u8)]
+        pub enum $enum {
+            $( #[doc = $doc] $variant, )*
+        }
+
+        impl $enum {
+            /// Number of fields (slots).
+            pub const COUNT: usize = [$(stringify!($name)),*].len();
+            /// Number of leading fields that are required (slots `0..REQUIRED`).
+            pub const REQUIRED: usize = {
+                let mut i = 0;
+                while i < Self::COUNT && Self::INFO[i].ty.required() {
+                    i += 1;
+                }
+                i
+            };
+            /// The table: one row per field, by slot.
+            pub const INFO: [FieldInfo; Self::COUNT] = [$(
+                FieldInfo {
+                    name: stringify!($name),
+                    c_name: cstr(concat!(stringify!($name), "\0")),
+                    ty: $ty,
+                    doc: cstr(concat!($doc, "\0")),
+                },
+            )*];
+        }
+
+        impl WireStruct for $enum {
+            const STRUCT: &'static str = $struct;
+            const HAS_VALUE_DEFAULTS: bool = {
+                let mut any = false;
+                let mut i = 0;
+                while i < Self::COUNT {
+                    any |= Self::INFO[i].ty.has_value_default();
+                    i += 1;
+                }
+                any
+            };
+            const ALL: &'static [Self] = &[$($enum::$variant),*];
+            #[inline(always)]
+            fn info(self) -> &'static FieldInfo {
+                &Self::INFO[self as usize]
+            }
+            #[inline(always)]
+            fn slot(self) -> usize {
+                self as usize
+            }
+        }
+    };
+}
+
+wire_struct! {
+    /// The fields of `EngineCoreOutputs`: one message from an engine.
+    pub enum MessageField for "EngineCoreOutputs" {
+        EngineIndex = engine_index: FieldType::EngineIndex,
+            "Index of the engine that sent the message.";
+        Outputs = outputs: FieldType::Outputs, "A list of EngineCoreOutput.";
+        SchedulerStats = scheduler_stats: FieldType::Stats(StatsKind::Scheduler),
+            "A dict (or what the decoder's scheduler_stats converter made of it), or None.";
+        Timestamp = timestamp: FieldType::Float,
+            "The engine's monotonic clock, in seconds (float).";
+        UtilityOutput = utility_output: FieldType::UtilityOutput,
+            "A corewire.protocol.UtilityOutput, or None.";
+        FinishedRequests = finished_requests: FieldType::RequestIdSet,
+            "A set of request ids, or None.";
+        WaveComplete = wave_complete: FieldType::OptInt, "An int, or None.";
+        StartWave = start_wave: FieldType::OptInt, "An int, or None.";
+    }
+}
+
+wire_struct! {
+    /// The fields of `EngineCoreOutput`: one request's new output. The required fields
+    /// come first (the binding relies on it).
+    pub enum OutputField for "EngineCoreOutput" {
+        RequestId = request_id: FieldType::RequestId,
+            "The request id (the same str object every time it decodes).";
+        NewTokenIds = new_token_ids: FieldType::TokenIds, "The new token ids (list of int).";
+        NewLogprobs = new_logprobs: FieldType::Logprobs(ArrayKind::Ndarray),
+            "LogprobsLists of numpy arrays, or None.";
+        NewPromptLogprobsTensors = new_prompt_logprobs_tensors:
+            FieldType::Logprobs(ArrayKind::Tensor), "LogprobsTensors of torch tensors, or None.";
+        PoolingOutput = pooling_output: FieldType::OptArray(ArrayKind::Tensor),
+            "A torch tensor, or None.";
+        FinishReason = finish_reason: FieldType::FinishReason, "A FinishReason member, or None.";
+        StopReason = stop_reason: FieldType::StopReason, "int, str or None.";
+        Events = events: FieldType::Events, "A list of EngineCoreEvent, or None.";
+        KvTransferParams = kv_transfer_params: FieldType::AnyDict, "A dict, or None.";
+        TraceHeaders = trace_headers: FieldType::StrDict, "A dict of str, or None.";
+        PrefillStats = prefill_stats: FieldType::Stats(StatsKind::Prefill),
+            "A dict (or what the decoder's prefill_stats converter made of it), or None.";
+        RoutedExperts = routed_experts: FieldType::OptArray(ArrayKind::Ndarray),
+            "A numpy array, or None.";
+        NumNansInLogits = num_nans_in_logits: FieldType::Count,
+            "Number of NaNs in the logits (int).";
+    }
+}
+
+wire_struct! {
+    /// The fields of `UtilityOutput`: the reply to a utility call.
+    pub enum UtilityField for "UtilityOutput" {
+        CallId = call_id: FieldType::Int, "The call id of the request.";
+        FailureMessage = failure_message: FieldType::OptStr, "Why the call failed, or None.";
+        Result = result: FieldType::UtilityResult, "A UtilityResult, or None.";
+    }
+}
+
+wire_struct! {
+    /// The fields of `LogprobsLists` (sample logprobs, numpy arrays).
+    pub enum ListsField for "LogprobsLists" {
+        LogprobTokenIds = logprob_token_ids: FieldType::Array(ArrayKind::Ndarray),
+            "Token ids of the logprobs.";
+        Logprobs = logprobs: FieldType::Array(ArrayKind::Ndarray), "The logprobs.";
+        SampledTokenRanks = sampled_token_ranks: FieldType::Array(ArrayKind::Ndarray),
+            "Rank of each sampled token.";
+        CuNumGeneratedTokens = cu_num_generated_tokens: FieldType::IntList,
+            "Cumulative generated token counts, or None.";
+    }
+}
+
+wire_struct! {
+    /// The fields of `LogprobsTensors` (prompt logprobs, torch tensors).
+    pub enum TensorsField for "LogprobsTensors" {
+        LogprobTokenIds = logprob_token_ids: FieldType::Array(ArrayKind::Tensor),
+            "Token ids of the logprobs.";
+        Logprobs = logprobs: FieldType::Array(ArrayKind::Tensor), "The logprobs.";
+        SelectedTokenRanks = selected_token_ranks: FieldType::Array(ArrayKind::Tensor),
+            "Rank of each selected token.";
+        CuNumGeneratedTokens = cu_num_generated_tokens: FieldType::IntList,
+            "Cumulative generated token counts, or None.";
+    }
+}
+
+wire_struct! {
+    /// The keys of an `EngineCoreEvent` map (a map, not an array: read by name).
+    pub enum EventField for "EngineCoreEvent" {
+        Type = type: FieldType::EventType, "An EngineCoreEventType member.";
+        Timestamp = timestamp: FieldType::Float, "When it happened (engine clock, seconds).";
+    }
+}
+
+/// Most wire positions a struct layout may name (the walk has a step per position).
+pub const MAX_FIELDS: usize = 24;
+
+/// One struct's wire positions in one protocol version: `fields[i]` is at position `i`;
+/// `None` is a position this build reads past (checked as msgpack, its value dropped):
+/// a field of a later version that corewire does not surface (yet).
+#[derive(Debug)]
+pub struct StructLayout<F: 'static> {
+    pub fields: &'static [Option<F>],
+    /// Shortest valid array: one past the last required field.
+    pub min_len: usize,
+}
+
+impl<F> StructLayout<F> {
+    /// The layout of `fields` (wire order), whose types say which are `required`.
+    pub const fn new(fields: &'static [Option<F>], required: &[bool]) -> Self {
+        assert!(
+            fields.len() <= MAX_FIELDS,
+            "a struct layout longer than MAX_FIELDS"
+        );
+        assert!(fields.len() == required.len());
+        let mut min_len = 0;
+        let mut i = 0;
+        while i < required.len() {
+            if required[i] {
+                min_len = i + 1;
+            }
+            i += 1;
+        }
+        StructLayout { fields, min_len }
+    }
+}
+
+/// Builds a [`StructLayout`] from its fields in wire order (`Skip`: a position read
+/// past).
+macro_rules! layout {
+    ($enum:ident [$($variant:ident),* $(,)?]) => {
+        StructLayout::new(
+            &[$(layout!(@field $enum $variant)),*],
+            &[$(layout!(@required $enum $variant)),*],
+        )
+    };
+    (@field $enum:ident Skip) => { None };
+    (@field $enum:ident $variant:ident) => { Some($enum::$variant) };
+    (@required $enum:ident Skip) => { false };
+    (@required $enum:ident $variant:ident) => {
+        $enum::INFO[$enum::$variant as usize].ty.required()
+    };
+}
+#[cfg(test)]
+pub(crate) use layout;
+
+/// The wire positions of every struct in one protocol version.
+#[derive(Debug)]
+pub struct Layout {
+    /// The vLLM version whose wire this is.
+    pub version: &'static str,
+    pub message: StructLayout<MessageField>,
+    pub output: StructLayout<OutputField>,
+    pub utility_output: StructLayout<UtilityField>,
+    pub logprobs_lists: StructLayout<ListsField>,
+    pub logprobs_tensors: StructLayout<TensorsField>,
+}
+
+/// A protocol version the schema walk is compiled for: its [`Layout`] as a constant, so
+/// the field and type at each wire position are known at compile time.
+pub trait Version {
+    const LAYOUT: &'static Layout;
+}
+
+/// vLLM 0.25.1's wire.
+#[allow(non_camel_case_types)]
+pub enum V0_25_1 {}
+
+impl Version for V0_25_1 {
+    const LAYOUT: &'static Layout = &LAYOUT_0_25_1;
+}
+
+/// The version corewire speaks.
+pub type Current = V0_25_1;
+
+/// vLLM 0.25.1's wire (docs/protocol.md §5).
+pub const LAYOUT_0_25_1: Layout = Layout {
+    version: "0.25.1",
+    message: layout!(MessageField[
+        EngineIndex, Outputs, SchedulerStats, Timestamp, UtilityOutput, FinishedRequests,
+        WaveComplete, StartWave,
+    ]),
+    output: layout!(OutputField[
+        RequestId, NewTokenIds, NewLogprobs, NewPromptLogprobsTensors, PoolingOutput,
+        FinishReason, StopReason, Events, KvTransferParams, TraceHeaders, PrefillStats,
+        RoutedExperts, NumNansInLogits,
+    ]),
+    utility_output: layout!(UtilityField[CallId, FailureMessage, Result]),
+    logprobs_lists: layout!(ListsField[
+        LogprobTokenIds, Logprobs, SampledTokenRanks, CuNumGeneratedTokens,
+    ]),
+    logprobs_tensors: layout!(TensorsField[
+        LogprobTokenIds, Logprobs, SelectedTokenRanks, CuNumGeneratedTokens,
+    ]),
+};
+
+/// The layout the decoder speaks.
+pub const CURRENT: &Layout = Current::LAYOUT;
+
+/// How [`wire_fields`] names a position read past.
+pub const SKIPPED: &str = "<skipped>";
+
+/// The field names of `name` (a `corewire.protocol` struct) in `layout`'s wire order
+/// (the keys, for the map-encoded `EngineCoreEvent`), or `None` for a struct without a
+/// table.
+pub fn wire_fields(layout: &Layout, name: &str) -> Option<Vec<&'static str>> {
+    fn names<F: WireStruct>(l: &StructLayout<F>) -> Vec<&'static str> {
+        l.fields
+            .iter()
+            .map(|f| f.map_or(SKIPPED, |f| f.info().name))
+            .collect()
+    }
+    Some(match name {
+        MessageField::STRUCT => names(&layout.message),
+        OutputField::STRUCT => names(&layout.output),
+        UtilityField::STRUCT => names(&layout.utility_output),
+        ListsField::STRUCT => names(&layout.logprobs_lists),
+        TensorsField::STRUCT => names(&layout.logprobs_tensors),
+        EventField::STRUCT => EventField::ALL.iter().map(|f| f.info().name).collect(),
+        _ => return None,
+    })
+}
+
+/// The structs [`wire_fields`] knows.
+pub const STRUCTS: [&str; 6] = [
+    MessageField::STRUCT,
+    OutputField::STRUCT,
+    UtilityField::STRUCT,
+    ListsField::STRUCT,
+    TensorsField::STRUCT,
+    EventField::STRUCT,
+];
