@@ -30,6 +30,7 @@ from corewire.bench.serve_profile import (
     COLLECTOR,
     classify,
     in_collection,
+    is_waiting,
     read_profile,
 )
 
@@ -113,7 +114,9 @@ def test_serve_arguments() -> None:
         True, False, False, None, None,
     )  # fmt: skip
     assert args.native_profile is False
-    assert parser.parse_args(["bench", "serve", "--native-profile"]).native_profile is True
+    assert args.profile_dir is None
+    args = parser.parse_args(["bench", "serve", "--native-profile", "--profile-dir", "p"])
+    assert (args.native_profile, args.profile_dir) == (True, "p")
     args = parser.parse_args(
         ["bench", "serve", "--streams", "8,16", "--logprobs", "5", "--clients", "corewire",
          "--no-profile", "--step-delay", "0.001", "--max-tokens", "32"]
@@ -325,14 +328,25 @@ def test_serve_profile_puts_collections_in_the_collector_layer(tmp_path: Path) -
 
     raw = tmp_path / "profile.txt"
     http = "handle (uvicorn/protocols/http/httptools_impl.py:400)"
-    raw.write_text(f"{_IN_GC} 30\n{_DECODE} 10\n{http} 60\n")
+    # Threads that wait (a worker on its queue, the gc probe in accept): py-spy --native
+    # counts them as active; they are left out.
+    waiting = (
+        "_bootstrap (threading.py:995);_answer (corewire/bench/gc_probe.py:90);"
+        "sock_accept_impl (libpython3.11.so.1.0);accept4 (libc.so.6)",
+        "_bootstrap (threading.py:995);get (vllm/foo.py:1);"
+        "PyThread_acquire_lock_timed (libpython3.11.so.1.0);0x7f0b854a3f16 (libc.so.6)",
+    )
+    assert all(is_waiting(stack) for stack in waiting)
+    assert not any(is_waiting(stack) for stack in (_DECODE, _IN_GC, _IN_GC_LIBC))
+    raw.write_text(f"{_IN_GC} 30\n{_DECODE} 10\n{http} 60\n{waiting[0]} 70\n{waiting[1]} 5\n")
     profile = read_profile(raw, native=True)
-    assert profile.samples == 100
+    assert profile.samples == 100 and profile.idle == 75
     assert profile.share(CLIENT_LAYER) == pytest.approx(0.4)
     assert profile.share(CLIENT_LAYER, collections_apart=True) == pytest.approx(0.1)
     assert profile.share(COLLECTOR, collections_apart=True) == pytest.approx(0.3)
     assert profile.share("HTTP") == profile.share("HTTP", collections_apart=True) == 0.6
     # Without native frames nothing says what a collection was: no "apart" figure at all.
+    raw.write_text(f"{_IN_GC} 30\n{_DECODE} 10\n{http} 60\n")
     plain = read_profile(raw, native=False)
     assert plain.share(CLIENT_LAYER) == pytest.approx(0.4)
     assert np.isnan(plain.share(CLIENT_LAYER, collections_apart=True))

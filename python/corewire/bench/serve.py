@@ -263,7 +263,8 @@ def _measure(
     gc0 = _gc_snapshot(work, server.pid)
     cpu0 = sum(server.cpu_times()[:2])
     t0 = time.perf_counter()
-    profile = work / f"profile-{result.client}-{result.streams}-{result.logprobs}.txt"
+    profile_dir = Path(args.profile_dir) if args.profile_dir else work
+    profile = profile_dir / f"profile-{result.client}-{result.streams}-{result.logprobs}.txt"
     with profiled(server.pid, profile, args.profile, native=args.native_profile):
         asyncio.run(
             _load(
@@ -285,7 +286,9 @@ def _measure(
         f"  {result.client:9} {result.streams:4} streams  logprobs {result.logprobs}: "
         f"{result.tokens_per_s:9,.0f} tok/s  {result.tokens_per_chunk:5.1f} tok/chunk  "
         f"collector {100 * result.gc_share:4.1f}% of CPU  "
-        f"{result.profile.samples:6} samples  {result.errors} errors",
+        f"{result.profile.samples:6} samples"
+        + (f" ({result.profile.idle} waiting left out)" if result.profile.native else "")
+        + f"  {result.errors} errors",
         flush=True,
     )
     return result
@@ -469,6 +472,7 @@ def as_case(r: Result) -> dict[str, Any]:
         ),
         "profile_samples": r.profile.samples,
         "profile_native": r.profile.native,
+        "profile_waiting_samples_left_out": r.profile.idle,
         "gc": (
             {**r.gc.as_dict(), "share_of_api_server_cpu": r.gc_share} if r.gc is not None else None
         ),
@@ -560,6 +564,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "the API server at every sample: tokens/s and latencies of such a run are lower",
     )
     parser.add_argument("--no-stats", action="store_true", help="vllm serve --disable-log-stats")
+    parser.add_argument(
+        "--profile-dir",
+        metavar="DIR",
+        default=None,
+        help="keep py-spy's raw profiles (profile-CLIENT-STREAMS-LOGPROBS.txt) in DIR",
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -577,6 +587,8 @@ def run(args: argparse.Namespace) -> int:
     if args.max_tokens < 1 or args.rounds < 1 or args.engines < 1:
         print(f"{prog}: --max-tokens, --rounds and --engines must be at least 1", file=sys.stderr)
         return 2
+    if args.profile_dir:
+        Path(args.profile_dir).mkdir(parents=True, exist_ok=True)
     from corewire.vllm.model_dir import write_model_dir
 
     if args.quick:

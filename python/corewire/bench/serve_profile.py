@@ -8,6 +8,11 @@ sampled that way it is charged to the code that triggered it (a decode that allo
 frames (``gc_collect_main`` and kin) are visible: those samples can also be counted apart,
 in :data:`COLLECTOR`. Without ``--native`` they cannot be told apart, and only the
 as-sampled classification exists.
+
+py-spy's ``--native`` mode pauses the process, and then counts threads blocked in some
+waits as active (a worker thread waiting on its queue, the collector probe's thread in
+``accept``): in native profiles, samples whose stack is in such a wait are left out
+(:attr:`Profile.idle`), as a non-blocking profile leaves idle threads out.
 """
 
 from __future__ import annotations
@@ -28,6 +33,7 @@ __all__ = [
     "Profile",
     "classify",
     "in_collection",
+    "is_waiting",
     "profiled",
     "read_profile",
 ]
@@ -74,18 +80,52 @@ COLLECTOR = "garbage collector"
 _COLLECTOR_PREFIX = "gc_collect"
 
 
-def _is_collector_frame(frame: str) -> bool:
+# Native functions in which a thread waits without running (libc's, and CPython's lock
+# wait, which is how threading locks and queue.SimpleQueue block).
+_WAITS = frozenset(
+    {
+        "accept",
+        "accept4",
+        "epoll_wait",
+        "epoll_pwait",
+        "poll",
+        "ppoll",
+        "select",
+        "pselect",
+        "pselect6",
+        "nanosleep",
+        "clock_nanosleep",
+        "pthread_cond_wait",
+        "pthread_cond_timedwait",
+        "pthread_cond_clockwait",
+        "sem_wait",
+        "sem_timedwait",
+        "sem_clockwait",
+        "PyThread_acquire_lock_timed",
+    }
+)
+
+
+def _native_name(frame: str) -> str | None:
+    """The function name of a native frame, None for a Python frame."""
     name, _, where = frame.partition(" (")
-    if not name.startswith(_COLLECTOR_PREFIX):
-        return False
-    # A Python function of that name ("gc_collect (app/util.py:12)") is not the collector.
+    # A Python frame is "name (path/file.py:LINE)"; a native one "name (library)".
     file = where.rstrip(")").rsplit(":", 1)[0]
-    return not file.endswith((".py", ".pyx"))
+    return None if file.endswith((".py", ".pyx")) else name
 
 
 def in_collection(stack: str) -> bool:
     """Whether a collapsed stack (``frame;frame;...``) was sampled inside a collection."""
-    return any(_is_collector_frame(frame) for frame in stack.split(";"))
+    for frame in stack.split(";"):
+        name = _native_name(frame)
+        if name is not None and name.startswith(_COLLECTOR_PREFIX):
+            return True
+    return False
+
+
+def is_waiting(stack: str) -> bool:
+    """Whether a native stack was sampled in a thread waiting (see the module's note)."""
+    return any(_native_name(frame) in _WAITS for frame in stack.split(";"))
 
 
 def classify(stack: str, *, collections_apart: bool = True) -> str:
@@ -115,6 +155,8 @@ class Profile:
     as_sampled: Counter[str] = field(default_factory=Counter)
     collections_apart: Counter[str] = field(default_factory=Counter)
     native: bool = False
+    #: Native samples of threads waiting, left out of both counters.
+    idle: int = 0
 
     @property
     def samples(self) -> int:
@@ -138,7 +180,11 @@ def read_profile(path: Path, *, native: bool = False) -> Profile:
         return profile
     for line in path.read_text(errors="replace").splitlines():
         stack, _, count = line.rpartition(" ")
-        if stack and count.isdigit():
+        if not stack or not count.isdigit():
+            continue
+        if native and is_waiting(stack):
+            profile.idle += int(count)
+        else:
             profile.as_sampled[classify(stack, collections_apart=False)] += int(count)
             profile.collections_apart[classify(stack)] += int(count)
     return profile
