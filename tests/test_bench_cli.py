@@ -11,9 +11,11 @@ from __future__ import annotations
 import datetime
 import json
 import os
+import shutil
 import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +24,15 @@ import pytest
 
 from corewire import cli
 from corewire._optional import is_installed
+from corewire.bench import gc_times
+from corewire.bench.serve_profile import (
+    CLIENT_LAYER,
+    COLLECTOR,
+    classify,
+    in_collection,
+    is_waiting,
+    read_profile,
+)
 
 HAVE_VLLM = is_installed("vllm")
 HAVE_MATPLOTLIB = is_installed("matplotlib")
@@ -102,6 +113,10 @@ def test_serve_arguments() -> None:
     assert (args.profile, args.no_stats, args.quick, args.json, args.plot) == (
         True, False, False, None, None,
     )  # fmt: skip
+    assert args.native_profile is False
+    assert args.profile_dir is None
+    args = parser.parse_args(["bench", "serve", "--native-profile", "--profile-dir", "p"])
+    assert (args.native_profile, args.profile_dir) == (True, "p")
     args = parser.parse_args(
         ["bench", "serve", "--streams", "8,16", "--logprobs", "5", "--clients", "corewire",
          "--no-profile", "--step-delay", "0.001", "--max-tokens", "32"]
@@ -280,3 +295,197 @@ def test_serve_tiny_run(tmp_path: Path) -> None:
         "2 streams, logprobs 0: tokens/s x vllm (not lower)"
     ]
     check_png(png)
+
+
+# ---------------------------------------------------------------------- serve: the collector
+
+# A sample of vLLM's API server taken by py-spy --native (raw format, root first): vLLM's
+# client decoding a frame, and the collector started by one of the decode's allocations.
+_DECODE = (
+    "_run_once (asyncio/base_events.py:1922);_run (asyncio/events.py:80);"
+    "process_outputs_socket (vllm/v1/engine/core_client.py:894);"
+    "decode (vllm/v1/serial_utils.py:310)"
+)
+_IN_GC = _DECODE + ";gc_collect_main (libpython3.11.so.1.0)"
+_IN_GC_LIBC = _IN_GC + ";free (libc.so.6)"
+
+
+def test_serve_profile_puts_collections_in_the_collector_layer(tmp_path: Path) -> None:
+    # Inside a collection: the collector's layer, or, as sampled, the triggering layer.
+    for stack in (_IN_GC, _IN_GC_LIBC):
+        assert in_collection(stack)
+        assert classify(stack) == COLLECTOR
+        assert classify(stack, collections_apart=False) == CLIENT_LAYER
+    # The same stack without the collector's frames goes where it always went.
+    assert not in_collection(_DECODE)
+    assert classify(_DECODE) == classify(_DECODE, collections_apart=False) == CLIENT_LAYER
+    # A Python function of that name is not the collector.
+    own = _DECODE + ";gc_collect_main (myapp/tools.py:12)"
+    assert not in_collection(own) and classify(own) == CLIENT_LAYER
+    # CPython 3.12's and 3.13's entry points, and an explicit gc.collect().
+    for name in ("gc_collect_generations", "gc_collect_region", "gc_collect"):
+        assert classify(f"{_DECODE};{name} (python3.12)") == COLLECTOR
+
+    raw = tmp_path / "profile.txt"
+    http = "handle (uvicorn/protocols/http/httptools_impl.py:400)"
+    # Threads that wait (a worker on its queue, the gc probe in accept): py-spy --native
+    # counts them as active; they are left out.
+    waiting = (
+        "_bootstrap (threading.py:995);_answer (corewire/bench/gc_probe.py:90);"
+        "sock_accept_impl (libpython3.11.so.1.0);accept4 (libc.so.6)",
+        "_bootstrap (threading.py:995);get (vllm/foo.py:1);"
+        "PyThread_acquire_lock_timed (libpython3.11.so.1.0);0x7f0b854a3f16 (libc.so.6)",
+    )
+    assert all(is_waiting(stack) for stack in waiting)
+    assert not any(is_waiting(stack) for stack in (_DECODE, _IN_GC, _IN_GC_LIBC))
+    raw.write_text(f"{_IN_GC} 30\n{_DECODE} 10\n{http} 60\n{waiting[0]} 70\n{waiting[1]} 5\n")
+    profile = read_profile(raw, native=True)
+    assert profile.samples == 100 and profile.idle == 75
+    assert profile.share(CLIENT_LAYER) == pytest.approx(0.4)
+    assert profile.share(CLIENT_LAYER, collections_apart=True) == pytest.approx(0.1)
+    assert profile.share(COLLECTOR, collections_apart=True) == pytest.approx(0.3)
+    assert profile.share("HTTP") == profile.share("HTTP", collections_apart=True) == 0.6
+    # Without native frames nothing says what a collection was: no "apart" figure at all.
+    raw.write_text(f"{_IN_GC} 30\n{_DECODE} 10\n{http} 60\n")
+    plain = read_profile(raw, native=False)
+    assert plain.share(CLIENT_LAYER) == pytest.approx(0.4)
+    assert np.isnan(plain.share(CLIENT_LAYER, collections_apart=True))
+
+
+@pytest.mark.skipif(shutil.which("py-spy") is None, reason="py-spy is not installed")
+def test_serve_profile_reads_a_real_native_profile(tmp_path: Path) -> None:
+    """py-spy --native on a process that collects in a loop: the frames it writes for
+    CPython's collector are the ones the classification looks for."""
+    code = textwrap.dedent(
+        """
+        import gc, sys, time
+        keep = [[{} for _ in range(20)] for _ in range(5000)]
+        print("ready", flush=True)
+        end = time.monotonic() + 20
+        while time.monotonic() < end:
+            gc.collect()
+        """
+    )
+    child = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    try:
+        assert child.stdout is not None and child.stdout.readline() == "ready\n"
+        out = tmp_path / "native.txt"
+        spy = subprocess.run(
+            ["py-spy", "record", "--pid", str(child.pid), "--native", "--rate", "100",
+             "--duration", "2", "--format", "raw", "--output", str(out)],
+            capture_output=True, text=True, timeout=60,
+        )  # fmt: skip
+        assert spy.returncode == 0, spy.stderr
+    finally:
+        child.kill()
+        child.wait()
+        if child.stdout is not None:
+            child.stdout.close()
+    profile = read_profile(out, native=True)
+    assert profile.samples > 20
+    assert profile.share(COLLECTOR, collections_apart=True) > 0.5, out.read_text()[:2000]
+    assert profile.as_sampled[COLLECTOR] == 0
+
+
+_GC_CHILD = textwrap.dedent(
+    """
+    import gc, sys
+    gc.disable()  # from here on, only the collections below
+    print("ready", flush=True)
+    sys.stdin.readline()
+    for _ in range(4):
+        for _ in range(1000):
+            a = []; a.append(a)  # a cycle only the collector frees
+        gc.collect(0)
+    gc.collect(1)
+    for _ in range(2):
+        gc.collect(2)
+    print("done", flush=True)
+    sys.stdin.readline()
+    """
+)
+
+
+def _probed_child(directory: Path, **extra_env: str) -> subprocess.Popen[str]:
+    env = dict(os.environ, **gc_times.probe_env(directory), **extra_env)
+    return subprocess.Popen(
+        [sys.executable, "-c", _GC_CHILD],
+        env=env,
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+
+
+def test_gc_probe_times_a_child_process(tmp_path: Path) -> None:
+    """The probe, injected as the serve benchmark injects it into vLLM's API server,
+    counts every collection of a real child process and writes its file on request."""
+    probe = tmp_path / "probe"
+    child = _probed_child(probe)
+    try:
+        assert child.stdout is not None and child.stdin is not None
+        assert child.stdout.readline() == "ready\n"
+        before = gc_times.snapshot(probe, child.pid)
+        child.stdin.write("go\n")
+        child.stdin.flush()
+        assert child.stdout.readline() == "done\n"
+        after = gc_times.snapshot(probe, child.pid)
+        written = probe / f"gc-{child.pid}.json"
+        assert gc_times.read(written) == after
+        doc = json.loads(written.read_text())
+        assert doc["pid"] == child.pid and doc["process_cpu_s"] > 0
+
+        window = after - before
+        assert window.collections == (4, 1, 2)
+        assert window.collected[0] >= 4000  # the cycles, freed by the young collections
+        assert all(s >= 0 for s in window.cpu_s) and window.total_cpu_s > 0
+        assert window.as_dict()["collections"] == [4, 1, 2]
+        assert window.as_dict()["cpu_s"] == pytest.approx(window.total_cpu_s)
+    finally:
+        child.kill()
+        child.wait()
+        for pipe in (child.stdin, child.stdout, child.stderr):
+            if pipe is not None:
+                pipe.close()
+    with pytest.raises(gc_times.GcProbeError, match="did not answer"):
+        gc_times.snapshot(probe, child.pid)
+
+
+def test_gc_probe_is_inert_when_off_and_keeps_another_sitecustomize(tmp_path: Path) -> None:
+    probe = tmp_path / "probe"
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / "sitecustomize.py").write_text("import builtins\nbuiltins.OTHER_SITE = 1\n")
+    env = dict(os.environ, **gc_times.probe_env(probe, base_pythonpath=str(other)))
+    code = (
+        "import builtins, gc, sitecustomize, threading\n"
+        "print(sitecustomize.__file__, getattr(builtins, 'OTHER_SITE', 0), len(gc.callbacks),"
+        " sorted(t.name for t in threading.enumerate()))"
+    )
+    for on in (True, False):
+        if not on:
+            env.pop(gc_times.ENV)
+        proc = subprocess.run(
+            [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60
+        )
+        assert proc.returncode == 0 and proc.stderr == "", proc.stderr
+        path, other_ran, callbacks, threads = proc.stdout.split(" ", 3)
+        assert Path(path) == probe / "sitecustomize.py" and other_ran == "1"
+        assert int(callbacks) == (1 if on else 0)
+        assert ("corewire-gc-probe" in threads) is on
+
+
+def test_gc_probe_file_errors_are_clear(tmp_path: Path) -> None:
+    bad = tmp_path / "gc-1.json"
+    bad.write_text('{"collections": [1, 2]}')
+    with pytest.raises(gc_times.GcProbeError, match="not a gc probe file"):
+        gc_times.read(bad)
+    fields = {k: [0, 0] for k in ("collections", "cpu_s", "wall_s", "collected")}
+    bad.write_text(json.dumps(fields))
+    with pytest.raises(gc_times.GcProbeError, match="expected 3 generations"):
+        gc_times.read(bad)
+    start = time.monotonic()
+    with pytest.raises(gc_times.GcProbeError, match="did not answer"):
+        gc_times.snapshot(tmp_path, 1)
+    assert time.monotonic() - start < 5
