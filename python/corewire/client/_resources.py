@@ -96,11 +96,6 @@ class ClientResources:
         reason of the death)."""
         return self.dead_error_class(reason or self.dead_reason, suppress_context=True)
 
-    def ensure_alive(self) -> None:
-        """Raise :class:`EngineDeadError` once the engine is dead or the client closed."""
-        if self.engine_dead:
-            raise self.dead_error()
-
     def mark_dead(self, reason: str) -> None:
         """Record the engine's death and fail every waiter; may run on any thread.
 

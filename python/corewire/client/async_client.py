@@ -11,7 +11,7 @@ import logging
 import time
 import weakref
 from collections import deque
-from collections.abc import Awaitable, Callable, Generator
+from collections.abc import Callable
 from typing import Any, cast
 
 import zmq
@@ -46,20 +46,6 @@ _UTILITY = RequestType.UTILITY.value
 _ADD = RequestType.ADD.value
 _ABORT = RequestType.ABORT.value
 _DEAD_LEN = len(ENGINE_CORE_DEAD)
-
-
-class _Sent:
-    """The awaitable :meth:`AsyncMPClient._send_input` returns: a ROUTER send never
-    blocks, so the message is already queued and there is nothing to wait for."""
-
-    __slots__ = ()
-
-    def __await__(self) -> Generator[Any, None, None]:
-        return
-        yield  # a generator that finishes at once
-
-
-_SENT = _Sent()
 
 
 class OutputQueue:
@@ -289,18 +275,6 @@ class AsyncMPClient(MPClient):
         return item  # type: ignore[no-any-return]
 
     # -- sending -----------------------------------------------------------------------
-
-    def _send_input(
-        self, request_type: RequestType, request: Any, engine: bytes | None = None
-    ) -> Awaitable[None]:
-        """Send ``request`` to ``engine`` (default: the first); returns an awaitable.
-
-        The message is queued in ZeroMQ before this returns; objects behind zero-copy
-        frames stay referenced until ZeroMQ has sent them.
-        """
-        frames = self.encoder.encode(request)
-        self._send_message(engine or self.core_engine, request_type.value, frames, request)
-        return _SENT
 
     async def add_request_async(self, request: EngineCoreRequest) -> None:
         """Send a request to the engine; its outputs come from :meth:`get_output_async`."""

@@ -16,12 +16,11 @@ import zmq
 import zmq.asyncio
 
 from corewire.client._resources import ClientResources
-from corewire.codec import Encoder, MsgspecDecoder
+from corewire.codec import Encoder, NativeDecoder
 from corewire.engine.startup import check_engine_spec, engine_process_main, read_startup_error
 from corewire.errors import EngineDeadError, ProtocolError, UtilityError
 from corewire.ipcdir import make_private_dir
 from corewire.keygen import require_curve_for
-from corewire.protocol import EngineCoreOutputs
 
 __all__ = ["DEFAULT_ENGINE_MAIN", "MPClient", "make_output_decoder", "resolve_utility_output"]
 
@@ -45,12 +44,7 @@ OUTPUT_RCVHWM = 128
 
 
 def make_output_decoder() -> Any:
-    """The decoder of engine output frames: the Rust ``NativeDecoder`` when the native
-    module provides it, else the reference ``MsgspecDecoder``."""
-    try:
-        from corewire.codec import NativeDecoder  # type: ignore[attr-defined]
-    except ImportError:
-        return MsgspecDecoder(EngineCoreOutputs)
+    """The decoder of engine output frames: the Rust ``NativeDecoder``."""
     return NativeDecoder()
 
 
