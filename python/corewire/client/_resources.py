@@ -11,28 +11,23 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import multiprocessing.connection
-import os
 import shutil
 import threading
-import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import zmq
 
 from corewire._native import CallRegistry, SendTracker
+from corewire.client.processes import TERMINATE_GRACE_S, ProcessGroup
 from corewire.errors import EngineDeadError
 
 if TYPE_CHECKING:
     from corewire.metrics import ClientMetrics
 
-__all__ = ["ClientResources", "stop_processes"]
+__all__ = ["TERMINATE_GRACE_S", "ClientResources"]
 
 logger = logging.getLogger("corewire.client")
-
-#: How long engines get to exit after SIGTERM before they are killed.
-TERMINATE_GRACE_S = 4.0
 
 
 class ClientResources:
@@ -64,10 +59,8 @@ class ClientResources:
         self.tasks: set[asyncio.Task[Any]] = set()
         #: (thread, stop) pairs; ``stop()`` asks the thread to end, ``close`` joins it.
         self.threads: list[tuple[threading.Thread, Callable[[], None]]] = []
-        #: Engine processes this client started.
-        self.processes: list[Any] = []
-        #: Seconds the engines get between SIGTERM and SIGKILL when the client closes.
-        self.terminate_grace = TERMINATE_GRACE_S
+        #: Processes this client started: engines by index, the coordinator.
+        self.processes = ProcessGroup()
         #: Private directory of the ipc:// endpoints, removed on close.
         self.ipc_dir: str | None = None
         #: The event loop the client is bound to (async clients), set on first use.
@@ -85,7 +78,6 @@ class ClientResources:
         self._threads_lock = threading.Lock()
         self._closed_event = threading.Event()
         self._loop_side_closed = False
-        self._monitor: _EngineMonitor | None = None
         #: This client's metrics (:mod:`corewire.metrics`); None when they are off.
         self.metrics: ClientMetrics | None = None
 
@@ -167,15 +159,15 @@ class ClientResources:
         return False
 
     def start_monitor(self) -> None:
-        """Watch the engine processes; a death marks the client dead and closes it."""
-        if self._monitor is None and self.processes:
-            self._monitor = _EngineMonitor(self)
-            self.start_thread(self._monitor.thread, self._monitor.stop)
+        """Watch the processes; a death marks the client dead and closes it."""
+        self.processes.start_monitor(self.start_thread, self._process_died)
 
-    def processes_changed(self) -> None:
-        """Tell the monitor that :attr:`processes` changed (engines added or retired)."""
-        if self._monitor is not None:
-            self._monitor.rescan()
+    def _process_died(self, reason: str) -> None:
+        if self.closed:
+            return  # stopped by the shutdown under way, not a death
+        logger.error("%s Shutting down the client.", reason)
+        self.mark_dead(reason)
+        self.close()
 
     # -- closing ---------------------------------------------------------------------
 
@@ -225,14 +217,11 @@ class ClientResources:
                     logger.warning("thread %s did not stop within 5 s", thread.name)
         with self._threads_lock:
             self.threads.clear()
-        if self._monitor is not None:
-            self._monitor.release()
         # Engines before sockets: an engine told to stop sends what it still has queued
         # and exits at once while this side's sockets are open (ZeroMQ queues on our side
         # without a reader); with them closed first it would wait out its linger.
-        stop_processes(self.processes, self.terminate_grace)
+        self.processes.stop()
         self.run_on_owner(self._close_loop_side)
-        self.processes.clear()
         if self.ipc_dir is not None:
             shutil.rmtree(self.ipc_dir, ignore_errors=True)
             self.ipc_dir = None
@@ -266,80 +255,6 @@ class ClientResources:
             # or never existed.
             with contextlib.suppress(Exception):
                 ctx.destroy(linger=0)
-
-
-def stop_processes(processes: Iterable[Any], grace: float = TERMINATE_GRACE_S) -> None:
-    """SIGTERM the live processes, SIGKILL those still alive after ``grace`` seconds,
-    reap them all and release their handles."""
-    processes = list(processes)
-    for proc in processes:
-        if proc.is_alive():
-            with contextlib.suppress(Exception):
-                proc.terminate()
-    deadline = time.monotonic() + grace
-    for proc in processes:
-        proc.join(max(0.0, deadline - time.monotonic()))
-    for proc in processes:
-        if proc.is_alive():
-            logger.warning("engine process %s did not exit after SIGTERM; killing it", proc.name)
-            with contextlib.suppress(Exception):
-                proc.kill()
-            proc.join(5.0)
-    for proc in processes:
-        with contextlib.suppress(Exception):
-            proc.close()  # frees the sentinel fd now, not at garbage collection
-
-
-class _EngineMonitor:
-    """Thread waiting on the engine processes' sentinels and a wake-up pipe."""
-
-    def __init__(self, resources: ClientResources) -> None:
-        self._resources = resources
-        self._wake_r, self._wake_w = os.pipe()
-        self._stopping = False
-        self.thread = threading.Thread(
-            target=self._run, name="corewire-engine-monitor", daemon=True
-        )
-
-    def rescan(self) -> None:
-        """Make the thread re-read the process list."""
-        with contextlib.suppress(OSError):
-            os.write(self._wake_w, b"r")
-
-    def stop(self) -> None:
-        """Make the thread end."""
-        self._stopping = True
-        self.rescan()
-
-    def release(self) -> None:
-        """Close the pipe once the thread has ended (or is the caller, about to end)."""
-        if not self.thread.is_alive() or self.thread is threading.current_thread():
-            for fd in (self._wake_r, self._wake_w):
-                with contextlib.suppress(OSError):
-                    os.close(fd)
-            self._wake_r = self._wake_w = -1
-
-    def _run(self) -> None:
-        resources = self._resources
-        while not self._stopping:
-            procs = {p.sentinel: p for p in list(resources.processes)}
-            ready = multiprocessing.connection.wait([self._wake_r, *procs])
-            if self._wake_r in ready:
-                os.read(self._wake_r, 4096)
-                continue
-            died = [procs[s] for s in ready if s in procs]
-            if self._stopping or resources.closed or not died:
-                continue
-            proc = died[0]
-            proc.join(1.0)  # the sentinel closes just before the exit status is ready
-            reason = (
-                f"Engine core process {proc.name} (pid {proc.pid}) died unexpectedly "
-                f"(exit code {proc.exitcode})."
-            )
-            logger.error("%s Shutting down the client.", reason)
-            resources.mark_dead(reason)
-            resources.close()
-            return
 
 
 def _fail_future(future: Any, exc: BaseException) -> None:

@@ -690,9 +690,7 @@ async def _health_watchdog(
                 return
             logger.error("health check failed: %s", exc)
             resources.mark_dead(str(exc))
-            for proc in resources.processes:
-                with contextlib.suppress(Exception):
-                    proc.kill()
+            resources.processes.kill()
             return
         finally:
             del client

@@ -46,8 +46,9 @@ import zmq
 import zmq.asyncio
 
 from corewire._native import Router
-from corewire.client._resources import ClientResources, stop_processes
+from corewire.client._resources import ClientResources
 from corewire.client.async_client import AsyncMPClient
+from corewire.client.processes import stop_processes
 from corewire.coordinator import CoordinatorAddresses, DPCoordinator, TcpEndpoints
 from corewire.keygen import (
     CurveAuthenticator,
@@ -161,23 +162,12 @@ class DPAsyncMPClient(AsyncMPClient):
             raise
         if self._coordinator is not None:
             # Watched and stopped with the engines: its death kills the client too.
-            self.resources.processes.append(self._coordinator)
-            self.resources.processes_changed()
+            self.resources.processes.set_coordinator(self._coordinator)
 
     @staticmethod
     def _default_engine_indices(size: int, rank: int) -> list[int]:
         """External load balancing: this front-end drives engine ``rank`` only."""
         return [rank]
-
-    @property
-    def engine_pids(self) -> list[int]:
-        """Process ids of the engine processes this client started (not the
-        coordinator's: see :attr:`coordinator_pid`)."""
-        return [
-            p.pid
-            for p in self.resources.processes
-            if p.pid is not None and p is not self._coordinator
-        ]
 
     def dp_engines_running(self) -> bool:
         """Whether the group is in a running wave (from the coordinator's publications)."""
@@ -488,14 +478,13 @@ class DPLBAsyncMPClient(DPAsyncMPClient):
         procs = self._start_engine_processes(new_indices)
         identities = [i.to_bytes(2, "little") for i in new_indices]
         try:
-            self.ready_info.update(await self._await_ready(identities, procs))
+            # On this loop: the ROUTER is used only from this thread.
+            ready = self._ready_wait(identities, procs, self.ready_timeout)
+            self.ready_info.update(await ready.wait_async(self.ensure_alive))
         except BaseException:
             # The group stays as it was: the new engines never joined it.
-            for proc in procs:
-                if proc in self.resources.processes:
-                    self.resources.processes.remove(proc)
-            self.resources.processes_changed()
-            await asyncio.get_running_loop().run_in_executor(None, stop_processes, procs)
+            retired = self.resources.processes.retire_engines(new_indices)
+            await asyncio.get_running_loop().run_in_executor(None, stop_processes, retired)
             self.data_parallel_size = old_size
             self._local_indices.difference_update(new_indices)
             raise
@@ -518,10 +507,8 @@ class DPLBAsyncMPClient(DPAsyncMPClient):
         del self.core_engines[new_size:]
         del self.lb_engines[new_size:]
         self.data_parallel_size = new_size
-        procs = [p for p in self.resources.processes if _engine_index_of(p) in removed]
-        for proc in procs:  # their exit is expected now, not a death
-            self.resources.processes.remove(proc)
-        self.resources.processes_changed()
+        # Their exit is expected now, not a death.
+        procs = self.resources.processes.retire_engines(removed)
         try:
             await asyncio.wait_for(
                 asyncio.gather(
@@ -579,49 +566,6 @@ class DPLBAsyncMPClient(DPAsyncMPClient):
                 finished_requests=set(leftovers),
             )
         )
-
-    async def _await_ready(
-        self, identities: list[bytes], procs: list[Any]
-    ) -> dict[bytes, dict[str, Any]]:
-        """Wait on this loop for the new engines' ready messages (the ROUTER is used only
-        from this thread, so this reads it here instead of in a worker thread)."""
-        missing = set(identities)
-        info: dict[bytes, dict[str, Any]] = {}
-        sock = self.input_socket
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + self.ready_timeout
-        while missing:
-            self.ensure_alive()
-            while True:
-                try:
-                    identity, *rest = sock.recv_multipart(zmq.NOBLOCK)
-                except zmq.Again:
-                    break
-                info[identity] = self._parse_ready(identity, rest[-1] if rest else b"")
-                missing.discard(identity)
-            dead = [p for p in procs if not p.is_alive()]
-            if dead:
-                raise RuntimeError(
-                    f"engine process {dead[0].name} exited with code {dead[0].exitcode} "
-                    "before it was ready"
-                )
-            if loop.time() > deadline:
-                raise TimeoutError(
-                    f"new engine(s) {sorted(int.from_bytes(i, 'little') for i in missing)} "
-                    f"sent no ready message within {self.ready_timeout:g} s"
-                )
-            if missing:
-                await asyncio.sleep(0.02)
-        return info
-
-
-def _engine_index_of(proc: Any) -> int | None:
-    """Engine index of a process this client started (its name ends in it)."""
-    name = getattr(proc, "name", "")
-    prefix = "corewire-engine-"
-    if isinstance(name, str) and name.startswith(prefix) and name[len(prefix) :].isdigit():
-        return int(name[len(prefix) :])
-    return None
 
 
 async def _stats_update_loop(
