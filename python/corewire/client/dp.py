@@ -120,28 +120,13 @@ class DPAsyncMPClient(AsyncMPClient):
         self._tcp: TcpEndpoints | None = None
         self._server_keys: CurveServerKeys | None = None
         if data_parallel_address is not None:
-            self._tcp = TcpEndpoints.from_address(data_parallel_address)
-            if curve_keys is not None:
-                self._server_keys = CurveServerKeys.from_dir(curve_keys)
-            elif not is_loopback_address(data_parallel_address):
-                raise ValueError(
-                    f"listening on {data_parallel_address} exposes the engines to other "
-                    "hosts: pass curve_keys (write them with `corewire keygen DIR`), or use "
-                    "a loopback address"
-                )
+            self._listen_on(data_parallel_address, curve_keys)
         elif len(self._local_indices) < len(engine_indices):
             raise ValueError("engines on other hosts need data_parallel_address='tcp://HOST:PORT'")
         self._zap: CurveAuthenticator | None = None
         self._coordinator: DPCoordinator | None = None
         if coordinator_addresses is None:
-            remote = None
-            if self._tcp is not None:
-                remote = (self._tcp.coordinator_stats, self._tcp.coordinator_publish)
-            self._coordinator = DPCoordinator(
-                data_parallel_size,
-                remote=remote,
-                curve_server_dir=curve_keys if self._server_keys is not None else None,
-            )
+            self._coordinator = self._start_coordinator(data_parallel_size, curve_keys)
             coordinator_addresses = self._coordinator.addresses
         #: Where this group's coordinator listens (give it to the other front-ends).
         self.coordinator_addresses = coordinator_addresses
@@ -163,6 +148,31 @@ class DPAsyncMPClient(AsyncMPClient):
         if self._coordinator is not None:
             # Watched and stopped with the engines: its death kills the client too.
             self.resources.processes.set_coordinator(self._coordinator)
+
+    def _listen_on(self, data_parallel_address: str, curve_keys: str | None) -> None:
+        """Plan the TCP endpoints of ``data_parallel_address`` (bound with the sockets),
+        behind CURVE with ``curve_keys``, which a non-loopback address requires."""
+        self._tcp = TcpEndpoints.from_address(data_parallel_address)
+        if curve_keys is not None:
+            self._server_keys = CurveServerKeys.from_dir(curve_keys)
+        elif not is_loopback_address(data_parallel_address):
+            raise ValueError(
+                f"listening on {data_parallel_address} exposes the engines to other "
+                "hosts: pass curve_keys (write them with `corewire keygen DIR`), or use "
+                "a loopback address"
+            )
+
+    def _start_coordinator(self, size: int, curve_keys: str | None) -> DPCoordinator:
+        """Start the group's coordinator (this is the first front-end), with the TCP
+        endpoints of ``data_parallel_address`` for engines on other hosts."""
+        remote = None
+        if self._tcp is not None:
+            remote = (self._tcp.coordinator_stats, self._tcp.coordinator_publish)
+        return DPCoordinator(
+            size,
+            remote=remote,
+            curve_server_dir=curve_keys if self._server_keys is not None else None,
+        )
 
     @staticmethod
     def _default_engine_indices(size: int, rank: int) -> list[int]:

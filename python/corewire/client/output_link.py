@@ -108,6 +108,9 @@ class OutputLink:
     returns each such message, and the driver passes it back to the next :meth:`pump`
     after the hook. ``notify(utility)`` gets the notifications. The client is referenced
     only through ``client_ref`` (for the hook), so the link never keeps it alive.
+
+    ZeroMQ's descriptor is edge-triggered: messages are received with ``NOBLOCK`` until
+    ``Again``, or until ``EVENTS`` shows none queued (either re-arms it).
     """
 
     __slots__ = (
@@ -174,16 +177,9 @@ class OutputLink:
         Returns :data:`EMPTY`, :data:`MORE`, :data:`PAUSED` or :data:`STOPPED` (what the
         driver does next), or, with an async hook, an output message for the hook, which
         the driver passes back as ``hooked`` once the hook is done.
-
-        ZeroMQ's descriptor is edge-triggered: messages are received with ``NOBLOCK``
-        until ``Again``, or until ``EVENTS`` shows none queued (either re-arms it).
         """
-        recv = self._recv
-        decode = self._decode
-        put = self._put
-        queue = self._queue
-        high = self._high
-        hook = self._hook
+        recv, decode, put, hook = self._recv, self._decode, self._put, self._hook
+        queue, high = self._queue, self._high
         left, work = self._left, self._work
         outputs = hooked
         try:
@@ -200,34 +196,22 @@ class OutputLink:
                     while first.more:
                         first = recv(copy=False)
                         frames.append(first)
-                    if (
-                        len(frames) == 1
-                        and len(first) == _DEAD_LEN
-                        and first.bytes == ENGINE_CORE_DEAD
-                    ):
-                        self._resources.mark_dead(
-                            "Engine core sent ENGINE_CORE_DEAD (fatal error)."
-                        )
+                    if len(first) == _DEAD_LEN and len(frames) == 1 and self._dead(first):
                         return self._end_pass(STOPPED)
                     try:
                         outputs = decode(frames)
                     except ProtocolError as exc:
-                        # One bad frame fails alone; the requests in other frames go on.
-                        if fail_undecodable(exc, frames, self._pop, self._metrics):
-                            put(exc)
+                        self._bad_frame(exc, frames)
                     else:
                         if outputs.utility_output is not None:
                             self._route_utility(outputs.utility_output)
                             outputs = None
                         elif hook is not None:
                             if self.async_hook:
-                                self._left, self._work = left, work
-                                return outputs
-                            client = self._client_ref()  # type: ignore[misc]
-                            if client is None:
+                                return self._hold(outputs, left, work)
+                            if (client := self._client_ref()) is None:  # type: ignore[misc]
                                 return self._end_pass(STOPPED)
                             hook(client, outputs)
-                            del client
                 if outputs is not None:
                     if outputs.outputs or outputs.scheduler_stats:
                         put(outputs)
@@ -246,11 +230,28 @@ class OutputLink:
             self.fail(exc)
             return self._end_pass(STOPPED)
 
+    def _hold(self, outputs: Any, left: int, work: int) -> Any:
+        # The pass goes on after the async hook, with what is left of its budget.
+        self._left, self._work = left, work
+        return outputs
+
+    def _dead(self, frame: Any) -> bool:
+        if frame.bytes != ENGINE_CORE_DEAD:
+            return False
+        self._resources.mark_dead("Engine core sent ENGINE_CORE_DEAD (fatal error).")
+        return True
+
+    def _bad_frame(self, exc: ProtocolError, frames: list[Any]) -> None:
+        # One bad frame fails alone; the requests in other frames go on.
+        if fail_undecodable(exc, frames, self._pop, self._metrics):
+            self._put(exc)
+
     def _end_pass(self, status: Any) -> Any:
         self._left, self._work = DRAIN_BUDGET, 0
         return status
 
     def _route_utility(self, utility: Any) -> None:
+        """Complete the call ``utility`` answers, or hand a notification on."""
         future = self._pop(utility.call_id)
         if future is not None:
             # Cancelled by its caller, or failed by a death, meanwhile: nothing to do.
