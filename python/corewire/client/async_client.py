@@ -263,9 +263,9 @@ class AsyncMPClient(MPClient):
             ),
             name="corewire-output-task",
         )
-        resources.add_task(task)
+        resources.loop_side.add_task(task)
         if self.health_check_interval is not None:
-            resources.add_task(
+            resources.loop_side.add_task(
                 loop.create_task(
                     _health_watchdog(
                         weakref.ref(self),
@@ -621,7 +621,7 @@ async def _output_task(
     # The reader must go before the socket closes, and shutdown closes the socket before
     # this task's cancellation runs.
     remove_reader = functools.partial(_remove_reader, loop, fd)
-    resources.before_close.append(remove_reader)
+    resources.loop_side.before_close.append(remove_reader)
     try:
         if link.async_hook:
             readable = _Readable(loop)
@@ -665,7 +665,7 @@ def _notification_starter(
         task = asyncio.get_running_loop().create_task(
             handler(client, result.result), name="corewire-eep-notification"
         )
-        resources.add_task(task)
+        resources.loop_side.add_task(task)
 
     return notify
 

@@ -179,7 +179,7 @@ class MPClient:
             sock: Any = zmq.asyncio.Socket(self.ctx, kind)
         else:
             sock = self.ctx.socket(kind)
-        self.resources.sockets.append(sock)
+        self.resources.loop_side.sockets.append(sock)
         sock.setsockopt(zmq.LINGER, 0)
         # Unbounded queues, as vLLM: a full ROUTER pipe would drop requests silently. The
         # output PULL of a bounded backlog has a finite receive limit, which drops

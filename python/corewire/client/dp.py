@@ -205,7 +205,7 @@ class DPAsyncMPClient(AsyncMPClient):
             if self._server_keys is not None:
                 if self._zap is None:
                     self._zap = CurveAuthenticator(self.ctx, self._server_keys.authorized)
-                    self.resources.add_thread(self._zap.thread, self._zap.stop)
+                    self.resources.threads.add(self._zap.thread, self._zap.stop)
                 apply_server(sock, self._server_keys)
             sock.bind(self._tcp.input if kind == zmq.ROUTER else self._tcp.output)
         return sock
@@ -228,7 +228,7 @@ class DPAsyncMPClient(AsyncMPClient):
             return
         loop = self._bind_loop()
         sock = zmq.asyncio.Socket(self.ctx, zmq.XSUB)
-        resources.sockets.append(sock)
+        resources.loop_side.sockets.append(sock)
         sock.setsockopt(zmq.LINGER, 0)
         sock.connect(self.coordinator_addresses.front_publish)
         self._stats_socket = sock
@@ -237,7 +237,7 @@ class DPAsyncMPClient(AsyncMPClient):
             _stats_update_loop(weakref.ref(self), resources, sock),
             name="corewire-dp-stats-task",
         )
-        resources.add_task(task)
+        resources.loop_side.add_task(task)
 
     def _apply_stats(self, counts: list[list[int]] | None, wave: int, running: bool) -> None:
         """One publication ``[counts, current_wave, engines_running]`` arrived; ``counts``

@@ -135,7 +135,7 @@ class SyncMPClient(MPClient):
             with contextlib.suppress(OSError):
                 os.close(wake_w)
 
-        if not resources.start_thread(thread, stop):
+        if not resources.threads.start(thread, stop):
             os.close(wake_r)  # the engine died during construction: no thread to close it
 
     def _plain_hook(self) -> Any:
@@ -164,7 +164,7 @@ class SyncMPClient(MPClient):
         """Send ``request`` to ``engine`` (default: the first)."""
         frames = self.encoder.encode(request)
         # The engine monitor may close the socket on another thread.
-        with self.resources.send_lock:
+        with self.resources.loop_side.send_lock:
             self._send_message(engine or self.core_engine, request_type.value, frames, request)
 
     def add_request(self, request: EngineCoreRequest) -> None:
