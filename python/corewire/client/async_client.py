@@ -110,8 +110,13 @@ class OutputQueue:
         """Whether the producer waits for room (:attr:`on_room` is set)."""
         return self.on_room is not None
 
-    def _take(self) -> Any:
-        item = self._items.popleft()
+    def take_nowait(self) -> Any:
+        """The next queued item, or None when none is queued (the sticky error is
+        :meth:`get`'s answer, not this one's)."""
+        items = self._items
+        if not items:
+            return None
+        item = items.popleft()
         if not isinstance(item, BaseException):
             held = self.held = self.held - len(item.outputs) - 1
             if held <= self.low and self.on_room is not None:
@@ -135,15 +140,10 @@ class OutputQueue:
                 waiter.set_result(None)
                 return
 
-    def take_nowait(self) -> Any:
-        """The next queued item, or None when none is queued (the sticky error is
-        :meth:`get`'s answer, not this one's)."""
-        return self._take() if self._items else None
-
     def get_nowait(self) -> Any:
         """The next item, the sticky error, or ``asyncio.QueueEmpty``."""
         if self._items:
-            return self._take()
+            return self.take_nowait()
         if self._error is not None:
             return self._error
         raise asyncio.QueueEmpty

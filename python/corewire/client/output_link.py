@@ -93,6 +93,9 @@ PAUSED: Any = _Status("PAUSED")
 STOPPED: Any = _Status("STOPPED")
 
 _DEAD_LEN = len(ENGINE_CORE_DEAD)
+# Module globals: cheaper to read in the per-message path than zmq's attributes.
+_NOBLOCK, _EVENTS, _POLLIN, _Again = zmq.NOBLOCK, zmq.EVENTS, zmq.POLLIN, zmq.Again
+_FIRST = DRAIN_BUDGET - 1  # what ``left`` is after a pass's first message
 _INVALID_STATE = (asyncio.InvalidStateError, concurrent.futures.InvalidStateError)
 
 
@@ -180,7 +183,8 @@ class OutputLink:
         """
         recv, decode, put, hook = self._recv, self._decode, self._put, self._hook
         queue, high = self._queue, self._high
-        left, work = self._left, self._work
+        # A pass starts afresh unless it goes on after an async hook.
+        left, work = (DRAIN_BUDGET, 0) if hooked is None else (self._left, self._work)
         outputs = hooked
         try:
             while True:
@@ -189,15 +193,15 @@ class OutputLink:
                         break
                     left -= 1
                     try:
-                        first = recv(zmq.NOBLOCK, copy=False)
-                    except zmq.Again:
-                        return self._end_pass(EMPTY)
+                        first = recv(_NOBLOCK, copy=False)
+                    except _Again:
+                        return EMPTY
                     frames = [first]
                     while first.more:
                         first = recv(copy=False)
                         frames.append(first)
                     if len(first) == _DEAD_LEN and len(frames) == 1 and self._dead(first):
-                        return self._end_pass(STOPPED)
+                        return STOPPED
                     try:
                         outputs = decode(frames)
                     except ProtocolError as exc:
@@ -210,25 +214,25 @@ class OutputLink:
                             if self.async_hook:
                                 return self._hold(outputs, left, work)
                             if (client := self._client_ref()) is None:  # type: ignore[misc]
-                                return self._end_pass(STOPPED)
+                                return STOPPED
                             hook(client, outputs)
                 if outputs is not None:
                     if outputs.outputs or outputs.scheduler_stats:
                         put(outputs)
                         if queue.held >= high and queue.full():
-                            return self._end_pass(PAUSED)
+                            return PAUSED
                         work += len(outputs.outputs)
                         if work >= OUTPUT_BUDGET:
                             break
                     outputs = None
                 # At low load one message comes per wake-up: asking whether more are
                 # queued costs less than a receive that raises Again.
-                if left == DRAIN_BUDGET - 1 and not self._events(zmq.EVENTS) & zmq.POLLIN:
-                    return self._end_pass(EMPTY)
-            return self._end_pass(STOPPED if self._resources.closed else MORE)
+                if left == _FIRST and not self._events(_EVENTS) & _POLLIN:
+                    return EMPTY
+            return STOPPED if self._resources.closed else MORE
         except Exception as exc:
             self.fail(exc)
-            return self._end_pass(STOPPED)
+            return STOPPED
 
     def _hold(self, outputs: Any, left: int, work: int) -> Any:
         # The pass goes on after the async hook, with what is left of its budget.
@@ -245,10 +249,6 @@ class OutputLink:
         # One bad frame fails alone; the requests in other frames go on.
         if fail_undecodable(exc, frames, self._pop, self._metrics):
             self._put(exc)
-
-    def _end_pass(self, status: Any) -> Any:
-        self._left, self._work = DRAIN_BUDGET, 0
-        return status
 
     def _route_utility(self, utility: Any) -> None:
         """Complete the call ``utility`` answers, or hand a notification on."""
