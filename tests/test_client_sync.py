@@ -9,11 +9,13 @@ import signal
 import threading
 import time
 import weakref
+from typing import Any
 
 import pytest
 
 from client_support import REPLAY, SUPPORT, finished, request
 from corewire import EngineDeadError, SyncMPClient, UtilityError
+from corewire.protocol import EngineCoreOutputs
 from leak_support import no_leaks, wait_pid_gone
 
 
@@ -113,3 +115,45 @@ def test_collected_client_stops_its_thread_and_engine() -> None:
             assert wait_pid_gone(pid, 10)
         finally:
             gc.enable()
+
+
+class _HookedSyncClient(SyncMPClient):
+    """Records what a plain ``process_engine_outputs`` sees (run on the output thread)."""
+
+    def __init__(self, **kwargs: Any) -> None:
+        self.seen: list[EngineCoreOutputs] = []
+        super().__init__(**kwargs)
+
+    def process_engine_outputs(self, outputs: EngineCoreOutputs) -> None:  # type: ignore[override]
+        self.seen.append(outputs)
+
+
+def test_same_output_rules_as_the_async_client() -> None:
+    # One output link for both clients: the hook sees every message, only those with
+    # outputs or stats are queued, and a notification (call id -1) without a handler
+    # is dropped.
+    with no_leaks():
+        client = _HookedSyncClient(engine_main=SUPPORT)
+        try:
+            client.call_utility("stats", 7)
+            assert client.get_output(timeout=10).scheduler_stats == {"num_waiting_reqs": 7}
+            client.add_request(request("h", max_tokens=1))
+            outputs = client.get_output(timeout=10)
+            # The finished_requests-only message reached the hook but not the queue.
+            assert [o.request_id for o in outputs.outputs] == ["h"]
+            assert [m.finished_requests for m in client.seen[:2]] == [None, {"gone"}]
+            client.call_utility("notify", "RECONFIGURE", 3)
+            assert client.call_utility("echo", "after") == "after"
+            with pytest.raises(queue.Empty):
+                client.get_output(timeout=0.2)
+        finally:
+            client.shutdown()
+
+
+def test_an_async_hook_is_refused_before_engines_start() -> None:
+    class AsyncHooked(SyncMPClient):
+        async def process_engine_outputs(self, outputs: EngineCoreOutputs) -> None:  # type: ignore[override]
+            pass
+
+    with no_leaks(), pytest.raises(TypeError, match="must not be async"):
+        AsyncHooked(engine_main=SUPPORT)

@@ -566,9 +566,10 @@ class DPCoordinator:
     ``shutdown()`` stops it and is idempotent; a finalizer does the same when the owner is
     collected, and the process exits by itself when this process dies.
 
-    It also quacks like a ``multiprocessing.Process`` (``sentinel``, ``pid``, ``name``,
-    ``exitcode``, ``is_alive``, ``terminate``, ``kill``, ``join``, ``close``), so that a
-    client can watch and stop it together with its engine processes.
+    It is a process handle (:class:`corewire.client.processes.ProcessHandle`: ``sentinel``,
+    ``pid``, ``name``, ``exitcode``, ``is_alive``, ``terminate``, ``kill``, ``join``,
+    ``close``): a client holds it as its process group's coordinator, watched and stopped
+    with the engines by the same monitor and stop routine.
     """
 
     def __init__(

@@ -1,9 +1,13 @@
 """What a client owns: sockets, tasks, threads, engine processes, the ipc directory.
 
-:class:`ClientResources` holds every resource of one client and no reference back to it,
-so ``weakref.finalize(client, resources.close)`` can release everything when the client
-is collected, and the engine monitor, the output task and the health watchdog can share
-it without keeping the client alive.
+:class:`ClientResources` holds every resource of one client in three pieces that each
+release their own part (:class:`~corewire.client._owned.LoopSide`,
+:class:`~corewire.client._owned.OwnedThreads`,
+:class:`~corewire.client.processes.ProcessGroup`), plus the client's lifecycle state
+(dead, then closed). It has no reference back to the client, so
+``weakref.finalize(client, resources.close)`` can release everything when the client is
+collected, and the engine monitor, the output task and the health watchdog can share it
+without keeping the client alive.
 """
 
 from __future__ import annotations
@@ -11,28 +15,24 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import multiprocessing.connection
-import os
 import shutil
 import threading
-import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import zmq
 
 from corewire._native import CallRegistry, SendTracker
+from corewire.client._owned import LoopSide, OwnedThreads
+from corewire.client.processes import TERMINATE_GRACE_S, ProcessGroup
 from corewire.errors import EngineDeadError
 
 if TYPE_CHECKING:
     from corewire.metrics import ClientMetrics
 
-__all__ = ["ClientResources", "stop_processes"]
+__all__ = ["TERMINATE_GRACE_S", "ClientResources"]
 
 logger = logging.getLogger("corewire.client")
-
-#: How long engines get to exit after SIGTERM before they are killed.
-TERMINATE_GRACE_S = 4.0
 
 
 class ClientResources:
@@ -49,45 +49,47 @@ class ClientResources:
     dead_error_class: type[EngineDeadError] = EngineDeadError
 
     def __init__(self, ctx: zmq.Context) -> None:
-        self.ctx: zmq.Context | None = ctx
+        # The pieces, each releasing its own part.
+        #: The ZeroMQ context, sockets, tasks and loop readers (released on the owner
+        #: thread).
+        self.loop_side = LoopSide(ctx)
+        #: Threads (output thread, engine monitor, CURVE authenticator).
+        self.threads = OwnedThreads()
+        #: Processes: engines by index, the coordinator.
+        self.processes = ProcessGroup()
+        # What the client's hot paths read directly.
         #: Call id -> pending utility future.
         self.registry = CallRegistry()
         #: Objects behind zero-copy frames still being sent.
         self.tracker = SendTracker()
-        #: Sockets closed on the loop thread (asyncio sockets) or by ``close``.
-        self.sockets: list[Any] = []
+        self.loop_side.before_close.append(self.tracker.clear)
         #: The output task of an async client, once started.
         self.output_task: asyncio.Task[Any] | None = None
-        #: Called on the owner thread before the sockets close (loop readers).
-        self.before_close: list[Callable[[], None]] = []
-        #: Tasks cancelled on close.
-        self.tasks: set[asyncio.Task[Any]] = set()
-        #: (thread, stop) pairs; ``stop()`` asks the thread to end, ``close`` joins it.
-        self.threads: list[tuple[threading.Thread, Callable[[], None]]] = []
-        #: Engine processes this client started.
-        self.processes: list[Any] = []
-        #: Seconds the engines get between SIGTERM and SIGKILL when the client closes.
-        self.terminate_grace = TERMINATE_GRACE_S
-        #: Private directory of the ipc:// endpoints, removed on close.
-        self.ipc_dir: str | None = None
         #: The event loop the client is bound to (async clients), set on first use.
         self.loop: asyncio.AbstractEventLoop | None = None
-        #: Serialises sends with the closing of the input socket (sync clients).
-        self.send_lock = threading.Lock()
+        #: Private directory of the ipc:// endpoints, removed on close.
+        self.ipc_dir: str | None = None
+        #: This client's metrics (:mod:`corewire.metrics`); None when they are off.
+        self.metrics: ClientMetrics | None = None
+        # Lifecycle: dead (calls raise), then closed (everything released).
         #: Set when the engine died or the client was shut down; calls then raise.
         self.engine_dead = False
         #: What killed the engine, for the error message of later calls.
         self.dead_reason = "Engine core died unexpectedly."
-        self.closed = False
         #: Called on the owning thread with the death error: wakes queue waiters.
         self.fail_queue: Callable[[BaseException], None] | None = None
         self._closing = threading.Lock()
-        self._threads_lock = threading.Lock()
         self._closed_event = threading.Event()
-        self._loop_side_closed = False
-        self._monitor: _EngineMonitor | None = None
-        #: This client's metrics (:mod:`corewire.metrics`); None when they are off.
-        self.metrics: ClientMetrics | None = None
+
+    @property
+    def closed(self) -> bool:
+        """Whether :meth:`close` began (no thread starts from then on)."""
+        return self.threads.closed
+
+    @property
+    def ctx(self) -> zmq.Context | None:
+        """The client's ZeroMQ context (None once released)."""
+        return self.loop_side.ctx
 
     # -- death -----------------------------------------------------------------------
 
@@ -95,11 +97,6 @@ class ClientResources:
         """A fresh :attr:`dead_error_class` error with ``reason`` (default: the recorded
         reason of the death)."""
         return self.dead_error_class(reason or self.dead_reason, suppress_context=True)
-
-    def ensure_alive(self) -> None:
-        """Raise :class:`EngineDeadError` once the engine is dead or the client closed."""
-        if self.engine_dead:
-            raise self.dead_error()
 
     def mark_dead(self, reason: str) -> None:
         """Record the engine's death and fail every waiter; may run on any thread.
@@ -144,43 +141,18 @@ class ClientResources:
         except RuntimeError:  # the loop closed in between
             fn()
 
-    # -- ownership -------------------------------------------------------------------
-
-    def add_task(self, task: asyncio.Task[Any]) -> None:
-        """Own ``task``: it is cancelled on close, and forgotten when it ends."""
-        self.tasks.add(task)
-        task.add_done_callback(self.tasks.discard)
-
-    def add_thread(self, thread: threading.Thread, stop: Callable[[], None]) -> None:
-        """Own a started ``thread``; ``stop()`` must make it end soon."""
-        with self._threads_lock:
-            self.threads.append((thread, stop))
-
-    def start_thread(self, thread: threading.Thread, stop: Callable[[], None]) -> bool:
-        """Own and start ``thread``; ``stop()`` must make it end soon.
-
-        Once the client is closed (the engine monitor may close it at any moment), the
-        thread is not started, ``stop()`` is called instead, and this returns False.
-        """
-        with self._threads_lock:
-            if not self.closed:
-                self.threads.append((thread, stop))
-                thread.start()
-                return True
-        with contextlib.suppress(Exception):
-            stop()
-        return False
+    # -- processes ---------------------------------------------------------------
 
     def start_monitor(self) -> None:
-        """Watch the engine processes; a death marks the client dead and closes it."""
-        if self._monitor is None and self.processes:
-            self._monitor = _EngineMonitor(self)
-            self.start_thread(self._monitor.thread, self._monitor.stop)
+        """Watch the processes; a death marks the client dead and closes it."""
+        self.processes.start_monitor(self.threads.start, self._process_died)
 
-    def processes_changed(self) -> None:
-        """Tell the monitor that :attr:`processes` changed (engines added or retired)."""
-        if self._monitor is not None:
-            self._monitor.rescan()
+    def _process_died(self, reason: str) -> None:
+        if self.closed:
+            return  # stopped by the shutdown under way, not a death
+        logger.error("%s Shutting down the client.", reason)
+        self.mark_dead(reason)
+        self.close()
 
     # -- closing ---------------------------------------------------------------------
 
@@ -196,7 +168,7 @@ class ClientResources:
         """
         if not self._closing.acquire(blocking=False):
             # An owned thread (the monitor) must not wait: the first closer joins it.
-            if threading.current_thread() not in {t for t, _ in self.threads}:
+            if not self.threads.owns(threading.current_thread()):
                 self._closed_event.wait(timeout)
             if self._closed_event.is_set():
                 # The first closer ran on another thread and left the loop's part to the
@@ -214,137 +186,25 @@ class ClientResources:
         self.engine_dead = True
         if self.metrics is not None:
             self.metrics.close()
-        with self._threads_lock:  # no thread starts after this
-            self.closed = True
-            threads = list(self.threads)
         # Threads first: a sync client's output thread polls the output socket, which
         # must not be closed under it.
-        current = threading.current_thread()
-        for _, stop in threads:
-            with contextlib.suppress(Exception):
-                stop()
-        for thread, _ in threads:
-            if thread is not current and thread.ident is not None:
-                thread.join(timeout=5.0)
-                if thread.is_alive():
-                    logger.warning("thread %s did not stop within 5 s", thread.name)
-        with self._threads_lock:
-            self.threads.clear()
-        if self._monitor is not None:
-            self._monitor.release()
+        self.threads.close()
         # Engines before sockets: an engine told to stop sends what it still has queued
         # and exits at once while this side's sockets are open (ZeroMQ queues on our side
         # without a reader); with them closed first it would wait out its linger.
-        stop_processes(self.processes, self.terminate_grace)
+        self.processes.stop()
         self.run_on_owner(self._close_loop_side)
-        self.processes.clear()
         if self.ipc_dir is not None:
             shutil.rmtree(self.ipc_dir, ignore_errors=True)
             self.ipc_dir = None
 
     def _close_loop_side(self) -> None:
-        """Fail waiters, cancel tasks, close sockets, end the context (owner thread)."""
-        if self._loop_side_closed:
+        """Fail waiters, then release the loop side (owner thread)."""
+        if self.loop_side.closed:
             return
-        self._loop_side_closed = True
         with contextlib.suppress(Exception):
             self._fail_waiters()
-        for task in list(self.tasks):
-            if not task.done():
-                with contextlib.suppress(Exception):
-                    task.cancel()
-        self.tasks.clear()
-        for callback in self.before_close:
-            with contextlib.suppress(Exception):
-                callback()
-        self.before_close.clear()
-        self.tracker.clear()
-        with self.send_lock:
-            for sock in self.sockets:
-                with contextlib.suppress(Exception):
-                    sock.close(linger=0)
-            self.sockets.clear()
-        ctx, self.ctx = self.ctx, None
-        if ctx is not None:
-            # destroy() also closes sockets a subclass made but did not register; term()
-            # would hang on them. Threads that used those sockets are stopped by now
-            # or never existed.
-            with contextlib.suppress(Exception):
-                ctx.destroy(linger=0)
-
-
-def stop_processes(processes: Iterable[Any], grace: float = TERMINATE_GRACE_S) -> None:
-    """SIGTERM the live processes, SIGKILL those still alive after ``grace`` seconds,
-    reap them all and release their handles."""
-    processes = list(processes)
-    for proc in processes:
-        if proc.is_alive():
-            with contextlib.suppress(Exception):
-                proc.terminate()
-    deadline = time.monotonic() + grace
-    for proc in processes:
-        proc.join(max(0.0, deadline - time.monotonic()))
-    for proc in processes:
-        if proc.is_alive():
-            logger.warning("engine process %s did not exit after SIGTERM; killing it", proc.name)
-            with contextlib.suppress(Exception):
-                proc.kill()
-            proc.join(5.0)
-    for proc in processes:
-        with contextlib.suppress(Exception):
-            proc.close()  # frees the sentinel fd now, not at garbage collection
-
-
-class _EngineMonitor:
-    """Thread waiting on the engine processes' sentinels and a wake-up pipe."""
-
-    def __init__(self, resources: ClientResources) -> None:
-        self._resources = resources
-        self._wake_r, self._wake_w = os.pipe()
-        self._stopping = False
-        self.thread = threading.Thread(
-            target=self._run, name="corewire-engine-monitor", daemon=True
-        )
-
-    def rescan(self) -> None:
-        """Make the thread re-read the process list."""
-        with contextlib.suppress(OSError):
-            os.write(self._wake_w, b"r")
-
-    def stop(self) -> None:
-        """Make the thread end."""
-        self._stopping = True
-        self.rescan()
-
-    def release(self) -> None:
-        """Close the pipe once the thread has ended (or is the caller, about to end)."""
-        if not self.thread.is_alive() or self.thread is threading.current_thread():
-            for fd in (self._wake_r, self._wake_w):
-                with contextlib.suppress(OSError):
-                    os.close(fd)
-            self._wake_r = self._wake_w = -1
-
-    def _run(self) -> None:
-        resources = self._resources
-        while not self._stopping:
-            procs = {p.sentinel: p for p in list(resources.processes)}
-            ready = multiprocessing.connection.wait([self._wake_r, *procs])
-            if self._wake_r in ready:
-                os.read(self._wake_r, 4096)
-                continue
-            died = [procs[s] for s in ready if s in procs]
-            if self._stopping or resources.closed or not died:
-                continue
-            proc = died[0]
-            proc.join(1.0)  # the sentinel closes just before the exit status is ready
-            reason = (
-                f"Engine core process {proc.name} (pid {proc.pid}) died unexpectedly "
-                f"(exit code {proc.exitcode})."
-            )
-            logger.error("%s Shutting down the client.", reason)
-            resources.mark_dead(reason)
-            resources.close()
-            return
+        self.loop_side.close()
 
 
 def _fail_future(future: Any, exc: BaseException) -> None:

@@ -11,55 +11,39 @@ import logging
 import time
 import weakref
 from collections import deque
-from collections.abc import Awaitable, Callable, Generator
-from typing import Any, cast
-
-import zmq
+from collections.abc import Awaitable, Callable
+from typing import Any
 
 from corewire.client._resources import ClientResources
-from corewire.client.core import HEALTH_CHECK_METHOD, MPClient, resolve_utility_output
-from corewire.client.salvage import fail_undecodable
-from corewire.errors import EngineDeadError, ProtocolError, UtilityError
+from corewire.client.core import HEALTH_CHECK_METHOD, MPClient
+from corewire.client.output_link import (
+    DRAIN_BUDGET,
+    EEP_NOTIFICATION_CALL_ID,
+    EMPTY,
+    MORE,
+    OUTPUT_BUDGET,
+    PAUSED,
+    STOPPED,
+    OutputLink,
+)
+from corewire.errors import EngineDeadError, UtilityError
 from corewire.metrics import for_client
-from corewire.protocol import ENGINE_CORE_DEAD, EngineCoreOutputs, EngineCoreRequest
+from corewire.protocol import EngineCoreOutputs, EngineCoreRequest
 from corewire.protocol import EngineCoreRequestType as RequestType
 
-__all__ = ["EEP_NOTIFICATION_CALL_ID", "AsyncMPClient", "OutputQueue"]
+__all__ = [
+    "DRAIN_BUDGET",
+    "EEP_NOTIFICATION_CALL_ID",
+    "OUTPUT_BUDGET",
+    "AsyncMPClient",
+    "OutputQueue",
+]
 
 logger = logging.getLogger("corewire.client")
-
-#: call_id of elastic-scaling notifications (never a registered call).
-EEP_NOTIFICATION_CALL_ID = -1
-#: Messages the output task handles in a row before it lets other tasks run, so that a
-#: fast engine cannot starve the consumer of the outputs.
-DRAIN_BUDGET = 64
-#: Outputs after which it yields too. Bounding the backlog by outputs keeps the number of
-#: decoded objects alive at once small: under the default garbage collector, objects
-#: that wait in a long backlog survive into the older generations and set off full
-#: collections, which cost more than the decoding, and a backlog past the CPU caches
-#: makes the consumer's reads slower. Each hand-off costs a loop iteration (a few µs),
-#: so the budget must not be small either: 1024 (four frames of 256 outputs) measured
-#: about 1.3 µs per such frame cheaper than 512 in benches/client.py, and 4096 slower.
-OUTPUT_BUDGET = 1024
 
 _UTILITY = RequestType.UTILITY.value
 _ADD = RequestType.ADD.value
 _ABORT = RequestType.ABORT.value
-_DEAD_LEN = len(ENGINE_CORE_DEAD)
-
-
-class _Sent:
-    """The awaitable :meth:`AsyncMPClient._send_input` returns: a ROUTER send never
-    blocks, so the message is already queued and there is nothing to wait for."""
-
-    __slots__ = ()
-
-    def __await__(self) -> Generator[Any, None, None]:
-        return
-        yield  # a generator that finishes at once
-
-
-_SENT = _Sent()
 
 
 class OutputQueue:
@@ -126,8 +110,13 @@ class OutputQueue:
         """Whether the producer waits for room (:attr:`on_room` is set)."""
         return self.on_room is not None
 
-    def _take(self) -> Any:
-        item = self._items.popleft()
+    def take_nowait(self) -> Any:
+        """The next queued item, or None when none is queued (the sticky error is
+        :meth:`get`'s answer, not this one's)."""
+        items = self._items
+        if not items:
+            return None
+        item = items.popleft()
         if not isinstance(item, BaseException):
             held = self.held = self.held - len(item.outputs) - 1
             if held <= self.low and self.on_room is not None:
@@ -154,7 +143,7 @@ class OutputQueue:
     def get_nowait(self) -> Any:
         """The next item, the sticky error, or ``asyncio.QueueEmpty``."""
         if self._items:
-            return self._take()
+            return self.take_nowait()
         if self._error is not None:
             return self._error
         raise asyncio.QueueEmpty
@@ -242,6 +231,25 @@ class AsyncMPClient(MPClient):
             "create one client per event loop"
         )
 
+    def _make_output_link(self) -> OutputLink:
+        """The link from the output socket to :attr:`outputs_queue`, with this client's
+        ``process_engine_outputs`` hook and notification handler (looked up on the class,
+        so the link holds no reference to the client)."""
+        ref = weakref.ref(self)
+        hook = type(self).process_engine_outputs
+        handler = getattr(type(self), "eep_process_engine_core_notification", None)
+        return OutputLink(
+            self.output_socket,
+            self.decoder,
+            self.resources,
+            self.outputs_queue,
+            name="output task",
+            client_ref=ref,
+            hook=hook,
+            hook_is_async=inspect.iscoroutinefunction(hook),
+            notify=None if handler is None else _notification_starter(ref, self.resources, handler),
+        )
+
     def _ensure_output_queue_task(self) -> None:
         """Start the output task (and the watchdog) if not started; idempotent."""
         resources = self.resources
@@ -249,22 +257,15 @@ class AsyncMPClient(MPClient):
         if resources.output_task is not None or resources.closed:
             return
         hook = type(self).process_engine_outputs
-        notify = getattr(type(self), "eep_process_engine_core_notification", None)
         resources.output_task = task = loop.create_task(
-            _output_loop(
-                weakref.ref(self),
-                resources,
-                self.output_socket,
-                self.decoder,
-                self.outputs_queue,
-                hook,
-                notify,
+            _output_task(
+                weakref.ref(self), resources, self._make_output_link(), self.outputs_queue, hook
             ),
             name="corewire-output-task",
         )
-        resources.add_task(task)
+        resources.loop_side.add_task(task)
         if self.health_check_interval is not None:
-            resources.add_task(
+            resources.loop_side.add_task(
                 loop.create_task(
                     _health_watchdog(
                         weakref.ref(self),
@@ -283,24 +284,14 @@ class AsyncMPClient(MPClient):
         if resources.output_task is None or resources.loop is not asyncio.get_running_loop():
             self._ensure_output_queue_task()
         queue = self.outputs_queue
-        item = queue._take() if queue._items else await queue.get()
+        item = queue.take_nowait()
+        if item is None:
+            item = await queue.get()
         if isinstance(item, BaseException):
             raise self._format_exception(item) from None
         return item  # type: ignore[no-any-return]
 
     # -- sending -----------------------------------------------------------------------
-
-    def _send_input(
-        self, request_type: RequestType, request: Any, engine: bytes | None = None
-    ) -> Awaitable[None]:
-        """Send ``request`` to ``engine`` (default: the first); returns an awaitable.
-
-        The message is queued in ZeroMQ before this returns; objects behind zero-copy
-        frames stay referenced until ZeroMQ has sent them.
-        """
-        frames = self.encoder.encode(request)
-        self._send_message(engine or self.core_engine, request_type.value, frames, request)
-        return _SENT
 
     async def add_request_async(self, request: EngineCoreRequest) -> None:
         """Send a request to the engine; its outputs come from :meth:`get_output_async`."""
@@ -485,6 +476,68 @@ class AsyncMPClient(MPClient):
         await self.call_utility_async("save_sharded_state", path, pattern, max_size)
 
 
+class _ReaderDriver:
+    """Drives an :class:`OutputLink` from the descriptor's reader callback (no hook or a
+    plain one): a reply completes its caller's future in the loop iteration that saw the
+    descriptor turn readable, one task hand-off sooner than a task could.
+
+    At most one pump per loop iteration, or the consumer could face twice the budget at
+    once: the reader callback of an iteration in which a resumption is scheduled or
+    already ran does nothing. That loses no wake-up: the resumption drains, or it drained
+    up to an empty socket, after which a new message signals the descriptor again (and a
+    descriptor left unread stays readable). While the backlog is full, ``busy`` stays
+    set: pumping resumes only through the queue's ``on_room``.
+    """
+
+    __slots__ = ("busy", "link", "loop", "queue", "stopped")
+
+    def __init__(self, link: OutputLink, queue: OutputQueue, loop: asyncio.AbstractEventLoop):
+        self.link = link
+        self.queue = queue
+        self.loop = loop
+        self.busy = True  # until the first resumption drained what came before the reader
+        #: Done when the link ended; the output task awaits it.
+        self.stopped: asyncio.Future[None] = loop.create_future()
+
+    def _after(self, status: Any) -> bool:
+        """Act on a pump's status; returns whether a resumption is due."""
+        if status is MORE:
+            return True
+        if status is PAUSED:
+            self.queue.on_room = self.on_room
+        elif status is STOPPED and not self.stopped.done():
+            self.stopped.set_result(None)
+        return False
+
+    def on_readable(self) -> None:
+        """The reader callback."""
+        if self.busy:
+            return
+        status = self.link.pump()
+        if status is not EMPTY:
+            self.busy = True  # stays set while paused, and for good once stopped
+            if self._after(status):
+                self.loop.call_soon(self.resume)  # budget spent: the consumer runs first
+
+    def resume(self) -> None:
+        """Go on pumping in a later loop iteration."""
+        status = self.link.pump()
+        if self._after(status):
+            self.loop.call_soon(self.resume)
+        elif status is EMPTY:
+            self.loop.call_soon(self.release)
+
+    def release(self) -> None:
+        self.busy = False
+
+    def on_room(self) -> None:
+        # The consumer took the backlog down: read again, after the getter's own turn
+        # (messages that came meanwhile left the descriptor without a new edge), unless
+        # the output path ended while it waited.
+        if not self.stopped.done():
+            self.loop.call_soon(self.resume)
+
+
 class _Readable:
     """Wakes the output task when the socket's descriptor turns readable (async hook).
 
@@ -510,233 +563,80 @@ class _Readable:
         return waiter
 
 
-#: What the dispatch step returns when the output path must end (the engine is dead).
-_STOP: Any = object()
-#: What a pump returns when the output backlog is full: reading waits for ``on_room``.
-_PAUSED: Any = object()
+async def _drive_with_async_hook(
+    link: OutputLink,
+    queue: OutputQueue,
+    readable: _Readable,
+    client_ref: weakref.ref[AsyncMPClient],
+    hook: Callable[..., Awaitable[None]],
+) -> None:
+    """Drive ``link`` from the output task, awaiting ``hook`` on each output message."""
+    loop = asyncio.get_running_loop()
+    hooked = None
+    while True:
+        status = link.pump(hooked)
+        hooked = None
+        if status is EMPTY:
+            if client_ref() is None:
+                return
+            await readable.wait()
+        elif status is MORE:
+            await asyncio.sleep(0)
+        elif status is PAUSED:
+            room = loop.create_future()
+            queue.on_room = functools.partial(_set_done, room)
+            await room
+        elif status is STOPPED:
+            return
+        else:
+            client = client_ref()
+            if client is None:
+                return
+            await hook(client, status)
+            del client
+            hooked = status
 
 
-async def _output_loop(
+async def _output_task(
     client_ref: weakref.ref[AsyncMPClient],
     resources: ClientResources,
-    socket: Any,
-    decoder: Any,
+    link: OutputLink,
     queue: OutputQueue,
     hook: Any,
-    notify: Any,
 ) -> None:
-    """The output task: receive, decode and dispatch every frame from the engines.
+    """The output task: drives ``link`` until the engine dies, the client is shut down
+    or collected (it references the client only through ``client_ref``).
 
-    It references the client only through ``client_ref`` (for the hooks), and ends when
-    the engine dies, when the client is shut down and when the client is collected.
-
-    ZeroMQ's descriptor is edge-triggered: after each wake-up, messages are received with
-    ``NOBLOCK`` until ``Again``, or until ``EVENTS`` shows none queued (either re-arms the
-    descriptor), handing over to other tasks after :data:`DRAIN_BUDGET` messages or
-    :data:`OUTPUT_BUDGET` outputs so that a fast engine cannot starve the consumer.
-    Without an async ``process_engine_outputs`` hook, that work runs right in the
-    descriptor's reader callback: a reply completes its caller's future in the loop
-    iteration that saw the descriptor turn readable, one task hand-off sooner. With an
-    async hook, the task itself receives and awaits it.
+    Without an async hook the work runs in the descriptor's reader callback
+    (:class:`_ReaderDriver`) and the task only waits for the end; with one, the task
+    receives and awaits it itself.
 
     Backpressure: once the queue's backlog reaches its high-water mark, nothing more is
     received until the consumer took it down to the low one (``queue.on_room``). The
     messages then wait in ZeroMQ, whose finite receive limit blocks the engines' sends
     in turn. A utility reply waits behind the outputs sent before it, as they do.
     """
-    # A blocking view of the socket: a direct non-blocking receive costs a fraction of
-    # pyzmq's asyncio receive, whose machinery is not needed to wait on the descriptor.
-    raw: zmq.Socket[bytes] = zmq.Socket.shadow(socket.underlying)
-    recv = raw.recv
-    get = cast("Callable[[int], int]", raw.get)
-    NOBLOCK = zmq.NOBLOCK
-    EVENTS = zmq.EVENTS
-    POLLIN = zmq.POLLIN
-    Again = zmq.Again
-    metrics = resources.metrics
-    # Metrics on: a decoder that times and counts each message; off: the plain one.
-    decode = decoder.decode if metrics is None else metrics.wrap_decode(decoder.decode)
-    pop = resources.registry.pop
-    put = queue.put_nowait
-    # Checked after each queued message; the queue's own test counts the pause.
-    high = queue.high if queue.high is not None else 1 << 62
     loop = asyncio.get_running_loop()
-    stopped: asyncio.Future[None] = loop.create_future()
-
-    def receive() -> list[Any] | None:
-        """The next message, or None when none is queued."""
-        try:
-            first = recv(NOBLOCK, copy=False)
-        except Again:
-            return None
-        frames = [first]
-        while first.more:
-            first = recv(copy=False)
-            frames.append(first)
-        return frames
-
-    def dispatch(frames: list[Any]) -> Any:
-        """Handle one message; returns outputs still to give to the hook and the queue,
-        None when nothing is left to do, or _STOP when the engine is dead."""
-        first = frames[0]
-        if len(frames) == 1 and len(first) == _DEAD_LEN and first.bytes == ENGINE_CORE_DEAD:
-            resources.mark_dead("Engine core sent ENGINE_CORE_DEAD (fatal error).")
-            return _STOP
-        try:
-            outputs = decode(frames)
-        except ProtocolError as exc:
-            # One bad frame fails alone; the requests in other frames go on.
-            if fail_undecodable(exc, frames, pop, metrics):
-                put(exc)
-            return None
-        utility = outputs.utility_output
-        if utility is None:
-            return outputs
-        call_id = utility.call_id
-        future = pop(call_id)
-        if future is not None:
-            if not future.done():
-                resolve_utility_output(future, utility)
-        elif call_id == EEP_NOTIFICATION_CALL_ID and notify is not None:
-            _start_notification(client_ref, resources, notify, utility)
-        return None
-
-    def stop() -> None:
-        if not stopped.done():
-            stopped.set_result(None)
-
-    def fail(exc: Exception) -> None:
-        if not resources.closed:  # else the socket was closed under us by shutdown
-            logger.exception("corewire output task failed", exc_info=exc)
-            put(exc)
-            resources.mark_dead(f"The client's output task failed: {exc!r}")
-        stop()
-
-    def pump() -> Any:
-        """Drain up to DRAIN_BUDGET messages; returns True when the budget ran out
-        with messages left (the caller lets the consumer run, then resumes), and
-        _PAUSED when the backlog is full (``queue.on_room`` then resumes)."""
-        try:
-            work = 0
-            for n in range(DRAIN_BUDGET):
-                frames = receive()
-                if frames is None:
-                    return False
-                outputs = dispatch(frames)
-                if outputs is not None:
-                    if outputs is _STOP:
-                        stop()
-                        return False
-                    if hook is not None:
-                        client = client_ref()
-                        if client is None:
-                            stop()
-                            return False
-                        hook(client, outputs)
-                        del client
-                    if outputs.outputs or outputs.scheduler_stats:
-                        put(outputs)
-                        if queue.held >= high and queue.full():
-                            queue.on_room = on_room
-                            return _PAUSED
-                        work += len(outputs.outputs)
-                        if work >= OUTPUT_BUDGET:
-                            break
-                # At low load one message comes per wake-up: asking whether more are
-                # queued costs less than a receive that raises Again.
-                if n == 0 and not get(EVENTS) & POLLIN:
-                    return False
-            return not resources.closed
-        except Exception as exc:
-            fail(exc)
-            return False
-
-    # At most one pump per loop iteration, or the consumer could face twice the budget
-    # at once: the reader callback of an iteration in which a resumption is scheduled or
-    # already ran does nothing. That loses no wake-up: the resumption drains, or it
-    # drained up to an empty queue, after which a new message signals the descriptor
-    # again (and a descriptor left unread stays readable).
-    # While the backlog is full, busy stays set: a pump resumes only through on_room.
-    busy = False
-
-    def resume() -> None:
-        more = pump()
-        if more is not _PAUSED:
-            loop.call_soon(resume if more else release)
-
-    def release() -> None:
-        nonlocal busy
-        busy = False
-
-    def on_readable() -> None:
-        nonlocal busy
-        if not busy:
-            more = pump()
-            if more:
-                busy = True
-                if more is not _PAUSED:
-                    loop.call_soon(resume)  # budget spent: the consumer runs first
-
-    def on_room() -> None:
-        # The consumer took the backlog down: read again, after the getter's own turn
-        # (messages that came meanwhile left the descriptor without a new edge), unless
-        # the output path ended while it waited.
-        if not stopped.done():
-            loop.call_soon(resume)
-
-    fd = cast(int, raw.getsockopt(zmq.FD))
-    readable = _Readable(loop)
-    in_callback = hook is None or not inspect.iscoroutinefunction(hook)
-    loop.add_reader(fd, on_readable if in_callback else readable.fire)
+    fd = link.fd
     # The reader must go before the socket closes, and shutdown closes the socket before
     # this task's cancellation runs.
     remove_reader = functools.partial(_remove_reader, loop, fd)
-    resources.before_close.append(remove_reader)
+    resources.loop_side.before_close.append(remove_reader)
     try:
-        if in_callback:
-            busy = True
-            loop.call_soon(resume)  # messages queued before the reader was registered
-            await stopped
-            return
-        budget, work = DRAIN_BUDGET, 0
-        while not stopped.done():
-            frames = receive()
-            if frames is None:
-                if client_ref() is None:
-                    return
-                budget, work = DRAIN_BUDGET, 0
-                await readable.wait()
-                continue
-            outputs = dispatch(frames)
-            if outputs is _STOP:
-                return
-            if outputs is not None:
-                client = client_ref()
-                if client is None:
-                    return
-                await hook(client, outputs)
-                del client
-                if outputs.outputs or outputs.scheduler_stats:
-                    put(outputs)
-                    if queue.held >= high and queue.full():
-                        room = loop.create_future()
-                        queue.on_room = functools.partial(_set_done, room)
-                        await room
-                        budget, work = DRAIN_BUDGET, 0
-                        continue
-                    work += len(outputs.outputs)
-            budget -= 1
-            if budget == DRAIN_BUDGET - 1 and not get(EVENTS) & POLLIN:
-                budget, work = DRAIN_BUDGET, 0
-                await readable.wait()
-            elif not budget or work >= OUTPUT_BUDGET:
-                budget, work = DRAIN_BUDGET, 0
-                await asyncio.sleep(0)
+        if link.async_hook:
+            readable = _Readable(loop)
+            loop.add_reader(fd, readable.fire)
+            await _drive_with_async_hook(link, queue, readable, client_ref, hook)
+        else:
+            driver = _ReaderDriver(link, queue, loop)
+            loop.add_reader(fd, driver.on_readable)
+            loop.call_soon(driver.resume)  # messages queued before the reader was added
+            await driver.stopped
     except asyncio.CancelledError:
         queue.set_error(resources.dead_error())
         raise
     except Exception as exc:
-        fail(exc)
+        link.fail(exc)
     finally:
         remove_reader()
 
@@ -751,21 +651,23 @@ def _remove_reader(loop: asyncio.AbstractEventLoop, fd: int) -> None:
         loop.remove_reader(fd)
 
 
-def _start_notification(
-    client_ref: weakref.ref[AsyncMPClient],
-    resources: ClientResources,
-    notify: Any,
-    utility: Any,
-) -> None:
-    """Run the elastic-scaling notification handler in its own task."""
-    client = client_ref()
-    result = utility.result
-    if client is None or result is None:
-        return
-    task = asyncio.get_running_loop().create_task(
-        notify(client, result.result), name="corewire-eep-notification"
-    )
-    resources.add_task(task)
+def _notification_starter(
+    client_ref: weakref.ref[AsyncMPClient], resources: ClientResources, handler: Any
+) -> Callable[[Any], None]:
+    """The link's ``notify``: runs the elastic-scaling notification handler in its own
+    task."""
+
+    def notify(utility: Any) -> None:
+        client = client_ref()
+        result = utility.result
+        if client is None or result is None:
+            return
+        task = asyncio.get_running_loop().create_task(
+            handler(client, result.result), name="corewire-eep-notification"
+        )
+        resources.loop_side.add_task(task)
+
+    return notify
 
 
 async def _health_watchdog(
@@ -788,9 +690,7 @@ async def _health_watchdog(
                 return
             logger.error("health check failed: %s", exc)
             resources.mark_dead(str(exc))
-            for proc in resources.processes:
-                with contextlib.suppress(Exception):
-                    proc.kill()
+            resources.processes.kill()
             return
         finally:
             del client

@@ -6,22 +6,20 @@ import importlib
 import logging
 import multiprocessing
 import os
-import time
 import weakref
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any, cast
+from typing import Any
 
-import msgspec
 import zmq
 import zmq.asyncio
 
 from corewire.client._resources import ClientResources
-from corewire.codec import Encoder, MsgspecDecoder
+from corewire.client.ready import ReadyWait
+from corewire.codec import Encoder, NativeDecoder
 from corewire.curve import require_curve_for
-from corewire.engine.startup import check_engine_spec, engine_process_main, read_startup_error
-from corewire.errors import EngineDeadError, ProtocolError, UtilityError
+from corewire.engine.startup import check_engine_spec, engine_process_main
+from corewire.errors import EngineDeadError, UtilityError
 from corewire.ipcdir import make_private_dir
-from corewire.protocol import EngineCoreOutputs
 
 __all__ = ["DEFAULT_ENGINE_MAIN", "MPClient", "make_output_decoder", "resolve_utility_output"]
 
@@ -45,12 +43,7 @@ OUTPUT_RCVHWM = 128
 
 
 def make_output_decoder() -> Any:
-    """The decoder of engine output frames: the Rust ``NativeDecoder`` when the native
-    module provides it, else the reference ``MsgspecDecoder``."""
-    try:
-        from corewire.codec import NativeDecoder  # type: ignore[attr-defined]
-    except ImportError:
-        return MsgspecDecoder(EngineCoreOutputs)
+    """The decoder of engine output frames: the Rust ``NativeDecoder``."""
     return NativeDecoder()
 
 
@@ -186,7 +179,7 @@ class MPClient:
             sock: Any = zmq.asyncio.Socket(self.ctx, kind)
         else:
             sock = self.ctx.socket(kind)
-        self.resources.sockets.append(sock)
+        self.resources.loop_side.sockets.append(sock)
         sock.setsockopt(zmq.LINGER, 0)
         # Unbounded queues, as vLLM: a full ROUTER pipe would drop requests silently. The
         # output PULL of a bounded backlog has a finite receive limit, which drops
@@ -232,9 +225,8 @@ class MPClient:
                 daemon=True,
             )
             proc.start()
-            self.resources.processes.append(proc)
+            self.resources.processes.add_engine(index, proc)
             started.append(proc)
-        self.resources.processes_changed()
         return started
 
     def _startup_report_path(self, process_name: str) -> str | None:
@@ -248,57 +240,24 @@ class MPClient:
     ) -> dict[bytes, dict[str, Any]]:
         """Wait until every engine in ``identities`` has sent its ready message.
 
-        Raises ``RuntimeError`` when a local engine process exits first and
-        ``TimeoutError`` after ``timeout`` seconds, naming the engines that are missing.
+        Raises ``RuntimeError`` when a local process exits first and ``TimeoutError``
+        after ``timeout`` seconds, naming the engines that are missing.
         """
-        missing = set(identities)
-        info: dict[bytes, dict[str, Any]] = {}
-        # A blocking view of the ROUTER (the client's own socket may be an asyncio one).
-        sock: zmq.Socket[bytes] = zmq.Socket.shadow(self.input_socket.underlying)
-        poller = zmq.Poller()
-        poller.register(sock, zmq.POLLIN)
-        sentinels = {p.sentinel: p for p in self.resources.processes}
-        for fd in sentinels:
-            poller.register(fd, zmq.POLLIN)
-        deadline = time.monotonic() + timeout
-        while missing:
-            left = deadline - time.monotonic()
-            if left <= 0:
-                names = sorted(int.from_bytes(i, "little") for i in missing)
-                raise TimeoutError(
-                    f"engine(s) {names} sent no ready message within {timeout:g} s on "
-                    f"{self.input_address}"
-                )
-            events = dict(poller.poll(int(left * 1000) + 1))
-            dead = [sentinels[fd] for fd in events if fd in sentinels]
-            if dead:
-                proc = dead[0]
-                proc.join(1.0)
-                cause = read_startup_error(self._startup_report_path(proc.name))
-                raise RuntimeError(
-                    f"engine process {proc.name} exited with code {proc.exitcode} before it "
-                    + (f"was ready: {cause}" if cause else "was ready; its error is logged above")
-                )
-            while cast(int, sock.get(zmq.EVENTS)) & zmq.POLLIN:
-                identity, *rest = sock.recv_multipart()
-                payload = rest[-1] if rest else b""
-                info[identity] = self._parse_ready(identity, payload)
-                if identity not in missing:
-                    logger.warning("ready message from unexpected engine %r", identity)
-                missing.discard(identity)
-        return info
+        return self._ready_wait(identities, self.resources.processes.handles(), timeout).wait()
 
-    @staticmethod
-    def _parse_ready(identity: bytes, payload: bytes) -> dict[str, Any]:
-        if not payload:
-            return {}
-        try:
-            msg = msgspec.msgpack.decode(payload)
-        except msgspec.DecodeError as exc:
-            raise ProtocolError(f"engine {identity!r} sent a malformed ready message") from exc
-        if not isinstance(msg, dict) or msg.get("status", "READY") != "READY":
-            raise RuntimeError(f"engine {identity!r} did not report READY: {msg!r:.200}")
-        return msg
+    def _ready_wait(
+        self, identities: Sequence[bytes], processes: Sequence[Any], timeout: float
+    ) -> ReadyWait:
+        """A ready handshake with the engines ``identities`` on the ROUTER, failing when
+        one of ``processes`` exits first."""
+        return ReadyWait(
+            self.input_socket,
+            identities,
+            processes,
+            timeout,
+            address=self.input_address,
+            report_path=self._startup_report_path,
+        )
 
     # -- state -----------------------------------------------------------------------
 
@@ -306,7 +265,7 @@ class MPClient:
     def engine_pids(self) -> list[int]:
         """Process ids of the engine processes this client started (none for external
         engines)."""
-        return [p.pid for p in self.resources.processes if p.pid is not None]
+        return self.resources.processes.engine_pids
 
     @property
     def engine_ranks_managed(self) -> list[int]:
@@ -341,7 +300,7 @@ class MPClient:
         signature; default ``TERMINATE_GRACE_S``).
         """
         if timeout is not None:
-            self.resources.terminate_grace = max(0.0, timeout)
+            self.resources.processes.terminate_grace = max(0.0, timeout)
         self._finalizer()
 
     def __enter__(self) -> MPClient:

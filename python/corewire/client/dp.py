@@ -46,8 +46,9 @@ import zmq
 import zmq.asyncio
 
 from corewire._native import Router
-from corewire.client._resources import ClientResources, stop_processes
+from corewire.client._resources import ClientResources
 from corewire.client.async_client import AsyncMPClient
+from corewire.client.processes import stop_processes
 from corewire.coordinator import CoordinatorAddresses, DPCoordinator, TcpEndpoints
 from corewire.keygen import (
     CurveAuthenticator,
@@ -119,28 +120,13 @@ class DPAsyncMPClient(AsyncMPClient):
         self._tcp: TcpEndpoints | None = None
         self._server_keys: CurveServerKeys | None = None
         if data_parallel_address is not None:
-            self._tcp = TcpEndpoints.from_address(data_parallel_address)
-            if curve_keys is not None:
-                self._server_keys = CurveServerKeys.from_dir(curve_keys)
-            elif not is_loopback_address(data_parallel_address):
-                raise ValueError(
-                    f"listening on {data_parallel_address} exposes the engines to other "
-                    "hosts: pass curve_keys (write them with `corewire keygen DIR`), or use "
-                    "a loopback address"
-                )
+            self._listen_on(data_parallel_address, curve_keys)
         elif len(self._local_indices) < len(engine_indices):
             raise ValueError("engines on other hosts need data_parallel_address='tcp://HOST:PORT'")
         self._zap: CurveAuthenticator | None = None
         self._coordinator: DPCoordinator | None = None
         if coordinator_addresses is None:
-            remote = None
-            if self._tcp is not None:
-                remote = (self._tcp.coordinator_stats, self._tcp.coordinator_publish)
-            self._coordinator = DPCoordinator(
-                data_parallel_size,
-                remote=remote,
-                curve_server_dir=curve_keys if self._server_keys is not None else None,
-            )
+            self._coordinator = self._start_coordinator(data_parallel_size, curve_keys)
             coordinator_addresses = self._coordinator.addresses
         #: Where this group's coordinator listens (give it to the other front-ends).
         self.coordinator_addresses = coordinator_addresses
@@ -161,23 +147,37 @@ class DPAsyncMPClient(AsyncMPClient):
             raise
         if self._coordinator is not None:
             # Watched and stopped with the engines: its death kills the client too.
-            self.resources.processes.append(self._coordinator)
-            self.resources.processes_changed()
+            self.resources.processes.set_coordinator(self._coordinator)
+
+    def _listen_on(self, data_parallel_address: str, curve_keys: str | None) -> None:
+        """Plan the TCP endpoints of ``data_parallel_address`` (bound with the sockets),
+        behind CURVE with ``curve_keys``, which a non-loopback address requires."""
+        self._tcp = TcpEndpoints.from_address(data_parallel_address)
+        if curve_keys is not None:
+            self._server_keys = CurveServerKeys.from_dir(curve_keys)
+        elif not is_loopback_address(data_parallel_address):
+            raise ValueError(
+                f"listening on {data_parallel_address} exposes the engines to other "
+                "hosts: pass curve_keys (write them with `corewire keygen DIR`), or use "
+                "a loopback address"
+            )
+
+    def _start_coordinator(self, size: int, curve_keys: str | None) -> DPCoordinator:
+        """Start the group's coordinator (this is the first front-end), with the TCP
+        endpoints of ``data_parallel_address`` for engines on other hosts."""
+        remote = None
+        if self._tcp is not None:
+            remote = (self._tcp.coordinator_stats, self._tcp.coordinator_publish)
+        return DPCoordinator(
+            size,
+            remote=remote,
+            curve_server_dir=curve_keys if self._server_keys is not None else None,
+        )
 
     @staticmethod
     def _default_engine_indices(size: int, rank: int) -> list[int]:
         """External load balancing: this front-end drives engine ``rank`` only."""
         return [rank]
-
-    @property
-    def engine_pids(self) -> list[int]:
-        """Process ids of the engine processes this client started (not the
-        coordinator's: see :attr:`coordinator_pid`)."""
-        return [
-            p.pid
-            for p in self.resources.processes
-            if p.pid is not None and p is not self._coordinator
-        ]
 
     def dp_engines_running(self) -> bool:
         """Whether the group is in a running wave (from the coordinator's publications)."""
@@ -205,7 +205,7 @@ class DPAsyncMPClient(AsyncMPClient):
             if self._server_keys is not None:
                 if self._zap is None:
                     self._zap = CurveAuthenticator(self.ctx, self._server_keys.authorized)
-                    self.resources.add_thread(self._zap.thread, self._zap.stop)
+                    self.resources.threads.add(self._zap.thread, self._zap.stop)
                 apply_server(sock, self._server_keys)
             sock.bind(self._tcp.input if kind == zmq.ROUTER else self._tcp.output)
         return sock
@@ -228,7 +228,7 @@ class DPAsyncMPClient(AsyncMPClient):
             return
         loop = self._bind_loop()
         sock = zmq.asyncio.Socket(self.ctx, zmq.XSUB)
-        resources.sockets.append(sock)
+        resources.loop_side.sockets.append(sock)
         sock.setsockopt(zmq.LINGER, 0)
         sock.connect(self.coordinator_addresses.front_publish)
         self._stats_socket = sock
@@ -237,7 +237,7 @@ class DPAsyncMPClient(AsyncMPClient):
             _stats_update_loop(weakref.ref(self), resources, sock),
             name="corewire-dp-stats-task",
         )
-        resources.add_task(task)
+        resources.loop_side.add_task(task)
 
     def _apply_stats(self, counts: list[list[int]] | None, wave: int, running: bool) -> None:
         """One publication ``[counts, current_wave, engines_running]`` arrived; ``counts``
@@ -488,14 +488,13 @@ class DPLBAsyncMPClient(DPAsyncMPClient):
         procs = self._start_engine_processes(new_indices)
         identities = [i.to_bytes(2, "little") for i in new_indices]
         try:
-            self.ready_info.update(await self._await_ready(identities, procs))
+            # On this loop: the ROUTER is used only from this thread.
+            ready = self._ready_wait(identities, procs, self.ready_timeout)
+            self.ready_info.update(await ready.wait_async(self.ensure_alive))
         except BaseException:
             # The group stays as it was: the new engines never joined it.
-            for proc in procs:
-                if proc in self.resources.processes:
-                    self.resources.processes.remove(proc)
-            self.resources.processes_changed()
-            await asyncio.get_running_loop().run_in_executor(None, stop_processes, procs)
+            retired = self.resources.processes.retire_engines(new_indices)
+            await asyncio.get_running_loop().run_in_executor(None, stop_processes, retired)
             self.data_parallel_size = old_size
             self._local_indices.difference_update(new_indices)
             raise
@@ -518,10 +517,8 @@ class DPLBAsyncMPClient(DPAsyncMPClient):
         del self.core_engines[new_size:]
         del self.lb_engines[new_size:]
         self.data_parallel_size = new_size
-        procs = [p for p in self.resources.processes if _engine_index_of(p) in removed]
-        for proc in procs:  # their exit is expected now, not a death
-            self.resources.processes.remove(proc)
-        self.resources.processes_changed()
+        # Their exit is expected now, not a death.
+        procs = self.resources.processes.retire_engines(removed)
         try:
             await asyncio.wait_for(
                 asyncio.gather(
@@ -579,49 +576,6 @@ class DPLBAsyncMPClient(DPAsyncMPClient):
                 finished_requests=set(leftovers),
             )
         )
-
-    async def _await_ready(
-        self, identities: list[bytes], procs: list[Any]
-    ) -> dict[bytes, dict[str, Any]]:
-        """Wait on this loop for the new engines' ready messages (the ROUTER is used only
-        from this thread, so this reads it here instead of in a worker thread)."""
-        missing = set(identities)
-        info: dict[bytes, dict[str, Any]] = {}
-        sock = self.input_socket
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + self.ready_timeout
-        while missing:
-            self.ensure_alive()
-            while True:
-                try:
-                    identity, *rest = sock.recv_multipart(zmq.NOBLOCK)
-                except zmq.Again:
-                    break
-                info[identity] = self._parse_ready(identity, rest[-1] if rest else b"")
-                missing.discard(identity)
-            dead = [p for p in procs if not p.is_alive()]
-            if dead:
-                raise RuntimeError(
-                    f"engine process {dead[0].name} exited with code {dead[0].exitcode} "
-                    "before it was ready"
-                )
-            if loop.time() > deadline:
-                raise TimeoutError(
-                    f"new engine(s) {sorted(int.from_bytes(i, 'little') for i in missing)} "
-                    f"sent no ready message within {self.ready_timeout:g} s"
-                )
-            if missing:
-                await asyncio.sleep(0.02)
-        return info
-
-
-def _engine_index_of(proc: Any) -> int | None:
-    """Engine index of a process this client started (its name ends in it)."""
-    name = getattr(proc, "name", "")
-    prefix = "corewire-engine-"
-    if isinstance(name, str) and name.startswith(prefix) and name[len(prefix) :].isdigit():
-        return int(name[len(prefix) :])
-    return None
 
 
 async def _stats_update_loop(

@@ -4,40 +4,55 @@ from __future__ import annotations
 
 import concurrent.futures
 import contextlib
+import functools
+import inspect
 import logging
 import os
 import queue
 import threading
 import time
+import weakref
+from collections.abc import Callable
 from typing import Any
 
 import zmq
 
-from corewire.client._resources import ClientResources
-from corewire.client.core import HEALTH_CHECK_METHOD, MPClient, resolve_utility_output
-from corewire.client.salvage import fail_undecodable
-from corewire.errors import EngineDeadError, ProtocolError, UtilityError
+from corewire.client.core import HEALTH_CHECK_METHOD, MPClient
+from corewire.client.output_link import PAUSED, STOPPED, OutputLink
+from corewire.errors import EngineDeadError, UtilityError
 from corewire.metrics import for_client
-from corewire.protocol import ENGINE_CORE_DEAD, EngineCoreOutputs, EngineCoreRequest
+from corewire.protocol import EngineCoreOutputs, EngineCoreRequest
 from corewire.protocol import EngineCoreRequestType as RequestType
 
 __all__ = ["SyncMPClient"]
 
 logger = logging.getLogger("corewire.client")
 
-_DEAD_LEN = len(ENGINE_CORE_DEAD)
 #: How often a paused output thread looks whether the consumer made room.
 _PAUSE_POLL_MS = 5
 
 
 class _Backlog:
-    """The output backlog of a :class:`SyncMPClient`, counted as outputs plus one per
-    message: ``produced`` is written by the output thread only, ``consumed`` by the
-    consumer only, so neither needs a lock."""
+    """The output queue of a :class:`SyncMPClient` as its :class:`OutputLink` sees it: a
+    ``queue.Queue`` and its backlog, counted as outputs plus one per message.
+    ``produced`` is written by the output thread only, ``consumed`` by the consumer
+    only, so neither needs a lock."""
 
-    __slots__ = ("consumed", "high", "low", "paused", "pauses", "produced", "resumed_at")
+    __slots__ = (
+        "consumed",
+        "high",
+        "low",
+        "paused",
+        "pauses",
+        "produced",
+        "put_nowait",
+        "queue",
+        "resumed_at",
+    )
 
     def __init__(self, high: int | None) -> None:
+        #: The outputs, and exceptions for the consumer.
+        self.queue: queue.Queue[Any] = queue.Queue()
         self.produced = 0
         self.consumed = 0
         self.high = high if high is not None else 1 << 62
@@ -48,10 +63,25 @@ class _Backlog:
         #: not count time in which the backlog was full.
         self.pauses = 0
         self.resumed_at = 0.0
+        #: What the link calls with every output message and exception.
+        self.put_nowait = self._put
 
+    def _put(self, item: Any) -> None:
+        self.queue.put_nowait(item)
+        if not isinstance(item, BaseException):
+            self.produced += len(item.outputs) + 1
+
+    @property
     def held(self) -> int:
         """Outputs received and not yet taken."""
         return self.produced - self.consumed
+
+    def full(self) -> bool:
+        """Whether the backlog reached its high-water mark (then counted as a pause)."""
+        if self.produced - self.consumed < self.high:
+            return False
+        self.pauses += 1
+        return True
 
 
 class SyncMPClient(MPClient):
@@ -71,25 +101,31 @@ class SyncMPClient(MPClient):
     def __init__(self, **kwargs: Any) -> None:
         # Before any engine starts: a bad COREWIRE_METRICS value fails here.
         metrics = for_client(kwargs.get("client_index", 0))
+        hook = self._plain_hook()
         super().__init__(asyncio_mode=False, **kwargs)
-        self.outputs_queue: queue.Queue[Any] = queue.Queue()
         self._backlog = backlog = _Backlog(self.max_output_backlog)
+        self.outputs_queue = backlog.queue
         resources = self.resources
         resources.set_fail_queue(self.outputs_queue.put_nowait)
         if metrics is not None:
             resources.metrics = metrics
-            metrics.watch(backlog.held, resources.registry.__len__)
+            metrics.watch(lambda: backlog.held, resources.registry.__len__)
+        # Made on the thread: a client closed during construction starts no thread, and
+        # its socket, closed by then, could not be read.
+        make_link = functools.partial(
+            OutputLink,
+            self.output_socket,
+            self.decoder,
+            resources,
+            backlog,
+            name="output thread",
+            client_ref=weakref.ref(self),
+            hook=hook,
+        )
         wake_r, wake_w = os.pipe()
         thread = threading.Thread(
             target=_output_thread,
-            args=(
-                self.output_socket,
-                wake_r,
-                self.decoder,
-                resources,
-                self.outputs_queue,
-                backlog,
-            ),
+            args=(make_link, wake_r, self.output_socket, backlog),
             name="corewire-output-thread",
             daemon=True,
         )
@@ -99,8 +135,16 @@ class SyncMPClient(MPClient):
             with contextlib.suppress(OSError):
                 os.close(wake_w)
 
-        if not resources.start_thread(thread, stop):
+        if not resources.threads.start(thread, stop):
             os.close(wake_r)  # the engine died during construction: no thread to close it
+
+    def _plain_hook(self) -> Any:
+        """This class's ``process_engine_outputs`` hook, run on the output thread; an
+        async one cannot run there."""
+        hook = type(self).process_engine_outputs
+        if hook is not None and inspect.iscoroutinefunction(hook):
+            raise TypeError(f"{type(self).__name__}.process_engine_outputs must not be async")
+        return hook
 
     def get_output(self, timeout: float | None = None) -> EngineCoreOutputs:
         """The next batch of outputs, blocking; raises :class:`EngineDeadError` once the
@@ -120,7 +164,7 @@ class SyncMPClient(MPClient):
         """Send ``request`` to ``engine`` (default: the first)."""
         frames = self.encoder.encode(request)
         # The engine monitor may close the socket on another thread.
-        with self.resources.send_lock:
+        with self.resources.loop_side.send_lock:
             self._send_message(engine or self.core_engine, request_type.value, frames, request)
 
     def add_request(self, request: EngineCoreRequest) -> None:
@@ -249,75 +293,37 @@ class SyncMPClient(MPClient):
 
 
 def _output_thread(
-    sock: zmq.Socket,
-    wake_r: int,
-    decoder: Any,
-    resources: ClientResources,
-    outputs: queue.Queue[Any],
-    backlog: _Backlog,
+    make_link: Callable[[], OutputLink], wake_r: int, sock: Any, backlog: _Backlog
 ) -> None:
-    """Receive, decode and dispatch frames until woken through ``wake_r``; while the
+    """Drive the link ``make_link()`` makes until woken through ``wake_r``; while the
     backlog is full, wait for the consumer instead of reading."""
+    try:
+        link = make_link()
+    except BaseException:
+        os.close(wake_r)
+        raise
     poller = zmq.Poller()
     poller.register(sock, zmq.POLLIN)
     poller.register(wake_r, zmq.POLLIN)
     waker = zmq.Poller()
     waker.register(wake_r, zmq.POLLIN)
-    high = backlog.high
-    recv = sock.recv
-    metrics = resources.metrics
-    # Metrics on: a decoder that times and counts each message; off: the plain one.
-    decode = decoder.decode if metrics is None else metrics.wrap_decode(decoder.decode)
-    pop = resources.registry.pop
-    put = outputs.put_nowait
-    NOBLOCK = zmq.NOBLOCK
     try:
         while True:
             if any(fd == wake_r for fd, _ in poller.poll()):
                 return
-            while True:  # drain: the descriptor is edge-triggered
-                try:
-                    first = recv(NOBLOCK, copy=False)
-                except zmq.Again:
-                    break
-                frames = [first]
-                while first.more:
-                    first = recv(copy=False)
-                    frames.append(first)
-                if (
-                    len(frames) == 1
-                    and len(frames[0]) == _DEAD_LEN
-                    and (frames[0].bytes == ENGINE_CORE_DEAD)
-                ):
-                    resources.mark_dead("Engine core sent ENGINE_CORE_DEAD (fatal error).")
-                    return
-                try:
-                    decoded = decode(frames)
-                except ProtocolError as exc:
-                    if fail_undecodable(exc, frames, pop, metrics):
-                        put(exc)
-                    continue
-                utility = decoded.utility_output
-                if utility is None:
-                    put(decoded)
-                    backlog.produced += len(decoded.outputs) + 1
-                    if backlog.produced - backlog.consumed >= high:
-                        backlog.paused = True
-                        backlog.pauses += 1
-                        while backlog.held() > backlog.low:
-                            if waker.poll(_PAUSE_POLL_MS):
-                                return
-                        backlog.resumed_at = time.monotonic()
-                        backlog.paused = False
-                    continue
-                future = pop(utility.call_id)
-                if future is not None and not future.done():
-                    with contextlib.suppress(concurrent.futures.InvalidStateError):
-                        resolve_utility_output(future, utility)
+            # After each pass (MORE included) the thread looks whether it must stop; the
+            # poll answers at once while messages are queued.
+            status = link.pump()
+            if status is STOPPED:
+                return
+            if status is PAUSED:
+                backlog.paused = True
+                while backlog.held > backlog.low:
+                    if waker.poll(_PAUSE_POLL_MS):
+                        return
+                backlog.resumed_at = time.monotonic()
+                backlog.paused = False
     except Exception as exc:
-        if not resources.closed:
-            logger.exception("corewire output thread failed")
-            put(exc)
-            resources.mark_dead(f"The client's output thread failed: {exc!r}")
+        link.fail(exc)
     finally:
         os.close(wake_r)

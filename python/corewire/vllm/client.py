@@ -323,12 +323,16 @@ class VllmClientMixin:
         ):
             self.vllm_engine_manager = engine_manager
             self.vllm_coordinator = coordinator
-            # Watched by corewire's monitor and stopped with the client.
-            self.resources.processes.extend(getattr(engine_manager, "processes", None) or ())
+            # Watched by corewire's monitor and stopped with the client. vLLM starts the
+            # local engines in rank order from the first rank this front-end drives (the
+            # ranks after them may be remote).
+            processes = self.resources.processes
+            local = getattr(engine_manager, "processes", None) or ()
+            for index, proc in zip(self.engine_indices, local, strict=False):
+                processes.add_engine(index, proc)
             if coordinator is not None:
-                self.resources.processes.append(coordinator.proc)
+                processes.set_coordinator(coordinator.proc)
         self.stats_update_address = launched.frontend_stats_publish_address
-        self.resources.processes_changed()
 
 
 class VllmAsyncMPClient(VllmClientMixin, AsyncMPClient):

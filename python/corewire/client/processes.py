@@ -1,0 +1,199 @@
+"""The processes a client owns: engines by index, at most one coordinator, one monitor.
+
+:class:`ProcessGroup` holds each process as what it is (an engine under its index, the
+DP coordinator in its own place), watches them all from one monitor thread, and stops
+them with one routine (:func:`stop_processes`). It holds no reference to the client:
+the monitor reports a death through the ``on_death`` callback it is started with.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import multiprocessing.connection
+import os
+import threading
+import time
+from collections.abc import Callable, Iterable
+from typing import Any, Protocol
+
+__all__ = ["TERMINATE_GRACE_S", "ProcessGroup", "ProcessHandle", "stop_processes"]
+
+logger = logging.getLogger("corewire.client")
+
+#: How long processes get to exit after SIGTERM before they are killed.
+TERMINATE_GRACE_S = 4.0
+
+
+class ProcessHandle(Protocol):
+    """What the group needs of a process: ``multiprocessing.Process`` has it, and so
+    does :class:`corewire.coordinator.DPCoordinator` (a ``subprocess`` underneath)."""
+
+    name: str
+
+    @property
+    def sentinel(self) -> int: ...  # readable once the process has exited
+
+    @property
+    def pid(self) -> int | None: ...
+
+    @property
+    def exitcode(self) -> int | None: ...
+
+    def is_alive(self) -> bool: ...
+
+    def terminate(self) -> None: ...
+
+    def kill(self) -> None: ...
+
+    def join(self, timeout: float | None = None) -> None: ...
+
+    def close(self) -> None: ...
+
+
+class ProcessGroup:
+    """The engine processes (engine index -> process) and the coordinator of one client.
+
+    Changes come from the client's thread; the monitor thread reads a snapshot after
+    each change (:meth:`_changed` wakes it).
+    """
+
+    def __init__(self) -> None:
+        #: Engine index -> its process (engines this client started).
+        self.engines: dict[int, ProcessHandle] = {}
+        #: The DP coordinator this client started (or that vLLM started for it), if any.
+        self.coordinator: ProcessHandle | None = None
+        #: Seconds processes get between SIGTERM and SIGKILL when the group stops.
+        self.terminate_grace = TERMINATE_GRACE_S
+        self._monitor: _Monitor | None = None
+
+    def add_engine(self, index: int, proc: ProcessHandle) -> None:
+        """Own engine ``index``'s process (watched from now on)."""
+        self.engines[index] = proc
+        self._changed()
+
+    def set_coordinator(self, proc: ProcessHandle) -> None:
+        """Own the coordinator process (watched from now on)."""
+        self.coordinator = proc
+        self._changed()
+
+    def retire_engines(self, indices: Iterable[int]) -> list[ProcessHandle]:
+        """Stop watching the engines at ``indices`` (their exit is expected now) and
+        return their processes, for :func:`stop_processes`."""
+        retired = [proc for i in indices if (proc := self.engines.pop(i, None)) is not None]
+        self._changed()
+        return retired
+
+    def handles(self) -> list[ProcessHandle]:
+        """Every process of the group: the engines in index order, then the coordinator."""
+        procs = [self.engines[i] for i in sorted(self.engines)]
+        if self.coordinator is not None:
+            procs.append(self.coordinator)
+        return procs
+
+    @property
+    def engine_pids(self) -> list[int]:
+        """Process ids of the engines, in index order."""
+        return [p.pid for i in sorted(self.engines) if (p := self.engines[i]).pid is not None]
+
+    def kill(self) -> None:
+        """SIGKILL every process (a hung group); the monitor then reports the death."""
+        for proc in self.handles():
+            with contextlib.suppress(Exception):
+                proc.kill()
+
+    def start_monitor(
+        self, start_thread: Callable[[threading.Thread, Callable[[], None]], bool], on_death: Any
+    ) -> None:
+        """Watch the processes from a thread (started by ``start_thread(thread, stop)``);
+        the first unexpected exit calls ``on_death(reason)`` on that thread, and the
+        thread ends (``on_death`` ignores a death during shutdown)."""
+        if self._monitor is None and self.handles():
+            self._monitor = _Monitor(self, on_death)
+            start_thread(self._monitor.thread, self._monitor.stop)
+
+    def stop(self) -> None:
+        """Stop every process (see :func:`stop_processes`) and forget them; the monitor
+        must be stopped first (its death reports would be false)."""
+        if self._monitor is not None:
+            self._monitor.release()
+        procs = self.handles()
+        self.engines.clear()
+        self.coordinator = None
+        stop_processes(procs, self.terminate_grace)
+
+    def _changed(self) -> None:
+        if self._monitor is not None:
+            self._monitor.rescan()
+
+
+def stop_processes(processes: Iterable[Any], grace: float = TERMINATE_GRACE_S) -> None:
+    """The one stop routine: SIGTERM the live processes, SIGKILL those still alive after
+    ``grace`` seconds, reap them all and release their handles."""
+    processes = list(processes)
+    for proc in processes:
+        if proc.is_alive():
+            with contextlib.suppress(Exception):
+                proc.terminate()
+    deadline = time.monotonic() + grace
+    for proc in processes:
+        proc.join(max(0.0, deadline - time.monotonic()))
+    for proc in processes:
+        if proc.is_alive():
+            logger.warning("process %s did not exit after SIGTERM; killing it", proc.name)
+            with contextlib.suppress(Exception):
+                proc.kill()
+            proc.join(5.0)
+    for proc in processes:
+        with contextlib.suppress(Exception):
+            proc.close()  # frees the sentinel fd now, not at garbage collection
+
+
+class _Monitor:
+    """Thread waiting on the group's sentinels and a wake-up pipe."""
+
+    def __init__(self, group: ProcessGroup, on_death: Callable[[str], None]) -> None:
+        self._group = group
+        self._on_death = on_death
+        self._wake_r, self._wake_w = os.pipe()
+        self._stopping = False
+        self.thread = threading.Thread(
+            target=self._run, name="corewire-engine-monitor", daemon=True
+        )
+
+    def rescan(self) -> None:
+        """Make the thread re-read the process list."""
+        with contextlib.suppress(OSError):
+            os.write(self._wake_w, b"r")
+
+    def stop(self) -> None:
+        """Make the thread end."""
+        self._stopping = True
+        self.rescan()
+
+    def release(self) -> None:
+        """Close the pipe once the thread has ended (or is the caller, about to end)."""
+        if not self.thread.is_alive() or self.thread is threading.current_thread():
+            for fd in (self._wake_r, self._wake_w):
+                with contextlib.suppress(OSError):
+                    os.close(fd)
+            self._wake_r = self._wake_w = -1
+
+    def _run(self) -> None:
+        while not self._stopping:
+            procs = {p.sentinel: p for p in self._group.handles()}
+            ready = multiprocessing.connection.wait([self._wake_r, *procs])
+            if self._wake_r in ready:
+                os.read(self._wake_r, 4096)
+                continue
+            died = [procs[s] for s in ready if s in procs]
+            if self._stopping or not died:
+                continue
+            proc = died[0]
+            proc.join(1.0)  # the sentinel closes just before the exit status is ready
+            reason = (
+                f"Engine core process {proc.name} (pid {proc.pid}) died unexpectedly "
+                f"(exit code {proc.exitcode})."
+            )
+            self._on_death(reason)
+            return
