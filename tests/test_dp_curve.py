@@ -14,14 +14,13 @@ import pytest
 import zmq
 
 from corewire.coordinator import CoordinatorAddresses, DPCoordinator
+from corewire.curve import is_loopback_address, require_curve_for
 from corewire.keygen import (
     CurveAuthenticator,
     CurveClientKeys,
     CurveServerKeys,
     apply_client,
     apply_server,
-    is_loopback_address,
-    require_curve_for,
 )
 from dp_support import (
     EnginePeer,

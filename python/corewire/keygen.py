@@ -44,9 +44,6 @@ import zmq
 import zmq.auth
 import zmq.auth.thread
 
-# The policy lives in corewire.curve; re-exported here for importers of the old place.
-from corewire.curve import is_loopback_address, require_curve_for
-
 logger = logging.getLogger("corewire.keygen")
 __all__ = [
     "CurveAuthenticator",
@@ -55,8 +52,6 @@ __all__ = [
     "add_arguments",
     "apply_client",
     "apply_server",
-    "is_loopback_address",
-    "require_curve_for",
     "run",
     "write_keypair",
 ]

@@ -18,7 +18,6 @@ from corewire.client._resources import ClientResources
 from corewire.client.core import HEALTH_CHECK_METHOD, MPClient
 from corewire.client.output_link import (
     DRAIN_BUDGET,
-    EEP_NOTIFICATION_CALL_ID,
     EMPTY,
     MORE,
     OUTPUT_BUDGET,
@@ -33,7 +32,6 @@ from corewire.protocol import EngineCoreRequestType as RequestType
 
 __all__ = [
     "DRAIN_BUDGET",
-    "EEP_NOTIFICATION_CALL_ID",
     "OUTPUT_BUDGET",
     "AsyncMPClient",
     "OutputQueue",

@@ -41,7 +41,6 @@ import weakref
 from collections.abc import Sequence
 from typing import Any
 
-import msgspec
 import zmq
 import zmq.asyncio
 
@@ -50,13 +49,17 @@ from corewire.client._resources import ClientResources
 from corewire.client.async_client import AsyncMPClient
 from corewire.client.processes import stop_processes
 from corewire.coordinator import CoordinatorAddresses, DPCoordinator, TcpEndpoints
-from corewire.keygen import (
-    CurveAuthenticator,
-    CurveServerKeys,
-    apply_server,
-    is_loopback_address,
+from corewire.curve import is_loopback_address
+from corewire.dp_messages import XPUB_SUBSCRIBE, DPState, FirstRequest, ScaleNotice
+from corewire.errors import ProtocolError
+from corewire.keygen import CurveAuthenticator, CurveServerKeys, apply_server
+from corewire.protocol import (
+    EEPNotificationType,
+    EngineCoreOutput,
+    EngineCoreOutputs,
+    EngineCoreRequest,
+    FinishReason,
 )
-from corewire.protocol import EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest, FinishReason
 from corewire.protocol import EngineCoreRequestType as RequestType
 
 __all__ = ["DPAsyncMPClient", "DPConsensusError", "DPLBAsyncMPClient"]
@@ -66,9 +69,10 @@ logger = logging.getLogger("corewire.client")
 _ADD = RequestType.ADD.value
 _ABORT = RequestType.ABORT.value
 
-#: Notification types of elastic scaling (result ``[type, engine_rank]`` of call_id -1).
-RECONFIGURE_FINISHED = "RECONFIGURE_FINISHED"
-SHUTDOWN_COMPLETE = "SHUTDOWN_COMPLETE"
+# Notification types of elastic scaling (result ``[type, engine_rank]`` of call_id -1);
+# members of a str enum, equal to (and hashing like) the strings that arrive.
+RECONFIGURE_FINISHED = EEPNotificationType.RECONFIGURE_FINISHED
+SHUTDOWN_COMPLETE = EEPNotificationType.SHUTDOWN_COMPLETE
 #: How long a scaling step may take (engine start-up excluded: that is ``ready_timeout``).
 SCALE_STEP_TIMEOUT_S = 30.0
 
@@ -138,7 +142,6 @@ class DPAsyncMPClient(AsyncMPClient):
         self._stats_socket: Any = None
         self._stats_task: asyncio.Task[None] | None = None
         self._stats_waiters: list[tuple[int, asyncio.Future[None]]] = []
-        self._notice_encoder = msgspec.msgpack.Encoder()
         try:
             super().__init__(engine_indices=engine_indices, **kwargs)
         except BaseException:
@@ -232,7 +235,7 @@ class DPAsyncMPClient(AsyncMPClient):
         sock.setsockopt(zmq.LINGER, 0)
         sock.connect(self.coordinator_addresses.front_publish)
         self._stats_socket = sock
-        self._send_to_coordinator(b"\x01")  # subscribe to everything
+        self._send_to_coordinator(XPUB_SUBSCRIBE)
         self._stats_task = task = loop.create_task(
             _stats_update_loop(weakref.ref(self), resources, sock),
             name="corewire-dp-stats-task",
@@ -265,7 +268,7 @@ class DPAsyncMPClient(AsyncMPClient):
     def _send_first_request_notice(self, engine_index: int) -> None:
         # Assume running until the coordinator says otherwise: one notice per pause.
         self.engines_running = True
-        self._send_to_coordinator(self._notice_encoder.encode([engine_index, self.current_wave]))
+        self._send_to_coordinator(FirstRequest(engine_index, self.current_wave).encode())
 
     async def _tell_coordinator_size(self, size: int) -> None:
         """Send ``["scale", size]`` and wait until the coordinator publishes ``size``;
@@ -277,7 +280,7 @@ class DPAsyncMPClient(AsyncMPClient):
         entry = (size, waiter)
         self._stats_waiters.append(entry)
         try:
-            self._send_to_coordinator(self._notice_encoder.encode(["scale", size]))
+            self._send_to_coordinator(ScaleNotice(size).encode())
             deadline = loop.time() + SCALE_STEP_TIMEOUT_S
             # Nothing completes this waiter when the group dies: look every half second.
             while not waiter.done():
@@ -583,7 +586,6 @@ async def _stats_update_loop(
 ) -> None:
     """Follow the coordinator's publications: only the latest of a burst matters."""
     raw: zmq.Socket[bytes] = zmq.Socket.shadow(sock.underlying)
-    decode = msgspec.msgpack.Decoder().decode
     try:
         while not resources.closed:
             frame = await sock.recv()
@@ -594,10 +596,8 @@ async def _stats_update_loop(
                 except zmq.Again:
                     break
             try:
-                counts, wave, running = decode(frame)
-                if not (counts is None or isinstance(counts, list)) or type(wave) is not int:
-                    raise ValueError("expected [counts, current_wave, engines_running]")
-            except (msgspec.DecodeError, ValueError, TypeError) as exc:
+                counts, wave, running = DPState.decode(frame)
+            except ProtocolError as exc:
                 logger.warning("ignoring a malformed coordinator publication: %s", exc)
                 continue
             client = client_ref()

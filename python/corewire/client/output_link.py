@@ -22,9 +22,9 @@ Decisions where the clients used to differ (one behaviour now):
   after a ``done()`` test: a death on another thread (the engine monitor of a sync
   client) may fail the future between a test and the set, and the suppression costs
   nothing on the path where it is not raised.
-- A reply with call id :data:`EEP_NOTIFICATION_CALL_ID` that no call waits for is a
-  notification: it goes to the client's notification handler when it has one, and is
-  dropped otherwise (sync clients have none).
+- A reply with call id :data:`~corewire.protocol.EEP_NOTIFICATION_CALL_ID` that no call
+  waits for is a notification: it goes to the client's notification handler when it has
+  one, and is dropped otherwise (sync clients have none).
 """
 
 from __future__ import annotations
@@ -41,14 +41,13 @@ import zmq
 from corewire.client.core import resolve_utility_output
 from corewire.client.salvage import fail_undecodable
 from corewire.errors import ProtocolError
-from corewire.protocol import ENGINE_CORE_DEAD
+from corewire.protocol import EEP_NOTIFICATION_CALL_ID, ENGINE_CORE_DEAD
 
 if TYPE_CHECKING:
     from corewire.client._resources import ClientResources
 
 __all__ = [
     "DRAIN_BUDGET",
-    "EEP_NOTIFICATION_CALL_ID",
     "EMPTY",
     "MORE",
     "OUTPUT_BUDGET",
@@ -59,8 +58,6 @@ __all__ = [
 
 logger = logging.getLogger("corewire.client")
 
-#: call_id of elastic-scaling notifications (never a registered call).
-EEP_NOTIFICATION_CALL_ID = -1
 #: Messages one pass handles before the driver lets other work (the consumer) run.
 DRAIN_BUDGET = 64
 #: Outputs after which a pass ends too. Bounding the backlog by outputs keeps the number
