@@ -8,9 +8,9 @@ import queue
 import signal
 import time
 
-from client_support import no_leaks, wait_pid_gone
 from corewire.client._owned import OwnedThreads
 from corewire.client.processes import ProcessGroup, stop_processes
+from leak_support import no_leaks, wait_pid_gone
 
 
 def _sleeper(name: str) -> multiprocessing.process.BaseProcess:
