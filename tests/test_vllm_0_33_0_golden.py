@@ -17,7 +17,7 @@ import pytest
 
 from corewire import ProtocolError, layouts, versions
 from corewire import protocol as p
-from corewire.codec import Encoder, NativeDecoder
+from corewire.codec import Encoder, MsgspecDecoder, NativeDecoder
 from golden_0_33_0_support import expected, frames, to_structs
 from golden_support import jsonable
 
@@ -71,6 +71,13 @@ def test_reencodes_byte_for_byte(case: str) -> None:
     decoded = NativeDecoder(protocol="0.33.0").decode(golden)
     again = Encoder(protocol="0.33.0").encode(to_structs(decoded, "0.33.0"))
     assert [bytes(f) for f in again] == golden
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_the_0_33_0_structs_decode_alike(case: str) -> None:
+    """corewire.layouts' 0.33.0 structs, as msgspec reads them, are vLLM 0.33.0's layout."""
+    decoder = MsgspecDecoder(layouts.types_for("0.33.0")["EngineCoreOutputs"])
+    _compare(decoder.decode(frames(case)), expected()[case]["decoded"])
 
 
 def test_new_fields_decode_to_their_types() -> None:
