@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 import torch
 
-from corewire import ProtocolError
+from corewire import ProtocolError, layouts
 from corewire import protocol as p
 from corewire.codec import Encoder, MsgspecDecoder, NativeDecoder
 
@@ -35,12 +35,17 @@ def _step(ids: list[str], token: int, engine: int = 0) -> list[bytes]:
 
 
 def test_fields_mirror_the_protocol_structs() -> None:
-    """Same field names in the same order as corewire.protocol's structs."""
-    assert NativeDecoder().decode(_step(["a"], 1)).__struct_fields__ == (
+    """corewire.protocol's field names in its order first (then those of vLLM 0.33.0)."""
+    fields = NativeDecoder().decode(_step(["a"], 1)).__struct_fields__
+    assert fields[: len(p.EngineCoreOutputs.__struct_fields__)] == (
         p.EngineCoreOutputs.__struct_fields__
     )
     out = NativeDecoder().decode(_step(["a"], 1)).outputs[0]
-    assert type(out).__struct_fields__ == p.EngineCoreOutput.__struct_fields__
+    out_fields = type(out).__struct_fields__
+    assert out_fields[: len(p.EngineCoreOutput.__struct_fields__)] == (
+        p.EngineCoreOutput.__struct_fields__
+    )
+    assert set(out_fields) == set(layouts.V0_33_0_TYPES["EngineCoreOutput"].__struct_fields__)
     assert type(out).__module__ == "corewire._native"
     assert "request_id='a'" in repr(out)
     with pytest.raises(TypeError):

@@ -1,10 +1,11 @@
 """The Rust decoder's wire tables against ``corewire.protocol``: one schema, two languages.
 
-The Rust core declares each struct it decodes once, as a table (``rust/src/core/wire.rs``);
-its wire order for the protocol version it speaks is exposed read-only as
-``_native.wire_fields``. ``corewire.protocol`` declares the same structs for Python. These
-tests fail as soon as the two disagree on a name or a position, and check that the
-decoded objects' attributes, ``__struct_fields__`` and repr come from those tables.
+The Rust core declares each struct it decodes once, as a table (``rust/src/core/wire.rs``),
+and each protocol version's wire order as a layout, exposed read-only as
+``_native.wire_fields(name, protocol)``. ``corewire.protocol`` (0.25.1) and
+``corewire.layouts`` (0.33.0) declare the same structs for Python. These tests fail as soon
+as the two disagree on a name or a position in either version, and check that the decoded
+objects' attributes, ``__struct_fields__`` and repr come from those tables.
 """
 
 from __future__ import annotations
@@ -14,19 +15,31 @@ from typing import Any
 import msgspec
 import pytest
 
-from corewire import _native
+from corewire import _native, layouts, versions
 from corewire import protocol as p
 from corewire.codec import Encoder, NativeDecoder
 
-#: Every struct of ``corewire.protocol`` that the engine -> front-end decoder reads.
-DECODED = (
-    "EngineCoreOutputs",
-    "EngineCoreOutput",
-    "UtilityOutput",
-    "LogprobsLists",
-    "LogprobsTensors",
-    "EngineCoreEvent",
-)
+#: Every struct that the engine -> front-end decoder reads, by version.
+DECODED = {
+    "0.25.1": (
+        "EngineCoreOutputs",
+        "EngineCoreOutput",
+        "UtilityOutput",
+        "LogprobsLists",
+        "LogprobsTensors",
+        "EngineCoreEvent",
+    ),
+    "0.33.0": (
+        "EngineCoreOutputs",
+        "EngineCoreOutput",
+        "UtilityOutput",
+        "LogprobsLists",
+        "LogprobsTensors",
+        "SamplingMaskLists",
+        "EngineCoreEvent",
+    ),
+}
+PAIRS = [(version, name) for version, names in DECODED.items() for name in names]
 
 
 def _wire_names(cls: Any) -> tuple[str, ...]:
@@ -37,30 +50,56 @@ def _wire_names(cls: Any) -> tuple[str, ...]:
     return tuple(cls._fields)
 
 
-def test_the_rust_tables_cover_every_decoded_struct() -> None:
-    assert set(_native.wire_structs()) == set(DECODED)
+def test_both_languages_name_the_same_versions() -> None:
+    assert _native.wire_versions() == versions.SUPPORTED
+    assert _native.wire_version() == versions.DEFAULT == "0.25.1"
 
 
-@pytest.mark.parametrize("name", DECODED)
-def test_rust_wire_order_equals_protocol_py(name: str) -> None:
+@pytest.mark.parametrize("version", versions.SUPPORTED)
+def test_the_rust_tables_cover_every_decoded_struct(version: str) -> None:
+    assert set(_native.wire_structs(version)) == set(DECODED[version])
+    assert set(layouts.types_for(version)) >= set(DECODED[version])
+
+
+@pytest.mark.parametrize(("version", "name"), PAIRS)
+def test_rust_wire_order_equals_the_python_struct(version: str, name: str) -> None:
+    assert _native.wire_fields(name, version) == _wire_names(layouts.types_for(version)[name])
+
+
+@pytest.mark.parametrize("name", DECODED["0.25.1"])
+def test_0_25_1_structs_are_those_of_protocol_py(name: str) -> None:
+    assert layouts.types_for("0.25.1")[name] is getattr(p, name)
     assert _native.wire_fields(name) == _wire_names(getattr(p, name))
 
 
-def test_the_decoder_speaks_vllm_0_25_1() -> None:
-    assert _native.wire_version() == "0.25.1"
+def test_0_33_0_inserts_ec_transfer_params_at_9() -> None:
+    fields = _native.wire_fields("EngineCoreOutput", "0.33.0")
+    assert len(fields) == 19
+    assert fields[8:11] == ("kv_transfer_params", "ec_transfer_params", "trace_headers")
+    assert fields[-1] == "error"
+    assert _native.wire_fields("EngineCoreOutputs", "0.33.0")[-1] == "weight_version"
+    assert len(_native.wire_fields("LogprobsTensors", "0.33.0")) == 5
 
 
 def test_a_struct_without_a_table_is_a_key_error() -> None:
     with pytest.raises(KeyError, match="SamplingParams"):
         _native.wire_fields("SamplingParams")
+    with pytest.raises(KeyError, match="SamplingMaskLists"):
+        _native.wire_fields("SamplingMaskLists", "0.25.1")
+    with pytest.raises(ValueError, match=r"0\.26\.0"):
+        _native.wire_fields("EngineCoreOutput", "0.26.0")
 
 
 @pytest.mark.parametrize("name", ["EngineCoreOutputs", "EngineCoreOutput"])
 def test_native_objects_are_built_from_the_tables(name: str) -> None:
     native = getattr(_native, name)
-    fields = _native.wire_fields(name)
-    assert native.__struct_fields__ == fields
-    for field in fields:
+    # The attributes: 0.25.1's fields in its wire order, then those 0.33.0 added.
+    old = _native.wire_fields(name, "0.25.1")
+    new = _native.wire_fields(name, "0.33.0")
+    added = tuple(f for f in new if f not in old)
+    assert added
+    assert native.__struct_fields__ == old + added
+    for field in native.__struct_fields__:
         member = native.__dict__[field]
         assert member.__doc__, f"{name}.{field} has no doc"
 
@@ -78,9 +117,13 @@ def test_repr_and_attributes_follow_the_table() -> None:
     got = decoded.outputs[0]
     for field in _native.wire_fields("EngineCoreOutput"):
         assert getattr(got, field) == getattr(out, field), field
+    # the fields 0.25.1 lacks take the defaults 0.33.0 gives them
+    assert got.ec_transfer_params is got.error is None
+    assert decoded.weight_version is None
     shown = repr(got)
     assert shown.startswith("EngineCoreOutput(request_id='r-1', new_token_ids=[3, 4], ")
-    positions = [shown.index(f"{field}=") for field in _native.wire_fields("EngineCoreOutput")]
+    positions = [shown.index(f"{field}=") for field in type(got).__struct_fields__]
     assert positions == sorted(positions)
-    assert "num_nans_in_logits=2)" in shown
+    assert "num_nans_in_logits=2, " in shown
+    assert shown.endswith("error=None)")
     assert repr(decoded).startswith("EngineCoreOutputs(engine_index=1, outputs=[")

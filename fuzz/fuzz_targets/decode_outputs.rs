@@ -8,8 +8,9 @@
 #![no_main]
 
 use _native::core::msgpack::Reader;
-use _native::core::schema::{decode_outputs, Scratch};
+use _native::core::schema::{decode_outputs_for, Scratch};
 use _native::core::tree::TreeBuilder;
+use _native::core::wire::Protocol;
 use libfuzzer_sys::fuzz_target;
 
 fuzz_target!(|data: &[u8]| {
@@ -32,13 +33,15 @@ fuzz_target!(|data: &[u8]| {
     let mut reader = Reader::new(rest);
     let _ = reader.skip();
 
-    // The full schema walk.
-    let mut builder = TreeBuilder::new(&frames);
+    // The full schema walk, in every protocol version.
     let mut scratch = Scratch::default();
-    if let Ok(tree) = decode_outputs(&frames, &mut builder, &mut scratch) {
-        // A decoded message re-decodes to the same value (the walk is deterministic).
-        let mut again = TreeBuilder::new(&frames);
-        let second = decode_outputs(&frames, &mut again, &mut scratch);
-        assert_eq!(Ok(tree), second);
+    for protocol in Protocol::ALL {
+        let mut builder = TreeBuilder::new(&frames);
+        if let Ok(tree) = decode_outputs_for(protocol, &frames, &mut builder, &mut scratch) {
+            // A decoded message re-decodes to the same value (the walk is deterministic).
+            let mut again = TreeBuilder::new(&frames);
+            let second = decode_outputs_for(protocol, &frames, &mut again, &mut scratch);
+            assert_eq!(Ok(tree), second);
+        }
     }
 });

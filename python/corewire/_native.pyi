@@ -8,6 +8,7 @@ from typing import Any, ClassVar, TypeAlias, final
 
 import numpy as np
 
+from corewire.layouts import RequestError, SamplingMaskLists
 from corewire.protocol import (
     EngineCoreEvent,
     FinishReason,
@@ -28,6 +29,7 @@ __all__ = [
     "wire_fields",
     "wire_structs",
     "wire_version",
+    "wire_versions",
 ]
 
 # --------------------------------------------------------------------------- decoder
@@ -50,6 +52,11 @@ class NativeDecoder:
     ``prefill_stats`` and ``scheduler_stats``, when given, are called with each decoded
     stats map and their result takes its place (vLLM's front-end reads stats by attribute);
     an exception they raise rejects the frame as a :class:`ProtocolError`.
+
+    ``protocol`` is the vLLM version whose wire the frames follow (``"0.25.1"``, the
+    default, or ``"0.33.0"``; ``corewire.versions``); another raises
+    ``corewire.versions.UnsupportedProtocolError``. The decoded objects carry every
+    version's fields (one the version lacks is None, or 0 for a count).
     """
 
     def __new__(
@@ -58,6 +65,7 @@ class NativeDecoder:
         *,
         prefill_stats: Callable[[dict[str, Any]], Any] | None = None,
         scheduler_stats: Callable[[dict[str, Any]], Any] | None = None,
+        protocol: str | None = None,
     ) -> NativeDecoder: ...
     def decode(self, frames: Sequence[_Frame] | _Frame) -> EngineCoreOutputs:
         """Decodes one message; a single buffer is taken as the payload alone."""
@@ -67,6 +75,9 @@ class NativeDecoder:
     @property
     def intern_capacity(self) -> int:
         """Most request ids the intern cache holds."""
+    @property
+    def protocol(self) -> str:
+        """The vLLM version whose wire this decoder reads."""
 
 @final
 class EngineCoreOutputs:
@@ -89,6 +100,9 @@ class EngineCoreOutputs:
     def wave_complete(self) -> int | None: ...
     @property
     def start_wave(self) -> int | None: ...
+    @property
+    def weight_version(self) -> str | None:
+        """vLLM 0.33.0 on; None under 0.25.1."""
 
 @final
 class EngineCoreOutput:
@@ -121,23 +135,39 @@ class EngineCoreOutput:
     def routed_experts(self) -> np.ndarray | None: ...
     @property
     def num_nans_in_logits(self) -> int: ...
+    # vLLM 0.33.0 on (None under 0.25.1):
+    @property
+    def ec_transfer_params(self) -> dict[str, Any] | None: ...
+    @property
+    def mm_cache_miss_hashes(self) -> list[str] | None: ...
+    @property
+    def new_sampling_mask(self) -> SamplingMaskLists | None: ...
+    @property
+    def spec_decode_metrics(self) -> dict[str, Any] | None: ...
+    @property
+    def prompt_token_id_logprobs(self) -> Any: ...
+    @property
+    def error(self) -> RequestError | None: ...
     @property
     def finished(self) -> bool:
         """Whether this is the request's last output (``finish_reason is not None``)."""
 
-def wire_fields(name: str) -> tuple[str, ...]:
-    """The field names of the ``corewire.protocol`` struct ``name`` in the wire order the
-    decoder reads (the map keys of ``EngineCoreEvent``).
+def wire_fields(name: str, protocol: str | None = None) -> tuple[str, ...]:
+    """The field names of struct ``name`` in the wire order the decoder reads for
+    ``protocol`` (default: the default protocol; the map keys of ``EngineCoreEvent``).
 
-    Raises ``KeyError`` for a struct the decoder has no table for; ``wire_structs()``
-    names those it has.
+    Raises ``KeyError`` for a struct the decoder has no table for in that version;
+    ``wire_structs(protocol)`` names those it has.
     """
 
-def wire_structs() -> tuple[str, ...]:
-    """The names of the structs ``wire_fields`` knows."""
+def wire_structs(protocol: str | None = None) -> tuple[str, ...]:
+    """The names of the structs ``wire_fields`` knows for ``protocol``."""
 
 def wire_version() -> str:
-    """The vLLM version whose wire the decoder speaks."""
+    """The vLLM version whose wire a decoder speaks by default."""
+
+def wire_versions() -> tuple[str, ...]:
+    """Every vLLM version whose wire the decoder speaks, oldest first."""
 
 @final
 class FrameBuffer:

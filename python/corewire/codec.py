@@ -24,7 +24,9 @@ import numpy as np
 
 from corewire._native import NativeDecoder
 from corewire.errors import ProtocolError
+from corewire.layouts import version_of
 from corewire.protocol import UtilityResult
+from corewire.versions import check_protocol
 
 try:
     import torch
@@ -44,11 +46,21 @@ Buffer = bytes | bytearray | memoryview
 class Encoder:
     """Encodes wire structs into a list of frames, arrays as zero-copy aux frames.
 
+    ``protocol`` is the vLLM version whose wire it writes (``"0.25.1"``, the default, or
+    ``"0.33.0"``): the structs of that version (``corewire.layouts.types_for``) encode
+    byte for byte as that vLLM's ``MsgpackEncoder`` writes them. A struct whose layout
+    belongs to the other version is refused (``TypeError``) rather than sent in a layout
+    the peer would misread; the check is on the object passed in (not on structs nested
+    in it).
+
     The returned aux frames are views of the caller's arrays: they must stay alive and
     unmodified until ZeroMQ has sent them (send with ``copy=False, track=True``).
     """
 
-    def __init__(self, inline_threshold: int = INLINE_THRESHOLD) -> None:
+    def __init__(
+        self, inline_threshold: int = INLINE_THRESHOLD, *, protocol: str | None = None
+    ) -> None:
+        self.protocol = check_protocol(protocol)
         self._inline_threshold = inline_threshold
         self._encoder = msgspec.msgpack.Encoder(enc_hook=self._enc_hook)
         # Set for the duration of one encode() call; the hook appends to it.
@@ -56,6 +68,7 @@ class Encoder:
 
     def encode(self, obj: Any) -> list[Buffer]:
         """Encode ``obj``; returns ``[payload, aux_1, aux_2, ...]``."""
+        self._check_version(obj)
         frames: list[Buffer] = [b""]
         self._aux = frames
         try:
@@ -69,6 +82,7 @@ class Encoder:
 
         The caller must not reuse ``buf`` until ZeroMQ is done with the previous send.
         """
+        self._check_version(obj)
         frames: list[Buffer] = [buf]
         self._aux = frames
         try:
@@ -76,6 +90,15 @@ class Encoder:
         finally:
             self._aux = None
         return frames
+
+    def _check_version(self, obj: Any) -> None:
+        version = version_of(type(obj))
+        if version is not None and version != self.protocol:
+            name = type(obj).__name__
+            raise TypeError(
+                f"a vLLM {version} {name} cannot be sent by a protocol={self.protocol!r} "
+                f"encoder (corewire.layouts.types_for({self.protocol!r})[{name!r}] can)"
+            )
 
     def _enc_hook(self, obj: Any) -> Any:
         if isinstance(obj, np.ndarray):

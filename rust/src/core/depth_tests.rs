@@ -8,8 +8,7 @@ use std::hint::black_box;
 
 use super::error::{ArrayKind, DecodeError, DecodeResult, ErrorKind, PATH_SHOWN};
 use super::schema::{
-    decode_outputs, ArrayRef, Builder, LogprobsSlots, MessageSlots, OutputSlots, Scratch,
-    UtilitySlots, MAX_DEPTH,
+    decode_outputs, ArrayRef, Builder, MessageSlots, OutputSlots, Scratch, UtilitySlots, MAX_DEPTH,
 };
 use super::tree::{MessageTree, Tree, TreeBuilder};
 use super::wire::{MessageField as MF, OutputField as OF};
@@ -408,11 +407,7 @@ impl Builder for Probe<'_> {
     fn array(&mut self, array: &ArrayRef<'_>) -> DecodeResult<Tree> {
         self.tree.array(array)
     }
-    fn logprobs(
-        &mut self,
-        kind: ArrayKind,
-        fields: &mut LogprobsSlots<Tree>,
-    ) -> DecodeResult<Tree> {
+    fn logprobs(&mut self, kind: ArrayKind, fields: &mut [Option<Tree>]) -> DecodeResult<Tree> {
         self.tree.logprobs(kind, fields)
     }
     fn utility_result(&mut self, value: Tree) -> DecodeResult<Tree> {

@@ -327,7 +327,7 @@ impl<V> FrameOrder<V> {
 
     /// The value recorded for `key` if it is the predicted next id (or the one after:
     /// a request that finished); the caller records it again with [`FrameOrder::push`].
-    #[inline]
+    #[inline(always)]
     pub fn take_predicted(&mut self, key: &[u8]) -> Option<V> {
         let n = self.prev.entries.len();
         let mut i = self.cursor;

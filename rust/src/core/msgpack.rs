@@ -369,7 +369,7 @@ impl<'a> Reader<'a> {
     }
 
     /// Reads the raw (unchecked) bytes of a str.
-    #[inline]
+    #[inline(always)]
     pub fn str_bytes(&mut self) -> DecodeResult<&'a [u8]> {
         let b = self.peek()?;
         if (0xa0..=0xbf).contains(&b) {
@@ -399,7 +399,7 @@ impl<'a> Reader<'a> {
     }
 
     /// Reads a str and checks it is UTF-8.
-    #[inline]
+    #[inline(always)]
     pub fn str(&mut self) -> DecodeResult<&'a str> {
         check_utf8(self.str_bytes()?)
     }

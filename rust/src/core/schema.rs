@@ -17,8 +17,8 @@ use std::marker::PhantomData;
 use super::error::{ArrayKind, DecodeError, DecodeResult, ErrorKind, Kind};
 use super::msgpack::{check_utf8, Item, Reader, RAW_VIEW_EXT};
 use super::wire::{
-    Current, EventField, FieldType, ListsField, MessageField, OutputField, StatsKind, StructLayout,
-    TensorsField, UtilityField, Version, WireStruct,
+    Current, EventField, FieldType, ListsField, MaskField, MessageField, OutputField, Protocol,
+    StatsKind, StructLayout, TensorsField, UtilityField, Version, WireStruct, V0_25_1, V0_33_0,
 };
 
 /// Deepest nesting of containers inside a free-form (`Any`) field: the containers a
@@ -139,13 +139,32 @@ pub trait Builder {
     /// [`Builder::logprobs`] follows them unless the walk fails (a builder may reuse
     /// storage for them).
     fn begin_logprobs(&mut self, _kind: ArrayKind) {}
-    /// `LogprobsLists` (ndarrays) or `LogprobsTensors` (tensors), by slot
-    /// ([`ListsField`], [`TensorsField`]: the three arrays are always there).
+    /// `LogprobsLists` (ndarrays, [`ListsSlots`]) or `LogprobsTensors` (tensors,
+    /// [`TensorsSlots`]), by slot: the three arrays are always there, the slots after
+    /// the fourth (`cu_num_generated_tokens`) are those of later versions.
     fn logprobs(
         &mut self,
         kind: ArrayKind,
-        fields: &mut LogprobsSlots<Self::Obj>,
+        fields: &mut [Option<Self::Obj>],
     ) -> DecodeResult<Self::Obj>;
+    /// `SamplingMaskLists`, by [`MaskField`] slot (token ids always there); by default
+    /// a tuple of the three.
+    fn sampling_mask(&mut self, fields: &mut MaskSlots<Self::Obj>) -> DecodeResult<Self::Obj> {
+        let mut list = self.list(fields.len())?;
+        for (i, v) in fields.iter_mut().enumerate() {
+            let v = match v.take() {
+                Some(v) => v,
+                None => self.none(),
+            };
+            self.list_set(&mut list, i, v);
+        }
+        self.tuple_from_list(list)
+    }
+    /// A `RequestError` from its map (checked to hold a str `code` and `message`); by
+    /// default the map itself.
+    fn request_error(&mut self, map: Self::Obj) -> DecodeResult<Self::Obj> {
+        Ok(map)
+    }
     /// `UtilityResult(value)`.
     fn utility_result(&mut self, value: Self::Obj) -> DecodeResult<Self::Obj>;
     /// `UtilityOutput`, by [`UtilityField`] slot (the call id is always there).
@@ -165,10 +184,14 @@ pub type MessageSlots<O> = [Option<O>; MessageField::COUNT];
 pub type OutputSlots<O> = [Option<O>; OutputField::COUNT];
 /// The fields of a `UtilityOutput`, by slot.
 pub type UtilitySlots<O> = [Option<O>; UtilityField::COUNT];
-/// The fields of a `LogprobsLists` or `LogprobsTensors`, by slot (the two share slots).
-pub type LogprobsSlots<O> = [Option<O>; ListsField::COUNT];
+/// The fields of a `LogprobsLists`, by slot.
+pub type ListsSlots<O> = [Option<O>; ListsField::COUNT];
+/// The fields of a `LogprobsTensors`, by slot (those of `LogprobsLists`, then more).
+pub type TensorsSlots<O> = [Option<O>; TensorsField::COUNT];
+/// The fields of a `SamplingMaskLists`, by slot.
+pub type MaskSlots<O> = [Option<O>; MaskField::COUNT];
 
-const _: () = assert!(ListsField::COUNT == TensorsField::COUNT);
+const _: () = assert!(ListsField::COUNT <= TensorsField::COUNT);
 
 /// Buffers reused from message to message, so steady-state decoding allocates nothing
 /// on the Rust side.
@@ -189,7 +212,24 @@ pub fn decode_outputs<B: Builder>(
     decode_outputs_as::<Current, B>(frames, builder, scratch)
 }
 
+/// [`decode_outputs`] for the wire of `protocol`, chosen at run time: one branch per
+/// message, then the walk compiled for that version.
+pub fn decode_outputs_for<B: Builder>(
+    protocol: Protocol,
+    frames: &[&[u8]],
+    builder: &mut B,
+    scratch: &mut Scratch,
+) -> DecodeResult<B::Obj> {
+    match protocol {
+        Protocol::V0_25_1 => decode_outputs_as::<V0_25_1, B>(frames, builder, scratch),
+        Protocol::V0_33_0 => decode_outputs_as::<V0_33_0, B>(frames, builder, scratch),
+    }
+}
+
 /// [`decode_outputs`] for the wire of protocol version `V`.
+// Never inlined: each version's walk is one function of its own, which the optimiser
+// treats as it treated the only one (inlining the builder's hot calls into it).
+#[inline(never)]
 pub fn decode_outputs_as<V: Version, B: Builder>(
     frames: &[&[u8]],
     builder: &mut B,
@@ -408,6 +448,9 @@ impl<'a, B: Builder, V: Version> Walk<'a, '_, B, V> {
             FieldType::RequestIdSet => some(self.str_set()),
             FieldType::IntList => some(self.int_list()),
             FieldType::EventType => self.event_type_value(),
+            FieldType::StrList => some(self.str_list()),
+            FieldType::SamplingMask => some(self.sampling_mask()),
+            FieldType::RequestError => some(self.request_error()),
         }
     }
 
@@ -689,18 +732,94 @@ impl<'a, B: Builder, V: Version> Walk<'a, '_, B, V> {
         };
         let n = self.r.array_len(what)?;
         self.b.begin_logprobs(kind);
-        let mut fields = [const { None }; ListsField::COUNT];
         match kind {
             ArrayKind::Ndarray => {
+                let mut fields = [const { None }; ListsField::COUNT];
                 self.struct_fields(&V::LAYOUT.logprobs_lists, n, &mut fields)?;
+                let built = self.b.logprobs(kind, &mut fields);
+                taken(fields);
+                built
             }
             ArrayKind::Tensor => {
+                let mut fields = [const { None }; TensorsField::COUNT];
                 self.struct_fields(&V::LAYOUT.logprobs_tensors, n, &mut fields)?;
+                let built = self.b.logprobs(kind, &mut fields);
+                taken(fields);
+                built
             }
         }
-        let built = self.b.logprobs(kind, &mut fields);
+    }
+
+    /// `SamplingMaskLists` (nil handled by the caller).
+    #[inline(never)]
+    fn sampling_mask(&mut self) -> DecodeResult<B::Obj> {
+        let n = self.r.array_len("array (SamplingMaskLists) | nil")?;
+        let Some(layout) = &V::LAYOUT.sampling_mask else {
+            // Only a layout with a SamplingMask position gets here.
+            return Err(DecodeError::new(ErrorKind::Rejected(
+                "internal error: a layout without SamplingMaskLists reads one".into(),
+            )));
+        };
+        let mut fields = [const { None }; MaskField::COUNT];
+        self.struct_fields(layout, n, &mut fields)?;
+        let built = self.b.sampling_mask(&mut fields);
         taken(fields);
         built
+    }
+
+    /// `RequestError`: a map with str `code` and `message` (and a bool `retryable`),
+    /// handed to the builder (nil handled by the caller).
+    #[inline(never)]
+    fn request_error(&mut self) -> DecodeResult<B::Obj> {
+        let start = self.r.clone();
+        let n = self.r.map_len("map (RequestError) | nil")?;
+        // Check the keys' types first, on a copy of the reader: the map is then read as
+        // a dict like any other.
+        let (mut code, mut message) = (false, false);
+        for i in 0..n {
+            let key = self.r.str_bytes().map_err(|e| e.at_key_of(i))?;
+            let at = |e: DecodeError| e.at_key(&String::from_utf8_lossy(key));
+            match key {
+                b"code" | b"message" => {
+                    self.r.str().map_err(at)?;
+                    if key == b"code" {
+                        code = true;
+                    } else {
+                        message = true;
+                    }
+                }
+                b"retryable" => match self.r.next_item().map_err(at)? {
+                    Item::Bool(_) => {}
+                    other => {
+                        return Err(at(DecodeError::new(ErrorKind::Type {
+                            expected: "bool",
+                            got: other.kind(),
+                        })))
+                    }
+                },
+                _ => self.r.skip().map_err(at)?,
+            }
+        }
+        for (present, key) in [(code, "code"), (message, "message")] {
+            if !present {
+                return Err(DecodeError::new(ErrorKind::MissingKey { key }));
+            }
+        }
+        self.r = start;
+        let map = self.str_dict(false)?;
+        self.b.request_error(map)
+    }
+
+    /// `list[str]` (nil handled by the caller).
+    fn str_list(&mut self) -> DecodeResult<B::Obj> {
+        let n = self.r.array_len("array | nil")?;
+        let mut list = self.b.list(n)?;
+        for i in 0..n {
+            let v = self.r.str().and_then(|s| self.b.str(s));
+            let v = v.map_err(|e| e.at_index(i))?;
+            self.b.list_set(&mut list, i, v);
+        }
+        Ok(list)
     }
 
     fn int_list(&mut self) -> DecodeResult<B::Obj> {

@@ -7,7 +7,7 @@ use super::schema::{decode_outputs, decode_outputs_as, Builder, Scratch, MAX_DEP
 use super::tree::{MessageTree, OutputTree, Tree, TreeBuilder};
 use super::wire::{
     layout, wire_fields, Layout, MessageField as MF, OutputField, OutputField as OF, StructLayout,
-    Version, WireStruct, CURRENT, LAYOUT_0_25_1, SKIPPED,
+    Version, WireStruct, CURRENT, LAYOUT_0_25_1, LAYOUT_0_33_0, SKIPPED, V0_33_0,
 };
 
 /// A msgpack value to write.
@@ -276,8 +276,10 @@ fn every_output_field() {
             kind,
             arrays,
             cu_num_generated_tokens,
+            later,
         } => {
             assert_eq!(*kind, ArrayKind::Ndarray);
+            assert!(later.is_empty());
             assert_eq!(arrays.len(), 3);
             match &arrays[0] {
                 Tree::Array {
@@ -1223,11 +1225,7 @@ impl Builder for Refusing<'_> {
     fn finish_reason(&mut self, code: u8) -> Result<Tree, DecodeError> {
         self.0.finish_reason(code)
     }
-    fn logprobs(
-        &mut self,
-        k: ArrayKind,
-        fields: &mut super::schema::LogprobsSlots<Tree>,
-    ) -> Result<Tree, DecodeError> {
+    fn logprobs(&mut self, k: ArrayKind, fields: &mut [Option<Tree>]) -> Result<Tree, DecodeError> {
         self.0.logprobs(k, fields)
     }
     fn utility_result(&mut self, value: Tree) -> Result<Tree, DecodeError> {
@@ -1424,6 +1422,7 @@ const INSERTED: Layout = Layout {
     utility_output: LAYOUT_0_25_1.utility_output,
     logprobs_lists: LAYOUT_0_25_1.logprobs_lists,
     logprobs_tensors: LAYOUT_0_25_1.logprobs_tensors,
+    sampling_mask: None,
 };
 
 impl Version for Inserted {
@@ -1444,6 +1443,7 @@ const OLDER: Layout = Layout {
     utility_output: LAYOUT_0_25_1.utility_output,
     logprobs_lists: LAYOUT_0_25_1.logprobs_lists,
     logprobs_tensors: LAYOUT_0_25_1.logprobs_tensors,
+    sampling_mask: None,
 };
 
 impl Version for Older {
@@ -1521,11 +1521,11 @@ fn positions_read_past_are_still_checked() {
 
 #[test]
 fn the_current_layout_names_every_field_once_in_slot_order() {
-    // 0.25.1's wire order is the slot order of every table (so `__struct_fields__`,
-    // the attributes and repr agree); a later version may differ.
+    // 0.25.1's wire order starts the slot order of every table (so `__struct_fields__`,
+    // the attributes and repr list it first); later versions' fields follow.
     fn check<F: WireStruct>(l: &StructLayout<F>) {
         let fields: Vec<F> = l.fields.iter().map(|f| f.expect("no skip")).collect();
-        assert_eq!(fields, F::ALL, "{}", F::STRUCT);
+        assert_eq!(fields, F::ALL[..fields.len()], "{}", F::STRUCT);
     }
     check(&LAYOUT_0_25_1.message);
     check(&LAYOUT_0_25_1.output);
@@ -1549,4 +1549,170 @@ fn the_current_layout_names_every_field_once_in_slot_order() {
 
 fn s_tree(v: &str) -> Tree {
     Tree::Str(v.to_owned())
+}
+
+// ------------------------------------------------------------------ vLLM 0.33.0
+
+fn decode_0_33_0(msg: &V) -> Result<MessageTree, DecodeError> {
+    decode_as::<V0_33_0>(msg)
+}
+
+/// An 0.33.0 output: `fields` from index 2 on, the rest nil (19 positions).
+fn out_0_33_0(id: &str, set: Vec<(usize, V)>) -> V {
+    let mut fields = vec![V::Nil; 17];
+    fields[11] = i(0); // num_nans_in_logits, at 13
+    for (pos, v) in set {
+        fields[pos - 2] = v;
+    }
+    out(id, &[5], fields)
+}
+
+#[test]
+fn the_0_33_0_layout_reads_every_new_field() {
+    let error = V::M(vec![
+        (s("code"), s("engine_paused")),
+        (s("message"), s("paused")),
+        (s("retryable"), V::B(true)),
+    ]);
+    let mask = a(vec![
+        arr_inline("<i4", &[2], &[4, 0, 0, 0, 5, 0, 0, 0]),
+        V::Nil,
+        V::Nil,
+    ]);
+    let frame = V::A(vec![
+        i(0),
+        a(vec![out_0_33_0(
+            "r",
+            vec![
+                (8, V::M(vec![(s("k"), i(1))])),
+                (9, V::M(vec![(s("e"), i(2))])),
+                (10, V::M(vec![(s("t"), s("h"))])),
+                (13, i(7)),
+                (14, a(vec![s("h1")])),
+                (15, mask),
+                (16, V::M(vec![(s("num_spec_tokens"), i(2))])),
+                (17, arr_inline("float32", &[1], &[0, 0, 128, 63])),
+                (18, error.clone()),
+            ],
+        )]),
+        V::Nil,
+        V::F(1.0),
+        V::Nil,
+        V::Nil,
+        V::Nil,
+        V::Nil,
+        s("default"),
+    ]);
+    let m = decode_0_33_0(&frame).unwrap();
+    assert_eq!(m.fields[MF::WeightVersion], s_tree("default"));
+    let o = &m.outputs[0];
+    assert_eq!(
+        o[OF::KvTransferParams],
+        Tree::Dict(vec![(s_tree("k"), Tree::Int(1))])
+    );
+    assert_eq!(
+        o[OF::EcTransferParams],
+        Tree::Dict(vec![(s_tree("e"), Tree::Int(2))])
+    );
+    assert_eq!(
+        o[OF::TraceHeaders],
+        Tree::Dict(vec![(s_tree("t"), s_tree("h"))])
+    );
+    assert_eq!(o[OF::NumNansInLogits], Tree::Int(7));
+    assert_eq!(o[OF::MmCacheMissHashes], Tree::List(vec![s_tree("h1")]));
+    assert!(matches!(&o[OF::NewSamplingMask], Tree::Tuple(items) if items.len() == 3));
+    assert!(matches!(
+        &o[OF::PromptTokenIdLogprobs],
+        Tree::Array {
+            kind: ArrayKind::Tensor,
+            ..
+        }
+    ));
+    assert!(matches!(&o[OF::Error], Tree::Dict(entries) if entries.len() == 3));
+
+    // The same frame under 0.25.1 fails (here at ec_transfer_params' int, read as the
+    // str values of trace_headers); a plain one where a count meets nil at 12.
+    let err = decode(&frame).unwrap_err();
+    assert_eq!(err.path_string(), "outputs[0].trace_headers[\"e\"]");
+    let plain = V::A(vec![i(0), a(vec![out_0_33_0("r", vec![])])]);
+    let err = decode(&plain).unwrap_err();
+    assert_eq!(err.path_string(), "outputs[0].num_nans_in_logits");
+    assert!(decode_0_33_0(&plain).is_ok());
+}
+
+#[test]
+fn a_0_25_1_output_fails_under_0_33_0() {
+    // 0.25.1 writes num_nans_in_logits (an int) at 12, where 0.33.0 reads an ndarray.
+    let mut plain = vec![V::Nil; 10];
+    plain.push(i(0));
+    let err = decode_0_33_0(&msg(vec![out("r", &[5], plain)])).unwrap_err();
+    assert_eq!(err.path_string(), "outputs[0].routed_experts");
+    // with every field set it fails earlier (prefill_stats' map as trace_headers)
+    let full = msg(vec![out("r", &[5], full_output_fields())]);
+    assert!(decode_0_33_0(&full).is_err());
+    // Messages without outputs read alike in both (the documented limitation).
+    let empty = V::A(vec![i(1), a(vec![]), V::Nil, V::F(2.0)]);
+    assert_eq!(decode_0_33_0(&empty).unwrap(), decode(&empty).unwrap());
+}
+
+#[test]
+fn request_errors_are_checked() {
+    let with = |e: V| V::A(vec![i(0), a(vec![out_0_33_0("r", vec![(18, e)])])]);
+    let err = decode_0_33_0(&with(V::M(vec![(s("code"), s("x"))]))).unwrap_err();
+    assert_eq!(err.kind(), &ErrorKind::MissingKey { key: "message" });
+    assert_eq!(err.path_string(), "outputs[0].error");
+    let bad = V::M(vec![
+        (s("code"), s("x")),
+        (s("message"), s("m")),
+        (s("retryable"), i(1)),
+    ]);
+    let err = decode_0_33_0(&with(bad)).unwrap_err();
+    assert_eq!(err.path_string(), "outputs[0].error[\"retryable\"]");
+    let err = decode_0_33_0(&with(V::M(vec![(s("code"), i(1))]))).unwrap_err();
+    assert_eq!(err.path_string(), "outputs[0].error[\"code\"]");
+    // unknown keys pass (and reach the builder)
+    let extra = V::M(vec![
+        (s("code"), s("x")),
+        (s("message"), s("m")),
+        (s("more"), i(1)),
+    ]);
+    assert!(decode_0_33_0(&with(extra)).is_ok());
+}
+
+#[test]
+fn the_0_33_0_logprobs_tensors_have_five_elements() {
+    let t = |v: u8| arr_inline("int32", &[1], &[v, 0, 0, 0]);
+    let tensors = a(vec![t(1), t(2), t(3), a(vec![i(0), i(1)]), t(4)]);
+    let frame = V::A(vec![
+        i(0),
+        a(vec![out_0_33_0("r", vec![(3, tensors.clone())])]),
+    ]);
+    let o = &decode_0_33_0(&frame).unwrap().outputs[0];
+    match &o[OF::NewPromptLogprobsTensors] {
+        Tree::Logprobs { later, .. } => {
+            assert!(matches!(later.as_slice(), [Tree::Array { .. }]));
+        }
+        other => panic!("{other:?}"),
+    }
+    // 0.25.1 reads the fifth element past (its frames never have one).
+    let old = msg(vec![out("r", &[5], vec![V::Nil, tensors])]);
+    let o = only_output(decode(&old).unwrap());
+    assert!(
+        matches!(&o[OF::NewPromptLogprobsTensors], Tree::Logprobs { later, .. }
+        if later == &vec![Tree::None])
+    );
+}
+
+#[test]
+fn the_0_33_0_layout_appends_and_inserts_only() {
+    let old = wire_fields(&LAYOUT_0_25_1, "EngineCoreOutput").unwrap();
+    let new = wire_fields(&LAYOUT_0_33_0, "EngineCoreOutput").unwrap();
+    assert_eq!(new.len(), 19);
+    assert_eq!(new[9], "ec_transfer_params");
+    let mut without = new.clone();
+    without.remove(9);
+    assert_eq!(without[..13], old[..]);
+    assert_eq!(LAYOUT_0_33_0.output.min_len, 2);
+    assert_eq!(LAYOUT_0_33_0.logprobs_tensors.min_len, 3);
+    assert_eq!(wire_fields(&LAYOUT_0_25_1, "SamplingMaskLists"), None);
 }

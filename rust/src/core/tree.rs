@@ -6,7 +6,7 @@ use std::ops::{Index, IndexMut};
 
 use super::error::{ArrayKind, DecodeError, DecodeResult, ErrorKind};
 use super::msgpack::check_utf8;
-use super::schema::{ArrayRef, Builder, LogprobsSlots, MessageSlots, OutputSlots, UtilitySlots};
+use super::schema::{ArrayRef, Builder, MessageSlots, OutputSlots, UtilitySlots};
 use super::wire::{FieldType, ListsField, MessageField, OutputField, UtilityField, WireStruct};
 
 /// A decoded value.
@@ -41,6 +41,8 @@ pub enum Tree {
         kind: ArrayKind,
         arrays: Vec<Tree>,
         cu_num_generated_tokens: Box<Tree>,
+        /// The slots after `cu_num_generated_tokens` (a later version's elements).
+        later: Vec<Tree>,
     },
     UtilityResult(Box<Tree>),
     UtilityOutput {
@@ -271,17 +273,16 @@ impl Builder for TreeBuilder<'_> {
     fn finish_reason(&mut self, code: u8) -> DecodeResult<Tree> {
         Ok(Tree::Int(code.into()))
     }
-    fn logprobs(
-        &mut self,
-        kind: ArrayKind,
-        fields: &mut LogprobsSlots<Tree>,
-    ) -> DecodeResult<Tree> {
-        let [ids, lps, ranks, cu] = std::mem::take(fields).map(opt);
+    fn logprobs(&mut self, kind: ArrayKind, fields: &mut [Option<Tree>]) -> DecodeResult<Tree> {
+        let mut all = fields.iter_mut().map(|f| opt(f.take()));
+        let arrays = all.by_ref().take(3).collect();
         debug_assert_eq!(ListsField::CuNumGeneratedTokens.slot(), 3);
+        let cu = all.next().unwrap_or(Tree::None);
         Ok(Tree::Logprobs {
             kind,
-            arrays: vec![ids, lps, ranks],
+            arrays,
             cu_num_generated_tokens: Box::new(cu),
+            later: all.collect(),
         })
     }
     fn utility_result(&mut self, value: Tree) -> DecodeResult<Tree> {

@@ -11,8 +11,9 @@
 //! [`Layout`] lists, for each struct, the fields in wire order. A later vLLM that inserts
 //! or appends fields is supported by adding its variants to the enum (the attribute set
 //! is the union over versions; a field a version lacks takes its default) and a
-//! `Layout` of its positions; the walk has no per-version code. [`V0_25_1`] is the only
-//! layout corewire speaks today (docs/protocol.md §5).
+//! `Layout` of its positions; the walk has no per-version code. corewire speaks
+//! [`V0_25_1`] (docs/protocol.md §5) and [`V0_33_0`] (docs/protocol.md "Versions"); a
+//! decoder picks one at run time ([`Protocol`]) and runs the walk compiled for it.
 
 use std::ffi::CStr;
 
@@ -70,6 +71,13 @@ pub enum FieldType {
     IntList,
     /// `EngineCoreEventType` (an int 1-3). Required.
     EventType,
+    /// `list[str] | nil`.
+    StrList,
+    /// `SamplingMaskLists | nil` (a struct array, [`MaskField`]).
+    SamplingMask,
+    /// `RequestError | nil`: a map (`{code, message, retryable}`) that the builder turns
+    /// into the caller's object ([`super::schema::Builder::request_error`]).
+    RequestError,
 }
 
 impl FieldType {
@@ -145,6 +153,8 @@ pub trait WireStruct: Copy + Eq + std::fmt::Debug + 'static {
     /// Whether an absent field of this struct defaults to a value other than "no value"
     /// (0, 0.0, an empty list), which the walk then makes.
     const HAS_VALUE_DEFAULTS: bool;
+    /// Bit `slot` set for each [`FieldType::Count`] field.
+    const COUNT_MASK: u64;
 }
 
 /// `s` (which ends with NUL) as a C string, at compile time.
@@ -195,6 +205,18 @@ macro_rules! wire_struct {
 
         impl WireStruct for $enum {
             const STRUCT: &'static str = $struct;
+            const COUNT_MASK: u64 = {
+                assert!(Self::COUNT <= 64);
+                let mut mask = 0;
+                let mut i = 0;
+                while i < Self::COUNT {
+                    if matches!(Self::INFO[i].ty, FieldType::Count) {
+                        mask |= 1 << i;
+                    }
+                    i += 1;
+                }
+                mask
+            };
             const HAS_VALUE_DEFAULTS: bool = {
                 let mut any = false;
                 let mut i = 0;
@@ -233,6 +255,9 @@ wire_struct! {
             "A set of request ids, or None.";
         WaveComplete = wave_complete: FieldType::OptInt, "An int, or None.";
         StartWave = start_wave: FieldType::OptInt, "An int, or None.";
+        // vLLM 0.33.0 on (None under 0.25.1):
+        WeightVersion = weight_version: FieldType::OptStr,
+            "The engine's weight version (str; vLLM 0.33.0 on), or None.";
     }
 }
 
@@ -260,6 +285,19 @@ wire_struct! {
             "A numpy array, or None.";
         NumNansInLogits = num_nans_in_logits: FieldType::Count,
             "Number of NaNs in the logits (int).";
+        // vLLM 0.33.0 on (None under 0.25.1):
+        EcTransferParams = ec_transfer_params: FieldType::AnyDict,
+            "Encoder-cache transfer parameters (a dict; vLLM 0.33.0 on), or None.";
+        MmCacheMissHashes = mm_cache_miss_hashes: FieldType::StrList,
+            "Multimodal cache keys the engine missed (list of str; vLLM 0.33.0 on), or None.";
+        NewSamplingMask = new_sampling_mask: FieldType::SamplingMask,
+            "A corewire.layouts.SamplingMaskLists of numpy arrays (vLLM 0.33.0 on), or None.";
+        SpecDecodeMetrics = spec_decode_metrics: FieldType::AnyDict,
+            "The request's speculative-decoding metrics (a dict of vLLM's RequestSpecDecodeMetrics fields; vLLM 0.33.0 on), or None.";
+        PromptTokenIdLogprobs = prompt_token_id_logprobs: FieldType::OptArray(ArrayKind::Tensor),
+            "A torch tensor [num_scored_rows, num_token_ids] (vLLM 0.33.0 on), or None.";
+        Error = error: FieldType::RequestError,
+            "A corewire.layouts.RequestError (code, message, retryable; vLLM 0.33.0 on), or None.";
     }
 }
 
@@ -293,6 +331,21 @@ wire_struct! {
         Logprobs = logprobs: FieldType::Array(ArrayKind::Tensor), "The logprobs.";
         SelectedTokenRanks = selected_token_ranks: FieldType::Array(ArrayKind::Tensor),
             "Rank of each selected token.";
+        CuNumGeneratedTokens = cu_num_generated_tokens: FieldType::IntList,
+            "Cumulative generated token counts, or None.";
+        // vLLM 0.33.0 on:
+        CuNumGeneratedTokensTensor = cu_num_generated_tokens_tensor:
+            FieldType::OptArray(ArrayKind::Tensor),
+            "Cumulative generated token counts as a tensor, or None.";
+    }
+}
+
+wire_struct! {
+    /// The fields of `SamplingMaskLists` (vLLM 0.33.0 on; numpy arrays).
+    pub enum MaskField for "SamplingMaskLists" {
+        TokenIds = token_ids: FieldType::Array(ArrayKind::Ndarray), "The allowed token ids.";
+        Offsets = offsets: FieldType::OptArray(ArrayKind::Ndarray),
+            "Offsets of each position's ids in token_ids, or None.";
         CuNumGeneratedTokens = cu_num_generated_tokens: FieldType::IntList,
             "Cumulative generated token counts, or None.";
     }
@@ -368,6 +421,8 @@ pub struct Layout {
     pub utility_output: StructLayout<UtilityField>,
     pub logprobs_lists: StructLayout<ListsField>,
     pub logprobs_tensors: StructLayout<TensorsField>,
+    /// `None` in a version without the struct (no position of its layout reads one).
+    pub sampling_mask: Option<StructLayout<MaskField>>,
 }
 
 /// A protocol version the schema walk is compiled for: its [`Layout`] as a constant, so
@@ -384,7 +439,15 @@ impl Version for V0_25_1 {
     const LAYOUT: &'static Layout = &LAYOUT_0_25_1;
 }
 
-/// The version corewire speaks.
+/// vLLM 0.33.0's wire.
+#[allow(non_camel_case_types)]
+pub enum V0_33_0 {}
+
+impl Version for V0_33_0 {
+    const LAYOUT: &'static Layout = &LAYOUT_0_33_0;
+}
+
+/// The version a decoder speaks unless told otherwise.
 pub type Current = V0_25_1;
 
 /// vLLM 0.25.1's wire (docs/protocol.md §5).
@@ -406,9 +469,68 @@ pub const LAYOUT_0_25_1: Layout = Layout {
     logprobs_tensors: layout!(TensorsField[
         LogprobTokenIds, Logprobs, SelectedTokenRanks, CuNumGeneratedTokens,
     ]),
+    sampling_mask: None,
 };
 
-/// The layout the decoder speaks.
+/// vLLM 0.33.0's wire (docs/protocol.md "Versions", docs/vllm-0.33.0-notes.md §2):
+/// `ec_transfer_params` inserted at 9 of `EngineCoreOutput`, five output fields,
+/// `weight_version` and a fifth `LogprobsTensors` element appended.
+pub const LAYOUT_0_33_0: Layout = Layout {
+    version: "0.33.0",
+    message: layout!(MessageField[
+        EngineIndex, Outputs, SchedulerStats, Timestamp, UtilityOutput, FinishedRequests,
+        WaveComplete, StartWave, WeightVersion,
+    ]),
+    output: layout!(OutputField[
+        RequestId, NewTokenIds, NewLogprobs, NewPromptLogprobsTensors, PoolingOutput,
+        FinishReason, StopReason, Events, KvTransferParams, EcTransferParams, TraceHeaders,
+        PrefillStats, RoutedExperts, NumNansInLogits, MmCacheMissHashes, NewSamplingMask,
+        SpecDecodeMetrics, PromptTokenIdLogprobs, Error,
+    ]),
+    utility_output: layout!(UtilityField[CallId, FailureMessage, Result]),
+    logprobs_lists: layout!(ListsField[
+        LogprobTokenIds, Logprobs, SampledTokenRanks, CuNumGeneratedTokens,
+    ]),
+    logprobs_tensors: layout!(TensorsField[
+        LogprobTokenIds, Logprobs, SelectedTokenRanks, CuNumGeneratedTokens,
+        CuNumGeneratedTokensTensor,
+    ]),
+    sampling_mask: Some(layout!(MaskField[TokenIds, Offsets, CuNumGeneratedTokens])),
+};
+
+/// A protocol version chosen at run time (a decoder's `protocol=`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Protocol {
+    V0_25_1,
+    V0_33_0,
+}
+
+impl Protocol {
+    /// Every supported version, oldest first.
+    pub const ALL: [Protocol; 2] = [Protocol::V0_25_1, Protocol::V0_33_0];
+    /// The version of a decoder that is not told one.
+    pub const DEFAULT: Protocol = Protocol::V0_25_1;
+
+    /// This version's wire positions.
+    pub const fn layout(self) -> &'static Layout {
+        match self {
+            Protocol::V0_25_1 => V0_25_1::LAYOUT,
+            Protocol::V0_33_0 => V0_33_0::LAYOUT,
+        }
+    }
+
+    /// The vLLM version string (`"0.25.1"`).
+    pub const fn name(self) -> &'static str {
+        self.layout().version
+    }
+
+    /// The version named `name` exactly, if supported.
+    pub fn from_name(name: &str) -> Option<Protocol> {
+        Protocol::ALL.into_iter().find(|p| p.name() == name)
+    }
+}
+
+/// The layout the decoder speaks by default.
 pub const CURRENT: &Layout = Current::LAYOUT;
 
 /// How [`wire_fields`] names a position read past.
@@ -430,17 +552,27 @@ pub fn wire_fields(layout: &Layout, name: &str) -> Option<Vec<&'static str>> {
         UtilityField::STRUCT => names(&layout.utility_output),
         ListsField::STRUCT => names(&layout.logprobs_lists),
         TensorsField::STRUCT => names(&layout.logprobs_tensors),
+        MaskField::STRUCT => names(layout.sampling_mask.as_ref()?),
         EventField::STRUCT => EventField::ALL.iter().map(|f| f.info().name).collect(),
         _ => return None,
     })
 }
 
-/// The structs [`wire_fields`] knows.
-pub const STRUCTS: [&str; 6] = [
+/// The structs [`wire_fields`] may know (each layout has a table for those it has).
+pub const STRUCTS: [&str; 7] = [
     MessageField::STRUCT,
     OutputField::STRUCT,
     UtilityField::STRUCT,
     ListsField::STRUCT,
     TensorsField::STRUCT,
+    MaskField::STRUCT,
     EventField::STRUCT,
 ];
+
+/// The structs `layout` has a table for.
+pub fn structs(layout: &Layout) -> Vec<&'static str> {
+    STRUCTS
+        .into_iter()
+        .filter(|name| wire_fields(layout, name).is_some())
+        .collect()
+}

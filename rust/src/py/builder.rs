@@ -21,10 +21,8 @@ use super::torch;
 use crate::core::error::{ArrayKind, DecodeError, DecodeResult, ErrorKind};
 use crate::core::intern::{FrameOrder, InternCache};
 use crate::core::msgpack::check_utf8;
-use crate::core::schema::{
-    ArrayRef, Builder, LogprobsSlots, MessageSlots, OutputSlots, UtilitySlots,
-};
-use crate::core::wire::StatsKind;
+use crate::core::schema::{ArrayRef, Builder, MaskSlots, MessageSlots, OutputSlots, UtilitySlots};
+use crate::core::wire::{Protocol, StatsKind};
 
 /// What a decoder keeps from frame to frame.
 pub struct DecoderState {
@@ -90,6 +88,8 @@ pub struct PyBuilder<'a, 'py> {
     pub frames: &'a mut [Frame<'py>],
     /// Callables that turn decoded stats maps into the caller's stats objects.
     pub stats_types: &'a StatsTypes,
+    /// The version being decoded (which named tuple a `LogprobsTensors` is).
+    protocol: Protocol,
     /// A foreign Python error behind an [`ErrorKind::Foreign`] result.
     pub error: Option<PyErr>,
     /// The dtype object found by the last `dtype_itemsize`, for the `array` call after it.
@@ -130,6 +130,7 @@ impl<'a, 'py> PyBuilder<'a, 'py> {
         state: &'a mut DecoderState,
         frames: &'a mut [Frame<'py>],
         stats_types: &'a StatsTypes,
+        protocol: Protocol,
     ) -> Self {
         PyBuilder {
             py,
@@ -137,6 +138,7 @@ impl<'a, 'py> PyBuilder<'a, 'py> {
             state,
             frames,
             stats_types,
+            protocol,
             error: None,
             dtype: HeldDtype::None,
             order: None,
@@ -451,7 +453,9 @@ impl<'py> Builder for PyBuilder<'_, 'py> {
         self.order = self.state.start_order(engine_index);
     }
 
-    #[inline]
+    // Always inlined: the hot path of both versions' walks (two callers would let the
+    // optimiser keep it out of line).
+    #[inline(always)]
     fn request_id(&mut self, raw: &[u8]) -> DecodeResult<Obj<'py>> {
         let py = self.py;
         let Some(at) = self.order else {
@@ -482,7 +486,9 @@ impl<'py> Builder for PyBuilder<'_, 'py> {
         self.check(r)
     }
 
-    #[inline]
+    // Always inlined: the hot path of both versions' walks (two callers would let the
+    // optimiser keep it out of line).
+    #[inline(always)]
     fn dtype_itemsize(&mut self, kind: ArrayKind, dtype: &str) -> DecodeResult<usize> {
         let cache = match kind {
             ArrayKind::Ndarray => &self.state.np_dtypes,
@@ -557,16 +563,34 @@ impl<'py> Builder for PyBuilder<'_, 'py> {
     fn logprobs(
         &mut self,
         kind: ArrayKind,
-        fields: &mut LogprobsSlots<Obj<'py>>,
+        fields: &mut [Option<Obj<'py>>],
     ) -> DecodeResult<Obj<'py>> {
         let py = self.py;
         let c = self.consts;
-        let [Some(ids), Some(lps), Some(ranks), cu_num_generated_tokens] =
-            fields.each_mut().map(Option::take)
-        else {
+        if fields.len() < 4 {
+            return Err(missing_field());
+        }
+        let (ids, lps, ranks) = (fields[0].take(), fields[1].take(), fields[2].take());
+        let cu_num_generated_tokens = fields[3].take();
+        // A later version's element (LogprobsTensors' fifth; LogprobsLists has four).
+        debug_assert!(fields.len() <= 5);
+        let later = fields.get_mut(4).and_then(Option::take);
+        let (Some(ids), Some(lps), Some(ranks)) = (ids, lps, ranks) else {
             return Err(missing_field());
         };
         let arrays = [ids, lps, ranks];
+        if kind == ArrayKind::Tensor && self.protocol != Protocol::V0_25_1 {
+            // A later version's LogprobsTensors: its own named tuple, every element.
+            let cu = self.opt(cu_num_generated_tokens).into_bound(py);
+            let [ids, lps, ranks] = arrays;
+            let later = self.opt(later).into_bound(py);
+            let r = PyTuple::new(py, [ids, lps, ranks, cu, later]).and_then(|items| {
+                c.tuple_new
+                    .bind(py)
+                    .call1((c.logprobs_tensors_0_33_0.bind(py), items))
+            });
+            return self.check(r);
+        }
         let cls = match kind {
             ArrayKind::Ndarray => c.logprobs_lists.bind(py),
             ArrayKind::Tensor => c.logprobs_tensors.bind(py),
@@ -589,6 +613,23 @@ impl<'py> Builder for PyBuilder<'_, 'py> {
             unsafe { ffi::PyObject_GC_UnTrack(t.as_ptr().cast()) };
         }
         Ok(t)
+    }
+
+    fn sampling_mask(&mut self, fields: &mut MaskSlots<Obj<'py>>) -> DecodeResult<Obj<'py>> {
+        let py = self.py;
+        let c = self.consts;
+        let items = fields.each_mut().map(|v| self.opt(v.take()));
+        let r = PyTuple::new(py, items).and_then(|items| {
+            c.tuple_new
+                .bind(py)
+                .call1((c.sampling_mask_lists.bind(py), items))
+        });
+        self.check(r)
+    }
+
+    fn request_error(&mut self, map: Obj<'py>) -> DecodeResult<Obj<'py>> {
+        let r = self.consts.request_error.bind(self.py).call1((map,));
+        self.check(r)
     }
 
     fn utility_result(&mut self, value: Obj<'py>) -> DecodeResult<Obj<'py>> {
@@ -634,7 +675,9 @@ impl<'py> Builder for PyBuilder<'_, 'py> {
         }
     }
 
-    #[inline]
+    // Always inlined: the hot path of both versions' walks (two callers would let the
+    // optimiser keep it out of line).
+    #[inline(always)]
     fn output(&mut self, fields: &mut OutputSlots<Obj<'py>>) -> DecodeResult<Obj<'py>> {
         let r = new_output(self.py, fields);
         self.check(r)

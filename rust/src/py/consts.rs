@@ -15,6 +15,11 @@ pub struct Consts {
     pub event_cls: Py<PyAny>,
     pub logprobs_lists: Py<PyAny>,
     pub logprobs_tensors: Py<PyAny>,
+    /// From `corewire.layouts`: vLLM 0.33.0's 5-element `LogprobsTensors`, its
+    /// `SamplingMaskLists`, and `request_error_from_map` (a `RequestError` from its map).
+    pub logprobs_tensors_0_33_0: Py<PyAny>,
+    pub sampling_mask_lists: Py<PyAny>,
+    pub request_error: Py<PyAny>,
     pub utility_result: Py<PyAny>,
     pub utility_output: Py<PyAny>,
     /// `tuple.__new__`, to make named tuples without running their Python `__new__`.
@@ -33,6 +38,8 @@ impl Consts {
 
     fn load(py: Python<'_>) -> PyResult<Consts> {
         let protocol = py.import("corewire.protocol")?;
+        let layouts = py.import("corewire.layouts")?;
+        let v0_33_0 = layouts.getattr("V0_33_0_TYPES")?;
         let finish = protocol.getattr("FinishReason")?;
         let event_type = protocol.getattr("EngineCoreEventType")?;
         let member = |cls: &Bound<'_, PyAny>, v: u8| cls.call1((v,)).map(Bound::unbind);
@@ -52,6 +59,9 @@ impl Consts {
             event_cls: protocol.getattr("EngineCoreEvent")?.unbind(),
             logprobs_lists: protocol.getattr("LogprobsLists")?.unbind(),
             logprobs_tensors: protocol.getattr("LogprobsTensors")?.unbind(),
+            logprobs_tensors_0_33_0: v0_33_0.get_item("LogprobsTensors")?.unbind(),
+            sampling_mask_lists: layouts.getattr("SamplingMaskLists")?.unbind(),
+            request_error: layouts.getattr("request_error_from_map")?.unbind(),
             utility_result: protocol.getattr("UtilityResult")?.unbind(),
             utility_output: protocol.getattr("UtilityOutput")?.unbind(),
             tuple_new: py

@@ -10,7 +10,8 @@ use super::consts::{Consts, DtypeCache};
 use super::frames::Frame;
 use crate::core::error::{DecodeError, ErrorKind};
 use crate::core::intern::InternCache;
-use crate::core::schema::{decode_outputs, Scratch};
+use crate::core::schema::{decode_outputs_for, Scratch};
+use crate::core::wire::Protocol;
 
 pyo3::create_exception!(
     corewire,
@@ -21,6 +22,13 @@ pyo3::create_exception!(
 
 /// Decodes `EngineCoreOutputs` frames (`[payload, aux_1, ...]`) into Python objects.
 ///
+/// `protocol` is the vLLM version whose wire the frames follow (`"0.25.1"`, the default,
+/// or `"0.33.0"`); any other raises `corewire.versions.UnsupportedProtocolError`. The
+/// decoded objects carry every version's fields as attributes (a field the version
+/// lacks is None, or 0 for a count). A frame of the other version with request outputs
+/// fails with `ProtocolError`; one without outputs (a utility reply, stats only) may
+/// decode under either (docs/protocol.md, "Versions").
+///
 /// Arrays and tensors are zero-copy views of the frames and keep them alive; request
 /// ids are interned (bounded); malformed frames raise `corewire.ProtocolError`. One
 /// decoder is meant for one thread (the receiving loop); it is not re-entrant.
@@ -30,6 +38,7 @@ pub struct NativeDecoder {
     state: DecoderState,
     scratch: Scratch,
     stats_types: StatsTypes,
+    protocol: Protocol,
 }
 
 /// Frames per message handled without a heap allocation.
@@ -46,15 +55,23 @@ const MAX_CACHED_KEY: usize = 64;
 impl NativeDecoder {
     #[new]
     #[pyo3(
-        signature = (intern_capacity = DEFAULT_INTERN_CAPACITY, *, prefill_stats = None, scheduler_stats = None),
-        text_signature = "(intern_capacity=16384, *, prefill_stats=None, scheduler_stats=None)"
+        signature = (intern_capacity = DEFAULT_INTERN_CAPACITY, *, prefill_stats = None, scheduler_stats = None, protocol = None),
+        text_signature = "(intern_capacity=16384, *, prefill_stats=None, scheduler_stats=None, protocol=None)"
     )]
     fn new(
         py: Python<'_>,
         intern_capacity: usize,
         prefill_stats: Option<Bound<'_, PyAny>>,
         scheduler_stats: Option<Bound<'_, PyAny>>,
+        protocol: Option<&str>,
     ) -> PyResult<Self> {
+        let protocol = match protocol {
+            None => Protocol::DEFAULT,
+            Some(name) => match Protocol::from_name(name) {
+                Some(p) => p,
+                None => return Err(unsupported_protocol(py, name)),
+            },
+        };
         let callable = |name: &str, v: Option<Bound<'_, PyAny>>| -> PyResult<Option<Py<PyAny>>> {
             match v {
                 Some(f) if !f.is_callable() => Err(pyo3::exceptions::PyTypeError::new_err(
@@ -81,6 +98,7 @@ impl NativeDecoder {
             },
             scratch: Scratch::default(),
             stats_types,
+            protocol,
         })
     }
 
@@ -110,10 +128,12 @@ impl NativeDecoder {
             &mut self.state,
             &mut held,
             &self.stats_types,
+            self.protocol,
         );
         let scratch = &mut self.scratch;
+        let protocol = self.protocol;
         let result = catch_unwind(AssertUnwindSafe(|| {
-            decode_outputs(slices, &mut builder, scratch)
+            decode_outputs_for(protocol, slices, &mut builder, scratch)
         }));
         match result {
             Ok(Ok(obj)) => Ok(obj.unbind()),
@@ -128,6 +148,12 @@ impl NativeDecoder {
                 "EngineCoreOutputs: internal decoder error (a bug in corewire): frame rejected",
             )),
         }
+    }
+
+    /// The vLLM version whose wire this decoder reads (`"0.25.1"`, `"0.33.0"`).
+    #[getter]
+    fn protocol(&self) -> &'static str {
+        self.protocol.name()
     }
 
     /// Number of request ids held by the intern cache now.
@@ -177,6 +203,20 @@ unsafe fn detach<'b>(frame: &Frame<'_>) -> &'b [u8] {
     // SAFETY: the memory is pinned by the Frame (bytes object or buffer export) for as
     // long as it lives, whatever happens to the Frame value's borrows.
     unsafe { std::slice::from_raw_parts(b.as_ptr(), b.len()) }
+}
+
+/// `corewire.versions.UnsupportedProtocolError` for `name` (the one message that names
+/// the supported versions lives there).
+#[cold]
+fn unsupported_protocol(py: Python<'_>, name: &str) -> PyErr {
+    let made = py
+        .import("corewire.versions")
+        .and_then(|m| m.getattr("unsupported_protocol"))
+        .and_then(|f| f.call1((name,)));
+    match made {
+        Ok(exc) => PyErr::from_value(exc),
+        Err(e) => e,
+    }
 }
 
 #[cold]

@@ -35,5 +35,6 @@ pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(wire::wire_fields, m)?)?;
     m.add_function(wrap_pyfunction!(wire::wire_structs, m)?)?;
     m.add_function(wrap_pyfunction!(wire::wire_version, m)?)?;
+    m.add_function(wrap_pyfunction!(wire::wire_versions, m)?)?;
     Ok(())
 }

@@ -18,7 +18,11 @@
 //!   output at all (a list the caller keeps is simply not recycled), and token ids map
 //!   to cached ints;
 //! - likewise a dead output's `LogprobsLists` of inline arrays, when nothing else holds
-//!   the tuple or its arrays, is pooled and refilled in place by a later message.
+//!   the tuple or its arrays, is pooled and refilled in place by a later message;
+//! - an output holds vLLM 0.25.1's fields inline and the fields later versions added
+//!   out of line, in one tuple made only when one of them is set (they are rare: errors,
+//!   transfers, masks), so that every version's outputs stay as small as 0.25.1's were
+//!   (a batch of them fits the same cache).
 
 use std::ffi::{c_void, CStr};
 use std::mem::offset_of;
@@ -32,7 +36,7 @@ use pyo3::types::{PyString, PyTuple, PyType};
 
 use super::ffi::reusable_array;
 use crate::core::schema::{MessageSlots, OutputSlots};
-use crate::core::wire::{FieldType, MessageField, OutputField, WireStruct, CURRENT};
+use crate::core::wire::{FieldType, MessageField, OutputField, WireStruct, LAYOUT_0_25_1};
 
 /// A Python int for any msgpack integer.
 #[inline]
@@ -293,30 +297,48 @@ fn store_slots<F: WireStruct, const N: usize>(
 ) -> [*mut ffi::PyObject; N] {
     let none = none_ptr();
     let zero = zero_ptr();
+    let count_default = if zero.is_null() { none } else { zero };
     let mut out = [none; N];
-    for (i, v) in slots.iter_mut().enumerate() {
-        match v.take() {
-            // Dropping a Some(None) releases its reference: fields never own None.
-            Some(v) if !v.is_none() => out[i] = v.into_ptr(),
-            _ if is_count::<F>(i) && !zero.is_null() => out[i] = zero,
-            _ => {}
+    // A select per slot, without branches on the usual path (most slots are empty).
+    for (i, (v, o)) in slots.iter_mut().zip(out.iter_mut()).enumerate() {
+        let p = v.take().map_or(ptr::null_mut(), Bound::into_ptr);
+        let default = if F::COUNT_MASK & (1 << i) != 0 {
+            count_default
+        } else {
+            none
+        };
+        *o = if p.is_null() { default } else { p };
+        if p == none {
+            // A value that is None: fields never own None, so its reference goes.
+            // SAFETY: an owned reference to None, given up here.
+            unsafe { ffi::Py_DECREF(p) };
         }
     }
     out
 }
 
-/// Whether slot `i` of `F` is a [`FieldType::Count`].
-#[inline(always)]
-fn is_count<F: WireStruct>(i: usize) -> bool {
-    F::ALL[i].info().ty == FieldType::Count
-}
+/// Slots of an output held inline: those of vLLM 0.25.1 (the first slots of the table).
+const INLINE: usize = LAYOUT_0_25_1.output.fields.len();
+/// Slots held out of line, in `OutputObject::extra`.
+const EXTRA: usize = OutputField::COUNT - INLINE;
+const _: () = {
+    // The out-of-line slots default to None (a NULL `extra` stands for all None).
+    let mut i = INLINE;
+    while i < OutputField::COUNT {
+        assert!(!matches!(OutputField::INFO[i].ty, FieldType::Count));
+        i += 1;
+    }
+};
 
 /// Memory layout of an `EngineCoreOutput` instance.
 #[repr(C)]
 struct OutputObject {
     ob_base: ffi::PyObject,
-    /// Members, by [`OutputField`] slot.
-    fields: [*mut ffi::PyObject; OutputField::COUNT],
+    /// Members, by [`OutputField`] slot, up to [`INLINE`].
+    fields: [*mut ffi::PyObject; INLINE],
+    /// The later slots: NULL while every one is None, else a tuple of [`EXTRA`] items
+    /// (owned references, None included).
+    extra: *mut ffi::PyObject,
 }
 
 /// The request id and the token ids: the fields an output always owns (its required
@@ -416,15 +438,32 @@ unsafe fn free(obj: *mut ffi::PyObject) {
 
 /// A new `EngineCoreOutput` from a builder's slots (request id and token ids set),
 /// taking every value out of them, also when it fails.
-#[inline]
+#[inline(always)]
 pub fn new_output<'py>(
     py: Python<'py>,
     v: &mut OutputSlots<Bound<'py, PyAny>>,
 ) -> PyResult<Bound<'py, PyAny>> {
-    let fields = store_slots::<OutputField, { OutputField::COUNT }>(v);
+    let (inline, later) = v.split_at_mut(INLINE);
+    let inline: &mut [_; INLINE] = inline.try_into().expect("INLINE slots");
+    let fields = store_slots::<OutputField, INLINE>(inline);
+    let extra = if later.iter().all(Option::is_none) {
+        ptr::null_mut()
+    } else {
+        match new_extra(py, later) {
+            Ok(extra) => extra,
+            Err(e) => {
+                // SAFETY: attached; owned references nothing else will release.
+                unsafe { fields.into_iter().for_each(|p| release(p)) };
+                return Err(e);
+            }
+        }
+    };
     let Some(ty) = OUTPUT_TYPE.get(py) else {
         // SAFETY: attached; the values are owned references nothing else will release.
-        unsafe { fields.into_iter().for_each(|p| release(p)) };
+        unsafe {
+            fields.into_iter().for_each(|p| release(p));
+            release(extra);
+        }
         return Err(not_registered());
     };
     // SAFETY: a fresh OutputObject-sized allocation of the output type; every field is
@@ -437,12 +476,49 @@ pub fn new_output<'py>(
                 for p in fields {
                     release(p);
                 }
+                release(extra);
                 return Err(e);
             }
         };
         let o = obj.cast::<OutputObject>();
         ptr::addr_of_mut!((*o).fields).write(fields);
+        ptr::addr_of_mut!((*o).extra).write(extra);
         Ok(Bound::from_owned_ptr(py, obj))
+    }
+}
+
+/// The out-of-line slots of an output, one of them set, as its `extra` tuple (which
+/// takes every value out of them, also when it fails).
+#[cold]
+#[inline(never)]
+fn new_extra(
+    py: Python<'_>,
+    later: &mut [Option<Bound<'_, PyAny>>],
+) -> PyResult<*mut ffi::PyObject> {
+    let items: [Bound<'_, PyAny>; EXTRA] =
+        std::array::from_fn(|i| later[i].take().unwrap_or_else(|| py.None().into_bound(py)));
+    Ok(PyTuple::new(py, items)?.into_ptr())
+}
+
+/// The getter of an out-of-line output field; `closure` is its index in `extra`.
+///
+/// # Safety
+/// Only CPython calls it, attached, with a live output.
+unsafe extern "C" fn output_extra(
+    obj: *mut ffi::PyObject,
+    closure: *mut c_void,
+) -> *mut ffi::PyObject {
+    // SAFETY: CPython calls getters with a live instance of the output type, attached;
+    // `extra` is NULL or a tuple of EXTRA items, and `closure` an index below EXTRA.
+    unsafe {
+        let extra = (*obj.cast::<OutputObject>()).extra;
+        let value = if extra.is_null() {
+            none_ptr()
+        } else {
+            ffi::PyTuple_GetItem(extra, closure as ffi::Py_ssize_t)
+        };
+        ffi::Py_INCREF(value);
+        value
     }
 }
 
@@ -472,6 +548,7 @@ unsafe extern "C" fn output_dealloc(obj: *mut ffi::PyObject) {
                 release(p);
             }
         }
+        release((*o).extra);
         free_output(obj);
     }
 }
@@ -614,13 +691,15 @@ struct TypeDef {
     getsets: Vec<ffi::PyGetSetDef>,
     dealloc: ffi::destructor,
     repr: ffi::reprfunc,
-    /// `__struct_fields__`: the field names in the wire order the decoder speaks.
+    /// `__struct_fields__`: the attribute names, in slot order.
     fields: Vec<&'static str>,
+    /// Slots held as members (the rest have getters among `getsets`).
+    members: usize,
 }
 
 fn make_type<'py, F: WireStruct>(py: Python<'py>, def: TypeDef) -> PyResult<Bound<'py, PyType>> {
     let ptr_size = std::mem::size_of::<*mut ffi::PyObject>();
-    let mut members: Vec<ffi::PyMemberDef> = F::ALL
+    let mut members: Vec<ffi::PyMemberDef> = F::ALL[..def.members]
         .iter()
         .map(|field| ffi::PyMemberDef {
             name: field.info().c_name.as_ptr(),
@@ -684,9 +763,28 @@ fn getset(name: &'static CStr, get: ffi::getter, doc: &'static CStr) -> ffi::PyG
     }
 }
 
-/// Wire names of `F`'s fields in the order the decoder speaks (`__struct_fields__`).
-fn wire_order<F: WireStruct>(layout: &[Option<F>]) -> Vec<&'static str> {
-    layout.iter().flatten().map(|f| f.info().name).collect()
+/// The getters of an output: `finished`, and one per out-of-line field.
+fn output_getsets() -> Vec<ffi::PyGetSetDef> {
+    let mut getsets = vec![getset(
+        c"finished",
+        output_finished,
+        c"Whether this is the request's last output (finish_reason is not None).",
+    )];
+    for (i, field) in OutputField::ALL[INLINE..].iter().enumerate() {
+        let info = field.info();
+        let mut def = getset(info.c_name, output_extra, info.doc);
+        def.closure = i as *mut c_void;
+        getsets.push(def);
+    }
+    debug_assert_eq!(getsets.len(), 1 + EXTRA);
+    getsets
+}
+
+/// `F`'s attribute names in slot order (`__struct_fields__`): every version's fields,
+/// 0.25.1's first, in its wire order, then those later versions added. Each version's
+/// wire order is `_native.wire_fields(name, protocol)`.
+fn slot_order<F: WireStruct>() -> Vec<&'static str> {
+    F::ALL.iter().map(|f| f.info().name).collect()
 }
 
 /// The `EngineCoreOutputs` and `EngineCoreOutput` types, created on first call (for the
@@ -705,14 +803,11 @@ pub fn types(py: Python<'_>) -> PyResult<[&Py<PyType>; 2]> {
                 doc: c"One request's new output: the fields of corewire.protocol.EngineCoreOutput.",
                 basicsize: std::mem::size_of::<OutputObject>(),
                 members_offset: offset_of!(OutputObject, fields),
-                getsets: vec![getset(
-                    c"finished",
-                    output_finished,
-                    c"Whether this is the request's last output (finish_reason is not None).",
-                )],
+                getsets: output_getsets(),
                 dealloc: output_dealloc,
                 repr: output_repr,
-                fields: wire_order(CURRENT.output.fields),
+                fields: slot_order::<OutputField>(),
+                members: INLINE,
             },
         )
         .map(Bound::unbind)
@@ -728,7 +823,8 @@ pub fn types(py: Python<'_>) -> PyResult<[&Py<PyType>; 2]> {
                 getsets: Vec::new(),
                 dealloc: message_dealloc,
                 repr: message_repr,
-                fields: wire_order(CURRENT.message.fields),
+                fields: slot_order::<MessageField>(),
+                members: MessageField::COUNT,
             },
         )
         .map(Bound::unbind)

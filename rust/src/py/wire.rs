@@ -1,33 +1,55 @@
 //! `corewire._native.wire_fields`: the decoder's wire tables, read-only, so that Python
 //! can check them against `corewire.protocol`'s structs.
 
-use pyo3::exceptions::PyKeyError;
+use pyo3::exceptions::{PyKeyError, PyValueError};
 use pyo3::prelude::*;
 use pyo3::types::PyTuple;
 
-use crate::core::wire::{self, CURRENT};
+use crate::core::wire::{self, Layout, Protocol};
 
-/// The field names of the ``corewire.protocol`` struct ``name`` in the wire order the
-/// decoder reads (the map keys of ``EngineCoreEvent``).
+/// The layout of `protocol` (the default one when None).
+fn layout_of(protocol: Option<&str>) -> PyResult<&'static Layout> {
+    match protocol {
+        None => Ok(Protocol::DEFAULT.layout()),
+        Some(name) => Protocol::from_name(name)
+            .map(Protocol::layout)
+            .ok_or_else(|| PyValueError::new_err(format!("unsupported protocol {name:?}"))),
+    }
+}
+
+/// The field names of struct ``name`` in the wire order the decoder reads for
+/// ``protocol`` (default: the default protocol; the map keys of ``EngineCoreEvent``).
 ///
-/// Raises ``KeyError`` for a struct the decoder has no table for; ``wire_structs()``
-/// names those it has.
+/// Raises ``KeyError`` for a struct the decoder has no table for in that version;
+/// ``wire_structs(protocol)`` names those it has.
 #[pyfunction]
-pub fn wire_fields<'py>(py: Python<'py>, name: &str) -> PyResult<Bound<'py, PyTuple>> {
-    match wire::wire_fields(CURRENT, name) {
+#[pyo3(signature = (name, protocol = None))]
+pub fn wire_fields<'py>(
+    py: Python<'py>,
+    name: &str,
+    protocol: Option<&str>,
+) -> PyResult<Bound<'py, PyTuple>> {
+    match wire::wire_fields(layout_of(protocol)?, name) {
         Some(names) => PyTuple::new(py, names),
         None => Err(PyKeyError::new_err(name.to_owned())),
     }
 }
 
-/// The names of the structs ``wire_fields`` knows.
+/// The names of the structs ``wire_fields`` knows for ``protocol``.
 #[pyfunction]
-pub fn wire_structs(py: Python<'_>) -> PyResult<Bound<'_, PyTuple>> {
-    PyTuple::new(py, wire::STRUCTS)
+#[pyo3(signature = (protocol = None))]
+pub fn wire_structs<'py>(py: Python<'py>, protocol: Option<&str>) -> PyResult<Bound<'py, PyTuple>> {
+    PyTuple::new(py, wire::structs(layout_of(protocol)?))
 }
 
-/// The vLLM version whose wire the decoder speaks.
+/// The vLLM version whose wire a decoder speaks by default.
 #[pyfunction]
 pub fn wire_version() -> &'static str {
-    CURRENT.version
+    Protocol::DEFAULT.name()
+}
+
+/// Every vLLM version whose wire the decoder speaks, oldest first.
+#[pyfunction]
+pub fn wire_versions(py: Python<'_>) -> PyResult<Bound<'_, PyTuple>> {
+    PyTuple::new(py, Protocol::ALL.map(Protocol::name))
 }
