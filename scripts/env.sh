@@ -17,3 +17,19 @@ python -m pip install -q "maturin>=1.5,<2"
 install_cpu_platform() {
     python -m pip install -q "$(dirname "${BASH_SOURCE[0]}")/../tools/vllm-cpu-platform"
 }
+
+# vLLM 0.33.0 cannot share an environment with 0.25.1: the tests against it run in a second
+# cached venv beside the first (override with COREWIRE_VENV_0_33). Created and filled once
+# (vLLM 0.33.0 with its torch: about 5 minutes and 9 GB on a first run), reused after.
+COREWIRE_VENV_0_33="${COREWIRE_VENV_0_33:-${XDG_CACHE_HOME:-$HOME/.cache}/corewire/vllm-0.33.0-venv}"
+ensure_vllm_0_33_venv() {
+    local py="$COREWIRE_VENV_0_33/bin/python"
+    if [ ! -x "$py" ]; then
+        echo "== creating virtual environment $COREWIRE_VENV_0_33"
+        python3 -m venv "$COREWIRE_VENV_0_33"
+        "$py" -m pip install -q --upgrade pip
+    fi
+    "$py" -c 'import importlib.metadata as m; assert m.version("vllm") == "0.33.0"' 2>/dev/null \
+        || "$py" -m pip install -q "vllm==0.33.0"
+    "$py" -m pip install -q "$(dirname "${BASH_SOURCE[0]}")/../tools/vllm-cpu-platform"
+}
