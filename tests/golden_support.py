@@ -8,7 +8,9 @@ and compare. It imports neither vLLM nor corewire, so both sides run the very sa
 Structs become ``{field: value}`` over all their fields (msgspec's ``__struct_fields__``,
 a dataclass's fields, a named tuple's ``_fields``); ndarrays and tensors become
 ``{"dtype", "shape", "data"}``; enums their values; sets sorted lists; ``UtilityResult``
-``{"result": ...}``; floats stay floats (JSON keeps them exactly).
+``{"result": ...}``; floats stay floats (JSON keeps them exactly). With
+``wire_names=True`` a msgspec struct's keys are its wire names (``__struct_encode_fields__``:
+vLLM's ``_eos_token_id`` is corewire's ``eos_token_id``), for requests.
 """
 
 from __future__ import annotations
@@ -18,8 +20,15 @@ import enum
 from typing import Any
 
 
-def jsonable(obj: Any) -> Any:
+def jsonable(obj: Any, *, wire_names: bool = False) -> Any:
     """``obj`` as JSON-compatible data (see the module docstring)."""
+    return _jsonable(obj, wire_names)
+
+
+def _jsonable(obj: Any, wire_names: bool) -> Any:
+    def jsonable(value: Any) -> Any:  # the public one's recursion, keeping wire_names
+        return _jsonable(value, wire_names)
+
     if isinstance(obj, enum.Enum):  # first: a str or int enum is a str or int too
         return jsonable(obj.value)
     if obj is None or isinstance(obj, (bool, str)):
@@ -42,6 +51,9 @@ def jsonable(obj: Any) -> Any:
         return {"result": jsonable(obj.result)}
     fields = getattr(type(obj), "__struct_fields__", None)
     if fields is not None:
+        if wire_names:
+            names = type(obj).__struct_encode_fields__
+            return {n: jsonable(getattr(obj, f)) for f, n in zip(fields, names, strict=True)}
         return {f: jsonable(getattr(obj, f)) for f in fields}
     if dataclasses.is_dataclass(obj):
         return {f.name: jsonable(getattr(obj, f.name)) for f in dataclasses.fields(obj)}

@@ -6,13 +6,17 @@ field, and :func:`_derive` builds that version's msgspec structs from 0.25.1's w
 ``msgspec.defstruct``. Nothing else differs between versions: the same encoder writes
 either byte for byte, as that vLLM's ``MsgpackEncoder`` does.
 
-:func:`types_for` gives one version's structs by name. The types new in 0.33.0
-(:class:`SamplingMaskLists`, :class:`RequestError`) are the ones ``NativeDecoder``
-builds for any version; they are defined once, here.
+:func:`types_for` gives one version's structs by name, in both directions: engine ->
+front-end (``EngineCoreOutputs``...) and front-end -> engine (``EngineCoreRequest``,
+``SamplingParams``, ``PoolingParams``, ``LoRARequest``...). :func:`request_decoder`
+reads one version's requests. The types new in 0.33.0 (:class:`SamplingMaskLists`,
+:class:`RequestError`, :class:`KvHintsEnvelope`...) are defined once, here;
+``NativeDecoder`` builds the first two for any version.
 """
 
 from __future__ import annotations
 
+import enum
 import types
 from dataclasses import dataclass
 from typing import Any, NamedTuple
@@ -25,14 +29,53 @@ from corewire.protocol import Tensor
 from corewire.versions import V0_25_1, V0_33_0, check_protocol
 
 __all__ = [
+    "FT_STATUS_CALL_ID",
     "V0_25_1_TYPES",
     "V0_33_0_TYPES",
+    "EngineStatusType",
+    "KvHintAction",
+    "KvHintsEnvelope",
+    "LateChunkingParams",
+    "LoRARequest",
     "RequestError",
     "SamplingMaskLists",
+    "request_decoder",
     "request_error_from_map",
     "types_for",
     "version_of",
 ]
+
+
+#: The utility call id of an engine's fault-tolerance status message (vLLM 0.33.0 on): an
+#: ``EngineCoreOutputs`` to client 0 whose ``utility_output`` is ``[-2, nil, [nil,
+#: {"id": engine_index, "status": ..., "fault_info"?: ...}]]``. No call waits on it;
+#: 0.33.0's async client stores the map as that engine's status.
+FT_STATUS_CALL_ID = -2
+
+
+class EngineStatusType(enum.IntEnum):
+    """An engine's health in a :data:`FT_STATUS_CALL_ID` message (vLLM 0.33.0 on).
+
+    The int never travels: the status map carries :attr:`wire_name`
+    (``"healthy"``, ``"dead"``, ``"unhealthy"``).
+    """
+
+    HEALTHY = 0
+    DEAD = 1
+    UNHEALTHY = 2
+
+    @property
+    def wire_name(self) -> str:
+        """The status string on the wire (vLLM writes ``name.lower()``)."""
+        return self.name.lower()
+
+    @classmethod
+    def from_wire(cls, name: str) -> EngineStatusType:
+        """The member whose :attr:`wire_name` is ``name`` (``ValueError`` if none)."""
+        try:
+            return cls[name.upper()]
+        except KeyError:
+            raise ValueError(f"unknown engine status {name!r}") from None
 
 
 class SamplingMaskLists(NamedTuple):
@@ -63,6 +106,48 @@ def request_error_from_map(fields: dict[str, Any]) -> RequestError:
     return RequestError(fields["code"], fields["message"], fields.get("retryable", False))
 
 
+class LoRARequest(msgspec.Struct, array_like=True, omit_defaults=True):  # type: ignore[call-arg]
+    """A LoRA adapter to use, vLLM 0.25.1's layout (positional, 7 fields, all written).
+
+    ``corewire.protocol.EngineCoreRequest`` (0.25.1) carries its LoRA untyped, as
+    decoded; this struct is the layout 0.33.0's (``types_for("0.33.0")["LoRARequest"]``,
+    which drops ``tensorizer_config_dict``) is derived from. vLLM's checks
+    (``lora_int_id >= 1``, a non-empty path) are not repeated.
+    """
+
+    lora_name: str
+    lora_int_id: int
+    lora_path: str = ""
+    base_model_name: str | None = None
+    tensorizer_config_dict: dict[str, Any] | None = None
+    load_inplace: bool = False
+    is_3d_lora_weight: bool = False
+
+
+class LateChunkingParams(msgspec.Struct, array_like=True, omit_defaults=True):  # type: ignore[call-arg]
+    """Fixed-size chunk mean pooling for token embeddings (vLLM 0.33.0 on; ``[chunk_size]``)."""
+
+    chunk_size: int
+
+
+class KvHintAction(msgspec.Struct, frozen=True):  # type: ignore[call-arg]
+    """One KV hint action of an orchestrator (vLLM 0.33.0 on; a map of all four keys)."""
+
+    action_id: str
+    action_type: str
+    action_version: str
+    #: JSON-compatible; its schema belongs to the component that implements the action.
+    payload: dict[str, Any]
+
+
+class KvHintsEnvelope(msgspec.Struct, frozen=True):  # type: ignore[call-arg]
+    """KV hints attached to one request (vLLM 0.33.0's ``EngineCoreRequest.kv_hints``)."""
+
+    protocol_version: str
+    message_id: str
+    actions: list[KvHintAction]
+
+
 @dataclass(frozen=True)
 class Insert:
     """Add ``field`` (name, type, default) right after the field named ``after``."""
@@ -79,6 +164,21 @@ class Append:
 
 
 @dataclass(frozen=True)
+class Remove:
+    """Drop the field ``name`` (the fields after it move up one place)."""
+
+    name: str
+
+
+@dataclass(frozen=True)
+class Move:
+    """Move the field ``name`` to right after the field named ``after`` (map order)."""
+
+    name: str
+    after: str
+
+
+@dataclass(frozen=True)
 class Retype:
     """Give the existing field ``name`` the type ``type`` (a struct of this version)."""
 
@@ -89,36 +189,64 @@ class Retype:
 _DOCS = {
     "EngineCoreOutput": "New tokens (and more) for one request; vLLM 0.33.0's layout.",
     "EngineCoreOutputs": "One message on the output link; vLLM 0.33.0's layout.",
+    "EngineCoreRequest": "A request to add; vLLM 0.33.0's layout (22 fields, positional).",
+    "PoolingParams": "Pooling parameters; vLLM 0.33.0's layout (11 fields, positional).",
+    "LoRARequest": "A LoRA adapter to use; vLLM 0.33.0's layout (6 fields, positional).",
+    "SamplingParams": "Sampling parameters; vLLM 0.33.0's map (43 keys, defaults omitted).",
 }
 
 
-def _derive(base: type, edits: list[Any], namespace: dict[str, Any]) -> type:
-    """``base`` (a 0.25.1 array-like struct) with ``edits`` applied, as a new struct."""
-    fields: list[tuple[str, Any, Any]] = []
-    for f in msgspec.structs.fields(base):
-        default = f.default
-        if default is msgspec.NODEFAULT and f.default_factory is not msgspec.NODEFAULT:
-            default = msgspec.field(default_factory=f.default_factory)
-        fields.append((f.name, f.type, default))
+def _field_default(f: msgspec.structs.FieldInfo) -> Any:
+    """``f``'s default as ``defstruct`` takes it, keeping a wire name that differs."""
+    if f.default is not msgspec.NODEFAULT:
+        if f.encode_name == f.name:
+            return f.default
+        return msgspec.field(default=f.default, name=f.encode_name)
+    if f.default_factory is not msgspec.NODEFAULT:
+        rename = {} if f.encode_name == f.name else {"name": f.encode_name}
+        return msgspec.field(default_factory=f.default_factory, **rename)
+    if f.encode_name != f.name:
+        return msgspec.field(name=f.encode_name)
+    return msgspec.NODEFAULT
+
+
+def _derive(
+    base: type, edits: list[Any], namespace: dict[str, Any], *, kw_only: bool = False
+) -> type:
+    """``base`` (a 0.25.1 struct) with ``edits`` applied, as a new struct of the same kind
+    (array-like or map, ``omit_defaults``, ``gc``... as ``base``)."""
+    fields: list[tuple[str, Any, Any]] = [
+        (f.name, f.type, _field_default(f)) for f in msgspec.structs.fields(base)
+    ]
     for edit in edits:
         names = [f[0] for f in fields]
         if isinstance(edit, Insert):
             fields.insert(names.index(edit.after) + 1, edit.field)
         elif isinstance(edit, Append):
             fields.append(edit.field)
+        elif isinstance(edit, Remove):
+            del fields[names.index(edit.name)]
+        elif isinstance(edit, Move):
+            moved = fields.pop(names.index(edit.name))
+            fields.insert([f[0] for f in fields].index(edit.after) + 1, moved)
         else:
             at = names.index(edit.name)
             fields[at] = (edit.name, edit.type, fields[at][2])
     ns: dict[str, Any] = {k: v for k, v in vars(base).items() if isinstance(v, property)}
     ns.update(namespace)
     ns["__doc__"] = _DOCS.get(base.__name__, base.__doc__)
+    config = base.__struct_config__  # type: ignore[attr-defined]
     return msgspec.defstruct(
         base.__name__,
         [(n, t) if d is msgspec.NODEFAULT else (n, t, d) for n, t, d in fields],
         module=__name__,
         namespace=ns,
-        array_like=True,
-        gc=False,
+        array_like=config.array_like,
+        omit_defaults=config.omit_defaults,
+        frozen=config.frozen,
+        dict=config.dict,
+        gc=config.gc,
+        kw_only=kw_only,
     )
 
 
@@ -132,6 +260,72 @@ def _tensors_0_33_0() -> type:
     cls.__module__ = __name__
     cls.__doc__ = "Prompt logprobs as torch tensors; vLLM 0.33.0's 5 elements."
     return cls
+
+
+def _sampling_post_init_0_33_0(self: Any) -> None:
+    """vLLM 0.33.0's normalisations (0.25.1's, plus two): duplicate stop token ids and
+    bad words are dropped, and ``prompt_logprob_token_ids`` also skips the prefix cache.
+    Runs on decode too, as vLLM's does; vLLM's value checks are not repeated."""
+    unset = self.skip_reading_prefix_cache is None
+    p.SamplingParams.__post_init__(self)
+    self.stop_token_ids = list(dict.fromkeys(self.stop_token_ids))
+    self.bad_words = list(dict.fromkeys(self.bad_words))
+    if unset and self.prompt_logprob_token_ids is not None:
+        self.skip_reading_prefix_cache = True
+
+
+def _requests_0_33_0() -> dict[str, Any]:
+    """vLLM 0.33.0's front-end -> engine structs by name."""
+    sampling = _derive(
+        p.SamplingParams,
+        [
+            Insert("temperature", ("watermarking", bool | None, None)),
+            # 2-D int32; at 256 bytes or more it travels as an aux frame of the request
+            Insert("prompt_logprobs", ("prompt_logprob_token_ids", np.ndarray | None, None)),
+            Insert("prompt_logprob_token_ids", ("prompt_logprob_start", int | None, None)),
+            Insert("output_kind", ("stream_interval", int | None, None)),
+            Insert(
+                "all_stop_token_ids",
+                (
+                    "watermarking_skipped",
+                    bool,
+                    msgspec.field(default=False, name="_watermarking_skipped"),
+                ),
+            ),
+            Move("routed_experts_prompt_start", after="repetition_detection"),
+            Append(("trace_decode_token_ids", list[int] | None, None)),
+        ],
+        {"__post_init__": _sampling_post_init_0_33_0},
+        kw_only=True,
+    )
+    pooling = _derive(
+        p.PoolingParams,
+        [Append(("late_chunking_params", LateChunkingParams | None, None))],
+        {},
+        kw_only=True,
+    )
+    lora = _derive(LoRARequest, [Remove("tensorizer_config_dict")], {})
+    request = _derive(
+        p.EngineCoreRequest,
+        [
+            Retype("sampling_params", sampling | None),
+            Retype("pooling_params", pooling | None),
+            Retype("lora_request", lora | None),
+            Append(("session_id", str | None, None)),
+            Append(("kv_hints", KvHintsEnvelope | None, None)),
+        ],
+        {},
+        kw_only=True,
+    )
+    return {
+        "EngineCoreRequest": request,
+        "SamplingParams": sampling,
+        "PoolingParams": pooling,
+        "LoRARequest": lora,
+        "LateChunkingParams": LateChunkingParams,
+        "KvHintsEnvelope": KvHintsEnvelope,
+        "KvHintAction": KvHintAction,
+    }
 
 
 def _build_0_33_0() -> types.MappingProxyType[str, Any]:
@@ -168,25 +362,33 @@ def _build_0_33_0() -> types.MappingProxyType[str, Any]:
             "SamplingMaskLists": SamplingMaskLists,
             "EngineCoreEvent": p.EngineCoreEvent,
             "RequestError": RequestError,
+            **_requests_0_33_0(),
         }
     )
 
 
-#: vLLM 0.25.1's engine -> front-end structs by name (those of ``corewire.protocol``).
+#: vLLM 0.25.1's wire structs by name (those of ``corewire.protocol``, and its
+#: :class:`LoRARequest`).
 V0_25_1_TYPES = types.MappingProxyType(
     {
-        name: getattr(p, name)
-        for name in (
-            "EngineCoreOutputs",
-            "EngineCoreOutput",
-            "UtilityOutput",
-            "LogprobsLists",
-            "LogprobsTensors",
-            "EngineCoreEvent",
-        )
+        **{
+            name: getattr(p, name)
+            for name in (
+                "EngineCoreOutputs",
+                "EngineCoreOutput",
+                "UtilityOutput",
+                "LogprobsLists",
+                "LogprobsTensors",
+                "EngineCoreEvent",
+                "EngineCoreRequest",
+                "SamplingParams",
+                "PoolingParams",
+            )
+        },
+        "LoRARequest": LoRARequest,
     }
 )
-#: vLLM 0.33.0's engine -> front-end structs by name.
+#: vLLM 0.33.0's wire structs by name.
 V0_33_0_TYPES = _build_0_33_0()
 
 _TYPES = {V0_25_1: V0_25_1_TYPES, V0_33_0: V0_33_0_TYPES}
@@ -199,9 +401,21 @@ for _version, _table in _TYPES.items():
 
 
 def types_for(protocol: str | None) -> types.MappingProxyType[str, Any]:
-    """The engine -> front-end structs of ``protocol`` by name (``EngineCoreOutputs``,
-    ``EngineCoreOutput``, ``LogprobsTensors``...); a version without one lacks its name."""
+    """The wire structs of ``protocol`` by name, both directions (``EngineCoreOutputs``,
+    ``EngineCoreOutput``, ``LogprobsTensors``, ``EngineCoreRequest``, ``SamplingParams``...);
+    a version without one lacks its name."""
     return _TYPES[check_protocol(protocol)]
+
+
+def request_decoder(protocol: str | None) -> Any:
+    """A decoder of ``protocol``'s ``EngineCoreRequest`` frames (``[payload, aux...]``):
+    a ``corewire.codec.MsgspecDecoder``, whose arrays in aux frames (``prompt_embeds``,
+    0.33.0's ``prompt_logprob_token_ids``) are views of those frames. A request of the
+    other layout raises ``ProtocolError`` where it differs (a LoRA, a 0.25.1 engine's
+    ``LoRARequest``); the field count alone is not checked, as vLLM's decoder does not."""
+    from corewire.codec import MsgspecDecoder  # codec imports this module
+
+    return MsgspecDecoder(types_for(protocol)["EngineCoreRequest"])
 
 
 def version_of(cls: type) -> str | None:
