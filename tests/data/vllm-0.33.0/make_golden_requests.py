@@ -10,7 +10,9 @@ The front-end -> engine sibling of ``make_golden.py``: for each case it builds v
 back with vLLM's ``MsgpackDecoder(EngineCoreRequest)`` and stores that result as plain
 JSON data (``tests/golden_support.jsonable`` with wire names) in ``expected_requests.json``.
 ``tests/test_vllm_0_33_0_requests.py`` decodes the frames with corewire, compares, and
-re-encodes byte for byte.
+re-encodes byte for byte. It also writes ``ready_response.bin``: vLLM 0.33.0's own
+``EngineCoreReadyResponse`` for a plain engine (:data:`READY`), as its engine encodes it
+(``tests/test_ready_layouts.py`` builds the same map with corewire).
 
 The output is deterministic: running it again rewrites the same bytes.
 """
@@ -21,6 +23,7 @@ import json
 import sys
 from pathlib import Path
 
+import msgspec
 import numpy as np
 import torch
 import vllm
@@ -157,6 +160,29 @@ def cases() -> dict[str, E.EngineCoreRequest]:
     }
 
 
+#: The ready response of a 2048-token engine without a KV cache (the values
+#: ``tests/test_ready_layouts.py`` passes to corewire).
+READY = E.EngineCoreReadyResponse(
+    max_model_len=2048,
+    num_gpu_blocks=0,
+    block_size=16,
+    dp_stats_address=None,
+    dtype="float32",
+    vllm_version=VERSION,
+    world_size=1,
+    data_parallel_size=1,
+    tensor_parallel_size=1,
+    pipeline_parallel_size=1,
+    decode_context_parallel_size=1,
+    data_parallel_rank=0,
+    max_num_seqs=256,
+    max_num_batched_tokens=2048,
+    instance_id="golden",
+    supports_lora=False,
+    max_loras=0,
+)
+
+
 def main() -> None:
     if vllm.__version__.split("+")[0] != VERSION:
         sys.exit(f"needs vLLM {VERSION}, found {vllm.__version__}")
@@ -173,6 +199,7 @@ def main() -> None:
         expected[name] = {"frames": len(frames), "decoded": jsonable(decoded, wire_names=True)}
     text = json.dumps(expected, indent=1, sort_keys=True) + "\n"
     (HERE / "expected_requests.json").write_text(text)
+    (HERE / "ready_response.bin").write_bytes(msgspec.msgpack.encode(READY))
     print(f"wrote {len(expected) - 1} cases to {HERE}")
 
 
