@@ -147,12 +147,14 @@ def test_bad_arguments_stop_before_any_run(capsys: pytest.CaptureFixture[str]) -
     assert expected in capsys.readouterr().err
 
 
-@needs_matplotlib
 def test_decode_json_and_plot(tmp_path: Path) -> None:
+    # The plot only where matplotlib is (the vLLM 0.33.0 venv has none): the JSON and the
+    # equality checks run everywhere.
     out, png = tmp_path / "decode.json", tmp_path / "decode.png"
+    plot = ("--plot", str(png)) if HAVE_MATPLOTLIB else ()
     proc = bench(
         "decode", "--quick", "--cases", "plain,top-5", "--batches", "256",
-        "--json", str(out), "--plot", str(png),
+        "--json", str(out), *plot,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stdout + proc.stderr
     doc = read_results(out, "decode")
@@ -182,8 +184,9 @@ def test_decode_json_and_plot(tmp_path: Path) -> None:
     assert doc["protocol"] == (protocol_for_vllm(installed) if installed else "0.25.1")
     assert f"protocol={doc['protocol']!r}" in proc.stdout or not HAVE_VLLM
     assert doc["every_field_equal"] is True and doc["equal"] is True
-    check_png(png)
-    assert "plot written to" in proc.stdout
+    if HAVE_MATPLOTLIB:
+        check_png(png)
+        assert "plot written to" in proc.stdout
 
 
 @pytest.mark.parametrize(
