@@ -24,6 +24,7 @@ import pytest
 
 from corewire import cli
 from corewire._optional import is_installed
+from corewire.bench import decode as decode_bench
 from corewire.bench import gc_times
 from corewire.bench.serve_profile import (
     CLIENT_LAYER,
@@ -33,6 +34,7 @@ from corewire.bench.serve_profile import (
     is_waiting,
     read_profile,
 )
+from corewire.versions import UnsupportedProtocolError, protocol_for_vllm
 
 HAVE_VLLM = is_installed("vllm")
 HAVE_MATPLOTLIB = is_installed("matplotlib")
@@ -41,10 +43,10 @@ PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 
 
 def bench(
-    *argv: str, block: tuple[str, ...] = (), timeout: float = 110
+    *argv: str, block: tuple[str, ...] = (), timeout: float = 110, path_first: Path | None = None
 ) -> subprocess.CompletedProcess[str]:
     """Run ``corewire bench ARGV`` in a fresh interpreter in which ``block`` cannot be
-    imported."""
+    imported (and ``path_first``, if given, comes first on ``sys.path``)."""
     code = "import sys\n" + "".join(f"sys.modules[{m!r}] = None\n" for m in block)
     code += textwrap.dedent(
         f"""
@@ -53,6 +55,10 @@ def bench(
         """
     )
     env = dict(os.environ, HF_HUB_OFFLINE="1", VLLM_NO_USAGE_STATS="1")
+    if path_first is not None:
+        env["PYTHONPATH"] = os.pathsep.join(
+            p for p in (str(path_first), env.get("PYTHONPATH")) if p
+        )
     return subprocess.run(
         [sys.executable, "-c", code], capture_output=True, text=True, timeout=timeout, env=env
     )
@@ -141,12 +147,14 @@ def test_bad_arguments_stop_before_any_run(capsys: pytest.CaptureFixture[str]) -
     assert expected in capsys.readouterr().err
 
 
-@needs_matplotlib
 def test_decode_json_and_plot(tmp_path: Path) -> None:
+    # The plot only where matplotlib is (the vLLM 0.33.0 venv has none): the JSON and the
+    # equality checks run everywhere.
     out, png = tmp_path / "decode.json", tmp_path / "decode.png"
+    plot = ("--plot", str(png)) if HAVE_MATPLOTLIB else ()
     proc = bench(
         "decode", "--quick", "--cases", "plain,top-5", "--batches", "256",
-        "--json", str(out), "--plot", str(png),
+        "--json", str(out), *plot,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stdout + proc.stderr
     doc = read_results(out, "decode")
@@ -170,8 +178,40 @@ def test_decode_json_and_plot(tmp_path: Path) -> None:
     assert [g["name"].split(",")[0] for g in doc["goals"]] == ["plain", "top-5"]
     assert [g["target"] for g in doc["goals"]] == [3.0, 20.0]
     assert doc["logprobs_cost_ns_per_output"]["corewire"] > 0
-    check_png(png)
-    assert "plot written to" in proc.stdout
+    # The wire is the installed vLLM's, and the untimed step with every optional field
+    # set (0.33.0's new ones under 0.33.0) decoded alike.
+    installed = doc["machine"]["vllm"]
+    assert doc["protocol"] == (protocol_for_vllm(installed) if installed else "0.25.1")
+    assert f"protocol={doc['protocol']!r}" in proc.stdout or not HAVE_VLLM
+    assert doc["every_field_equal"] is True and doc["equal"] is True
+    if HAVE_MATPLOTLIB:
+        check_png(png)
+        assert "plot written to" in proc.stdout
+
+
+@pytest.mark.parametrize(
+    ("installed", "protocol"),
+    [(None, "0.25.1"), ("0.25.1", "0.25.1"), ("0.33.0", "0.33.0"), ("0.33.0+cpu", "0.33.0")],
+)
+def test_decode_measures_the_installed_vllms_wire(installed: str | None, protocol: str) -> None:
+    assert decode_bench.baseline_protocol(installed) == protocol
+
+
+def test_decode_refuses_an_unsupported_vllm(tmp_path: Path) -> None:
+    # A distribution of another vLLM release, found first on the path: the bench must stop
+    # before measuring it on a wire corewire would decode wrongly.
+    (tmp_path / "vllm").mkdir()
+    (tmp_path / "vllm" / "__init__.py").write_text('__version__ = "0.30.0"\n')
+    info = tmp_path / "vllm-0.30.0.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: vllm\nVersion: 0.30.0\n")
+    proc = bench("decode", "--quick", "--cases", "plain", "--batches", "1", path_first=tmp_path)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert "unsupported vLLM version '0.30.0'" in proc.stderr
+    assert "'0.25.1', '0.33.0'" in proc.stderr
+    assert "case batch" not in proc.stdout  # nothing measured
+    with pytest.raises(UnsupportedProtocolError):
+        decode_bench.baseline_protocol("0.30.0")
 
 
 def test_decode_without_vllm_says_so(tmp_path: Path) -> None:

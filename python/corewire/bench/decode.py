@@ -1,11 +1,16 @@
-"""``corewire bench decode``: corewire's NativeDecoder vs vLLM 0.25.1's own MsgpackDecoder.
+"""``corewire bench decode``: corewire's NativeDecoder vs the installed vLLM's MsgpackDecoder.
 
-The baseline is vLLM itself when it is installed (the interop environment): frames are
-made by vLLM's ``MsgpackEncoder`` from vLLM's real ``EngineCoreOutputs`` structs, and
-vLLM's ``MsgpackDecoder(EngineCoreOutputs)`` decodes them next to corewire's
-``NativeDecoder``; corewire's pure-Python ``MsgspecDecoder`` (a vLLM-style reference)
-stays as an extra column. Without vLLM the run says so, the frames come from
-``corewire.codec.Encoder`` and ``MsgspecDecoder`` is the only baseline.
+The baseline is vLLM itself when it is installed, whichever of the releases corewire
+speaks (``corewire.versions.SUPPORTED``: 0.25.1, 0.33.0): frames are made by that vLLM's
+``MsgpackEncoder`` from its real ``EngineCoreOutputs`` structs, and its
+``MsgpackDecoder(EngineCoreOutputs)`` decodes them next to corewire's
+``NativeDecoder(protocol=protocol_for_vllm(vllm.__version__))``; corewire's pure-Python
+``MsgspecDecoder`` of that version's structs (a vLLM-style reference) stays as an extra
+column. Another vLLM release is refused (exit status 2, naming the supported ones) rather
+than measured on a wire corewire would decode wrongly. Without vLLM the run says so, the
+frames come from ``corewire.codec.Encoder`` (protocol 0.25.1) and ``MsgspecDecoder`` is
+the only baseline. Under 0.33.0 every step carries ``weight_version="default"``, as
+vLLM's engine stamps it.
 
 Frames are the decode steps vLLM's scheduler sends: request ids like ``cmpl-<uuid>-0``,
 one new token per output (ids up to ~150k), about 2% of the outputs finishing, at
@@ -33,8 +38,12 @@ Frames are handed to the decoders as ``zmq.Frame`` objects, as both clients rece
   GC paused (the lists it makes trigger full collections, whose cost is the heap's).
 
 Before any timing, every field of every output decoded by each decoder is compared with
-the baseline's result (arrays by dtype, shape and bytes; enums by value), and so are the
-lists the ``tolist`` mode produces. Prints µs per frame, ns per output and the ratios
+the baseline's result (arrays by dtype, shape and bytes; enums by value; structs and
+dataclasses field by field), and so are the lists the ``tolist`` mode produces. A further
+untimed frame sets every optional field of the installed version's ``EngineCoreOutput``
+(under 0.33.0 its new ones too: ``ec_transfer_params``, ``mm_cache_miss_hashes``,
+``new_sampling_mask``, ``spec_decode_metrics``, ``prompt_token_id_logprobs``, ``error``)
+and is compared the same way. Prints µs per frame, ns per output and the ratios
 against the baseline; the goals at batch 256 (decode+touch) are >= 3x vLLM without
 logprobs and >= 20x with top-5 logprobs. ``--plot FILE.png`` draws ns/output vs batch,
 ``--json FILE`` writes the results; exit status 1 if a decoder disagrees.
@@ -45,6 +54,7 @@ logprobs and >= 20x with top-5 logprobs. ``--plot FILE.png`` draws ns/output vs 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import enum
 import gc
 import math
@@ -57,9 +67,11 @@ import uuid
 from collections.abc import Callable
 from typing import Any
 
+import msgspec
 import numpy as np
 import zmq
 
+from corewire import layouts, versions
 from corewire import protocol as cw
 from corewire._optional import import_optional, is_installed
 from corewire.bench import common
@@ -74,18 +86,36 @@ vllm_outputs: Any = None
 VllmDecoder: Any = None
 VllmEncoder: Any = None
 torch: Any = None
+#: The wire version measured: the installed vLLM's (set by _load_optional), else
+#: corewire's default.
+protocol: str = versions.DEFAULT
+
+
+def baseline_protocol(vllm_version: str | None) -> str:
+    """The protocol to measure with an installed vLLM of ``vllm_version`` (None: none
+    installed, corewire's default); raises ``UnsupportedProtocolError`` naming the
+    supported releases for any other vLLM."""
+    if vllm_version is None:
+        return versions.DEFAULT
+    return versions.protocol_for_vllm(vllm_version)
 
 
 def _load_optional(use_vllm: bool) -> None:
-    """Import vLLM's structs and codec (when ``use_vllm``) and torch (when installed)."""
-    global vllm_engine, vllm_outputs, VllmDecoder, VllmEncoder, torch
+    """Import vLLM's structs and codec (when ``use_vllm``) and torch (when installed);
+    set :data:`protocol` from the imported vLLM's ``__version__`` (may raise
+    ``UnsupportedProtocolError``)."""
+    global vllm_engine, vllm_outputs, VllmDecoder, VllmEncoder, torch, protocol
     if use_vllm:
         purpose = "the decode benchmark's vLLM baseline"
+        vllm = import_optional("vllm", purpose)
+        protocol = baseline_protocol(vllm.__version__)
         vllm_engine = import_optional("vllm.v1.engine", purpose)
         vllm_outputs = import_optional("vllm.v1.outputs", purpose)
         serial_utils = import_optional("vllm.v1.serial_utils", purpose)
         VllmDecoder = serial_utils.MsgpackDecoder
         VllmEncoder = serial_utils.MsgpackEncoder
+    else:
+        protocol = versions.DEFAULT
     if is_installed("torch"):  # prompt logprobs travel as torch tensors
         import torch
 
@@ -121,7 +151,7 @@ class Wire:
             self.finish_stop = cw.FinishReason.STOP
             self.lists_cls = cw.LogprobsLists
             self.tensors_cls = cw.LogprobsTensors
-            self._encode = Encoder().encode
+            self._encode = Encoder(protocol=protocol).encode
 
     def message(self, case: str, batch: int, rng: random.Random) -> Any:
         """One engine step of ``batch`` running requests."""
@@ -162,7 +192,69 @@ class Wire:
                     finish_reason=self.finish_stop if finished else None,
                 )
             )
-        return self.outputs_cls(engine_index=0, outputs=outputs, timestamp=time.monotonic())
+        return self.outputs_cls(
+            engine_index=0, outputs=outputs, timestamp=time.monotonic(), **self._step_extra()
+        )
+
+    def _step_extra(self) -> dict[str, Any]:
+        # 0.33.0's engine stamps its weight version on every step's message.
+        if "weight_version" in self.outputs_cls.__struct_fields__:
+            return {"weight_version": "default"}
+        return {}
+
+    def every_field(self, rng: random.Random) -> Any:
+        """An untimed step whose outputs set every optional field the version's
+        ``EngineCoreOutput`` has that a step can carry (0.33.0's new ones included), so
+        that the equality check covers them."""
+        fields = set(self.output_cls.__struct_fields__)
+        n = PROMPT_LEN - 1
+        values: dict[str, Any] = {
+            "stop_reason": "</s>",
+            "kv_transfer_params": {"do_remote_decode": True, "remote_block_ids": [1, 2, 3]},
+            "ec_transfer_params": {"ec_cache": "hit", "blocks": [4, 5]},
+            "trace_headers": {"traceparent": "00-0af7651916cd43dd8448eb211c80319c-01"},
+            "num_nans_in_logits": 3,
+            "routed_experts": np.arange(24, dtype=np.int32).reshape(4, 6),
+            "mm_cache_miss_hashes": ["a1b2", "c3d4"],
+        }
+        if torch is not None:
+            values["pooling_output"] = torch.arange(8, dtype=torch.float32)
+            if "prompt_token_id_logprobs" in fields:
+                values["prompt_token_id_logprobs"] = -torch.rand(n, dtype=torch.float32)
+        if self.vllm and "new_sampling_mask" in fields:
+            values["new_sampling_mask"] = vllm_outputs.SamplingMaskLists(
+                np.array([3, 17, 99, 4], np.int32), np.array([0, 2, 4], np.int32), [0, 2]
+            )
+        elif "new_sampling_mask" in fields:
+            values["new_sampling_mask"] = layouts.SamplingMaskLists(
+                np.array([3, 17, 99, 4], np.int32), np.array([0, 2, 4], np.int32), [0, 2]
+            )
+        if self.vllm and "spec_decode_metrics" in fields:
+            stats = import_optional("vllm.v1.metrics.stats", "the decode benchmark")
+            values["spec_decode_metrics"] = stats.RequestSpecDecodeMetrics(
+                num_spec_tokens=3, histogram=[1, 0, 2, 5], num_draft_tokens=21
+            )
+        outputs = [
+            self.output_cls(
+                request_id=f"cmpl-{uuid.UUID(int=rng.getrandbits(128))}-0",
+                new_token_ids=[rng.randrange(VOCAB)],
+                finish_reason=self.finish_stop,
+                **{k: v for k, v in values.items() if k in fields},
+            )
+        ]
+        if self.vllm and "error" in fields:
+            request_error = import_optional("vllm.outputs", "the decode benchmark").RequestError
+            outputs.append(
+                self.output_cls(
+                    request_id=f"cmpl-{uuid.UUID(int=rng.getrandbits(128))}-0",
+                    new_token_ids=[],
+                    finish_reason=vllm_engine.FinishReason.ERROR,
+                    error=request_error("engine_paused", "paused for a weight update", True),
+                )
+            )
+        return self.outputs_cls(
+            engine_index=0, outputs=outputs, timestamp=time.monotonic(), **self._step_extra()
+        )
 
     def frames(self, message: Any) -> list[zmq.Frame]:
         """The message's frames as a client receives them (``copy=False``)."""
@@ -197,12 +289,12 @@ def tolist(message: Any) -> list[Any]:
     for out in message.outputs:
         lp = out.new_logprobs
         if lp is not None:
-            token_ids, logprobs, ranks, _ = lp
+            token_ids, logprobs, ranks = lp[:3]
             for rank, row, ids in zip(ranks, logprobs, token_ids):  # noqa: B905 (as vLLM)
                 got.append((rank.tolist(), row.tolist(), ids.tolist()))
         lp = out.new_prompt_logprobs_tensors
         if lp is not None:
-            token_ids, logprobs, ranks, _ = lp
+            token_ids, logprobs, ranks = lp[:3]  # 0.25.1 has 4 elements, 0.33.0 has 5
             got.append((ranks.tolist(), logprobs.tolist(), token_ids.tolist()))
     return got
 
@@ -212,7 +304,9 @@ def tolist(message: Any) -> list[Any]:
 
 def plain(v: Any) -> Any:
     """Comparable form of a decoded value: arrays and tensors by dtype, shape and bytes,
-    enums by value, named tuples and lists element by element."""
+    enums by value, named tuples and lists element by element, structs and dataclasses
+    as maps of their fields (vLLM 0.33.0 decodes ``error`` and ``spec_decode_metrics`` to
+    dataclasses, corewire to a frozen struct and a map)."""
     if isinstance(v, np.ndarray):
         return ("ndarray", v.dtype.str, v.shape, v.tobytes())
     if torch is not None and isinstance(v, torch.Tensor):
@@ -227,6 +321,10 @@ def plain(v: Any) -> Any:
         return ("set", sorted(plain(x) for x in v))
     if isinstance(v, dict):
         return {k: plain(x) for k, x in v.items()}
+    if isinstance(v, msgspec.Struct):
+        return {k: plain(getattr(v, k)) for k in v.__struct_fields__}
+    if dataclasses.is_dataclass(v) and not isinstance(v, type):
+        return {f.name: plain(getattr(v, f.name)) for f in dataclasses.fields(v)}
     return (type(v).__name__, v)
 
 
@@ -280,8 +378,8 @@ def decoders(use_vllm: bool) -> dict[str, Any]:
     found: dict[str, Any] = {}
     if use_vllm:
         found["vllm"] = VllmDecoder(vllm_engine.EngineCoreOutputs)
-    found["msgspec"] = MsgspecDecoder(cw.EngineCoreOutputs)
-    found["corewire"] = NativeDecoder()
+    found["msgspec"] = MsgspecDecoder(layouts.types_for(protocol)["EngineCoreOutputs"])
+    found["corewire"] = NativeDecoder(protocol=protocol)
     return found
 
 
@@ -307,6 +405,13 @@ def check(decs: dict[str, Any], frames: list[zmq.Frame], wire: Wire) -> list[str
             bad.append("tolist()")
         wrong += [f"{name}: {b}" for b in bad[:5]]
     return wrong
+
+
+def check_every_field() -> list[str]:
+    """What any decoder gets wrong on :meth:`Wire.every_field`'s untimed step."""
+    use_vllm = vllm_engine is not None
+    wire = Wire(use_vllm)
+    return check(decoders(use_vllm), wire.frames(wire.every_field(random.Random(7))), wire)
 
 
 def measure(quick: bool, cases: tuple[str, ...], batches: tuple[int, ...]) -> list[dict[str, Any]]:
@@ -391,9 +496,9 @@ def plot(rows: list[dict[str, Any]], path: str) -> None:
     cases = list(dict.fromkeys(r["case"] for r in rows))
     fig, axes = plt.subplots(1, len(cases), figsize=(5.5 * len(cases), 4.5), squeeze=False)
     labels = {
-        "vllm": "vLLM 0.25.1 MsgpackDecoder",
+        "vllm": f"vLLM {protocol} MsgpackDecoder",
         "msgspec": "MsgspecDecoder (reference)",
-        "corewire": "corewire NativeDecoder",
+        "corewire": f"corewire NativeDecoder ({protocol})",
     }
     styles = {"vllm": ("o", "-"), "msgspec": ("^", ":"), "corewire": ("s", "-")}
     for ax, case in zip(axes[0], cases, strict=True):
@@ -486,7 +591,8 @@ def goals(rows: list[dict[str, Any]]) -> list[common.Goal]:
 
 
 def run(args: argparse.Namespace) -> int:
-    """Runs the benchmark; exit status 1 if a decoder disagrees with the baseline."""
+    """Runs the benchmark; exit status 1 if a decoder disagrees with the baseline, 2 for
+    bad arguments or an installed vLLM release corewire does not speak."""
     parsed = _parse(args)
     if isinstance(parsed, str):
         print(f"corewire bench decode: {parsed}", file=sys.stderr)
@@ -498,7 +604,18 @@ def run(args: argparse.Namespace) -> int:
     clock = time.perf_counter if args.wall else time.process_time
     vllm_version = common.vllm_version()
     use_vllm = vllm_version is not None
-    _load_optional(use_vllm)
+    try:
+        # Checked on the installed distribution's version first (before seconds of
+        # importing vLLM), then on the imported vllm.__version__ by _load_optional.
+        baseline_protocol(vllm_version)
+        _load_optional(use_vllm)
+    except versions.UnsupportedProtocolError as e:
+        print(
+            f"corewire bench decode: {e}; the baseline must be one of those releases"
+            " (its MsgpackDecoder is measured on the wire corewire speaks for it)",
+            file=sys.stderr,
+        )
+        return 2
     if torch is None and "prompt" in cases:
         print(
             "torch is not installed: the prompt-logprobs case is skipped"
@@ -512,11 +629,15 @@ def run(args: argparse.Namespace) -> int:
         f"interleaved repeats; {'wall-clock' if args.wall else 'CPU'} time"
     )
     if use_vllm:
-        print(f"baseline: vLLM {vllm_version} MsgpackDecoder on frames from its MsgpackEncoder")
+        print(
+            f"baseline: vLLM {vllm_version} MsgpackDecoder on frames from its MsgpackEncoder;"
+            f" corewire NativeDecoder(protocol={protocol!r})"
+        )
     else:
         print(
             f"vLLM is not installed: no comparison with vLLM {common.VLLM_VERSION}; baseline is"
-            f" corewire's MsgspecDecoder (reference) (pip install vllm=={common.VLLM_VERSION})"
+            f" corewire's MsgspecDecoder (reference) (pip install vllm=={common.VLLM_VERSION});"
+            f" protocol {protocol!r}"
         )
     names = list(decoders(use_vllm))
     print(header(names))
@@ -524,9 +645,16 @@ def run(args: argparse.Namespace) -> int:
     rows = measure(args.quick, cases, batches)
 
     print()
-    wrong = [w for r in rows for w in r["wrong"]]
+    every_field_wrong = check_every_field()
+    wrong = [w for r in rows for w in r["wrong"]] + [
+        f"every-field step: {w}" for w in every_field_wrong
+    ]
     baseline = names[0]
     print(f"every field of every output equal to {baseline}'s: {'yes' if not wrong else 'NO'}")
+    print(
+        "  (the timed steps, and an untimed step setting every optional field of protocol"
+        f" {protocol}'s EngineCoreOutput: {'equal' if not every_field_wrong else 'NOT equal'})"
+    )
     for w in dict.fromkeys(wrong):
         print(f"  differs: {w}")
     found = goals(rows)
@@ -567,6 +695,7 @@ def run(args: argparse.Namespace) -> int:
             args.json,
             "decode",
             baseline=baseline,
+            protocol=protocol,
             options={
                 "quick": args.quick,
                 "clock": "wall" if args.wall else "cpu",
@@ -577,6 +706,7 @@ def run(args: argparse.Namespace) -> int:
             goals=found,
             units={"us": "µs per frame", "ns_out": "ns per output", "ratios": "x corewire"},
             logprobs_cost_ns_per_output=logprobs_cost,
+            every_field_equal=not every_field_wrong,
             equal=not wrong,
         )
         print(f"results written to {args.json}")
