@@ -4,9 +4,9 @@ The frames were written by vLLM 0.33.0's ``MsgpackEncoder`` from its ``EngineCor
 and ``expected_requests.json`` holds what vLLM 0.33.0's ``MsgpackDecoder`` made of them
 (``make_golden_requests.py`` beside them regenerates both). Here, with vLLM 0.25.1
 installed, ``layouts.request_decoder("0.33.0")`` must decode each to exactly those
-values and ``Encoder(protocol="0.33.0")`` must write them back byte for byte; the
-0.25.1 decoder must refuse a 0.33.0 LoRA (the one layout change that does not decode
-across versions).
+values and ``Encoder(protocol="0.33.0")`` must write them back byte for byte; each
+version's typed ``LoRARequest`` must refuse the other's (the one layout change that does
+not decode across versions; 0.25.1's request carries its LoRA untyped).
 """
 
 from __future__ import annotations

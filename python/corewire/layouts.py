@@ -410,9 +410,10 @@ def types_for(protocol: str | None) -> types.MappingProxyType[str, Any]:
 def request_decoder(protocol: str | None) -> Any:
     """A decoder of ``protocol``'s ``EngineCoreRequest`` frames (``[payload, aux...]``):
     a ``corewire.codec.MsgspecDecoder``, whose arrays in aux frames (``prompt_embeds``,
-    0.33.0's ``prompt_logprob_token_ids``) are views of those frames. A request of the
-    other layout raises ``ProtocolError`` where it differs (a LoRA, a 0.25.1 engine's
-    ``LoRARequest``); the field count alone is not checked, as vLLM's decoder does not."""
+    0.33.0's ``prompt_logprob_token_ids``) are views of those frames. The 0.33.0 decoder
+    raises ``ProtocolError`` for a 0.25.1 ``LoRARequest``; the 0.25.1 request keeps its
+    ``lora_request`` untyped, so a 0.33.0 LoRA reaches it as a plain list. The field
+    count alone is not checked, as vLLM's decoder does not."""
     from corewire.codec import MsgspecDecoder  # codec imports this module
 
     return MsgspecDecoder(types_for(protocol)["EngineCoreRequest"])

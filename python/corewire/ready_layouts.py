@@ -93,8 +93,13 @@ READY_RESPONSE_TYPES: dict[str, type[msgspec.Struct]] = {
 }
 
 
+#: This process's instance id: vLLM's engines keep one per process, so ready responses
+#: written again (a re-handshake) name the same instance.
+_PROCESS_INSTANCE_ID = f"corewire-{uuid.uuid4().hex[:12]}"
+
+
 def _instance_id() -> str:
-    return f"corewire-{uuid.uuid4().hex[:12]}"
+    return _PROCESS_INSTANCE_ID
 
 
 @dataclass(frozen=True)
