@@ -32,6 +32,7 @@ from corewire.dp_messages import (
 from corewire.errors import ProtocolError
 from corewire.protocol import EngineCoreOutputs, EngineCoreRequestType
 from dp_support import EnginePeer, FrontEndPeer, Sockets, coordinator_addresses, wait_for
+from leak_support import wait_pid_gone
 
 START_DP_WAVE = EngineCoreRequestType.START_DP_WAVE.value
 
@@ -323,7 +324,7 @@ def test_collected_owner_stops_the_process_and_removes_its_files() -> None:
     directory = Path(coord.addresses.front_publish.removeprefix("ipc://")).parent
     assert directory.is_dir() and (directory.stat().st_mode & 0o777) == 0o700
     del coord
-    wait_for(lambda: not psutil.pid_exists(pid) or psutil.Process(pid).status() == "zombie")
+    assert wait_pid_gone(pid, timeout=10), "the collected coordinator did not exit"
     assert not directory.exists()
 
 
@@ -368,11 +369,7 @@ def test_coordinator_exits_when_its_owner_process_dies(ipc_dir: Path) -> None:
         assert psutil.pid_exists(pid)
         owner.kill()
         owner.wait()
-        wait_for(
-            lambda: not psutil.pid_exists(pid) or psutil.Process(pid).status() == "zombie",
-            timeout=5,
-            what="orphaned coordinator to exit",
-        )
+        assert wait_pid_gone(pid, timeout=5), "the orphaned coordinator did not exit"
     finally:
         owner.kill()
         owner.wait()

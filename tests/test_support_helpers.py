@@ -80,10 +80,11 @@ def test_wait_pid_gone_waits_for_a_real_exit() -> None:
         proc.kill()
         assert wait_pid_gone(proc.pid, 5)  # a zombie not reaped yet counts as gone
         assert psutil.Process(proc.pid).status() == psutil.STATUS_ZOMBIE
+        assert not pid_gone(proc.pid, reaped=True)
     finally:
         proc.kill()
         proc.wait(5)
-    assert pid_gone(proc.pid)
+    assert pid_gone(proc.pid) and pid_gone(proc.pid, reaped=True)
 
 
 def test_request_runs_max_tokens_greedily_for_a_rank() -> None:

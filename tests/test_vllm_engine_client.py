@@ -42,10 +42,9 @@ from vllm.v1.engine import EngineCoreRequest, FinishReason  # noqa: E402
 from vllm.v1.engine.core_client import AsyncMPClient  # noqa: E402
 from vllm.v1.executor.abstract import Executor  # noqa: E402
 
-from leak_support import no_leaks  # noqa: E402
-
 T = TypeVar("T")
-_SHARED_PIDS: set[int] = set()
+# The module's shared engine: it outlives single tests (conftest's leak check).
+LEAK_ALLOWED_PIDS: set[int] = set()
 _CALL_TIMEOUT_S = 30.0
 
 
@@ -62,14 +61,6 @@ class Stack:
     def run(self, coro: Awaitable[T]) -> T:
         """Run a coroutine on the client's loop, with a deadline."""
         return self.loop.run_until_complete(asyncio.wait_for(coro, _CALL_TIMEOUT_S))
-
-
-@pytest.fixture(autouse=True)
-def no_leaked_processes_or_threads() -> Iterator[None]:
-    """The suite's leak check, except the module's shared engine (its clean exit is
-    checked when the module ends)."""
-    with no_leaks(fds=False, allowed=_SHARED_PIDS):
-        yield
 
 
 @pytest.fixture(scope="module")
@@ -90,7 +81,7 @@ def stack() -> Iterator[Stack]:
             "0",
             engine_args={**ENGINE_ARGS, "profile_dir": str(profile_dir)},
         )
-        _SHARED_PIDS.add(proc.pid)
+        LEAK_ALLOWED_PIDS.add(proc.pid)
         loop = asyncio.new_event_loop()
         client = None
         try:
@@ -112,7 +103,7 @@ def stack() -> Iterator[Stack]:
                 client.resources.ctx.destroy(linger=0)
             loop.close()
             codes = engines.stop()
-            _SHARED_PIDS.clear()
+            LEAK_ALLOWED_PIDS.clear()
         assert codes == [0], engines.logs()
 
 

@@ -26,7 +26,6 @@ import pytest
 
 from corewire.vllm.model_dir import write_model_dir
 from corewire.vllm.stack import ServeStack, StackError, free_port
-from leak_support import no_leaks
 from serve_support import (
     MAX_MODEL_LEN,
     MODEL,
@@ -64,6 +63,8 @@ _GREEDY: dict[str, list[dict[str, Any]]] = {}
 
 
 def _shared_tree() -> set[int]:
+    """The shared stack's processes and their children (conftest's leak check allows
+    them)."""
     pids = set()
     for pid in _SHARED_PIDS:
         try:
@@ -75,11 +76,7 @@ def _shared_tree() -> set[int]:
     return pids
 
 
-@pytest.fixture(autouse=True)
-def no_leaked_processes_or_threads() -> Iterator[None]:
-    """Like the suite-wide leak check, but the module's shared stack may outlive a test."""
-    with no_leaks(fds=False, allowed=_shared_tree):
-        yield
+LEAK_ALLOWED_PIDS = _shared_tree
 
 
 @pytest.fixture(scope="module", params=CLIENTS)
