@@ -12,7 +12,6 @@ import asyncio
 import dataclasses
 import os
 import tempfile
-import time
 from collections.abc import Awaitable, Iterator
 from pathlib import Path
 from typing import Any, TypeVar
@@ -22,6 +21,7 @@ import pytest
 import torch
 
 import corewire.protocol as corewire_protocol
+from client_support import request as corewire_request
 from corewire.engine.reference import ReferenceEngine
 from vllm_support import (
     ENGINE_ARGS,
@@ -30,13 +30,14 @@ from vllm_support import (
     offline_environment,
     reference_run,
     vllm_config,
+    vllm_request,
     write_model_dir,
 )
 
 offline_environment()
 pytest.importorskip("vllm")
 
-from vllm import PoolingParams, SamplingParams  # noqa: E402
+from vllm import PoolingParams  # noqa: E402
 from vllm.lora.request import LoRARequest  # noqa: E402
 from vllm.v1.engine import EngineCoreRequest, FinishReason  # noqa: E402
 from vllm.v1.engine.core_client import AsyncMPClient  # noqa: E402
@@ -105,21 +106,6 @@ def stack() -> Iterator[Stack]:
             codes = engines.stop()
             LEAK_ALLOWED_PIDS.clear()
         assert codes == [0], engines.logs()
-
-
-def vllm_request(rid: str, prompt: list[int], **sp: Any) -> EngineCoreRequest:
-    """A request as vLLM's input processor hands it to the engine-core client."""
-    return EngineCoreRequest(
-        request_id=rid,
-        prompt_token_ids=prompt,
-        mm_features=None,
-        sampling_params=SamplingParams(**sp),
-        pooling_params=None,
-        arrival_time=time.time(),
-        lora_request=None,
-        cache_salt=None,
-        data_parallel_rank=None,
-    )
 
 
 async def collect(client: Any, rids: set[str]) -> dict[str, list[Any]]:
@@ -226,15 +212,7 @@ def test_prompt_logprobs_arrive_as_vllms_tensors(stack: Stack) -> None:
     assert isinstance(lp.logprobs, torch.Tensor) and lp.logprobs.shape == (3, 4)
     assert lp.logprob_token_ids[:, 0].tolist() == prompt[1:]
     engine = ReferenceEngine(**{**ENGINE_ARGS, "step_delay": 0.0})
-    engine.add_request(
-        corewire_protocol.EngineCoreRequest(
-            request_id="pl",
-            prompt_token_ids=prompt,
-            sampling_params=corewire_protocol.SamplingParams(
-                temperature=0.0, max_tokens=2, prompt_logprobs=3
-            ),
-        )
-    )
+    engine.add_request(corewire_request("pl", 2, prompt=prompt, sampling={"prompt_logprobs": 3}))
     want = engine.step()[0].new_prompt_logprobs_tensors
     torch.testing.assert_close(lp.logprobs, want.logprobs)
     torch.testing.assert_close(lp.logprob_token_ids, want.logprob_token_ids)

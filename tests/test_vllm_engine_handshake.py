@@ -30,13 +30,13 @@ from vllm_support import (
     offline_environment,
     reference_run,
     vllm_config,
+    vllm_request,
     write_model_dir,
 )
 
 offline_environment()
 pytest.importorskip("vllm")
 
-from vllm import SamplingParams  # noqa: E402
 from vllm.v1.engine import EngineCoreRequest, FinishReason  # noqa: E402
 from vllm.v1.engine.core_client import (  # noqa: E402
     AsyncMPClient,
@@ -56,18 +56,8 @@ def root() -> Iterator[Path]:
 
 
 def request(rid: str, prompt: list[int], max_tokens: int = 6) -> EngineCoreRequest:
-    """A greedy request as vLLM's input processor hands it to the client."""
-    return EngineCoreRequest(
-        request_id=rid,
-        prompt_token_ids=prompt,
-        mm_features=None,
-        sampling_params=SamplingParams(temperature=0.0, max_tokens=max_tokens),
-        pooling_params=None,
-        arrival_time=time.time(),
-        lora_request=None,
-        cache_salt=None,
-        data_parallel_rank=None,
-    )
+    """A greedy vLLM request (see ``vllm_support.vllm_request``)."""
+    return vllm_request(rid, prompt, temperature=0.0, max_tokens=max_tokens)
 
 
 async def generate(client: Any, requests: list[EngineCoreRequest]) -> dict[str, Any]:

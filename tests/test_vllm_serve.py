@@ -228,8 +228,8 @@ def test_greedy_tokens_and_logprobs_are_the_engines(stack: ServeStack, http: htt
     """What the HTTP answer carries is what the engine sampled: the same greedy tokens and
     sampled-token logprobs as the reference engine stepped in this process, and the text is
     those tokens decoded by the model directory's tokenizer (joined by spaces)."""
+    from client_support import request
     from corewire.engine import ReferenceEngine
-    from corewire.protocol import EngineCoreRequest, SamplingParams
 
     prompt = [10, 20, 30, 4000, 4095]
     body = {"prompt": prompt, "max_tokens": 12, "temperature": 0.0, "ignore_eos": True}
@@ -237,15 +237,7 @@ def test_greedy_tokens_and_logprobs_are_the_engines(stack: ServeStack, http: htt
 
     engine = ReferenceEngine(device="cpu", max_model_len=MAX_MODEL_LEN)
     try:
-        engine.add_request(
-            EngineCoreRequest(
-                request_id="r",
-                prompt_token_ids=prompt,
-                sampling_params=SamplingParams(
-                    max_tokens=12, temperature=0.0, ignore_eos=True, logprobs=0
-                ),
-            )
-        )
+        engine.add_request(request("r", 12, prompt=prompt, sampling={"logprobs": 0}))
         token_ids: list[int] = []
         logprobs: list[float] = []
         while engine.has_unfinished_requests():
