@@ -6,6 +6,10 @@ The engine runs as a real child process (``run_engine_core`` under ``spawn``, or
 ``corewire engine`` command) and gets hand-built frames over real ZeroMQ sockets. One
 engine (the reference engine with test hooks, ``max_model_len`` 512, a 5 ms step) is
 shared by the tests that leave it healthy.
+
+Checks ``docs/protocol.md`` §9.2 (a bad frame fails alone, even nested past every
+decoder's limit), §9.3 (ERROR finishes, their reasons, duplicate ids) and §5.5 (the
+prefill stats vLLM reads).
 """
 
 from __future__ import annotations
@@ -33,14 +37,12 @@ from corewire.engine.reference import ReferenceEngine
 from corewire.protocol import (
     EngineCoreOutputs,
     EngineCoreRequest,
+    EngineCoreRequestType,
     FinishReason,
     PoolingParams,
 )
 from engine_support import (
-    ABORT,
-    ADD,
     LIGHT_REFERENCE,
-    UTILITY,
     FrontEnd,
 )
 from hook_engine import INTERNAL_ERROR_ID, VALUE_ERROR_WITH_PATH_ID
@@ -192,21 +194,21 @@ def test_deeply_nested_requests_are_answered_when_ids_are_readable(eng: FrontEnd
             b"\xc0\xc0\xc0",
         ]
     )
-    eng.send_frames([ADD, add])
+    eng.send_frames([EngineCoreRequestType.ADD.value, add])
     (out,) = eng.collect(["deep-add"], timeout=20)["deep-add"]
     assert out.finish_reason == FinishReason.ERROR
     assert out.stop_reason is not None and "nested too deeply" in out.stop_reason
     # UTILITY: the call id is readable before the deep arguments.
     utility = b"\x94" + _encode(0) + _encode(4242) + _encode("echo") + b"\x91" + _DEEP
-    eng.send_frames([UTILITY, utility])
+    eng.send_frames([EngineCoreRequestType.UTILITY.value, utility])
     reply = eng.wait_utility(4242, timeout=20)
     assert reply.failure_message is not None
     assert reply.failure_message.startswith("Call to echo method failed: ")
     assert "nested too deeply" in reply.failure_message
     # Nothing readable to answer: dropped, and the engine serves on.
-    eng.send_frames([ADD, b"\x91" + _DEEP])
-    eng.send_frames([ABORT, b"\x91" + _DEEP])
-    eng.send_frames([UTILITY, _DEEP])
+    eng.send_frames([EngineCoreRequestType.ADD.value, b"\x91" + _DEEP])
+    eng.send_frames([EngineCoreRequestType.ABORT.value, b"\x91" + _DEEP])
+    eng.send_frames([EngineCoreRequestType.UTILITY.value, _DEEP])
     assert eng.value("echo", "alive") == "alive"
     assert len(eng.generate(request("after-deep", 2, prompt=[3]))) == 2
     assert not eng.backlog
@@ -219,7 +221,7 @@ def test_error_finishes_carry_a_short_safe_reason(eng: FrontEnd) -> None:
     eng.add(EngineCoreRequest(request_id="oov", prompt_token_ids=[1, 99999]))
     eng.add(EngineCoreRequest(request_id=INTERNAL_ERROR_ID, prompt_token_ids=[1]))
     eng.add(EngineCoreRequest(request_id=VALUE_ERROR_WITH_PATH_ID, prompt_token_ids=[1]))
-    eng.send_frames([ADD, _encode(["malformed", "not a token list"])])
+    eng.send_frames([EngineCoreRequestType.ADD.value, _encode(["malformed", "not a token list"])])
     got = eng.collect(["oov", INTERNAL_ERROR_ID, VALUE_ERROR_WITH_PATH_ID, "malformed"])
     reasons = {}
     for rid, outs in got.items():
@@ -299,7 +301,12 @@ def test_malformed_frame_flood_logs_a_bounded_summary(tmp_path: Path) -> None:
     try:
         fe.wait_ready()
         count = 20_000
-        kinds = [[ADD, b"\xc1"], [ABORT, b"\x92"], [b"\x09", b"x"], [UTILITY, b"\xff"]]
+        kinds = [
+            [EngineCoreRequestType.ADD.value, b"\xc1"],
+            [EngineCoreRequestType.ABORT.value, b"\x92"],
+            [b"\x09", b"x"],  # no request type
+            [EngineCoreRequestType.UTILITY.value, b"\xff"],
+        ]
         for i in range(count):
             fe.send_frames(kinds[i % len(kinds)])
             if i % 500 == 499:
@@ -404,7 +411,7 @@ def test_replay_engine_outputs_carry_a_timestamp(tmp_path: Path) -> None:
         link.reply(2, failure="Call to x method failed: no")
         link.reply(3, np.zeros(4))  # not plain msgpack: the encoder's path
         replay.add(request("r", 50, prompt=[1]))
-        replay.handle([ABORT, _encode(["r"])])
+        replay.handle([EngineCoreRequestType.ABORT.value, _encode(["r"])])
         for _ in range(4):
             msg = fe.recv(timeout=10)
             assert isinstance(msg, EngineCoreOutputs)

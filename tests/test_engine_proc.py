@@ -4,6 +4,11 @@ Everything here runs the engine as a real child process (``run_engine_core`` und
 ``spawn`` context, or the ``corewire engine`` command) and talks to it with hand-built
 frames, the way a vLLM 0.25.1 front-end would. One reference engine is shared by the
 tests that leave it healthy; the fault tests start their own.
+
+Checks ``docs/protocol.md`` §2 (identity, client index), §3.1 (the ready response), §4
+(ADD short and long, sampling, pooling, ABORT, UTILITY, START_DP_WAVE without DP), §5
+(output layout, utility replies and failure text), §7 (ENGINE_CORE_DEAD and stopping),
+§9.1-§9.3 (bad frames fail alone, errors the engine reports).
 """
 
 from __future__ import annotations
@@ -32,15 +37,12 @@ from corewire.protocol import (
     ENGINE_CORE_DEAD,
     EngineCoreOutputs,
     EngineCoreRequest,
+    EngineCoreRequestType,
     FinishReason,
     PoolingParams,
 )
 from engine_support import (
-    ABORT,
-    ADD,
     LIGHT_REFERENCE,
-    START_DP_WAVE,
-    UTILITY,
     FrontEnd,
     start_engine_then_wait,
 )
@@ -83,6 +85,7 @@ def ref(private_dir: Path) -> Iterator[FrontEnd]:
 
 def test_ready_message_identity_and_map(ref: FrontEnd) -> None:
     identity, ready = ref.ready  # type: ignore[attr-defined]
+    # Two independent spellings of the identity (docs/protocol.md §2).
     assert identity == ENGINE_INDEX.to_bytes(2, "little") == b"\x03\x00"
     # vLLM 0.25.1's EngineCoreReadyResponse, every key, with the engine's own values
     # (the reference engine has no KV cache), plus corewire's own three keys.
@@ -119,7 +122,7 @@ def test_add_short_vllm_layout_and_output_golden_layout(ref: FrontEnd) -> None:
             None,
         ]
     )
-    ref.send_frames([ADD, payload])
+    ref.send_frames([EngineCoreRequestType.ADD.value, payload])
     messages = []
     while len(messages) < 3:
         frames = ref.recv_raw()
@@ -170,7 +173,7 @@ def test_add_full_layout_with_unknown_trailing_field(ref: FrontEnd) -> None:
         None, False, "a field from a newer version",
     ]  # fmt: skip
     assert len(fields) == 21
-    ref.send_frames([ADD, msgspec.msgpack.encode(fields)])
+    ref.send_frames([EngineCoreRequestType.ADD.value, msgspec.msgpack.encode(fields)])
     outs = ref.collect(["long-1"])["long-1"]
     assert [o.finish_reason for o in outs] == [None, FinishReason.LENGTH]
 
@@ -181,7 +184,7 @@ def test_utility_round_trip_values_and_golden_layout(ref: FrontEnd) -> None:
         assert ref.value("echo", value) == value
     # vLLM draws call ids from uuid1().int >> 64: above 2**63 is normal.
     call_id = 2**64 - 2
-    ref.send(UTILITY, [0, call_id, "echo", [{"k": [None, 2]}]])
+    ref.send(EngineCoreRequestType.UTILITY.value, [0, call_id, "echo", [{"k": [None, 2]}]])
     frames = ref.recv_raw()
     assert len(frames) == 1
     msg = msgspec.msgpack.decode(frames[0].bytes)
@@ -218,7 +221,7 @@ def test_failing_utility_calls_exact_text_and_engine_lives(ref: FrontEnd) -> Non
 
 
 def test_utility_returning_a_future_does_not_block_the_engine(ref: FrontEnd) -> None:
-    ref.send(UTILITY, [0, 501, "delayed_echo", ["slow", 0.5]])
+    ref.send(EngineCoreRequestType.UTILITY.value, [0, 501, "delayed_echo", ["slow", 0.5]])
     started = time.monotonic()
     # The engine keeps serving while the future is pending: a fast call and a whole
     # generation finish before the slow reply.
@@ -302,10 +305,11 @@ def test_logprobs_shapes_and_dtypes(ref: FrontEnd) -> None:
 
 
 def test_pooling_request_gets_one_embedding(ref: FrontEnd) -> None:
-    ref.send(
-        ADD, EngineCoreRequest(request_id="emb", prompt_token_ids=[1, 2, 3, 4, 5],
-                               pooling_params=PoolingParams())
-    )  # fmt: skip
+    ref.add(
+        EngineCoreRequest(
+            request_id="emb", prompt_token_ids=[1, 2, 3, 4, 5], pooling_params=PoolingParams()
+        )
+    )
     frames = ref.recv_raw()
     # 128 float32 = 512 bytes: above the inline threshold, so it travels as aux frame 1.
     assert len(frames) == 2 and len(frames[1].bytes) == 512
@@ -368,31 +372,34 @@ def test_bad_requests_finish_with_error_and_engine_lives(ref: FrontEnd) -> None:
 
 def test_malformed_frames_never_kill_the_engine(ref: FrontEnd) -> None:
     encode = msgspec.msgpack.encode
-    ref.send_frames([ADD, b"\xc1"])  # 0xc1 is never valid msgpack
-    ref.send_frames([ABORT, b"\x92"])  # truncated array
-    ref.send_frames([ABORT, encode([1, 2])])  # ids must be strings
+    ref.send_frames([EngineCoreRequestType.ADD.value, b"\xc1"])  # 0xc1 is never valid msgpack
+    ref.send_frames([EngineCoreRequestType.ABORT.value, b"\x92"])  # truncated array
+    ref.send_frames([EngineCoreRequestType.ABORT.value, encode([1, 2])])  # ids must be strings
     ref.send_frames([b"\x09", b"x"])  # unknown request type
-    ref.send_frames([ADD])  # no payload frame
-    ref.send_frames([START_DP_WAVE, encode([1, 0])])  # ignored without DP
-    ref.send_frames([START_DP_WAVE, encode(["x"])])
-    ref.send_frames([UTILITY, b"\xff\xff"])  # not msgpack: no call id to answer
-    ref.send_frames([UTILITY, encode([0, 7, "echo", [1]]) + b"\x00"])  # trailing bytes
+    ref.send_frames([EngineCoreRequestType.ADD.value])  # no payload frame
+    # START_DP_WAVE is ignored without DP.
+    ref.send_frames([EngineCoreRequestType.START_DP_WAVE.value, encode([1, 0])])
+    ref.send_frames([EngineCoreRequestType.START_DP_WAVE.value, encode(["x"])])
+    # Not msgpack: no call id to answer.
+    ref.send_frames([EngineCoreRequestType.UTILITY.value, b"\xff\xff"])
+    # Trailing bytes.
+    ref.send_frames([EngineCoreRequestType.UTILITY.value, encode([0, 7, "echo", [1]]) + b"\x00"])
     # A frame that does not decode still names its caller: it gets a failure reply.
     assert ref.wait_utility(7).failure_message.startswith("Call to echo method failed: ")
     # A readable call id gets a failure reply instead of silence.
-    ref.send_frames([UTILITY, encode([0, 99, "echo"])])
+    ref.send_frames([EngineCoreRequestType.UTILITY.value, encode([0, 99, "echo"])])
     reply = ref.wait_utility(99)
     assert reply.failure_message == (
         "Call to echo method failed: malformed utility request: "
         "expected [client_index, call_id, method, args]"
     )
-    ref.send_frames([UTILITY, encode([0, 100, 5, []])])
+    ref.send_frames([EngineCoreRequestType.UTILITY.value, encode([0, 100, 5, []])])
     assert ref.wait_utility(100).failure_message.startswith("Call to <unknown> method failed")
     # A broken ADD whose request id is readable finishes that request with ERROR: here
     # a prompt_embeds tensor pointing at an aux frame that does not exist.
     bad = encode(["bad-add", [1], None, None, None, 0.0, None, None, None, ["float32", [4], 5]])
-    ref.send_frames([ADD, bad])
-    ref.send_frames([ADD, encode(["bad-add-2", "not a token list"])])
+    ref.send_frames([EngineCoreRequestType.ADD.value, bad])
+    ref.send_frames([EngineCoreRequestType.ADD.value, encode(["bad-add-2", "not a token list"])])
     got = ref.collect(["bad-add", "bad-add-2"])
     assert [o.finish_reason for o in got["bad-add"]] == [FinishReason.ERROR]
     assert [o.finish_reason for o in got["bad-add-2"]] == [FinishReason.ERROR]
@@ -426,7 +433,7 @@ def test_reference_utilities(ref: FrontEnd, tmp_path: Path) -> None:
     # pause_scheduler("wait") answers only once the request in flight finished: its
     # reply waits on a future the engine resolves from its own loop.
     ref.add(request("util-drain", 30, prompt=[4, 5]))
-    ref.send(UTILITY, [0, 777, "pause_scheduler", ["wait"]])
+    ref.send(EngineCoreRequestType.UTILITY.value, [0, 777, "pause_scheduler", ["wait"]])
     finished_before_reply = False
     while True:
         msg = ref._recv_socket(30, 0)
@@ -556,7 +563,7 @@ def test_sigterm_stops_cleanly_and_outputs_follow_client_index(tmp_path: Path) -
             assert out.stop_reason == f"prompt of {length} tokens exceeds max_model_len 2048"
         assert fe.nothing_for(0.1, client=0)
         # A utility reply goes to the client that asked.
-        fe.send(UTILITY, [1, 42, "echo", ["to client 1"]])
+        fe.send(EngineCoreRequestType.UTILITY.value, [1, 42, "echo", ["to client 1"]])
         msg = fe.recv(client=1)
         assert msg.utility_output.call_id == 42
         assert fe.nothing_for(0.1, client=0)
@@ -635,6 +642,7 @@ def test_cli_external_engine_mode(tmp_path: Path) -> None:
     child = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     try:
         identity, ready = fe.wait_ready()
+        # The identity spelled out on purpose: index 1, two bytes little-endian (protocol §2).
         assert identity == b"\x01\x00" and ready["pid"] == child.pid
         assert fe.value("echo", "external") == "external"
         assert len(fe.generate(request("cli-1", 5, prompt=[1, 2]))) == 5

@@ -5,6 +5,9 @@ its wire order for the protocol version it speaks is exposed read-only as
 ``_native.wire_fields``. ``corewire.protocol`` declares the same structs for Python. These
 tests fail as soon as the two disagree on a name or a position, and check that the
 decoded objects' attributes, ``__struct_fields__`` and repr come from those tables.
+
+Checks ``docs/protocol.md`` §5.2-§5.4 and §5.6-§5.7 (the decoded structs' field positions,
+in both languages) and §11 (the decoder speaks the 0.25.1 layout).
 """
 
 from __future__ import annotations

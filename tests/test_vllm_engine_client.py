@@ -4,6 +4,11 @@ The front-end side is vLLM's real class (built with ``client_addresses``, as vLL
 server builds it for engines it does not launch) on real sockets; the engine is the
 ``corewire engine`` command running the reference engine. Expected tokens and logprobs
 come from the same reference engine run in this process.
+
+Checks ``docs/protocol.md`` §2 (sockets, identities), §3.1 (the ready response), §4.2-§4.6
+(ADD, sampling and pooling parameters, ABORT, UTILITY), §5 (outputs, finish reasons,
+stats, utility replies, logprobs), §7 (ENGINE_CORE_DEAD) and §9.3 (errors an engine
+reports), each against vLLM's own client.
 """
 
 from __future__ import annotations
@@ -26,7 +31,6 @@ from corewire.engine.reference import ReferenceEngine
 from vllm_support import (
     ENGINE_ARGS,
     EngineProcs,
-    frontend_platform,
     offline_environment,
     reference_run,
     vllm_config,
@@ -86,7 +90,6 @@ def stack() -> Iterator[Stack]:
         loop = asyncio.new_event_loop()
         client = None
         try:
-            frontend_platform()
             config = vllm_config(write_model_dir(root / "model"))
 
             async def make() -> Any:
@@ -144,6 +147,7 @@ def test_ready_response_is_applied_to_vllms_config(stack: Stack) -> None:
     cache = stack.config.cache_config
     assert cache.num_gpu_blocks == 0 and cache.block_size == 16
     assert cache.kv_cache_size_tokens is None and cache.kv_cache_max_concurrency is None
+    # vLLM's own identity for engine 0, spelled out (docs/protocol.md §2).
     assert stack.client.core_engines == [b"\x00\x00"]
     # What vLLM's front-end calls right after start-up.
     stack.run(stack.client.reset_mm_cache_async())

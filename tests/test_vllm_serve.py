@@ -5,6 +5,10 @@ writes, and ``corewire engine`` reference engines that joined it through vLLM's 
 handshake. The module's shared server runs once with vLLM's own engine-core client and
 once with corewire's (``COREWIRE_VLLM_CLIENT=1``); the greedy outputs of the two must be
 identical. The engine-kill and DP = 2 tests start stacks of their own.
+
+Checks ``docs/protocol.md`` end to end: §3.2 (engines join ``vllm serve``), §2 (several
+API servers, client index), §4.5 (a client disconnect aborts in the engine), §7 (a killed
+engine) and §8.1 (DP = 2 behind vLLM's coordinator).
 """
 
 from __future__ import annotations

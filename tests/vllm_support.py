@@ -52,7 +52,8 @@ def offline_environment() -> None:
 
 def frontend_platform() -> None:
     """Make vLLM's platform resolve in this process (its CPU platform where none
-    would: the engines are corewire's, the front-end needs no device)."""
+    would: the engines are corewire's, the front-end needs no device).
+    :func:`vllm_config` does this first."""
     import vllm.platforms as platforms
 
     if platforms.current_platform.is_unspecified():
