@@ -17,7 +17,6 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import msgspec
-import psutil
 import pytest
 
 from corewire.codec import Encoder
@@ -36,7 +35,7 @@ from corewire.dp_messages import (
 from corewire.errors import ProtocolError
 from corewire.protocol import EngineCoreOutputs, EngineCoreRequestType
 from dp_support import EnginePeer, FrontEndPeer, Sockets, coordinator_addresses, wait_for
-from leak_support import wait_pid_gone
+from leak_support import pid_gone, wait_pid_gone
 
 # ---------------------------------------------------------------- bookkeeping, no sockets
 
@@ -371,7 +370,7 @@ def test_coordinator_exits_when_its_owner_process_dies(ipc_dir: Path) -> None:
     try:
         assert owner.stdout is not None
         pid = int(owner.stdout.readline())
-        assert psutil.pid_exists(pid)
+        assert not pid_gone(pid)
         owner.kill()
         owner.wait()
         assert wait_pid_gone(pid, timeout=5), "the orphaned coordinator did not exit"
