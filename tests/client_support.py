@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import time
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import msgspec
@@ -182,16 +183,35 @@ class BrokenEngine(FailingEngine):
         raise RuntimeError("engine constructor failed (on purpose)")
 
 
+#: ``sampling`` for :func:`request` that restores ``SamplingParams``' own defaults (vLLM's)
+#: under its greedy ones: a request like one built from ``SamplingParams(**fields)``.
+DEFAULT_SAMPLING: dict[str, Any] = {
+    name: getattr(SamplingParams(), name) for name in ("max_tokens", "temperature", "ignore_eos")
+}
+
+
 def request(
-    request_id: str, max_tokens: int = 4, rank: int | None = None, **fields: Any
+    request_id: str,
+    max_tokens: int | None = 4,
+    rank: int | None = None,
+    *,
+    prompt: Sequence[int] = (1, 2, 3),
+    sampling: Mapping[str, Any] | None = None,
+    **fields: Any,
 ) -> EngineCoreRequest:
-    """A greedy generation request that runs exactly ``max_tokens`` steps (it ignores EOS),
-    for the data-parallel rank ``rank`` when one is given; ``fields`` are further
-    ``EngineCoreRequest`` fields."""
+    """The suite's one request builder: a greedy generation request on ``prompt`` that
+    runs exactly ``max_tokens`` steps (it ignores EOS), for the data-parallel rank
+    ``rank`` when one is given.
+
+    ``sampling`` are further ``SamplingParams`` fields, over those three defaults
+    (``{"temperature": 1.0}`` samples; :data:`DEFAULT_SAMPLING` brings back vLLM's own);
+    ``fields`` are further ``EngineCoreRequest`` fields.
+    """
+    params = {"max_tokens": max_tokens, "ignore_eos": True, "temperature": 0.0}
     return EngineCoreRequest(
         request_id=request_id,
-        prompt_token_ids=[1, 2, 3],
-        sampling_params=SamplingParams(max_tokens=max_tokens, ignore_eos=True, temperature=0.0),
+        prompt_token_ids=list(prompt),
+        sampling_params=SamplingParams(**{**params, **(sampling or {})}),
         data_parallel_rank=rank,
         **fields,
     )
@@ -204,6 +224,7 @@ def finished(outputs: EngineCoreOutputs) -> list[str]:
 
 __all__ = [
     "CRASH_ON_START",
+    "DEFAULT_SAMPLING",
     "GARBAGE",
     "NEVER_READY",
     "REPLAY",

@@ -13,6 +13,7 @@ import msgspec
 import zmq
 
 from corewire.coordinator import CoordinatorAddresses
+from corewire.dp_messages import XPUB_SUBSCRIBE
 from corewire.keygen import CurveClientKeys, apply_client
 from corewire.protocol import FinishReason
 
@@ -67,7 +68,7 @@ class FrontEndPeer:
     def __init__(self, sockets: Sockets, addresses: CoordinatorAddresses) -> None:
         self.sock = sockets.socket(zmq.XSUB)
         self.sock.connect(addresses.front_publish)
-        self.sock.send(b"\x01")
+        self.sock.send(XPUB_SUBSCRIBE)
 
     def recv(self, timeout: float = 5.0) -> list[Any]:
         """The next ``[counts, current_wave, engines_running]``."""

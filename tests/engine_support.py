@@ -34,14 +34,10 @@ from corewire.protocol import (
     EngineCoreOutput,
     EngineCoreOutputs,
     EngineCoreRequest,
+    EngineCoreRequestType,
     FinishReason,
     UtilityOutput,
 )
-
-ADD = b"\x00"
-ABORT = b"\x01"
-START_DP_WAVE = b"\x02"
-UTILITY = b"\x03"
 
 #: Engine args that keep the reference engine light on a shared CI machine.
 LIGHT_REFERENCE = {"num_threads": 1, "device": "cpu"}
@@ -74,6 +70,7 @@ class FrontEnd:
         self.encoder = Encoder()
         self.decoder = MsgspecDecoder(EngineCoreOutputs)
         self.procs: list[multiprocessing.process.BaseProcess] = []
+        # Engine 0's identity (docs/protocol.md §2) until wait_ready sees the engine's own.
         self.identity = b"\x00\x00"
         # Outputs received while waiting for something else (e.g. a utility reply).
         self.backlog: collections.deque[EngineCoreOutputs] = collections.deque()
@@ -135,17 +132,17 @@ class FrontEnd:
 
     def add(self, request: EngineCoreRequest) -> None:
         """Send an ADD request."""
-        self.send(ADD, request)
+        self.send(EngineCoreRequestType.ADD.value, request)
 
     def abort(self, request_ids: list[str]) -> None:
         """Send an ABORT request."""
-        self.send(ABORT, request_ids)
+        self.send(EngineCoreRequestType.ABORT.value, request_ids)
 
     def call(self, method: str, *args: Any, timeout: float = 30.0) -> UtilityOutput:
         """Make a utility call and wait for its reply (other outputs go to the backlog)."""
         call_id = self._next_call_id
         self._next_call_id += 1
-        self.send(UTILITY, [0, call_id, method, list(args)])
+        self.send(EngineCoreRequestType.UTILITY.value, [0, call_id, method, list(args)])
         return self.wait_utility(call_id, timeout)
 
     def wait_utility(self, call_id: int, timeout: float = 30.0) -> UtilityOutput:

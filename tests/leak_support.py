@@ -39,12 +39,14 @@ def _warm_up_pyzmq_zero_copy() -> None:
 _warm_up_pyzmq_zero_copy()
 
 
-def pid_gone(pid: int) -> bool:
-    """Whether ``pid`` has exited (a zombie nobody reaped yet counts as gone)."""
+def pid_gone(pid: int, reaped: bool = False) -> bool:
+    """Whether ``pid`` has exited (a zombie nobody reaped yet counts as gone, unless
+    ``reaped``: then its parent must have collected it too)."""
     try:
-        return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+        status = psutil.Process(pid).status()
     except psutil.NoSuchProcess:
         return True
+    return not reaped and status == psutil.STATUS_ZOMBIE
 
 
 def wait_pid_gone(pid: int, timeout: float) -> bool:

@@ -19,8 +19,9 @@ from typing import Any
 import psutil
 import pytest
 
+from client_support import request
 from corewire import AsyncMPClient, SyncMPClient
-from corewire.protocol import EngineCoreOutputs, EngineCoreRequest, FinishReason, SamplingParams
+from corewire.protocol import EngineCoreOutputs, EngineCoreRequest, FinishReason
 from leak_support import no_leaks
 
 SYNTHETIC = "corewire.engine.synthetic:SyntheticEngine"
@@ -53,14 +54,7 @@ def _expected_tokens(prompt: list[int], count: int) -> list[int]:
 
 
 def _requests(max_tokens: int, count: int = REQUESTS) -> list[EngineCoreRequest]:
-    return [
-        EngineCoreRequest(
-            request_id=f"flood-{i}",
-            prompt_token_ids=_prompt(i),
-            sampling_params=SamplingParams(max_tokens=max_tokens, ignore_eos=True),
-        )
-        for i in range(count)
-    ]
+    return [request(f"flood-{i}", max_tokens, prompt=_prompt(i)) for i in range(count)]
 
 
 class _PeakRss:

@@ -22,7 +22,7 @@ from corewire import AsyncMPClient, EngineDeadError, UtilityError
 from corewire.client.async_client import DRAIN_BUDGET
 from corewire.engine.replay import run_replay_engine
 from corewire.protocol import EngineCoreOutputs
-from leak_support import no_leaks
+from leak_support import no_leaks, pid_gone
 
 
 async def collect(client: AsyncMPClient, n_requests: int) -> dict[str, list[int]]:
@@ -405,8 +405,7 @@ async def test_shutdown_is_idempotent_and_later_calls_raise() -> None:
         client.shutdown()
         client.shutdown()
         assert client.engine_dead
-        with pytest.raises(ProcessLookupError):
-            os.kill(pid, 0)
+        assert pid_gone(pid, reaped=True)  # shutdown also collected its exit status
         with pytest.raises(EngineDeadError):
             await client.call_utility_async("echo", 1)
         with pytest.raises(EngineDeadError):

@@ -10,6 +10,8 @@ No other exception, no crash, no hang.
 
 ``COREWIRE_FUZZ_FRAMES`` sets the number of native frames per run (default 100000; the
 reference decoder gets a tenth), ``COREWIRE_FUZZ_SEED`` the seed.
+
+Checks ``docs/protocol.md`` §9.1 (what a decoder must refuse) on arbitrary input.
 """
 
 from __future__ import annotations

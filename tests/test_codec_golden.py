@@ -7,6 +7,10 @@ Every frame here is written with ``msgspec.msgpack.encode`` of plain lists, dict
 frame must decode, on the reference MsgspecDecoder and on the Rust NativeDecoder, to the
 values the spec says; every malformed case of the spec must raise ProtocolError, and a
 bad frame must not disturb later decodes.
+
+Checks ``docs/protocol.md`` §1 (every header width, extra trailing fields), §5 (output
+layouts), §6 (arrays and tensors), §9.1 (what a decoder must refuse) and §9.2 (a bad
+frame fails alone).
 """
 
 from __future__ import annotations

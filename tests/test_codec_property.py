@@ -3,6 +3,8 @@
 Hypothesis draws messages with every field populated or not (logprobs, tensors of every
 dtype, inline and aux arrays, utility outputs with any msgpack value, events, finished
 sets). Both decoders must give back the message that was encoded.
+
+Checks ``docs/protocol.md`` §5.2-§5.7 and §6 (every output field, every array form).
 """
 
 from __future__ import annotations

@@ -5,6 +5,8 @@ the array stays valid after the frame list and the decoded message are dropped; 
 is freed once the last array is gone, with no leak over 10,000 frames. Frames are
 ``bytes``, ``memoryview`` and real ``zmq.Frame`` objects received over a PAIR socket with
 ``copy=False``.
+
+Checks ``docs/protocol.md`` §6.2 (aux frames) on the receiving side.
 """
 
 from __future__ import annotations

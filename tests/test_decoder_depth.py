@@ -9,6 +9,8 @@ shallow value: checked on a thread with a 256 KiB stack, in a child process (a s
 overflow there fails the test instead of killing the runner).
 
 "Levels" counts the containers in the field's value: ``[[]]`` is 2 levels.
+
+Checks ``docs/protocol.md`` §9.1 (free-form values nested more than 1000 levels).
 """
 
 from __future__ import annotations

@@ -12,7 +12,6 @@ import time
 from collections import Counter
 from collections.abc import Callable
 
-import psutil
 import pytest
 
 from client_support import request
@@ -20,6 +19,7 @@ from corewire import DPAsyncMPClient, DPLBAsyncMPClient, EngineDeadError, Utilit
 from corewire.client.dp import DPConsensusError
 from corewire.protocol import FinishReason
 from dp_support import LIGHT, EnginePeer, Sockets, collect_finished, wait_until
+from leak_support import pid_gone
 
 
 async def engine_states(client: DPAsyncMPClient) -> list[dict]:
@@ -216,9 +216,7 @@ async def test_engine_sigkill_under_load_fails_every_waiter() -> None:
         client.shutdown()
         assert time.monotonic() - start < 5
     # The whole group is gone: the other engine and the coordinator too.
-    assert not psutil.pid_exists(coordinator_pid) or (
-        psutil.Process(coordinator_pid).status() == psutil.STATUS_ZOMBIE
-    )
+    assert pid_gone(coordinator_pid)
 
 
 async def test_coordinator_death_kills_the_client() -> None:
@@ -410,11 +408,8 @@ async def test_collected_client_stops_its_engines_and_coordinator() -> None:
     del client
     gc.collect()
     assert ref() is None, "a task or the coordinator kept the client alive"
-
-    def all_gone() -> bool:
-        return all(
-            not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
-            for pid in pids
-        )
-
-    await wait_until(all_gone, timeout=15, what="engines and coordinator to exit")
+    await wait_until(
+        lambda: all(pid_gone(pid) for pid in pids),
+        timeout=15,
+        what="engines and coordinator to exit",
+    )

@@ -1,4 +1,8 @@
-"""The DP coordinator: wave bookkeeping, and the real process over real sockets."""
+"""The DP coordinator: wave bookkeeping, and the real process over real sockets.
+
+Checks ``docs/protocol.md`` §8.2 (corewire's coordinator: its messages, waves and
+publications) and §4.7 (START_DP_WAVE as the coordinator publishes it).
+"""
 
 from __future__ import annotations
 
@@ -13,7 +17,6 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import msgspec
-import psutil
 import pytest
 
 from corewire.codec import Encoder
@@ -32,8 +35,7 @@ from corewire.dp_messages import (
 from corewire.errors import ProtocolError
 from corewire.protocol import EngineCoreOutputs, EngineCoreRequestType
 from dp_support import EnginePeer, FrontEndPeer, Sockets, coordinator_addresses, wait_for
-
-START_DP_WAVE = EngineCoreRequestType.START_DP_WAVE.value
+from leak_support import pid_gone, wait_pid_gone
 
 # ---------------------------------------------------------------- bookkeeping, no sockets
 
@@ -144,6 +146,8 @@ def test_messages_encode_as_the_plain_lists_of_the_protocol_page() -> None:
     assert DPState([[1, 2]], 3, True).encode() == encode([[[1, 2]], 3, True])
     assert FirstRequest(1, 4).encode() == encode([1, 4])
     assert ScaleNotice(3).encode() == encode(["scale", 3])
+    # The frames spelled out byte for byte on purpose (not with the module's constants):
+    # the wire the protocol page (§8.2) and vLLM's engines (§4.7) read.
     assert StartWave(3, -1).to_frames() == [b"\x02", bytes.fromhex("9203ff")]
     assert WaveComplete(2).to_frames() == [b"\x10", bytes.fromhex("9102")]
     assert decode_front_message(encode([1, 4])) == FirstRequest(1, 4)
@@ -165,12 +169,13 @@ def test_bad_front_end_messages_are_protocol_errors(payload: object) -> None:
 @pytest.mark.parametrize(
     "frames",
     [
-        [b"\x02", msgspec.msgpack.encode([1])],
-        [b"\x02", msgspec.msgpack.encode([1, None])],  # nil only from vLLM's coordinator
-        [b"\x10", msgspec.msgpack.encode(["x"])],
-        [b"\x11", msgspec.msgpack.encode([1])],
-        [b"\x02", b"\xc1"],
-        [b"\x02"],
+        [EngineCoreRequestType.START_DP_WAVE.value, msgspec.msgpack.encode([1])],
+        # A nil exclude comes only from vLLM's coordinator.
+        [EngineCoreRequestType.START_DP_WAVE.value, msgspec.msgpack.encode([1, None])],
+        [WAVE_COMPLETE, msgspec.msgpack.encode(["x"])],
+        [b"\x11", msgspec.msgpack.encode([1])],  # no message type
+        [EngineCoreRequestType.START_DP_WAVE.value, b"\xc1"],
+        [EngineCoreRequestType.START_DP_WAVE.value],
     ],
 )
 def test_bad_wave_messages_are_protocol_errors(frames: list[bytes]) -> None:
@@ -229,7 +234,7 @@ def test_full_wave_cycle_over_sockets(coordinator: DPCoordinator, zctx: Sockets)
 
     front.notice(0, 0)
     for e in engines:
-        e.recv_until((START_DP_WAVE, [0, 0]))
+        e.recv_until((EngineCoreRequestType.START_DP_WAVE.value, [0, 0]))
     assert front.recv_until(lambda m: m[2]) == [[[0, 0], [0, 0]], 0, True]
 
     engines[0].report(waiting=1, running=2, wave=0)
@@ -248,7 +253,7 @@ def test_full_wave_cycle_over_sockets(coordinator: DPCoordinator, zctx: Sockets)
     # An engine that got a request for the finished wave asks for a new one.
     engines[1].report(waiting=0, running=1, wave=1, start_wave=1)
     for e in engines:
-        e.recv_until((START_DP_WAVE, [1, 1]))
+        e.recv_until((EngineCoreRequestType.START_DP_WAVE.value, [1, 1]))
     assert front.recv_until(lambda m: m[2]) == [[[0, 0], [0, 1]], 1, True]
 
 
@@ -323,7 +328,7 @@ def test_collected_owner_stops_the_process_and_removes_its_files() -> None:
     directory = Path(coord.addresses.front_publish.removeprefix("ipc://")).parent
     assert directory.is_dir() and (directory.stat().st_mode & 0o777) == 0o700
     del coord
-    wait_for(lambda: not psutil.pid_exists(pid) or psutil.Process(pid).status() == "zombie")
+    assert wait_pid_gone(pid, timeout=10), "the collected coordinator did not exit"
     assert not directory.exists()
 
 
@@ -365,14 +370,10 @@ def test_coordinator_exits_when_its_owner_process_dies(ipc_dir: Path) -> None:
     try:
         assert owner.stdout is not None
         pid = int(owner.stdout.readline())
-        assert psutil.pid_exists(pid)
+        assert not pid_gone(pid)
         owner.kill()
         owner.wait()
-        wait_for(
-            lambda: not psutil.pid_exists(pid) or psutil.Process(pid).status() == "zombie",
-            timeout=5,
-            what="orphaned coordinator to exit",
-        )
+        assert wait_pid_gone(pid, timeout=5), "the orphaned coordinator did not exit"
     finally:
         owner.kill()
         owner.wait()

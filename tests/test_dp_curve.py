@@ -1,4 +1,7 @@
-"""CURVE keys: ``corewire keygen``, pyzmq's authenticator, and the coordinator behind CURVE."""
+"""CURVE keys: ``corewire keygen``, pyzmq's authenticator, and the coordinator behind CURVE.
+
+Checks ``docs/protocol.md`` §10 (TCP from other hosts only with CURVE keys) and §8.2.
+"""
 
 from __future__ import annotations
 
@@ -15,6 +18,7 @@ import zmq
 
 from corewire.coordinator import CoordinatorAddresses, DPCoordinator
 from corewire.curve import is_loopback_address, require_curve_for
+from corewire.dp_messages import WAVE_COMPLETE
 from corewire.keygen import (
     CurveAuthenticator,
     CurveClientKeys,
@@ -218,7 +222,8 @@ def test_coordinator_behind_curve(keys: Path, ipc_dir: Path) -> None:
         front = FrontEndPeer(sockets, addresses)
         assert front.recv() == [[[0, 0], [0, 0]], 0, False]
         good = EnginePeer(sockets, remote, 0, curve=CurveClientKeys.from_dir(keys / "client-0"))
-        assert good.recv()[0] == b"\x10"  # wave state for a new subscriber: it got through
+        # The wave state for a new subscriber: it got through.
+        assert good.recv()[0] == WAVE_COMPLETE
         server_public = CurveClientKeys.from_dir(keys / "client-1").server_public
         public, secret = zmq.curve_keypair()  # a key pair the server never authorized
         bad = EnginePeer(sockets, remote, 1, curve=CurveClientKeys(public, secret, server_public))

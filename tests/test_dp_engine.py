@@ -2,6 +2,9 @@
 
 The test binds the coordinator's sockets itself (stats PULL, wave XPUB), so it decides
 every wave message the engine sees and reads every report the engine sends.
+
+Checks ``docs/protocol.md`` §4.7 (START_DP_WAVE on the request link) and §8.2 (corewire's
+coordinator protocol: subscription, waves, reports, scaling).
 """
 
 from __future__ import annotations
@@ -16,9 +19,10 @@ import pytest
 import zmq
 
 from client_support import request
-from corewire.protocol import FinishReason
+from corewire.dp_messages import WAVE_COMPLETE, XPUB_SUBSCRIBE
+from corewire.protocol import EngineCoreRequestType, FinishReason
 from dp_support import LIGHT
-from engine_support import START_DP_WAVE, FrontEnd
+from engine_support import FrontEnd
 
 
 class FakeCoordinator:
@@ -38,7 +42,7 @@ class FakeCoordinator:
 
     def wait_subscribed(self, timeout: float = 30.0) -> None:
         assert self.wave.poll(timeout * 1000), "the engine never subscribed"
-        assert self.wave.recv()[:1] == b"\x01"
+        assert self.wave.recv()[:1] == XPUB_SUBSCRIBE
 
     def publish(self, type_byte: bytes, payload: Any) -> None:
         self.wave.send_multipart([type_byte, msgspec.msgpack.encode(payload)])
@@ -87,6 +91,7 @@ def test_waves_scaling_utilities_and_retirement(group: tuple[FrontEnd, FakeCoord
         include_finished_set=True,
     )
     identity, ready = fe.wait_ready()
+    # The identity spelled out on purpose: index 1, two bytes little-endian (protocol §2).
     assert identity == b"\x01\x00" and ready["data_parallel_size"] == 2
     coord.wait_subscribed()
     assert fe.value("dp_state") == {
@@ -98,19 +103,19 @@ def test_waves_scaling_utilities_and_retirement(group: tuple[FrontEnd, FakeCoord
     }
 
     # START_DP_WAVE on the front-end link (vLLM's framing) wakes it into wave 3 ...
-    fe.send(START_DP_WAVE, [3, 0])
+    fe.send(EngineCoreRequestType.START_DP_WAVE.value, [3, 0])
     report = coord.report(lambda r: stats_of(r).get("current_wave") == 3)
     assert report[0] == 1 and stats_of(report)["num_running_reqs"] == 0
     # ... but not when it is the excluded engine, or the wave is older.
-    fe.send(START_DP_WAVE, [5, 1])
-    fe.send(START_DP_WAVE, [2, 0])
+    fe.send(EngineCoreRequestType.START_DP_WAVE.value, [5, 1])
+    fe.send(EngineCoreRequestType.START_DP_WAVE.value, [2, 0])
     state = fe.value("dp_state")
     assert (state["current_wave"], state["engines_running"]) == (3, True)
 
     # The coordinator ends wave 3: paused at wave 4. Junk on the wave socket is ignored.
-    coord.wave.send_multipart([b"\x10", b"\xc1"])
-    coord.wave.send_multipart([b"\x7f", msgspec.msgpack.encode([1])])
-    coord.publish(b"\x10", [3])
+    coord.wave.send_multipart([WAVE_COMPLETE, b"\xc1"])
+    coord.wave.send_multipart([b"\x7f", msgspec.msgpack.encode([1])])  # no message type
+    coord.publish(WAVE_COMPLETE, [3])
     coord.report(lambda r: stats_of(r).get("current_wave") == 4)
     state = fe.value("dp_state")
     assert (state["current_wave"], state["engines_running"]) == (4, False)

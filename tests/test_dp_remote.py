@@ -3,6 +3,8 @@
 Loopback TCP stands in for the network where that is enough (plain, and behind CURVE);
 two network namespaces joined by a veth pair make a real second host where the machine
 allows creating them (root and ``ip netns``), including cutting the link.
+
+Checks ``docs/protocol.md`` §2 (TCP addresses), §8.2 and §10 (CURVE required off loopback).
 """
 
 from __future__ import annotations

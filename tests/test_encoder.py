@@ -5,6 +5,9 @@ lists and dicts laid out by hand as vLLM 0.25.1's real ``MsgpackEncoder`` writes
 (``test_vllm_wire.py`` checks corewire against that encoder itself); the Encoder is given
 ``corewire.protocol`` structs. Arrays and tensors under 256 bytes must travel inline as
 extension type 3, from 256 bytes on as zero-copy aux frames.
+
+Checks ``docs/protocol.md`` §1 (every positional field written), §4.1-§4.7 (request
+frames and payloads), §5.2-§5.6 (outputs) and §6.1-§6.2 (inline or aux).
 """
 
 from __future__ import annotations

@@ -6,6 +6,10 @@ The engine runs as a real child process (``run_engine_core`` under ``spawn``, or
 ``corewire engine`` command) and gets hand-built frames over real ZeroMQ sockets. One
 engine (the reference engine with test hooks, ``max_model_len`` 512, a 5 ms step) is
 shared by the tests that leave it healthy.
+
+Checks ``docs/protocol.md`` §9.2 (a bad frame fails alone, even nested past every
+decoder's limit), §9.3 (ERROR finishes, their reasons, duplicate ids) and §5.5 (the
+prefill stats vLLM reads).
 """
 
 from __future__ import annotations
@@ -28,35 +32,25 @@ import numpy as np
 import psutil
 import pytest
 
+from client_support import request
 from corewire.engine.reference import ReferenceEngine
 from corewire.protocol import (
     EngineCoreOutputs,
     EngineCoreRequest,
+    EngineCoreRequestType,
     FinishReason,
     PoolingParams,
-    SamplingParams,
 )
 from engine_support import (
-    ABORT,
-    ADD,
     LIGHT_REFERENCE,
-    UTILITY,
     FrontEnd,
 )
 from hook_engine import INTERNAL_ERROR_ID, VALUE_ERROR_WITH_PATH_ID
-from leak_support import no_leaks
 
 MAX_MODEL_LEN = 512
-_SHARED_PIDS: set[int] = set()
+# The module's shared engine: it outlives single tests (conftest's leak check).
+LEAK_ALLOWED_PIDS: set[int] = set()
 _encode = msgspec.msgpack.encode
-
-
-@pytest.fixture(autouse=True)
-def no_leaked_processes_or_threads() -> Iterator[None]:
-    """The suite's leak check, except that the module's shared engine may outlive a test
-    (its own clean exit is checked when the module ends)."""
-    with no_leaks(fds=False, allowed=_SHARED_PIDS):
-        yield
 
 
 @pytest.fixture(scope="module")
@@ -67,25 +61,16 @@ def eng() -> Iterator[FrontEnd]:
         fe = FrontEnd(Path(path), "hard")
         args = {**LIGHT_REFERENCE, "max_model_len": MAX_MODEL_LEN, "step_delay": 0.005}
         proc = fe.start_engine("hook_engine:HookEngine", args)
-        _SHARED_PIDS.add(proc.pid)
+        LEAK_ALLOWED_PIDS.add(proc.pid)
         fe.wait_ready()
         yield fe
         assert proc.is_alive(), "the shared engine died during the module"
         proc.terminate()
         proc.join(10)
         exitcode = proc.exitcode
-        _SHARED_PIDS.discard(proc.pid)
+        LEAK_ALLOWED_PIDS.discard(proc.pid)
         fe.close()
         assert exitcode == 0
-
-
-def greedy(rid: str, prompt: list[int], max_tokens: int = 8) -> EngineCoreRequest:
-    """A greedy generate request."""
-    return EngineCoreRequest(
-        request_id=rid,
-        prompt_token_ids=prompt,
-        sampling_params=SamplingParams(max_tokens=max_tokens, temperature=0.0),
-    )
 
 
 def pooling(rid: str, prompt: list[int]) -> EngineCoreRequest:
@@ -100,14 +85,14 @@ def pooling(rid: str, prompt: list[int]) -> EngineCoreRequest:
 
 def test_duplicate_request_id_is_dropped_and_the_original_streams_on(eng: FrontEnd) -> None:
     before = eng.value("engine_core_counters")["duplicate_requests"]
-    eng.add(greedy("dup", [1, 2, 3], 60))
+    eng.add(request("dup", 60, prompt=[1, 2, 3]))
     first = eng.recv()
     assert isinstance(first, EngineCoreOutputs)
     assert [o.request_id for o in first.outputs] == ["dup"]
     # The same id again while the first still runs (other parameters, to be sure which
     # one the engine keeps), then an unrelated request.
-    eng.add(greedy("dup", [9, 9], 5))
-    eng.add(greedy("dup-neighbour", [4], 4))
+    eng.add(request("dup", 5, prompt=[9, 9]))
+    eng.add(request("dup-neighbour", 4, prompt=[4]))
     got = eng.collect(["dup", "dup-neighbour"])
     outs = [first.outputs[0], *got["dup"]]
     # One coherent stream: no ERROR, exactly one finish, and it is the last output.
@@ -116,15 +101,15 @@ def test_duplicate_request_id_is_dropped_and_the_original_streams_on(eng: FrontE
     assert got["dup-neighbour"][-1].finish_reason == FinishReason.LENGTH
     assert eng.nothing_for(0.2)  # nothing more under "dup" after its finish
     # Once finished, the id is free again.
-    assert len(eng.generate(greedy("dup", [1, 2, 3], 3))) == 3
+    assert len(eng.generate(request("dup", 3, prompt=[1, 2, 3]))) == 3
     assert eng.value("engine_core_counters")["duplicate_requests"] == before + 1
 
 
 def test_aborted_id_can_be_reused_at_once(eng: FrontEnd) -> None:
-    eng.add(greedy("reuse", [5], 400))
+    eng.add(request("reuse", 400, prompt=[5]))
     eng.recv()
     eng.abort(["reuse"])
-    eng.add(greedy("reuse", [5], 3))
+    eng.add(request("reuse", 3, prompt=[5]))
     outs = eng.collect(["reuse"])["reuse"]
     assert outs[-1].finish_reason == FinishReason.LENGTH
     # Outputs of the aborted run may still have been in flight; the new run is whole.
@@ -134,9 +119,9 @@ def test_aborted_id_can_be_reused_at_once(eng: FrontEnd) -> None:
 def test_resumable_requests_are_refused_without_streaming_input(eng: FrontEnd) -> None:
     # vLLM's streaming input sends later chunks under the same id; an engine that cannot
     # take them refuses the request up front instead of failing a chunk mid-stream.
-    request = greedy("resumable", [1, 2], 4)
-    request.resumable = True
-    eng.add(request)
+    resumable = request("resumable", 4, prompt=[1, 2])
+    resumable.resumable = True
+    eng.add(resumable)
     (out,) = eng.collect(["resumable"])["resumable"]
     assert out.finish_reason == FinishReason.ERROR
     assert out.stop_reason == "streaming input (resumable requests) is not supported"
@@ -147,7 +132,7 @@ def test_resumable_requests_are_refused_without_streaming_input(eng: FrontEnd) -
 
 def test_every_request_kind_is_checked_against_max_model_len(eng: FrontEnd) -> None:
     eng.add(pooling("pool-too-long", [1] * (MAX_MODEL_LEN + 1)))
-    eng.add(greedy("gen-too-long", [1] * (MAX_MODEL_LEN + 1)))
+    eng.add(request("gen-too-long", 8, prompt=[1] * (MAX_MODEL_LEN + 1)))
     eng.add(pooling("pool-fits", [1] * MAX_MODEL_LEN))
     got = eng.collect(["pool-too-long", "gen-too-long", "pool-fits"])
     for rid in ("pool-too-long", "gen-too-long"):
@@ -160,7 +145,7 @@ def test_every_request_kind_is_checked_against_max_model_len(eng: FrontEnd) -> N
 def test_huge_pooling_prompt_is_refused_fast_while_others_stream(eng: FrontEnd) -> None:
     engine = psutil.Process(eng.procs[0].pid)
     rss_before = engine.memory_info().rss
-    eng.add(greedy("bystander", [7], 150))
+    eng.add(request("bystander", 150, prompt=[7]))
     eng.recv()
     # 1M tokens: a 3 MB frame, which used to stall every request for 30 s and take 5 GB.
     huge = pooling("huge-pool", list(range(1000, 1000 + 1_000_000)))
@@ -209,23 +194,23 @@ def test_deeply_nested_requests_are_answered_when_ids_are_readable(eng: FrontEnd
             b"\xc0\xc0\xc0",
         ]
     )
-    eng.send_frames([ADD, add])
+    eng.send_frames([EngineCoreRequestType.ADD.value, add])
     (out,) = eng.collect(["deep-add"], timeout=20)["deep-add"]
     assert out.finish_reason == FinishReason.ERROR
     assert out.stop_reason is not None and "nested too deeply" in out.stop_reason
     # UTILITY: the call id is readable before the deep arguments.
     utility = b"\x94" + _encode(0) + _encode(4242) + _encode("echo") + b"\x91" + _DEEP
-    eng.send_frames([UTILITY, utility])
+    eng.send_frames([EngineCoreRequestType.UTILITY.value, utility])
     reply = eng.wait_utility(4242, timeout=20)
     assert reply.failure_message is not None
     assert reply.failure_message.startswith("Call to echo method failed: ")
     assert "nested too deeply" in reply.failure_message
     # Nothing readable to answer: dropped, and the engine serves on.
-    eng.send_frames([ADD, b"\x91" + _DEEP])
-    eng.send_frames([ABORT, b"\x91" + _DEEP])
-    eng.send_frames([UTILITY, _DEEP])
+    eng.send_frames([EngineCoreRequestType.ADD.value, b"\x91" + _DEEP])
+    eng.send_frames([EngineCoreRequestType.ABORT.value, b"\x91" + _DEEP])
+    eng.send_frames([EngineCoreRequestType.UTILITY.value, _DEEP])
     assert eng.value("echo", "alive") == "alive"
-    assert len(eng.generate(greedy("after-deep", [3], 2))) == 2
+    assert len(eng.generate(request("after-deep", 2, prompt=[3]))) == 2
     assert not eng.backlog
 
 
@@ -236,7 +221,7 @@ def test_error_finishes_carry_a_short_safe_reason(eng: FrontEnd) -> None:
     eng.add(EngineCoreRequest(request_id="oov", prompt_token_ids=[1, 99999]))
     eng.add(EngineCoreRequest(request_id=INTERNAL_ERROR_ID, prompt_token_ids=[1]))
     eng.add(EngineCoreRequest(request_id=VALUE_ERROR_WITH_PATH_ID, prompt_token_ids=[1]))
-    eng.send_frames([ADD, _encode(["malformed", "not a token list"])])
+    eng.send_frames([EngineCoreRequestType.ADD.value, _encode(["malformed", "not a token list"])])
     got = eng.collect(["oov", INTERNAL_ERROR_ID, VALUE_ERROR_WITH_PATH_ID, "malformed"])
     reasons = {}
     for rid, outs in got.items():
@@ -316,7 +301,12 @@ def test_malformed_frame_flood_logs_a_bounded_summary(tmp_path: Path) -> None:
     try:
         fe.wait_ready()
         count = 20_000
-        kinds = [[ADD, b"\xc1"], [ABORT, b"\x92"], [b"\x09", b"x"], [UTILITY, b"\xff"]]
+        kinds = [
+            [EngineCoreRequestType.ADD.value, b"\xc1"],
+            [EngineCoreRequestType.ABORT.value, b"\x92"],
+            [b"\x09", b"x"],  # no request type
+            [EngineCoreRequestType.UTILITY.value, b"\xff"],
+        ]
         for i in range(count):
             fe.send_frames(kinds[i % len(kinds)])
             if i % 500 == 499:
@@ -371,10 +361,10 @@ def test_first_output_carries_prefill_stats_vllm_reads(kind: str) -> None:
     from corewire.engine.synthetic import SyntheticEngine
 
     engine: Any = ReferenceEngine(device="cpu") if kind == "reference" else SyntheticEngine()
-    engine.add_request(greedy("a", [5, 6, 7], 3))
+    engine.add_request(request("a", 3, prompt=[5, 6, 7]))
     outputs = engine.step()
     # A request that joins a batch already running gets its own first-output stats.
-    engine.add_request(greedy("b", [1] * 4, 2))
+    engine.add_request(request("b", 2, prompt=[1] * 4))
     while engine.has_unfinished_requests():
         outputs.extend(engine.step())
     firsts = {}
@@ -399,7 +389,7 @@ def test_first_output_carries_prefill_stats_vllm_reads(kind: str) -> None:
 
 def test_reference_engine_counts_steps_under_vllms_name() -> None:
     engine = ReferenceEngine(device="cpu")
-    engine.add_request(greedy("s", [1], 2))
+    engine.add_request(request("s", 2, prompt=[1]))
     while engine.has_unfinished_requests():
         engine.step()
     assert engine.scheduler_stats() == {
@@ -420,8 +410,8 @@ def test_replay_engine_outputs_carry_a_timestamp(tmp_path: Path) -> None:
         link.reply(1, "plain")
         link.reply(2, failure="Call to x method failed: no")
         link.reply(3, np.zeros(4))  # not plain msgpack: the encoder's path
-        replay.add(greedy("r", [1], 50))
-        replay.handle([ABORT, _encode(["r"])])
+        replay.add(request("r", 50, prompt=[1]))
+        replay.handle([EngineCoreRequestType.ABORT.value, _encode(["r"])])
         for _ in range(4):
             msg = fe.recv(timeout=10)
             assert isinstance(msg, EngineCoreOutputs)

@@ -4,6 +4,11 @@ Everything here runs the engine as a real child process (``run_engine_core`` und
 ``spawn`` context, or the ``corewire engine`` command) and talks to it with hand-built
 frames, the way a vLLM 0.25.1 front-end would. One reference engine is shared by the
 tests that leave it healthy; the fault tests start their own.
+
+Checks ``docs/protocol.md`` §2 (identity, client index), §3.1 (the ready response), §4
+(ADD short and long, sampling, pooling, ABORT, UTILITY, START_DP_WAVE without DP), §5
+(output layout, utility replies and failure text), §7 (ENGINE_CORE_DEAD and stopping),
+§9.1-§9.3 (bad frames fail alone, errors the engine reports).
 """
 
 from __future__ import annotations
@@ -27,35 +32,25 @@ import numpy as np
 import pytest
 import torch
 
+from client_support import request
 from corewire.protocol import (
     ENGINE_CORE_DEAD,
     EngineCoreOutputs,
     EngineCoreRequest,
+    EngineCoreRequestType,
     FinishReason,
     PoolingParams,
-    SamplingParams,
 )
 from engine_support import (
-    ABORT,
-    ADD,
     LIGHT_REFERENCE,
-    START_DP_WAVE,
-    UTILITY,
     FrontEnd,
     start_engine_then_wait,
 )
 from leak_support import no_leaks, pid_gone, wait_pid_gone
 
 ENGINE_INDEX = 3
-_SHARED_PIDS: set[int] = set()
-
-
-@pytest.fixture(autouse=True)
-def no_leaked_processes_or_threads() -> Iterator[None]:
-    """Like the suite-wide leak check, but the module's shared engine may outlive a test
-    (its own exit is checked when the module ends)."""
-    with no_leaks(fds=False, allowed=_SHARED_PIDS):
-        yield
+# The module's shared engine: it outlives single tests (conftest's leak check).
+LEAK_ALLOWED_PIDS: set[int] = set()
 
 
 @pytest.fixture(scope="module")
@@ -73,34 +68,16 @@ def ref(private_dir: Path) -> Iterator[FrontEnd]:
     with no_leaks(fds=False):
         fe = FrontEnd(private_dir, "shared")
         proc = fe.start_engine(None, {**LIGHT_REFERENCE, "record_events": True}, ENGINE_INDEX)
-        _SHARED_PIDS.add(proc.pid)
+        LEAK_ALLOWED_PIDS.add(proc.pid)
         fe.ready = fe.wait_ready()  # type: ignore[attr-defined]
         yield fe
         assert proc.is_alive(), "the shared engine died during the module"
         proc.terminate()  # SIGTERM: must be a clean exit
         proc.join(10)
         exitcode = proc.exitcode
-        _SHARED_PIDS.discard(proc.pid)
+        LEAK_ALLOWED_PIDS.discard(proc.pid)
         fe.close()
         assert exitcode == 0
-
-
-def greedy(rid: str, prompt: list[int], max_tokens: int = 8, **kw: Any) -> EngineCoreRequest:
-    """A greedy request."""
-    return EngineCoreRequest(
-        request_id=rid,
-        prompt_token_ids=prompt,
-        sampling_params=SamplingParams(max_tokens=max_tokens, temperature=0.0, **kw),
-    )
-
-
-def sampled(rid: str, prompt: list[int], max_tokens: int = 8, **kw: Any) -> EngineCoreRequest:
-    """A request with temperature-1 sampling and extra sampling parameters."""
-    return EngineCoreRequest(
-        request_id=rid,
-        prompt_token_ids=prompt,
-        sampling_params=SamplingParams(max_tokens=max_tokens, **kw),
-    )
 
 
 # ---------------------------------------------------------------------- handshake & layout
@@ -108,6 +85,7 @@ def sampled(rid: str, prompt: list[int], max_tokens: int = 8, **kw: Any) -> Engi
 
 def test_ready_message_identity_and_map(ref: FrontEnd) -> None:
     identity, ready = ref.ready  # type: ignore[attr-defined]
+    # Two independent spellings of the identity (docs/protocol.md §2).
     assert identity == ENGINE_INDEX.to_bytes(2, "little") == b"\x03\x00"
     # vLLM 0.25.1's EngineCoreReadyResponse, every key, with the engine's own values
     # (the reference engine has no KV cache), plus corewire's own three keys.
@@ -144,7 +122,7 @@ def test_add_short_vllm_layout_and_output_golden_layout(ref: FrontEnd) -> None:
             None,
         ]
     )
-    ref.send_frames([ADD, payload])
+    ref.send_frames([EngineCoreRequestType.ADD.value, payload])
     messages = []
     while len(messages) < 3:
         frames = ref.recv_raw()
@@ -185,7 +163,7 @@ def test_add_short_vllm_layout_and_output_golden_layout(ref: FrontEnd) -> None:
         assert out[12] == 0
         tokens.append(out[1][0])
     # The short array and the unknown sampling keys did not change the request.
-    assert tokens == ref.generate(greedy("golden-2", [5, 6, 7], 3))
+    assert tokens == ref.generate(request("golden-2", 3, prompt=[5, 6, 7]))
 
 
 def test_add_full_layout_with_unknown_trailing_field(ref: FrontEnd) -> None:
@@ -195,7 +173,7 @@ def test_add_full_layout_with_unknown_trailing_field(ref: FrontEnd) -> None:
         None, False, "a field from a newer version",
     ]  # fmt: skip
     assert len(fields) == 21
-    ref.send_frames([ADD, msgspec.msgpack.encode(fields)])
+    ref.send_frames([EngineCoreRequestType.ADD.value, msgspec.msgpack.encode(fields)])
     outs = ref.collect(["long-1"])["long-1"]
     assert [o.finish_reason for o in outs] == [None, FinishReason.LENGTH]
 
@@ -206,7 +184,7 @@ def test_utility_round_trip_values_and_golden_layout(ref: FrontEnd) -> None:
         assert ref.value("echo", value) == value
     # vLLM draws call ids from uuid1().int >> 64: above 2**63 is normal.
     call_id = 2**64 - 2
-    ref.send(UTILITY, [0, call_id, "echo", [{"k": [None, 2]}]])
+    ref.send(EngineCoreRequestType.UTILITY.value, [0, call_id, "echo", [{"k": [None, 2]}]])
     frames = ref.recv_raw()
     assert len(frames) == 1
     msg = msgspec.msgpack.decode(frames[0].bytes)
@@ -243,12 +221,12 @@ def test_failing_utility_calls_exact_text_and_engine_lives(ref: FrontEnd) -> Non
 
 
 def test_utility_returning_a_future_does_not_block_the_engine(ref: FrontEnd) -> None:
-    ref.send(UTILITY, [0, 501, "delayed_echo", ["slow", 0.5]])
+    ref.send(EngineCoreRequestType.UTILITY.value, [0, 501, "delayed_echo", ["slow", 0.5]])
     started = time.monotonic()
     # The engine keeps serving while the future is pending: a fast call and a whole
     # generation finish before the slow reply.
     assert ref.value("echo", "fast") == "fast"
-    ref.add(greedy("during-future", [1, 2], 4))
+    ref.add(request("during-future", 4, prompt=[1, 2]))
     outs = ref.collect(["during-future"])["during-future"]
     assert outs[-1].finish_reason == FinishReason.LENGTH
     reply = ref.wait_utility(501)
@@ -261,12 +239,12 @@ def test_utility_returning_a_future_does_not_block_the_engine(ref: FrontEnd) -> 
 
 def test_greedy_is_deterministic(ref: FrontEnd) -> None:
     prompt = [11, 22, 33, 44]
-    first = ref.generate(greedy("det-1", prompt, 12))
-    second = ref.generate(greedy("det-2", prompt, 12))
+    first = ref.generate(request("det-1", 12, prompt=prompt))
+    second = ref.generate(request("det-2", 12, prompt=prompt))
     assert len(first) == 12 and first == second
     # Two copies in one batch agree with each other.
-    ref.add(greedy("det-3", prompt, 12))
-    ref.add(greedy("det-4", prompt, 12))
+    ref.add(request("det-3", 12, prompt=prompt))
+    ref.add(request("det-4", 12, prompt=prompt))
     got = ref.collect(["det-3", "det-4"])
     batch = {rid: [t for o in outs for t in o.new_token_ids] for rid, outs in got.items()}
     assert batch["det-3"] == batch["det-4"]
@@ -275,29 +253,33 @@ def test_greedy_is_deterministic(ref: FrontEnd) -> None:
 
 def test_sampling_parameters_over_the_wire(ref: FrontEnd) -> None:
     prompt = [100, 200, 300]
-    g = ref.generate(greedy("sp-greedy", prompt, 8))
+
+    def run(rid: str, max_tokens: int, **sampling: Any) -> list[int]:
+        return ref.generate(request(rid, max_tokens, prompt=prompt, sampling=sampling))
+
+    g = run("sp-greedy", 8)
     # top_k=1 and a vanishing top_p both leave only the argmax, whatever the temperature.
-    assert ref.generate(sampled("sp-topk1", prompt, 8, top_k=1)) == g
-    assert ref.generate(sampled("sp-topp", prompt, 8, top_p=1e-6, temperature=2.0)) == g
+    assert run("sp-topk1", 8, temperature=1.0, top_k=1) == g
+    assert run("sp-topp", 8, temperature=2.0, top_p=1e-6) == g
     # Seeds: the same seed repeats, different seeds differ.
-    a = ref.generate(sampled("sp-seed-a", prompt, 16, seed=1234))
-    b = ref.generate(sampled("sp-seed-b", prompt, 16, seed=1234))
-    c = ref.generate(sampled("sp-seed-c", prompt, 16, seed=4321))
+    a = run("sp-seed-a", 16, temperature=1.0, seed=1234)
+    b = run("sp-seed-b", 16, temperature=1.0, seed=1234)
+    c = run("sp-seed-c", 16, temperature=1.0, seed=4321)
     assert a == b and a != c
     # stop_token_ids: stops at the first occurrence, token included, stop_reason = token.
     j = next(i for i in range(1, 8) if g[i] not in g[:i])
-    ref.add(greedy("sp-stop", prompt, 8, stop_token_ids=[g[j]]))
+    ref.add(request("sp-stop", 8, prompt=prompt, sampling={"stop_token_ids": [g[j]]}))
     outs = ref.collect(["sp-stop"])["sp-stop"]
     assert [t for o in outs for t in o.new_token_ids] == g[: j + 1]
     assert outs[-1].finish_reason == FinishReason.STOP and outs[-1].stop_reason == g[j]
     # min_tokens masks the stop token until enough tokens were generated.
-    got = ref.generate(greedy("sp-min", prompt, 8, stop_token_ids=[g[0]], min_tokens=3))
+    got = run("sp-min", 8, stop_token_ids=[g[0]], min_tokens=3)
     assert len(got) >= 3 and g[0] not in got[:3]
 
 
 def test_logprobs_shapes_and_dtypes(ref: FrontEnd) -> None:
-    ref.add(greedy("lp-5", [7, 8, 9], 4, logprobs=5))
-    ref.add(greedy("lp-0", [7, 8, 9], 4, logprobs=0))
+    ref.add(request("lp-5", 4, prompt=[7, 8, 9], sampling={"logprobs": 5}))
+    ref.add(request("lp-0", 4, prompt=[7, 8, 9], sampling={"logprobs": 0}))
     got = ref.collect(["lp-5", "lp-0"])
     for rid, k in (("lp-5", 5), ("lp-0", 0)):
         for out in got[rid]:
@@ -318,15 +300,16 @@ def test_logprobs_shapes_and_dtypes(ref: FrontEnd) -> None:
                 assert np.all(np.diff(lp.logprobs[0, 1:]) <= 0)
                 assert len(set(lp.logprob_token_ids[0, 1:].tolist())) == k
     # Without logprobs, none are sent.
-    ref.add(greedy("lp-none", [7, 8, 9], 1))
+    ref.add(request("lp-none", 1, prompt=[7, 8, 9]))
     assert ref.collect(["lp-none"])["lp-none"][0].new_logprobs is None
 
 
 def test_pooling_request_gets_one_embedding(ref: FrontEnd) -> None:
-    ref.send(
-        ADD, EngineCoreRequest(request_id="emb", prompt_token_ids=[1, 2, 3, 4, 5],
-                               pooling_params=PoolingParams())
-    )  # fmt: skip
+    ref.add(
+        EngineCoreRequest(
+            request_id="emb", prompt_token_ids=[1, 2, 3, 4, 5], pooling_params=PoolingParams()
+        )
+    )
     frames = ref.recv_raw()
     # 128 float32 = 512 bytes: above the inline threshold, so it travels as aux frame 1.
     assert len(frames) == 2 and len(frames[1].bytes) == 512
@@ -351,7 +334,7 @@ def test_pooling_request_gets_one_embedding(ref: FrontEnd) -> None:
 
 
 def test_abort_stops_a_running_request(ref: FrontEnd) -> None:
-    ref.add(greedy("long", [1], 2000))
+    ref.add(request("long", 2000, prompt=[1]))
     first = ref.recv()
     assert isinstance(first, EngineCoreOutputs) and first.outputs[0].request_id == "long"
     ref.abort(["long", "never-existed"])
@@ -366,7 +349,7 @@ def test_abort_stops_a_running_request(ref: FrontEnd) -> None:
             received += 1
     assert received < 2000
     # The engine holds nothing any more: a new request runs alone.
-    ref.add(greedy("after-abort", [1], 2))
+    ref.add(request("after-abort", 2, prompt=[1]))
     msg = ref.recv()
     assert [o.request_id for o in msg.outputs] == ["after-abort"]
     assert msg.scheduler_stats["num_running_reqs"] == 1
@@ -377,47 +360,52 @@ def test_abort_stops_a_running_request(ref: FrontEnd) -> None:
 def test_bad_requests_finish_with_error_and_engine_lives(ref: FrontEnd) -> None:
     ref.add(EngineCoreRequest(request_id="oov", prompt_token_ids=[1, 99999]))
     ref.add(EngineCoreRequest(request_id="no-prompt"))
-    ref.add(sampled("bad-topp", [1], 4, top_p=0.0))
+    ref.add(request("bad-topp", 4, prompt=[1], sampling={"temperature": 1.0, "top_p": 0.0}))
     got = ref.collect(["oov", "no-prompt", "bad-topp"])
     for rid in ("oov", "no-prompt", "bad-topp"):
         (out,) = got[rid]
         assert out.finish_reason == FinishReason.ERROR and out.new_token_ids == []
-    assert ref.generate(greedy("fine", [1], 2)) == ref.generate(greedy("fine2", [1], 2))
+    assert ref.generate(request("fine", 2, prompt=[1])) == ref.generate(
+        request("fine2", 2, prompt=[1])
+    )
 
 
 def test_malformed_frames_never_kill_the_engine(ref: FrontEnd) -> None:
     encode = msgspec.msgpack.encode
-    ref.send_frames([ADD, b"\xc1"])  # 0xc1 is never valid msgpack
-    ref.send_frames([ABORT, b"\x92"])  # truncated array
-    ref.send_frames([ABORT, encode([1, 2])])  # ids must be strings
+    ref.send_frames([EngineCoreRequestType.ADD.value, b"\xc1"])  # 0xc1 is never valid msgpack
+    ref.send_frames([EngineCoreRequestType.ABORT.value, b"\x92"])  # truncated array
+    ref.send_frames([EngineCoreRequestType.ABORT.value, encode([1, 2])])  # ids must be strings
     ref.send_frames([b"\x09", b"x"])  # unknown request type
-    ref.send_frames([ADD])  # no payload frame
-    ref.send_frames([START_DP_WAVE, encode([1, 0])])  # ignored without DP
-    ref.send_frames([START_DP_WAVE, encode(["x"])])
-    ref.send_frames([UTILITY, b"\xff\xff"])  # not msgpack: no call id to answer
-    ref.send_frames([UTILITY, encode([0, 7, "echo", [1]]) + b"\x00"])  # trailing bytes
+    ref.send_frames([EngineCoreRequestType.ADD.value])  # no payload frame
+    # START_DP_WAVE is ignored without DP.
+    ref.send_frames([EngineCoreRequestType.START_DP_WAVE.value, encode([1, 0])])
+    ref.send_frames([EngineCoreRequestType.START_DP_WAVE.value, encode(["x"])])
+    # Not msgpack: no call id to answer.
+    ref.send_frames([EngineCoreRequestType.UTILITY.value, b"\xff\xff"])
+    # Trailing bytes.
+    ref.send_frames([EngineCoreRequestType.UTILITY.value, encode([0, 7, "echo", [1]]) + b"\x00"])
     # A frame that does not decode still names its caller: it gets a failure reply.
     assert ref.wait_utility(7).failure_message.startswith("Call to echo method failed: ")
     # A readable call id gets a failure reply instead of silence.
-    ref.send_frames([UTILITY, encode([0, 99, "echo"])])
+    ref.send_frames([EngineCoreRequestType.UTILITY.value, encode([0, 99, "echo"])])
     reply = ref.wait_utility(99)
     assert reply.failure_message == (
         "Call to echo method failed: malformed utility request: "
         "expected [client_index, call_id, method, args]"
     )
-    ref.send_frames([UTILITY, encode([0, 100, 5, []])])
+    ref.send_frames([EngineCoreRequestType.UTILITY.value, encode([0, 100, 5, []])])
     assert ref.wait_utility(100).failure_message.startswith("Call to <unknown> method failed")
     # A broken ADD whose request id is readable finishes that request with ERROR: here
     # a prompt_embeds tensor pointing at an aux frame that does not exist.
     bad = encode(["bad-add", [1], None, None, None, 0.0, None, None, None, ["float32", [4], 5]])
-    ref.send_frames([ADD, bad])
-    ref.send_frames([ADD, encode(["bad-add-2", "not a token list"])])
+    ref.send_frames([EngineCoreRequestType.ADD.value, bad])
+    ref.send_frames([EngineCoreRequestType.ADD.value, encode(["bad-add-2", "not a token list"])])
     got = ref.collect(["bad-add", "bad-add-2"])
     assert [o.finish_reason for o in got["bad-add"]] == [FinishReason.ERROR]
     assert [o.finish_reason for o in got["bad-add-2"]] == [FinishReason.ERROR]
     # Still serving, nothing stray was sent, and the process is the same one.
     assert ref.value("echo", "ok") == "ok"
-    assert len(ref.generate(greedy("after-garbage", [3], 3))) == 3
+    assert len(ref.generate(request("after-garbage", 3, prompt=[3]))) == 3
     assert not ref.backlog
     assert ref.procs[0].is_alive()
 
@@ -431,11 +419,11 @@ def test_reference_utilities(ref: FrontEnd, tmp_path: Path) -> None:
     assert fail == "Call to collective_rpc method failed: worker has no method 'nope'"
     assert ref.value("reset_prefix_cache") is True
 
-    baseline = ref.generate(greedy("util-base", [4, 5], 4))
+    baseline = ref.generate(request("util-base", 4, prompt=[4, 5]))
     # Paused: requests queue and make no progress until resumed.
     assert ref.value("pause_scheduler") is None
     assert ref.value("is_scheduler_paused") is True
-    ref.add(greedy("util-paused", [4, 5], 4))
+    ref.add(request("util-paused", 4, prompt=[4, 5]))
     assert ref.nothing_for(0.3)
     ref.value("resume_scheduler")
     assert ref.value("is_scheduler_paused") is False
@@ -444,8 +432,8 @@ def test_reference_utilities(ref: FrontEnd, tmp_path: Path) -> None:
     )
     # pause_scheduler("wait") answers only once the request in flight finished: its
     # reply waits on a future the engine resolves from its own loop.
-    ref.add(greedy("util-drain", [4, 5], 30))
-    ref.send(UTILITY, [0, 777, "pause_scheduler", ["wait"]])
+    ref.add(request("util-drain", 30, prompt=[4, 5]))
+    ref.send(EngineCoreRequestType.UTILITY.value, [0, 777, "pause_scheduler", ["wait"]])
     finished_before_reply = False
     while True:
         msg = ref._recv_socket(30, 0)
@@ -461,7 +449,7 @@ def test_reference_utilities(ref: FrontEnd, tmp_path: Path) -> None:
     # rebuilt weights give the same tokens.
     ref.value("sleep", 2)
     assert ref.value("is_sleeping") is True
-    ref.add(greedy("util-asleep", [4, 5], 4))
+    ref.add(request("util-asleep", 4, prompt=[4, 5]))
     assert ref.nothing_for(0.3)
     ref.value("wake_up", ["kv_cache"])
     assert ref.value("is_sleeping") is True
@@ -472,7 +460,7 @@ def test_reference_utilities(ref: FrontEnd, tmp_path: Path) -> None:
     )
     # A real torch profiler trace, named by vLLM's profile_prefix (never a path).
     assert ref.value("profile", True, "util-trace") is None
-    ref.generate(greedy("util-profiled", [4, 5], 4))
+    ref.generate(request("util-profiled", 4, prompt=[4, 5]))
     trace = Path(ref.value("profile", False))
     assert trace.name.startswith("util-trace-") and trace.suffix == ".json"
     events = json.loads(trace.read_text())["traceEvents"]
@@ -550,15 +538,15 @@ def test_sigterm_stops_cleanly_and_outputs_follow_client_index(tmp_path: Path) -
     try:
         proc = fe.start_engine(None, LIGHT_REFERENCE)
         fe.wait_ready()
-        r0 = greedy("c0", [1], 2)
-        r1 = greedy("c1", [1], 3)
+        r0 = request("c0", 2, prompt=[1])
+        r1 = request("c1", 3, prompt=[1])
         r1.client_index = 1
         fe.add(r0)
         fe.add(r1)
         assert [len(o) for o in fe.collect(["c0"], client=0).values()] == [2]
         assert [len(o) for o in fe.collect(["c1"], client=1).values()] == [3]
         # A refused request's ERROR goes to the client that sent it too.
-        bad = greedy("c1-bad", [1, 99999], 2)
+        bad = request("c1-bad", 2, prompt=[1, 99999])
         bad.client_index = 1
         fe.add(bad)
         assert [o.finish_reason for o in fe.collect(["c1-bad"], client=1)["c1-bad"]] == [
@@ -567,7 +555,7 @@ def test_sigterm_stops_cleanly_and_outputs_follow_client_index(tmp_path: Path) -
         # Prompts over max_model_len: refused from the frame's header when the client
         # index is within reach, else after a full decode; either way to client 1.
         for rid, length in (("c1-long", 3000), ("c1-very-long", 60_000)):
-            long = greedy(rid, [1] * length, 2)
+            long = request(rid, 2, prompt=[1] * length)
             long.client_index = 1
             fe.add(long)
             (out,) = fe.collect([rid], client=1)[rid]
@@ -575,12 +563,12 @@ def test_sigterm_stops_cleanly_and_outputs_follow_client_index(tmp_path: Path) -
             assert out.stop_reason == f"prompt of {length} tokens exceeds max_model_len 2048"
         assert fe.nothing_for(0.1, client=0)
         # A utility reply goes to the client that asked.
-        fe.send(UTILITY, [1, 42, "echo", ["to client 1"]])
+        fe.send(EngineCoreRequestType.UTILITY.value, [1, 42, "echo", ["to client 1"]])
         msg = fe.recv(client=1)
         assert msg.utility_output.call_id == 42
         assert fe.nothing_for(0.1, client=0)
         # SIGTERM while busy: a clean stop, status 0, and no ENGINE_CORE_DEAD.
-        fe.add(greedy("busy", [1], 2000))
+        fe.add(request("busy", 2000, prompt=[1]))
         fe.recv()
         proc.terminate()
         proc.join(10)
@@ -654,9 +642,10 @@ def test_cli_external_engine_mode(tmp_path: Path) -> None:
     child = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     try:
         identity, ready = fe.wait_ready()
+        # The identity spelled out on purpose: index 1, two bytes little-endian (protocol §2).
         assert identity == b"\x01\x00" and ready["pid"] == child.pid
         assert fe.value("echo", "external") == "external"
-        assert len(fe.generate(greedy("cli-1", [1, 2], 5))) == 5
+        assert len(fe.generate(request("cli-1", 5, prompt=[1, 2]))) == 5
         child.send_signal(signal.SIGINT)
         _, stderr = child.communicate(timeout=20)
         assert child.returncode == 0, stderr.decode()

@@ -21,6 +21,7 @@ import numpy as np
 import pytest
 import torch
 
+from client_support import DEFAULT_SAMPLING, request
 from corewire.engine import Engine, EngineCoreProc, ReferenceEngine
 from corewire.engine.launch import load_engine
 from corewire.protocol import (
@@ -30,7 +31,6 @@ from corewire.protocol import (
     EngineCoreRequest,
     FinishReason,
     PoolingParams,
-    SamplingParams,
 )
 
 PROMPT = [17, 4, 1999, 256]
@@ -45,11 +45,10 @@ def engine() -> Iterator[ReferenceEngine]:
 
 
 def req(rid: str, prompt: list[int] | None = None, **sp: Any) -> EngineCoreRequest:
-    """A generation request; ``sp`` are SamplingParams fields."""
-    return EngineCoreRequest(
-        request_id=rid,
-        prompt_token_ids=PROMPT if prompt is None else prompt,
-        sampling_params=SamplingParams(**sp),
+    """``client_support.request`` on ``PROMPT`` with vLLM's default sampling, so that each
+    test names only what it checks; ``sp`` are SamplingParams fields."""
+    return request(
+        rid, prompt=PROMPT if prompt is None else prompt, sampling={**DEFAULT_SAMPLING, **sp}
     )
 
 
@@ -284,9 +283,9 @@ def test_validation_rejects_requests_that_cannot_run(engine: ReferenceEngine) ->
             "dimensions",
         ),
     ]
-    for request, match in bad:
+    for bad_request, match in bad:
         with pytest.raises(ValueError, match=match):
-            engine.add_request(request)
+            engine.add_request(bad_request)
     assert not engine.has_unfinished_requests()
     engine.add_request(req("dup", max_tokens=1))
     with pytest.raises(ValueError, match="already running"):

@@ -5,18 +5,13 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from client_support import DEFAULT_SAMPLING, request
 from corewire.engine.synthetic import SyntheticEngine
-from corewire.protocol import EngineCoreRequest, FinishReason, SamplingParams
+from corewire.protocol import FinishReason
 
 
 def _add(engine: SyntheticEngine, request_id: str, prompt: list[int], **params: object) -> None:
-    engine.add_request(
-        EngineCoreRequest(
-            request_id=request_id,
-            prompt_token_ids=prompt,
-            sampling_params=SamplingParams(**params),  # type: ignore[arg-type]
-        )
-    )
+    engine.add_request(request(request_id, prompt=prompt, sampling={**DEFAULT_SAMPLING, **params}))
 
 
 def _drain(engine: SyntheticEngine) -> dict[str, list]:

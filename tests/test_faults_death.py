@@ -1,4 +1,7 @@
-"""Engine death and hangs, injected with real signals on real engine processes."""
+"""Engine death and hangs, injected with real signals on real engine processes.
+
+Checks ``docs/protocol.md`` §7 (ENGINE_CORE_DEAD and stopping) from the client's side.
+"""
 
 from __future__ import annotations
 

@@ -1,4 +1,8 @@
-"""Malformed frames from an engine: the frame fails alone, the client lives on."""
+"""Malformed frames from an engine: the frame fails alone, the client lives on.
+
+Checks ``docs/protocol.md`` §9.2 (corewire's clients: the frame fails alone, and a
+readable call id or request id gets its error) and §5.6 (utility replies).
+"""
 
 from __future__ import annotations
 

@@ -4,6 +4,9 @@ The index of a field of a positional (``array_like``) struct is part of the wire
 so the field lists below are copied from ``docs/protocol.md`` (§4.2, §4.3.1, §5) and compared with
 the structs. Requests are also decoded from hand-built arrays (short, long, with unknown
 sampling keys) the way an engine receives them.
+
+Checks ``docs/protocol.md`` §1 (short and long positional arrays), §4.1 (request type
+bytes), §4.2-§4.4, §5.2-§5.6 (field order and defaults) and §7 (``ENGINE_CORE_DEAD``).
 """
 
 from __future__ import annotations

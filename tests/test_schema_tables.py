@@ -6,6 +6,9 @@ and each protocol version's wire order as a layout, exposed read-only as
 ``corewire.layouts`` (0.33.0) declare the same structs for Python. These tests fail as soon
 as the two disagree on a name or a position in either version, and check that the decoded
 objects' attributes, ``__struct_fields__`` and repr come from those tables.
+
+Checks ``docs/protocol.md`` §5.2-§5.4 and §5.6-§5.7 (the decoded structs' field positions,
+in both languages) and §11 (the layouts of both versions).
 """
 
 from __future__ import annotations

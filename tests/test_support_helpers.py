@@ -11,7 +11,8 @@ import threading
 import psutil
 import pytest
 
-from client_support import request
+from client_support import DEFAULT_SAMPLING, request
+from corewire.protocol import SamplingParams
 from leak_support import no_leaks, pid_gone, wait_pid_gone
 
 
@@ -80,10 +81,11 @@ def test_wait_pid_gone_waits_for_a_real_exit() -> None:
         proc.kill()
         assert wait_pid_gone(proc.pid, 5)  # a zombie not reaped yet counts as gone
         assert psutil.Process(proc.pid).status() == psutil.STATUS_ZOMBIE
+        assert not pid_gone(proc.pid, reaped=True)
     finally:
         proc.kill()
         proc.wait(5)
-    assert pid_gone(proc.pid)
+    assert pid_gone(proc.pid) and pid_gone(proc.pid, reaped=True)
 
 
 def test_request_runs_max_tokens_greedily_for_a_rank() -> None:
@@ -95,3 +97,15 @@ def test_request_runs_max_tokens_greedily_for_a_rank() -> None:
     assert req.prompt_token_ids
     assert request("s").data_parallel_rank is None
     assert request("s", cache_salt="salt").cache_salt == "salt"
+
+
+def test_request_takes_a_prompt_and_sampling_over_its_defaults() -> None:
+    req = request("p", 5, prompt=[7, 8], sampling={"temperature": 1.0, "seed": 3})
+    assert req.prompt_token_ids == [7, 8]
+    params = req.sampling_params
+    assert params is not None
+    assert (params.max_tokens, params.ignore_eos) == (5, True)
+    assert (params.temperature, params.seed) == (1.0, 3)
+    # DEFAULT_SAMPLING gives back SamplingParams' own defaults, whatever max_tokens says.
+    plain = request("d", 5, sampling={**DEFAULT_SAMPLING, "top_k": 2}).sampling_params
+    assert plain == SamplingParams(top_k=2)

@@ -2,6 +2,9 @@
 
 The engine here is a thread with real ZeroMQ sockets that speaks the protocol by hand, so
 that it can send exactly the broken frames a test needs.
+
+Checks ``docs/protocol.md`` §9.2 (a bad frame fails alone: the requests it names end,
+the stream goes on) and §5.1 (output frames), against vLLM's own output processing.
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ class _HandEngine:
     def __init__(self, input_address: str, output_address: str) -> None:
         self.ctx = zmq.Context()
         self.requests = self.ctx.socket(zmq.DEALER)
+        # Engine 0's identity, written by hand like every frame here (docs/protocol.md §2).
         self.requests.setsockopt(zmq.IDENTITY, (0).to_bytes(2, "little"))
         self.requests.connect(input_address)
         self.outputs = self.ctx.socket(zmq.PUSH)

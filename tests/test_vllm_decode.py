@@ -8,6 +8,9 @@ by vLLM's ``MsgpackDecoder`` and by corewire's decoder; every field of every out
 be equal (arrays by dtype, shape and bytes), and so must what vLLM's logprobs processing
 makes of the arrays. Messages are decoded one after another with the previous one
 dropped, so corewire's recycled logprobs tuples are exercised too.
+
+Checks ``docs/protocol.md`` §5.2-§5.3 (outputs), §5.7 (``LogprobsLists`` and
+``LogprobsTensors``) and §6.1-§6.2 (arrays inline and as aux frames).
 """
 
 from __future__ import annotations

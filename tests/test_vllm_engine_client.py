@@ -4,6 +4,11 @@ The front-end side is vLLM's real class (built with ``client_addresses``, as vLL
 server builds it for engines it does not launch) on real sockets; the engine is the
 ``corewire engine`` command running the reference engine. Expected tokens and logprobs
 come from the same reference engine run in this process.
+
+Checks ``docs/protocol.md`` §2 (sockets, identities), §3.1 (the ready response), §4.2-§4.6
+(ADD, sampling and pooling parameters, ABORT, UTILITY), §5 (outputs, finish reasons,
+stats, utility replies, logprobs), §7 (ENGINE_CORE_DEAD) and §9.3 (errors an engine
+reports), each against vLLM's own client.
 """
 
 from __future__ import annotations
@@ -12,7 +17,6 @@ import asyncio
 import dataclasses
 import os
 import tempfile
-import time
 from collections.abc import Awaitable, Iterator
 from pathlib import Path
 from typing import Any, TypeVar
@@ -22,30 +26,30 @@ import pytest
 import torch
 
 import corewire.protocol as corewire_protocol
+from client_support import request as corewire_request
 from corewire.engine.reference import ReferenceEngine
 from vllm_support import (
     ENGINE_ARGS,
     EngineProcs,
-    frontend_platform,
     offline_environment,
     reference_run,
     vllm_config,
+    vllm_request,
     write_model_dir,
 )
 
 offline_environment()
 pytest.importorskip("vllm")
 
-from vllm import PoolingParams, SamplingParams  # noqa: E402
+from vllm import PoolingParams  # noqa: E402
 from vllm.lora.request import LoRARequest  # noqa: E402
 from vllm.v1.engine import EngineCoreRequest, FinishReason  # noqa: E402
 from vllm.v1.engine.core_client import AsyncMPClient  # noqa: E402
 from vllm.v1.executor.abstract import Executor  # noqa: E402
 
-from leak_support import no_leaks  # noqa: E402
-
 T = TypeVar("T")
-_SHARED_PIDS: set[int] = set()
+# The module's shared engine: it outlives single tests (conftest's leak check).
+LEAK_ALLOWED_PIDS: set[int] = set()
 _CALL_TIMEOUT_S = 30.0
 
 
@@ -62,14 +66,6 @@ class Stack:
     def run(self, coro: Awaitable[T]) -> T:
         """Run a coroutine on the client's loop, with a deadline."""
         return self.loop.run_until_complete(asyncio.wait_for(coro, _CALL_TIMEOUT_S))
-
-
-@pytest.fixture(autouse=True)
-def no_leaked_processes_or_threads() -> Iterator[None]:
-    """The suite's leak check, except the module's shared engine (its clean exit is
-    checked when the module ends)."""
-    with no_leaks(fds=False, allowed=_SHARED_PIDS):
-        yield
 
 
 @pytest.fixture(scope="module")
@@ -90,11 +86,10 @@ def stack() -> Iterator[Stack]:
             "0",
             engine_args={**ENGINE_ARGS, "profile_dir": str(profile_dir)},
         )
-        _SHARED_PIDS.add(proc.pid)
+        LEAK_ALLOWED_PIDS.add(proc.pid)
         loop = asyncio.new_event_loop()
         client = None
         try:
-            frontend_platform()
             config = vllm_config(write_model_dir(root / "model"))
 
             async def make() -> Any:
@@ -112,23 +107,8 @@ def stack() -> Iterator[Stack]:
                 client.resources.ctx.destroy(linger=0)
             loop.close()
             codes = engines.stop()
-            _SHARED_PIDS.clear()
+            LEAK_ALLOWED_PIDS.clear()
         assert codes == [0], engines.logs()
-
-
-def vllm_request(rid: str, prompt: list[int], **sp: Any) -> EngineCoreRequest:
-    """A request as vLLM's input processor hands it to the engine-core client."""
-    return EngineCoreRequest(
-        request_id=rid,
-        prompt_token_ids=prompt,
-        mm_features=None,
-        sampling_params=SamplingParams(**sp),
-        pooling_params=None,
-        arrival_time=time.time(),
-        lora_request=None,
-        cache_salt=None,
-        data_parallel_rank=None,
-    )
 
 
 async def collect(client: Any, rids: set[str]) -> dict[str, list[Any]]:
@@ -167,6 +147,7 @@ def test_ready_response_is_applied_to_vllms_config(stack: Stack) -> None:
     cache = stack.config.cache_config
     assert cache.num_gpu_blocks == 0 and cache.block_size == 16
     assert cache.kv_cache_size_tokens is None and cache.kv_cache_max_concurrency is None
+    # vLLM's own identity for engine 0, spelled out (docs/protocol.md §2).
     assert stack.client.core_engines == [b"\x00\x00"]
     # What vLLM's front-end calls right after start-up.
     stack.run(stack.client.reset_mm_cache_async())
@@ -235,15 +216,7 @@ def test_prompt_logprobs_arrive_as_vllms_tensors(stack: Stack) -> None:
     assert isinstance(lp.logprobs, torch.Tensor) and lp.logprobs.shape == (3, 4)
     assert lp.logprob_token_ids[:, 0].tolist() == prompt[1:]
     engine = ReferenceEngine(**{**ENGINE_ARGS, "step_delay": 0.0})
-    engine.add_request(
-        corewire_protocol.EngineCoreRequest(
-            request_id="pl",
-            prompt_token_ids=prompt,
-            sampling_params=corewire_protocol.SamplingParams(
-                temperature=0.0, max_tokens=2, prompt_logprobs=3
-            ),
-        )
-    )
+    engine.add_request(corewire_request("pl", 2, prompt=prompt, sampling={"prompt_logprobs": 3}))
     want = engine.step()[0].new_prompt_logprobs_tensors
     torch.testing.assert_close(lp.logprobs, want.logprobs)
     torch.testing.assert_close(lp.logprob_token_ids, want.logprob_token_ids)

@@ -5,6 +5,10 @@ The front-end is vLLM's real engine-core client built the way ``vllm serve
 ``--data-parallel-rpc-port``, and (DP > 1) vLLM's own DP coordinator process. The
 engines are ``corewire engine`` processes started from the command line, before the
 front-end (start order must not matter).
+
+Checks ``docs/protocol.md`` §2 (identities, several front-ends), §3.2 (HELLO, metadata,
+READY), §3.3 (the coordinator subscription), §4.7 and §8.1 (vLLM's coordinator and its
+waves) and §7 (a stopped engine aborts its requests and sends ENGINE_CORE_DEAD).
 """
 
 from __future__ import annotations
@@ -22,22 +26,22 @@ import msgspec
 import pytest
 import zmq
 
+from corewire.dp_messages import XPUB_SUBSCRIBE
 from dp_support import free_tcp_port
 from vllm_support import (
     ENGINE_ARGS,
     EngineProcs,
-    frontend_platform,
     offline_environment,
     reference_run,
     vllm_config,
+    vllm_request,
     write_model_dir,
 )
 
 offline_environment()
 pytest.importorskip("vllm")
 
-from vllm import SamplingParams  # noqa: E402
-from vllm.v1.engine import EngineCoreRequest, FinishReason  # noqa: E402
+from vllm.v1.engine import EngineCoreRequest, EngineCoreRequestType, FinishReason  # noqa: E402
 from vllm.v1.engine.core_client import (  # noqa: E402
     AsyncMPClient,
     DPLBAsyncMPClient,
@@ -56,18 +60,8 @@ def root() -> Iterator[Path]:
 
 
 def request(rid: str, prompt: list[int], max_tokens: int = 6) -> EngineCoreRequest:
-    """A greedy request as vLLM's input processor hands it to the client."""
-    return EngineCoreRequest(
-        request_id=rid,
-        prompt_token_ids=prompt,
-        mm_features=None,
-        sampling_params=SamplingParams(temperature=0.0, max_tokens=max_tokens),
-        pooling_params=None,
-        arrival_time=time.time(),
-        lora_request=None,
-        cache_salt=None,
-        data_parallel_rank=None,
-    )
+    """A greedy vLLM request (see ``vllm_support.vllm_request``)."""
+    return vllm_request(rid, prompt, temperature=0.0, max_tokens=max_tokens)
 
 
 async def generate(client: Any, requests: list[EngineCoreRequest]) -> dict[str, Any]:
@@ -130,7 +124,6 @@ def test_one_engine_joins_a_frontend_only_vllm_client(root: Path) -> None:
     port = free_tcp_port()
     engines = EngineProcs(root)
     engines.start(*join_args(port, 0))
-    frontend_platform()
     config = vllm_config(
         write_model_dir(root / "model"),
         data_parallel_size=1,
@@ -163,7 +156,6 @@ def test_two_engines_join_behind_vllms_dp_coordinator(root: Path) -> None:
     engines = EngineProcs(root)
     for index in (0, 1):
         engines.start(*join_args(port, index, "--data-parallel-size", "2"))
-    frontend_platform()
     config = vllm_config(
         write_model_dir(root / "model"),
         data_parallel_size=2,
@@ -179,7 +171,7 @@ def test_two_engines_join_behind_vllms_dp_coordinator(root: Path) -> None:
         stats = ctx.socket(zmq.XSUB)
         try:
             stats.connect(client.stats_update_address)
-            stats.send(b"\x01")
+            stats.send(XPUB_SUBSCRIBE)
             await asyncio.sleep(0.2)
             prompts = {f"r{i}": [3 + i, 4] for i in range(10)}
             got = await generate(client, [request(r, p, 40) for r, p in prompts.items()])
@@ -222,6 +214,7 @@ def test_handshake_refuses_a_coordinated_moe_group(root: Path) -> None:
         proc = engines.start(*join_args(port, 0))
         assert router.poll(30_000), engines.logs()
         identity, hello = router.recv_multipart()
+        # Engine 0's identity spelled out, as vLLM's ROUTER sees it (docs/protocol.md §2).
         assert identity == b"\x00\x00"
         assert msgspec.msgpack.decode(hello) == {
             "status": "HELLO",
@@ -260,7 +253,6 @@ def test_one_engine_serves_two_api_servers(root: Path) -> None:
     port = free_tcp_port()
     engines = EngineProcs(root)
     engines.start(*join_args(port, 0))
-    frontend_platform()
     model_dir = write_model_dir(root / "model")
     parallel = {
         "data_parallel_size": 1,
@@ -425,6 +417,9 @@ def test_dp_rank_speaks_vllms_coordinator_protocol(root: Path) -> None:
         proc = engines.start(*join_args(port, 1, "--data-parallel-size", "2"))
         assert hs.poll(30_000), engines.logs()
         identity, _hello = hs.recv_multipart()
+        # Raw wire bytes on purpose, here and below where this test plays vLLM's side:
+        # spelled as vLLM spells them, not with corewire's constants (docs/protocol.md
+        # §2, §3.3, §4.1): engine rank 1 as two little-endian bytes.
         assert identity == b"\x01\x00"
         metadata = EngineHandshakeMetadata(
             addresses=EngineZmqAddresses(
@@ -442,7 +437,8 @@ def test_dp_rank_speaks_vllms_coordinator_protocol(root: Path) -> None:
         identity, payload = inp.recv_multipart()
         ready = msgspec.msgpack.decode(payload, type=EngineCoreReadyResponse)
         assert ready.dp_stats_address == f"ipc://{root}/stats" and ready.data_parallel_size == 2
-        # It subscribes to the coordinator, and is not READY until the coordinator is.
+        # It subscribes to the coordinator (ZeroMQ's subscribe-all byte), and is not
+        # READY until the coordinator says b"READY", as vLLM's coordinator does.
         assert cin.poll(10_000) and cin.recv() == b"\x01"
         assert not hs.poll(500)
         cin.send(b"READY")
@@ -459,7 +455,11 @@ def test_dp_rank_speaks_vllms_coordinator_protocol(root: Path) -> None:
         def dp_state() -> dict[str, Any]:
             call_id = next(call_ids)
             inp.send_multipart(
-                [identity, b"\x03", msgspec.msgpack.encode([0, call_id, "dp_state", []])]
+                [
+                    identity,
+                    EngineCoreRequestType.UTILITY.value,
+                    msgspec.msgpack.encode([0, call_id, "dp_state", []]),
+                ]
             )
             while True:
                 assert out.poll(10_000)
@@ -484,7 +484,7 @@ def test_dp_rank_speaks_vllms_coordinator_protocol(root: Path) -> None:
         # A request: counts go to the coordinator as vLLM's SchedulerStats, and the
         # finished request's id comes back in finished_requests.
         encoded = MsgpackEncoder().encode(request("dp", [4, 5], max_tokens=3))
-        inp.send_multipart([identity, b"\x00", *encoded])
+        inp.send_multipart([identity, EngineCoreRequestType.ADD.value, *encoded])
         finished: set[str] = set()
         deadline = time.monotonic() + 10
         while "dp" not in finished and time.monotonic() < deadline:

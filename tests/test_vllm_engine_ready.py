@@ -3,6 +3,8 @@
 Each engine sends it once on each request link; vLLM's front-end decodes it strictly
 with its own type. These tests build the map the way the engine process does and decode
 it with vLLM's class (no re-typed copy of it here).
+
+Checks ``docs/protocol.md`` §3.1 (the ready response).
 """
 
 from __future__ import annotations

@@ -5,6 +5,9 @@ Frames come from vLLM's real ``MsgpackEncoder``; each is decoded twice, by vLLM'
 results go through vLLM's real ``OutputProcessor`` (and its stats objects). Every
 ``RequestOutput``, every finished-request stat and every scheduler stat must come out the
 same.
+
+Checks ``docs/protocol.md`` §5.2-§5.5 (outputs, finish and stop reasons, events, stats)
+and §5.7 (logprobs) by their meaning to vLLM's output processing.
 """
 
 from __future__ import annotations

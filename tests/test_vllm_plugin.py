@@ -2,6 +2,9 @@
 
 vLLM's own plugin loader runs in a fresh interpreter for each case (the plugin patches a
 vLLM class for the whole process).
+
+No wire rule of ``docs/protocol.md`` is checked here (the plugin's wire is that of
+corewire's clients: ``test_vllm_wire.py``, ``test_vllm_outputs.py``).
 """
 
 from __future__ import annotations

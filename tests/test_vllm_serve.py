@@ -5,6 +5,10 @@ writes, and ``corewire engine`` reference engines that joined it through vLLM's 
 handshake. The module's shared server runs once with vLLM's own engine-core client and
 once with corewire's (``COREWIRE_VLLM_CLIENT=1``); the greedy outputs of the two must be
 identical. The engine-kill and DP = 2 tests start stacks of their own.
+
+Checks ``docs/protocol.md`` end to end: §3.2 (engines join ``vllm serve``), §2 (several
+API servers, client index), §4.5 (a client disconnect aborts in the engine), §7 (a killed
+engine) and §8.1 (DP = 2 behind vLLM's coordinator).
 """
 
 from __future__ import annotations
@@ -26,7 +30,6 @@ import pytest
 
 from corewire.vllm.model_dir import write_model_dir
 from corewire.vllm.stack import ServeStack, StackError, free_port
-from leak_support import no_leaks
 from serve_support import (
     MAX_MODEL_LEN,
     MODEL,
@@ -64,6 +67,8 @@ _GREEDY: dict[str, list[dict[str, Any]]] = {}
 
 
 def _shared_tree() -> set[int]:
+    """The shared stack's processes and their children (conftest's leak check allows
+    them)."""
     pids = set()
     for pid in _SHARED_PIDS:
         try:
@@ -75,11 +80,7 @@ def _shared_tree() -> set[int]:
     return pids
 
 
-@pytest.fixture(autouse=True)
-def no_leaked_processes_or_threads() -> Iterator[None]:
-    """Like the suite-wide leak check, but the module's shared stack may outlive a test."""
-    with no_leaks(fds=False, allowed=_shared_tree):
-        yield
+LEAK_ALLOWED_PIDS = _shared_tree
 
 
 @pytest.fixture(scope="module", params=CLIENTS)
@@ -231,8 +232,8 @@ def test_greedy_tokens_and_logprobs_are_the_engines(stack: ServeStack, http: htt
     """What the HTTP answer carries is what the engine sampled: the same greedy tokens and
     sampled-token logprobs as the reference engine stepped in this process, and the text is
     those tokens decoded by the model directory's tokenizer (joined by spaces)."""
+    from client_support import request
     from corewire.engine import ReferenceEngine
-    from corewire.protocol import EngineCoreRequest, SamplingParams
 
     prompt = [10, 20, 30, 4000, 4095]
     body = {"prompt": prompt, "max_tokens": 12, "temperature": 0.0, "ignore_eos": True}
@@ -240,15 +241,7 @@ def test_greedy_tokens_and_logprobs_are_the_engines(stack: ServeStack, http: htt
 
     engine = ReferenceEngine(device="cpu", max_model_len=MAX_MODEL_LEN)
     try:
-        engine.add_request(
-            EngineCoreRequest(
-                request_id="r",
-                prompt_token_ids=prompt,
-                sampling_params=SamplingParams(
-                    max_tokens=12, temperature=0.0, ignore_eos=True, logprobs=0
-                ),
-            )
-        )
+        engine.add_request(request("r", 12, prompt=prompt, sampling={"logprobs": 0}))
         token_ids: list[int] = []
         logprobs: list[float] = []
         while engine.has_unfinished_requests():

@@ -12,6 +12,9 @@ dataclasses but corewire maps; a LoRA request or structured-output parameters ar
 lists and maps), the corewire value carries the dataclass's fields in field order: the
 bytes still match, and decoded values are compared by meaning (a dataclass equals the map
 of its fields). Skipped where vLLM is not installed.
+
+Checks ``docs/protocol.md`` §4.2-§4.7 (every request payload), §5.2-§5.7 (every output
+payload) and §6 (arrays and tensors) byte for byte.
 """
 
 from __future__ import annotations

@@ -10,6 +10,8 @@ front-end classes (imported only by modules that skip without vllm).
   clean stop (SIGTERM, then SIGKILL).
 - :func:`reference_run`: the same requests through an in-process ``ReferenceEngine``,
   the expected tokens and logprobs of a run behind vLLM.
+- :func:`vllm_request`: a request of vLLM's own type, as its input processor hands it
+  to the engine-core client (corewire's type comes from ``client_support.request``).
 """
 
 from __future__ import annotations
@@ -26,8 +28,8 @@ from typing import Any
 
 import numpy as np
 
+from client_support import DEFAULT_SAMPLING, request
 from corewire.engine.reference import ReferenceEngine
-from corewire.protocol import EngineCoreRequest, SamplingParams
 
 #: Engine arguments shared by the vLLM interop tests: a light CPU engine whose steps
 #: take a few milliseconds (so that an abort lands mid-request).
@@ -50,7 +52,8 @@ def offline_environment() -> None:
 
 def frontend_platform() -> None:
     """Make vLLM's platform resolve in this process (its CPU platform where none
-    would: the engines are corewire's, the front-end needs no device)."""
+    would: the engines are corewire's, the front-end needs no device).
+    :func:`vllm_config` does this first."""
     import vllm.platforms as platforms
 
     if platforms.current_platform.is_unspecified():
@@ -167,11 +170,7 @@ def reference_run(
     args["step_delay"] = 0.0
     engine = ReferenceEngine(**args)
     for rid, prompt, sp in requests:
-        engine.add_request(
-            EngineCoreRequest(
-                request_id=rid, prompt_token_ids=list(prompt), sampling_params=SamplingParams(**sp)
-            )
-        )
+        engine.add_request(request(rid, prompt=prompt, sampling={**DEFAULT_SAMPLING, **sp}))
     result: dict[str, tuple[list[int], list[np.ndarray]]] = {r[0]: ([], []) for r in requests}
     while engine.has_unfinished_requests():
         for out in engine.step():
@@ -181,3 +180,22 @@ def reference_run(
                 logprobs.append(np.asarray(out.new_logprobs.logprobs))
     engine.shutdown()
     return result
+
+
+def vllm_request(rid: str, prompt: list[int], **sp: Any) -> Any:
+    """vLLM's ``EngineCoreRequest`` as its input processor hands it to the engine-core
+    client; ``sp`` are vLLM ``SamplingParams`` fields (vLLM's defaults otherwise)."""
+    from vllm import SamplingParams
+    from vllm.v1.engine import EngineCoreRequest
+
+    return EngineCoreRequest(
+        request_id=rid,
+        prompt_token_ids=prompt,
+        mm_features=None,
+        sampling_params=SamplingParams(**sp),
+        pooling_params=None,
+        arrival_time=time.time(),
+        lora_request=None,
+        cache_salt=None,
+        data_parallel_rank=None,
+    )
