@@ -44,7 +44,7 @@ import corewire.errors
 from corewire.client.async_client import AsyncMPClient
 from corewire.codec import NativeDecoder
 from corewire.errors import ProtocolError
-from corewire.protocol import EngineCoreOutput, EngineCoreOutputs, FinishReason
+from corewire.protocol import FinishReason, finished_outputs
 
 __all__ = [
     "EngineDeadError",
@@ -257,13 +257,7 @@ class VllmClientMixin:
                 request_ids = getattr(exc, "request_ids", ())
                 self._note_protocol_error(exc, request_ids)
                 if request_ids:
-                    return EngineCoreOutputs(
-                        outputs=[
-                            EngineCoreOutput(rid, [], finish_reason=FinishReason.ERROR)
-                            for rid in request_ids
-                        ],
-                        timestamp=time.monotonic(),
-                    )
+                    return finished_outputs(request_ids, FinishReason.ERROR)
 
     def _note_protocol_error(self, exc: BaseException, request_ids: tuple[str, ...]) -> None:
         self.protocol_errors += 1
