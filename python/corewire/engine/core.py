@@ -119,6 +119,27 @@ _STOP_SEND_WAIT_S = 0.25
 _STOP_LINGER_MS = 250
 
 
+def _address_list(address: str | Sequence[str], link: str) -> list[str]:
+    """One address or several (one per front-end client) as a list; at least one."""
+    addresses = [address] if isinstance(address, str) else list(address)
+    if not addresses:
+        raise ValueError(f"at least one {link} address is required")
+    return addresses
+
+
+def _take_buffer(
+    in_flight: collections.deque[tuple[zmq.MessageTracker, bytearray, list[Any]]],
+    free: list[bytearray],
+) -> bytearray:
+    """A payload buffer for the output thread: first the buffers ZeroMQ released go back
+    to ``free`` (a bounded number, none that grew too big), then one is taken from it."""
+    while in_flight and in_flight[0][0].done:
+        buf = in_flight.popleft()[1]
+        if len(free) < _MAX_FREE_BUFFERS and len(buf) <= _MAX_KEPT_BUFFER_BYTES:
+            free.append(buf)
+    return free.pop() if free else bytearray()
+
+
 class _Abandoned(Exception):
     """The front-end took no output for too long after a stop was requested."""
 
@@ -184,11 +205,7 @@ class EngineCoreProc:
         self.engine = engine
         self.engine_index = engine_index
         self.identity = engine_identity(engine_index)
-        self.input_addresses: list[str] = (
-            [input_address] if isinstance(input_address, str) else list(input_address)
-        )
-        if not self.input_addresses:
-            raise ValueError("at least one input address is required")
+        self.input_addresses = _address_list(input_address, "input")
         self.input_address = self.input_addresses[0]
         self.dp_stats_address = dp_stats_address
         #: The DP group's size, reported in the ready response (1: no data parallelism).
@@ -211,16 +228,16 @@ class EngineCoreProc:
         self._utility_defaults = UtilityDefaults(engine)
         #: Set once the ready response went out on every request link.
         self.ready_event = threading.Event()
-        self.output_addresses: list[str] = (
-            [output_address] if isinstance(output_address, str) else list(output_address)
-        )
-        if not self.output_addresses:
-            raise ValueError("at least one output address is required")
+        self.output_addresses = _address_list(output_address, "output")
         self.log_stats = log_stats
         self.include_finished_set = include_finished_set
         self.idle_poll_s = idle_poll_s
         self.linger_ms = linger_ms
+        self._init_threads_state()
 
+    def _init_threads_state(self) -> None:
+        """The queues, flags and sockets' context the three threads share (part of
+        ``__init__``)."""
         self.input_queue: queue.SimpleQueue[InputItem] = queue.SimpleQueue()
         self.output_queue: queue.SimpleQueue[Any] = queue.SimpleQueue()
         # Set by the busy loop when it pauses for the output queue, cleared by the output
@@ -859,20 +876,14 @@ class EngineCoreProc:
                 return
             index, message = item
             if message is ENGINE_CORE_DEAD:
-                for sock in sockets[:num_clients]:
-                    wait(sock)
-                    sock.send(ENGINE_CORE_DEAD)
+                self._send_dead(sockets[:num_clients])
                 continue
             sock = sockets[index] if -len(sockets) <= index < len(sockets) else sockets[0]
             if isinstance(message, _Encoded):
                 wait(sock)
                 sock.send_multipart(message.frames, copy=False)
                 continue
-            while in_flight and in_flight[0][0].done:
-                buf = in_flight.popleft()[1]
-                if len(free) < _MAX_FREE_BUFFERS and len(buf) <= _MAX_KEPT_BUFFER_BYTES:
-                    free.append(buf)
-            buf = free.pop() if free else bytearray()
+            buf = _take_buffer(in_flight, free)
             frames = encoder.encode_into(message, buf)
             # The payload's own tracker decides when `buf` is free again: the one
             # send_multipart returns belongs to the last frame, which for a small aux
@@ -891,6 +902,12 @@ class EngineCoreProc:
                 free.append(buf)
             else:
                 in_flight.append((tracker, buf, frames))
+
+    def _send_dead(self, client_sockets: list[zmq.Socket]) -> None:
+        """ENGINE_CORE_DEAD to every client (output thread)."""
+        for sock in client_sockets:
+            self._wait_writable(sock)
+            sock.send(ENGINE_CORE_DEAD)
 
     def _wait_writable(self, sock: zmq.Socket) -> None:
         """Return once ``sock`` takes a message; raise :class:`_Abandoned` when a stop

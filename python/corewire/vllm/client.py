@@ -22,6 +22,9 @@ differ from corewire's own clients only where vLLM's front-end needs it:
 Health watchdog settings come from the environment: ``COREWIRE_HEALTH_CHECK_INTERVAL_S``
 (default 5) and ``COREWIRE_HEALTH_CHECK_TIMEOUT_S`` (default 10); an interval of 0 turns
 the watchdog off.
+
+Wire format: docs/protocol.md §3.1 (the ready response applied to vLLM's config), §5 and
+§9.2 (outputs, a bad frame fails alone).
 """
 
 from __future__ import annotations
