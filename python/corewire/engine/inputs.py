@@ -3,7 +3,8 @@
 The input thread (and the DP coordinator's subscriptions) put these on
 ``EngineCoreProc.input_queue``; the busy loop dispatches on their type. START_DP_WAVE
 and WAVE_COMPLETE arrive as :class:`~corewire.dp_messages.StartWave` and
-:class:`~corewire.dp_messages.WaveComplete` themselves.
+:class:`~corewire.dp_messages.WaveComplete` themselves, UTILITY as
+:class:`~corewire.protocol.UtilityCall` (the payload's own type).
 
 Wire format: docs/protocol.md §4 (the request types these stand for).
 """
@@ -13,7 +14,7 @@ from __future__ import annotations
 from typing import NamedTuple
 
 from corewire.dp_messages import StartWave, WaveComplete
-from corewire.protocol import EngineCoreRequest, UtilityCall  # UtilityCall: the UTILITY item
+from corewire.protocol import EngineCoreRequest, UtilityCall
 
 __all__ = [
     "RESUME",
@@ -23,7 +24,6 @@ __all__ = [
     "AddRequest",
     "IOFailed",
     "InputItem",
-    "UtilityCall",
 ]
 
 
