@@ -11,6 +11,9 @@
   logprobs arrays owned copies (recycled in place once nothing holds them).
 
 Nothing is ever pickled: an object that has no wire form raises ``TypeError``.
+
+Wire format: docs/protocol.md §4-§6 (frames, array and tensor layout, inline or aux) and
+§9.1 (what a decoder refuses).
 """
 
 from __future__ import annotations
@@ -25,7 +28,7 @@ import numpy as np
 from corewire._native import NativeDecoder
 from corewire.errors import ProtocolError
 from corewire.layouts import version_of
-from corewire.protocol import UtilityResult
+from corewire.protocol import UtilityResult, utility_result_wire
 from corewire.versions import check_protocol
 
 try:
@@ -107,7 +110,7 @@ class Encoder:
             return self._encode_tensor(obj)
         if isinstance(obj, UtilityResult):
             # type_info is always nil: typed results would need pickle or peer-named imports.
-            return [None, obj.result]
+            return utility_result_wire(obj)
         if isinstance(obj, (set, frozenset)):
             return list(obj)
         raise TypeError(f"corewire cannot encode objects of type {type(obj).__name__}")

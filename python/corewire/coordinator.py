@@ -56,6 +56,8 @@ SIGTERM, or when its parent pid changes.
 
 TCP addresses reachable from other hosts require CURVE keys (:mod:`corewire.keygen`); the
 coordinator then runs a ZAP handler and accepts only the authorized client keys.
+
+Wire format: docs/protocol.md §8.2 (corewire's own coordinator).
 """
 
 from __future__ import annotations

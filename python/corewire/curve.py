@@ -4,6 +4,8 @@ An endpoint reachable from other hosts (a non-loopback ``tcp://`` address) must 
 CURVE keys (:mod:`corewire.keygen` writes and loads them): an open port would let anyone
 who reaches it inject requests or read outputs. ``ipc://``, ``inproc://`` and loopback
 TCP stay plain.
+
+Wire format: docs/protocol.md §10 (security rules).
 """
 
 from __future__ import annotations

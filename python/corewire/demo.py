@@ -23,6 +23,7 @@ import json
 import random
 import sys
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any, TextIO
 
@@ -143,9 +144,9 @@ class _StartFailed(Exception):
     """The engine did not start; the message is the one line the user sees."""
 
 
-async def _demo(args: argparse.Namespace) -> dict[str, Any]:
+def _start_client(args: argparse.Namespace) -> tuple[Any, float]:
+    """The demo's client and its start-up time; :class:`_StartFailed` when it fails."""
     from corewire.client import AsyncMPClient
-    from corewire.protocol import EngineCoreRequest, SamplingParams
 
     try:
         engine_args = json.loads(args.engine_args) if args.engine_args else None
@@ -158,7 +159,41 @@ async def _demo(args: argparse.Namespace) -> dict[str, Any]:
     except (ImportError, AttributeError, TypeError, ValueError) as exc:
         # Found in this process before any engine started (corewire.engine.startup).
         raise _StartFailed(f"the engine failed to start: {describe_error(exc)}") from exc
-    startup = time.perf_counter() - started
+    return client, time.perf_counter() - started
+
+
+def _demo_request(args: argparse.Namespace, rng: random.Random, request_id: str) -> Any:
+    """One demo request: a random prompt, streaming exactly ``max_tokens`` tokens."""
+    from corewire.protocol import EngineCoreRequest, SamplingParams
+
+    prompt = [rng.randrange(3, 4096) for _ in range(args.prompt_len)]
+    params = SamplingParams(
+        max_tokens=args.max_tokens,
+        temperature=args.temperature,
+        ignore_eos=True,  # every request streams exactly max_tokens tokens
+    )
+    return EngineCoreRequest(
+        request_id=request_id,
+        prompt_token_ids=prompt,
+        sampling_params=params,
+        arrival_time=time.time(),
+    )
+
+
+def _latencies(streams: Iterable[_Stream]) -> tuple[list[float], list[float]]:
+    """Time to first token and inter-token latencies of ``streams``, in ms."""
+    streams = list(streams)
+    ttft = [(s.token_times[0] - s.sent) * 1e3 for s in streams if s.token_times]
+    itl = [
+        (b - a) * 1e3
+        for s in streams
+        for a, b in zip(s.token_times, s.token_times[1:], strict=False)
+    ]
+    return ttft, itl
+
+
+async def _demo(args: argparse.Namespace) -> dict[str, Any]:
+    client, startup = _start_client(args)
     progress = _Progress(args.requests, not args.no_progress)
     try:
         rng = random.Random(args.seed)
@@ -192,24 +227,11 @@ async def _demo(args: argparse.Namespace) -> dict[str, Any]:
         loop = asyncio.get_running_loop()
 
         async def one(index: int) -> None:
-            prompt = [rng.randrange(3, 4096) for _ in range(args.prompt_len)]
-            params = SamplingParams(
-                max_tokens=args.max_tokens,
-                temperature=args.temperature,
-                ignore_eos=True,  # every request streams exactly max_tokens tokens
-            )
+            request = _demo_request(args, rng, f"demo-{index}")
             async with slots:
-                request_id = f"demo-{index}"
-                stream = streams[request_id] = _Stream(sent=time.perf_counter())
+                stream = streams[request.request_id] = _Stream(sent=time.perf_counter())
                 stream.done = loop.create_future()
-                await client.add_request_async(
-                    EngineCoreRequest(
-                        request_id=request_id,
-                        prompt_token_ids=prompt,
-                        sampling_params=params,
-                        arrival_time=time.time(),
-                    )
-                )
+                await client.add_request_async(request)
                 await stream.done
 
         t0 = time.perf_counter()
@@ -221,12 +243,7 @@ async def _demo(args: argparse.Namespace) -> dict[str, Any]:
     finally:
         progress.close()
         client.shutdown()
-    ttft = [(s.token_times[0] - s.sent) * 1e3 for s in streams.values() if s.token_times]
-    itl = [
-        (b - a) * 1e3
-        for s in streams.values()
-        for a, b in zip(s.token_times, s.token_times[1:], strict=False)
-    ]
+    ttft, itl = _latencies(streams.values())
     return {
         "startup_s": startup,
         "elapsed_s": elapsed,

@@ -28,9 +28,10 @@ from typing import Any, NamedTuple
 import msgspec
 
 from corewire.errors import ProtocolError
-from corewire.protocol import EngineCoreRequestType
+from corewire.protocol import READY_STATUS, REQUEST_START_DP_WAVE, EngineCoreOutputs
 
 __all__ = [
+    "COORDINATOR_READY",
     "WAVE_COMPLETE",
     "XPUB_SUBSCRIBE",
     "XPUB_UNSUBSCRIBE",
@@ -54,7 +55,9 @@ XPUB_UNSUBSCRIBE = b"\x00"
 #: Type byte of :class:`WaveComplete`: corewire's own, only on the coordinator's wave
 #: socket (never on a front-end's request link).
 WAVE_COMPLETE = b"\x10"
-_START_DP_WAVE = EngineCoreRequestType.START_DP_WAVE.value
+#: What vLLM's coordinator sends an engine once the whole group subscribed (and again
+#: when an engine re-subscribes): the ready status as bytes.
+COORDINATOR_READY = READY_STATUS.encode("ascii")
 # The tag of a ScaleNotice (vLLM's coordinator uses "SCALE_ELASTIC_EP" instead).
 _SCALE_TAG = "scale"
 
@@ -75,7 +78,7 @@ class StartWave(NamedTuple):
 
     def to_frames(self) -> list[bytes]:
         """The message as the coordinator publishes it: ``[type byte, payload]``."""
-        return [_START_DP_WAVE, _encode(self)]
+        return [REQUEST_START_DP_WAVE, _encode(self)]
 
     @classmethod
     def from_payload(cls, value: object, *, nil_excludes_none: bool = False) -> StartWave:
@@ -122,7 +125,7 @@ def decode_wave_message(frames: Sequence[bytes | memoryview]) -> WaveMessage:
         payload = _decode(frames[1])
     except msgspec.DecodeError as exc:
         raise ProtocolError(f"wave message payload: {exc}") from exc
-    if kind == _START_DP_WAVE:
+    if kind == REQUEST_START_DP_WAVE:
         return StartWave.from_payload(payload)
     if kind == WAVE_COMPLETE:
         return WaveComplete.from_payload(payload)
@@ -188,19 +191,36 @@ def decode_front_message(frame: bytes | memoryview) -> FirstRequest | ScaleNotic
     raise ProtocolError(f"unknown front-end message {msg!r:.100}")
 
 
-class EngineReport(msgspec.Struct, array_like=True):  # type: ignore[call-arg]
-    """What the coordinator reads of an engine's ``EngineCoreOutputs``: the fields in
-    :class:`~corewire.protocol.EngineCoreOutputs`' order (a test ties the two), the
-    unread ones left as raw bytes."""
+# The fields of EngineCoreOutputs the coordinator reads, with their types and defaults;
+# every other field stays undecoded (its outputs are what the coordinator must not pay for).
+_REPORT_READS: dict[str, tuple[Any, Any]] = {
+    "engine_index": (int, 0),
+    "scheduler_stats": (dict[str, Any] | None, None),
+    "wave_complete": (int | None, None),
+    "start_wave": (int | None, None),
+}
 
-    engine_index: int = 0
-    outputs: msgspec.Raw = msgspec.Raw(b"\x90")
-    scheduler_stats: dict[str, Any] | None = None
-    timestamp: msgspec.Raw = msgspec.Raw(b"\xc0")
-    utility_output: msgspec.Raw = msgspec.Raw(b"\xc0")
-    finished_requests: msgspec.Raw = msgspec.Raw(b"\xc0")
-    wave_complete: int | None = None
-    start_wave: int | None = None
+
+def _unread_field(field: msgspec.structs.FieldInfo) -> tuple[str, Any, Any]:
+    default = (
+        field.default if field.default_factory is msgspec.NODEFAULT else field.default_factory()
+    )
+    return (field.name, msgspec.Raw, msgspec.Raw(_encode(default)))
+
+
+#: What the coordinator reads of an engine's ``EngineCoreOutputs``: a struct made from
+#: :class:`~corewire.protocol.EngineCoreOutputs`' own field list (same names, same
+#: positions), the fields it does not read kept as raw msgpack.
+EngineReport: Any = msgspec.defstruct(
+    "EngineReport",
+    [
+        (f.name, *_REPORT_READS[f.name]) if f.name in _REPORT_READS else _unread_field(f)
+        for f in msgspec.structs.fields(EngineCoreOutputs)
+    ],
+    array_like=True,
+    module=__name__,
+    namespace={"__doc__": "What the coordinator reads of an engine's EngineCoreOutputs."},
+)
 
 
 class CoordinatorLinks(NamedTuple):

@@ -1,4 +1,7 @@
-"""Exception types raised by corewire."""
+"""Exception types raised by corewire.
+
+Wire format: docs/protocol.md §9 (error rules).
+"""
 
 from __future__ import annotations
 

@@ -4,6 +4,8 @@ Each directory is made with mode 0700 in the system temp dir and named after its
 its owner's pid (``corewire-ipc-<pid>-<random>``). A front-end killed with SIGKILL cannot
 remove its own; the next one that makes a directory removes every directory of this
 naming scheme whose owner process is gone (and that belongs to the same user).
+
+Wire format: docs/protocol.md §10 (security rules: private ipc:// directories).
 """
 
 from __future__ import annotations

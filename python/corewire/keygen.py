@@ -26,6 +26,8 @@ ThreadAuthenticator``, wrapped by :class:`CurveAuthenticator`: one thread per Ze
 context) that accepts a CURVE client only if its public key is in the authorized set; a
 client with any other key, or one that does not know the server's public key, fails the
 handshake and never reaches the application.
+
+Wire format: docs/protocol.md §10 (security rules).
 """
 
 from __future__ import annotations

@@ -13,6 +13,8 @@ longer ones (unknown trailing fields are ignored).
 from __future__ import annotations
 
 import enum
+import time
+from collections.abc import Collection
 from typing import Any, NamedTuple
 
 import msgspec
@@ -31,6 +33,11 @@ except ImportError:  # pragma: no cover - exercised only without torch
 __all__ = [
     "EEP_NOTIFICATION_CALL_ID",
     "ENGINE_CORE_DEAD",
+    "READY_STATUS",
+    "REQUEST_ABORT",
+    "REQUEST_ADD",
+    "REQUEST_START_DP_WAVE",
+    "REQUEST_UTILITY",
     "EEPNotificationType",
     "EngineCoreEvent",
     "EngineCoreEventType",
@@ -43,8 +50,16 @@ __all__ = [
     "LogprobsTensors",
     "PoolingParams",
     "SamplingParams",
+    "UtilityCall",
     "UtilityOutput",
     "UtilityResult",
+    "engine_identity",
+    "engine_index_of",
+    "failed_method",
+    "field_position",
+    "finished_outputs",
+    "utility_failure_text",
+    "utility_result_wire",
 ]
 
 #: The single frame an engine sends on its output socket before it dies.
@@ -61,6 +76,68 @@ class EngineCoreRequestType(enum.Enum):
     # Engine-internal, never sent on the wire.
     EXECUTOR_FAILED = b"\x04"
     WAKEUP = b"\x05"
+
+
+# The request types' bytes as plain module constants, for the hot paths (one lookup per
+# message sent or received): a module global is one dict lookup, where
+# ``EngineCoreRequestType.ADD.value`` goes through the enum's metaclass twice.
+REQUEST_ADD: bytes = EngineCoreRequestType.ADD.value
+REQUEST_ABORT: bytes = EngineCoreRequestType.ABORT.value
+REQUEST_START_DP_WAVE: bytes = EngineCoreRequestType.START_DP_WAVE.value
+REQUEST_UTILITY: bytes = EngineCoreRequestType.UTILITY.value
+
+#: ``status`` of the ready response an engine sends on its handshake / input socket
+#: (docs/protocol.md §3.1, §3.2); the DP coordinator also answers a subscription with these bytes.
+READY_STATUS = "READY"
+
+
+def engine_identity(engine_index: int) -> bytes:
+    """An engine's ZeroMQ identity on the front-end's ROUTER: its index as 2 bytes,
+    little-endian (docs/protocol.md §2). Raises ``OverflowError`` past 65535."""
+    return engine_index.to_bytes(2, "little")
+
+
+def engine_index_of(identity: bytes) -> int:
+    """The engine index an identity from :func:`engine_identity` stands for."""
+    return int.from_bytes(identity, "little")
+
+
+class UtilityCall(NamedTuple):
+    """A UTILITY message's payload, in its wire order
+    ``[client_index, call_id, method, args]`` (docs/protocol.md §4.6)."""
+
+    client_index: int
+    call_id: int
+    method: str
+    args: Any
+
+
+# The text of a failed utility call's ``failure_message`` (docs/protocol.md §5.6; vLLM's
+# wording, which its front-end shows as is); :func:`failed_method` reads the method back out of it.
+_UTILITY_FAILURE_PREFIX = "Call to "
+_UTILITY_FAILURE_MIDDLE = " method failed"
+
+
+def utility_failure_text(method: str, error: object) -> str:
+    """The ``failure_message`` of a utility call to ``method`` that failed with ``error``:
+    ``Call to <method> method failed: <error>``."""
+    return f"{_UTILITY_FAILURE_PREFIX}{method}{_UTILITY_FAILURE_MIDDLE}: {error}"
+
+
+def failed_method(message: str) -> str | None:
+    """The method named by a :func:`utility_failure_text` message (None if the text
+    has another form)."""
+    prefix, _, rest = message.partition(_UTILITY_FAILURE_PREFIX)
+    if prefix or not rest:
+        return None
+    method, sep, _ = rest.partition(_UTILITY_FAILURE_MIDDLE)
+    return method if sep else None
+
+
+def field_position(struct: type, name: str) -> int:
+    """The index of field ``name`` in an array-like struct's wire array (for code that
+    reads a payload that did not decode into the struct)."""
+    return struct.__struct_fields__.index(name)  # type: ignore[attr-defined]
 
 
 #: ``call_id`` of an elastic-scaling notification: a UtilityOutput that answers no call,
@@ -304,6 +381,12 @@ class UtilityResult:
     __hash__ = None  # type: ignore[assignment]
 
 
+def utility_result_wire(result: UtilityResult) -> list[Any]:
+    """A :class:`UtilityResult` as it is written: ``[None, value]``, no type information
+    (docs/protocol.md §5.6)."""
+    return [None, result.result]
+
+
 class UtilityOutput(msgspec.Struct, array_like=True, gc=False):  # type: ignore[call-arg]
     """Reply to a utility call; ``call_id`` -1 marks an elastic-scaling notification."""
 
@@ -346,3 +429,18 @@ class EngineCoreOutputs(msgspec.Struct, array_like=True, gc=False):  # type: ign
     finished_requests: set[str] | None = None
     wave_complete: int | None = None
     start_wave: int | None = None
+
+
+def finished_outputs(
+    request_ids: Collection[str], reason: FinishReason, *, engine_index: int = 0
+) -> EngineCoreOutputs:
+    """Outputs a client makes itself for requests no engine will finish (a removed
+    engine's leftovers, a frame that broke the protocol): each request finishes with
+    ``reason`` and no tokens, stamped now (``time.monotonic()``, the engines' clock) and
+    listed in ``finished_requests``, as an engine's abort would be."""
+    return EngineCoreOutputs(
+        engine_index=engine_index,
+        outputs=[EngineCoreOutput(rid, [], finish_reason=reason) for rid in request_ids],
+        timestamp=time.monotonic(),
+        finished_requests=set(request_ids),
+    )

@@ -64,11 +64,13 @@ from corewire.engine.link import engine_outputs
 from corewire.engine.replay import EngineLink, ReplayEngine
 from corewire.protocol import (
     ENGINE_CORE_DEAD,
+    REQUEST_UTILITY,
     EngineCoreOutput,
     EngineCoreOutputs,
-    EngineCoreRequestType,
     FinishReason,
     LogprobsLists,
+    UtilityCall,
+    engine_identity,
 )
 
 __all__ = ["add_arguments", "run"]
@@ -79,7 +81,6 @@ GC_MODES = ("default", "frozen")
 #: Frames per trial: about the same amount of work in every case.
 FRAMES = {1: 20_000, 32: 5_000, 256: 1_200, 1024: 320}
 TOP_K = 5
-_UTILITY = EngineCoreRequestType.UTILITY.value
 
 
 def touch(outputs: Any) -> int:
@@ -192,7 +193,7 @@ class _Engine:
         self.input.bind(self.input_address)
         self.output.bind(self.output_address)
         self.proc = _start_engine(self.input_address, self.output_address)
-        self.identity = (0).to_bytes(2, "little")
+        self.identity = engine_identity(0)
         ready: zmq.Socket[bytes] = zmq.Socket.shadow(self.input.underlying)
         if not ready.poll(120_000):
             raise TimeoutError("replay engine did not start")
@@ -256,7 +257,7 @@ class BaselineClient:
         call_id = uuid.uuid1().int >> 64
         future = asyncio.get_running_loop().create_future()
         self.utility_results[call_id] = future
-        message = (_UTILITY, *self.encoder.encode((0, call_id, method, args)))
+        message = (REQUEST_UTILITY, *self.encoder.encode(UtilityCall(0, call_id, method, args)))
         await self.engine.input.send_multipart((self.engine.identity, *message), copy=False)
         self._ensure_output_queue_task()
         return await future
@@ -275,7 +276,8 @@ class RawReceiver:
         self.encoder = Encoder()
 
     async def replay(self, case: str, batch: int, count: int) -> None:
-        message = (_UTILITY, *self.encoder.encode((0, 1, "replay_case", (case, batch, count))))
+        call = UtilityCall(0, 1, "replay_case", (case, batch, count))
+        message = (REQUEST_UTILITY, *self.encoder.encode(call))
         await self.engine.input.send_multipart((self.engine.identity, *message), copy=False)
         await self.engine.output.recv_multipart(copy=False)  # the reply
 
@@ -386,7 +388,9 @@ async def utility_rate(variant: Any, calls: int, concurrency: int) -> float:
         sock_in, sock_out = variant._input, variant._output
         encode, identity = variant.encoder.encode, variant.engine.identity
         for i in range(calls):
-            sock_in.send_multipart((identity, _UTILITY, *encode((0, i, "echo", (i,)))))
+            sock_in.send_multipart(
+                (identity, REQUEST_UTILITY, *encode(UtilityCall(0, i, "echo", (i,))))
+            )
             sock_out.recv_multipart(copy=False)
         return calls / (time.perf_counter() - start)
     call = variant.call_utility_async

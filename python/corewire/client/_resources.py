@@ -24,6 +24,7 @@ import zmq
 
 from corewire._native import CallRegistry, SendTracker
 from corewire.client._owned import LoopSide, OwnedThreads
+from corewire.client.futures import complete_future
 from corewire.client.processes import TERMINATE_GRACE_S, ProcessGroup
 from corewire.errors import EngineDeadError
 
@@ -116,7 +117,7 @@ class ClientResources:
 
     def _fail_waiters(self) -> None:
         for future in self.registry.drain(close=True):
-            _fail_future(future, self.dead_error())
+            complete_future(future, exc=self.dead_error())
         if self.fail_queue is not None:
             self.fail_queue(self.dead_error())
 
@@ -205,15 +206,6 @@ class ClientResources:
         with contextlib.suppress(Exception):
             self._fail_waiters()
         self.loop_side.close()
-
-
-def _fail_future(future: Any, exc: BaseException) -> None:
-    """Set ``exc`` on a pending asyncio or concurrent future; ignore finished ones."""
-    if future.done():
-        return
-    # Cancelled between the check and here (a caller gave up).
-    with contextlib.suppress(asyncio.InvalidStateError, Exception):
-        future.set_exception(exc)
 
 
 def _in_loop(loop: asyncio.AbstractEventLoop) -> bool:

@@ -1,5 +1,9 @@
 """``AsyncMPClient``: the asyncio client with an output task, utility futures and
-engine-death propagation."""
+engine-death propagation.
+
+Wire format: docs/protocol.md §4 (what it sends) and §5 (what it reads, through the
+output link).
+"""
 
 from __future__ import annotations
 
@@ -27,8 +31,14 @@ from corewire.client.output_link import (
 )
 from corewire.errors import EngineDeadError, UtilityError
 from corewire.metrics import for_client
-from corewire.protocol import EngineCoreOutputs, EngineCoreRequest
-from corewire.protocol import EngineCoreRequestType as RequestType
+from corewire.protocol import (
+    REQUEST_ABORT,
+    REQUEST_ADD,
+    REQUEST_UTILITY,
+    EngineCoreOutputs,
+    EngineCoreRequest,
+    UtilityCall,
+)
 
 __all__ = [
     "DRAIN_BUDGET",
@@ -38,10 +48,6 @@ __all__ = [
 ]
 
 logger = logging.getLogger("corewire.client")
-
-_UTILITY = RequestType.UTILITY.value
-_ADD = RequestType.ADD.value
-_ABORT = RequestType.ABORT.value
 
 
 class OutputQueue:
@@ -294,14 +300,16 @@ class AsyncMPClient(MPClient):
     async def add_request_async(self, request: EngineCoreRequest) -> None:
         """Send a request to the engine; its outputs come from :meth:`get_output_async`."""
         request.client_index = self.client_index
-        self._send_message(self.core_engine, _ADD, self.encoder.encode(request), request)
+        self._send_message(self.core_engine, REQUEST_ADD, self.encoder.encode(request), request)
         if self.resources.output_task is None:
             self._ensure_output_queue_task()
 
     async def abort_requests_async(self, request_ids: list[str]) -> None:
         """Abort requests by id (nothing is sent once the engine is dead)."""
         if request_ids and not self.resources.engine_dead:
-            self._send_message(self.core_engine, _ABORT, self.encoder.encode(request_ids), None)
+            self._send_message(
+                self.core_engine, REQUEST_ABORT, self.encoder.encode(request_ids), None
+            )
 
     async def call_utility_async(self, method: str, *args: Any) -> Any:
         """Call ``method(*args)`` on the engine and return its result.
@@ -323,8 +331,8 @@ class AsyncMPClient(MPClient):
         registry = resources.registry
         call_id = registry.register(future)
         try:
-            frames = self.encoder.encode((self.client_index, call_id, method, args))
-            self._send_message(engine, _UTILITY, frames, args)
+            frames = self.encoder.encode(UtilityCall(self.client_index, call_id, method, args))
+            self._send_message(engine, REQUEST_UTILITY, frames, args)
             if resources.output_task is None:
                 self._ensure_output_queue_task()
             return await future

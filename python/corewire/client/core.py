@@ -1,4 +1,7 @@
-"""The client base: sockets, engine processes, the ready handshake, death handling."""
+"""The client base: sockets, engine processes, the ready handshake, death handling.
+
+Wire format: docs/protocol.md §2 (sockets and identities) and §3 (start-up).
+"""
 
 from __future__ import annotations
 
@@ -14,12 +17,14 @@ import zmq
 import zmq.asyncio
 
 from corewire.client._resources import ClientResources
+from corewire.client.futures import complete_future
 from corewire.client.ready import ReadyWait
 from corewire.codec import Encoder, NativeDecoder
 from corewire.curve import require_curve_for
 from corewire.engine.startup import check_engine_spec, engine_process_main
 from corewire.errors import EngineDeadError, UtilityError
 from corewire.ipcdir import make_private_dir
+from corewire.protocol import engine_identity, failed_method
 
 __all__ = ["DEFAULT_ENGINE_MAIN", "MPClient", "make_output_decoder", "resolve_utility_output"]
 
@@ -144,7 +149,7 @@ class MPClient:
             )
             self.engine_indices = list(engine_indices)
             #: ZeroMQ identities of the engines, in index order (2 bytes little-endian).
-            self.core_engines = [i.to_bytes(2, "little") for i in self.engine_indices]
+            self.core_engines = [engine_identity(i) for i in self.engine_indices]
             self.core_engine = self.core_engines[0]
             self._launch_engines(engine_main, external=client_addresses is not None)
             #: Ready message of each engine (identity -> map; empty when it sent none).
@@ -347,15 +352,6 @@ def resolve_utility_output(future: Any, utility: Any) -> None:
     message = utility.failure_message
     if message is None:
         result = utility.result
-        future.set_result(None if result is None else result.result)
+        complete_future(future, None if result is None else result.result)
     else:
-        future.set_exception(UtilityError(message, _failed_method(message)))
-
-
-def _failed_method(message: str) -> str | None:
-    # The engine's text reads "Call to <method> method failed: <error>".
-    prefix, _, rest = message.partition("Call to ")
-    if prefix or not rest:
-        return None
-    method, sep, _ = rest.partition(" method failed")
-    return method if sep else None
+        complete_future(future, exc=UtilityError(message, failed_method(message)))

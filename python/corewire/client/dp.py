@@ -31,6 +31,9 @@ requires ``curve_keys`` (a directory written by ``corewire keygen``): then only 
 holding an authorized key can connect. ``data_parallel_size_local`` engines (indices
 ``0 .. local-1``) start here; the others join with
 ``corewire engine --connect tcp://HOST:PORT --engine-index K --curve-keys DIR``.
+
+Wire format: docs/protocol.md §8 (data-parallel coordination) and §5.6 (elastic-scaling
+notifications).
 """
 
 from __future__ import annotations
@@ -54,25 +57,21 @@ from corewire.dp_messages import XPUB_SUBSCRIBE, DPState, FirstRequest, ScaleNot
 from corewire.errors import ProtocolError
 from corewire.keygen import CurveAuthenticator, CurveServerKeys, apply_server
 from corewire.protocol import (
+    REQUEST_ABORT,
+    REQUEST_ADD,
     EEPNotificationType,
-    EngineCoreOutput,
     EngineCoreOutputs,
     EngineCoreRequest,
     FinishReason,
+    engine_identity,
+    engine_index_of,
+    finished_outputs,
 )
-from corewire.protocol import EngineCoreRequestType as RequestType
 
 __all__ = ["DPAsyncMPClient", "DPConsensusError", "DPLBAsyncMPClient"]
 
 logger = logging.getLogger("corewire.client")
 
-_ADD = RequestType.ADD.value
-_ABORT = RequestType.ABORT.value
-
-# Notification types of elastic scaling (result ``[type, engine_rank]`` of call_id -1);
-# members of a str enum, equal to (and hashing like) the strings that arrive.
-RECONFIGURE_FINISHED = EEPNotificationType.RECONFIGURE_FINISHED
-SHUTDOWN_COMPLETE = EEPNotificationType.SHUTDOWN_COMPLETE
 #: How long a scaling step may take (engine start-up excluded: that is ``ready_timeout``).
 SCALE_STEP_TIMEOUT_S = 30.0
 
@@ -317,9 +316,9 @@ class DPAsyncMPClient(AsyncMPClient):
         # flight on an engine (that count would never come down).
         frames = self.encoder.encode(request)
         engine = self.get_core_engine_for_request(request)
-        self._send_message(engine, _ADD, frames, request)
+        self._send_message(engine, REQUEST_ADD, frames, request)
         if not self.engines_running:
-            self._send_first_request_notice(int.from_bytes(engine, "little"))
+            self._send_first_request_notice(engine_index_of(engine))
         if self.resources.output_task is None:
             self._ensure_output_queue_task()
 
@@ -427,7 +426,9 @@ class DPLBAsyncMPClient(DPAsyncMPClient):
             if index is not None and index < len(self.core_engines):
                 by_engine.setdefault(index, []).append(request_id)
         for index, ids in by_engine.items():
-            self._send_message(self.core_engines[index], _ABORT, self.encoder.encode(ids), None)
+            self._send_message(
+                self.core_engines[index], REQUEST_ABORT, self.encoder.encode(ids), None
+            )
 
     # -- elastic scaling -------------------------------------------------------------------
 
@@ -445,6 +446,8 @@ class DPLBAsyncMPClient(DPAsyncMPClient):
             self._notification_event.set()
 
     async def _wait_notifications(self, expected: set[tuple[str, int]]) -> None:
+        # ``expected`` holds EEPNotificationType members: a str enum, equal to (and
+        # hashing like) the plain strings that arrive in the notifications.
         if self._notification_event is None:
             self._notification_event = asyncio.Event()
         event = self._notification_event
@@ -489,7 +492,7 @@ class DPLBAsyncMPClient(DPAsyncMPClient):
         self.data_parallel_size = new_size
         self._local_indices.update(new_indices)
         procs = self._start_engine_processes(new_indices)
-        identities = [i.to_bytes(2, "little") for i in new_indices]
+        identities = [engine_identity(i) for i in new_indices]
         try:
             # On this loop: the ROUTER is used only from this thread.
             ready = self._ready_wait(identities, procs, self.ready_timeout)
@@ -533,7 +536,9 @@ class DPLBAsyncMPClient(DPAsyncMPClient):
                 SCALE_STEP_TIMEOUT_S,
             )
             await asyncio.wait_for(
-                self._wait_notifications({(SHUTDOWN_COMPLETE, i) for i in removed}),
+                self._wait_notifications(
+                    {(EEPNotificationType.SHUTDOWN_COMPLETE, i) for i in removed}
+                ),
                 SCALE_STEP_TIMEOUT_S,
             )
         finally:
@@ -549,7 +554,7 @@ class DPLBAsyncMPClient(DPAsyncMPClient):
             asyncio.gather(
                 *(
                     self._call_utility_async(
-                        "reconfigure_data_parallel", new_size, engine=i.to_bytes(2, "little")
+                        "reconfigure_data_parallel", new_size, engine=engine_identity(i)
                     )
                     for i in indices
                 )
@@ -557,7 +562,9 @@ class DPLBAsyncMPClient(DPAsyncMPClient):
             SCALE_STEP_TIMEOUT_S,
         )
         await asyncio.wait_for(
-            self._wait_notifications({(RECONFIGURE_FINISHED, i) for i in indices}),
+            self._wait_notifications(
+                {(EEPNotificationType.RECONFIGURE_FINISHED, i) for i in indices}
+            ),
             SCALE_STEP_TIMEOUT_S,
         )
 
@@ -571,13 +578,7 @@ class DPLBAsyncMPClient(DPAsyncMPClient):
             del self.reqs_in_flight[rid]
         logger.warning("finishing %d request(s) of removed engines as aborted", len(leftovers))
         self.outputs_queue.put_nowait(
-            EngineCoreOutputs(
-                engine_index=min(removed),
-                outputs=[
-                    EngineCoreOutput(rid, [], finish_reason=FinishReason.ABORT) for rid in leftovers
-                ],
-                finished_requests=set(leftovers),
-            )
+            finished_outputs(leftovers, FinishReason.ABORT, engine_index=min(removed))
         )
 
 

@@ -18,20 +18,20 @@ Decisions where the clients used to differ (one behaviour now):
   goes to the hook, never to the queue: it carries nothing a consumer reads, and waking
   the consumer for it costs a queue hand-off (vLLM's AsyncMPClient, whose behaviour the
   vLLM front-end sees, drops it too). The DP hook reads ``finished_requests`` there.
-- Utility replies resolve their future with ``InvalidStateError`` suppressed rather than
-  after a ``done()`` test: a death on another thread (the engine monitor of a sync
-  client) may fail the future between a test and the set, and the suppression costs
-  nothing on the path where it is not raised.
+- Utility replies resolve their future through
+  :func:`~corewire.client.futures.complete_future` (as every other path that completes
+  one): a death on another thread (the engine monitor of a sync client) may fail the
+  future between a ``done()`` test and the set.
 - A reply with call id :data:`~corewire.protocol.EEP_NOTIFICATION_CALL_ID` that no call
   waits for is a notification: it goes to the client's notification handler when it has
   one, and is dropped otherwise (sync clients have none).
+
+Wire format: docs/protocol.md §5 (engine to front-end), §7 (ENGINE_CORE_DEAD) and §9.2
+(a bad frame fails alone).
 """
 
 from __future__ import annotations
 
-import asyncio
-import concurrent.futures
-import contextlib
 import logging
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, cast
@@ -93,7 +93,6 @@ _DEAD_LEN = len(ENGINE_CORE_DEAD)
 # Module globals: cheaper to read in the per-message path than zmq's attributes.
 _NOBLOCK, _EVENTS, _POLLIN, _Again = zmq.NOBLOCK, zmq.EVENTS, zmq.POLLIN, zmq.Again
 _FIRST = DRAIN_BUDGET - 1  # what ``left`` is after a pass's first message
-_INVALID_STATE = (asyncio.InvalidStateError, concurrent.futures.InvalidStateError)
 
 
 class OutputLink:
@@ -251,9 +250,7 @@ class OutputLink:
         """Complete the call ``utility`` answers, or hand a notification on."""
         future = self._pop(utility.call_id)
         if future is not None:
-            # Cancelled by its caller, or failed by a death, meanwhile: nothing to do.
-            with contextlib.suppress(_INVALID_STATE):
-                resolve_utility_output(future, utility)
+            resolve_utility_output(future, utility)
         elif utility.call_id == EEP_NOTIFICATION_CALL_ID and self._notify is not None:
             self._notify(utility)
 

@@ -5,6 +5,8 @@ a DP client's scale-up, which waits on its event loop: both read the ROUTER the 
 fail the same way when an engine process exits first (with the reason the process
 reported, see :mod:`corewire.engine.startup`) or when the time is up; only the way they
 wait between two reads differs.
+
+Wire format: docs/protocol.md §2 (identities) and §3.1 (the ready response).
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ import zmq
 
 from corewire.engine.startup import read_startup_error
 from corewire.errors import ProtocolError
+from corewire.protocol import READY_STATUS, engine_index_of
 
 __all__ = ["ReadyWait", "parse_ready"]
 
@@ -38,7 +41,7 @@ def parse_ready(identity: bytes, payload: bytes) -> dict[str, Any]:
         msg = msgspec.msgpack.decode(payload)
     except msgspec.DecodeError as exc:
         raise ProtocolError(f"engine {identity!r} sent a malformed ready message") from exc
-    if not isinstance(msg, dict) or msg.get("status", "READY") != "READY":
+    if not isinstance(msg, dict) or msg.get("status", READY_STATUS) != READY_STATUS:
         raise RuntimeError(f"engine {identity!r} did not report READY: {msg!r:.200}")
     return msg
 
@@ -119,7 +122,7 @@ class ReadyWait:
                     + (f"was ready: {cause}" if cause else "was ready; its error is logged above")
                 )
         if time.monotonic() >= self._deadline:
-            names = sorted(int.from_bytes(i, "little") for i in self._missing)
+            names = sorted(engine_index_of(i) for i in self._missing)
             raise TimeoutError(
                 f"engine(s) {names} sent no ready message within {self._timeout:g} s on "
                 f"{self._address}"

@@ -5,22 +5,27 @@ callers whose answers it carried must not wait forever: when the frame is still 
 msgpack, the utility call id and the request ids are read from their places and those
 callers are failed with the frame's error (the call's future) or told which requests it
 concerned (``ProtocolError.request_ids``). This runs only on the error path.
+
+Wire format: docs/protocol.md §9.2 (a bad frame fails alone) and §5.2, §5.3, §5.6 (the
+field positions read).
 """
 
 from __future__ import annotations
 
-import contextlib
 from typing import Any
 
 import msgspec
 
+from corewire.client.futures import complete_future
+from corewire.protocol import EngineCoreOutput, EngineCoreOutputs, UtilityOutput, field_position
+
 __all__ = ["fail_undecodable", "readable_ids"]
 
-# Field positions in EngineCoreOutputs / EngineCoreOutput / UtilityOutput (corewire.protocol).
-_OUTPUTS = 1
-_UTILITY_OUTPUT = 4
-_REQUEST_ID = 0
-_CALL_ID = 0
+# Where the ids sit in the payload arrays, read from the wire types' field order.
+_OUTPUTS = field_position(EngineCoreOutputs, "outputs")
+_UTILITY_OUTPUT = field_position(EngineCoreOutputs, "utility_output")
+_REQUEST_ID = field_position(EngineCoreOutput, "request_id")
+_CALL_ID = field_position(UtilityOutput, "call_id")
 
 
 def readable_ids(frames: list[Any]) -> tuple[int | None, tuple[str, ...]]:
@@ -57,8 +62,6 @@ def fail_undecodable(exc: BaseException, frames: list[Any], pop: Any, metrics: A
     call_id, request_ids = readable_ids(frames)
     exc.request_ids = request_ids  # type: ignore[attr-defined]
     future = pop(call_id) if call_id is not None else None
-    if future is not None and not future.done():
-        # (cancelled meanwhile: an asyncio or concurrent future then refuses the result)
-        with contextlib.suppress(Exception):
-            future.set_exception(exc)
+    if future is not None:
+        complete_future(future, exc=exc)
     return future is None or bool(request_ids)

@@ -1,4 +1,8 @@
-"""``SyncMPClient``: the blocking client, with a daemon output thread."""
+"""``SyncMPClient``: the blocking client, with a daemon output thread.
+
+Wire format: docs/protocol.md §4 (what it sends) and §5 (what it reads, through the
+output link).
+"""
 
 from __future__ import annotations
 
@@ -21,7 +25,7 @@ from corewire.client.core import HEALTH_CHECK_METHOD, MPClient
 from corewire.client.output_link import PAUSED, STOPPED, OutputLink
 from corewire.errors import EngineDeadError, UtilityError
 from corewire.metrics import for_client
-from corewire.protocol import EngineCoreOutputs, EngineCoreRequest
+from corewire.protocol import EngineCoreOutputs, EngineCoreRequest, UtilityCall
 from corewire.protocol import EngineCoreRequestType as RequestType
 
 __all__ = ["SyncMPClient"]
@@ -193,7 +197,7 @@ class SyncMPClient(MPClient):
         call_id = resources.registry.register(future)
         try:
             self._send_input(
-                RequestType.UTILITY, (self.client_index, call_id, method, args), engine
+                RequestType.UTILITY, UtilityCall(self.client_index, call_id, method, args), engine
             )
             return future.result(timeout)
         except concurrent.futures.TimeoutError:
@@ -219,7 +223,7 @@ class SyncMPClient(MPClient):
             try:
                 self._send_input(
                     RequestType.UTILITY,
-                    (self.client_index, call_id, HEALTH_CHECK_METHOD, ()),
+                    UtilityCall(self.client_index, call_id, HEALTH_CHECK_METHOD, ()),
                     engine,
                 )
                 while True:

@@ -26,6 +26,9 @@ request's stream on the front-end while its tokens keep coming (a request sent a
 go to the engine). Each of these is logged at most a few times per interval
 (:mod:`corewire.engine.logthrottle`) and counted; the ``engine_core_counters`` utility
 reports the counts.
+
+Wire format: docs/protocol.md §3.1 (ready response), §4 (requests it takes), §5 (outputs
+it sends), §7 (ENGINE_CORE_DEAD and stopping) and §9 (error rules).
 """
 
 from __future__ import annotations
@@ -54,7 +57,6 @@ from corewire.engine.inputs import (
     AddRequest,
     InputItem,
     IOFailed,
-    UtilityCall,
 )
 from corewire.engine.interface import INTERFACE_METHODS, Engine
 from corewire.engine.link import Receiver, connect_socket, engine_outputs
@@ -65,29 +67,30 @@ from corewire.engine.utilities import DEFAULT_UTILITIES, UtilityDefaults
 from corewire.errors import ProtocolError
 from corewire.protocol import (
     ENGINE_CORE_DEAD,
+    REQUEST_ABORT,
+    REQUEST_ADD,
+    REQUEST_START_DP_WAVE,
+    REQUEST_UTILITY,
     EngineCoreOutput,
     EngineCoreOutputs,
     EngineCoreRequest,
-    EngineCoreRequestType,
     FinishReason,
+    UtilityCall,
     UtilityOutput,
     UtilityResult,
+    engine_identity,
+    field_position,
+    utility_failure_text,
 )
 
 __all__ = ["EngineCoreProc"]
 
 logger = logging.getLogger("corewire.engine")
 
-_ADD = EngineCoreRequestType.ADD.value
-_ABORT = EngineCoreRequestType.ABORT.value
-_START_DP_WAVE = EngineCoreRequestType.START_DP_WAVE.value
-_UTILITY = EngineCoreRequestType.UTILITY.value
-
 # Where the ids an undecoded frame is answered by sit in its payload array.
-_REQUEST_FIELDS = EngineCoreRequest.__struct_fields__
-_REQUEST_ID = _REQUEST_FIELDS.index("request_id")
-_PROMPT_TOKEN_IDS = _REQUEST_FIELDS.index("prompt_token_ids")
-_CLIENT_INDEX = _REQUEST_FIELDS.index("client_index")
+_REQUEST_ID = field_position(EngineCoreRequest, "request_id")
+_PROMPT_TOKEN_IDS = field_position(EngineCoreRequest, "prompt_token_ids")
+_CLIENT_INDEX = field_position(EngineCoreRequest, "client_index")
 # The fields of a UTILITY payload read from a frame that does not decode.
 _CALL_HEAD = tuple(UtilityCall._fields.index(f) for f in ("client_index", "call_id", "method"))
 
@@ -114,6 +117,27 @@ _PAUSE_POLL_S = 0.05
 # linger of its sockets after it was blocked.
 _STOP_SEND_WAIT_S = 0.25
 _STOP_LINGER_MS = 250
+
+
+def _address_list(address: str | Sequence[str], link: str) -> list[str]:
+    """One address or several (one per front-end client) as a list; at least one."""
+    addresses = [address] if isinstance(address, str) else list(address)
+    if not addresses:
+        raise ValueError(f"at least one {link} address is required")
+    return addresses
+
+
+def _take_buffer(
+    in_flight: collections.deque[tuple[zmq.MessageTracker, bytearray, list[Any]]],
+    free: list[bytearray],
+) -> bytearray:
+    """A payload buffer for the output thread: first the buffers ZeroMQ released go back
+    to ``free`` (a bounded number, none that grew too big), then one is taken from it."""
+    while in_flight and in_flight[0][0].done:
+        buf = in_flight.popleft()[1]
+        if len(free) < _MAX_FREE_BUFFERS and len(buf) <= _MAX_KEPT_BUFFER_BYTES:
+            free.append(buf)
+    return free.pop() if free else bytearray()
 
 
 class _Abandoned(Exception):
@@ -153,8 +177,10 @@ class EngineCoreProc:
     :meth:`_open_extra_inputs` (more sockets for the input thread, e.g. a coordinator's
     publisher), :meth:`_has_work`, :meth:`_process_engine_step`, :meth:`_report_load`,
     :meth:`_scheduler_stats`, :meth:`_handle_add`, :meth:`_handle_start_dp_wave` and
-    :meth:`_handle_wave_complete`. Unknown keyword options are accepted and ignored, so
-    that a launcher can pass data-parallel options to whichever class it runs.
+    :meth:`_handle_wave_complete`. An unknown keyword option is a ``TypeError`` (a
+    launcher picks the data-parallel class whenever it has data-parallel options, see
+    :func:`corewire.engine.launch.serve_engine`), so a misspelt option fails the start
+    instead of being ignored.
     """
 
     #: Utility methods the proc itself answers (before the engine's own methods).
@@ -173,20 +199,13 @@ class EngineCoreProc:
         linger_ms: int = 5000,
         dp_stats_address: str | None = None,
         stop_notice: bool = False,
-        **options: Any,
     ) -> None:
         if not 0 <= engine_index < 1 << 16:
             raise ValueError(f"engine_index must fit in 2 bytes, got {engine_index}")
-        if options:
-            logger.debug("EngineCoreProc ignores options %s", sorted(options))
         self.engine = engine
         self.engine_index = engine_index
-        self.identity = engine_index.to_bytes(2, "little")
-        self.input_addresses: list[str] = (
-            [input_address] if isinstance(input_address, str) else list(input_address)
-        )
-        if not self.input_addresses:
-            raise ValueError("at least one input address is required")
+        self.identity = engine_identity(engine_index)
+        self.input_addresses = _address_list(input_address, "input")
         self.input_address = self.input_addresses[0]
         self.dp_stats_address = dp_stats_address
         #: The DP group's size, reported in the ready response (1: no data parallelism).
@@ -209,16 +228,16 @@ class EngineCoreProc:
         self._utility_defaults = UtilityDefaults(engine)
         #: Set once the ready response went out on every request link.
         self.ready_event = threading.Event()
-        self.output_addresses: list[str] = (
-            [output_address] if isinstance(output_address, str) else list(output_address)
-        )
-        if not self.output_addresses:
-            raise ValueError("at least one output address is required")
+        self.output_addresses = _address_list(output_address, "output")
         self.log_stats = log_stats
         self.include_finished_set = include_finished_set
         self.idle_poll_s = idle_poll_s
         self.linger_ms = linger_ms
+        self._init_threads_state()
 
+    def _init_threads_state(self) -> None:
+        """The queues, flags and sockets' context the three threads share (part of
+        ``__init__``)."""
         self.input_queue: queue.SimpleQueue[InputItem] = queue.SimpleQueue()
         self.output_queue: queue.SimpleQueue[Any] = queue.SimpleQueue()
         # Set by the busy loop when it pauses for the output queue, cleared by the output
@@ -710,7 +729,7 @@ class EngineCoreProc:
     ) -> EngineCoreOutputs:
         if not isinstance(failure, concurrent.futures.CancelledError):
             logger.debug("utility call %s failed: %r", method, failure)
-        message = f"Call to {method} method failed: {failure}"
+        message = utility_failure_text(method, failure)
         return self._outputs(utility_output=UtilityOutput(call_id, message, None))
 
     # ------------------------------------------------------------------ fatal
@@ -857,20 +876,14 @@ class EngineCoreProc:
                 return
             index, message = item
             if message is ENGINE_CORE_DEAD:
-                for sock in sockets[:num_clients]:
-                    wait(sock)
-                    sock.send(ENGINE_CORE_DEAD)
+                self._send_dead(sockets[:num_clients])
                 continue
             sock = sockets[index] if -len(sockets) <= index < len(sockets) else sockets[0]
             if isinstance(message, _Encoded):
                 wait(sock)
                 sock.send_multipart(message.frames, copy=False)
                 continue
-            while in_flight and in_flight[0][0].done:
-                buf = in_flight.popleft()[1]
-                if len(free) < _MAX_FREE_BUFFERS and len(buf) <= _MAX_KEPT_BUFFER_BYTES:
-                    free.append(buf)
-            buf = free.pop() if free else bytearray()
+            buf = _take_buffer(in_flight, free)
             frames = encoder.encode_into(message, buf)
             # The payload's own tracker decides when `buf` is free again: the one
             # send_multipart returns belongs to the last frame, which for a small aux
@@ -889,6 +902,12 @@ class EngineCoreProc:
                 free.append(buf)
             else:
                 in_flight.append((tracker, buf, frames))
+
+    def _send_dead(self, client_sockets: list[zmq.Socket]) -> None:
+        """ENGINE_CORE_DEAD to every client (output thread)."""
+        for sock in client_sockets:
+            self._wait_writable(sock)
+            sock.send(ENGINE_CORE_DEAD)
 
     def _wait_writable(self, sock: zmq.Socket) -> None:
         """Return once ``sock`` takes a message; raise :class:`_Abandoned` when a stop
@@ -935,16 +954,16 @@ class _InputDecoder:
             return
         request_type = frames[0].bytes
         try:
-            if request_type == _ADD:
+            if request_type == REQUEST_ADD:
                 self._decode_add(frames)
-            elif request_type == _UTILITY:
+            elif request_type == REQUEST_UTILITY:
                 self._decode_utility(frames)
-            elif request_type == _ABORT:
+            elif request_type == REQUEST_ABORT:
                 ids = self._any_decoder.decode(frames[1:])
                 if not isinstance(ids, list) or not all(isinstance(i, str) for i in ids):
                     raise ProtocolError("ABORT payload must be an array of request-id strings")
                 self._put(AbortRequests(ids))
-            elif request_type == _START_DP_WAVE:
+            elif request_type == REQUEST_START_DP_WAVE:
                 self._put(StartWave.from_payload(self._any_decoder.decode(frames[1:])))
             else:
                 raise ProtocolError(f"unknown request type {request_type!r}")

@@ -31,6 +31,9 @@
 
 Without a coordinator address it behaves like the plain proc (a launcher may pass DP
 options to a single engine).
+
+Wire format: docs/protocol.md §8.2 (corewire's coordinator) and §5.6 (elastic-scaling
+notifications).
 """
 
 from __future__ import annotations

@@ -1,8 +1,10 @@
 """Reading the leading fields of a msgpack array without decoding the rest.
 
 When a request frame fails to decode, the engine still answers the sender if it can
-read who that is: the request id of an ADD (field 0, and the client index, field 11) or
-the call id of a UTILITY (fields 0-2). A full decode cannot be the fallback, because
+read who that is: the request id and client index of an ADD, or the client index, call
+id and method of a UTILITY (docs/protocol.md §4; the engine core takes their positions
+from the wire types in :mod:`corewire.protocol`, this module only reads the array's
+leading items). A full decode cannot be the fallback, because
 the frame may have failed precisely for being nested past the decoder's recursion
 limit. :func:`read_head` walks the frame iteratively (a count of items still to skip,
 no recursion), so its stack use is constant whatever the nesting, and it stops after a

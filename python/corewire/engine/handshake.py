@@ -37,6 +37,8 @@ lockstep through torch collectives and must prove identical vLLM parallel config
 corewire engine cannot take part, so it refuses with a clear error instead. (vLLM's own
 engines for other models send no ``parallel_config_hash`` either: they run as
 independent DP = 1 engines, and the front-end checks the hash only for MoE groups.)
+
+Wire format: docs/protocol.md §3.2 (joining a vLLM front-end: HELLO, metadata, READY).
 """
 
 from __future__ import annotations
@@ -51,6 +53,7 @@ import zmq
 
 from corewire.engine.core import EngineCoreProc
 from corewire.engine.link import connect_socket
+from corewire.protocol import READY_STATUS, engine_identity
 
 __all__ = [
     "DEFAULT_HANDSHAKE_TIMEOUT_S",
@@ -149,7 +152,7 @@ class FrontEndHandshake:
                 zmq.DEALER,
                 address,
                 linger_ms=_LINGER_MS,
-                identity=engine_index.to_bytes(2, "little"),
+                identity=engine_identity(engine_index),
             )
         except BaseException:
             self._ctx.term()
@@ -171,7 +174,7 @@ class FrontEndHandshake:
 
     def ready(self) -> None:
         """Tell the front-end this engine is serving (after its ready responses)."""
-        self._sock.send(self._status("READY"))
+        self._sock.send(self._status(READY_STATUS))
 
     def close(self) -> None:
         """Close the socket (lingering so that READY still goes out) and the context."""

@@ -3,15 +3,18 @@
 The input thread (and the DP coordinator's subscriptions) put these on
 ``EngineCoreProc.input_queue``; the busy loop dispatches on their type. START_DP_WAVE
 and WAVE_COMPLETE arrive as :class:`~corewire.dp_messages.StartWave` and
-:class:`~corewire.dp_messages.WaveComplete` themselves.
+:class:`~corewire.dp_messages.WaveComplete` themselves, UTILITY as
+:class:`~corewire.protocol.UtilityCall` (the payload's own type).
+
+Wire format: docs/protocol.md §4 (the request types these stand for).
 """
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
 from corewire.dp_messages import StartWave, WaveComplete
-from corewire.protocol import EngineCoreRequest
+from corewire.protocol import EngineCoreRequest, UtilityCall
 
 __all__ = [
     "RESUME",
@@ -21,7 +24,6 @@ __all__ = [
     "AddRequest",
     "IOFailed",
     "InputItem",
-    "UtilityCall",
 ]
 
 
@@ -35,15 +37,6 @@ class AbortRequests(NamedTuple):
     """ABORT: the requests to abort."""
 
     request_ids: list[str]
-
-
-class UtilityCall(NamedTuple):
-    """UTILITY, in the payload's order ``[client_index, call_id, method, args]``."""
-
-    client_index: int
-    call_id: int
-    method: str
-    args: Any
 
 
 class AddRefused(NamedTuple):

@@ -1,4 +1,8 @@
-"""The :class:`Engine` interface: what a user implements to run inside an engine process."""
+"""The :class:`Engine` interface: what a user implements to run inside an engine process.
+
+Wire format: docs/protocol.md §5.8 (a minimal engine, step by step) and §9.3 (errors an
+engine reports).
+"""
 
 from __future__ import annotations
 

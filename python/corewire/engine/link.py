@@ -1,11 +1,15 @@
 """The engine side of its links: socket set-up, the receiving loop, output stamping.
 
-Every engine-side socket is made by :func:`connect_socket`, every receiving thread (the
-engine core's input thread with its request links and coordinator subscriptions, the
-replay engine's request link) drains its sockets the same way (:class:`Receiver`), and
-every ``EngineCoreOutputs`` an engine sends is built by :func:`engine_outputs`, which
+Every engine-side socket is made by :func:`connect_socket`; the engine core's receiving
+thread (its request links and coordinator subscriptions) drains its sockets through
+:class:`Receiver` (the replay engine, which receives and steps on one thread, does not:
+see :class:`corewire.engine.replay.EngineLink`); and every ``EngineCoreOutputs`` an
+engine sends is built by :func:`engine_outputs`, which
 stamps it with the engine's index and the time (:func:`stamp_unstamped` for messages a
 test engine built itself).
+
+Wire format: docs/protocol.md §2 (sockets and identities) and §5.2 (``engine_index``,
+``timestamp``).
 """
 
 from __future__ import annotations

@@ -4,6 +4,8 @@ It carries every key of vLLM 0.25.1's ``EngineCoreReadyResponse`` (vLLM's front-
 decodes it strictly: a missing key fails its start-up), with the engine's own values
 from :meth:`corewire.engine.Engine.engine_info`, plus three keys of corewire's own
 (``status``, ``engine_index``, ``pid``) that vLLM's decoder ignores.
+
+Wire format: docs/protocol.md §3.1 (the ready response).
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ import os
 from typing import Any
 
 from corewire.engine.interface import EngineInfo
+from corewire.protocol import READY_STATUS
 
 __all__ = ["VLLM_PROTOCOL_VERSION", "engine_info_of", "ready_response"]
 
@@ -61,7 +64,7 @@ def ready_response(
         "kv_cache_size_tokens": info.kv_cache_size_tokens,
         "kv_cache_max_concurrency": info.kv_cache_max_concurrency,
         # corewire's own: who is ready (vLLM's front-end ignores unknown keys).
-        "status": "READY",
+        "status": READY_STATUS,
         "engine_index": engine_index,
         "pid": os.getpid(),
     }

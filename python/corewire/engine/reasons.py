@@ -13,6 +13,8 @@ these terms:
   paths replaced by ``<path>``, at most :data:`MAX_REASON_CHARS` characters;
 - any other exception is an engine fault whose text may hold internals: the reason is
   only :data:`INTERNAL_ERROR_REASON` (the engine log keeps the details).
+
+Wire format: docs/protocol.md §9.3 (errors an engine reports).
 """
 
 from __future__ import annotations

@@ -226,6 +226,19 @@ class _ReferenceWorker:
         return os.getpid()
 
 
+def _device_and_dtype(device: str, dtype: str) -> tuple[str, torch.dtype]:
+    """``device`` and ``dtype`` with "auto" resolved (CUDA and bfloat16 when there is a
+    GPU); ``ValueError`` for a dtype that is not a torch floating-point type."""
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    if dtype == "auto":
+        dtype = "bfloat16" if device.startswith("cuda") else "float32"
+    torch_dtype = getattr(torch, dtype, None)
+    if not isinstance(torch_dtype, torch.dtype) or not torch_dtype.is_floating_point:
+        raise ValueError(f"unsupported dtype {dtype!r}")
+    return device, torch_dtype
+
+
 class ReferenceEngine(Engine):
     """Built-in engine: a tiny torch language model (see the module docstring).
 
@@ -264,13 +277,7 @@ class ReferenceEngine(Engine):
         record_events: bool = False,
         profile_dir: str | None = None,
     ) -> None:
-        if device == "auto":
-            device = "cuda" if torch.cuda.is_available() else "cpu"
-        if dtype == "auto":
-            dtype = "bfloat16" if device.startswith("cuda") else "float32"
-        torch_dtype = getattr(torch, dtype, None)
-        if not isinstance(torch_dtype, torch.dtype) or not torch_dtype.is_floating_point:
-            raise ValueError(f"unsupported dtype {dtype!r}")
+        device, torch_dtype = _device_and_dtype(device, dtype)
         for name, value in (("max_batch", max_batch), ("window", window)):
             if value < 1:
                 raise ValueError(f"{name} must be at least 1, got {value}")
@@ -294,7 +301,12 @@ class ReferenceEngine(Engine):
         self._model: TinyLM | None = self._build_model()
         self._rng = torch.Generator(device=self.device).manual_seed(seed)
         self._arange_vocab = torch.arange(vocab_size, device=self.device)
+        self._profile_dir = profile_dir
+        self._init_scheduler_state()
 
+    def _init_scheduler_state(self) -> None:
+        """The request queues and the pause, sleep and profiling state (part of
+        ``__init__``)."""
         self._requests: dict[str, _Request] = {}
         self._waiting: collections.deque[_Request] = collections.deque()
         self._running: list[_Request] = []
@@ -310,7 +322,6 @@ class ReferenceEngine(Engine):
         self._sleep_level = 0
         self._profiler: Any = None
         self._profile_prefix: str | None = None
-        self._profile_dir = profile_dir
         # Pending delayed_echo replies: one thread for all of them, a capped backlog.
         self._delayed = DelayedResults("corewire-reference-delayed-echo")
         self._worker = _ReferenceWorker(self)

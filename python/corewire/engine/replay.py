@@ -17,6 +17,9 @@ It stops on SIGTERM and when the process that started it dies. :class:`EngineLin
 :class:`ReplayEngine` are reusable by test engines that misbehave on purpose. The link's
 sockets and output messages come from :mod:`corewire.engine.link`, as the engine core's
 do; only its receive differs (one blocking call, no poll, for the lowest round trip).
+
+Wire format: docs/protocol.md §3.1, §4 and §5 (the minimal engine of §5.8, without a
+model).
 """
 
 from __future__ import annotations
@@ -30,18 +33,23 @@ import msgspec
 import zmq
 
 from corewire.codec import Encoder, MsgspecDecoder
-from corewire.engine.inputs import UtilityCall
 from corewire.engine.interface import EngineInfo
 from corewire.engine.link import connect_socket, engine_outputs, stamp_unstamped
 from corewire.engine.ready import ready_response
 from corewire.protocol import (
+    REQUEST_ABORT,
+    REQUEST_ADD,
+    REQUEST_UTILITY,
     EngineCoreOutput,
     EngineCoreOutputs,
     EngineCoreRequest,
-    EngineCoreRequestType,
     FinishReason,
+    UtilityCall,
     UtilityOutput,
     UtilityResult,
+    engine_identity,
+    utility_failure_text,
+    utility_result_wire,
 )
 
 __all__ = [
@@ -52,9 +60,6 @@ __all__ = [
     "run_replay_engine",
 ]
 
-_ADD = EngineCoreRequestType.ADD.value
-_ABORT = EngineCoreRequestType.ABORT.value
-_UTILITY = EngineCoreRequestType.UTILITY.value
 #: How often an idle engine checks that its parent is alive.
 _PARENT_POLL_MS = 200
 
@@ -76,7 +81,7 @@ def replay_frame(batch: int, engine_index: int = 0) -> bytes:
 
 def _plain_value(obj: Any) -> Any:
     if isinstance(obj, UtilityResult):
-        return [None, obj.result]  # no type information: see UtilityResult
+        return utility_result_wire(obj)
     raise TypeError(f"{type(obj).__name__} is not plain msgpack")
 
 
@@ -94,7 +99,19 @@ def encode_plain_outputs(outputs: EngineCoreOutputs) -> bytes | None:
 
 
 class EngineLink:
-    """The engine side of the two links: DEALER for requests, PUSH for outputs."""
+    """The engine side of the two links: DEALER for requests, PUSH for outputs.
+
+    The sockets come from :func:`~corewire.engine.link.connect_socket` and the outputs
+    from :func:`~corewire.engine.link.engine_outputs`, as the engine core's. The receive
+    is its own, not :class:`~corewire.engine.link.Receiver`, on purpose: a Receiver owns
+    a thread that polls until a stop flag and hands each message to a handler, while
+    the replay engine receives and steps on ONE thread, taking at most one message
+    between two steps (:meth:`recv` with ``block=False``) and blocking in a single
+    ``recv_multipart`` only when idle. A poll before each receive would add a system
+    call to every utility round trip, the latency the client benchmark measures, and a
+    second thread would add a hand-off to it; the replay engine exists to measure the
+    client, so its engine side must cost as little as possible.
+    """
 
     def __init__(
         self,
@@ -113,7 +130,7 @@ class EngineLink:
                 self.ctx,
                 zmq.DEALER,
                 input_address,
-                identity=engine_index.to_bytes(2, "little"),
+                identity=engine_identity(engine_index),
                 options=(*unbounded, (zmq.RCVTIMEO, _PARENT_POLL_MS)),
             )
             try:
@@ -206,25 +223,25 @@ class ReplayEngine:
     def handle(self, message: Sequence[bytes]) -> None:
         """Act on one request message."""
         kind, payload = message[0], message[1]
-        if kind == _UTILITY:
+        if kind == REQUEST_UTILITY:
             call = UtilityCall._make(msgspec.msgpack.decode(payload))
             call_id, method, args = call.call_id, call.method, call.args or ()
             handler = getattr(self, f"utility_{method}", None)
             if handler is None:
-                self.link.reply(call_id, failure=f"Call to {method} method failed: no such method")
+                self.link.reply(call_id, failure=utility_failure_text(method, "no such method"))
                 return
             try:
                 result = handler(*args)
             except Exception as exc:
-                self.link.reply(call_id, failure=f"Call to {method} method failed: {exc}")
+                self.link.reply(call_id, failure=utility_failure_text(method, exc))
                 return
             self.link.reply(call_id, result)
             after, self._after_reply = self._after_reply, None
             if after is not None:
                 after()
-        elif kind == _ADD:
+        elif kind == REQUEST_ADD:
             self.add(self._decode_request(list(message[1:])))
-        elif kind == _ABORT:
+        elif kind == REQUEST_ABORT:
             finished = set()
             for request_id in msgspec.msgpack.decode(payload):
                 if self.running.pop(request_id, None) is not None:

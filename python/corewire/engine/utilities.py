@@ -7,6 +7,8 @@ profiling, LoRA ...). An :class:`~corewire.engine.Engine` implements the ones it
 no-ops for an engine that has no such cache or lockstep peers, the queries say "no", and
 whatever would need a feature the engine lacks (LoRA adapters, sleep, profiling ...)
 fails with :class:`UnsupportedUtility`, whose text names the method and the engine.
+
+Wire format: docs/protocol.md §4.6 (UTILITY) and §5.6 (its reply).
 """
 
 from __future__ import annotations

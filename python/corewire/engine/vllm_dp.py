@@ -27,6 +27,9 @@ waves stamped on requests, and is reported with the counts. ``step_counter`` is 
 as 0: the coordinator orders stats by (wave, step) across the whole group, which only
 means something for lockstep ranks; a constant keeps independent ranks' reports from
 looking out of order. The handshake refuses a coordinated (MoE) group.
+
+Wire format: docs/protocol.md §3.3 (the coordinator subscription) and §8.1 (vLLM's
+coordinator).
 """
 
 from __future__ import annotations
@@ -39,18 +42,14 @@ from typing import Any, ClassVar
 import msgspec
 import zmq
 
-from corewire.dp_messages import XPUB_SUBSCRIBE, StartWave
+from corewire.dp_messages import COORDINATOR_READY, XPUB_SUBSCRIBE, StartWave
 from corewire.engine.core import EngineCoreProc
 from corewire.engine.interface import Engine
-from corewire.protocol import EngineCoreRequest, EngineCoreRequestType
+from corewire.protocol import REQUEST_START_DP_WAVE, EngineCoreRequest
 
-__all__ = ["COORDINATOR_READY", "VllmDPEngineCoreProc"]
+__all__ = ["VllmDPEngineCoreProc"]
 
 logger = logging.getLogger("corewire.engine")
-
-#: What vLLM's coordinator sends an engine once the whole group subscribed.
-COORDINATOR_READY = b"READY"
-_START_DP_WAVE = EngineCoreRequestType.START_DP_WAVE.value
 
 
 class VllmDPEngineCoreProc(EngineCoreProc):
@@ -112,7 +111,7 @@ class VllmDPEngineCoreProc(EngineCoreProc):
         if kind == COORDINATOR_READY:
             return
         try:
-            if kind != _START_DP_WAVE or len(frames) < 2:
+            if kind != REQUEST_START_DP_WAVE or len(frames) < 2:
                 raise ValueError(f"unknown message type {kind[:8]!r}")
             payload = msgspec.msgpack.decode(frames[1].buffer)
             wave = StartWave.from_payload(payload, nil_excludes_none=True)

@@ -22,6 +22,9 @@ differ from corewire's own clients only where vLLM's front-end needs it:
 Health watchdog settings come from the environment: ``COREWIRE_HEALTH_CHECK_INTERVAL_S``
 (default 5) and ``COREWIRE_HEALTH_CHECK_TIMEOUT_S`` (default 10); an interval of 0 turns
 the watchdog off.
+
+Wire format: docs/protocol.md §3.1 (the ready response applied to vLLM's config), §5 and
+§9.2 (outputs, a bad frame fails alone).
 """
 
 from __future__ import annotations
@@ -44,7 +47,7 @@ import corewire.errors
 from corewire.client.async_client import AsyncMPClient
 from corewire.codec import NativeDecoder
 from corewire.errors import ProtocolError
-from corewire.protocol import EngineCoreOutput, EngineCoreOutputs, FinishReason
+from corewire.protocol import FinishReason, finished_outputs
 
 __all__ = [
     "EngineDeadError",
@@ -257,13 +260,7 @@ class VllmClientMixin:
                 request_ids = getattr(exc, "request_ids", ())
                 self._note_protocol_error(exc, request_ids)
                 if request_ids:
-                    return EngineCoreOutputs(
-                        outputs=[
-                            EngineCoreOutput(rid, [], finish_reason=FinishReason.ERROR)
-                            for rid in request_ids
-                        ],
-                        timestamp=time.monotonic(),
-                    )
+                    return finished_outputs(request_ids, FinishReason.ERROR)
 
     def _note_protocol_error(self, exc: BaseException, request_ids: tuple[str, ...]) -> None:
         self.protocol_errors += 1

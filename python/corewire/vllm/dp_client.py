@@ -5,6 +5,9 @@ or reached through ``client_addresses["stats_update_address"]``): these clients 
 coordinator of their own and follow vLLM's publications on its front-end stats address,
 whose format (``[counts, current_wave, engines_running]``) corewire's DP clients already
 read. Routing, aborts, utility fan-out and death handling are corewire's.
+
+Wire format: docs/protocol.md §8.1 (vLLM's coordinator) and §5.6 (elastic-scaling
+notifications).
 """
 
 from __future__ import annotations

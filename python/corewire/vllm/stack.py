@@ -17,6 +17,8 @@ leaves vLLM's own client in place. The model directory must match the engines' v
 
 On a machine without a GPU, vLLM's front-end needs a platform plugin (the project's
 ``tools/vllm-cpu-platform``), installed by ``scripts/serve`` and the test set-up.
+
+Wire format: docs/protocol.md §3.2 (engines joining a vLLM front-end).
 """
 
 from __future__ import annotations
