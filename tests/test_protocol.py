@@ -337,3 +337,55 @@ def test_outputs_struct_round_trip() -> None:
     decoded = MsgspecDecoder(p.EngineCoreOutputs).decode(Encoder().encode(outs))
     assert np.array_equal(decoded.outputs[0].routed_experts, array)
     assert decoded.finished_requests == {"r"}
+
+
+@pytest.mark.parametrize("index", [0, 1, 255, 256, 65535])
+def test_engine_identity_is_two_little_endian_bytes(index: int) -> None:
+    """§2: an engine's identity is its index as 2 bytes, little-endian, and reads back."""
+    identity = p.engine_identity(index)
+    assert identity == bytes([index & 0xFF, index >> 8])
+    assert p.engine_index_of(identity) == index
+
+
+def test_engine_identity_past_two_bytes_is_refused() -> None:
+    with pytest.raises(OverflowError):
+        p.engine_identity(65536)
+
+
+@pytest.mark.parametrize("method", ["add_lora", "collective_rpc", "a method with spaces"])
+def test_utility_failure_text_names_its_method(method: str) -> None:
+    """§5.6: the failure message is vLLM's ``Call to <method> method failed: <error>``,
+    and the method reads back out of it; other texts name none."""
+    text = p.utility_failure_text(method, ValueError("no: not here"))
+    assert text == f"Call to {method} method failed: no: not here"
+    assert p.failed_method(text) == method
+    for other in ("boom", "Engine Call to x method failed", "Call to x failed", ""):
+        assert p.failed_method(other) is None
+
+
+def test_field_position_is_the_wire_index() -> None:
+    """The positions code reads out of undecoded payloads are the structs' own."""
+    assert p.field_position(p.EngineCoreOutputs, "outputs") == 1
+    assert p.field_position(p.EngineCoreOutputs, "utility_output") == 4
+    assert p.field_position(p.EngineCoreOutput, "request_id") == 0
+    assert p.field_position(p.UtilityOutput, "call_id") == 0
+    assert p.field_position(p.EngineCoreRequest, "client_index") == 11
+    with pytest.raises(ValueError):
+        p.field_position(p.EngineCoreOutputs, "no_such_field")
+
+
+def test_utility_call_encodes_as_the_plain_wire_array() -> None:
+    """§4.6: the named payload writes the same bytes as ``[client_index, call_id, method,
+    args]``."""
+    call = p.UtilityCall(1, 7, "echo", ("x", 2))
+    assert msgspec.msgpack.encode(call) == msgspec.msgpack.encode([1, 7, "echo", ["x", 2]])
+
+
+def test_finished_outputs_end_each_request_once() -> None:
+    out = p.finished_outputs(["a", "b"], p.FinishReason.ABORT, engine_index=3)
+    assert out.engine_index == 3 and out.timestamp > 0
+    assert [(o.request_id, o.new_token_ids, o.finish_reason) for o in out.outputs] == [
+        ("a", [], p.FinishReason.ABORT),
+        ("b", [], p.FinishReason.ABORT),
+    ]
+    assert out.finished_requests == {"a", "b"}
