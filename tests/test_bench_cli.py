@@ -8,9 +8,11 @@ blocking the import the way Python blocks one on purpose (``sys.modules[name] = 
 
 from __future__ import annotations
 
+import asyncio
 import datetime
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -24,6 +26,7 @@ import pytest
 
 from corewire import cli
 from corewire._optional import is_installed
+from corewire.bench import client as client_bench
 from corewire.bench import decode as decode_bench
 from corewire.bench import gc_times
 from corewire.bench.serve_profile import (
@@ -34,6 +37,9 @@ from corewire.bench.serve_profile import (
     is_waiting,
     read_profile,
 )
+from corewire.client import AsyncMPClient
+from corewire.codec import NativeDecoder
+from corewire.errors import ProtocolError
 from corewire.versions import UnsupportedProtocolError, protocol_for_vllm
 
 HAVE_VLLM = is_installed("vllm")
@@ -229,17 +235,23 @@ def test_decode_without_vllm_says_so(tmp_path: Path) -> None:
     assert {tuple(c["ratios"]) for c in doc["cases"]} == {("msgspec",)}
 
 
-@needs_matplotlib
 def test_client_json_and_plot(tmp_path: Path) -> None:
+    # The plot only where matplotlib is (the vLLM 0.33.0 venv has none): the JSON and the
+    # checksum comparison run everywhere, on the installed vLLM's wire.
     out, png = tmp_path / "client.json", tmp_path / "client.png"
+    plot = ("--plot", str(png)) if HAVE_MATPLOTLIB else ()
     proc = bench(
         "client", "--quick", "--cases", "plain:1,top-5:32", "--gc", "default", "--trials", "1",
-        "--calls", "128", "--json", str(out), "--plot", str(png),
+        "--calls", "128", "--json", str(out), *plot,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stdout + proc.stderr
     doc = read_results(out, "client")
     variants = {"raw", "baseline", "corewire", "d+t"} | ({"vllm"} if HAVE_VLLM else set())
     assert doc["baseline"] == ("vllm" if HAVE_VLLM else "baseline")
+    installed = doc["machine"]["vllm"]
+    assert doc["protocol"] == (protocol_for_vllm(installed) if installed else "0.25.1")
+    assert f"protocol {doc['protocol']!r}" in proc.stdout
+    assert doc["equal"] is True
     assert [(c["gc"], c["case"], c["batch"]) for c in doc["cases"]] == [
         ("default", "plain", 1),
         ("default", "top-5", 32),
@@ -258,7 +270,74 @@ def test_client_json_and_plot(tmp_path: Path) -> None:
         "utility sequential",
         "utility 64 concurrent",
     ]
-    check_png(png)
+    if HAVE_MATPLOTLIB:
+        check_png(png)
+        assert "plot written to" in proc.stdout
+
+
+@pytest.mark.parametrize(
+    ("installed", "protocol"),
+    [(None, "0.25.1"), ("0.25.1", "0.25.1"), ("0.33.0", "0.33.0"), ("0.33.0+cpu", "0.33.0")],
+)
+def test_client_measures_the_installed_vllms_wire(installed: str | None, protocol: str) -> None:
+    assert client_bench.baseline_protocol(installed) == protocol
+
+
+def test_client_refuses_an_unsupported_vllm(tmp_path: Path) -> None:
+    # Another vLLM release found first on the path: no engine starts, nothing is measured.
+    (tmp_path / "vllm").mkdir()
+    (tmp_path / "vllm" / "__init__.py").write_text('__version__ = "0.30.0"\n')
+    info = tmp_path / "vllm-0.30.0.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: vllm\nVersion: 0.30.0\n")
+    proc = bench("client", "--quick", "--cases", "plain:1", "--trials", "1", path_first=tmp_path)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert "corewire bench client: unsupported vLLM version '0.30.0'" in proc.stderr
+    assert "'0.25.1', '0.33.0'" in proc.stderr
+    assert "stream" not in proc.stdout
+    with pytest.raises(UnsupportedProtocolError):
+        client_bench.baseline_protocol("0.30.0")
+
+
+@pytest.mark.parametrize("protocol", ["0.25.1", "0.33.0"])
+async def test_client_bench_engine_speaks_each_protocol(protocol: str) -> None:
+    # The bench engine of each version (its ready map, its frames) read by corewire's client
+    # of that version: what a consumer touches equals the frame decoded directly.
+    client = AsyncMPClient(
+        engine_main=client_bench.run_bench_engine, protocol=protocol, wire=protocol
+    )
+    try:
+        assert client.protocol == protocol
+        (ready,) = client.ready_info.values()
+        # 0.33.0's front-end requires these keys; 0.25.1's map has none of them.
+        assert ("tensor_parallel_size" in ready) is (protocol == "0.33.0")
+        frame = client_bench.case_frame("top-5", 32, protocol)
+        expected = client_bench.touch(NativeDecoder(protocol=protocol).decode([frame]))
+        size = await client.call_utility_async("replay_case", "top-5", 32, 3)
+        assert size == len(frame)
+        sums = [client_bench.touch(await client.get_output_async()) for _ in range(3)]
+        assert sums == [expected] * 3 and expected > 32
+        assert await client.call_utility_async("echo", [protocol]) == [protocol]
+    finally:
+        client.shutdown()
+
+
+async def test_client_bench_engine_of_0_33_0_is_not_read_as_0_25_1() -> None:
+    # The frames really are 0.33.0's: a 0.25.1 client cannot read their outputs.
+    assert client_bench.case_frame("plain", 8, "0.33.0") != client_bench.case_frame("plain", 8)
+    client = AsyncMPClient(engine_main=client_bench.run_bench_engine, wire="0.33.0")
+    try:
+        assert client.protocol == "0.25.1"  # the documented default
+        await client.call_utility_async("replay_case", "plain", 8, 1)
+        with pytest.raises(ProtocolError):
+            await asyncio.wait_for(client.get_output_async(), 30)
+    finally:
+        client.shutdown()
+
+
+def test_client_refuses_an_unsupported_protocol() -> None:
+    with pytest.raises(UnsupportedProtocolError, match=re.escape("'0.25.1', '0.33.0'")):
+        AsyncMPClient(engine_main=client_bench.run_bench_engine, protocol="0.30.0")
 
 
 @needs_matplotlib

@@ -1,20 +1,26 @@
-"""``corewire bench client``: corewire's AsyncMPClient vs vLLM 0.25.1's own AsyncMPClient.
+"""``corewire bench client``: corewire's AsyncMPClient vs the installed vLLM's AsyncMPClient.
 
 Run: ``corewire bench client`` (a few minutes; ``--quick`` for a short run).
 
-Every variant talks to its own fake engine process (the same code for all, defined
-here on ``corewire.engine.replay``): a real child process speaking the wire protocol,
-with a full ready response (vLLM's client decodes it strictly), that on the utility
-call ``replay_case(case, batch, count)`` pushes ``count`` copies of one pre-encoded
-``EngineCoreOutputs`` frame of ``batch`` outputs as fast as ZeroMQ takes them. Frames of
-case ``top-5`` carry per output a ``LogprobsLists`` of three tiny inline arrays, as vLLM's
-scheduler sends them. What is timed is the receiving side, in this process:
+The wire is the installed vLLM's: 0.25.1 or 0.33.0 (``corewire.versions``), 0.25.1
+without vLLM; another vLLM release stops the run (exit status 2, naming the supported
+ones) rather than measuring a wire corewire would decode wrongly.
 
-- ``vllm``: vLLM 0.25.1's ``AsyncMPClient`` (built with ``client_addresses``, as vLLM's API
-  server builds it for engines it does not launch), ``get_output_async()``; the baseline
-  the goals are read against (when vLLM is installed; without it the run says so and the
-  goals are read against ``baseline``).
-- ``corewire``: corewire's ``AsyncMPClient`` with its output task and ``get_output_async()``.
+Every variant talks to its own fake engine process (the same code for all, defined
+here on ``corewire.engine.replay``): a real child process speaking that version's wire,
+with that version's full ready response (vLLM's client decodes it strictly;
+``corewire.ready_layouts``), that on the utility call ``replay_case(case, batch, count)``
+pushes ``count`` copies of one ``EngineCoreOutputs`` frame of ``batch`` outputs, encoded
+once in that version's layout (``Encoder(protocol=...)``), as fast as ZeroMQ takes them.
+Frames of case ``top-5`` carry per output a ``LogprobsLists`` of three tiny inline arrays,
+as vLLM's scheduler sends them. What is timed is the receiving side, in this process:
+
+- ``vllm``: the installed vLLM's ``AsyncMPClient`` (built with ``client_addresses``, as
+  vLLM's API server builds it for engines it does not launch), ``get_output_async()``; the
+  baseline the goals are read against (when vLLM is installed; without it the run says so
+  and the goals are read against ``baseline``).
+- ``corewire``: corewire's ``AsyncMPClient(protocol=...)`` with its output task and
+  ``get_output_async()``.
 - ``baseline``: the in-house reference, written here: an asyncio task doing
   ``await recv_multipart(copy=False)``, the ENGINE_CORE_DEAD check, ``MsgspecDecoder``,
   a dict of utility futures keyed by ``uuid1().int >> 64``, ``asyncio.Queue``.
@@ -53,25 +59,28 @@ import uuid
 from collections.abc import Coroutine
 from typing import Any
 
+import msgspec
 import numpy as np
 import zmq
 import zmq.asyncio
 
+from corewire import layouts, versions
 from corewire.bench import common
 from corewire.client import AsyncMPClient
 from corewire.codec import Encoder, MsgspecDecoder
-from corewire.engine.link import engine_outputs
-from corewire.engine.replay import EngineLink, ReplayEngine
+from corewire.engine.interface import EngineInfo
+from corewire.engine.replay import EngineLink, ReplayEngine, encode_plain_outputs
 from corewire.protocol import (
     ENGINE_CORE_DEAD,
     REQUEST_UTILITY,
-    EngineCoreOutput,
-    EngineCoreOutputs,
     FinishReason,
     LogprobsLists,
     UtilityCall,
+    UtilityOutput,
+    UtilityResult,
     engine_identity,
 )
+from corewire.ready_layouts import ready_response_for
 
 __all__ = ["add_arguments", "run"]
 
@@ -99,10 +108,22 @@ def touch(outputs: Any) -> int:
 # -- the fake engine ---------------------------------------------------------------------
 
 
-def case_frame(case: str, batch: int) -> bytes:
-    """One encoded ``EngineCoreOutputs`` of ``batch`` outputs of one new token each (every
-    eighth request finishing); with ``top-5``, a ``LogprobsLists`` per output: ``1 x 6``
-    int32 ids and float32 logprobs and the int64 rank, inline as vLLM sends them."""
+def outputs_message(protocol: str, engine_index: int, **fields: Any) -> Any:
+    """An ``EngineCoreOutputs`` of ``protocol``'s layout, stamped now; under 0.33.0 steps
+    (messages with ``outputs``) carry ``weight_version="default"`` as its engine stamps
+    them, utility replies nil."""
+    if protocol != versions.V0_25_1 and "outputs" in fields:
+        fields.setdefault("weight_version", "default")
+    outputs_type = layouts.types_for(protocol)["EngineCoreOutputs"]
+    return outputs_type(engine_index=engine_index, timestamp=time.monotonic(), **fields)
+
+
+def case_frame(case: str, batch: int, protocol: str = versions.DEFAULT) -> bytes:
+    """One ``EngineCoreOutputs`` of ``batch`` outputs of one new token each (every eighth
+    request finishing), encoded in ``protocol``'s layout; with ``top-5``, a
+    ``LogprobsLists`` per output: ``1 x 6`` int32 ids and float32 logprobs and the int64
+    rank, inline as vLLM sends them."""
+    output_type = layouts.types_for(protocol)["EngineCoreOutput"]
     rng = np.random.default_rng(batch)
     outputs = []
     for i in range(batch):
@@ -113,17 +134,44 @@ def case_frame(case: str, batch: int) -> bytes:
             values = -np.sort(rng.random((1, TOP_K + 1)).astype(np.float32) * 10)
             lp = LogprobsLists(ids, values, np.array([rng.integers(1, 20)], np.int64))
         outputs.append(
-            EngineCoreOutput(
+            output_type(
                 request_id=f"cmpl-{i:08x}-0",
                 new_token_ids=[token],
                 new_logprobs=lp,
                 finish_reason=FinishReason.LENGTH if i % 8 == 7 else None,
             )
         )
-    message = engine_outputs(0, outputs=outputs)
-    frames = Encoder().encode(message)
+    message = outputs_message(protocol, 0, outputs=outputs)
+    frames = Encoder(protocol=protocol).encode(message)
     assert len(frames) == 1, "the bench frames have no aux frames"
     return bytes(frames[0])
+
+
+class BenchLink(EngineLink):
+    """The replay engine's link speaking ``protocol``: that version's ready response and
+    utility replies in its layout (a 0.33.0 front-end refuses 0.25.1's ready map)."""
+
+    def __init__(self, *args: Any, protocol: str, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.protocol = versions.check_protocol(protocol)
+
+    def send_ready(self) -> None:
+        """The ready response of :attr:`protocol` (its required keys all present)."""
+        ready = ready_response_for(self.protocol, EngineInfo(), engine_index=self.engine_index)
+        self.requests.send(msgspec.msgpack.encode(ready))
+
+    def reply(self, call_id: int, result: Any = None, failure: str | None = None) -> None:
+        """Answer utility call ``call_id`` in :attr:`protocol`'s layout."""
+        utility = UtilityOutput(
+            call_id=call_id,
+            failure_message=failure,
+            result=None if failure is not None else UtilityResult(result),
+        )
+        outputs = outputs_message(self.protocol, self.engine_index, utility_output=utility)
+        payload = encode_plain_outputs(outputs)
+        if payload is None:  # the bench's results are plain: this is a bug, not a case
+            raise TypeError(f"utility result of call {call_id} is not plain msgpack")
+        self.outputs.send(payload)
 
 
 class BenchEngine(ReplayEngine):
@@ -132,7 +180,8 @@ class BenchEngine(ReplayEngine):
     def utility_replay_case(self, case: str, batch: int, count: int) -> int:
         """After the reply, push ``count`` frames of ``case`` at ``batch``; returns the
         frame's size in bytes."""
-        return self.push_after_reply(case_frame(case, batch), count)
+        protocol = getattr(self.link, "protocol", versions.DEFAULT)
+        return self.push_after_reply(case_frame(case, batch, protocol), count)
 
 
 def run_bench_engine(
@@ -141,17 +190,19 @@ def run_bench_engine(
     input_address: str,
     output_address: str,
     parent_pid: int | None = None,
+    wire: str = versions.DEFAULT,
     **_options: Any,
 ) -> None:
-    """Process target (``engine_main``) running a :class:`BenchEngine`."""
-    link = EngineLink(engine_index, input_address, output_address, parent_pid)
+    """Process target (``engine_main``) running a :class:`BenchEngine` that speaks
+    protocol ``wire`` (not ``protocol``, which corewire's client keeps for itself)."""
+    link = BenchLink(engine_index, input_address, output_address, parent_pid, protocol=wire)
     try:
         BenchEngine(link).serve()
     finally:
         link.close()
 
 
-def _start_engine(input_address: str, output_address: str) -> Any:
+def _start_engine(input_address: str, output_address: str, protocol: str) -> Any:
     proc = multiprocessing.get_context("spawn").Process(
         target=run_bench_engine,
         kwargs={
@@ -159,6 +210,7 @@ def _start_engine(input_address: str, output_address: str) -> Any:
             "input_address": input_address,
             "output_address": output_address,
             "parent_pid": os.getpid(),
+            "wire": protocol,
         },
         name="bench-engine",
         daemon=True,
@@ -179,7 +231,7 @@ def _private_dir() -> tempfile.TemporaryDirectory[str]:
 class _Engine:
     """A replay engine process on a private pair of ipc endpoints, plus bound sockets."""
 
-    def __init__(self) -> None:
+    def __init__(self, protocol: str) -> None:
         self.tmp = _private_dir()
         self.input_address = f"ipc://{self.tmp.name}/in"
         self.output_address = f"ipc://{self.tmp.name}/out"
@@ -192,7 +244,7 @@ class _Engine:
             sock.setsockopt(zmq.RCVHWM, 0)
         self.input.bind(self.input_address)
         self.output.bind(self.output_address)
-        self.proc = _start_engine(self.input_address, self.output_address)
+        self.proc = _start_engine(self.input_address, self.output_address, protocol)
         self.identity = engine_identity(0)
         ready: zmq.Socket[bytes] = zmq.Socket.shadow(self.input.underlying)
         if not ready.poll(120_000):
@@ -210,12 +262,12 @@ class _Engine:
 
 
 class BaselineClient:
-    """The seed's client code path, with the reference decoder."""
+    """The seed's client code path, with the reference decoder (``protocol``'s structs)."""
 
-    def __init__(self) -> None:
-        self.engine = _Engine()
+    def __init__(self, protocol: str) -> None:
+        self.engine = _Engine(protocol)
         self.encoder = Encoder()
-        self.decoder = MsgspecDecoder(EngineCoreOutputs)
+        self.decoder = MsgspecDecoder(layouts.types_for(protocol)["EngineCoreOutputs"])
         self.utility_results: dict[int, asyncio.Future[Any]] = {}
         self.outputs_queue: asyncio.Queue[Any] = asyncio.Queue()
         self.task: asyncio.Task[None] | None = None
@@ -271,8 +323,8 @@ class BaselineClient:
 class RawReceiver:
     """Plain pyzmq asyncio receive: the ceiling of any asyncio client."""
 
-    def __init__(self) -> None:
-        self.engine = _Engine()
+    def __init__(self, protocol: str) -> None:
+        self.engine = _Engine(protocol)
         self.encoder = Encoder()
 
     async def replay(self, case: str, batch: int, count: int) -> None:
@@ -294,12 +346,16 @@ class RawReceiver:
 
 
 class VllmClient:
-    """vLLM 0.25.1's own ``AsyncMPClient`` over a bench engine process: built with
-    ``client_addresses`` (as vLLM's API server builds it for engines it does not launch)
-    from a real ``VllmConfig`` of a tiny local model directory. Create it inside the
-    running loop (its output task belongs to that loop)."""
+    """The installed vLLM's own ``AsyncMPClient`` over a bench engine process speaking
+    ``protocol`` (the installed vLLM's): built with ``client_addresses`` (as vLLM's API
+    server builds it for engines it does not launch) from a real ``VllmConfig`` of a tiny
+    local model directory. Create it inside the running loop (its output task belongs to
+    that loop).
 
-    def __init__(self) -> None:
+    The same positional call builds 0.25.1's and 0.33.0's client: 0.33.0 added only
+    keywords with defaults (``renderer=None``: no multimodal warm-up to start)."""
+
+    def __init__(self, protocol: str) -> None:
         # vLLM reads these at import: no network, no usage reports.
         for key in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE", "VLLM_NO_USAGE_STATS"):
             os.environ.setdefault(key, "1")
@@ -320,7 +376,7 @@ class VllmClient:
             "input_address": f"ipc://{self.tmp.name}/in",
             "output_address": f"ipc://{self.tmp.name}/out",
         }
-        self.proc = _start_engine(addresses["input_address"], addresses["output_address"])
+        self.proc = _start_engine(addresses["input_address"], addresses["output_address"], protocol)
         model = ModelConfig(
             model=str(write_model_dir(os.path.join(self.tmp.name, "model"))),
             skip_tokenizer_init=True,
@@ -367,9 +423,11 @@ async def stream_trial(variant: Any, case: str, batch: int, count: int) -> tuple
     return time.perf_counter() - start, checksum
 
 
-def decode_touch_us(decoder: Any, case: str, batch: int, count: int, trials: int) -> float:
+def decode_touch_us(
+    decoder: Any, case: str, batch: int, count: int, trials: int, protocol: str
+) -> float:
     """µs per frame to decode one bench frame and touch its outputs, without I/O."""
-    frames = [zmq.Frame(case_frame(case, batch))]
+    frames = [zmq.Frame(case_frame(case, batch, protocol))]
     decode = decoder.decode
     best = float("inf")
     for _ in range(trials):
@@ -424,17 +482,21 @@ async def measure(
     gc_modes: tuple[str, ...],
     calls: int | None,
     use_vllm: bool,
+    protocol: str = versions.DEFAULT,
 ) -> dict[str, Any]:
-    """Runs both parts, printing as it goes; returns what was measured."""
+    """Runs both parts over engines speaking ``protocol``, printing as it goes; returns
+    what was measured."""
     scale = 5 if quick else 1
-    variants: dict[str, Any] = {"raw": RawReceiver()}
+    variants: dict[str, Any] = {"raw": RawReceiver(protocol)}
     if use_vllm:
         try:
-            variants["vllm"] = VllmClient()
+            variants["vllm"] = VllmClient(protocol)
         except ImportError as exc:  # pragma: no cover - depends on the environment
             print(f"vLLM's client is not available ({exc}): no vllm column")
-    variants["baseline"] = BaselineClient()
-    variants["corewire"] = AsyncMPClient(engine_main=run_bench_engine)
+    variants["baseline"] = BaselineClient(protocol)
+    variants["corewire"] = AsyncMPClient(
+        engine_main=run_bench_engine, protocol=protocol, wire=protocol
+    )
     base = "vllm" if "vllm" in variants else "baseline"
     failures = 0
     stream: list[dict[str, Any]] = []
@@ -446,7 +508,8 @@ async def measure(
             await stream_trial(variant, "top-5", 32, 100)
         print(
             f"corewire client benchmark  ({time.strftime('%Y-%m-%d')}, {os.cpu_count()} CPUs,"
-            f" python {platform.python_version()}, {trials} trials, best; baseline {base})"
+            f" python {platform.python_version()}, {trials} trials, best; baseline {base};"
+            f" protocol {protocol!r})"
         )
         print()
         print("1. stream: µs per frame received + every output touched (lower is better)")
@@ -476,7 +539,7 @@ async def measure(
                     failures += 1
                 us = {name: best[name] / count * 1e6 for name in names}
                 us["d+t"] = decode_touch_us(
-                    variants["corewire"].decoder, case, batch, count, trials
+                    variants["corewire"].decoder, case, batch, count, trials, protocol
                 )
                 stream.append(
                     {
@@ -546,6 +609,7 @@ async def measure(
             variant.shutdown()
     return {
         "base": base,
+        "protocol": protocol,
         "names": names,
         "stream": stream,
         "utility": utility,
@@ -600,7 +664,7 @@ def plot(measured: dict[str, Any], path: str) -> None:
     plt = common.pyplot()
     labels = {
         "raw": "raw pyzmq receive (ceiling)",
-        "vllm": "vLLM 0.25.1 AsyncMPClient",
+        "vllm": f"vLLM {measured.get('protocol', versions.DEFAULT)} AsyncMPClient",
         "baseline": "in-house reference client",
         "corewire": "corewire AsyncMPClient",
         "d+t": "corewire decode+touch, no I/O",
@@ -680,6 +744,15 @@ def plot(measured: dict[str, Any], path: str) -> None:
     common.save_figure(fig, path)
 
 
+def baseline_protocol(vllm_version: str | None) -> str:
+    """The protocol to measure with an installed vLLM of ``vllm_version`` (None: none
+    installed, corewire's default); raises ``UnsupportedProtocolError`` naming the
+    supported releases."""
+    if vllm_version is None:
+        return versions.DEFAULT
+    return versions.protocol_for_vllm(vllm_version)
+
+
 def _cases(text: str) -> tuple[tuple[str, int], ...]:
     """``--cases``: ``case:batch`` pairs."""
     found = []
@@ -731,6 +804,15 @@ def run(args: argparse.Namespace) -> int:
         return 2
     trials = args.trials or (2 if args.quick else 5)
     vllm_version = common.vllm_version()
+    try:
+        protocol = baseline_protocol(vllm_version)
+    except versions.UnsupportedProtocolError as e:
+        print(
+            f"corewire bench client: {e}; the baseline must be one of those releases"
+            " (its AsyncMPClient is measured on the wire corewire speaks for it)",
+            file=sys.stderr,
+        )
+        return 2
     if vllm_version is None:
         print(
             f"vLLM is not installed: no comparison with vLLM {common.VLLM_VERSION}'s client; "
@@ -753,6 +835,7 @@ def run(args: argparse.Namespace) -> int:
             gc_modes=args.gc,
             calls=args.calls,
             use_vllm=vllm_version is not None,
+            protocol=protocol,
         )
 
     if args.uvloop:
@@ -770,6 +853,7 @@ def run(args: argparse.Namespace) -> int:
             args.json,
             "client",
             baseline=measured["base"],
+            protocol=protocol,
             options=options,
             cases=measured["stream"],
             goals=found,

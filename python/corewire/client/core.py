@@ -25,6 +25,7 @@ from corewire.engine.startup import check_engine_spec, engine_process_main
 from corewire.errors import EngineDeadError, UtilityError
 from corewire.ipcdir import make_private_dir
 from corewire.protocol import engine_identity, failed_method
+from corewire.versions import check_protocol
 
 __all__ = ["DEFAULT_ENGINE_MAIN", "MPClient", "make_output_decoder", "resolve_utility_output"]
 
@@ -47,9 +48,10 @@ DEFAULT_MAX_OUTPUT_BACKLOG = 65536
 OUTPUT_RCVHWM = 128
 
 
-def make_output_decoder() -> Any:
-    """The decoder of engine output frames: the Rust ``NativeDecoder``."""
-    return NativeDecoder()
+def make_output_decoder(protocol: str | None = None) -> Any:
+    """The decoder of engine output frames: the Rust ``NativeDecoder`` of ``protocol``
+    (None: the default version)."""
+    return NativeDecoder(protocol=protocol)
 
 
 def _resolve(target: str | Callable[..., Any]) -> Callable[..., Any]:
@@ -93,6 +95,9 @@ class MPClient:
             stepping (backpressure: nothing is dropped). None: unbounded, as vLLM.
             Utility replies travel behind the outputs sent before them and wait as they
             do; a health check does not count the time the backlog was full.
+        protocol: the vLLM version whose output frames the engines send (``"0.25.1"``,
+            the default, or ``"0.33.0"``; ``corewire.versions``): picks the decoder.
+            Requests are still written in 0.25.1's layout.
     """
 
     #: Subclasses (DP) may define ``process_engine_outputs(self, outputs)``, plain or
@@ -115,8 +120,11 @@ class MPClient:
         ready_timeout: float = DEFAULT_READY_TIMEOUT_S,
         engine_main: str | Callable[..., Any] = DEFAULT_ENGINE_MAIN,
         max_output_backlog: int | None = DEFAULT_MAX_OUTPUT_BACKLOG,
+        protocol: str = "0.25.1",
         **engine_options: Any,
     ) -> None:
+        #: The vLLM wire version of the engines' outputs (checked before anything starts).
+        self.protocol = check_protocol(protocol)
         if max_output_backlog is not None and max_output_backlog < 2:
             raise ValueError(f"max_output_backlog must be >= 2 or None, got {max_output_backlog}")
         #: The output backlog's high-water mark (None: unbounded); see the class docstring.
@@ -165,7 +173,7 @@ class MPClient:
     def _make_output_decoder(self) -> Any:
         """The decoder of this client's output frames (a front-end adapter may configure
         its own, e.g. stats types)."""
-        return make_output_decoder()
+        return make_output_decoder(self.protocol)
 
     def _launch_engines(self, engine_main: str | Callable[..., Any], external: bool) -> None:
         """Start the engines, once the sockets are bound and before the ready wait.
