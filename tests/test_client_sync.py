@@ -129,17 +129,19 @@ class _HookedSyncClient(SyncMPClient):
 
 
 def test_same_output_rules_as_the_async_client() -> None:
-    # One output link for both clients: the hook sees every message, only those with
-    # outputs or stats are queued, and a notification (call id -1) without a handler
-    # is dropped.
+    # One output link for both clients: the hook sees every message and a notification
+    # (call id -1) without a handler is dropped. Unlike the async client (and like vLLM's
+    # SyncMPClient), a message with neither outputs nor stats is queued too: a blocking
+    # caller may be waiting for the finished_requests that confirm an abort.
     with no_leaks():
         client = _HookedSyncClient(engine_main=SUPPORT)
         try:
             client.call_utility("stats", 7)
             assert client.get_output(timeout=10).scheduler_stats == {"num_waiting_reqs": 7}
             client.add_request(request("h", max_tokens=1))
+            finished_only = client.get_output(timeout=10)
+            assert finished_only.finished_requests == {"gone"} and not finished_only.outputs
             outputs = client.get_output(timeout=10)
-            # The finished_requests-only message reached the hook but not the queue.
             assert [o.request_id for o in outputs.outputs] == ["h"]
             assert [m.finished_requests for m in client.seen[:2]] == [None, {"gone"}]
             client.call_utility("notify", "RECONFIGURE", 3)

@@ -15,9 +15,12 @@ consumer run before the next pass (a fast engine cannot starve it).
 Decisions where the clients used to differ (one behaviour now):
 
 - A message with neither outputs nor scheduler stats (e.g. only ``finished_requests``)
-  goes to the hook, never to the queue: it carries nothing a consumer reads, and waking
-  the consumer for it costs a queue hand-off (vLLM's AsyncMPClient, whose behaviour the
-  vLLM front-end sees, drops it too). The DP hook reads ``finished_requests`` there.
+  goes to the hook and, for async clients, not to the queue: it carries nothing their
+  consumers read, and waking the consumer for it costs a queue hand-off (vLLM's
+  AsyncMPClient, whose behaviour the vLLM front-end sees, drops it too). The DP hook reads
+  ``finished_requests`` there. Sync clients queue it (``queue_empty``), as vLLM's
+  SyncMPClient does: a blocking caller may wait for the ``finished_requests`` that
+  confirm an abort.
 - Utility replies resolve their future through
   :func:`~corewire.client.futures.complete_future` (as every other path that completes
   one): a death on another thread (the engine monitor of a sync client) may fail the
@@ -128,6 +131,7 @@ class OutputLink:
         "_recv",
         "_resources",
         "_work",
+        "_queue_empty",
         "async_hook",
         "fd",
     )
@@ -144,6 +148,7 @@ class OutputLink:
         hook: Callable[..., Any] | None = None,
         hook_is_async: bool = False,
         notify: Callable[[Any], None] | None = None,
+        queue_empty: bool = False,
     ) -> None:
         # A blocking view of the socket: a direct non-blocking receive costs a fraction of
         # pyzmq's asyncio receive, whose machinery is not needed to wait on the descriptor.
@@ -167,6 +172,8 @@ class OutputLink:
         #: Whether :meth:`pump` hands output messages to the driver for an async hook.
         self.async_hook = hook is not None and hook_is_async
         self._notify = notify
+        #: Whether messages with neither outputs nor stats are queued too (sync clients).
+        self._queue_empty = queue_empty
         self._left = DRAIN_BUDGET
         self._work = 0
 
@@ -213,7 +220,7 @@ class OutputLink:
                                 return STOPPED
                             hook(client, outputs)
                 if outputs is not None:
-                    if outputs.outputs or outputs.scheduler_stats:
+                    if outputs.outputs or outputs.scheduler_stats or self._queue_empty:
                         put(outputs)
                         if queue.held >= high and queue.full():
                             return PAUSED

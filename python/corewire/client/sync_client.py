@@ -125,6 +125,8 @@ class SyncMPClient(MPClient):
             name="output thread",
             client_ref=weakref.ref(self),
             hook=hook,
+            # vLLM's SyncMPClient queues every message but utility replies.
+            queue_empty=True,
         )
         wake_r, wake_w = os.pipe()
         thread = threading.Thread(
