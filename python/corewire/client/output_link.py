@@ -128,10 +128,10 @@ class OutputLink:
         "_pop",
         "_put",
         "_queue",
+        "_queue_empty",
         "_recv",
         "_resources",
         "_work",
-        "_queue_empty",
         "async_hook",
         "fd",
     )
@@ -184,6 +184,9 @@ class OutputLink:
         driver does next), or, with an async hook, an output message for the hook, which
         the driver passes back as ``hooked`` once the hook is done.
         """
+        if self._resources.closed:
+            # A resumption scheduled before the client closed: its socket is gone.
+            return STOPPED
         recv, decode, put, hook = self._recv, self._decode, self._put, self._hook
         queue, high = self._queue, self._high
         # A pass starts afresh unless it goes on after an async hook.

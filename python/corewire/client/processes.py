@@ -51,6 +51,10 @@ class ProcessHandle(Protocol):
     def close(self) -> None: ...
 
 
+def _first(item: tuple[int, Any]) -> int:
+    return item[0]
+
+
 class ProcessGroup:
     """The engine processes (engine index -> process) and the coordinator of one client.
 
@@ -86,7 +90,9 @@ class ProcessGroup:
 
     def handles(self) -> list[ProcessHandle]:
         """Every process of the group: the engines in index order, then the coordinator."""
-        procs = [self.engines[i] for i in sorted(self.engines)]
+        # One snapshot of the dict: the monitor thread calls this while the loop thread
+        # may retire engines (a lookup by key could miss one popped meanwhile).
+        procs = [proc for _, proc in sorted(list(self.engines.items()), key=_first)]
         if self.coordinator is not None:
             procs.append(self.coordinator)
         return procs
@@ -158,7 +164,7 @@ class _Monitor:
         self._wake_r, self._wake_w = os.pipe()
         self._stopping = False
         self.thread = threading.Thread(
-            target=self._run, name="corewire-engine-monitor", daemon=True
+            target=self._guarded_run, name="corewire-engine-monitor", daemon=True
         )
 
     def rescan(self) -> None:
@@ -178,6 +184,16 @@ class _Monitor:
                 with contextlib.suppress(OSError):
                     os.close(fd)
             self._wake_r = self._wake_w = -1
+
+    def _guarded_run(self) -> None:
+        # Without this thread no engine death would reach the callers: if it fails, the
+        # client is told it can no longer watch its engines.
+        try:
+            self._run()
+        except Exception as exc:
+            if not self._stopping:
+                logger.exception("the engine monitor failed")
+                self._on_death(f"The engine monitor failed: {exc!r}.")
 
     def _run(self) -> None:
         while not self._stopping:

@@ -843,8 +843,12 @@ class EngineCoreProc:
                         sock.send(ENGINE_CORE_DEAD, flags=zmq.NOBLOCK)
             self.input_queue.put(IOFailed(exc))
         finally:
-            for sock in sockets:
+            clients = len(self.output_addresses)
+            for sock in sockets[:clients]:
                 sock.close(linger=min(linger, self.linger_ms))
+            for sock in sockets[clients:]:
+                # close(linger=) would override the coordinator socket's LINGER of 0.
+                sock.close(linger=0)
 
     def _output_loop(self, sockets: list[zmq.Socket]) -> None:
         """Encode and send until the stop sentinel.

@@ -131,7 +131,8 @@ class DPEngineCoreProc(EngineCoreProc):
         """Input thread: a coordinator's wave message goes to the busy loop."""
         try:
             message = decode_wave_message([f.buffer for f in frames])
-        except ValueError as exc:  # ProtocolError included
+        except Exception as exc:  # ProtocolError, and RecursionError of a nested payload
+            # The request link shares this thread: a bad wave message must not end it.
             logger.warning("dropping a malformed coordinator message: %s", exc)
             return
         self.input_queue.put(message)

@@ -27,6 +27,8 @@ __all__ = ["Receiver", "connect_socket", "engine_outputs", "stamp_unstamped"]
 
 #: How often a receiving loop that waits looks at its stop flag (milliseconds).
 POLL_INTERVAL_MS = 200
+#: Messages a receiving loop takes from one socket before it looks at the others.
+DRAIN_BUDGET = 64
 
 
 def engine_outputs(engine_index: int, **fields: Any) -> EngineCoreOutputs:
@@ -98,7 +100,10 @@ class Receiver:
                 on_wake()
             for sock, _ in poll(POLL_INTERVAL_MS):
                 handler = handlers[sock]
-                while True:
+                # At most a budget per socket and round: a flood on one socket (requests)
+                # must not hold back the others (the DP wave subscription) or the stop
+                # check. The poll is level-triggered, so what is left is seen next round.
+                for _ in range(DRAIN_BUDGET):
                     try:
                         frames = sock.recv_multipart(flags=zmq.NOBLOCK, copy=False)
                     except zmq.Again:

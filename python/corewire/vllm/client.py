@@ -324,7 +324,12 @@ class VllmClientMixin:
             # local engines in rank order from the first rank this front-end drives (the
             # ranks after them may be remote).
             processes = self.resources.processes
-            local = getattr(engine_manager, "processes", None) or ()
+            local = list(getattr(engine_manager, "processes", None) or ())
+            if len(local) > len(self.engine_indices):
+                # Never leave an engine unwatched and unstopped: refuse what cannot be owned.
+                raise RuntimeError(
+                    f"vLLM started {len(local)} local engines for ranks {self.engine_indices}"
+                )
             for index, proc in zip(self.engine_indices, local, strict=False):
                 processes.add_engine(index, proc)
             if coordinator is not None:
