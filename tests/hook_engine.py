@@ -10,6 +10,8 @@ children inherit it) or, for the ``corewire engine`` command, with ``tests/`` on
 
 from __future__ import annotations
 
+import os
+
 from corewire.engine.reference import ReferenceEngine
 from corewire.protocol import EngineCoreOutput, EngineCoreRequest
 
@@ -22,7 +24,11 @@ class HookEngine(ReferenceEngine):
     """The reference engine plus ``raise_error`` and ``fail_next_step`` utilities, and
     ``add_request`` failures chosen by request id (see the module constants)."""
 
-    def __init__(self, **kwargs: object) -> None:
+    def __init__(self, fail_start_if_exists: str | None = None, **kwargs: object) -> None:
+        # A start that fails once the file exists: engines started after the test makes
+        # it (a scale-up) fail, the ones before did not.
+        if fail_start_if_exists is not None and os.path.exists(fail_start_if_exists):
+            raise RuntimeError("refusing to start (test hook)")
         super().__init__(**kwargs)  # type: ignore[arg-type]
         self._fail_next_step: str | None = None
 

@@ -11,6 +11,7 @@ import signal
 import time
 from collections import Counter
 from collections.abc import Callable
+from pathlib import Path
 
 import pytest
 
@@ -413,3 +414,27 @@ async def test_collected_client_stops_its_engines_and_coordinator() -> None:
         timeout=15,
         what="engines and coordinator to exit",
     )
+
+
+async def test_a_failed_scale_up_fails_alone(tmp_path: Path) -> None:
+    """A new engine that cannot start fails the scale-up with its start-up error; the
+    client keeps serving on the engines it had, and the failed process is gone."""
+    flag = tmp_path / "fail"
+    client = DPLBAsyncMPClient(
+        data_parallel_size=1,
+        engine="hook_engine:HookEngine",
+        engine_args={**LIGHT, "fail_start_if_exists": str(flag)},
+    )
+    try:
+        flag.touch()
+        with pytest.raises(Exception, match="refusing to start"):
+            await client.scale_elastic_ep(2)
+        assert not client.resources.engine_dead
+        assert client.data_parallel_size == 1 and not client.resources.processes.joining
+        await asyncio.sleep(0.5)  # a death report would have come by now
+        assert not client.resources.engine_dead
+        await client.add_request_async(request("after", max_tokens=3))
+        done = await collect_finished(client, {"after"})
+        assert done["after"] is not None
+    finally:
+        client.shutdown()

@@ -218,8 +218,11 @@ class MPClient:
             **self.engine_options,
         }
 
-    def _start_engine_processes(self, indices: Sequence[int]) -> list[Any]:
-        """Start one engine process per index (spawn); they belong to :attr:`resources`."""
+    def _start_engine_processes(
+        self, indices: Sequence[int], *, joining: bool = False
+    ) -> list[Any]:
+        """Start one engine process per index (spawn); they belong to :attr:`resources`
+        (``joining``: not watched until admitted, see :meth:`ProcessGroup.add_engine`)."""
         if indices and self._check_engine:
             # What this process can check fails here, before any process starts.
             check_engine_spec(self.engine, self.engine_args)
@@ -238,7 +241,7 @@ class MPClient:
                 daemon=True,
             )
             proc.start()
-            self.resources.processes.add_engine(index, proc)
+            self.resources.processes.add_engine(index, proc, joining=joining)
             started.append(proc)
         return started
 

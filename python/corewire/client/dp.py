@@ -212,8 +212,11 @@ class DPAsyncMPClient(AsyncMPClient):
             sock.bind(self._tcp.input if kind == zmq.ROUTER else self._tcp.output)
         return sock
 
-    def _start_engine_processes(self, indices: Sequence[int]) -> list[Any]:
-        return super()._start_engine_processes([i for i in indices if i in self._local_indices])
+    def _start_engine_processes(
+        self, indices: Sequence[int], *, joining: bool = False
+    ) -> list[Any]:
+        local = [i for i in indices if i in self._local_indices]
+        return super()._start_engine_processes(local, joining=joining)
 
     def _engine_process_kwargs(self, index: int) -> dict[str, Any]:
         kwargs = super()._engine_process_kwargs(index)
@@ -491,12 +494,15 @@ class DPLBAsyncMPClient(DPAsyncMPClient):
         new_indices = list(range(old_size, new_size))
         self.data_parallel_size = new_size
         self._local_indices.update(new_indices)
-        procs = self._start_engine_processes(new_indices)
+        # Not watched while they join: a new engine that fails to start fails this
+        # scale-up (the ready wait watches it), not the client.
+        procs = self._start_engine_processes(new_indices, joining=True)
         identities = [engine_identity(i) for i in new_indices]
         try:
             # On this loop: the ROUTER is used only from this thread.
             ready = self._ready_wait(identities, procs, self.ready_timeout)
             self.ready_info.update(await ready.wait_async(self.ensure_alive))
+            self.resources.processes.admit(new_indices)
         except BaseException:
             # The group stays as it was: the new engines never joined it.
             retired = self.resources.processes.retire_engines(new_indices)

@@ -63,17 +63,33 @@ class ProcessGroup:
     """
 
     def __init__(self) -> None:
-        #: Engine index -> its process (engines this client started).
+        #: Engine index -> its process (engines this client started), watched.
         self.engines: dict[int, ProcessHandle] = {}
+        #: Engines still joining (a scale-up before their ready message): owned and stopped
+        #: with the group, but not watched - a failed start fails the scale-up, whose
+        #: ready wait watches them, not the whole client.
+        self.joining: dict[int, ProcessHandle] = {}
         #: The DP coordinator this client started (or that vLLM started for it), if any.
         self.coordinator: ProcessHandle | None = None
         #: Seconds processes get between SIGTERM and SIGKILL when the group stops.
         self.terminate_grace = TERMINATE_GRACE_S
         self._monitor: _Monitor | None = None
 
-    def add_engine(self, index: int, proc: ProcessHandle) -> None:
-        """Own engine ``index``'s process (watched from now on)."""
+    def add_engine(self, index: int, proc: ProcessHandle, *, joining: bool = False) -> None:
+        """Own engine ``index``'s process: watched from now on, or, ``joining``, from
+        :meth:`admit` on."""
+        if joining:
+            self.joining[index] = proc
+            return
         self.engines[index] = proc
+        self._changed()
+
+    def admit(self, indices: Iterable[int]) -> None:
+        """The joining engines at ``indices`` are ready: watch them from now on."""
+        for index in indices:
+            proc = self.joining.pop(index, None)
+            if proc is not None:
+                self.engines[index] = proc
         self._changed()
 
     def set_coordinator(self, proc: ProcessHandle) -> None:
@@ -84,7 +100,11 @@ class ProcessGroup:
     def retire_engines(self, indices: Iterable[int]) -> list[ProcessHandle]:
         """Stop watching the engines at ``indices`` (their exit is expected now) and
         return their processes, for :func:`stop_processes`."""
-        retired = [proc for i in indices if (proc := self.engines.pop(i, None)) is not None]
+        retired = [
+            proc
+            for i in indices
+            if (proc := self.engines.pop(i, None) or self.joining.pop(i, None)) is not None
+        ]
         self._changed()
         return retired
 
@@ -104,7 +124,7 @@ class ProcessGroup:
 
     def kill(self) -> None:
         """SIGKILL every process (a hung group); the monitor then reports the death."""
-        for proc in self.handles():
+        for proc in [*self.handles(), *self.joining.values()]:
             with contextlib.suppress(Exception):
                 proc.kill()
 
@@ -123,8 +143,9 @@ class ProcessGroup:
         must be stopped first (its death reports would be false)."""
         if self._monitor is not None:
             self._monitor.release()
-        procs = self.handles()
+        procs = [*self.handles(), *self.joining.values()]
         self.engines.clear()
+        self.joining.clear()
         self.coordinator = None
         stop_processes(procs, self.terminate_grace)
 
