@@ -75,3 +75,14 @@ def test_unclear_switch_is_an_error(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv(plugin.ENV_SWITCH, "corewire")
     with pytest.raises(ValueError, match=plugin.ENV_SWITCH):
         plugin.enabled()
+
+
+@pytest.mark.parametrize("version", ["0.25.1", "0.25.1+cpu"])
+def test_plugin_accepts_the_vllm_its_client_is_built_for(version: str) -> None:
+    plugin.check_vllm_version(version)
+
+
+@pytest.mark.parametrize("version", ["0.33.0", "0.25.2", "0.26.0", "0.25.1rc1"])
+def test_plugin_refuses_another_vllm_by_name(version: str) -> None:
+    with pytest.raises(RuntimeError, match=rf"supports vLLM 0\.25\.1, not the installed {version}"):
+        plugin.check_vllm_version(version)

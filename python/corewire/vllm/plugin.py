@@ -15,7 +15,7 @@ import logging
 import os
 from typing import Any
 
-__all__ = ["ENV_SWITCH", "enabled", "register"]
+__all__ = ["ENV_SWITCH", "PLUGIN_VLLM_VERSIONS", "check_vllm_version", "enabled", "register"]
 
 # Under vLLM's logger namespace: its handlers (and level) show this in the server's log.
 logger = logging.getLogger("vllm.corewire")
@@ -39,10 +39,31 @@ def enabled() -> bool:
     raise ValueError(f"{ENV_SWITCH} must be 1 or 0, got {os.environ[ENV_SWITCH]!r}")
 
 
+#: The vLLM releases whose ``AsyncLLM`` the plugin's client is built and tested for. The
+#: wire of 0.33.0 is spoken (``corewire.versions``), its ``AsyncLLM`` interface not yet.
+PLUGIN_VLLM_VERSIONS = ("0.25.1",)
+
+
+def check_vllm_version(version: str) -> None:
+    """Raise ``RuntimeError`` naming the supported releases unless the plugin's client
+    supports vLLM ``version`` (a local label such as ``+cpu`` is ignored)."""
+    if version.split("+", 1)[0] not in PLUGIN_VLLM_VERSIONS:
+        supported = ", ".join(PLUGIN_VLLM_VERSIONS)
+        raise RuntimeError(
+            f"{ENV_SWITCH}=1: corewire's client inside vLLM supports vLLM {supported}, "
+            f"not the installed {version}; unset {ENV_SWITCH} to keep vLLM's own client"
+        )
+
+
 def register() -> None:
     """Entry point run by vLLM: install corewire's client factory when switched on."""
     if not enabled():
         return
+    import vllm
+
+    # Before importing the adapter: under another vLLM it would fail on a moved name,
+    # or worse, run and decode wrongly.
+    check_vllm_version(vllm.__version__)
     from vllm.v1.engine.core_client import EngineCoreClient
 
     from corewire.vllm.client import make_async_mp_client
