@@ -27,8 +27,7 @@ import pytest
 from corewire import cli
 from corewire._optional import is_installed
 from corewire.bench import client as client_bench
-from corewire.bench import decode as decode_bench
-from corewire.bench import gc_times
+from corewire.bench import common, gc_times
 from corewire.bench.serve_profile import (
     CLIENT_LAYER,
     COLLECTOR,
@@ -199,25 +198,35 @@ def test_decode_json_and_plot(tmp_path: Path) -> None:
     ("installed", "protocol"),
     [(None, "0.25.1"), ("0.25.1", "0.25.1"), ("0.33.0", "0.33.0"), ("0.33.0+cpu", "0.33.0")],
 )
-def test_decode_measures_the_installed_vllms_wire(installed: str | None, protocol: str) -> None:
-    assert decode_bench.baseline_protocol(installed) == protocol
+def test_benches_measure_the_installed_vllms_wire(installed: str | None, protocol: str) -> None:
+    assert common.baseline_protocol(installed) == protocol
+    with pytest.raises(UnsupportedProtocolError):
+        common.baseline_protocol("0.30.0")
 
 
-def test_decode_refuses_an_unsupported_vllm(tmp_path: Path) -> None:
+@pytest.mark.parametrize(
+    ("args", "not_measured"),
+    [
+        (("decode", "--quick", "--cases", "plain", "--batches", "1"), "case batch"),
+        (("client", "--quick", "--cases", "plain:1", "--trials", "1"), "stream"),
+    ],
+    ids=["decode", "client"],
+)
+def test_benches_refuse_an_unsupported_vllm(
+    tmp_path: Path, args: tuple[str, ...], not_measured: str
+) -> None:
     # A distribution of another vLLM release, found first on the path: the bench must stop
-    # before measuring it on a wire corewire would decode wrongly.
+    # before measuring it on a wire corewire would decode wrongly (no engine starts).
     (tmp_path / "vllm").mkdir()
     (tmp_path / "vllm" / "__init__.py").write_text('__version__ = "0.30.0"\n')
     info = tmp_path / "vllm-0.30.0.dist-info"
     info.mkdir()
     (info / "METADATA").write_text("Metadata-Version: 2.1\nName: vllm\nVersion: 0.30.0\n")
-    proc = bench("decode", "--quick", "--cases", "plain", "--batches", "1", path_first=tmp_path)
+    proc = bench(*args, path_first=tmp_path)
     assert proc.returncode == 2, proc.stdout + proc.stderr
-    assert "unsupported vLLM version '0.30.0'" in proc.stderr
+    assert f"corewire bench {args[0]}: unsupported vLLM version '0.30.0'" in proc.stderr
     assert "'0.25.1', '0.33.0'" in proc.stderr
-    assert "case batch" not in proc.stdout  # nothing measured
-    with pytest.raises(UnsupportedProtocolError):
-        decode_bench.baseline_protocol("0.30.0")
+    assert not_measured not in proc.stdout
 
 
 def test_decode_without_vllm_says_so(tmp_path: Path) -> None:
@@ -273,30 +282,6 @@ def test_client_json_and_plot(tmp_path: Path) -> None:
     if HAVE_MATPLOTLIB:
         check_png(png)
         assert "plot written to" in proc.stdout
-
-
-@pytest.mark.parametrize(
-    ("installed", "protocol"),
-    [(None, "0.25.1"), ("0.25.1", "0.25.1"), ("0.33.0", "0.33.0"), ("0.33.0+cpu", "0.33.0")],
-)
-def test_client_measures_the_installed_vllms_wire(installed: str | None, protocol: str) -> None:
-    assert client_bench.baseline_protocol(installed) == protocol
-
-
-def test_client_refuses_an_unsupported_vllm(tmp_path: Path) -> None:
-    # Another vLLM release found first on the path: no engine starts, nothing is measured.
-    (tmp_path / "vllm").mkdir()
-    (tmp_path / "vllm" / "__init__.py").write_text('__version__ = "0.30.0"\n')
-    info = tmp_path / "vllm-0.30.0.dist-info"
-    info.mkdir()
-    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: vllm\nVersion: 0.30.0\n")
-    proc = bench("client", "--quick", "--cases", "plain:1", "--trials", "1", path_first=tmp_path)
-    assert proc.returncode == 2, proc.stdout + proc.stderr
-    assert "corewire bench client: unsupported vLLM version '0.30.0'" in proc.stderr
-    assert "'0.25.1', '0.33.0'" in proc.stderr
-    assert "stream" not in proc.stdout
-    with pytest.raises(UnsupportedProtocolError):
-        client_bench.baseline_protocol("0.30.0")
 
 
 @pytest.mark.parametrize("protocol", ["0.25.1", "0.33.0"])

@@ -744,15 +744,6 @@ def plot(measured: dict[str, Any], path: str) -> None:
     common.save_figure(fig, path)
 
 
-def baseline_protocol(vllm_version: str | None) -> str:
-    """The protocol to measure with an installed vLLM of ``vllm_version`` (None: none
-    installed, corewire's default); raises ``UnsupportedProtocolError`` naming the
-    supported releases."""
-    if vllm_version is None:
-        return versions.DEFAULT
-    return versions.protocol_for_vllm(vllm_version)
-
-
 def _cases(text: str) -> tuple[tuple[str, int], ...]:
     """``--cases``: ``case:batch`` pairs."""
     found = []
@@ -805,7 +796,7 @@ def run(args: argparse.Namespace) -> int:
     trials = args.trials or (2 if args.quick else 5)
     vllm_version = common.vllm_version()
     try:
-        protocol = baseline_protocol(vllm_version)
+        protocol = common.baseline_protocol(vllm_version)
     except versions.UnsupportedProtocolError as e:
         print(
             f"corewire bench client: {e}; the baseline must be one of those releases"

@@ -17,6 +17,7 @@ import sys
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from corewire import versions
 from corewire._optional import import_optional, is_installed
 
 __all__ = [
@@ -167,3 +168,12 @@ def save_figure(fig: Any, path: str) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     pyplot().close(fig)
+
+
+def baseline_protocol(vllm_version: str | None) -> str:
+    """The protocol to measure with an installed vLLM of ``vllm_version`` (None: none
+    installed, corewire's default); raises ``UnsupportedProtocolError`` naming the
+    supported releases for any other vLLM."""
+    if vllm_version is None:
+        return versions.DEFAULT
+    return versions.protocol_for_vllm(vllm_version)

@@ -91,15 +91,6 @@ torch: Any = None
 protocol: str = versions.DEFAULT
 
 
-def baseline_protocol(vllm_version: str | None) -> str:
-    """The protocol to measure with an installed vLLM of ``vllm_version`` (None: none
-    installed, corewire's default); raises ``UnsupportedProtocolError`` naming the
-    supported releases for any other vLLM."""
-    if vllm_version is None:
-        return versions.DEFAULT
-    return versions.protocol_for_vllm(vllm_version)
-
-
 def _load_optional(use_vllm: bool) -> None:
     """Import vLLM's structs and codec (when ``use_vllm``) and torch (when installed);
     set :data:`protocol` from the imported vLLM's ``__version__`` (may raise
@@ -108,7 +99,7 @@ def _load_optional(use_vllm: bool) -> None:
     if use_vllm:
         purpose = "the decode benchmark's vLLM baseline"
         vllm = import_optional("vllm", purpose)
-        protocol = baseline_protocol(vllm.__version__)
+        protocol = common.baseline_protocol(vllm.__version__)
         vllm_engine = import_optional("vllm.v1.engine", purpose)
         vllm_outputs = import_optional("vllm.v1.outputs", purpose)
         serial_utils = import_optional("vllm.v1.serial_utils", purpose)
@@ -607,7 +598,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         # Checked on the installed distribution's version first (before seconds of
         # importing vLLM), then on the imported vllm.__version__ by _load_optional.
-        baseline_protocol(vllm_version)
+        common.baseline_protocol(vllm_version)
         _load_optional(use_vllm)
     except versions.UnsupportedProtocolError as e:
         print(
