@@ -19,6 +19,7 @@ import zmq.asyncio
 from corewire.client._resources import ClientResources
 from corewire.client.futures import complete_future
 from corewire.client.ready import ReadyWait
+from corewire.client.wire_requests import request_writer, utility_args_writer
 from corewire.codec import Encoder, NativeDecoder
 from corewire.curve import require_curve_for
 from corewire.engine.startup import check_engine_spec, engine_process_main
@@ -95,9 +96,15 @@ class MPClient:
             stepping (backpressure: nothing is dropped). None: unbounded, as vLLM.
             Utility replies travel behind the outputs sent before them and wait as they
             do; a health check does not count the time the backlog was full.
-        protocol: the vLLM version whose output frames the engines send (``"0.25.1"``,
-            the default, or ``"0.33.0"``; ``corewire.versions``): picks the decoder.
-            Requests are still written in 0.25.1's layout.
+        protocol: the vLLM version the engines speak (``"0.25.1"``, the default, or
+            ``"0.33.0"``; ``corewire.versions``), in both directions: it picks the
+            decoder of their outputs and the layout of what is sent. A ``"0.33.0"``
+            client writes 0.33.0's ``EngineCoreRequest`` whether it is given
+            ``corewire.protocol.EngineCoreRequest`` (converted by field name, see
+            :mod:`corewire.client.wire_requests`) or
+            ``corewire.layouts.types_for("0.33.0")["EngineCoreRequest"]``, and
+            ``add_lora``'s LoRA in 0.33.0's layout; a ``"0.25.1"`` client sends what it
+            is given (its encoder refuses 0.33.0's structs).
     """
 
     #: Subclasses (DP) may define ``process_engine_outputs(self, outputs)``, plain or
@@ -135,7 +142,10 @@ class MPClient:
         self.engine_args = dict(engine_args or {})
         self.engine_options = engine_options
         self.ready_timeout = ready_timeout
-        self.encoder = Encoder()
+        self.encoder = Encoder(protocol=self.protocol)
+        # None for 0.25.1: its requests go out as given, with no per-request cost.
+        self._write_request = request_writer(self.protocol)
+        self._write_utility_args = utility_args_writer(self.protocol)
         self.decoder = self._make_output_decoder()
         ctx = zmq.Context(io_threads=1)
         self.ctx = ctx
