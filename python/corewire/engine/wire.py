@@ -125,24 +125,54 @@ def _scheduler_stats_0_33_0() -> dict[str, Any]:
     }
 
 
+def _splice(old: type, new: type) -> tuple[int, tuple[Any, ...]]:
+    """How ``new``'s positional fields are made from ``old``'s, worked out by name:
+    ``(at, fill)`` where ``new`` is ``old``'s fields up to ``at``, then the fields of
+    ``fill`` (their defaults), then the rest of ``old``'s in order, then only fields
+    left at their defaults. A layout of another shape is refused here, at import, so
+    that no field is ever written at the other version's position."""
+    old_names = old.__struct_fields__  # type: ignore[attr-defined]
+    new_fields = msgspec.structs.fields(new)
+    new_names = tuple(f.name for f in new_fields)
+    at = 0
+    while at < len(old_names) and old_names[at] == new_names[at]:
+        at += 1
+    end = new_names.index(old_names[at]) if at < len(old_names) else at
+    if new_names[end : end + len(old_names) - at] != old_names[at:]:
+        raise AssertionError(f"{new.__name__}: not {old.__name__} with fields inserted")
+    fill = tuple(f.default for f in new_fields[at:end])
+    if any(f.default is msgspec.NODEFAULT for f in new_fields[at:end]):
+        raise AssertionError(f"{new.__name__}: an inserted field has no default")
+    return at, fill
+
+
 def _converter_0_33_0() -> Callable[[Any], Any]:
     table = types_for(V0_33_0)
     outputs_type = table["EngineCoreOutputs"]
     output_type = table["EngineCoreOutput"]
     tensors_type = table["LogprobsTensors"]
-    asdict = msgspec.structs.asdict
+    astuple = msgspec.structs.astuple
+    # Positional construction (about twice as fast as by keyword), planned by name.
+    out_at, out_fill = _splice(p.EngineCoreOutput, output_type)
+    outs_at, outs_fill = _splice(p.EngineCoreOutputs, outputs_type)
+    names = p.EngineCoreOutput.__struct_fields__
+    tensors_i = names.index("new_prompt_logprobs_tensors")
+    prefill_i = names.index("prefill_stats")
+    outputs_i = p.EngineCoreOutputs.__struct_fields__.index("outputs")
+    stats_i = p.EngineCoreOutputs.__struct_fields__.index("scheduler_stats")
 
     def output(out: Any) -> Any:
         if type(out) is output_type:
             return out
-        fields = asdict(out)
-        tensors = fields["new_prompt_logprobs_tensors"]
-        if tensors is not None and type(tensors) is not tensors_type:
-            fields["new_prompt_logprobs_tensors"] = tensors_type(*tensors)
-        stats = fields["prefill_stats"]
-        if type(stats) is dict and "num_cache_creation_tokens" not in stats:
-            fields["prefill_stats"] = {**stats, "num_cache_creation_tokens": 0}
-        return output_type(**fields)
+        values = astuple(out)
+        tensors, stats = values[tensors_i], values[prefill_i]
+        if tensors is not None or stats is not None:
+            values = list(values)
+            if tensors is not None and type(tensors) is not tensors_type:
+                values[tensors_i] = tensors_type(*tensors)
+            if type(stats) is dict and "num_cache_creation_tokens" not in stats:
+                values[prefill_i] = {**stats, "num_cache_creation_tokens": 0}
+        return output_type(*values[:out_at], *out_fill, *values[out_at:])
 
     def convert(message: Any) -> Any:
         weight_version = None
@@ -151,13 +181,15 @@ def _converter_0_33_0() -> Callable[[Any], Any]:
             message = message.outputs
         if type(message) is outputs_type:
             return message
-        fields = asdict(message)
-        fields["outputs"] = [output(out) for out in fields["outputs"]]
-        stats = fields["scheduler_stats"]
+        values = list(astuple(message))
+        values[outputs_i] = [output(out) for out in values[outputs_i]]
+        stats = values[stats_i]
         if type(stats) is dict:
             full = _scheduler_stats_0_33_0()
             full.update(stats)
-            fields["scheduler_stats"] = full
-        return outputs_type(**fields, weight_version=weight_version)
+            values[stats_i] = full
+        message = outputs_type(*values[:outs_at], *outs_fill, *values[outs_at:])
+        message.weight_version = weight_version
+        return message
 
     return convert
