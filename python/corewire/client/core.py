@@ -26,7 +26,7 @@ from corewire.engine.startup import check_engine_spec, engine_process_main
 from corewire.errors import EngineDeadError, UtilityError
 from corewire.ipcdir import make_private_dir
 from corewire.protocol import engine_identity, failed_method
-from corewire.versions import check_protocol
+from corewire.versions import DEFAULT, check_protocol
 
 __all__ = ["DEFAULT_ENGINE_MAIN", "MPClient", "make_output_decoder", "resolve_utility_output"]
 
@@ -104,7 +104,8 @@ class MPClient:
             :mod:`corewire.client.wire_requests`) or
             ``corewire.layouts.types_for("0.33.0")["EngineCoreRequest"]``, and
             ``add_lora``'s LoRA in 0.33.0's layout; a ``"0.25.1"`` client sends what it
-            is given (its encoder refuses 0.33.0's structs).
+            is given (its encoder refuses 0.33.0's structs). The engines a client
+            starts are told it (``protocol=`` to the process target).
     """
 
     #: Subclasses (DP) may define ``process_engine_outputs(self, outputs)``, plain or
@@ -217,8 +218,12 @@ class MPClient:
         return sock
 
     def _engine_process_kwargs(self, index: int) -> dict[str, Any]:
-        """Keyword arguments of engine ``index``'s process target (DP adds its own)."""
-        return {
+        """Keyword arguments of engine ``index``'s process target (DP adds its own).
+
+        A client of another protocol than the default passes it on (``protocol=``), so
+        that the engines it starts speak it; a default client passes nothing, as before
+        (a process target of its own need not take the argument)."""
+        kwargs = {
             "engine_index": index,
             "input_address": self.input_address,
             "output_address": self.output_address,
@@ -227,6 +232,9 @@ class MPClient:
             "parent_pid": os.getpid(),
             **self.engine_options,
         }
+        if self.protocol != DEFAULT:
+            kwargs["protocol"] = self.protocol
+        return kwargs
 
     def _start_engine_processes(
         self, indices: Sequence[int], *, joining: bool = False
