@@ -472,3 +472,57 @@ def ipc_dir(ipc_dir: Path) -> Path:
     for sub in ("0.25.1", "0.33.0"):
         (ipc_dir / sub).mkdir(mode=0o700)
     return ipc_dir
+
+
+@pytest.mark.parametrize("protocol", ["0.25.1", "0.33.0"])
+async def test_dplb_streaming_session_affinity(
+    ipc_dir: Path, sockets: Sockets, protocol: str
+) -> None:
+    """0.33.0: the next input of a session in flight goes to the engine holding it (even
+    against its ``data_parallel_rank``), and aborting the session reaches every engine.
+    0.25.1: routed afresh, aborted where it was last routed."""
+    client, peers, _ = _dplb(ipc_dir, sockets, protocol)
+    try:
+        await client.add_request_async(
+            _request_0_25_1("sess", resumable=True, data_parallel_rank=1)
+        )
+        _received_add(peers[1])
+        await client.add_request_async(
+            _request_0_25_1("sess", resumable=True, data_parallel_rank=0)
+        )
+        second = 1 if protocol == "0.33.0" else 0
+        _received_add(peers[second])
+        assert client.reqs_in_flight["sess"] == second
+        assert client.streaming_reqs == ({"sess"} if protocol == "0.33.0" else set())
+        await client.abort_requests_async(["sess"])
+        aborted_on = [0, 1] if protocol == "0.33.0" else [0]
+        for index in aborted_on:
+            frames = peers[index].recv()
+            assert frames[0] == p.REQUEST_ABORT
+            assert msgspec.msgpack.decode(frames[1]) == ["sess"]
+        assert all(peer.nothing_for(0.1) for peer in peers)
+        assert client.streaming_reqs == set()
+        # A final (not resumable) input closes the session: its abort goes one way only.
+        await client.add_request_async(_request_0_25_1("s2", resumable=True, data_parallel_rank=0))
+        await client.add_request_async(_request_0_25_1("s2", data_parallel_rank=0))
+        assert client.streaming_reqs == set()
+    finally:
+        client.shutdown()
+
+
+def test_outputs_the_dp_client_makes_are_in_its_version() -> None:
+    """A scale-down finishes a removed engine's requests client-side: under 0.33.0 the
+    consumer gets 0.33.0's structs (it reads weight_version, error...)."""
+    from corewire.client.dp import _in_version
+
+    made = p.finished_outputs(["a", "b"], FinishReason.ABORT, engine_index=2)
+    converted = _in_version(made, "0.33.0")
+    assert type(converted) is V33["EngineCoreOutputs"]
+    assert converted.weight_version is None
+    assert [type(o) for o in converted.outputs] == [V33["EngineCoreOutput"]] * 2
+    assert [(o.request_id, o.finish_reason, o.error) for o in converted.outputs] == [
+        ("a", FinishReason.ABORT, None),
+        ("b", FinishReason.ABORT, None),
+    ]
+    assert (converted.engine_index, converted.finished_requests) == (2, {"a", "b"})
+    assert converted.timestamp == made.timestamp

@@ -383,8 +383,9 @@ class DPLBAsyncMPClient(DPAsyncMPClient):
     counts, floored by this client's own requests in flight, ties rotating (see
     :class:`corewire._native.Router`); an explicit ``data_parallel_rank`` wins. With
     ``protocol="0.33.0"`` the waiting requests of an engine whose KV cache is more than
-    half full weigh more, as in vLLM 0.33.0 (:mod:`corewire.client.dp_counts`). Aborts go
-    to the engine holding the request. :meth:`scale_elastic_ep` grows or shrinks the
+    half full weigh more, and a streaming session's inputs stay on one engine, as in vLLM
+    0.33.0 (:mod:`corewire.client.dp_counts`, :meth:`get_core_engine_for_request`).
+    Aborts go to the engine holding the request. :meth:`scale_elastic_ep` grows or shrinks the
     group while serving.
     """
 
@@ -401,6 +402,9 @@ class DPLBAsyncMPClient(DPAsyncMPClient):
         kwargs.setdefault("include_finished_set", True)
         #: Request id -> index of the engine holding it (for aborts).
         self.reqs_in_flight: dict[str, int] = {}
+        #: Open streaming-input sessions (``resumable`` requests; ``protocol="0.33.0"``
+        #: only), whose aborts go to every engine.
+        self.streaming_reqs: set[str] = set()
         self._router = Router(data_parallel_size)
         self._route = self._router.route
         self._note_finished = self._router.note_finished
@@ -408,8 +412,9 @@ class DPLBAsyncMPClient(DPAsyncMPClient):
         self._notifications: list[tuple[str, int]] = []
         self._notification_event: asyncio.Event | None = None
         super().__init__(data_parallel_size=data_parallel_size, **kwargs)
-        # vLLM 0.33.0's KV-pressure rule (the counts carry kv_cache_usage from then on).
-        self._kv_pressure = self.protocol == V0_33_0
+        # vLLM 0.33.0's KV-pressure rule (the counts carry kv_cache_usage from then on)
+        # and its streaming-session affinity.
+        self._kv_pressure = self._sessions = self.protocol == V0_33_0
 
     @staticmethod
     def _default_engine_indices(size: int, rank: int) -> list[int]:
@@ -427,7 +432,20 @@ class DPLBAsyncMPClient(DPAsyncMPClient):
 
     def get_core_engine_for_request(self, request: EngineCoreRequest) -> bytes:
         """Route ``request`` (least loaded, or its ``data_parallel_rank``) and remember
-        which engine holds it."""
+        which engine holds it.
+
+        With ``protocol="0.33.0"``, as vLLM 0.33.0: a request whose id is in flight (the
+        next input of a streaming session) goes to the engine that holds it, and a
+        ``resumable`` request opens (a final, non-resumable one closes) a session in
+        :attr:`streaming_reqs`."""
+        if self._sessions:
+            if request.resumable:
+                self.streaming_reqs.add(request.request_id)
+            else:
+                self.streaming_reqs.discard(request.request_id)
+            index = self.reqs_in_flight.get(request.request_id)
+            if index is not None and index < len(self.core_engines):
+                return self.core_engines[index]
         index = self._route(request.data_parallel_rank)
         self.reqs_in_flight[request.request_id] = index
         return self.core_engines[index]
@@ -446,12 +464,20 @@ class DPLBAsyncMPClient(DPAsyncMPClient):
 
     async def abort_requests_async(self, request_ids: list[str]) -> None:
         """Abort requests by id, each on the engine that holds it; unknown ids (already
-        finished) are skipped."""
+        finished) are skipped. An open streaming session (``protocol="0.33.0"``) is
+        aborted on every engine, as vLLM 0.33.0 does: an input in flight when the session
+        ended may have opened it again anywhere."""
         if not request_ids or self.resources.engine_dead:
             return
         by_engine: dict[int, list[str]] = {}
         get = self.reqs_in_flight.get
+        sessions = self.streaming_reqs
         for request_id in request_ids:
+            if sessions and request_id in sessions:
+                sessions.discard(request_id)
+                for index in range(len(self.core_engines)):
+                    by_engine.setdefault(index, []).append(request_id)
+                continue
             index = get(request_id)
             if index is not None and index < len(self.core_engines):
                 by_engine.setdefault(index, []).append(request_id)
