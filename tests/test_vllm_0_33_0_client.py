@@ -194,6 +194,9 @@ async def test_async_client_requests_are_vllm_0_33_0s(ipc_dir: Path, sockets: So
             typed = layouts.request_decoder("0.33.0").decode(want)
             await client.add_request_async(typed)
             assert _received_add(peer) == want, name
+            # vLLM's own request object, as vLLM's AsyncLLM hands it to the plugin's client
+            await client.add_request_async(theirs)
+            assert _received_add(peer) == want, name
     finally:
         client.shutdown()
 
@@ -230,6 +233,14 @@ async def test_add_lora_argument_reads_as_vllm_0_33_0s(ipc_dir: Path, sockets: S
         assert method == "add_lora"
         lora = msgspec.convert(args[0], LoRARequest)
         assert lora == LoRARequest("a", 2, "/p", "base", True)
+        peer.send(_vllm_reply(call_id, True))
+        assert await call is True
+        # vLLM's own LoRARequest (what vLLM's add_lora_async passes) goes as given.
+        theirs = LoRARequest("b", 3, "/q")
+        call = asyncio.ensure_future(client.add_lora_async(theirs))
+        frames = await asyncio.to_thread(peer.recv)
+        _, call_id, _, args = msgspec.msgpack.decode(frames[1])
+        assert msgspec.convert(args[0], LoRARequest) == theirs
         peer.send(_vllm_reply(call_id, True))
         assert await call is True
     finally:

@@ -2,9 +2,11 @@
 
 A client with ``protocol="0.25.1"`` (the default) sends what it is given, unchanged: this
 module is not on its path. A client with ``protocol="0.33.0"`` takes either a
-``corewire.protocol.EngineCoreRequest`` (0.25.1's struct, what existing callers build)
-or ``corewire.layouts.types_for("0.33.0")["EngineCoreRequest"]``, and always writes
-0.33.0's 22-field layout: :func:`request_writer` returns the converter.
+``corewire.protocol.EngineCoreRequest`` (0.25.1's struct, what existing callers build),
+which it converts, or a request already in 0.33.0's layout, which it sends as given:
+``corewire.layouts.types_for("0.33.0")["EngineCoreRequest"]``, or vLLM 0.33.0's own
+``EngineCoreRequest`` (what vLLM's ``AsyncLLM`` hands the plugin's client). Either way
+0.33.0's 22-field layout goes out: :func:`request_writer` returns the converter.
 
 The conversion is by field name, once per request: the top-level struct and its
 ``PoolingParams`` are rebuilt as 0.33.0's (the fields 0.33.0 adds take their defaults);
@@ -21,8 +23,9 @@ same request.
 A LoRA is the one layout that does not decode across versions (0.33.0 removed
 ``tensorizer_config_dict``, index 4): 0.25.1's :class:`corewire.layouts.LoRARequest`,
 or the 7-element list a 0.25.1 request decoder leaves, is converted; one that carries a
-``tensorizer_config_dict`` is refused (0.33.0 has no place for it). The same holds for
-the ``add_lora`` utility's argument (:func:`utility_args_writer`).
+``tensorizer_config_dict`` is refused (0.33.0 has no place for it); any other LoRA
+(0.33.0's struct, vLLM's own) is sent as given. The same holds for the ``add_lora``
+utility's argument (:func:`utility_args_writer`).
 
 Wire format: docs/protocol.md §11 and docs/vllm-0.33.0-notes.md §2.1, §2.9-§2.11.
 """
@@ -83,19 +86,14 @@ def _utility_args_0_33_0(method: str, args: tuple[Any, ...]) -> tuple[Any, ...]:
 
 
 def to_0_33_0(request: Any) -> Any:
-    """``request`` as vLLM 0.33.0's ``EngineCoreRequest`` (itself when it is one).
+    """``request`` as vLLM 0.33.0's ``EngineCoreRequest``: corewire's 0.25.1 struct is
+    converted; anything else (0.33.0's struct, vLLM 0.33.0's own) is returned as is,
+    for the encoder to write or refuse.
 
-    Raises ``TypeError`` for anything else, and ``ValueError`` for a LoRA 0.33.0 cannot
-    express.
+    Raises ``ValueError`` for a LoRA 0.33.0 cannot express.
     """
-    cls = type(request)
-    if cls is _REQUEST:
+    if type(request) is not p.EngineCoreRequest:
         return request
-    if cls is not p.EngineCoreRequest:
-        raise TypeError(
-            f"a protocol='0.33.0' client sends corewire.protocol.EngineCoreRequest or "
-            f"corewire.layouts.types_for('0.33.0')['EngineCoreRequest'], not {cls.__name__}"
-        )
     fields = _asdict(request)
     sampling = fields["sampling_params"]
     if sampling is not None:
@@ -109,12 +107,11 @@ def to_0_33_0(request: Any) -> Any:
 
 
 def sampling_0_33_0(sampling: Any) -> Any:
-    """What to write for ``sampling`` in a 0.33.0 request: 0.33.0's struct as is;
-    0.25.1's as is when its map is already 0.33.0's bytes, else rebuilt as 0.33.0's."""
-    if type(sampling) is _SAMPLING:
-        return sampling
+    """What to write for ``sampling`` in a 0.33.0 request: corewire's 0.25.1 struct as
+    is when its map is already 0.33.0's bytes, else rebuilt as 0.33.0's; anything else
+    (0.33.0's struct) as is."""
     if type(sampling) is not p.SamplingParams:
-        raise TypeError(f"sampling_params must be a SamplingParams, not {type(sampling).__name__}")
+        return sampling
     if (
         sampling.routed_experts_prompt_start == _ROUTED_DEFAULT
         and _unique(sampling.stop_token_ids)
@@ -131,25 +128,16 @@ def _unique(values: Any) -> bool:
 def lora_0_33_0(lora: Any) -> Any:
     """``lora`` in vLLM 0.33.0's 6-field layout: from 0.25.1's ``LoRARequest`` struct or
     the 7-element array a 0.25.1 decoder leaves (``tensorizer_config_dict`` dropped: it
-    must be nil), or 0.33.0's struct as is."""
-    if type(lora) is _LORA:
-        return lora
+    must be nil); anything else (0.33.0's struct, vLLM's own) as is."""
     if type(lora) is layouts.LoRARequest:
         values = list(msgspec.structs.astuple(lora))
     elif isinstance(lora, (list, tuple)) and len(lora) == _LORA_0_25_1_LEN:
         values = list(lora)
     else:
-        raise TypeError(
-            "a protocol='0.33.0' client sends a LoRA as corewire.layouts.LoRARequest "
-            "(0.25.1's, converted) or types_for('0.33.0')['LoRARequest'], not "
-            f"{type(lora).__name__}"
-        )
+        return lora
     if values.pop(_TENSORIZER_AT) is not None:
         raise ValueError(
             "vLLM 0.33.0's LoRARequest has no tensorizer_config_dict: this LoRA cannot "
             "be sent to a 0.33.0 engine"
         )
-    try:
-        return _LORA(*values)
-    except TypeError as exc:
-        raise TypeError(f"not a LoRA request: {lora!r:.200} ({exc})") from None
+    return _LORA(*values)
