@@ -475,8 +475,8 @@ class DPLBAsyncMPClient(DPAsyncMPClient):
         for request_id in request_ids:
             if sessions and request_id in sessions:
                 sessions.discard(request_id)
-                for index in range(len(self.core_engines)):
-                    by_engine.setdefault(index, []).append(request_id)
+                for every in range(len(self.core_engines)):
+                    by_engine.setdefault(every, []).append(request_id)
                 continue
             index = get(request_id)
             if index is not None and index < len(self.core_engines):
