@@ -13,6 +13,8 @@ Checks ``docs/protocol.md`` §11 and ``docs/vllm-0.33.0-notes.md`` §2.2-§2.3, 
 
 from __future__ import annotations
 
+import multiprocessing
+import os
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -25,6 +27,7 @@ from client_support import request
 from corewire.codec import Encoder, NativeDecoder
 from corewire.coordinator import CoordinatorState, DPCoordinator
 from corewire.dp_messages import DPState
+from corewire.engine.replay import run_replay_engine
 from corewire.engine.wire import StepOutputs, _splice, output_converter
 from corewire.layouts import types_for
 from corewire.protocol import (
@@ -252,3 +255,40 @@ def test_a_0_33_0_dp_engine_feeds_corewires_coordinator_triples(ipc_dir: Path) -
         fe.close()
         sockets.close()
         coordinator.shutdown()
+
+
+# ---------------------------------------------------------------- the replay engine
+
+
+def test_the_replay_engine_speaks_0_33_0(front: FrontEnd) -> None:
+    proc = multiprocessing.get_context("spawn").Process(
+        target=run_replay_engine,
+        kwargs={
+            "engine_index": 0,
+            "input_address": front.input_address,
+            "output_address": front.output_address,
+            "parent_pid": os.getpid(),
+            "protocol": V33,
+        },
+        daemon=True,
+    )
+    proc.start()
+    front.procs.append(proc)
+    _identity, ready = front.wait_ready()
+    assert list(ready)[: len(ReadyResponse0330.__struct_fields__)] == list(
+        ReadyResponse0330.__struct_fields__
+    )
+    front.add(_request_0_33_0("r", [1, 2], max_tokens=3))
+    stamps = []
+    tokens = []
+    while len(tokens) < 3:
+        msg = front.recv()
+        stamps.append(msg.weight_version)
+        tokens += [t for o in msg.outputs for t in o.new_token_ids]
+    assert tokens == [1, 2, 3] and stamps == ["default"] * len(stamps)
+    assert front.value("echo", 5) == 5
+    size = front.value("replay", 16, 2)
+    frames = [front.recv_raw() for _ in range(2)]
+    assert [len(f[0].buffer) for f in frames] == [size, size]
+    replayed = front.decoder.decode(frames[0])
+    assert len(replayed.outputs) == 16 and replayed.weight_version == "default"
