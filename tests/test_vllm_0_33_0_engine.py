@@ -407,6 +407,58 @@ def test_every_0_33_0_utility_with_vllms_argument_lists(stack: Stack) -> None:
     assert len(tokens(outs["alive"])) == 2
 
 
+def test_a_fatal_engine_error_reaches_vllms_client_as_engine_dead(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from vllm.v1.engine.exceptions import EngineDeadError
+
+    # The fault hook lives in the tests' own engine, which the engine command imports.
+    tests_dir = str(Path(__file__).parent)
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([tests_dir, os.environ.get("PYTHONPATH", "")]))
+    engines = EngineProcs(tmp_path)
+    addresses = {
+        "input_address": f"ipc://{tmp_path}/in",
+        "output_address": f"ipc://{tmp_path}/out",
+    }
+    proc = engines.start(
+        "--input-address",
+        addresses["input_address"],
+        "--output-address",
+        addresses["output_address"],
+        "--engine",
+        "hook_engine:HookEngine",
+        "--protocol",
+        PROTOCOL,
+    )
+    config = vllm_config(write_model_dir(tmp_path / "model"))
+    loop = asyncio.new_event_loop()
+    client = None
+
+    async def scenario() -> None:
+        nonlocal client
+        client = AsyncMPClient(config, Executor, False, client_addresses=addresses)
+        await client.call_utility_async("fail_next_step", "injected by the test")
+        await client.add_request_async(vllm_request("doomed", [1], temperature=0.0, max_tokens=4))
+        with pytest.raises(EngineDeadError):
+            while True:
+                await client.get_output_async()
+
+    try:
+        loop.run_until_complete(asyncio.wait_for(scenario(), _CALL_TIMEOUT_S))
+    finally:
+        if client is not None:
+            client.shutdown()
+            loop.run_until_complete(asyncio.sleep(0))
+            client.resources.ctx.destroy(linger=0)
+        loop.close()
+        try:
+            code = proc.wait(20)  # the engine leaves by itself after ENGINE_CORE_DEAD
+        finally:
+            engines.stop()
+    assert code == 1, engines.logs()
+    assert "injected by the test" in engines.logs()
+
+
 # ---------------------------------------------------------------------- byte for byte
 
 
