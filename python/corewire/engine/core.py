@@ -25,7 +25,10 @@ request's stream on the front-end while its tokens keep coming (a request sent a
 ``resumable``, vLLM's streaming input, takes its later chunks under the same id: those
 go to the engine). Each of these is logged at most a few times per interval
 (:mod:`corewire.engine.logthrottle`) and counted; the ``engine_core_counters`` utility
-reports the counts.
+reports the counts. Under vLLM 0.33.0's wire an ERROR finish also carries that
+version's ``RequestError``: ``"validation_error"`` for a request refused for itself
+(not for an engine fault), ``"engine_paused"`` (retryable) for an ADD that arrives while
+``pause_generation`` refuses new requests (:mod:`corewire.engine.utilities_0_33_0`).
 
 Wire format: docs/protocol.md §3.1 (ready response), §4 (requests it takes), §5 (outputs
 it sends), §7 (ENGINE_CORE_DEAD and stopping) and §9 (error rules).
@@ -593,7 +596,7 @@ class EngineCoreProc:
                 request_id,
             )
             return
-        if self._refusing_new_requests() and not getattr(request, "abort_immediately", False):
+        if self._refusing_new_requests() and not request.abort_immediately:
             # Generation is paused (0.33.0's pause_generation): retry later, says vLLM.
             self._finish_with_error(request_id, request.client_index, None, error=PAUSED_ERROR)
             return
