@@ -103,5 +103,14 @@ async def test_dplb_client_and_engines_speak_0_33_0() -> None:
         assert set(got["finish"].values()) == {FinishReason.LENGTH}
         assert sorted(client.router.in_flight()) == [0, 0]
         assert client.reqs_in_flight == {}
+        # No first-request notices under 0.33.0: the engines started the wave themselves,
+        # and the coordinator ended it once the group went idle.
+        deadline = asyncio.get_running_loop().time() + 10
+        while client.dp_engines_running() or client.current_wave == 0:
+            assert asyncio.get_running_loop().time() < deadline, (
+                client.current_wave,
+                client.dp_engines_running(),
+            )
+            await asyncio.sleep(0.02)
     finally:
         client.shutdown()

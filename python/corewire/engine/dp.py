@@ -14,7 +14,8 @@
   requests. State: ``current_wave`` and ``engines_running`` (paused vs running). A
   request stamped with a newer wave moves the engine forward; one stamped with a wave
   that already ended while the engine was paused makes it send ``start_wave`` so the
-  coordinator wakes the others. START_DP_WAVE (from the coordinator, or a front-end on
+  coordinator wakes the others (under vLLM 0.33.0, whose front-ends send no
+  first-request notices, any request that reaches a paused engine does). START_DP_WAVE (from the coordinator, or a front-end on
   the input link) sets the engine running unless it is the excluded one. WAVE_COMPLETE
   pauses it, except that an engine still holding requests (they raced the end of the
   wave) asks for the next wave at once. While running without local work, an engine
@@ -165,6 +166,9 @@ class DPEngineCoreProc(EngineCoreProc):
     # ------------------------------------------------------------------ requests
 
     def _handle_add(self, request: EngineCoreRequest) -> None:
+        if self.protocol != V0_25_1:
+            self._handle_add_engine_led(request)
+            return
         if request.current_wave != self.current_wave:
             if request.current_wave > self.current_wave:
                 # The front-end knows of a newer wave than this engine has heard of.
@@ -174,6 +178,17 @@ class DPEngineCoreProc(EngineCoreProc):
                 # others are paused too; ask the coordinator to wake them.
                 self._ask_for_wave(self.current_wave)
         self.engines_running = True
+        super()._handle_add(request)
+
+    def _handle_add_engine_led(self, request: EngineCoreRequest) -> None:
+        """An ADD under vLLM 0.33.0, whose front-ends send no first-request notices:
+        engines alone start waves. A paused engine that gets a request asks the
+        coordinator to wake the others, whichever wave the request names."""
+        if request.current_wave > self.current_wave:
+            self.current_wave = request.current_wave
+        if not self.engines_running:
+            self.engines_running = True
+            self._ask_for_wave(self.current_wave)
         super()._handle_add(request)
 
     def _handle_start_dp_wave(self, new_wave: int, exclude_engine_index: int) -> None:
