@@ -11,16 +11,16 @@
 - **Waves** (see :mod:`corewire.coordinator`). The input thread also subscribes to the
   coordinator's wave publisher and feeds START_DP_WAVE and WAVE_COMPLETE into the input
   queue (:mod:`corewire.dp_messages`), so the busy loop applies them in order with
-  requests. State: ``current_wave`` and ``engines_running`` (paused vs running). A
-  request stamped with a newer wave moves the engine forward; one stamped with a wave
-  that already ended while the engine was paused makes it send ``start_wave`` so the
-  coordinator wakes the others (under vLLM 0.33.0, whose front-ends send no
-  first-request notices, any request that reaches a paused engine does). START_DP_WAVE (from the coordinator, or a front-end on
-  the input link) sets the engine running unless it is the excluded one. WAVE_COMPLETE
-  pauses it, except that an engine still holding requests (they raced the end of the
-  wave) asks for the next wave at once. While running without local work, an engine
-  that defines ``execute_dummy_batch()`` runs it each loop (engines whose steps hold
-  collectives must step in lockstep); others just wait for input.
+  requests. State: ``current_wave`` and ``engines_running`` (paused vs running). A request
+  stamped with a newer wave moves the engine forward; one stamped with a wave that already
+  ended while the engine was paused makes it send ``start_wave`` so the coordinator wakes
+  the others (under vLLM 0.33.0, whose front-ends send no first-request notices, any
+  request that reaches a paused engine does). START_DP_WAVE (from the coordinator, or a
+  front-end on the input link) sets the engine running unless it is the excluded one.
+  WAVE_COMPLETE pauses it, except that an engine still holding requests (they raced the
+  end of the wave) asks for the next wave at once. While running without local work, an
+  engine that defines ``execute_dummy_batch()`` runs it each loop (engines whose steps
+  hold collectives must step in lockstep); others just wait for input.
 - **Elastic scaling** utilities, called by the front-end (they are methods of the proc,
   not of the engine): ``reconfigure_data_parallel(new_size)`` and
   ``shutdown_for_scale_down()``. Each sends a notification as a utility output with
