@@ -190,6 +190,7 @@ class DPAsyncMPClient(AsyncMPClient):
             size,
             remote=remote,
             curve_server_dir=curve_keys if self._server_keys is not None else None,
+            protocol=self.protocol,
         )
 
     @staticmethod
