@@ -138,7 +138,9 @@ class DPAsyncMPClient(AsyncMPClient):
         self._zap: CurveAuthenticator | None = None
         self._coordinator: DPCoordinator | None = None
         if coordinator_addresses is None:
-            self._coordinator = self._start_coordinator(data_parallel_size, curve_keys)
+            self._coordinator = self._start_coordinator(
+                data_parallel_size, curve_keys, kwargs.get("protocol")
+            )
             coordinator_addresses = self._coordinator.addresses
         #: Where this group's coordinator listens (give it to the other front-ends).
         self.coordinator_addresses = coordinator_addresses
@@ -180,9 +182,12 @@ class DPAsyncMPClient(AsyncMPClient):
                 "a loopback address"
             )
 
-    def _start_coordinator(self, size: int, curve_keys: str | None) -> DPCoordinator:
+    def _start_coordinator(
+        self, size: int, curve_keys: str | None, protocol: str | None
+    ) -> DPCoordinator:
         """Start the group's coordinator (this is the first front-end), with the TCP
-        endpoints of ``data_parallel_address`` for engines on other hosts."""
+        endpoints of ``data_parallel_address`` for engines on other hosts, publishing in
+        ``protocol``'s shape (called before the client's own attributes are set)."""
         remote = None
         if self._tcp is not None:
             remote = (self._tcp.coordinator_stats, self._tcp.coordinator_publish)
@@ -190,7 +195,7 @@ class DPAsyncMPClient(AsyncMPClient):
             size,
             remote=remote,
             curve_server_dir=curve_keys if self._server_keys is not None else None,
-            protocol=self.protocol,
+            protocol=protocol,
         )
 
     @staticmethod
