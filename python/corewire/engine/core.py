@@ -346,7 +346,9 @@ class EngineCoreProc:
                     outputs=[
                         EngineCoreOutput(rid, [], finish_reason=FinishReason.ABORT) for rid in ids
                     ],
-                    finished_requests=set(ids) if self.include_finished_set else None,
+                    # Always named, as vLLM's engines name the requests they finish
+                    # outside a step (a front-end's output handler forgets them by it).
+                    finished_requests=set(ids),
                 )
             )
         logger.info(
@@ -675,7 +677,9 @@ class EngineCoreProc:
                 outputs=[
                     finish_output(self.protocol, request_id, FinishReason.ERROR, reason, error)
                 ],
-                finished_requests={request_id} if self.include_finished_set else None,
+                # Always named, as vLLM's engines name a refused request whatever
+                # include_finished_set says (vLLM 0.33.0's output handler needs it).
+                finished_requests={request_id},
             ),
             client_index,
         )
