@@ -9,6 +9,7 @@ with corewire's client inside vLLM, corewire's ``vllm.general_plugins`` entry po
 from __future__ import annotations
 
 import argparse
+import asyncio
 import contextlib
 import importlib.util
 import json
@@ -19,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import psutil
 
 from corewire.vllm.model_dir import write_model_dir
 from corewire.vllm.stack import ServeStack, plugin_installed
@@ -32,6 +34,9 @@ MAX_MODEL_LEN = 1024
 STEP_DELAY = 0.01
 # What corewire's plugin logs in the API server when it switches the client.
 PLUGIN_LOG_LINE = "uses corewire's engine-core client"
+# A long request: all the room the context leaves, at STEP_DELAY per token (~10 s).
+LONG_TOKENS = MAX_MODEL_LEN - 16
+HTTP_TIMEOUT = 30.0
 
 
 def missing_prerequisite() -> str | None:
@@ -135,3 +140,147 @@ def sse_events(response: httpx.Response) -> Iterator[dict[str, Any]]:
             return
         yield json.loads(data)
     raise AssertionError("the stream ended without data: [DONE]")
+
+
+class SharedPids(set[int]):
+    """Process ids of the stacks a test module shares across tests (they outlive single
+    tests on purpose); :meth:`tree` is the module's ``LEAK_ALLOWED_PIDS`` (conftest)."""
+
+    def tree(self) -> set[int]:
+        """These processes and their children."""
+        pids = set()
+        for pid in self:
+            try:
+                proc = psutil.Process(pid)
+                pids.add(pid)
+                pids.update(c.pid for c in proc.children(recursive=True))
+            except psutil.NoSuchProcess:
+                continue
+        return pids
+
+
+def completion(http: httpx.Client, **body: Any) -> dict[str, Any]:
+    """POST /v1/completions; the JSON answer of a 200."""
+    resp = http.post("/v1/completions", json={"model": MODEL, **body})
+    assert resp.status_code == 200, resp.text
+    return resp.json()
+
+
+def chat(http: httpx.Client, **body: Any) -> dict[str, Any]:
+    """POST /v1/chat/completions; the JSON answer of a 200."""
+    resp = http.post("/v1/chat/completions", json={"model": MODEL, **body})
+    assert resp.status_code == 200, resp.text
+    return resp.json()
+
+
+def stream(http: httpx.Client, path: str, **body: Any) -> list[dict[str, Any]]:
+    """Every event of a streamed request, up to ``[DONE]``."""
+    body = {"model": MODEL, "stream": True, **body}
+    with http.stream("POST", path, json=body) as resp:
+        assert resp.status_code == 200, resp.read().decode()
+        return list(sse_events(resp))
+
+
+# The greedy requests whose outputs must not depend on the client.
+GREEDY_COMPLETIONS: list[dict[str, Any]] = [
+    {"prompt": "hello world the quick brown fox", "max_tokens": 12, "logprobs": 3},
+    {"prompt": [10, 20, 30, 4000, 4095], "max_tokens": 16, "logprobs": 1, "ignore_eos": True},
+    {"prompt": "once upon a time", "max_tokens": 8, "logprobs": 5, "echo": False},
+]
+GREEDY_CHATS: list[dict[str, Any]] = [
+    {
+        "messages": [{"role": "user", "content": "tell me a story about a red fox"}],
+        "max_tokens": 10,
+        "logprobs": True,
+        "top_logprobs": 3,
+    },
+    {
+        "messages": [
+            {"role": "system", "content": "you are a good assistant"},
+            {"role": "user", "content": "count to ten please"},
+        ],
+        "max_tokens": 6,
+    },
+]
+
+
+def greedy_outputs(http: httpx.Client) -> list[dict[str, Any]]:
+    """Text, token ids, logprobs and usage of each greedy request, plain and streamed."""
+    results: list[dict[str, Any]] = []
+    for body in GREEDY_COMPLETIONS:
+        body = {**body, "temperature": 0.0, "return_token_ids": True}
+        out = completion(http, **body)
+        choice = out["choices"][0]
+        events = stream(http, "/v1/completions", **body)
+        streamed_text = "".join(e["choices"][0]["text"] for e in events if e["choices"])
+        streamed_ids = [
+            t for e in events if e["choices"] for t in e["choices"][0].get("token_ids") or []
+        ]
+        results.append(
+            {
+                "text": choice["text"],
+                "token_ids": choice["token_ids"],
+                "logprobs": choice["logprobs"],
+                "finish_reason": choice["finish_reason"],
+                "usage": out["usage"],
+                "streamed_text": streamed_text,
+                "streamed_ids": streamed_ids,
+            }
+        )
+    for body in GREEDY_CHATS:
+        body = {**body, "temperature": 0.0, "return_token_ids": True}
+        out = chat(http, **body)
+        choice = out["choices"][0]
+        results.append(
+            {
+                "text": choice["message"]["content"],
+                "token_ids": choice.get("token_ids"),
+                "logprobs": choice.get("logprobs"),
+                "finish_reason": choice["finish_reason"],
+                "usage": out["usage"],
+            }
+        )
+    return results
+
+
+# ---------------------------------------------------------------------- shared stack
+
+
+def running_requests(http: httpx.Client) -> float:
+    """vllm:num_requests_running, summed over engines (as the engines last reported it)."""
+    return sum(v for _, v in metric_values(http.get("/metrics").text, "vllm:num_requests_running"))
+
+
+async def long_requests(base_url: str, n: int, started: list[asyncio.Event]) -> list[Any]:
+    """``n`` long requests, every other one streamed; each result says how it ended:
+    "finished", "error event" or "cut off" (streams), the HTTP status (plain requests),
+    or the name of the httpx error."""
+
+    async def one(i: int, client: httpx.AsyncClient) -> Any:
+        body = {"model": MODEL, "prompt": f"story {i}", "max_tokens": LONG_TOKENS}
+        body |= {"ignore_eos": True, "temperature": 0.0}
+        try:
+            if i % 2:
+                started[i].set()
+                resp = await client.post("/v1/completions", json=body)
+                return resp.status_code if resp.status_code != 200 else "finished"
+            async with client.stream("POST", "/v1/completions", json={**body, "stream": True}) as r:
+                async for line in r.aiter_lines():
+                    started[i].set()
+                    if line == "data: [DONE]":
+                        return "finished"
+                    if line.startswith("data: ") and '"error"' in line:
+                        return "error event"
+                return "cut off"
+        except httpx.HTTPError as exc:
+            return type(exc).__name__
+
+    async with httpx.AsyncClient(base_url=base_url, timeout=60.0) as client:
+        return await asyncio.gather(*(one(i, client) for i in range(n)))
+
+
+# corewire's health watchdog inside vLLM, made quick for the kill test: a check every
+# second, an engine that does not answer within 2 s is dead.
+HEALTH_ENV = {"COREWIRE_HEALTH_CHECK_INTERVAL_S": "1", "COREWIRE_HEALTH_CHECK_TIMEOUT_S": "2"}
+# Interval + timeout, and slack for a loaded 2-core machine.
+DEATH_NOTICED_S = 1 + 2 + 5

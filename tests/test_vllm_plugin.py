@@ -85,7 +85,8 @@ def test_plugin_accepts_the_vllm_its_client_is_built_for(version: str) -> None:
 @pytest.mark.parametrize("version", ["0.25.2", "0.26.0", "0.25.1rc1", "0.33.1", "0.34.0"])
 def test_plugin_refuses_another_vllm_by_name(version: str) -> None:
     supported = r"0\.25\.1, 0\.33\.0"
-    with pytest.raises(RuntimeError, match=rf"supports vLLM {supported}, not the installed {version}"):
+    expected = rf"supports vLLM {supported}, not the installed {version}"
+    with pytest.raises(RuntimeError, match=expected):
         plugin.check_vllm_version(version)
 
 

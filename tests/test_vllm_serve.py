@@ -31,16 +31,28 @@ import pytest
 from corewire.vllm.model_dir import write_model_dir
 from corewire.vllm.stack import ServeStack, StackError, free_port
 from serve_support import (
+    DEATH_NOTICED_S,
+    GREEDY_COMPLETIONS,
+    HEALTH_ENV,
+    HTTP_TIMEOUT,
+    LONG_TOKENS,
     MAX_MODEL_LEN,
     MODEL,
     PLUGIN_LOG_LINE,
     STEP_DELAY,
+    SharedPids,
+    chat,
+    completion,
+    greedy_outputs,
+    long_requests,
     metric_values,
     missing_prerequisite,
     plugin_missing,
+    running_requests,
     running_stack,
     server_log,
     sse_events,
+    stream,
 )
 
 _MISSING = missing_prerequisite()
@@ -56,31 +68,13 @@ CLIENTS = [
     ),
 ]
 
-# A long request: all the room the context leaves, at STEP_DELAY per token (~10 s).
-LONG_TOKENS = MAX_MODEL_LEN - 16
-HTTP_TIMEOUT = 30.0
-
 # Processes of the stack the module shares: they outlive single tests on purpose.
-_SHARED_PIDS: set[int] = set()
+_SHARED_PIDS = SharedPids()
 # Greedy outputs per client, compared across clients.
 _GREEDY: dict[str, list[dict[str, Any]]] = {}
 
 
-def _shared_tree() -> set[int]:
-    """The shared stack's processes and their children (conftest's leak check allows
-    them)."""
-    pids = set()
-    for pid in _SHARED_PIDS:
-        try:
-            proc = psutil.Process(pid)
-            pids.add(pid)
-            pids.update(c.pid for c in proc.children(recursive=True))
-        except psutil.NoSuchProcess:
-            continue
-    return pids
-
-
-LEAK_ALLOWED_PIDS = _shared_tree
+LEAK_ALLOWED_PIDS = _SHARED_PIDS.tree
 
 
 @pytest.fixture(scope="module", params=CLIENTS)
@@ -108,93 +102,6 @@ def http(stack: ServeStack) -> Iterator[httpx.Client]:
         yield client
 
 
-def completion(http: httpx.Client, **body: Any) -> dict[str, Any]:
-    """POST /v1/completions; the JSON answer of a 200."""
-    resp = http.post("/v1/completions", json={"model": MODEL, **body})
-    assert resp.status_code == 200, resp.text
-    return resp.json()
-
-
-def chat(http: httpx.Client, **body: Any) -> dict[str, Any]:
-    """POST /v1/chat/completions; the JSON answer of a 200."""
-    resp = http.post("/v1/chat/completions", json={"model": MODEL, **body})
-    assert resp.status_code == 200, resp.text
-    return resp.json()
-
-
-def stream(http: httpx.Client, path: str, **body: Any) -> list[dict[str, Any]]:
-    """Every event of a streamed request, up to ``[DONE]``."""
-    body = {"model": MODEL, "stream": True, **body}
-    with http.stream("POST", path, json=body) as resp:
-        assert resp.status_code == 200, resp.read().decode()
-        return list(sse_events(resp))
-
-
-# The greedy requests whose outputs must not depend on the client.
-GREEDY_COMPLETIONS: list[dict[str, Any]] = [
-    {"prompt": "hello world the quick brown fox", "max_tokens": 12, "logprobs": 3},
-    {"prompt": [10, 20, 30, 4000, 4095], "max_tokens": 16, "logprobs": 1, "ignore_eos": True},
-    {"prompt": "once upon a time", "max_tokens": 8, "logprobs": 5, "echo": False},
-]
-GREEDY_CHATS: list[dict[str, Any]] = [
-    {
-        "messages": [{"role": "user", "content": "tell me a story about a red fox"}],
-        "max_tokens": 10,
-        "logprobs": True,
-        "top_logprobs": 3,
-    },
-    {
-        "messages": [
-            {"role": "system", "content": "you are a good assistant"},
-            {"role": "user", "content": "count to ten please"},
-        ],
-        "max_tokens": 6,
-    },
-]
-
-
-def _greedy_outputs(http: httpx.Client) -> list[dict[str, Any]]:
-    """Text, token ids, logprobs and usage of each greedy request, plain and streamed."""
-    results: list[dict[str, Any]] = []
-    for body in GREEDY_COMPLETIONS:
-        body = {**body, "temperature": 0.0, "return_token_ids": True}
-        out = completion(http, **body)
-        choice = out["choices"][0]
-        events = stream(http, "/v1/completions", **body)
-        streamed_text = "".join(e["choices"][0]["text"] for e in events if e["choices"])
-        streamed_ids = [
-            t for e in events if e["choices"] for t in e["choices"][0].get("token_ids") or []
-        ]
-        results.append(
-            {
-                "text": choice["text"],
-                "token_ids": choice["token_ids"],
-                "logprobs": choice["logprobs"],
-                "finish_reason": choice["finish_reason"],
-                "usage": out["usage"],
-                "streamed_text": streamed_text,
-                "streamed_ids": streamed_ids,
-            }
-        )
-    for body in GREEDY_CHATS:
-        body = {**body, "temperature": 0.0, "return_token_ids": True}
-        out = chat(http, **body)
-        choice = out["choices"][0]
-        results.append(
-            {
-                "text": choice["message"]["content"],
-                "token_ids": choice.get("token_ids"),
-                "logprobs": choice.get("logprobs"),
-                "finish_reason": choice["finish_reason"],
-                "usage": out["usage"],
-            }
-        )
-    return results
-
-
-# ---------------------------------------------------------------------- shared stack
-
-
 def test_greedy_outputs_identical_across_clients(
     stack: ServeStack, http: httpx.Client, tmp_path: Path
 ) -> None:
@@ -204,7 +111,7 @@ def test_greedy_outputs_identical_across_clients(
     same batch. When the other client's server did not run in this session (a run of
     one parameter), this test starts a vLLM-client stack itself to compare with.
     """
-    results = _greedy_outputs(http)
+    results = greedy_outputs(http)
     for res in results[: len(GREEDY_COMPLETIONS)]:
         assert res["token_ids"], "no tokens generated"
         assert res["streamed_text"] == res["text"]
@@ -222,7 +129,7 @@ def test_greedy_outputs_identical_across_clients(
             _SHARED_PIDS.update(p.pid for p in (other.server, *other.engines) if p)
             try:
                 with httpx.Client(base_url=other.base_url, timeout=HTTP_TIMEOUT) as client:
-                    _GREEDY["vllm"] = _greedy_outputs(client)
+                    _GREEDY["vllm"] = greedy_outputs(client)
             finally:
                 _SHARED_PIDS.difference_update(p.pid for p in (other.server, *other.engines) if p)
     assert results == _GREEDY["vllm"]
@@ -343,11 +250,6 @@ def test_stop_string(stack: ServeStack, http: httpx.Client) -> None:
     assert out["usage"]["completion_tokens"] < 16
 
 
-def _running(http: httpx.Client) -> float:
-    """vllm:num_requests_running, summed over engines (as the engines last reported it)."""
-    return sum(v for _, v in metric_values(http.get("/metrics").text, "vllm:num_requests_running"))
-
-
 def test_client_disconnect_aborts_in_engine(stack: ServeStack, http: httpx.Client) -> None:
     """A client that hangs up mid-stream: the engine drops the request (ABORT).
 
@@ -367,7 +269,7 @@ def test_client_disconnect_aborts_in_engine(stack: ServeStack, http: httpx.Clien
     deadline = started + LONG_TOKENS * STEP_DELAY * 0.6
     while True:
         completion(http, prompt="hi", max_tokens=2, temperature=0.0)
-        if _running(http) == 0:
+        if running_requests(http) == 0:
             break
         assert time.monotonic() < deadline, "the engine still runs the abandoned request"
         time.sleep(0.2)
@@ -424,41 +326,6 @@ def test_corewire_metrics_in_vllms_metrics(stack: ServeStack, http: httpx.Client
 # ---------------------------------------------------------------------- own stacks
 
 
-async def _long_requests(base_url: str, n: int, started: list[asyncio.Event]) -> list[Any]:
-    """``n`` long requests, every other one streamed; each result says how it ended:
-    "finished", "error event" or "cut off" (streams), the HTTP status (plain requests),
-    or the name of the httpx error."""
-
-    async def one(i: int, client: httpx.AsyncClient) -> Any:
-        body = {"model": MODEL, "prompt": f"story {i}", "max_tokens": LONG_TOKENS}
-        body |= {"ignore_eos": True, "temperature": 0.0}
-        try:
-            if i % 2:
-                started[i].set()
-                resp = await client.post("/v1/completions", json=body)
-                return resp.status_code if resp.status_code != 200 else "finished"
-            async with client.stream("POST", "/v1/completions", json={**body, "stream": True}) as r:
-                async for line in r.aiter_lines():
-                    started[i].set()
-                    if line == "data: [DONE]":
-                        return "finished"
-                    if line.startswith("data: ") and '"error"' in line:
-                        return "error event"
-                return "cut off"
-        except httpx.HTTPError as exc:
-            return type(exc).__name__
-
-    async with httpx.AsyncClient(base_url=base_url, timeout=60.0) as client:
-        return await asyncio.gather(*(one(i, client) for i in range(n)))
-
-
-# corewire's health watchdog inside vLLM, made quick for the kill test: a check every
-# second, an engine that does not answer within 2 s is dead.
-HEALTH_ENV = {"COREWIRE_HEALTH_CHECK_INTERVAL_S": "1", "COREWIRE_HEALTH_CHECK_TIMEOUT_S": "2"}
-# Interval + timeout, and slack for a loaded 2-core machine.
-DEATH_NOTICED_S = 1 + 2 + 5
-
-
 @pytest.mark.skipif(_NO_PLUGIN is not None, reason=_NO_PLUGIN or "")
 async def test_engine_killed_under_load_fails_requests_and_health(tmp_path: Path) -> None:
     """corewire's client inside vLLM: SIGKILL of the engine under load ends every in-flight
@@ -467,7 +334,7 @@ async def test_engine_killed_under_load_fails_requests_and_health(tmp_path: Path
     with running_stack(tmp_path, client="corewire", server_env=HEALTH_ENV) as stack:
         n = 6
         started = [asyncio.Event() for _ in range(n)]
-        task = asyncio.ensure_future(_long_requests(stack.base_url, n, started))
+        task = asyncio.ensure_future(long_requests(stack.base_url, n, started))
         await asyncio.wait_for(asyncio.gather(*(e.wait() for e in started)), 30)
         await asyncio.sleep(0.5)  # the non-streamed ones reached the engine too
         assert stack.health() == 200
