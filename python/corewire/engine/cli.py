@@ -12,6 +12,11 @@ PORT ...``), give its handshake address instead; the engine then does vLLM's sta
 handshake and learns the addresses from the front-end (:mod:`corewire.engine.handshake`)::
 
     corewire engine --handshake-address tcp://127.0.0.1:PORT --engine-index 0
+
+``--protocol`` names the vLLM version whose wire the engine speaks: ``0.25.1`` (the
+default) or ``0.33.0``. Nothing on the wire tells them apart (a 0.33.0 front-end refuses
+a 0.25.1 ready response, and each version misreads the other's outputs), so it must match
+the front-end's vLLM.
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ from typing import Any
 from corewire.coordinator import TcpEndpoints
 from corewire.curve import is_loopback_address
 from corewire.keygen import CurveClientKeys
+from corewire.versions import DEFAULT, SUPPORTED
 
 __all__ = ["add_arguments", "run"]
 
@@ -69,6 +75,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="JSON object of keyword arguments for the engine's constructor",
     )
     parser.add_argument(
+        "--protocol",
+        choices=SUPPORTED,
+        default=DEFAULT,
+        help=f"the vLLM version whose engine-core wire to speak (default {DEFAULT})",
+    )
+    parser.add_argument(
         "--parent-pid",
         type=int,
         default=None,
@@ -110,6 +122,7 @@ def run(args: argparse.Namespace) -> int:
         engine=args.engine,
         engine_args=args.engine_args,
         parent_pid=args.parent_pid,
+        protocol=args.protocol,
         **addresses,
     )
 
@@ -136,6 +149,7 @@ def _join(args: argparse.Namespace) -> int:
         parent_pid=args.parent_pid,
         data_parallel_size=args.data_parallel_size,
         handshake_timeout_s=DEFAULT_HANDSHAKE_TIMEOUT_S if timeout is None else timeout,
+        protocol=args.protocol,
     )
 
 

@@ -46,6 +46,8 @@ from typing import Any, ClassVar
 import msgspec
 import zmq
 
+# A module, not its names: ready_layouts imports corewire.engine, which imports this.
+from corewire import ready_layouts
 from corewire.codec import Encoder, MsgspecDecoder
 from corewire.dp_messages import StartWave, WaveComplete
 from corewire.engine.frame_head import array_length, read_head
@@ -58,13 +60,20 @@ from corewire.engine.inputs import (
     InputItem,
     IOFailed,
 )
-from corewire.engine.interface import INTERFACE_METHODS, Engine
+from corewire.engine.interface import INTERFACE_METHODS, NO_MODEL_LEN_LIMIT, Engine
 from corewire.engine.link import Receiver, connect_socket, engine_outputs
 from corewire.engine.logthrottle import ThrottledWarning
-from corewire.engine.ready import engine_info_of, ready_response
+from corewire.engine.ready import engine_info_of
 from corewire.engine.reasons import reason_for, safe_reason
 from corewire.engine.utilities import DEFAULT_UTILITIES, UtilityDefaults
+from corewire.engine.wire import (
+    DEFAULT_WEIGHT_VERSION,
+    StepOutputs,
+    finish_output,
+    output_converter,
+)
 from corewire.errors import ProtocolError
+from corewire.layouts import RequestError, request_decoder
 from corewire.protocol import (
     ENGINE_CORE_DEAD,
     REQUEST_ABORT,
@@ -82,6 +91,7 @@ from corewire.protocol import (
     field_position,
     utility_failure_text,
 )
+from corewire.versions import check_protocol
 
 __all__ = ["EngineCoreProc"]
 
@@ -140,6 +150,11 @@ def _take_buffer(
     return free.pop() if free else bytearray()
 
 
+def _own_method(engine: Any, name: str) -> bool:
+    """Whether ``engine`` itself implements the utility ``name`` (not the defaults)."""
+    return callable(getattr(engine, name, None))
+
+
 class _Abandoned(Exception):
     """The front-end took no output for too long after a stop was requested."""
 
@@ -165,6 +180,14 @@ class EngineCoreProc:
     every request link (and :meth:`_open_extra_inputs` returned). With ``stop_notice``,
     a requested stop first finishes the requests in flight with ABORT and then sends
     ENGINE_CORE_DEAD (for front-ends that cannot take a stopped engine back).
+
+    ``protocol`` is the vLLM version whose wire the engine speaks (``"0.25.1"``, the
+    default, or ``"0.33.0"``; nothing on the wire names it, so it is told): requests are
+    read in its layout (``corewire.layouts.request_decoder``; a 0.33.0 request reaches
+    the engine as that version's struct, whose fields are 0.25.1's plus
+    ``session_id`` and ``kv_hints``), the ready response has its keys, and outputs,
+    which engines build as ``corewire.protocol`` structs, are converted into its layout
+    on the output thread (:mod:`corewire.engine.wire`).
 
     Utility calls go to the engine's public methods; the ones vLLM's front-end makes
     that the engine lacks are answered by
@@ -199,9 +222,18 @@ class EngineCoreProc:
         linger_ms: int = 5000,
         dp_stats_address: str | None = None,
         stop_notice: bool = False,
+        protocol: str | None = None,
     ) -> None:
         if not 0 <= engine_index < 1 << 16:
             raise ValueError(f"engine_index must fit in 2 bytes, got {engine_index}")
+        #: The vLLM version whose wire this engine speaks (``corewire.versions``).
+        self.protocol = check_protocol(protocol)
+        # Converts each queued message into the protocol's layout on the output thread
+        # (None: engines' structs are that layout already, nothing to do).
+        self._to_wire = output_converter(self.protocol)
+        #: What a step's messages carry as ``weight_version`` (0.33.0 on; set by the
+        #: ``set_weight_version`` utility).
+        self.weight_version = DEFAULT_WEIGHT_VERSION
         self.engine = engine
         self.engine_index = engine_index
         self.identity = engine_identity(engine_index)
@@ -258,7 +290,7 @@ class EngineCoreProc:
         self._pending_finished: set[str] = set()
         # request id -> client index, only kept when there are several client sockets.
         self._request_clients: dict[str, int] = {}
-        self._utility_encoder = Encoder()
+        self._utility_encoder = Encoder(protocol=self.protocol)
         # Utility futures completed on the busy-loop thread (e.g. inside step()) reply
         # only after the outputs of that step, which the front-end must see first.
         self._loop_thread_id: int | None = None
@@ -430,7 +462,7 @@ class EngineCoreProc:
         outputs = self._make_outputs(self.engine.step())
         if outputs is None:
             return False
-        self._send_outputs(outputs)
+        self._send_outputs(outputs, step=True)
         return True
 
     def _make_outputs(self, outputs: list[EngineCoreOutput]) -> EngineCoreOutputs | None:
@@ -457,15 +489,23 @@ class EngineCoreProc:
         """Stats attached to each output message (None unless ``log_stats``)."""
         return self.engine.scheduler_stats() if self.log_stats else None
 
-    def _send_outputs(self, outputs: EngineCoreOutputs, client_index: int = 0) -> None:
+    def _send_outputs(
+        self, outputs: EngineCoreOutputs, client_index: int = 0, *, step: bool = False
+    ) -> None:
         """Queue outputs for the output thread.
 
         ``client_index`` indexes :attr:`output_addresses`. With several client
         sockets, request outputs are instead split by the client that sent each request
         (``client_index`` then only routes a message that carries no request outputs).
+        ``step``: one engine step made them; a protocol with ``weight_version`` stamps
+        the current one on them (as :class:`~corewire.engine.wire.StepOutputs`).
         """
+        version = self.weight_version if step and self._to_wire is not None else None
         if len(self.output_addresses) == 1 or outputs.utility_output is not None:
-            self.output_queue.put((client_index, outputs))
+            if version is not None:
+                self.output_queue.put((client_index, StepOutputs(outputs, version)))
+            else:
+                self.output_queue.put((client_index, outputs))
             return
         by_client: dict[int, list[EngineCoreOutput]] = {}
         for out in outputs.outputs:
@@ -476,7 +516,10 @@ class EngineCoreProc:
         if not by_client:
             by_client[client_index] = []
         for index, outs in by_client.items():
-            self.output_queue.put((index, msgspec.structs.replace(outputs, outputs=outs)))
+            message = msgspec.structs.replace(outputs, outputs=outs)
+            self.output_queue.put(
+                (index, message if version is None else StepOutputs(message, version))
+            )
 
     def _flush_finished(self) -> None:
         """Report aborted ids while idle, so a DP front-end can forget them."""
@@ -585,9 +628,11 @@ class EngineCoreProc:
         client_index: int,
         reason: str,
         cause: BaseException | None = None,
+        error: RequestError | None = None,
     ) -> None:
         """Finish a request the engine never took with ERROR; ``reason`` (already safe
-        to show) goes to the client in ``stop_reason``, ``cause`` only to the log."""
+        to show) goes to the client in ``stop_reason``, ``cause`` only to the log, and
+        ``error`` (a protocol that has the field: 0.33.0 on) in ``error``."""
         self._refused_log.warning(
             "request %r refused: %s", request_id, reason if cause is None else repr(cause)
         )
@@ -599,12 +644,7 @@ class EngineCoreProc:
         self._send_outputs(
             self._outputs(
                 outputs=[
-                    EngineCoreOutput(
-                        request_id=request_id,
-                        new_token_ids=[],
-                        finish_reason=FinishReason.ERROR,
-                        stop_reason=reason,
-                    )
+                    finish_output(self.protocol, request_id, FinishReason.ERROR, reason, error)
                 ],
                 finished_requests={request_id} if self.include_finished_set else None,
             ),
@@ -711,18 +751,28 @@ class EngineCoreProc:
         """Encode a utility reply now (so that an unsendable result becomes a failure
         reply naming the method) and queue the frames."""
         # Future callbacks run on arbitrary threads; the shared encoder is not reentrant.
-        encoder = Encoder() if fresh else self._utility_encoder
+        encoder = Encoder(protocol=self.protocol) if fresh else self._utility_encoder
+        wire = self._wire_message
         if failure is not None:
-            frames = encoder.encode(self._utility_failure(call_id, method, failure))
+            frames = encoder.encode(wire(self._utility_failure(call_id, method, failure)))
         else:
             try:
                 frames = encoder.encode(
-                    self._outputs(utility_output=UtilityOutput(call_id, None, UtilityResult(value)))
+                    wire(
+                        self._outputs(
+                            utility_output=UtilityOutput(call_id, None, UtilityResult(value))
+                        )
+                    )
                 )
             except (TypeError, ValueError, OverflowError) as exc:
                 err = TypeError(f"result of type {type(value).__name__} cannot be sent: {exc}")
-                frames = encoder.encode(self._utility_failure(call_id, method, err))
+                frames = encoder.encode(wire(self._utility_failure(call_id, method, err)))
         self.output_queue.put((client_index, _Encoded(frames)))
+
+    def _wire_message(self, message: Any) -> Any:
+        """``message`` in this engine's protocol layout (for frames encoded outside the
+        output thread)."""
+        return message if self._to_wire is None else self._to_wire(message)
 
     def _utility_failure(
         self, call_id: int, method: str, failure: BaseException
@@ -754,12 +804,31 @@ class EngineCoreProc:
         apply CURVE keys for ``tcp://`` peers); does nothing here."""
 
     def _ready_message(self) -> dict[str, Any]:
-        """The ready response, sent once on each request link when it is connected."""
-        return ready_response(
+        """The ready response, sent once on each request link when it is connected, in
+        the keys this engine's protocol asks for (``ready_layouts.ready_response_for``)."""
+        return ready_layouts.ready_response_for(
+            self.protocol,
             self.engine_info,
             engine_index=self.engine_index,
             data_parallel_size=self.data_parallel_size,
             dp_stats_address=self.dp_stats_address,
+            facts=self._ready_facts(),
+        )
+
+    def _ready_facts(self) -> ready_layouts.ReadyFacts:
+        """What 0.33.0's ready response asks beyond :class:`EngineInfo`, as this engine
+        is: one device group of ``world_size`` workers (tensor parallel), its own
+        scheduling limits, LoRA and sleep only if the engine implements them."""
+        info = self.engine_info
+        engine = self.engine
+        supports_lora = _own_method(engine, "add_lora")
+        return ready_layouts.ReadyFacts(
+            tensor_parallel_size=info.world_size,
+            max_num_seqs=NO_MODEL_LEN_LIMIT if info.max_num_seqs is None else info.max_num_seqs,
+            max_num_batched_tokens=info.max_num_batched_tokens,
+            supports_lora=supports_lora,
+            max_loras=info.max_loras if supports_lora else 0,
+            enable_sleep_mode=_own_method(engine, "sleep"),
         )
 
     def _open_extra_inputs(
@@ -858,7 +927,8 @@ class EngineCoreProc:
         until then it waits in ``in_flight`` together with its frames (which keep the
         aux arrays alive too).
         """
-        encoder = Encoder()
+        encoder = Encoder(protocol=self.protocol)
+        to_wire = self._to_wire
         free: list[bytearray] = []
         in_flight: collections.deque[tuple[zmq.MessageTracker, bytearray, list[Any]]] = (
             collections.deque()
@@ -887,6 +957,8 @@ class EngineCoreProc:
                 wait(sock)
                 sock.send_multipart(message.frames, copy=False)
                 continue
+            if to_wire is not None:
+                message = to_wire(message)
             buf = _take_buffer(in_flight, free)
             frames = encoder.encode_into(message, buf)
             # The payload's own tracker decides when `buf` is free again: the one
@@ -942,7 +1014,8 @@ class _InputDecoder:
     def __init__(self, proc: EngineCoreProc) -> None:
         self._proc = proc
         self._put = proc.input_queue.put
-        self._add_decoder = MsgspecDecoder(EngineCoreRequest)
+        # The protocol's request layout (0.33.0 appends fields, and its LoRA differs).
+        self._add_decoder = request_decoder(proc.protocol)
         self._any_decoder = MsgspecDecoder()
         self._log = proc._malformed_log
         self._max_model_len = proc.engine_info.max_model_len

@@ -186,10 +186,15 @@ class FrontEndHandshake:
 
 
 def _build_proc(
-    built: Any, meta: HandshakeMetadata, engine_index: int, data_parallel_size: int
+    built: Any,
+    meta: HandshakeMetadata,
+    engine_index: int,
+    data_parallel_size: int,
+    protocol: str | None = None,
 ) -> EngineCoreProc:
     common: dict[str, Any] = {
         "engine_index": engine_index,
+        "protocol": protocol,
         "input_address": meta.inputs,
         "output_address": meta.outputs,
         "dp_stats_address": meta.frontend_stats_publish_address,
@@ -232,11 +237,13 @@ def join_frontend(
     parent_pid: int | None = None,
     data_parallel_size: int = 1,
     handshake_timeout_s: float = DEFAULT_HANDSHAKE_TIMEOUT_S,
+    protocol: str | None = None,
 ) -> int:
     """Join the vLLM front-end whose handshake ROUTER is at ``handshake_address`` and
     serve until stopped; return the exit status (0 clean stop, 1 failure).
 
-    ``data_parallel_size`` is only reported in the ready response. See the module
+    ``data_parallel_size`` is only reported in the ready response; ``protocol`` is the
+    front-end's vLLM wire version (the handshake does not tell it). See the module
     docstring for the steps and their order.
     """
     from corewire.engine.launch import configure_logging, load_engine, run_proc
@@ -256,7 +263,7 @@ def join_frontend(
                 "step in lockstep through torch collectives; corewire engines can join "
                 "front-ends of other models only"
             )
-        proc = _build_proc(built, meta, engine_index, data_parallel_size)
+        proc = _build_proc(built, meta, engine_index, data_parallel_size, protocol)
     except Exception:
         logger.exception(
             "engine %d could not join the front-end at %s", engine_index, handshake_address

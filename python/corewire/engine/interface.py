@@ -46,6 +46,15 @@ class EngineInfo:
     #: How many requests of ``max_model_len`` tokens fit in the KV cache at once; None
     #: for an engine without a KV cache.
     kv_cache_max_concurrency: float | None = None
+    #: Most requests one step runs (vLLM's ``max_num_seqs``; vLLM 0.33.0's ready
+    #: response); None: no limit of the engine's own.
+    max_num_seqs: int | None = None
+    #: Most tokens one step computes (vLLM's ``max_num_batched_tokens``; 0.33.0's ready
+    #: response); None: ``max_model_len``.
+    max_num_batched_tokens: int | None = None
+    #: LoRA adapters the engine holds at once (reported only by an engine that
+    #: implements ``add_lora``).
+    max_loras: int = 0
 
     def __post_init__(self) -> None:
         for name in ("max_model_len", "num_gpu_blocks", "block_size", "world_size"):
@@ -53,6 +62,12 @@ class EngineInfo:
             least = 0 if name == "num_gpu_blocks" else 1
             if type(value) is not int or value < least:
                 raise ValueError(f"EngineInfo.{name} must be an int >= {least}, got {value!r}")
+        for name in ("max_num_seqs", "max_num_batched_tokens"):
+            value = getattr(self, name)
+            if value is not None and (type(value) is not int or value < 1):
+                raise ValueError(f"EngineInfo.{name} must be None or an int >= 1, got {value!r}")
+        if type(self.max_loras) is not int or self.max_loras < 0:
+            raise ValueError(f"EngineInfo.max_loras must be an int >= 0, got {self.max_loras!r}")
         tokens, concurrency = self.kv_cache_size_tokens, self.kv_cache_max_concurrency
         if tokens is not None and (type(tokens) is not int or tokens < 0):
             raise ValueError(

@@ -83,9 +83,12 @@ def serve_engine(
     engine: str | None = None,
     engine_args: dict[str, Any] | None = None,
     parent_pid: int | None = None,
+    protocol: str | None = None,
     **dp_options: Any,
 ) -> int:
     """Run an engine core in this process until it stops; return its exit status.
+
+    ``protocol`` is the vLLM wire version to speak (None: ``corewire.versions.DEFAULT``).
 
     SIGTERM and SIGINT stop it cleanly (status 0) when called on the main thread. With
     ``parent_pid``, it also stops when that process dies. A fatal engine error sends
@@ -100,6 +103,7 @@ def serve_engine(
             engine_index=engine_index,
             input_address=input_address,
             output_address=output_address,
+            protocol=protocol,
             **dp_options,
         )
     except Exception as exc:
@@ -143,9 +147,11 @@ def run_engine_core(
     engine: str | None = None,
     engine_args: dict[str, Any] | None = None,
     parent_pid: int | None = None,
+    protocol: str | None = None,
     **dp_options: Any,
 ) -> None:
     """Process target of an engine started by a client (``multiprocessing`` spawn).
+    ``protocol`` is the vLLM wire version to speak (None: the default).
 
     Blocks until the engine stops; exits the process with status 1 on a fatal error.
     ``parent_pid`` defaults to this process's parent: the engine stops when it dies.
@@ -158,6 +164,7 @@ def run_engine_core(
         engine=engine,
         engine_args=engine_args,
         parent_pid=os.getppid() if parent_pid is None else parent_pid,
+        protocol=protocol,
         **dp_options,
     )
     if status:

@@ -433,10 +433,14 @@ class ReferenceEngine(Engine):
         return bool(self._running or self._waiting or self._pooling)
 
     def engine_info(self) -> EngineInfo:
-        """The configured ``max_model_len`` and dtype, one worker, no KV cache."""
+        """The configured ``max_model_len`` and dtype, one worker, no KV cache; a step
+        runs up to ``max_batch`` requests and reads at most ``max_model_len`` tokens of
+        one prompt at once (prompt logprobs), or ``max_batch`` new tokens."""
         return EngineInfo(
             max_model_len=self.max_model_len,
             dtype=str(self.dtype).removeprefix("torch."),
+            max_num_seqs=self.max_batch,
+            max_num_batched_tokens=max(self.max_batch, self.max_model_len),
         )
 
     def scheduler_stats(self) -> dict[str, Any]:

@@ -93,8 +93,14 @@ class SyntheticEngine(Engine):
         self._span = vocab_size - first_token_id
 
     def engine_info(self) -> EngineInfo:
-        """No KV cache; the configured length limit."""
-        return EngineInfo(max_model_len=self.max_model_len, dtype="float32")
+        """No KV cache; the configured length limit; ``max_batch`` requests per step,
+        one token each."""
+        return EngineInfo(
+            max_model_len=self.max_model_len,
+            dtype="float32",
+            max_num_seqs=self.max_batch,
+            max_num_batched_tokens=self.max_batch,
+        )
 
     def add_request(self, request: EngineCoreRequest) -> None:
         """Queue a generate request; pooling and bad prompts are refused."""

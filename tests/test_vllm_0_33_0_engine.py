@@ -1,0 +1,336 @@
+"""vLLM 0.33.0's own ``AsyncMPClient`` drives ``corewire engine --protocol 0.33.0``.
+
+The 0.33.0 counterpart of ``test_vllm_engine_client.py``: vLLM 0.33.0's real client class
+(built with ``client_addresses``, as its API server builds it for engines it does not
+launch) on real sockets, the ``corewire engine`` command running the reference engine in
+0.33.0's wire. Expected tokens and logprobs come from the same reference engine run in
+this process. A second part puts a raw front-end in place of vLLM's client and checks
+that every frame the engine writes is byte for byte what vLLM 0.33.0's own encoder
+writes for the same objects.
+
+Runs only where vLLM 0.33.0 is installed (skipped under 0.25.1; with
+``COREWIRE_REQUIRE_VLLM`` set, a missing or other vLLM fails instead).
+
+Checks ``docs/protocol.md`` §11 and ``docs/vllm-0.33.0-notes.md`` §2.2-§2.3 (outputs,
+``weight_version``), §2.8 (``RequestError``) and §5.1 (the ready response) against
+vLLM 0.33.0's own client.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import os
+import tempfile
+import warnings
+from collections.abc import Awaitable, Iterator
+from pathlib import Path
+from typing import Any, TypeVar
+
+import pytest
+
+# scripts/test sets COREWIRE_REQUIRE_VLLM=0.33.0 in the 0.33.0 environment: there a missing
+# or broken vLLM must fail the step, not skip it.
+_REQUIRED = os.environ.get("COREWIRE_REQUIRE_VLLM")
+if _REQUIRED:
+    import vllm
+else:
+    vllm = pytest.importorskip("vllm")
+if vllm.__version__.split("+")[0] != "0.33.0":
+    if _REQUIRED:
+        raise RuntimeError(f"COREWIRE_REQUIRE_VLLM={_REQUIRED}, found vLLM {vllm.__version__}")
+    pytest.skip(f"needs vLLM 0.33.0 (found {vllm.__version__})", allow_module_level=True)
+
+import msgspec  # noqa: E402
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+from vllm.v1.engine import EngineCoreOutputs, EngineCoreReadyResponse, FinishReason  # noqa: E402
+from vllm.v1.engine.core_client import AsyncMPClient  # noqa: E402
+from vllm.v1.executor.abstract import Executor  # noqa: E402
+from vllm.v1.serial_utils import MsgpackDecoder, MsgpackEncoder  # noqa: E402
+
+from client_support import request as corewire_request  # noqa: E402
+from corewire.engine.reference import ReferenceEngine  # noqa: E402
+from corewire.protocol import EngineCoreRequestType  # noqa: E402
+from engine_support import LIGHT_REFERENCE, FrontEnd  # noqa: E402
+from vllm_support import (  # noqa: E402
+    ENGINE_ARGS,
+    EngineProcs,
+    offline_environment,
+    reference_run,
+    vllm_config,
+    vllm_request,
+    write_model_dir,
+)
+
+offline_environment()
+
+T = TypeVar("T")
+# The module's shared engine: it outlives single tests (conftest's leak check).
+LEAK_ALLOWED_PIDS: set[int] = set()
+_CALL_TIMEOUT_S = 30.0
+PROTOCOL = "0.33.0"
+
+
+@dataclasses.dataclass
+class Stack:
+    """vLLM's client, the loop it lives on, and the engine behind it."""
+
+    client: Any
+    loop: asyncio.AbstractEventLoop
+    engines: EngineProcs
+    config: Any
+
+    def run(self, coro: Awaitable[T]) -> T:
+        """Run a coroutine on the client's loop, with a deadline."""
+        return self.loop.run_until_complete(asyncio.wait_for(coro, _CALL_TIMEOUT_S))
+
+
+@pytest.fixture(scope="module")
+def stack() -> Iterator[Stack]:
+    with tempfile.TemporaryDirectory(prefix="corewire-vllm-0330-") as tmp:
+        root = Path(tmp)
+        os.chmod(root, 0o700)
+        engines = EngineProcs(root)
+        addresses = {"input_address": f"ipc://{root}/in", "output_address": f"ipc://{root}/out"}
+        proc = engines.start(
+            "--input-address",
+            addresses["input_address"],
+            "--output-address",
+            addresses["output_address"],
+            "--engine-index",
+            "0",
+            "--protocol",
+            PROTOCOL,
+        )
+        LEAK_ALLOWED_PIDS.add(proc.pid)
+        loop = asyncio.new_event_loop()
+        client = None
+        try:
+            config = vllm_config(write_model_dir(root / "model"))
+
+            async def make() -> Any:
+                # Built inside the loop, as vLLM's API server does.
+                return AsyncMPClient(config, Executor, False, client_addresses=addresses)
+
+            client = loop.run_until_complete(make())
+            yield Stack(client, loop, engines, config)
+        finally:
+            if client is not None:
+                client.shutdown()
+                loop.run_until_complete(asyncio.sleep(0))
+                client.resources.ctx.destroy(linger=0)
+            loop.close()
+            codes = engines.stop()
+            LEAK_ALLOWED_PIDS.clear()
+        assert codes == [0], engines.logs()
+
+
+async def collect(client: Any, rids: set[str]) -> tuple[dict[str, list[Any]], list[Any]]:
+    """Every output of ``rids`` until each finished, and the messages that carried them."""
+    outs: dict[str, list[Any]] = {rid: [] for rid in rids}
+    messages: list[Any] = []
+    pending = set(rids)
+    while pending:
+        batch = await client.get_output_async()
+        mine = [out for out in batch.outputs if out.request_id in outs]
+        if mine:
+            messages.append(batch)
+        for out in mine:
+            outs[out.request_id].append(out)
+            if out.finish_reason is not None:
+                pending.discard(out.request_id)
+    return outs, messages
+
+
+async def generate(client: Any, requests: list[Any]) -> dict[str, list[Any]]:
+    """Send ``requests`` and collect their outputs."""
+    for request in requests:
+        await client.add_request_async(request)
+    return (await collect(client, {r.request_id for r in requests}))[0]
+
+
+async def collect_after(client: Any, request: Any) -> list[Any]:
+    """Send one request and return its outputs."""
+    await client.add_request_async(request)
+    return (await collect(client, {request.request_id}))[0][request.request_id]
+
+
+def tokens(outs: list[Any]) -> list[int]:
+    """The token ids of one request's outputs."""
+    return [t for out in outs for t in out.new_token_ids]
+
+
+# ---------------------------------------------------------------------- start-up
+
+
+def test_vllm_0_33_0_accepts_the_ready_response_and_applies_it(stack: Stack) -> None:
+    # vLLM 0.33.0 decodes the 28-key response strictly (a 0.25.1 one fails its start-up)
+    # and took the engine's smaller max_model_len and its (absent) KV cache.
+    assert stack.config.model_config.max_model_len == ENGINE_ARGS["max_model_len"] == 512
+    cache = stack.config.cache_config
+    assert cache.num_gpu_blocks == 0 and cache.block_size == 16
+    assert stack.client.core_engines == [b"\x00\x00"]
+    stack.run(stack.client.reset_mm_cache_async())
+    assert stack.run(stack.client.get_supported_tasks_async()) == ["generate", "embed"]
+
+
+# ---------------------------------------------------------------------- generation
+
+
+def test_greedy_generation_matches_the_reference_engine(stack: Stack) -> None:
+    prompts = {"g0": [5, 6, 7], "g1": [9], "g2": [100, 200, 300, 400]}
+    sp = {"temperature": 0.0, "max_tokens": 8}
+    outs = stack.run(generate(stack.client, [vllm_request(r, p, **sp) for r, p in prompts.items()]))
+    expected = reference_run([(r, p, sp) for r, p in prompts.items()])
+    for rid in prompts:
+        assert tokens(outs[rid]) == expected[rid][0]
+        assert outs[rid][-1].finish_reason == FinishReason.LENGTH
+        assert all(o.finish_reason is None for o in outs[rid][:-1])
+        # 0.33.0's fields, read unconditionally by its output processor.
+        for out in outs[rid]:
+            assert out.error is None and out.ec_transfer_params is None
+            assert out.spec_decode_metrics is None and out.new_sampling_mask is None
+
+
+def test_seeded_sampling_with_logprobs_matches_the_reference_engine(stack: Stack) -> None:
+    prompt = [11, 12, 13, 14]
+    sp = {
+        "temperature": 0.8,
+        "top_k": 50,
+        "top_p": 0.9,
+        "seed": 1234,
+        "min_tokens": 3,
+        "max_tokens": 12,
+        "ignore_eos": True,
+        "logprobs": 3,
+    }
+    (expected_tokens, expected_lps) = reference_run([("s", prompt, sp)])["s"]
+    first = stack.run(generate(stack.client, [vllm_request("s1", prompt, **sp)]))["s1"]
+    again = stack.run(generate(stack.client, [vllm_request("s2", prompt, **sp)]))["s2"]
+    assert tokens(first) == tokens(again) == expected_tokens
+    for out, want in zip(first, expected_lps, strict=True):
+        lp = out.new_logprobs
+        assert lp.logprob_token_ids.shape == lp.logprobs.shape == (1, 4)
+        assert lp.logprob_token_ids[0, 0] == out.new_token_ids[0]
+        np.testing.assert_allclose(lp.logprobs, want, rtol=1e-5)
+
+
+def test_prompt_logprobs_arrive_as_vllms_five_element_tensors(stack: Stack) -> None:
+    prompt = [21, 22, 23, 24]
+    request = vllm_request("pl", prompt, temperature=0.0, max_tokens=2, prompt_logprobs=3)
+    first = stack.run(collect_after(stack.client, request))[0]
+    lp = first.new_prompt_logprobs_tensors
+    assert len(lp) == 5 and lp.cu_num_generated_tokens_tensor is None
+    assert isinstance(lp.logprobs, torch.Tensor) and lp.logprobs.shape == (3, 4)
+    engine = ReferenceEngine(**{**ENGINE_ARGS, "step_delay": 0.0})
+    engine.add_request(corewire_request("pl", 2, prompt=prompt, sampling={"prompt_logprobs": 3}))
+    want = engine.step()[0].new_prompt_logprobs_tensors
+    torch.testing.assert_close(lp.logprobs, want.logprobs)
+    torch.testing.assert_close(lp.logprob_token_ids, want.logprob_token_ids)
+    # The first output's PrefillStats, with 0.33.0's num_cache_creation_tokens.
+    assert first.prefill_stats.num_prompt_tokens == 4
+    assert first.prefill_stats.num_cache_creation_tokens == 0
+
+
+def test_every_step_message_carries_the_weight_version(stack: Stack) -> None:
+    request = vllm_request("wv", [3, 4, 5], temperature=0.0, max_tokens=4)
+    stack.run(stack.client.add_request_async(request))
+    outs, messages = stack.run(collect(stack.client, {"wv"}))
+    assert len(tokens(outs["wv"])) == 4
+    assert [m.weight_version for m in messages] == ["default"] * len(messages)
+
+
+def test_abort_stops_a_running_request(stack: Stack) -> None:
+    client = stack.client
+
+    async def scenario() -> tuple[int, list[Any], list[int]]:
+        await client.add_request_async(
+            vllm_request("long", [3, 4], temperature=0.0, max_tokens=400, ignore_eos=True)
+        )
+        seen = 0
+        while seen < 3:
+            batch = await client.get_output_async()
+            seen += sum(len(o.new_token_ids) for o in batch.outputs if o.request_id == "long")
+        await client.abort_requests_async(["long"])
+        # Input is applied in order: once this reply is back, every output made for
+        # "long" before the abort is already queued here.
+        assert await client.is_sleeping_async() is False
+        late: list[Any] = []
+        while not client.outputs_queue.empty():
+            late.extend((await client.get_output_async()).outputs)
+        seen += sum(len(o.new_token_ids) for o in late if o.request_id == "long")
+        after = await generate(
+            client, [vllm_request("after", [3, 4], temperature=0.0, max_tokens=4)]
+        )
+        return seen, [o for o in late if o.finish_reason is not None], tokens(after["after"])
+
+    seen, finished, after = stack.run(scenario())
+    assert 3 <= seen < 400
+    assert finished == []
+    assert len(after) == 4
+
+
+def test_embedding_request_returns_a_tensor(stack: Stack) -> None:
+    from vllm import PoolingParams
+
+    request = vllm_request("emb", [1, 2, 3])
+    request.sampling_params = None
+    request.pooling_params = PoolingParams(task="embed", dimensions=16)
+    (out,) = stack.run(collect_after(stack.client, request))
+    assert out.finish_reason == FinishReason.STOP and out.new_token_ids == []
+    assert isinstance(out.pooling_output, torch.Tensor) and out.pooling_output.shape == (16,)
+
+
+# ---------------------------------------------------------------------- byte for byte
+
+
+@pytest.fixture
+def raw_front_end(ipc_dir: Path) -> Iterator[FrontEnd]:
+    front = FrontEnd(ipc_dir)
+    try:
+        yield front
+    finally:
+        front.close()
+
+
+def _vllm_add(front: FrontEnd, encoder: MsgpackEncoder, request: Any) -> None:
+    front.send_frames([EngineCoreRequestType.ADD.value, *encoder.encode(request)])
+
+
+def test_every_frame_is_what_vllm_0_33_0_writes(raw_front_end: FrontEnd) -> None:
+    front = raw_front_end
+    front.start_engine(engine_args={**LIGHT_REFERENCE, "max_model_len": 512}, protocol=PROTOCOL)
+    assert front.router.poll(60_000), "no ready response"
+    front.identity, payload = front.router.recv_multipart()
+    # Strictly, as vLLM 0.33.0's front-end decodes it: the engine's own values.
+    ready = msgspec.msgpack.decode(payload, type=EngineCoreReadyResponse)
+    assert (ready.data_parallel_rank, ready.max_num_seqs, ready.max_model_len) == (0, 256, 512)
+    assert ready.max_num_batched_tokens == 512 and ready.tensor_parallel_size == 1
+    assert ready.supports_lora is False and ready.enable_sleep_mode is True
+
+    encoder, decoder = MsgpackEncoder(), MsgpackDecoder(EngineCoreOutputs)
+    _vllm_add(front, encoder, vllm_request("a", [1, 2, 3], temperature=0.0, max_tokens=3))
+    _vllm_add(front, encoder, vllm_request("b", [4, 5], max_tokens=2, logprobs=2, seed=7))
+    _vllm_add(
+        front,
+        encoder,
+        vllm_request("c", [6, 7, 8], temperature=0.0, max_tokens=1, prompt_logprobs=2),
+    )
+    _vllm_add(front, encoder, vllm_request("bad", [1, 99999], max_tokens=2))
+    finished: set[str] = set()
+    frames_seen = 0
+    while finished != {"a", "b", "c", "bad"}:
+        frames = [bytes(f.buffer) for f in front.recv_raw()]
+        with warnings.catch_warnings():
+            # vLLM's decoder wraps read-only bytes in tensors, which torch warns about
+            warnings.simplefilter("ignore", UserWarning)
+            message = decoder.decode(frames)
+        # vLLM's own encoder writes the decoded message back to the same bytes.
+        again = [bytes(f) for f in encoder.encode(message)]
+        assert again == frames, message
+        frames_seen += 1
+        for out in message.outputs:
+            if out.finish_reason is not None:
+                finished.add(out.request_id)
+    assert frames_seen >= 4
