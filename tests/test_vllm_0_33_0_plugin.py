@@ -16,6 +16,7 @@ utility calls) and §7 (a killed engine), with vLLM 0.33.0's layouts (§11).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import signal
 import subprocess
@@ -43,6 +44,7 @@ import msgspec  # noqa: E402
 import zmq  # noqa: E402
 from vllm import SamplingParams  # noqa: E402
 from vllm.exceptions import VLLMValidationError  # noqa: E402
+from vllm.outputs import RequestError as VllmRequestError  # noqa: E402
 from vllm.v1.engine import (  # noqa: E402
     EngineCoreOutput,
     EngineCoreOutputs,
@@ -61,7 +63,11 @@ from corewire.engine.interface import EngineInfo  # noqa: E402
 from corewire.layouts import RequestError  # noqa: E402
 from corewire.ready_layouts import ready_response_for  # noqa: E402
 from corewire.vllm import plugin  # noqa: E402
-from corewire.vllm.client import make_async_mp_client  # noqa: E402
+from corewire.vllm.client import (  # noqa: E402
+    HEALTH_INTERVAL_ENV,
+    HEALTH_TIMEOUT_ENV,
+    make_async_mp_client,
+)
 from corewire.vllm.v0_33_0 import Vllm0330AsyncMPClient  # noqa: E402
 from dp_support import free_tcp_port  # noqa: E402
 from vllm_support import (  # noqa: E402
@@ -222,7 +228,7 @@ async def test_generation_abort_and_utilities_through_asyncllm(
     ]
     assert sampled == pytest.approx([float(rows[0][0]) for rows in expected_logprobs], abs=1e-4)
     # vLLM 0.33.0's engine stamps its weight version on step outputs; so does corewire's.
-    assert out.weight_versions, "no weight version reached vLLM"
+    assert [s.version for s in completion.weight_versions or ()] == ["default"]
 
     # An abort mid-request: the stream ends with finish "abort" long before max_tokens.
     tokens: list[int] = []
@@ -244,7 +250,8 @@ async def test_generation_abort_and_utilities_through_asyncllm(
     assert len(final.outputs[0].token_ids) < 400
     assert time.monotonic() - started < 400 * ENGINE_ARGS["step_delay"]
 
-    # The utility calls vLLM 0.33.0's AsyncLLM makes, with its return types.
+    # The utility calls vLLM 0.33.0's AsyncLLM makes that corewire's engine answers (the
+    # newer ones: test_0_33_0_utility_calls_on_the_wire), with their return types.
     assert set(await llm.get_supported_tasks()) >= {"generate"}
     assert await llm.reset_prefix_cache() is True
     await llm.reset_mm_cache()
@@ -253,24 +260,25 @@ async def test_generation_abort_and_utilities_through_asyncllm(
     assert await llm.is_sleeping() is True
     await llm.wake_up()
     assert await llm.is_sleeping() is False
-    await llm.pause_generation(mode="abort", clear_cache=False)
-    assert await llm.is_paused() is True
-    await llm.resume_generation()
     assert await llm.is_paused() is False
-    await llm.set_weight_version("v2")
-    assert await llm.get_weight_version() == "v2"
     assert llm.get_kv_event_sources() == {}
     with pytest.raises(Exception, match="LoRA"):
         await llm.list_loras()
-    # Generation still works after all of it, and the outputs carry the new version.
+    # Generation goes on after all of it.
     out = await asyncio.wait_for(generate(llm, "after", [5, 6, 7], greedy(4)), _DEADLINE_S)
     assert out.outputs[0].token_ids == expected_tokens[:4]
-    assert "v2" in {span.version for span in out.weight_versions}
     assert "joined the front-end" in engines.logs()
 
 
+@pytest.fixture
+def quick_watchdog(monkeypatch: pytest.MonkeyPatch) -> None:
+    """corewire's health watchdog made quick: a check every second, 2 s to answer."""
+    monkeypatch.setenv(HEALTH_INTERVAL_ENV, "1")
+    monkeypatch.setenv(HEALTH_TIMEOUT_ENV, "2")
+
+
 async def test_engine_death_raises_vllms_engine_dead_error(
-    frontend: tuple[Any, EngineProcs],
+    quick_watchdog: None, frontend: tuple[Any, EngineProcs]
 ) -> None:
     """SIGKILL of the engine mid-request: the request ends with vLLM's own
     ``EngineDeadError`` (the class its serving code and /health catch) within the health
@@ -289,8 +297,8 @@ async def test_engine_death_raises_vllms_engine_dead_error(
     os.kill(engines.procs[0].pid, signal.SIGKILL)
     with pytest.raises(EngineDeadError):
         await asyncio.wait_for(task, 30)
-    # The default watchdog: a check every 5 s, 10 s to answer.
-    assert time.monotonic() - killed_at < 5 + 10 + 5
+    # A check every second, 2 s to answer, and slack for a loaded machine.
+    assert time.monotonic() - killed_at < 1 + 2 + 5
     assert llm.errored
     with pytest.raises(EngineDeadError):
         await llm.check_health()
@@ -300,47 +308,56 @@ async def test_engine_death_raises_vllms_engine_dead_error(
 
 
 class _HandEngine(threading.Thread):
-    """An engine speaking vLLM 0.33.0's wire by hand (vLLM's own encoder): it refuses
-    every request with the ``RequestError`` it is given, as a 0.33.0 engine refuses one
-    while paused (finish ERROR, the id in ``finished_requests``)."""
+    """An engine speaking vLLM 0.33.0's wire by hand (vLLM's own encoder), for what
+    corewire's engine does not send. Utility calls are recorded and answered from
+    ``results`` (None for others); every request is refused with ``error``, as a 0.33.0
+    engine refuses one while paused (finish ERROR, the id in ``finished_requests``)."""
 
-    def __init__(self, input_address: str, output_address: str, error: RequestError) -> None:
+    def __init__(
+        self,
+        addresses: dict[str, str],
+        error: RequestError | None = None,
+        results: dict[str, Any] | None = None,
+    ) -> None:
         super().__init__(daemon=True)
         self.error = error
+        self.results = {"get_supported_tasks": ["generate"], **(results or {})}
+        #: ``(method, args)`` of every utility call but the watchdog's health checks.
+        self.calls: list[tuple[str, list[Any]]] = []
         self.stopped = threading.Event()
         self.ctx = zmq.Context()
         self.requests = self.ctx.socket(zmq.DEALER)
         self.requests.setsockopt(zmq.IDENTITY, (0).to_bytes(2, "little"))
-        self.requests.connect(input_address)
+        self.requests.connect(addresses["input_address"])
         self.outputs = self.ctx.socket(zmq.PUSH)
-        self.outputs.connect(output_address)
+        self.outputs.connect(addresses["output_address"])
         ready = ready_response_for("0.33.0", EngineInfo(max_model_len=512), engine_index=0)
         self.requests.send(msgspec.msgpack.encode(ready))
 
     def run(self) -> None:
         encoder = MsgpackEncoder()
         decoder = MsgpackDecoder(EngineCoreRequest)
-        from vllm.outputs import RequestError as VllmRequestError
-
-        error = VllmRequestError(self.error.code, self.error.message, self.error.retryable)
         while not self.stopped.is_set():
             if not self.requests.poll(20):
                 continue
             kind, *frames = self.requests.recv_multipart()
-            if kind == b"\x03":  # a utility call: AsyncLLM asks the tasks, the watchdog pings
-                _, call_id, method, _ = msgspec.msgpack.decode(frames[0])
-                result = UtilityResult(["generate"] if method == "get_supported_tasks" else None)
+            if kind == b"\x03":
+                _, call_id, method, args = msgspec.msgpack.decode(frames[0])
+                if method != "is_sleeping":
+                    self.calls.append((method, args))
+                result = UtilityResult(self.results.get(method))
                 reply = EngineCoreOutputs(utility_output=UtilityOutput(call_id, None, result))
                 self.outputs.send_multipart(encoder.encode(reply))
-                continue
-            if kind != b"\x00":
-                continue
-            request = decoder.decode(frames)
-            refused = EngineCoreOutput(
-                request.request_id, [], finish_reason=FinishReason.ERROR, error=error
-            )
-            message = EngineCoreOutputs(outputs=[refused], finished_requests={request.request_id})
-            self.outputs.send_multipart(encoder.encode(message))
+            elif kind == b"\x00" and self.error is not None:
+                request = decoder.decode(frames)
+                error = VllmRequestError(self.error.code, self.error.message, self.error.retryable)
+                refused = EngineCoreOutput(
+                    request.request_id, [], finish_reason=FinishReason.ERROR, error=error
+                )
+                message = EngineCoreOutputs(
+                    outputs=[refused], finished_requests={request.request_id}
+                )
+                self.outputs.send_multipart(encoder.encode(message))
 
     def close(self) -> None:
         self.stopped.set()
@@ -348,6 +365,33 @@ class _HandEngine(threading.Thread):
         self.requests.close(linger=0)
         self.outputs.close(linger=1000)
         self.ctx.term()
+
+
+@contextlib.asynccontextmanager
+async def hand_frontend(root: Path, **engine: Any) -> AsyncIterator[tuple[Any, _HandEngine]]:
+    """vLLM 0.33.0's ``AsyncLLM`` on ``client_addresses`` with a :class:`_HandEngine`
+    (``engine``: its arguments) connected to them."""
+    addresses = {"input_address": f"ipc://{root}/in", "output_address": f"ipc://{root}/out"}
+    config = vllm_config(write_model_dir(root / "model"))
+    joined: list[_HandEngine] = []
+    # The client waits for the ready map in its constructor: connect meanwhile.
+    joiner = threading.Timer(0.3, lambda: joined.append(_HandEngine(addresses, **engine)))
+    joiner.start()
+    llm = AsyncLLM(
+        vllm_config=config,
+        executor_class=Executor.get_class(config),
+        log_stats=False,
+        client_addresses=addresses,
+    )
+    joiner.join()
+    hand = joined[0]
+    hand.start()
+    try:
+        yield llm, hand
+    finally:
+        llm.shutdown()
+        await asyncio.sleep(0)
+        hand.close()
 
 
 @pytest.mark.parametrize(
@@ -363,33 +407,47 @@ async def test_request_errors_reach_vllm_as_its_exceptions(
 ) -> None:
     """An engine's ``RequestError`` becomes the exception vLLM's serving code maps to
     503 / 400 / 500, with the engine's message; the client and engine stay up."""
-    addresses = {"input_address": f"ipc://{root}/in", "output_address": f"ipc://{root}/out"}
-    config = vllm_config(write_model_dir(root / "model"))
-    engine: list[_HandEngine] = []
-    joiner = threading.Timer(
-        0.3,
-        lambda: engine.append(
-            _HandEngine(addresses["input_address"], addresses["output_address"], error)
-        ),
-    )
-    joiner.start()
-    llm = AsyncLLM(
-        vllm_config=config,
-        executor_class=Executor.get_class(config),
-        log_stats=False,
-        client_addresses=addresses,
-    )
-    joiner.join()
-    hand = engine[0]
-    hand.start()
-    try:
+    async with hand_frontend(root, error=error) as (llm, _hand):
         with pytest.raises(Exception, match=error.message) as caught:
             await asyncio.wait_for(generate(llm, "r", [5, 6], greedy(4)), 30)
         assert type(caught.value).__name__ == raised
         if raised == "VLLMValidationError":
             assert isinstance(caught.value, VLLMValidationError)
         assert not llm.errored
-    finally:
-        llm.shutdown()
-        await asyncio.sleep(0)
-        hand.close()
+
+
+async def test_0_33_0_utility_calls_on_the_wire(root: Path, corewire_factory: None) -> None:
+    """The calls vLLM 0.33.0's ``AsyncLLM`` makes that 0.25.1's did not, or made with other
+    arguments, reach the engine as 0.33.0's client sends them, and their answers come
+    back as it returns them (the engine here records and answers by hand)."""
+    results = {
+        "wake_up": True,
+        "is_scheduler_paused": True,
+        "get_weight_version": "v7",
+        "compute_weight_checksums": [{"layer.0": "ab12"}, {"layer.1": "cd34"}],
+    }
+    async with hand_frontend(root, results=results) as (llm, hand):
+        await llm.pause_generation(mode="wait", clear_cache=False)
+        assert await llm.is_paused() is True
+        await llm.resume_generation()
+        assert await llm.wake_up(["weights"]) is True
+        await llm.release_kv_cache_memory()
+        await llm.update_weight_version("v7")
+        assert await llm.get_weight_version() == "v7"
+        assert await llm.compute_weight_checksums() == results["compute_weight_checksums"]
+        await llm.engine_core.profile_async(True, "p", 2, 5, {"with_stack": True})
+        with pytest.raises(NotImplementedError, match="elastic EP"):
+            await llm.engine_core.prepare_elastic_ep(2)
+        assert await llm.engine_core.get_external_elastic_ep_status() is None
+        calls = [c for c in hand.calls if c[0] not in ("get_supported_tasks", "reset_mm_cache")]
+    assert calls == [
+        ("pause_generation", ["wait", False]),
+        ("is_scheduler_paused", []),
+        ("resume_scheduler", []),
+        ("wake_up", [["weights"]]),
+        ("release_kv_cache_memory", []),
+        ("set_weight_version", ["v7"]),
+        ("get_weight_version", []),
+        ("compute_weight_checksums", []),
+        ("profile", [True, "p", 2, 5, {"with_stack": True}]),
+    ]
