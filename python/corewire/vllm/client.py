@@ -109,7 +109,7 @@ def make_async_mp_client(
         kind = "dp" if parallel_config.data_parallel_external_lb else "dplb"
     else:
         kind = "plain"
-    return classes[kind](
+    client = classes[kind](
         vllm_config,
         executor_class,
         log_stats,
@@ -118,6 +118,14 @@ def make_async_mp_client(
         client_index,
         renderer=renderer,
     )
+    # Said here too, not only when the plugin is installed: vLLM 0.33.0 configures its
+    # logging after the plugins ran, so that earlier line is lost there.
+    logger.info(
+        "corewire: vLLM's AsyncLLM uses corewire's engine-core client %s (vLLM %s)",
+        type(client).__name__,
+        INSTALLED_PROTOCOL,
+    )
+    return client
 
 
 def client_classes(protocol: str) -> dict[str, type]:
