@@ -20,6 +20,7 @@ from typing import Any
 
 from corewire.client._resources import ClientResources
 from corewire.client.core import HEALTH_CHECK_METHOD, MPClient
+from corewire.client.ft_status import StatusKeeper
 from corewire.client.output_link import (
     DRAIN_BUDGET,
     EMPTY,
@@ -194,6 +195,9 @@ class AsyncMPClient(MPClient):
 
     ``health_check_interval`` (seconds) starts a watchdog that declares the engine dead
     when it does not answer a health check within ``health_check_timeout``.
+
+    :attr:`engine_status` holds the latest fault-tolerance status each engine pushed
+    (vLLM 0.33.0's call id -2; see :mod:`corewire.client.ft_status`).
     """
 
     def __init__(
@@ -205,6 +209,14 @@ class AsyncMPClient(MPClient):
     ) -> None:
         # Before any engine starts: a bad COREWIRE_METRICS value fails here.
         metrics = for_client(kwargs.get("client_index", 0))
+        #: Engine index -> the latest status map that engine pushed (call id -2, vLLM
+        #: 0.33.0 with fault tolerance on): ``{"id": index, "status": "healthy" |
+        #: "unhealthy" | "dead", "fault_info"?: str}``, as the engine sent it. Replaced
+        #: whole by each new one, on the event loop; empty until an engine sends one (an
+        #: engine without fault tolerance never does). vLLM's front-end reads it under
+        #: this name; a caller may add keys to an engine's map (vLLM records a failed
+        #: fault-handling request there).
+        self.engine_status: dict[int, dict[str, Any]] = {}
         super().__init__(asyncio_mode=True, **kwargs)
         self.health_check_interval = health_check_interval
         self.health_check_timeout = health_check_timeout
@@ -252,6 +264,7 @@ class AsyncMPClient(MPClient):
             hook=hook,
             hook_is_async=inspect.iscoroutinefunction(hook),
             notify=None if handler is None else _notification_starter(ref, self.resources, handler),
+            status=StatusKeeper(self.engine_status),
         )
 
     def _ensure_output_queue_task(self) -> None:
@@ -298,8 +311,12 @@ class AsyncMPClient(MPClient):
     # -- sending -----------------------------------------------------------------------
 
     async def add_request_async(self, request: EngineCoreRequest) -> None:
-        """Send a request to the engine; its outputs come from :meth:`get_output_async`."""
+        """Send a request to the engine; its outputs come from :meth:`get_output_async`.
+
+        ``request`` is written in the client's protocol (see :class:`MPClient`)."""
         request.client_index = self.client_index
+        if self._write_request is not None:
+            request = self._write_request(request)
         self._send_message(self.core_engine, REQUEST_ADD, self.encoder.encode(request), request)
         if self.resources.output_task is None:
             self._ensure_output_queue_task()
@@ -327,6 +344,8 @@ class AsyncMPClient(MPClient):
             self._bind_loop()
         if resources.engine_dead:
             raise resources.dead_error()
+        if self._write_utility_args is not None:
+            args = self._write_utility_args(method, args)
         future = loop.create_future()
         registry = resources.registry
         call_id = registry.register(future)

@@ -19,13 +19,14 @@ import zmq.asyncio
 from corewire.client._resources import ClientResources
 from corewire.client.futures import complete_future
 from corewire.client.ready import ReadyWait
+from corewire.client.wire_requests import request_writer, utility_args_writer
 from corewire.codec import Encoder, NativeDecoder
 from corewire.curve import require_curve_for
 from corewire.engine.startup import check_engine_spec, engine_process_main
 from corewire.errors import EngineDeadError, UtilityError
 from corewire.ipcdir import make_private_dir
 from corewire.protocol import engine_identity, failed_method
-from corewire.versions import check_protocol
+from corewire.versions import DEFAULT, check_protocol
 
 __all__ = ["DEFAULT_ENGINE_MAIN", "MPClient", "make_output_decoder", "resolve_utility_output"]
 
@@ -95,9 +96,16 @@ class MPClient:
             stepping (backpressure: nothing is dropped). None: unbounded, as vLLM.
             Utility replies travel behind the outputs sent before them and wait as they
             do; a health check does not count the time the backlog was full.
-        protocol: the vLLM version whose output frames the engines send (``"0.25.1"``,
-            the default, or ``"0.33.0"``; ``corewire.versions``): picks the decoder.
-            Requests are still written in 0.25.1's layout.
+        protocol: the vLLM version the engines speak (``"0.25.1"``, the default, or
+            ``"0.33.0"``; ``corewire.versions``), in both directions: it picks the
+            decoder of their outputs and the layout of what is sent. A ``"0.33.0"``
+            client writes 0.33.0's ``EngineCoreRequest`` whether it is given
+            ``corewire.protocol.EngineCoreRequest`` (converted by field name, see
+            :mod:`corewire.client.wire_requests`) or
+            ``corewire.layouts.types_for("0.33.0")["EngineCoreRequest"]``, and
+            ``add_lora``'s LoRA in 0.33.0's layout; a ``"0.25.1"`` client sends what it
+            is given (its encoder refuses 0.33.0's structs). The engines a client
+            starts are told it (``protocol=`` to the process target).
     """
 
     #: Subclasses (DP) may define ``process_engine_outputs(self, outputs)``, plain or
@@ -135,7 +143,10 @@ class MPClient:
         self.engine_args = dict(engine_args or {})
         self.engine_options = engine_options
         self.ready_timeout = ready_timeout
-        self.encoder = Encoder()
+        self.encoder = Encoder(protocol=self.protocol)
+        # None for 0.25.1: its requests go out as given, with no per-request cost.
+        self._write_request = request_writer(self.protocol)
+        self._write_utility_args = utility_args_writer(self.protocol)
         self.decoder = self._make_output_decoder()
         ctx = zmq.Context(io_threads=1)
         self.ctx = ctx
@@ -207,8 +218,12 @@ class MPClient:
         return sock
 
     def _engine_process_kwargs(self, index: int) -> dict[str, Any]:
-        """Keyword arguments of engine ``index``'s process target (DP adds its own)."""
-        return {
+        """Keyword arguments of engine ``index``'s process target (DP adds its own).
+
+        A client of another protocol than the default passes it on (``protocol=``), so
+        that the engines it starts speak it; a default client passes nothing, as before
+        (a process target of its own need not take the argument)."""
+        kwargs = {
             "engine_index": index,
             "input_address": self.input_address,
             "output_address": self.output_address,
@@ -217,6 +232,9 @@ class MPClient:
             "parent_pid": os.getpid(),
             **self.engine_options,
         }
+        if self.protocol != DEFAULT:
+            kwargs["protocol"] = self.protocol
+        return kwargs
 
     def _start_engine_processes(
         self, indices: Sequence[int], *, joining: bool = False

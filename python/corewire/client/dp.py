@@ -6,11 +6,16 @@ A data-parallel (DP) group is N engine processes run by one DP coordinator
 - start the coordinator (unless ``coordinator_addresses`` names one another front-end
   started) and the engines this front-end owns, with the DP options they need;
 - keep ``current_wave``, ``engines_running`` and ``lb_engines`` (``[waiting, running]``
-  per engine they route to) up to date from the coordinator's publications, in a task
-  started lazily on first use (``corewire-dp-stats-task``);
-- stamp ``client_index`` and ``current_wave`` on every request, and send the coordinator
-  a first-request notice ``[engine_index, current_wave]`` when they put a request on an
-  engine while the group is paused, so the other engines wake (START_DP_WAVE);
+  per engine they route to, ``[waiting, running, kv_cache_usage]`` from vLLM 0.33.0's
+  coordinator; both are read, :mod:`corewire.client.dp_counts`) up to date from the
+  coordinator's publications, in a task started lazily on first use
+  (``corewire-dp-stats-task``);
+- stamp ``client_index`` and ``current_wave`` on every request, and, with
+  ``protocol="0.25.1"``, send the coordinator a first-request notice ``[engine_index,
+  current_wave]`` when they put a request on an engine while the group is paused, so
+  the other engines wake (START_DP_WAVE). With ``protocol="0.33.0"`` they send none: in
+  vLLM 0.33.0 the engines start waves themselves (an idle engine that gets a request
+  asks its coordinator), and 0.33.0's coordinator logs an error for such a notice;
 - fan utility calls out to every engine they own and return engine 0's result
   (:meth:`DPAsyncMPClient.call_utility_consensus_async` insists the engines agree);
 - die as a whole: the death of any engine (or of the coordinator) fails every waiter with
@@ -44,18 +49,21 @@ import weakref
 from collections.abc import Sequence
 from typing import Any
 
+import msgspec
 import zmq
 import zmq.asyncio
 
 from corewire._native import Router
 from corewire.client._resources import ClientResources
 from corewire.client.async_client import AsyncMPClient
+from corewire.client.dp_counts import decode_publication, router_counts
 from corewire.client.processes import stop_processes
 from corewire.coordinator import CoordinatorAddresses, DPCoordinator, TcpEndpoints
 from corewire.curve import is_loopback_address
-from corewire.dp_messages import XPUB_SUBSCRIBE, DPState, FirstRequest, ScaleNotice
+from corewire.dp_messages import XPUB_SUBSCRIBE, FirstRequest, ScaleNotice
 from corewire.errors import ProtocolError
 from corewire.keygen import CurveAuthenticator, CurveServerKeys, apply_server
+from corewire.layouts import types_for
 from corewire.protocol import (
     REQUEST_ABORT,
     REQUEST_ADD,
@@ -67,6 +75,7 @@ from corewire.protocol import (
     engine_index_of,
     finished_outputs,
 )
+from corewire.versions import V0_25_1, V0_33_0, check_protocol
 
 __all__ = ["DPAsyncMPClient", "DPConsensusError", "DPLBAsyncMPClient"]
 
@@ -136,8 +145,13 @@ class DPAsyncMPClient(AsyncMPClient):
         #: Wave state from the coordinator (see :mod:`corewire.coordinator`).
         self.current_wave = 0
         self.engines_running = False
-        #: ``[waiting, running]`` per engine this front-end routes to, from the coordinator.
-        self.lb_engines: list[list[int]] = [[0, 0] for _ in engine_indices]
+        #: ``[waiting, running]`` per engine this front-end routes to, from the coordinator
+        #: (``[waiting, running, kv_cache_usage]`` from vLLM 0.33.0's, and before the
+        #: first publication when ``protocol="0.33.0"``, as vLLM 0.33.0's client).
+        self._idle_counts: list[Any] = (
+            [0, 0] if check_protocol(kwargs.get("protocol")) == V0_25_1 else [0, 0, 0.0]
+        )
+        self.lb_engines: list[list[Any]] = [list(self._idle_counts) for _ in engine_indices]
         self._stats_socket: Any = None
         self._stats_task: asyncio.Task[None] | None = None
         self._stats_waiters: list[tuple[int, asyncio.Future[None]]] = []
@@ -147,6 +161,8 @@ class DPAsyncMPClient(AsyncMPClient):
             if self._coordinator is not None:
                 self._coordinator.shutdown()
             raise
+        # vLLM 0.33.0's front-ends send none (its engines start the waves).
+        self._first_request_notices = self.protocol == V0_25_1
         if self._coordinator is not None:
             # Watched and stopped with the engines: its death kills the client too.
             self.resources.processes.set_coordinator(self._coordinator)
@@ -244,14 +260,19 @@ class DPAsyncMPClient(AsyncMPClient):
         )
         resources.loop_side.add_task(task)
 
-    def _apply_stats(self, counts: list[list[int]] | None, wave: int, running: bool) -> None:
+    def _apply_stats(self, counts: list[list[Any]] | None, wave: int, running: bool) -> None:
         """One publication ``[counts, current_wave, engines_running]`` arrived; ``counts``
         is None when only the wave state changed (vLLM's coordinator sends that)."""
         self.current_wave = wave
         self.engines_running = running
         if counts is None:
             return
-        self.lb_engines = [counts[i] if i < len(counts) else [0, 0] for i in self.engine_indices]
+        idle = self._idle_counts
+        if counts and len(counts[0]) != len(idle):
+            idle = [0, 0, 0.0] if len(counts[0]) == 3 else [0, 0]
+        self.lb_engines = [
+            counts[i] if i < len(counts) else list(idle) for i in self.engine_indices
+        ]
         for size, waiter in list(self._stats_waiters):
             if len(counts) == size and not waiter.done():
                 waiter.set_result(None)
@@ -315,12 +336,14 @@ class DPAsyncMPClient(AsyncMPClient):
             self._ensure_stats_update_task()
         request.client_index = self.client_index
         request.current_wave = self.current_wave
+        if self._write_request is not None:
+            request = self._write_request(request)
         # Encoded before routing: a request that cannot be encoded must not count as in
         # flight on an engine (that count would never come down).
         frames = self.encoder.encode(request)
         engine = self.get_core_engine_for_request(request)
         self._send_message(engine, REQUEST_ADD, frames, request)
-        if not self.engines_running:
+        if not self.engines_running and self._first_request_notices:
             self._send_first_request_notice(engine_index_of(engine))
         if self.resources.output_task is None:
             self._ensure_output_queue_task()
@@ -358,8 +381,11 @@ class DPLBAsyncMPClient(DPAsyncMPClient):
     ``DPLBAsyncMPClient(data_parallel_size=N)`` starts N reference engines and the
     coordinator. Each request goes to the least-loaded engine by the coordinator's
     counts, floored by this client's own requests in flight, ties rotating (see
-    :class:`corewire._native.Router`); an explicit ``data_parallel_rank`` wins. Aborts go
-    to the engine holding the request. :meth:`scale_elastic_ep` grows or shrinks the
+    :class:`corewire._native.Router`); an explicit ``data_parallel_rank`` wins. With
+    ``protocol="0.33.0"`` the waiting requests of an engine whose KV cache is more than
+    half full weigh more, and a streaming session's inputs stay on one engine, as in vLLM
+    0.33.0 (:mod:`corewire.client.dp_counts`, :meth:`get_core_engine_for_request`).
+    Aborts go to the engine holding the request. :meth:`scale_elastic_ep` grows or shrinks the
     group while serving.
     """
 
@@ -376,6 +402,9 @@ class DPLBAsyncMPClient(DPAsyncMPClient):
         kwargs.setdefault("include_finished_set", True)
         #: Request id -> index of the engine holding it (for aborts).
         self.reqs_in_flight: dict[str, int] = {}
+        #: Open streaming-input sessions (``resumable`` requests; ``protocol="0.33.0"``
+        #: only), whose aborts go to every engine.
+        self.streaming_reqs: set[str] = set()
         self._router = Router(data_parallel_size)
         self._route = self._router.route
         self._note_finished = self._router.note_finished
@@ -383,6 +412,9 @@ class DPLBAsyncMPClient(DPAsyncMPClient):
         self._notifications: list[tuple[str, int]] = []
         self._notification_event: asyncio.Event | None = None
         super().__init__(data_parallel_size=data_parallel_size, **kwargs)
+        # vLLM 0.33.0's KV-pressure rule (the counts carry kv_cache_usage from then on)
+        # and its streaming-session affinity.
+        self._kv_pressure = self._sessions = self.protocol == V0_33_0
 
     @staticmethod
     def _default_engine_indices(size: int, rank: int) -> list[int]:
@@ -393,14 +425,27 @@ class DPLBAsyncMPClient(DPAsyncMPClient):
         """The routing state (in-flight counts, loads); for inspection."""
         return self._router
 
-    def _apply_stats(self, counts: list[list[int]] | None, wave: int, running: bool) -> None:
+    def _apply_stats(self, counts: list[list[Any]] | None, wave: int, running: bool) -> None:
         super()._apply_stats(counts, wave, running)
         if counts is not None:
-            self._router.update_counts(counts)
+            self._router.update_counts(router_counts(counts, self._kv_pressure))
 
     def get_core_engine_for_request(self, request: EngineCoreRequest) -> bytes:
         """Route ``request`` (least loaded, or its ``data_parallel_rank``) and remember
-        which engine holds it."""
+        which engine holds it.
+
+        With ``protocol="0.33.0"``, as vLLM 0.33.0: a request whose id is in flight (the
+        next input of a streaming session) goes to the engine that holds it, and a
+        ``resumable`` request opens (a final, non-resumable one closes) a session in
+        :attr:`streaming_reqs`."""
+        if self._sessions:
+            if request.resumable:
+                self.streaming_reqs.add(request.request_id)
+            else:
+                self.streaming_reqs.discard(request.request_id)
+            index = self.reqs_in_flight.get(request.request_id)
+            if index is not None and index < len(self.core_engines):
+                return self.core_engines[index]
         index = self._route(request.data_parallel_rank)
         self.reqs_in_flight[request.request_id] = index
         return self.core_engines[index]
@@ -419,12 +464,20 @@ class DPLBAsyncMPClient(DPAsyncMPClient):
 
     async def abort_requests_async(self, request_ids: list[str]) -> None:
         """Abort requests by id, each on the engine that holds it; unknown ids (already
-        finished) are skipped."""
+        finished) are skipped. An open streaming session (``protocol="0.33.0"``) is
+        aborted on every engine, as vLLM 0.33.0 does: an input in flight when the session
+        ended may have opened it again anywhere."""
         if not request_ids or self.resources.engine_dead:
             return
         by_engine: dict[int, list[str]] = {}
         get = self.reqs_in_flight.get
+        sessions = self.streaming_reqs
         for request_id in request_ids:
+            if sessions and request_id in sessions:
+                sessions.discard(request_id)
+                for index in range(len(self.core_engines)):
+                    by_engine.setdefault(index, []).append(request_id)
+                continue
             index = get(request_id)
             if index is not None and index < len(self.core_engines):
                 by_engine.setdefault(index, []).append(request_id)
@@ -516,7 +569,7 @@ class DPLBAsyncMPClient(DPAsyncMPClient):
         # Only now can the ROUTER address them: route and fan out to them from here on.
         self.engine_indices += new_indices
         self.core_engines += identities
-        self.lb_engines += [[0, 0] for _ in new_indices]
+        self.lb_engines += [list(self._idle_counts) for _ in new_indices]
         self._router.resize(new_size)
         await self._reconfigure(range(old_size), new_size)
 
@@ -583,9 +636,11 @@ class DPLBAsyncMPClient(DPAsyncMPClient):
         for rid in leftovers:
             del self.reqs_in_flight[rid]
         logger.warning("finishing %d request(s) of removed engines as aborted", len(leftovers))
-        self.outputs_queue.put_nowait(
-            finished_outputs(leftovers, FinishReason.ABORT, engine_index=min(removed))
-        )
+        outputs = finished_outputs(leftovers, FinishReason.ABORT, engine_index=min(removed))
+        if self.protocol != V0_25_1:
+            # The consumer reads this version's fields (weight_version, error...).
+            outputs = _in_version(outputs, self.protocol)
+        self.outputs_queue.put_nowait(outputs)
 
 
 async def _stats_update_loop(
@@ -603,7 +658,7 @@ async def _stats_update_loop(
                 except zmq.Again:
                     break
             try:
-                counts, wave, running = DPState.decode(frame)
+                counts, wave, running = decode_publication(frame)
             except ProtocolError as exc:
                 logger.warning("ignoring a malformed coordinator publication: %s", exc)
                 continue
@@ -620,3 +675,13 @@ async def _stats_update_loop(
     except Exception:
         if not resources.closed:
             logger.exception("corewire DP stats task failed")
+
+
+def _in_version(outputs: EngineCoreOutputs, protocol: str) -> Any:
+    """``outputs`` (0.25.1's struct, made by this client) as ``protocol``'s, field by
+    field (the fields that version adds take their defaults)."""
+    types = types_for(protocol)
+    output_type, outputs_type = types["EngineCoreOutput"], types["EngineCoreOutputs"]
+    fields = msgspec.structs.asdict(outputs)
+    fields["outputs"] = [output_type(**msgspec.structs.asdict(o)) for o in outputs.outputs]
+    return outputs_type(**fields)

@@ -28,6 +28,9 @@ Decisions where the clients used to differ (one behaviour now):
 - A reply with call id :data:`~corewire.protocol.EEP_NOTIFICATION_CALL_ID` that no call
   waits for is a notification: it goes to the client's notification handler when it has
   one, and is dropped otherwise (sync clients have none).
+- A reply with call id :data:`~corewire.layouts.FT_STATUS_CALL_ID` (-2, vLLM 0.33.0's
+  engine status) goes to the client's status handler before any call is looked up, and
+  never completes a call (:mod:`corewire.client.ft_status`).
 
 Wire format: docs/protocol.md §5 (engine to front-end), §7 (ENGINE_CORE_DEAD) and §9.2
 (a bad frame fails alone).
@@ -44,6 +47,7 @@ import zmq
 from corewire.client.core import resolve_utility_output
 from corewire.client.salvage import fail_undecodable
 from corewire.errors import ProtocolError
+from corewire.layouts import FT_STATUS_CALL_ID
 from corewire.protocol import EEP_NOTIFICATION_CALL_ID, ENGINE_CORE_DEAD
 
 if TYPE_CHECKING:
@@ -110,6 +114,8 @@ class OutputLink:
     returns each such message, and the driver passes it back to the next :meth:`pump`
     after the hook. ``notify(utility)`` gets the notifications. The client is referenced
     only through ``client_ref`` (for the hook), so the link never keeps it alive.
+    ``status(engine_index, utility)`` gets the engine status replies (call id -2; dropped
+    when None).
 
     ZeroMQ's descriptor is edge-triggered: messages are received with ``NOBLOCK`` until
     ``Again``, or until ``EVENTS`` shows none queued (either re-arms it).
@@ -131,6 +137,7 @@ class OutputLink:
         "_queue_empty",
         "_recv",
         "_resources",
+        "_status",
         "_work",
         "async_hook",
         "fd",
@@ -148,6 +155,7 @@ class OutputLink:
         hook: Callable[..., Any] | None = None,
         hook_is_async: bool = False,
         notify: Callable[[Any], None] | None = None,
+        status: Callable[[int, Any], None] | None = None,
         queue_empty: bool = False,
     ) -> None:
         # A blocking view of the socket: a direct non-blocking receive costs a fraction of
@@ -172,6 +180,7 @@ class OutputLink:
         #: Whether :meth:`pump` hands output messages to the driver for an async hook.
         self.async_hook = hook is not None and hook_is_async
         self._notify = notify
+        self._status = status
         #: Whether messages with neither outputs nor stats are queued too (sync clients).
         self._queue_empty = queue_empty
         self._left = DRAIN_BUDGET
@@ -214,7 +223,7 @@ class OutputLink:
                         self._bad_frame(exc, frames)
                     else:
                         if outputs.utility_output is not None:
-                            self._route_utility(outputs.utility_output)
+                            self._route_utility(outputs)
                             outputs = None
                         elif hook is not None:
                             if self.async_hook:
@@ -256,8 +265,15 @@ class OutputLink:
         if fail_undecodable(exc, frames, self._pop, self._metrics):
             self._put(exc)
 
-    def _route_utility(self, utility: Any) -> None:
-        """Complete the call ``utility`` answers, or hand a notification on."""
+    def _route_utility(self, outputs: Any) -> None:
+        """Complete the call that ``outputs``' utility reply answers, or hand a
+        notification or an engine status on."""
+        utility = outputs.utility_output
+        if utility.call_id == FT_STATUS_CALL_ID:
+            # Checked first, as vLLM does: a status never completes a call.
+            if self._status is not None:
+                self._status(outputs.engine_index, utility)
+            return
         future = self._pop(utility.call_id)
         if future is not None:
             resolve_utility_output(future, utility)

@@ -22,6 +22,7 @@ from typing import Any
 import zmq
 
 from corewire.client.core import HEALTH_CHECK_METHOD, MPClient
+from corewire.client.ft_status import StatusDrops
 from corewire.client.output_link import PAUSED, STOPPED, OutputLink
 from corewire.errors import EngineDeadError, UtilityError
 from corewire.metrics import for_client
@@ -100,12 +101,16 @@ class SyncMPClient(MPClient):
     Backpressure (``max_output_backlog``): past the high-water mark the thread stops
     reading until :meth:`get_output` took the backlog down to half of it; utility
     replies behind the waiting outputs wait too (see :meth:`check_health`).
+
+    Engine status messages (vLLM 0.33.0's call id -2) have nowhere to go here: they are
+    dropped, counted in :attr:`ft_status_dropped`, the first one logged.
     """
 
     def __init__(self, **kwargs: Any) -> None:
         # Before any engine starts: a bad COREWIRE_METRICS value fails here.
         metrics = for_client(kwargs.get("client_index", 0))
         hook = self._plain_hook()
+        self._status_drops = drops = StatusDrops()
         super().__init__(asyncio_mode=False, **kwargs)
         self._backlog = backlog = _Backlog(self.max_output_backlog)
         self.outputs_queue = backlog.queue
@@ -125,6 +130,7 @@ class SyncMPClient(MPClient):
             name="output thread",
             client_ref=weakref.ref(self),
             hook=hook,
+            status=drops,
             # vLLM's SyncMPClient queues every message but utility replies.
             queue_empty=True,
         )
@@ -152,6 +158,11 @@ class SyncMPClient(MPClient):
             raise TypeError(f"{type(self).__name__}.process_engine_outputs must not be async")
         return hook
 
+    @property
+    def ft_status_dropped(self) -> int:
+        """Engine status messages (call id -2, vLLM 0.33.0) received and dropped."""
+        return self._status_drops.count
+
     def get_output(self, timeout: float | None = None) -> EngineCoreOutputs:
         """The next batch of outputs, blocking; raises :class:`EngineDeadError` once the
         engine is dead, ``ProtocolError`` for a frame that did not decode, and
@@ -174,8 +185,12 @@ class SyncMPClient(MPClient):
             self._send_message(engine or self.core_engine, request_type.value, frames, request)
 
     def add_request(self, request: EngineCoreRequest) -> None:
-        """Send a request; its outputs come from :meth:`get_output`."""
+        """Send a request; its outputs come from :meth:`get_output`.
+
+        ``request`` is written in the client's protocol (see :class:`MPClient`)."""
         request.client_index = self.client_index
+        if self._write_request is not None:
+            request = self._write_request(request)
         self._send_input(RequestType.ADD, request)
 
     def abort_requests(self, request_ids: list[str]) -> None:
@@ -195,6 +210,8 @@ class SyncMPClient(MPClient):
         self, method: str, args: tuple[Any, ...], engine: bytes, timeout: float | None
     ) -> Any:
         resources = self.resources
+        if self._write_utility_args is not None:
+            args = self._write_utility_args(method, args)
         future: concurrent.futures.Future[Any] = concurrent.futures.Future()
         call_id = resources.registry.register(future)
         try:

@@ -1,0 +1,143 @@
+"""What a client sends, in its engines' wire version: requests and versioned utility arguments.
+
+A client with ``protocol="0.25.1"`` (the default) sends what it is given, unchanged: this
+module is not on its path. A client with ``protocol="0.33.0"`` takes either a
+``corewire.protocol.EngineCoreRequest`` (0.25.1's struct, what existing callers build),
+which it converts, or a request already in 0.33.0's layout, which it sends as given:
+``corewire.layouts.types_for("0.33.0")["EngineCoreRequest"]``, or vLLM 0.33.0's own
+``EngineCoreRequest`` (what vLLM's ``AsyncLLM`` hands the plugin's client). Either way
+0.33.0's 22-field layout goes out: :func:`request_writer` returns the converter.
+
+The conversion is by field name, once per request: the top-level struct and its
+``PoolingParams`` are rebuilt as 0.33.0's (the fields 0.33.0 adds take their defaults);
+other values are shared, not copied (a ``prompt_embeds`` tensor still travels as a
+zero-copy aux frame). ``SamplingParams`` is a map whose 0.33.0 keys are 0.25.1's plus new
+ones (absent here, so omitted), with one key moved and two lists deduplicated; so it is
+rebuilt as 0.33.0's (running 0.33.0's normalisations, as vLLM 0.33.0's ``SamplingParams``
+built from the same arguments would) only when its bytes would differ: a non-default
+``routed_experts_prompt_start``, or repeated ``stop_token_ids`` or ``bad_words``.
+Otherwise the same object is written, which costs nothing (rebuilding it is two thirds
+of a conversion). Either way the bytes are those vLLM 0.33.0's front-end writes for the
+same request.
+
+A LoRA is the one layout that does not decode across versions (0.33.0 removed
+``tensorizer_config_dict``, index 4): 0.25.1's :class:`corewire.layouts.LoRARequest`,
+or the 7-element list a 0.25.1 request decoder leaves, is converted; one that carries a
+``tensorizer_config_dict`` is refused (0.33.0 has no place for it); any other LoRA
+(0.33.0's struct, vLLM's own) is sent as given. The same holds for the ``add_lora``
+utility's argument (:func:`utility_args_writer`).
+
+Wire format: docs/protocol.md §11 and docs/vllm-0.33.0-notes.md §2.1, §2.9-§2.11.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import msgspec
+
+from corewire import layouts
+from corewire import protocol as p
+from corewire.versions import V0_25_1, V0_33_0, check_protocol
+
+__all__ = ["request_writer", "utility_args_writer"]
+
+_asdict = msgspec.structs.asdict
+_T = layouts.types_for(V0_33_0)
+_REQUEST: Any = _T["EngineCoreRequest"]
+_SAMPLING: Any = _T["SamplingParams"]
+_POOLING: Any = _T["PoolingParams"]
+_LORA: Any = _T["LoRARequest"]
+# 0.25.1's LoRA as a 0.25.1 request decoder leaves it: a plain array of 7.
+_LORA_0_25_1_LEN = len(layouts.LoRARequest.__struct_fields__)
+_TENSORIZER_AT = layouts.LoRARequest.__struct_fields__.index("tensorizer_config_dict")
+# The one 0.25.1 key whose place in the map differs in 0.33.0 (written unless default).
+_ROUTED_DEFAULT = next(
+    f.default
+    for f in msgspec.structs.fields(p.SamplingParams)
+    if f.name == "routed_experts_prompt_start"
+)
+
+
+def request_writer(protocol: str | None) -> Callable[[Any], Any] | None:
+    """The function that turns a request into what a ``protocol`` client sends, or None
+    when requests are sent as given (0.25.1: its encoder refuses a 0.33.0 request)."""
+    if check_protocol(protocol) == V0_25_1:
+        return None
+    return to_0_33_0
+
+
+def utility_args_writer(
+    protocol: str | None,
+) -> Callable[[str, tuple[Any, ...]], tuple[Any, ...]] | None:
+    """The function that turns a utility call's arguments into what a ``protocol`` client
+    sends (only ``add_lora``'s LoRA differs between versions), or None when they are sent
+    as given (0.25.1)."""
+    if check_protocol(protocol) == V0_25_1:
+        return None
+    return _utility_args_0_33_0
+
+
+def _utility_args_0_33_0(method: str, args: tuple[Any, ...]) -> tuple[Any, ...]:
+    if method == "add_lora" and args:
+        return (lora_0_33_0(args[0]), *args[1:])
+    return args
+
+
+def to_0_33_0(request: Any) -> Any:
+    """``request`` as vLLM 0.33.0's ``EngineCoreRequest``: corewire's 0.25.1 struct is
+    converted; anything else (0.33.0's struct, vLLM 0.33.0's own) is returned as is,
+    for the encoder to write or refuse.
+
+    Raises ``ValueError`` for a LoRA 0.33.0 cannot express.
+    """
+    if type(request) is not p.EngineCoreRequest:
+        return request
+    fields = _asdict(request)
+    sampling = fields["sampling_params"]
+    if sampling is not None:
+        fields["sampling_params"] = sampling_0_33_0(sampling)
+    pooling = fields["pooling_params"]
+    if pooling is not None and type(pooling) is not _POOLING:
+        fields["pooling_params"] = _POOLING(**_asdict(pooling))
+    if fields["lora_request"] is not None:
+        fields["lora_request"] = lora_0_33_0(fields["lora_request"])
+    return _REQUEST(**fields)
+
+
+def sampling_0_33_0(sampling: Any) -> Any:
+    """What to write for ``sampling`` in a 0.33.0 request: corewire's 0.25.1 struct as
+    is when its map is already 0.33.0's bytes, else rebuilt as 0.33.0's; anything else
+    (0.33.0's struct) as is."""
+    if type(sampling) is not p.SamplingParams:
+        return sampling
+    if (
+        sampling.routed_experts_prompt_start == _ROUTED_DEFAULT
+        and _unique(sampling.stop_token_ids)
+        and _unique(sampling.bad_words)
+    ):
+        return sampling
+    return _SAMPLING(**_asdict(sampling))
+
+
+def _unique(values: Any) -> bool:
+    return values is None or len(values) < 2 or len(set(values)) == len(values)
+
+
+def lora_0_33_0(lora: Any) -> Any:
+    """``lora`` in vLLM 0.33.0's 6-field layout: from 0.25.1's ``LoRARequest`` struct or
+    the 7-element array a 0.25.1 decoder leaves (``tensorizer_config_dict`` dropped: it
+    must be nil); anything else (0.33.0's struct, vLLM's own) as is."""
+    if type(lora) is layouts.LoRARequest:
+        values = list(msgspec.structs.astuple(lora))
+    elif isinstance(lora, (list, tuple)) and len(lora) == _LORA_0_25_1_LEN:
+        values = list(lora)
+    else:
+        return lora
+    if values.pop(_TENSORIZER_AT) is not None:
+        raise ValueError(
+            "vLLM 0.33.0's LoRARequest has no tensorizer_config_dict: this LoRA cannot "
+            "be sent to a 0.33.0 engine"
+        )
+    return _LORA(*values)
