@@ -470,3 +470,33 @@ def check_corewire_metrics_in_vllms_metrics(stack: ServeStack, http: httpx.Clien
         "corewire_pending_utility_calls",
     ):
         assert metric_values(text, name), name
+
+
+def check_two_engines_behind_one_front_end(tmp_path: Path, client: str) -> str:
+    """DP = 2 behind one API server with ``client``: vLLM's coordinator and two corewire
+    engines; 8 concurrent requests reach both engines, with the same greedy text. Returns
+    the API server's log."""
+    with (
+        running_stack(tmp_path, client=client, engines=2) as stack,
+        httpx.Client(base_url=stack.base_url, timeout=HTTP_TIMEOUT) as http,
+    ):
+        body = {"prompt": "the quick brown fox", "max_tokens": 24, "temperature": 0.0}
+        body["ignore_eos"] = True
+
+        async def burst() -> list[str]:
+            async with httpx.AsyncClient(base_url=stack.base_url, timeout=HTTP_TIMEOUT) as c:
+                resps = await asyncio.gather(
+                    *(c.post("/v1/completions", json={"model": MODEL, **body}) for _ in range(8))
+                )
+            assert all(r.status_code == 200 for r in resps)
+            return [r.json()["choices"][0]["text"] for r in resps]
+
+        texts = asyncio.run(burst())
+        assert len(set(texts)) == 1
+        gen = metric_values(http.get("/metrics").text, "vllm:request_success_total")
+        per_engine: dict[str, float] = {}
+        for labels, v in gen:
+            per_engine[labels["engine"]] = per_engine.get(labels["engine"], 0) + v
+        assert per_engine.get("0", 0) > 0 and per_engine.get("1", 0) > 0, per_engine
+        assert sum(per_engine.values()) == 8
+        return server_log(stack)

@@ -60,7 +60,7 @@ from vllm.v1.executor import Executor  # noqa: E402
 from vllm.v1.serial_utils import MsgpackDecoder, MsgpackEncoder  # noqa: E402
 
 from corewire.engine.interface import EngineInfo  # noqa: E402
-from corewire.layouts import RequestError  # noqa: E402
+from corewire.layouts import FT_STATUS_CALL_ID, RequestError  # noqa: E402
 from corewire.ready_layouts import ready_response_for  # noqa: E402
 from corewire.vllm import plugin  # noqa: E402
 from corewire.vllm.client import (  # noqa: E402
@@ -68,7 +68,7 @@ from corewire.vllm.client import (  # noqa: E402
     HEALTH_TIMEOUT_ENV,
     make_async_mp_client,
 )
-from corewire.vllm.v0_33_0 import Vllm0330AsyncMPClient  # noqa: E402
+from corewire.vllm.v0_33_0 import FT_UTILITY_METHOD, Vllm0330AsyncMPClient  # noqa: E402
 from dp_support import free_tcp_port  # noqa: E402
 from vllm_support import (  # noqa: E402
     ENGINE_ARGS,
@@ -185,20 +185,17 @@ def test_plugin_switches_vllm_0_33_0s_factory(switch: str | None, factory: str) 
     assert done.stdout.strip().splitlines()[-1] == factory
 
 
-def test_factory_refuses_what_corewire_cannot_serve_yet(root: Path) -> None:
-    """Data parallelism under vLLM 0.33.0's coordinator and the multi-API-server sockets
-    are refused by name before anything starts, not run half-working."""
-    config = vllm_config(write_model_dir(root / "model"), data_parallel_size=2)
-    with pytest.raises(NotImplementedError, match=r"kv_cache_usage"):
-        make_async_mp_client(config, None, False)
-    single = vllm_config(write_model_dir(root / "model1"))
+def test_factory_refuses_the_multi_api_server_sockets(root: Path) -> None:
+    """The sockets vLLM 0.33.0's multi-API-server parent binds and hands over (listeners
+    adopted through zmq.USE_FD) are refused by name before anything starts."""
+    config = vllm_config(write_model_dir(root / "model"))
     listeners = {
         "input_address": "tcp://127.0.0.1:1",
         "output_address": "tcp://127.0.0.1:2",
         "input_listener": object(),
     }
     with pytest.raises(NotImplementedError, match=r"api-server-count"):
-        make_async_mp_client(single, None, False, client_addresses=listeners)
+        make_async_mp_client(config, None, False, client_addresses=listeners)
 
 
 # ---------------------------------------------------------------------- real engines
@@ -310,17 +307,21 @@ async def test_engine_death_raises_vllms_engine_dead_error(
 class _HandEngine(threading.Thread):
     """An engine speaking vLLM 0.33.0's wire by hand (vLLM's own encoder), for what
     corewire's engine does not send. Utility calls are recorded and answered from
-    ``results`` (None for others); every request is refused with ``error``, as a 0.33.0
-    engine refuses one while paused (finish ERROR, the id in ``finished_requests``)."""
+    ``results`` (None for others), after pushing the fault-tolerance status ``statuses``
+    names for that method (call id -2, as a 0.33.0 engine's sentinel pushes one); every
+    request is refused with ``error``, as a 0.33.0 engine refuses one while paused (finish
+    ERROR, the id in ``finished_requests``)."""
 
     def __init__(
         self,
         addresses: dict[str, str],
         error: RequestError | None = None,
         results: dict[str, Any] | None = None,
+        statuses: dict[str, dict[str, Any]] | None = None,
     ) -> None:
         super().__init__(daemon=True)
         self.error = error
+        self.statuses = statuses or {}
         self.results = {"get_supported_tasks": ["generate"], **(results or {})}
         #: ``(method, args)`` of every utility call but the watchdog's health checks.
         self.calls: list[tuple[str, list[Any]]] = []
@@ -345,6 +346,12 @@ class _HandEngine(threading.Thread):
                 _, call_id, method, args = msgspec.msgpack.decode(frames[0])
                 if method != "is_sleeping":
                     self.calls.append((method, args))
+                if method in self.statuses:
+                    status = UtilityOutput(
+                        FT_STATUS_CALL_ID, None, UtilityResult(self.statuses[method])
+                    )
+                    pushed = EngineCoreOutputs(engine_index=0, utility_output=status)
+                    self.outputs.send_multipart(encoder.encode(pushed))
                 result = UtilityResult(self.results.get(method))
                 reply = EngineCoreOutputs(utility_output=UtilityOutput(call_id, None, result))
                 self.outputs.send_multipart(encoder.encode(reply))
@@ -451,3 +458,30 @@ async def test_0_33_0_utility_calls_on_the_wire(root: Path, corewire_factory: No
         ("compute_weight_checksums", []),
         ("profile", [True, "p", 2, 5, {"with_stack": True}]),
     ]
+
+
+async def test_fault_tolerance_status_and_handling(root: Path, corewire_factory: None) -> None:
+    """``AsyncLLM.get_status`` reports the status the engine pushed (call id -2), and
+    ``handle_fault`` sends vLLM's ``FaultToleranceRequest`` to the engine's
+    ``handle_fault_tolerance``, returns vLLM's ``FaultToleranceResult`` and records a
+    refusal in the engine's status, as vLLM 0.33.0's client does."""
+    from vllm.v1.fault_tolerance.utils import FaultToleranceRequest, FaultToleranceResult
+
+    unhealthy = {"id": 0, "status": "unhealthy", "fault_info": "RuntimeError"}
+    refusal = {"request_id": "ft-1", "success": False, "reason": "retry failed"}
+    engine = {
+        "results": {FT_UTILITY_METHOD: refusal},
+        "statuses": {FT_UTILITY_METHOD: unhealthy},
+    }
+    async with hand_frontend(root, **engine) as (llm, hand):
+        assert await llm.get_status() == {"schema_version": 1, "total_engines": 1, "engines": []}
+        request = FaultToleranceRequest("retry", {"timeout": 5}, "ft-1")
+        result = await llm.handle_fault(request)
+        assert result == FaultToleranceResult("ft-1", False, "retry failed")
+        status = await llm.get_status()
+    assert status["engines"] == [
+        {**unhealthy, "last_ft_request_id": "ft-1", "ft_error": "retry failed"}
+    ]
+    method, args = hand.calls[-1]
+    assert method == FT_UTILITY_METHOD
+    assert args == [{"instruction": "retry", "params": {"timeout": 5}, "request_id": "ft-1"}]

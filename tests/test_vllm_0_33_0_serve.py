@@ -22,6 +22,7 @@ import os
 import signal
 import time
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -63,6 +64,7 @@ from serve_support import (  # noqa: E402
     check_metrics,
     check_metrics_prompt_tokens,
     check_stop_string,
+    check_two_engines_behind_one_front_end,
     greedy_outputs,
     long_requests,
     running_stack,
@@ -210,3 +212,13 @@ async def test_engine_killed_under_load_fails_requests_and_health(stack: ServeSt
         assert time.monotonic() - killed_at < DEATH_NOTICED_S, "/health stayed 200"
         await asyncio.sleep(0.2)
     assert status is None or status >= 500
+
+
+def test_two_engines_behind_one_front_end(tmp_path: Path) -> None:
+    """DP = 2 with corewire's DP client under vLLM 0.33.0's coordinator (its
+    [waiting, running, kv_cache_usage] counts): requests reach both engines, the greedy
+    text does not depend on the engine; vLLM's coordinator is sent nothing it does not
+    expect (0.33.0 has no first-request notices). Its own stack (~25 s)."""
+    log = check_two_engines_behind_one_front_end(tmp_path, "corewire")
+    assert f"{PLUGIN_LOG_LINE} Vllm0330DPLBAsyncMPClient" in log
+    assert "unexpected message" not in log

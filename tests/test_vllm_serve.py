@@ -47,6 +47,7 @@ from serve_support import (
     check_metrics,
     check_metrics_prompt_tokens,
     check_stop_string,
+    check_two_engines_behind_one_front_end,
     greedy_outputs,
     long_requests,
     metric_values,
@@ -227,30 +228,7 @@ def test_two_engines_behind_one_front_end(tmp_path: Path) -> None:
     and the greedy text does not depend on the engine that ran it. With corewire's client
     where the plugin is installed (its DP client under vLLM's coordinator), else vLLM's:
     one DP stack costs ~25 s on a 2-core machine."""
-    client = "corewire" if _NO_PLUGIN is None else "vllm"
-    with (
-        running_stack(tmp_path, client=client, engines=2) as stack,
-        httpx.Client(base_url=stack.base_url, timeout=HTTP_TIMEOUT) as http,
-    ):
-        body = {"prompt": "the quick brown fox", "max_tokens": 24, "temperature": 0.0}
-        body["ignore_eos"] = True
-
-        async def burst() -> list[str]:
-            async with httpx.AsyncClient(base_url=stack.base_url, timeout=HTTP_TIMEOUT) as c:
-                resps = await asyncio.gather(
-                    *(c.post("/v1/completions", json={"model": MODEL, **body}) for _ in range(8))
-                )
-            assert all(r.status_code == 200 for r in resps)
-            return [r.json()["choices"][0]["text"] for r in resps]
-
-        texts = asyncio.run(burst())
-        assert len(set(texts)) == 1
-        gen = metric_values(http.get("/metrics").text, "vllm:request_success_total")
-        per_engine: dict[str, float] = {}
-        for labels, v in gen:
-            per_engine[labels["engine"]] = per_engine.get(labels["engine"], 0) + v
-        assert per_engine.get("0", 0) > 0 and per_engine.get("1", 0) > 0, per_engine
-        assert sum(per_engine.values()) == 8
+    check_two_engines_behind_one_front_end(tmp_path, "corewire" if _NO_PLUGIN is None else "vllm")
 
 
 @pytest.mark.skipif(_NO_PLUGIN is not None, reason=_NO_PLUGIN or "")

@@ -20,15 +20,16 @@ from corewire.client.dp import DPAsyncMPClient, DPLBAsyncMPClient
 from corewire.coordinator import CoordinatorAddresses
 from corewire.vllm.client import VllmArgs, VllmClientMixin
 
-__all__ = ["VllmDPAsyncMPClient", "VllmDPLBAsyncMPClient"]
+__all__ = ["VllmDPAsyncMPClient", "VllmDPLBAsyncMPClient", "VllmDPMixin"]
 
 # Filled in once vLLM's coordinator is known (after the engines' start-up); the engine
 # endpoints are never used here: vLLM's handshake gives the engines their own.
 _UNKNOWN = CoordinatorAddresses(front_publish="", engine_stats="", engine_publish="")
 
 
-class _VllmDPMixin(VllmClientMixin):
-    """Construction shared by both DP adapters."""
+class VllmDPMixin(VllmClientMixin):
+    """Construction shared by the DP adapters (of every vLLM release): no coordinator of
+    corewire's, vLLM's publications followed instead."""
 
     coordinator_addresses: CoordinatorAddresses
 
@@ -50,10 +51,10 @@ class _VllmDPMixin(VllmClientMixin):
         )
 
 
-class VllmDPAsyncMPClient(_VllmDPMixin, DPAsyncMPClient):
+class VllmDPAsyncMPClient(VllmDPMixin, DPAsyncMPClient):
     """:class:`corewire.DPAsyncMPClient` (external load balancing) from vLLM's arguments."""
 
 
-class VllmDPLBAsyncMPClient(_VllmDPMixin, DPLBAsyncMPClient):
+class VllmDPLBAsyncMPClient(VllmDPMixin, DPLBAsyncMPClient):
     """:class:`corewire.DPLBAsyncMPClient` (one front-end over N engines) from vLLM's
     arguments."""

@@ -20,9 +20,9 @@ did not, or calls with other signatures or semantics (docs/vllm-0.33.0-notes.md 
   requests in ``finished_requests`` (as vLLM 0.33.0's engine does), so only messages
   that finish requests are looked at.
 
-The data-parallel clients are not offered yet: vLLM 0.33.0's coordinator publishes
-``[waiting, running, kv_cache_usage]`` per engine, which corewire's DP clients do not
-read; they refuse to start, naming the reason.
+The data-parallel clients follow vLLM 0.33.0's coordinator as corewire's DP clients do
+with ``protocol="0.33.0"`` (``[waiting, running, kv_cache_usage]`` counts, no first-request
+notices, 0.33.0's routing rule); the rest is :mod:`corewire.vllm.dp_client`'s.
 """
 
 from __future__ import annotations
@@ -33,9 +33,10 @@ from typing import Any
 import msgspec
 
 from corewire.client.async_client import AsyncMPClient
-from corewire.client.dp import DPConsensusError
+from corewire.client.dp import DPAsyncMPClient, DPConsensusError, DPLBAsyncMPClient
 from corewire.versions import V0_33_0
 from corewire.vllm.client import VllmArgs, VllmClientMixin
+from corewire.vllm.dp_client import VllmDPMixin
 from corewire.vllm.releases import Release0330
 
 __all__ = [
@@ -253,23 +254,14 @@ class Vllm0330AsyncMPClient(Members0330, AsyncMPClient):
     """:class:`corewire.AsyncMPClient` for vLLM 0.33.0's ``AsyncLLM`` (one engine)."""
 
 
-class _DPRefused(Members0330):
-    def _vllm_setup(self, args: VllmArgs) -> dict[str, Any]:
-        raise NotImplementedError(
-            "corewire's data-parallel clients do not read vLLM 0.33.0's coordinator yet "
-            "(its [waiting, running, kv_cache_usage] counts); run one engine, or unset "
-            "COREWIRE_VLLM_CLIENT to use vLLM's client"
-        )
+class Vllm0330DPAsyncMPClient(Members0330, VllmDPMixin, DPAsyncMPClient):
+    """:class:`corewire.DPAsyncMPClient` (external load balancing) for vLLM 0.33.0's
+    ``AsyncLLM``, under vLLM's DP coordinator."""
 
 
-class Vllm0330DPAsyncMPClient(_DPRefused, AsyncMPClient):
-    """vLLM 0.33.0 with data parallelism and external load balancing: refused (see the
-    module docstring)."""
-
-
-class Vllm0330DPLBAsyncMPClient(_DPRefused, AsyncMPClient):
-    """vLLM 0.33.0 with data parallelism and internal load balancing: refused (see the
-    module docstring)."""
+class Vllm0330DPLBAsyncMPClient(Members0330, VllmDPMixin, DPLBAsyncMPClient):
+    """:class:`corewire.DPLBAsyncMPClient` (one front-end over N engines) for vLLM 0.33.0's
+    ``AsyncLLM``, under vLLM's DP coordinator."""
 
 
 def client_classes(protocol: str = V0_33_0) -> dict[str, type]:
