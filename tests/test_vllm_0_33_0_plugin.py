@@ -61,7 +61,7 @@ from vllm.v1.serial_utils import MsgpackDecoder, MsgpackEncoder  # noqa: E402
 
 from corewire.engine.interface import EngineInfo  # noqa: E402
 from corewire.layouts import FT_STATUS_CALL_ID, RequestError  # noqa: E402
-from corewire.ready_layouts import ready_response_for  # noqa: E402
+from corewire.ready_layouts import ReadyFacts, ready_response_for  # noqa: E402
 from corewire.vllm import plugin  # noqa: E402
 from corewire.vllm.client import (  # noqa: E402
     HEALTH_INTERVAL_ENV,
@@ -92,15 +92,35 @@ def root() -> Iterator[Path]:
 
 
 @pytest.fixture
-def corewire_factory(monkeypatch: pytest.MonkeyPatch) -> None:
-    """vLLM's client factory replaced by corewire's, as the plugin does, for this test."""
-    monkeypatch.setattr(
-        EngineCoreClient, "make_async_mp_client", staticmethod(make_async_mp_client)
-    )
+def warmups(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """Counts the calls of vLLM's renderer's multimodal warm-up (which still runs)."""
+    from vllm.renderers.base import BaseRenderer
+
+    calls: list[int] = []
+    original = BaseRenderer.start_mm_warmup_in_background
+
+    def counted(self: Any) -> None:
+        calls.append(1)
+        original(self)
+
+    monkeypatch.setattr(BaseRenderer, "start_mm_warmup_in_background", counted)
+    return calls
 
 
 @pytest.fixture
-async def frontend(root: Path, corewire_factory: None) -> AsyncIterator[tuple[Any, EngineProcs]]:
+def corewire_factory(monkeypatch: pytest.MonkeyPatch, warmups: list[int]) -> list[int]:
+    """vLLM's client factory replaced by corewire's, as the plugin does, for this test;
+    the renderer's warm-up calls counted."""
+    monkeypatch.setattr(
+        EngineCoreClient, "make_async_mp_client", staticmethod(make_async_mp_client)
+    )
+    return warmups
+
+
+@pytest.fixture
+async def frontend(
+    root: Path, corewire_factory: list[int]
+) -> AsyncIterator[tuple[Any, EngineProcs]]:
     """vLLM 0.33.0's ``AsyncLLM`` (front-end only) and one ``corewire engine --protocol
     0.33.0`` that joined it; both stopped after the test."""
     port = free_tcp_port()
@@ -127,6 +147,8 @@ async def frontend(root: Path, corewire_factory: None) -> AsyncIterator[tuple[An
         llm = AsyncLLM(
             vllm_config=config, executor_class=Executor.get_class(config), log_stats=False
         )
+        # vLLM's launch path: the warm-up started once, after the (no) local engines forked.
+        assert corewire_factory == [1]
         yield llm, engines
     finally:
         if llm is not None:
@@ -318,6 +340,7 @@ class _HandEngine(threading.Thread):
         error: RequestError | None = None,
         results: dict[str, Any] | None = None,
         statuses: dict[str, dict[str, Any]] | None = None,
+        facts: ReadyFacts | None = None,
     ) -> None:
         super().__init__(daemon=True)
         self.error = error
@@ -332,7 +355,8 @@ class _HandEngine(threading.Thread):
         self.requests.connect(addresses["input_address"])
         self.outputs = self.ctx.socket(zmq.PUSH)
         self.outputs.connect(addresses["output_address"])
-        ready = ready_response_for("0.33.0", EngineInfo(max_model_len=512), engine_index=0)
+        info = EngineInfo(max_model_len=512)
+        ready = ready_response_for("0.33.0", info, engine_index=0, facts=facts)
         self.requests.send(msgspec.msgpack.encode(ready))
 
     def run(self) -> None:
@@ -410,7 +434,7 @@ async def hand_frontend(root: Path, **engine: Any) -> AsyncIterator[tuple[Any, _
     ],
 )
 async def test_request_errors_reach_vllm_as_its_exceptions(
-    root: Path, corewire_factory: None, error: RequestError, raised: str
+    root: Path, corewire_factory: list[int], error: RequestError, raised: str
 ) -> None:
     """An engine's ``RequestError`` becomes the exception vLLM's serving code maps to
     503 / 400 / 500, with the engine's message; the client and engine stay up."""
@@ -423,7 +447,7 @@ async def test_request_errors_reach_vllm_as_its_exceptions(
         assert not llm.errored
 
 
-async def test_0_33_0_utility_calls_on_the_wire(root: Path, corewire_factory: None) -> None:
+async def test_0_33_0_utility_calls_on_the_wire(root: Path, corewire_factory: list[int]) -> None:
     """The calls vLLM 0.33.0's ``AsyncLLM`` makes that 0.25.1's did not, or made with other
     arguments, reach the engine as 0.33.0's client sends them, and their answers come
     back as it returns them (the engine here records and answers by hand)."""
@@ -433,7 +457,14 @@ async def test_0_33_0_utility_calls_on_the_wire(root: Path, corewire_factory: No
         "get_weight_version": "v7",
         "compute_weight_checksums": [{"layer.0": "ab12"}, {"layer.1": "cd34"}],
     }
-    async with hand_frontend(root, results=results) as (llm, hand):
+    kv_events = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": "tcp://*:5599"}
+    facts = ReadyFacts(kv_events_config=kv_events, effective_attention_block_size=32)
+    async with hand_frontend(root, results=results, facts=facts) as (llm, hand):
+        # The ready response's 0.33.0 facts applied as vLLM's client applies them.
+        sources = llm.get_kv_event_sources()
+        assert list(sources) == [0]
+        assert (sources[0].publisher, sources[0].endpoint) == ("zmq", "tcp://*:5599")
+        assert llm.vllm_config.cache_config.effective_attention_block_size == 32
         await llm.pause_generation(mode="wait", clear_cache=False)
         assert await llm.is_paused() is True
         await llm.resume_generation()
@@ -447,6 +478,8 @@ async def test_0_33_0_utility_calls_on_the_wire(root: Path, corewire_factory: No
             await llm.engine_core.prepare_elastic_ep(2)
         assert await llm.engine_core.get_external_elastic_ep_status() is None
         calls = [c for c in hand.calls if c[0] not in ("get_supported_tasks", "reset_mm_cache")]
+    # The client started the renderer's warm-up once: engines elsewhere, at once.
+    assert corewire_factory == [1]
     assert calls == [
         ("pause_generation", ["wait", False]),
         ("is_scheduler_paused", []),
@@ -460,7 +493,7 @@ async def test_0_33_0_utility_calls_on_the_wire(root: Path, corewire_factory: No
     ]
 
 
-async def test_fault_tolerance_status_and_handling(root: Path, corewire_factory: None) -> None:
+async def test_fault_tolerance_status_and_handling(root: Path, corewire_factory: list[int]) -> None:
     """``AsyncLLM.get_status`` reports the status the engine pushed (call id -2), and
     ``handle_fault`` sends vLLM's ``FaultToleranceRequest`` to the engine's
     ``handle_fault_tolerance``, returns vLLM's ``FaultToleranceResult`` and records a
