@@ -27,7 +27,8 @@ Health watchdog settings come from the environment: ``COREWIRE_HEALTH_CHECK_INTE
 the watchdog off.
 
 Wire format: docs/protocol.md §3.1 (the ready response applied to vLLM's config), §5 and
-§9.2 (outputs, a bad frame fails alone).
+§9.2 (outputs, a bad frame fails alone), §11 (0.33.0); how 0.33.0's ``AsyncLLM`` makes and
+calls its client: docs/vllm-0.33.0-notes.md §6.
 """
 
 from __future__ import annotations
@@ -411,7 +412,8 @@ class VllmClientMixin:
 
 
 class VllmAsyncMPClient(VllmClientMixin, AsyncMPClient):
-    """:class:`corewire.AsyncMPClient` built from vLLM's factory arguments (one engine)."""
+    """:class:`corewire.AsyncMPClient` built from vLLM 0.25.1's factory arguments (one
+    engine; 0.33.0's: :class:`corewire.vllm.v0_33_0.Vllm0330AsyncMPClient`)."""
 
 
 def _ranks_managed(parallel_config: Any) -> list[int]:

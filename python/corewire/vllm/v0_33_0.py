@@ -68,16 +68,14 @@ class _ErroredOutput:
         return getattr(self._output, name)
 
 
-def _with_vllm_errors(outputs: Any) -> Any:
-    """``outputs`` with vLLM's ``RequestError`` on the outputs that carry an error."""
-    from vllm.outputs import RequestError
-
+def _with_vllm_errors(outputs: Any, request_error: type) -> Any:
+    """``outputs`` with vLLM's ``request_error`` class on the outputs that carry an error."""
     items = outputs.outputs
     for i, output in enumerate(items):
         error = output.error
         if error is not None:
             items[i] = _ErroredOutput(
-                output, RequestError(error.code, error.message, error.retryable)
+                output, request_error(error.code, error.message, error.retryable)
             )
     return outputs
 
@@ -98,6 +96,9 @@ class Members0330(VllmClientMixin):
         self.kv_event_sources: dict[int, Any] = {}
         self.coordinator_input_address: str | None = None
         self.coordinator_output_address: str | None = None
+        from vllm.outputs import RequestError
+
+        self._vllm_request_error = RequestError
         parallel_config = args.vllm_config.parallel_config
         self._fault_tolerance = bool(getattr(parallel_config, "enable_fault_tolerance", False))
         return super()._vllm_setup(args)
@@ -115,7 +116,7 @@ class Members0330(VllmClientMixin):
         """The next outputs, request errors as vLLM's ``RequestError``."""
         outputs = await super().get_output_async()
         if outputs.finished_requests:
-            return _with_vllm_errors(outputs)
+            return _with_vllm_errors(outputs, self._vllm_request_error)
         return outputs
 
     # -- utility fan-out ---------------------------------------------------------------
