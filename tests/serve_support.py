@@ -500,3 +500,32 @@ def check_two_engines_behind_one_front_end(tmp_path: Path, client: str) -> str:
         assert per_engine.get("0", 0) > 0 and per_engine.get("1", 0) > 0, per_engine
         assert sum(per_engine.values()) == 8
         return server_log(stack)
+
+
+def check_two_api_servers_with_corewire_clients(tmp_path: Path) -> str:
+    """``--api-server-count 2`` with the plugin on: both server processes run corewire's
+    client, both answer on the one shared port, and vLLM adds up their metrics. Returns
+    the servers' log."""
+    with (
+        running_stack(tmp_path, client="corewire", api_servers=2, timeout=150.0) as stack,
+        httpx.Client(base_url=stack.base_url, timeout=HTTP_TIMEOUT) as http,
+    ):
+        switched = [line for line in server_log(stack).splitlines() if PLUGIN_LOG_LINE in line]
+        servers = {line.split(" pid=")[0] for line in switched if "(ApiServer_" in line}
+        assert servers == {"(ApiServer_0", "(ApiServer_1"}, switched
+        body = {"prompt": "the quick brown fox", "max_tokens": 8, "temperature": 0.0}
+
+        async def burst() -> list[Any]:
+            async with httpx.AsyncClient(base_url=stack.base_url, timeout=HTTP_TIMEOUT) as c:
+                return await asyncio.gather(
+                    *(c.post("/v1/completions", json={"model": MODEL, **body}) for _ in range(8))
+                )
+
+        resps = asyncio.run(burst())
+        assert [r.status_code for r in resps] == [200] * 8
+        assert len({r.json()["choices"][0]["text"] for r in resps}) == 1
+        assert http.get("/health").status_code == 200
+        # vLLM aggregates the servers' metrics (prometheus multiprocess mode).
+        done = metric_values(http.get("/metrics").text, "vllm:request_success_total")
+        assert sum(v for _, v in done) == 8, done
+        return server_log(stack)

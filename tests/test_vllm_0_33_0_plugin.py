@@ -207,19 +207,6 @@ def test_plugin_switches_vllm_0_33_0s_factory(switch: str | None, factory: str) 
     assert done.stdout.strip().splitlines()[-1] == factory
 
 
-def test_factory_refuses_the_multi_api_server_sockets(root: Path) -> None:
-    """The sockets vLLM 0.33.0's multi-API-server parent binds and hands over (listeners
-    adopted through zmq.USE_FD) are refused by name before anything starts."""
-    config = vllm_config(write_model_dir(root / "model"))
-    listeners = {
-        "input_address": "tcp://127.0.0.1:1",
-        "output_address": "tcp://127.0.0.1:2",
-        "input_listener": object(),
-    }
-    with pytest.raises(NotImplementedError, match=r"api-server-count"):
-        make_async_mp_client(config, None, False, client_addresses=listeners)
-
-
 # ---------------------------------------------------------------------- real engines
 
 

@@ -64,6 +64,7 @@ from serve_support import (  # noqa: E402
     check_metrics,
     check_metrics_prompt_tokens,
     check_stop_string,
+    check_two_api_servers_with_corewire_clients,
     check_two_engines_behind_one_front_end,
     greedy_outputs,
     long_requests,
@@ -222,3 +223,11 @@ def test_two_engines_behind_one_front_end(tmp_path: Path) -> None:
     log = check_two_engines_behind_one_front_end(tmp_path, "corewire")
     assert f"{PLUGIN_LOG_LINE} Vllm0330DPLBAsyncMPClient" in log
     assert "unexpected message" not in log
+
+
+def test_two_api_servers_with_corewire_clients(tmp_path: Path) -> None:
+    """``--api-server-count 2`` with the plugin on: vLLM 0.33.0's parent binds each
+    server's engine sockets itself and hands them over; corewire's client in each server
+    adopts them (zmq.USE_FD), and both servers answer on the one port. Its own stack."""
+    log = check_two_api_servers_with_corewire_clients(tmp_path)
+    assert "Vllm0330AsyncMPClient" in log

@@ -47,10 +47,10 @@ from serve_support import (
     check_metrics,
     check_metrics_prompt_tokens,
     check_stop_string,
+    check_two_api_servers_with_corewire_clients,
     check_two_engines_behind_one_front_end,
     greedy_outputs,
     long_requests,
-    metric_values,
     missing_prerequisite,
     plugin_missing,
     running_stack,
@@ -237,28 +237,7 @@ def test_two_api_servers_with_corewire_clients(tmp_path: Path) -> None:
     server process builds corewire's client on the addresses vLLM's parent hands it and
     reports the endpoints it bound back to that parent, which only then starts the
     engine handshake. Both servers answer, on the one shared port."""
-    with (
-        running_stack(tmp_path, client="corewire", api_servers=2, timeout=150.0) as stack,
-        httpx.Client(base_url=stack.base_url, timeout=HTTP_TIMEOUT) as http,
-    ):
-        switched = [line for line in server_log(stack).splitlines() if PLUGIN_LOG_LINE in line]
-        servers = {line.split(" pid=")[0] for line in switched if "(ApiServer_" in line}
-        assert servers == {"(ApiServer_0", "(ApiServer_1"}, switched
-        body = {"prompt": "the quick brown fox", "max_tokens": 8, "temperature": 0.0}
-
-        async def burst() -> list[Any]:
-            async with httpx.AsyncClient(base_url=stack.base_url, timeout=HTTP_TIMEOUT) as c:
-                return await asyncio.gather(
-                    *(c.post("/v1/completions", json={"model": MODEL, **body}) for _ in range(8))
-                )
-
-        resps = asyncio.run(burst())
-        assert [r.status_code for r in resps] == [200] * 8
-        assert len({r.json()["choices"][0]["text"] for r in resps}) == 1
-        assert http.get("/health").status_code == 200
-        # vLLM aggregates the servers' metrics (prometheus multiprocess mode).
-        done = metric_values(http.get("/metrics").text, "vllm:request_success_total")
-        assert sum(v for _, v in done) == 8, done
+    check_two_api_servers_with_corewire_clients(tmp_path)
 
 
 def test_serve_command_serves_until_ctrl_c(tmp_path: Path) -> None:

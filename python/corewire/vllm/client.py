@@ -50,6 +50,7 @@ from vllm.v1.metrics.stats import PrefillStats, SchedulerStats
 import corewire.errors
 from corewire.client.async_client import AsyncMPClient
 from corewire.codec import NativeDecoder
+from corewire.curve import require_curve_for
 from corewire.errors import ProtocolError
 from corewire.protocol import FinishReason, finished_outputs
 from corewire.versions import V0_25_1, protocol_for_vllm
@@ -267,10 +268,13 @@ class VllmClientMixin:
         #: Engine frames that broke the protocol (dropped, their requests ended).
         self.protocol_errors = 0
         self._next_error_summary = 0.0
+        #: Listening sockets vLLM's multi-API-server parent bound for us (0.33.0), by the
+        #: ZeroMQ socket kind that adopts them.
+        self._vllm_listeners: dict[int, Any] = {}
         client_addresses = args.client_addresses
         if client_addresses:
             # Engines managed elsewhere (e.g. by vLLM's multi-API-server parent).
-            self.release.listeners(client_addresses)
+            self._vllm_listeners = self.release.listeners(client_addresses)
             addresses: dict[str, str] | None = {
                 "input_address": client_addresses["input_address"],
                 "output_address": client_addresses["output_address"],
@@ -309,6 +313,22 @@ class VllmClientMixin:
 
     def _make_output_decoder(self) -> Any:
         return make_output_decoder(self.release.protocol)
+
+    def _make_socket(self, kind: int, address: str, *, asyncio_mode: bool = False) -> Any:
+        listener = self._vllm_listeners.pop(kind, None)
+        if listener is None:
+            return super()._make_socket(kind, address, asyncio_mode=asyncio_mode)  # type: ignore[misc]
+        # Adopt the listening socket vLLM's parent bound on ``address`` (engines already
+        # connect there): ZeroMQ takes an open descriptor for the next bind (USE_FD). The
+        # socket is made, configured and owned as any other, bound first to a private
+        # in-process name nothing uses, since the base binds as it makes.
+        placeholder = f"inproc://corewire-adopt-{id(self)}-{kind}"
+        sock = super()._make_socket(kind, placeholder, asyncio_mode=asyncio_mode)  # type: ignore[misc]
+        sock.unbind(placeholder)
+        require_curve_for(address, None)
+        sock.setsockopt(zmq.USE_FD, listener.detach())
+        sock.bind(address)
+        return sock
 
     def _start_mm_warmup(self) -> None:
         """Start vLLM's multimodal warm-up of the renderer (0.33.0), as vLLM's client

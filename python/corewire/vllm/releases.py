@@ -55,8 +55,10 @@ class Release:
         engines and the DP coordinator; the handshake runs when the block exits."""
         raise NotImplementedError
 
-    def listeners(self, client_addresses: dict[str, Any]) -> None:
-        """Refuse endpoint hand-overs this release makes that corewire cannot adopt."""
+    def listeners(self, client_addresses: dict[str, Any]) -> dict[int, Any]:
+        """The already-bound listening sockets ``client_addresses`` hands over, by the
+        ZeroMQ socket kind that must adopt them (none before 0.33.0)."""
+        return {}
 
     def apply_ready(self, client: Any, info: dict[str, Any]) -> Any:
         """Decode one engine's ready map as vLLM decodes it and apply it to the client's
@@ -136,15 +138,16 @@ class Release0330(Release):
         with launch_core_engines(vllm_config, executor_class, log_stats, addresses) as launched:
             yield Launch(launched.engine_manager, launched.coordinator, launched.addresses)
 
-    def listeners(self, client_addresses: dict[str, Any]) -> None:
-        # vLLM's multi-API-server parent binds the sockets itself and hands each server
-        # the open listeners (zmq.USE_FD); corewire's client binds by address.
-        if client_addresses.get("input_listener") or client_addresses.get("output_listener"):
-            raise NotImplementedError(
-                "corewire's client inside vLLM 0.33.0 cannot adopt the sockets vLLM's "
-                "multi-API-server parent binds (--api-server-count > 1); run one API "
-                "server, or unset COREWIRE_VLLM_CLIENT"
-            )
+    def listeners(self, client_addresses: dict[str, Any]) -> dict[int, Any]:
+        # vLLM's multi-API-server parent binds each server's endpoints itself (notes
+        # §6.4) and hands over the listening sockets; the engines already know them.
+        import zmq
+
+        handed = {
+            zmq.ROUTER: client_addresses.get("input_listener"),
+            zmq.PULL: client_addresses.get("output_listener"),
+        }
+        return {kind: listener for kind, listener in handed.items() if listener is not None}
 
     def apply_ready(self, client: Any, info: dict[str, Any]) -> Any:
         from vllm.v1.engine import EngineCoreReadyResponse
