@@ -80,6 +80,7 @@ class Stack:
     loop: asyncio.AbstractEventLoop
     engines: EngineProcs
     config: Any
+    profile_dir: Path
 
     def run(self, coro: Awaitable[T]) -> T:
         """Run a coroutine on the client's loop, with a deadline."""
@@ -91,6 +92,8 @@ def stack() -> Iterator[Stack]:
     with tempfile.TemporaryDirectory(prefix="corewire-vllm-0330-") as tmp:
         root = Path(tmp)
         os.chmod(root, 0o700)
+        profile_dir = root / "profiles"
+        profile_dir.mkdir(mode=0o700)
         engines = EngineProcs(root)
         addresses = {"input_address": f"ipc://{root}/in", "output_address": f"ipc://{root}/out"}
         proc = engines.start(
@@ -102,6 +105,7 @@ def stack() -> Iterator[Stack]:
             "0",
             "--protocol",
             PROTOCOL,
+            engine_args={**ENGINE_ARGS, "profile_dir": str(profile_dir)},
         )
         LEAK_ALLOWED_PIDS.add(proc.pid)
         loop = asyncio.new_event_loop()
@@ -114,7 +118,7 @@ def stack() -> Iterator[Stack]:
                 return AsyncMPClient(config, Executor, False, client_addresses=addresses)
 
             client = loop.run_until_complete(make())
-            yield Stack(client, loop, engines, config)
+            yield Stack(client, loop, engines, config, profile_dir)
         finally:
             if client is not None:
                 client.shutdown()
@@ -282,6 +286,179 @@ def test_embedding_request_returns_a_tensor(stack: Stack) -> None:
     assert isinstance(out.pooling_output, torch.Tensor) and out.pooling_output.shape == (16,)
 
 
+# ---------------------------------------------------------------------- utilities
+
+
+def test_pause_generation_refuses_new_requests_with_a_retryable_error(stack: Stack) -> None:
+    client = stack.client
+
+    async def scenario() -> dict[str, Any]:
+        seen: dict[str, Any] = {}
+        await client.add_request_async(
+            vllm_request("running", [4], temperature=0.0, max_tokens=400, ignore_eos=True)
+        )
+        await client.get_output_async()
+        # "abort": what runs finishes as ABORT; what comes later is refused, retryable.
+        await client.pause_generation_async("abort", True)
+        seen["running"] = (await collect(client, {"running"}))[0]["running"][-1]
+        assert await client.is_scheduler_paused_async() is True
+        seen["refused"] = await collect_after(client, vllm_request("late", [4], max_tokens=2))
+        await client.resume_scheduler_async()
+        seen["resumed"] = await collect_after(
+            client, vllm_request("resumed", [4], temperature=0.0, max_tokens=2)
+        )
+        # "keep": nothing refused; a new request waits until resume.
+        await client.pause_generation_async("keep", False)
+        await client.add_request_async(vllm_request("kept", [4], temperature=0.0, max_tokens=2))
+        await asyncio.sleep(0.3)
+        seen["kept_while_paused"] = client.outputs_queue.empty()
+        await client.resume_scheduler_async()
+        seen["kept"] = (await collect(client, {"kept"}))[0]["kept"]
+        # "wait": the reply comes once the request in flight finished; then refusals.
+        await client.add_request_async(vllm_request("drained", [4], temperature=0.0, max_tokens=10))
+        await client.pause_generation_async("wait", True)
+        drained: list[Any] = []
+        while not client.outputs_queue.empty():
+            drained.extend((await client.get_output_async()).outputs)
+        seen["drained"] = [o.finish_reason for o in drained if o.request_id == "drained"]
+        seen["refused_wait"] = await collect_after(client, vllm_request("late2", [4]))
+        # A full wake-up lifts the refusal too (it resumes the scheduler, as vLLM's).
+        assert await client.wake_up_async(None) is True
+        seen["woken"] = await collect_after(
+            client, vllm_request("woken", [4], temperature=0.0, max_tokens=2)
+        )
+        return seen
+
+    seen = stack.run(scenario())
+    assert seen["running"].finish_reason == FinishReason.ABORT
+    for key in ("refused", "refused_wait"):
+        (refused,) = seen[key]
+        assert refused.finish_reason == FinishReason.ERROR and refused.new_token_ids == []
+        assert refused.error.code == "engine_paused" and refused.error.retryable is True
+        assert refused.error.message == "Generation is paused. Please retry after it resumes."
+    for key in ("resumed", "kept", "woken"):
+        assert len(tokens(seen[key])) == 2 and seen[key][-1].error is None
+    assert seen["kept_while_paused"] is True
+    assert seen["drained"][-1] == FinishReason.LENGTH
+
+
+def test_a_refused_request_carries_a_validation_error(stack: Stack) -> None:
+    refused = vllm_request("refused", [1, 99999], max_tokens=2)
+    (bad,) = stack.run(collect_after(stack.client, refused))
+    reason = "prompt token id 99999 is outside the vocabulary [0, 4096)"
+    assert bad.finish_reason == FinishReason.ERROR and bad.stop_reason == reason
+    assert (bad.error.code, bad.error.message, bad.error.retryable) == (
+        "validation_error",
+        reason,
+        False,
+    )
+
+
+def test_weight_version_utilities_and_outputs(stack: Stack) -> None:
+    client, run = stack.client, stack.run
+    assert run(client.get_weight_version_async()) == "default"
+    run(client.set_weight_version_async("v2"))
+    try:
+        assert run(client.get_weight_version_async()) == "v2"
+        stack.run(client.add_request_async(vllm_request("v2", [3], max_tokens=2)))
+        _outs, messages = stack.run(collect(client, {"v2"}))
+        assert {m.weight_version for m in messages} == {"v2"}
+        # Utility replies carry none (vLLM's engine stamps only a step's messages).
+        assert run(client.call_utility_async("get_weight_version")) == "v2"
+    finally:
+        run(client.set_weight_version_async("default"))
+
+
+def test_every_0_33_0_utility_with_vllms_argument_lists(stack: Stack) -> None:
+    client, run = stack.client, stack.run
+    # Sent to every engine and AND-ed by 0.33.0's client.
+    assert run(client.reset_prefix_cache_async(True, True)) is True
+    assert run(client.reset_encoder_cache_async()) is None
+    # wake_up returns whether the engine is fully awake.
+    run(client.sleep_async(1, "abort"))
+    assert run(client.is_sleeping_async()) is True
+    assert run(client.wake_up_async(["weights"])) is False  # the KV cache still sleeps
+    assert run(client.wake_up_async(None)) is True
+    assert run(client.is_sleeping_async()) is False
+    # release_kv_cache_memory: only after a pause, as vLLM's engine.
+    with pytest.raises(Exception, match="requires a completed pause first"):
+        run(client.release_kv_cache_memory_async())
+    run(client.pause_generation_async("abort", True))
+    assert run(client.release_kv_cache_memory_async()) is None
+    run(client.resume_scheduler_async())
+    # profile with 0.33.0's five arguments.
+    run(client.profile_async(True, "trace33", None, None, None))
+    run(generate(client, [vllm_request("profiled", [1, 2], temperature=0.0, max_tokens=2)]))
+    run(client.profile_async(False, None, None, None, None))
+    (trace,) = stack.profile_dir.iterdir()
+    assert trace.name.startswith("trace33-") and trace.stat().st_size > 0
+    with pytest.raises(Exception, match=r"profile\(max_iterations\) is not supported"):
+        run(client.profile_async(True, None, None, 5, None))
+    # Weight checksums of the engine's real weights, keyed as vLLM's workers key them.
+    checksums = run(client.compute_weight_checksums_async())
+    engine = ReferenceEngine(**{**ENGINE_ARGS, "step_delay": 0.0})
+    (want,) = engine.compute_weight_checksums()
+    assert checksums == [{f"dp0:pp0:pcp0:tp0:{name}": d for name, d in want.items()}]
+    assert len(next(iter(want.values()))) == 64
+    # An unknown utility fails clearly, and the engine lives on.
+    with pytest.raises(Exception, match="engine has no utility method 'no_such_utility'"):
+        run(client.call_utility_async("no_such_utility"))
+    outs = run(generate(client, [vllm_request("alive", [7], temperature=0.0, max_tokens=2)]))
+    assert len(tokens(outs["alive"])) == 2
+
+
+def test_a_fatal_engine_error_reaches_vllms_client_as_engine_dead(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from vllm.v1.engine.exceptions import EngineDeadError
+
+    # The fault hook lives in the tests' own engine, which the engine command imports.
+    tests_dir = str(Path(__file__).parent)
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([tests_dir, os.environ.get("PYTHONPATH", "")]))
+    engines = EngineProcs(tmp_path)
+    addresses = {
+        "input_address": f"ipc://{tmp_path}/in",
+        "output_address": f"ipc://{tmp_path}/out",
+    }
+    proc = engines.start(
+        "--input-address",
+        addresses["input_address"],
+        "--output-address",
+        addresses["output_address"],
+        "--engine",
+        "hook_engine:HookEngine",
+        "--protocol",
+        PROTOCOL,
+    )
+    config = vllm_config(write_model_dir(tmp_path / "model"))
+    loop = asyncio.new_event_loop()
+    client = None
+
+    async def scenario() -> None:
+        nonlocal client
+        client = AsyncMPClient(config, Executor, False, client_addresses=addresses)
+        await client.call_utility_async("fail_next_step", "injected by the test")
+        await client.add_request_async(vllm_request("doomed", [1], temperature=0.0, max_tokens=4))
+        with pytest.raises(EngineDeadError):
+            while True:
+                await client.get_output_async()
+
+    try:
+        loop.run_until_complete(asyncio.wait_for(scenario(), _CALL_TIMEOUT_S))
+    finally:
+        if client is not None:
+            client.shutdown()
+            loop.run_until_complete(asyncio.sleep(0))
+            client.resources.ctx.destroy(linger=0)
+        loop.close()
+        try:
+            code = proc.wait(20)  # the engine leaves by itself after ENGINE_CORE_DEAD
+        finally:
+            engines.stop()
+    assert code == 1, engines.logs()
+    assert "injected by the test" in engines.logs()
+
+
 # ---------------------------------------------------------------------- byte for byte
 
 
@@ -318,9 +495,8 @@ def test_every_frame_is_what_vllm_0_33_0_writes(raw_front_end: FrontEnd) -> None
         vllm_request("c", [6, 7, 8], temperature=0.0, max_tokens=1, prompt_logprobs=2),
     )
     _vllm_add(front, encoder, vllm_request("bad", [1, 99999], max_tokens=2))
-    finished: set[str] = set()
-    frames_seen = 0
-    while finished != {"a", "b", "c", "bad"}:
+
+    def receive() -> Any:
         frames = [bytes(f.buffer) for f in front.recv_raw()]
         with warnings.catch_warnings():
             # vLLM's decoder wraps read-only bytes in tensors, which torch warns about
@@ -329,8 +505,23 @@ def test_every_frame_is_what_vllm_0_33_0_writes(raw_front_end: FrontEnd) -> None
         # vLLM's own encoder writes the decoded message back to the same bytes.
         again = [bytes(f) for f in encoder.encode(message)]
         assert again == frames, message
+        return message
+
+    finished: set[str] = set()
+    frames_seen = 0
+    while finished != {"a", "b", "c", "bad"}:
+        message = receive()
+        assert message.weight_version == "default" or message.outputs[0].request_id == "bad"
         frames_seen += 1
         for out in message.outputs:
             if out.finish_reason is not None:
                 finished.add(out.request_id)
     assert frames_seen >= 4
+    # A utility reply and a refusal while paused: no weight version (no step made them).
+    utility = EngineCoreRequestType.UTILITY.value
+    front.send_frames([utility, *encoder.encode((0, 7, "pause_generation", ("abort", True)))])
+    reply = receive()
+    assert reply.utility_output.call_id == 7 and reply.weight_version is None
+    _vllm_add(front, encoder, vllm_request("paused", [1], max_tokens=2))
+    refusal = receive()
+    assert refusal.weight_version is None and refusal.outputs[0].error.code == "engine_paused"

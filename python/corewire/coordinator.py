@@ -18,7 +18,10 @@ own and every message is msgpack (nothing is pickled), each a named type of
 
 - coordinator -> front-ends: ``[counts, current_wave, engines_running]`` with counts one
   ``[waiting, running]`` pair per engine in rank order, at most every 100 ms while
-  something changed, and once for each new subscriber.
+  something changed, and once for each new subscriber. A coordinator of vLLM 0.33.0
+  engines (``protocol="0.33.0"``) publishes a triple per engine instead, ``[waiting,
+  running, kv_cache_usage]`` (the float the engine reports, 0.0 without one), as vLLM
+  0.33.0's coordinator does.
 - front-end -> coordinator: ``[engine_index, wave]``, the first-request notice a front-end
   sends when it puts a request on ``engine_index`` while the engines are paused;
   ``["scale", new_size]`` after an elastic resize (the next counts have the new length).
@@ -94,6 +97,7 @@ from corewire.dp_messages import (
 )
 from corewire.ipcdir import make_private_dir
 from corewire.keygen import CurveAuthenticator, CurveServerKeys, apply_server
+from corewire.versions import V0_25_1, check_protocol
 
 __all__ = [
     "CoordinatorAddresses",
@@ -203,12 +207,17 @@ class CoordinatorState:
 
     Each ``on_*`` method returns the messages to broadcast to the engines
     (:class:`~corewire.dp_messages.StartWave`, :class:`~corewire.dp_messages.WaveComplete`).
+    ``protocol`` is the engines' vLLM version: under ``"0.33.0"`` each engine's counts
+    are ``[waiting, running, kv_cache_usage]``, under 0.25.1 (the default)
+    ``[waiting, running]``.
     """
 
-    def __init__(self, num_engines: int) -> None:
+    def __init__(self, num_engines: int, protocol: str | None = None) -> None:
         if num_engines < 1:
             raise ValueError("a DP group needs at least one engine")
-        self.counts: list[list[int]] = [[0, 0] for _ in range(num_engines)]
+        #: Whether counts carry the KV cache's use (vLLM 0.33.0 on).
+        self.kv_cache_usage = check_protocol(protocol) != V0_25_1
+        self.counts: list[list[Any]] = [self._idle() for _ in range(num_engines)]
         self.current_wave = 0
         self.engines_running = False
         #: Whether the front-ends have not seen the latest state yet.
@@ -217,6 +226,9 @@ class CoordinatorState:
         #: report or the deadline passes: the request may not have reached them yet, so
         #: their last ``[0, 0]`` must not end the wave it started.
         self.pending: dict[int, float] = {}
+
+    def _idle(self) -> list[Any]:
+        return [0, 0, 0.0] if self.kv_cache_usage else [0, 0]
 
     @property
     def num_engines(self) -> int:
@@ -272,9 +284,14 @@ class CoordinatorState:
         out: list[WaveMessage] = []
         if stats is not None:
             self.pending.pop(engine_index, None)
-            pair = [int(stats.get("num_waiting_reqs", 0)), int(stats.get("num_running_reqs", 0))]
-            if pair != self.counts[engine_index]:
-                self.counts[engine_index] = pair
+            entry: list[Any] = [
+                int(stats.get("num_waiting_reqs", 0)),
+                int(stats.get("num_running_reqs", 0)),
+            ]
+            if self.kv_cache_usage:
+                entry.append(float(stats.get("kv_cache_usage", 0.0)))
+            if entry != self.counts[engine_index]:
+                self.counts[engine_index] = entry
                 self.changed = True
         if wave_complete is not None and wave_complete >= self.current_wave:
             out += self._complete(wave_complete)
@@ -293,7 +310,7 @@ class CoordinatorState:
         return (
             self.engines_running
             and not self.pending
-            and all(w == 0 and r == 0 for w, r in self.counts)
+            and all(c[0] == 0 and c[1] == 0 for c in self.counts)
         )
 
     def next_deadline(self) -> float | None:
@@ -315,7 +332,7 @@ class CoordinatorState:
         if new_size < 1:
             raise ValueError("a DP group needs at least one engine")
         del self.counts[new_size:]
-        self.counts += [[0, 0] for _ in range(new_size - len(self.counts))]
+        self.counts += [self._idle() for _ in range(new_size - len(self.counts))]
         self.pending = {e: t for e, t in self.pending.items() if e < new_size}
         self.changed = True
 
@@ -345,8 +362,9 @@ class _Coordinator:
         keys: CurveServerKeys | None,
         control_fd: int,
         parent_pid: int,
+        protocol: str | None = None,
     ) -> None:
-        self.state = CoordinatorState(num_engines)
+        self.state = CoordinatorState(num_engines, protocol)
         self.control_fd = control_fd
         self.parent_pid = parent_pid
         self.stop = False
@@ -479,6 +497,8 @@ class _Config(msgspec.Struct, array_like=True):  # type: ignore[call-arg]
     addresses: list[str | None]
     parent_pid: int
     curve_server_dir: str | None = None
+    #: The engines' vLLM wire version (None: the default).
+    protocol: str | None = None
 
 
 def _child_main() -> int:
@@ -509,6 +529,7 @@ def _child_main() -> int:
             keys,
             control_fd,
             config.parent_pid,
+            config.protocol,
         )
     except Exception as exc:
         _report(f"error: {type(exc).__name__}: {exc}")
@@ -566,7 +587,9 @@ class DPCoordinator:
     its own; ``remote`` adds ``(stats, publish)`` ``tcp://`` endpoints for engines on other
     hosts, behind CURVE (``curve_server_dir``: its authorized client keys get in).
     ``shutdown()`` stops it and is idempotent; a finalizer does the same when the owner is
-    collected, and the process exits by itself when this process dies.
+    collected, and the process exits by itself when this process dies. ``protocol`` is
+    the engines' vLLM version (``"0.33.0"``: counts published as triples with the KV
+    cache's use; None: the default, pairs).
 
     It is a process handle (:class:`corewire.client.processes.ProcessHandle`: ``sentinel``,
     ``pid``, ``name``, ``exitcode``, ``is_alive``, ``terminate``, ``kill``, ``join``,
@@ -582,7 +605,9 @@ class DPCoordinator:
         remote: tuple[str, str] | None = None,
         curve_server_dir: str | os.PathLike[str] | None = None,
         startup_timeout: float = 30.0,
+        protocol: str | None = None,
     ) -> None:
+        protocol = check_protocol(protocol)
         directory = None
         if addresses is None:
             directory = make_private_dir("dp")
@@ -601,6 +626,7 @@ class DPCoordinator:
             addresses=addresses.to_wire(),
             parent_pid=os.getpid(),
             curve_server_dir=os.fspath(curve_server_dir) if curve_server_dir else None,
+            protocol=protocol,
         )
         payload = msgspec.msgpack.encode(config)
         proc = subprocess.Popen(

@@ -134,10 +134,11 @@ def decode_wave_message(frames: Sequence[bytes | memoryview]) -> WaveMessage:
 
 class DPState(NamedTuple):
     """The coordinator's publication to the front-ends: one ``[waiting, running]`` pair
-    per engine in rank order, the current wave, and whether it runs."""
+    per engine in rank order (vLLM 0.33.0: ``[waiting, running, kv_cache_usage]``, the
+    third a float), the current wave, and whether it runs."""
 
     #: nil only from vLLM's coordinator, when only the wave state changed.
-    counts: list[list[int]] | None
+    counts: list[list[int | float]] | None
     current_wave: int
     engines_running: bool
 

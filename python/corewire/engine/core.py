@@ -25,7 +25,10 @@ request's stream on the front-end while its tokens keep coming (a request sent a
 ``resumable``, vLLM's streaming input, takes its later chunks under the same id: those
 go to the engine). Each of these is logged at most a few times per interval
 (:mod:`corewire.engine.logthrottle`) and counted; the ``engine_core_counters`` utility
-reports the counts.
+reports the counts. Under vLLM 0.33.0's wire an ERROR finish also carries that
+version's ``RequestError``: ``"validation_error"`` for a request refused for itself
+(not for an engine fault), ``"engine_paused"`` (retryable) for an ADD that arrives while
+``pause_generation`` refuses new requests (:mod:`corewire.engine.utilities_0_33_0`).
 
 Wire format: docs/protocol.md §3.1 (ready response), §4 (requests it takes), §5 (outputs
 it sends), §7 (ENGINE_CORE_DEAD and stopping) and §9 (error rules).
@@ -66,6 +69,7 @@ from corewire.engine.logthrottle import ThrottledWarning
 from corewire.engine.ready import engine_info_of
 from corewire.engine.reasons import reason_for, safe_reason
 from corewire.engine.utilities import DEFAULT_UTILITIES, UtilityDefaults
+from corewire.engine.utilities_0_33_0 import PAUSED_ERROR, UTILITIES_0_33_0, Utilities0330
 from corewire.engine.wire import (
     DEFAULT_WEIGHT_VERSION,
     StepOutputs,
@@ -91,7 +95,7 @@ from corewire.protocol import (
     field_position,
     utility_failure_text,
 )
-from corewire.versions import check_protocol
+from corewire.versions import V0_33_0, check_protocol
 
 __all__ = ["EngineCoreProc"]
 
@@ -148,6 +152,12 @@ def _take_buffer(
         if len(free) < _MAX_FREE_BUFFERS and len(buf) <= _MAX_KEPT_BUFFER_BYTES:
             free.append(buf)
     return free.pop() if free else bytearray()
+
+
+def _validation_error(reason: str) -> RequestError:
+    """The ``RequestError`` of a request refused for itself (vLLM's front-end answers
+    it with 400; only a protocol with the error field sends it)."""
+    return RequestError("validation_error", reason)
 
 
 def _own_method(engine: Any, name: str) -> bool:
@@ -258,6 +268,8 @@ class EngineCoreProc:
         # Read once, before any thread starts: the ready response repeats it.
         self.engine_info = engine_info_of(engine)
         self._utility_defaults = UtilityDefaults(engine)
+        # The utilities a 0.33.0 front-end calls that need this proc's own state.
+        self._protocol_utilities = Utilities0330(self) if self.protocol == V0_33_0 else None
         #: Set once the ready response went out on every request link.
         self.ready_event = threading.Event()
         self.output_addresses = _address_list(output_address, "output")
@@ -584,18 +596,33 @@ class EngineCoreProc:
                 request_id,
             )
             return
+        if self._refusing_new_requests() and not request.abort_immediately:
+            # Generation is paused (0.33.0's pause_generation): retry later, says vLLM.
+            self._finish_with_error(request_id, request.client_index, None, error=PAUSED_ERROR)
+            return
         limit = self._check_limits(request)
         if limit is not None:
-            self._finish_with_error(request_id, request.client_index, limit)
+            self._finish_with_error(
+                request_id, request.client_index, limit, error=_validation_error(limit)
+            )
             return
         try:
             self.engine.add_request(request)
         except Exception as exc:
-            self._finish_with_error(request_id, request.client_index, reason_for(exc), exc)
+            reason = reason_for(exc)
+            # The request's fault (a ValueError / TypeError) is a validation error; any
+            # other is the engine's, reported as vLLM reports one: ERROR alone.
+            error = _validation_error(reason) if isinstance(exc, (ValueError, TypeError)) else None
+            self._finish_with_error(request_id, request.client_index, reason, exc, error)
             return
         self._in_flight[request_id] = request.resumable
         if len(self.output_addresses) > 1:
             self._request_clients[request_id] = request.client_index
+
+    def _refusing_new_requests(self) -> bool:
+        """Whether new ADDs are refused as paused (0.33.0's ``pause_generation``)."""
+        utilities = self._protocol_utilities
+        return utilities is not None and utilities.refuse_new_requests
 
     def _check_limits(self, request: EngineCoreRequest) -> str | None:
         """Why ``request`` exceeds the engine's limits, checked before it costs anything
@@ -620,21 +647,23 @@ class EngineCoreProc:
                 request_id,
             )
             return
-        self._finish_with_error(request_id, client_index, safe_reason(error))
+        reason = safe_reason(error)
+        self._finish_with_error(request_id, client_index, reason, error=_validation_error(reason))
 
     def _finish_with_error(
         self,
         request_id: str,
         client_index: int,
-        reason: str,
+        reason: str | None,
         cause: BaseException | None = None,
         error: RequestError | None = None,
     ) -> None:
         """Finish a request the engine never took with ERROR; ``reason`` (already safe
         to show) goes to the client in ``stop_reason``, ``cause`` only to the log, and
         ``error`` (a protocol that has the field: 0.33.0 on) in ``error``."""
+        shown = reason if reason is not None else (error.message if error else None)
         self._refused_log.warning(
-            "request %r refused: %s", request_id, reason if cause is None else repr(cause)
+            "request %r refused: %s", request_id, shown if cause is None else repr(cause)
         )
         if not 0 <= client_index < len(self.output_addresses):
             client_index = 0  # never an extra socket (a DP coordinator's) by mistake
@@ -727,6 +756,12 @@ class EngineCoreProc:
     def _resolve_utility(self, method: str) -> Any:
         if method in self.PROC_UTILITIES:
             return getattr(self, method)
+        if self._protocol_utilities is not None and method in UTILITIES_0_33_0:
+            return getattr(self._protocol_utilities, method)
+        return self._engine_utility(method)
+
+    def _engine_utility(self, method: str) -> Any:
+        """The engine's own utility ``method``, or the default answer for it."""
         if method.startswith("_") or method in INTERFACE_METHODS:
             raise AttributeError(f"{method!r} is not a utility method")
         fn = getattr(self.engine, method, None)

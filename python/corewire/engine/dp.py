@@ -6,7 +6,8 @@
   to the coordinator's stats address. Whenever the engine's ``[waiting, running]``
   counts, its wave number or its running/paused state change, it sends an
   EngineCoreOutputs with ``scheduler_stats`` ``{num_waiting_reqs, num_running_reqs,
-  current_wave, step_counter}`` there.
+  current_wave, step_counter}`` there (under vLLM 0.33.0 also ``kv_cache_usage``, from
+  the engine's ``scheduler_stats()``, 0.0 without it: that coordinator publishes it).
 - **Waves** (see :mod:`corewire.coordinator`). The input thread also subscribes to the
   coordinator's wave publisher and feeds START_DP_WAVE and WAVE_COMPLETE into the input
   queue (:mod:`corewire.dp_messages`), so the busy loop applies them in order with
@@ -57,6 +58,7 @@ from corewire.protocol import (
     UtilityOutput,
     UtilityResult,
 )
+from corewire.versions import V0_25_1
 
 __all__ = ["DPEngineCoreProc"]
 
@@ -205,12 +207,15 @@ class DPEngineCoreProc(EngineCoreProc):
         else:
             waiting = int(stats.get("num_waiting_reqs", 0))
             running = int(stats.get("num_running_reqs", 0))
-        return {
+        counts = {
             "num_waiting_reqs": waiting,
             "num_running_reqs": running,
             "current_wave": self.current_wave,
             "step_counter": self.step_counter,
         }
+        if self.protocol != V0_25_1:
+            counts["kv_cache_usage"] = float((stats or {}).get("kv_cache_usage", 0.0))
+        return counts
 
     def _report_load(self) -> None:
         """Send the counts to the coordinator if they (or the wave state) changed."""

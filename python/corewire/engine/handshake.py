@@ -8,8 +8,10 @@ for N remote engines. Each corewire engine joins it with::
     corewire engine --handshake-address tcp://HOST:PORT --engine-index N \\
         [--engine module:Class] [--engine-args JSON] [--data-parallel-size N]
 
-and then serves requests like any vLLM engine core. Start order does not matter: the
-engine's HELLO waits in ZeroMQ until the front-end listens (up to
+and then serves requests like any vLLM engine core. A vLLM 0.33.0 front-end does the same
+handshake; its engines need ``--protocol 0.33.0`` (the handshake does not tell the
+version, and 0.33.0's front-end refuses a 0.25.1 ready response). Start order does not
+matter: the engine's HELLO waits in ZeroMQ until the front-end listens (up to
 ``--handshake-timeout`` seconds for the front-end's answer).
 
 The steps (vLLM's ``startup_handshake`` / ``wait_for_engine_startup``, engine side):

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import collections
 import concurrent.futures
+import hashlib
 import math
 import os
 import tempfile
@@ -910,6 +911,21 @@ class ReferenceEngine(Engine):
         if not os.path.isfile(target) or os.path.getsize(target) == 0:
             raise OSError("could not write the profiler trace into the profile directory")
         return target
+
+    def compute_weight_checksums(self) -> list[dict[str, str]]:
+        """One map per worker (here one): each parameter's name -> the sha256 hex digest
+        of its bytes, as vLLM's workers digest theirs (to verify a weight update). A
+        vLLM 0.33.0 front-end gets them keyed by rank too (the engine core adds that)."""
+        if self._model is None:
+            raise RuntimeError("the weights were discarded by sleep(level=2); wake_up first")
+        return [
+            {
+                name: hashlib.sha256(
+                    param.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy()
+                ).hexdigest()
+                for name, param in self._model.named_parameters()
+            }
+        ]
 
     def echo(self, x: Any) -> Any:
         """Return ``x`` (the cheapest round trip, for benchmarks and health checks)."""

@@ -13,6 +13,11 @@ as identity, PUSH for outputs), sends its ready message, and then:
 - utility ``echo(x)`` returns ``x``; ``is_sleeping`` returns False; others fail with the
   protocol's failure text.
 
+``protocol`` (``engine_args`` never holds it; it is the process target's own option,
+default 0.25.1) is the vLLM version whose wire it speaks: that version's ready response,
+requests and output layout (0.33.0: ``weight_version`` ``"default"`` on every step's
+message, as :mod:`corewire.engine.wire` converts them).
+
 It stops on SIGTERM and when the process that started it dies. :class:`EngineLink` and
 :class:`ReplayEngine` are reusable by test engines that misbehave on purpose. The link's
 sockets and output messages come from :mod:`corewire.engine.link`, as the engine core's
@@ -32,10 +37,11 @@ from typing import Any
 import msgspec
 import zmq
 
-from corewire.codec import Encoder, MsgspecDecoder
+from corewire.codec import Encoder
 from corewire.engine.interface import EngineInfo
 from corewire.engine.link import connect_socket, engine_outputs, stamp_unstamped
-from corewire.engine.ready import ready_response
+from corewire.engine.wire import DEFAULT_WEIGHT_VERSION, StepOutputs, output_converter
+from corewire.layouts import request_decoder
 from corewire.protocol import (
     REQUEST_ABORT,
     REQUEST_ADD,
@@ -51,6 +57,8 @@ from corewire.protocol import (
     utility_failure_text,
     utility_result_wire,
 )
+from corewire.ready_layouts import ready_response_for
+from corewire.versions import check_protocol
 
 __all__ = [
     "EngineLink",
@@ -64,9 +72,10 @@ __all__ = [
 _PARENT_POLL_MS = 200
 
 
-def replay_frame(batch: int, engine_index: int = 0) -> bytes:
+def replay_frame(batch: int, engine_index: int = 0, protocol: str | None = None) -> bytes:
     """One encoded ``EngineCoreOutputs`` with ``batch`` outputs of one new token each
-    (every eighth request finishing), like a decode step of a busy engine."""
+    (every eighth request finishing), like a decode step of a busy engine, in
+    ``protocol``'s layout (None: 0.25.1)."""
     outputs = [
         EngineCoreOutput(
             request_id=f"cmpl-{i:08x}-0",
@@ -75,7 +84,11 @@ def replay_frame(batch: int, engine_index: int = 0) -> bytes:
         )
         for i in range(batch)
     ]
-    frames = Encoder().encode(engine_outputs(engine_index, outputs=outputs))
+    message: Any = engine_outputs(engine_index, outputs=outputs)
+    to_wire = output_converter(protocol)
+    if to_wire is not None:
+        message = to_wire(StepOutputs(message, DEFAULT_WEIGHT_VERSION))
+    frames = Encoder(protocol=protocol).encode(message)
     return bytes(frames[0])
 
 
@@ -119,9 +132,14 @@ class EngineLink:
         input_address: str,
         output_address: str,
         parent_pid: int | None = None,
+        protocol: str | None = None,
     ) -> None:
         self.engine_index = engine_index
         self.parent_pid = parent_pid
+        #: The vLLM wire version this link speaks.
+        self.wire_protocol = check_protocol(protocol)
+        # None for 0.25.1: messages go out as built.
+        self._to_wire = output_converter(self.wire_protocol)
         self.ctx = zmq.Context(io_threads=1)
         unbounded = ((zmq.SNDHWM, 0), (zmq.RCVHWM, 0))
         try:
@@ -141,12 +159,13 @@ class EngineLink:
         except BaseException:
             self.ctx.term()
             raise
-        self.encoder = Encoder()
+        self.encoder = Encoder(protocol=self.wire_protocol)
 
     def send_ready(self) -> None:
-        """The one ready message, on the requests link: a complete ready response, so
-        that vLLM's own client (which decodes it strictly) can drive this engine too."""
-        ready = ready_response(EngineInfo(), engine_index=self.engine_index)
+        """The one ready message, on the requests link: a complete ready response (of
+        the link's protocol), so that vLLM's own client (which decodes it strictly) can
+        drive this engine too."""
+        ready = ready_response_for(self.wire_protocol, EngineInfo(), engine_index=self.engine_index)
         self.requests.send(msgspec.msgpack.encode(ready))
 
     def parent_alive(self) -> bool:
@@ -165,9 +184,15 @@ class EngineLink:
         except zmq.Again:
             return None
 
-    def push(self, outputs: EngineCoreOutputs) -> None:
-        """Encode and send ``outputs`` (stamped now if they carry no timestamp)."""
-        frames = self.encoder.encode(stamp_unstamped(outputs))
+    def push(self, outputs: EngineCoreOutputs, *, step: bool = False) -> None:
+        """Encode and send ``outputs`` (stamped now if they carry no timestamp); ``step``:
+        a step made them (a protocol with ``weight_version`` stamps it)."""
+        message: Any = stamp_unstamped(outputs)
+        if self._to_wire is not None:
+            message = self._to_wire(
+                StepOutputs(message, DEFAULT_WEIGHT_VERSION) if step else message
+            )
+        frames = self.encoder.encode(message)
         self.outputs.send_multipart(frames, copy=False)
 
     def reply(self, call_id: int, result: Any = None, failure: str | None = None) -> None:
@@ -178,6 +203,9 @@ class EngineLink:
             result=None if failure is not None else UtilityResult(result),
         )
         outputs = engine_outputs(self.engine_index, utility_output=utility)
+        if self._to_wire is not None:
+            self.push(outputs)
+            return
         payload = encode_plain_outputs(outputs)
         if payload is None:  # a result with arrays or tensors
             self.push(outputs)
@@ -202,7 +230,7 @@ class ReplayEngine:
         self.step_delay = step_delay
         #: request id -> [tokens sent, max_tokens]
         self.running: dict[str, list[int]] = {}
-        self._decode_request = MsgspecDecoder(EngineCoreRequest).decode
+        self._decode_request = request_decoder(getattr(link, "wire_protocol", None)).decode
         #: Work to do right after the current utility reply is sent.
         self._after_reply: Any = None
 
@@ -279,7 +307,7 @@ class ReplayEngine:
             )
             if done:
                 del self.running[request_id]
-        self.link.push(engine_outputs(self.link.engine_index, outputs=outputs))
+        self.link.push(engine_outputs(self.link.engine_index, outputs=outputs), step=True)
 
     # -- utility methods -------------------------------------------------------------
 
@@ -294,7 +322,8 @@ class ReplayEngine:
     def utility_replay(self, batch: int, count: int) -> int:
         """After the reply, push ``count`` frames of ``batch`` outputs; returns the
         frame's size in bytes."""
-        return self.push_after_reply(replay_frame(batch, self.link.engine_index), count)
+        protocol = getattr(self.link, "wire_protocol", None)
+        return self.push_after_reply(replay_frame(batch, self.link.engine_index, protocol), count)
 
     def push_after_reply(self, frame: bytes, count: int) -> int:
         """Right after the current utility reply, push ``frame`` ``count`` times as fast
@@ -317,13 +346,15 @@ def run_replay_engine(
     engine: str | None = None,
     engine_args: dict[str, Any] | None = None,
     parent_pid: int | None = None,
+    protocol: str | None = None,
     **_options: Any,
 ) -> None:
     """Process target (``engine_main``) running a :class:`ReplayEngine`.
 
-    ``engine`` is ignored; ``engine_args`` may set ``step_delay``.
+    ``engine`` is ignored; ``engine_args`` may set ``step_delay``; ``protocol`` is the
+    vLLM wire version (None: 0.25.1).
     """
-    link = EngineLink(engine_index, input_address, output_address, parent_pid)
+    link = EngineLink(engine_index, input_address, output_address, parent_pid, protocol)
     try:
         ReplayEngine(link, **(engine_args or {})).serve()
     finally:

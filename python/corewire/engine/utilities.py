@@ -105,6 +105,10 @@ class UtilityDefaults:
         """Profiling needs engine support."""
         raise self._unsupported("profiling is")
 
+    def compute_weight_checksums(self) -> list[dict[str, str]]:
+        """Weight checksums need engine support (a model with weights)."""
+        raise self._unsupported("compute_weight_checksums is")
+
     def collective_rpc(
         self,
         method: str,

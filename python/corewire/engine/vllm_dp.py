@@ -19,6 +19,14 @@ coordinator expects of an engine:
 - Finished and aborted request ids go out in ``finished_requests`` (vLLM's load-balancing
   client forgets its routing entry for a request by them).
 
+Under vLLM 0.33.0 (``protocol="0.33.0"``) the reports are what 0.33.0's own engines for
+non-MoE models send: ``SchedulerStats(num_running_reqs, num_waiting_reqs,
+kv_cache_usage)`` whenever ``(running, waiting)`` changed (``kv_cache_usage`` from the
+engine's ``scheduler_stats()``, 0.0 without it), no wave or step; the coordinator
+publishes ``[waiting, running, kv_cache_usage]`` per engine. 0.33.0's coordinator runs no
+waves for such a group (and its front-ends send no first-request notices), so the engine
+sends no ``start_wave`` either.
+
 Waves: vLLM coordinates waves only for MoE models, whose ranks step in lockstep with a
 collective all-reduce; for other models its coordinator ignores ``wave_complete`` /
 ``start_wave`` and its engines run independently. corewire engines have no collective
@@ -46,6 +54,7 @@ from corewire.dp_messages import COORDINATOR_READY, XPUB_SUBSCRIBE, StartWave
 from corewire.engine.core import EngineCoreProc
 from corewire.engine.interface import Engine
 from corewire.protocol import REQUEST_START_DP_WAVE, EngineCoreRequest
+from corewire.versions import V0_25_1
 
 __all__ = ["VllmDPEngineCoreProc"]
 
@@ -77,7 +86,7 @@ class VllmDPEngineCoreProc(EngineCoreProc):
         self.coordinator_output = coordinator_output
         self.data_parallel_size = data_parallel_size
         self.current_wave = 0
-        self._last_counts: tuple[int, int, int] | None = None
+        self._last_counts: tuple[int, ...] | None = None
 
     # ------------------------------------------------------------------ sockets
 
@@ -143,17 +152,26 @@ class VllmDPEngineCoreProc(EngineCoreProc):
             return
         waiting = int(stats.get("num_waiting_reqs", 0))
         running = int(stats.get("num_running_reqs", 0))
-        counts = (waiting, running, self.current_wave)
+        if self.protocol == V0_25_1:
+            counts: tuple[int, ...] = (waiting, running, self.current_wave)
+            report = {
+                "num_running_reqs": running,
+                "num_waiting_reqs": waiting,
+                "step_counter": 0,
+                "current_wave": self.current_wave,
+            }
+        else:
+            # 0.33.0: the counts alone decide, and the KV cache's use goes along.
+            counts = (waiting, running)
+            report = {
+                "num_running_reqs": running,
+                "num_waiting_reqs": waiting,
+                "kv_cache_usage": float(stats.get("kv_cache_usage", 0.0)),
+            }
         if counts == self._last_counts:
             return
         self._last_counts = counts
-        stats = {
-            "num_running_reqs": running,
-            "num_waiting_reqs": waiting,
-            "step_counter": 0,
-            "current_wave": self.current_wave,
-        }
-        self._to_coordinator(self._outputs(scheduler_stats=stats))
+        self._to_coordinator(self._outputs(scheduler_stats=report))
 
     def dp_state(self) -> dict[str, Any]:
         """This engine's DP view (for tests and operators)."""
