@@ -46,13 +46,13 @@ class EnginePeer:
 
     def recv(self, timeout: float = 10.0) -> list[bytes]:
         """The next message from the client: ``[request_type, payload, *aux]``."""
-        if not self.requests.poll(timeout * 1000):
+        if not self.requests.poll(int(timeout * 1000)):
             raise AssertionError(f"engine {self.index}: nothing from the client in {timeout} s")
         return self.requests.recv_multipart()
 
     def nothing_for(self, seconds: float) -> bool:
         """Whether the client sends nothing for ``seconds``."""
-        return not self.requests.poll(seconds * 1000)
+        return not self.requests.poll(int(seconds * 1000))
 
     def recv_utility(self, timeout: float = 10.0) -> list[Any]:
         """The next utility call, decoded: ``[client_index, call_id, method, args]``."""
@@ -76,7 +76,7 @@ class CoordinatorPeer:
         self.subscribed = False
 
     def _drain(self, timeout: float) -> None:
-        while self.front.poll(timeout * 1000):
+        while self.front.poll(int(timeout * 1000)):
             msg = self.front.recv()
             if msg == b"\x01":
                 self.subscribed = True

@@ -385,8 +385,8 @@ class DPLBAsyncMPClient(DPAsyncMPClient):
     ``protocol="0.33.0"`` the waiting requests of an engine whose KV cache is more than
     half full weigh more, and a streaming session's inputs stay on one engine, as in vLLM
     0.33.0 (:mod:`corewire.client.dp_counts`, :meth:`get_core_engine_for_request`).
-    Aborts go to the engine holding the request. :meth:`scale_elastic_ep` grows or shrinks the
-    group while serving.
+    Aborts go to the engine holding the request. :meth:`scale_elastic_ep` grows or
+    shrinks the group while serving.
     """
 
     def __init__(self, *, data_parallel_size: int = 1, **kwargs: Any) -> None:
@@ -475,8 +475,8 @@ class DPLBAsyncMPClient(DPAsyncMPClient):
         for request_id in request_ids:
             if sessions and request_id in sessions:
                 sessions.discard(request_id)
-                for index in range(len(self.core_engines)):
-                    by_engine.setdefault(index, []).append(request_id)
+                for every in range(len(self.core_engines)):
+                    by_engine.setdefault(every, []).append(request_id)
                 continue
             index = get(request_id)
             if index is not None and index < len(self.core_engines):
