@@ -256,8 +256,8 @@ async def test_generation_abort_and_utilities_through_asyncllm(
     assert len(final.outputs[0].token_ids) < 400
     assert time.monotonic() - started < 400 * ENGINE_ARGS["step_delay"]
 
-    # The utility calls vLLM 0.33.0's AsyncLLM makes that corewire's engine answers (the
-    # newer ones: test_0_33_0_utility_calls_on_the_wire), with their return types.
+    # The utility calls vLLM 0.33.0's AsyncLLM makes, with their return types (their
+    # exact wire arguments: test_0_33_0_utility_calls_on_the_wire).
     assert set(await llm.get_supported_tasks()) >= {"generate"}
     assert await llm.reset_prefix_cache() is True
     await llm.reset_mm_cache()
@@ -267,12 +267,29 @@ async def test_generation_abort_and_utilities_through_asyncllm(
     await llm.wake_up()
     assert await llm.is_sleeping() is False
     assert await llm.is_paused() is False
+    # Paused generation: the engine refuses a new request with its RequestError, which
+    # reaches the caller as vLLM's retryable error (503 over HTTP); resumed, it serves.
+    await llm.pause_generation(mode="abort", clear_cache=False)
+    assert await llm.is_paused() is True
+    with pytest.raises(Exception, match="paused") as refused:
+        await asyncio.wait_for(generate(llm, "while-paused", [5], greedy(2)), _DEADLINE_S)
+    assert type(refused.value).__name__ == "RetryableRequestError"
+    await llm.resume_generation()
+    assert await llm.is_paused() is False
+    # Weights: the label the engine stamps on its outputs, and their checksums.
+    assert await llm.get_weight_version() == "default"
+    await llm.update_weight_version("v2")
+    assert await llm.get_weight_version() == "v2"
+    checksums = await llm.compute_weight_checksums()
+    assert checksums and all(isinstance(c, dict) for c in checksums)
+    assert await llm.wake_up() is True
     assert llm.get_kv_event_sources() == {}
     with pytest.raises(Exception, match="LoRA"):
         await llm.list_loras()
-    # Generation goes on after all of it.
+    # Generation goes on after all of it, under the new weight label.
     out = await asyncio.wait_for(generate(llm, "after", [5, 6, 7], greedy(4)), _DEADLINE_S)
     assert out.outputs[0].token_ids == expected_tokens[:4]
+    assert [s.version for s in out.outputs[0].weight_versions or ()] == ["v2"]
     assert "joined the front-end" in engines.logs()
 
 

@@ -16,9 +16,8 @@ did not, or calls with other signatures or semantics (docs/vllm-0.33.0-notes.md 
   saying so, as vLLM's own base client does.
 - **Request errors.** An output whose engine refused or failed its request carries
   corewire's ``RequestError``; vLLM's front-end needs its own (``to_exception()`` gives
-  503 / 400 / 500), so such outputs are handed over with vLLM's. The engine names those
-  requests in ``finished_requests`` (as vLLM 0.33.0's engine does), so only messages
-  that finish requests are looked at.
+  503 / 400 / 500), so such outputs are handed over with vLLM's (each output's ``error``
+  is looked at: the one per-output step in Python here).
 
 The data-parallel clients follow vLLM 0.33.0's coordinator as corewire's DP clients do
 with ``protocol="0.33.0"`` (``[waiting, running, kv_cache_usage]`` counts, no first-request
@@ -115,9 +114,10 @@ class Members0330(VllmClientMixin):
     async def get_output_async(self) -> Any:
         """The next outputs, request errors as vLLM's ``RequestError``."""
         outputs = await super().get_output_async()
-        if outputs.finished_requests:
-            return _with_vllm_errors(outputs, self._vllm_request_error)
-        return outputs
+        # Every message is looked at (about 20 ns an output): vLLM's engine names refused
+        # requests in finished_requests, but an engine need not, and one error vLLM
+        # cannot turn into its exception stops its output handler, and the server.
+        return _with_vllm_errors(outputs, self._vllm_request_error)
 
     # -- utility fan-out ---------------------------------------------------------------
 
