@@ -211,19 +211,3 @@ def test_vllm_0_33_0_accepts_corewires_ready_response() -> None:
     old = msgspec.msgpack.encode(ready_response(info, engine_index=0))
     with pytest.raises(msgspec.ValidationError, match="tensor_parallel_size"):
         msgspec.msgpack.decode(old, type=E.EngineCoreReadyResponse)
-
-
-def test_the_switched_on_plugin_refuses_this_vllm_by_name() -> None:
-    """corewire's client inside vLLM is built for 0.25.1's AsyncLLM: with the switch on,
-    vLLM 0.33.0's own plugin loading stops with a message naming the supported release
-    (never an ImportError from a moved name, never a client that decodes wrongly)."""
-    import subprocess
-    import sys
-
-    code = "from vllm.plugins import load_general_plugins; load_general_plugins()"
-    env = {**os.environ, "COREWIRE_VLLM_CLIENT": "1"}
-    run = subprocess.run(
-        [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120
-    )
-    assert run.returncode != 0
-    assert "supports vLLM 0.25.1, not the installed 0.33.0" in run.stderr, run.stderr[-2000:]

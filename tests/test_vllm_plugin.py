@@ -77,12 +77,25 @@ def test_unclear_switch_is_an_error(monkeypatch: pytest.MonkeyPatch) -> None:
         plugin.enabled()
 
 
-@pytest.mark.parametrize("version", ["0.25.1", "0.25.1+cpu"])
+@pytest.mark.parametrize("version", ["0.25.1", "0.25.1+cpu", "0.33.0", "0.33.0+cpu"])
 def test_plugin_accepts_the_vllm_its_client_is_built_for(version: str) -> None:
     plugin.check_vllm_version(version)
 
 
-@pytest.mark.parametrize("version", ["0.33.0", "0.25.2", "0.26.0", "0.25.1rc1"])
+@pytest.mark.parametrize("version", ["0.25.2", "0.26.0", "0.25.1rc1", "0.33.1", "0.34.0"])
 def test_plugin_refuses_another_vllm_by_name(version: str) -> None:
-    with pytest.raises(RuntimeError, match=rf"supports vLLM 0\.25\.1, not the installed {version}"):
+    supported = r"0\.25\.1, 0\.33\.0"
+    expected = rf"supports vLLM {supported}, not the installed {version}"
+    with pytest.raises(RuntimeError, match=expected):
         plugin.check_vllm_version(version)
+
+
+def test_each_supported_vllm_has_its_client_classes() -> None:
+    """Every release the plugin accepts has its three client classes (chosen as vLLM
+    chooses), and the installed vLLM's are the factory's."""
+    from corewire.vllm import client
+
+    for version in plugin.PLUGIN_VLLM_VERSIONS:
+        classes = client.client_classes(version)
+        assert set(classes) == {"plain", "dp", "dplb"}
+        assert {cls.release.protocol for cls in classes.values()} == {version}

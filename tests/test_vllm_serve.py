@@ -31,16 +31,30 @@ import pytest
 from corewire.vllm.model_dir import write_model_dir
 from corewire.vllm.stack import ServeStack, StackError, free_port
 from serve_support import (
-    MAX_MODEL_LEN,
+    DEATH_NOTICED_S,
+    GREEDY_COMPLETIONS,
+    HEALTH_ENV,
+    HTTP_TIMEOUT,
     MODEL,
     PLUGIN_LOG_LINE,
-    STEP_DELAY,
-    metric_values,
+    SharedPids,
+    check_chat_top_logprobs_plain_and_streamed,
+    check_client_disconnect_aborts_in_engine,
+    check_completion_logprobs_plain_and_streamed,
+    check_corewire_metrics_in_vllms_metrics,
+    check_greedy_tokens_and_logprobs_are_the_engines,
+    check_health_and_models,
+    check_metrics,
+    check_metrics_prompt_tokens,
+    check_stop_string,
+    check_two_api_servers_with_corewire_clients,
+    check_two_engines_behind_one_front_end,
+    greedy_outputs,
+    long_requests,
     missing_prerequisite,
     plugin_missing,
     running_stack,
     server_log,
-    sse_events,
 )
 
 _MISSING = missing_prerequisite()
@@ -56,31 +70,13 @@ CLIENTS = [
     ),
 ]
 
-# A long request: all the room the context leaves, at STEP_DELAY per token (~10 s).
-LONG_TOKENS = MAX_MODEL_LEN - 16
-HTTP_TIMEOUT = 30.0
-
 # Processes of the stack the module shares: they outlive single tests on purpose.
-_SHARED_PIDS: set[int] = set()
+_SHARED_PIDS = SharedPids()
 # Greedy outputs per client, compared across clients.
 _GREEDY: dict[str, list[dict[str, Any]]] = {}
 
 
-def _shared_tree() -> set[int]:
-    """The shared stack's processes and their children (conftest's leak check allows
-    them)."""
-    pids = set()
-    for pid in _SHARED_PIDS:
-        try:
-            proc = psutil.Process(pid)
-            pids.add(pid)
-            pids.update(c.pid for c in proc.children(recursive=True))
-        except psutil.NoSuchProcess:
-            continue
-    return pids
-
-
-LEAK_ALLOWED_PIDS = _shared_tree
+LEAK_ALLOWED_PIDS = _SHARED_PIDS.tree
 
 
 @pytest.fixture(scope="module", params=CLIENTS)
@@ -108,93 +104,6 @@ def http(stack: ServeStack) -> Iterator[httpx.Client]:
         yield client
 
 
-def completion(http: httpx.Client, **body: Any) -> dict[str, Any]:
-    """POST /v1/completions; the JSON answer of a 200."""
-    resp = http.post("/v1/completions", json={"model": MODEL, **body})
-    assert resp.status_code == 200, resp.text
-    return resp.json()
-
-
-def chat(http: httpx.Client, **body: Any) -> dict[str, Any]:
-    """POST /v1/chat/completions; the JSON answer of a 200."""
-    resp = http.post("/v1/chat/completions", json={"model": MODEL, **body})
-    assert resp.status_code == 200, resp.text
-    return resp.json()
-
-
-def stream(http: httpx.Client, path: str, **body: Any) -> list[dict[str, Any]]:
-    """Every event of a streamed request, up to ``[DONE]``."""
-    body = {"model": MODEL, "stream": True, **body}
-    with http.stream("POST", path, json=body) as resp:
-        assert resp.status_code == 200, resp.read().decode()
-        return list(sse_events(resp))
-
-
-# The greedy requests whose outputs must not depend on the client.
-GREEDY_COMPLETIONS: list[dict[str, Any]] = [
-    {"prompt": "hello world the quick brown fox", "max_tokens": 12, "logprobs": 3},
-    {"prompt": [10, 20, 30, 4000, 4095], "max_tokens": 16, "logprobs": 1, "ignore_eos": True},
-    {"prompt": "once upon a time", "max_tokens": 8, "logprobs": 5, "echo": False},
-]
-GREEDY_CHATS: list[dict[str, Any]] = [
-    {
-        "messages": [{"role": "user", "content": "tell me a story about a red fox"}],
-        "max_tokens": 10,
-        "logprobs": True,
-        "top_logprobs": 3,
-    },
-    {
-        "messages": [
-            {"role": "system", "content": "you are a good assistant"},
-            {"role": "user", "content": "count to ten please"},
-        ],
-        "max_tokens": 6,
-    },
-]
-
-
-def _greedy_outputs(http: httpx.Client) -> list[dict[str, Any]]:
-    """Text, token ids, logprobs and usage of each greedy request, plain and streamed."""
-    results: list[dict[str, Any]] = []
-    for body in GREEDY_COMPLETIONS:
-        body = {**body, "temperature": 0.0, "return_token_ids": True}
-        out = completion(http, **body)
-        choice = out["choices"][0]
-        events = stream(http, "/v1/completions", **body)
-        streamed_text = "".join(e["choices"][0]["text"] for e in events if e["choices"])
-        streamed_ids = [
-            t for e in events if e["choices"] for t in e["choices"][0].get("token_ids") or []
-        ]
-        results.append(
-            {
-                "text": choice["text"],
-                "token_ids": choice["token_ids"],
-                "logprobs": choice["logprobs"],
-                "finish_reason": choice["finish_reason"],
-                "usage": out["usage"],
-                "streamed_text": streamed_text,
-                "streamed_ids": streamed_ids,
-            }
-        )
-    for body in GREEDY_CHATS:
-        body = {**body, "temperature": 0.0, "return_token_ids": True}
-        out = chat(http, **body)
-        choice = out["choices"][0]
-        results.append(
-            {
-                "text": choice["message"]["content"],
-                "token_ids": choice.get("token_ids"),
-                "logprobs": choice.get("logprobs"),
-                "finish_reason": choice["finish_reason"],
-                "usage": out["usage"],
-            }
-        )
-    return results
-
-
-# ---------------------------------------------------------------------- shared stack
-
-
 def test_greedy_outputs_identical_across_clients(
     stack: ServeStack, http: httpx.Client, tmp_path: Path
 ) -> None:
@@ -204,7 +113,7 @@ def test_greedy_outputs_identical_across_clients(
     same batch. When the other client's server did not run in this session (a run of
     one parameter), this test starts a vLLM-client stack itself to compare with.
     """
-    results = _greedy_outputs(http)
+    results = greedy_outputs(http)
     for res in results[: len(GREEDY_COMPLETIONS)]:
         assert res["token_ids"], "no tokens generated"
         assert res["streamed_text"] == res["text"]
@@ -222,7 +131,7 @@ def test_greedy_outputs_identical_across_clients(
             _SHARED_PIDS.update(p.pid for p in (other.server, *other.engines) if p)
             try:
                 with httpx.Client(base_url=other.base_url, timeout=HTTP_TIMEOUT) as client:
-                    _GREEDY["vllm"] = _greedy_outputs(client)
+                    _GREEDY["vllm"] = greedy_outputs(client)
             finally:
                 _SHARED_PIDS.difference_update(p.pid for p in (other.server, *other.engines) if p)
     assert results == _GREEDY["vllm"]
@@ -232,30 +141,7 @@ def test_greedy_tokens_and_logprobs_are_the_engines(stack: ServeStack, http: htt
     """What the HTTP answer carries is what the engine sampled: the same greedy tokens and
     sampled-token logprobs as the reference engine stepped in this process, and the text is
     those tokens decoded by the model directory's tokenizer (joined by spaces)."""
-    from client_support import request
-    from corewire.engine import ReferenceEngine
-
-    prompt = [10, 20, 30, 4000, 4095]
-    body = {"prompt": prompt, "max_tokens": 12, "temperature": 0.0, "ignore_eos": True}
-    choice = completion(http, **body, logprobs=0, return_token_ids=True)["choices"][0]
-
-    engine = ReferenceEngine(device="cpu", max_model_len=MAX_MODEL_LEN)
-    try:
-        engine.add_request(request("r", 12, prompt=prompt, sampling={"logprobs": 0}))
-        token_ids: list[int] = []
-        logprobs: list[float] = []
-        while engine.has_unfinished_requests():
-            for out in engine.step():
-                token_ids += out.new_token_ids
-                logprobs += [float(row[0]) for row in out.new_logprobs.logprobs]
-    finally:
-        engine.shutdown()
-    assert choice["token_ids"] == token_ids
-    # The engine process may run torch with another thread count: not bit-identical.
-    assert choice["logprobs"]["token_logprobs"] == pytest.approx(logprobs, abs=1e-4)
-    tokenizer = json.loads((stack.model_dir / "tokenizer.json").read_text())["model"]["vocab"]
-    words = {i: w for w, i in tokenizer.items()}
-    assert choice["text"].split() == [words[t] for t in token_ids]
+    check_greedy_tokens_and_logprobs_are_the_engines(stack, http)
 
 
 def test_api_server_runs_the_requested_client(stack: ServeStack) -> None:
@@ -267,196 +153,48 @@ def test_api_server_runs_the_requested_client(stack: ServeStack) -> None:
 
 def test_health_and_models(stack: ServeStack, http: httpx.Client) -> None:
     """/health answers 200 with an empty body; /v1/models lists the served model."""
-    resp = http.get("/health")
-    assert resp.status_code == 200
-    models = http.get("/v1/models").json()
-    assert [m["id"] for m in models["data"]] == [MODEL]
-    assert models["data"][0]["max_model_len"] == MAX_MODEL_LEN
+    check_health_and_models(stack, http)
 
 
 def test_completion_logprobs_plain_and_streamed(stack: ServeStack, http: httpx.Client) -> None:
     """Top-k logprobs: k entries per token, the sampled (greedy: most likely) token among
     them with its own logprob, and the same values in the stream."""
-    body = {"prompt": "the sun and the moon", "max_tokens": 10, "temperature": 0.0}
-    body |= {"logprobs": 4, "ignore_eos": True}
-    choice = completion(http, **body)["choices"][0]
-    lp = choice["logprobs"]
-    assert len(lp["tokens"]) == len(lp["token_logprobs"]) == len(lp["top_logprobs"]) == 10
-    for token, logprob, top in zip(
-        lp["tokens"], lp["token_logprobs"], lp["top_logprobs"], strict=True
-    ):
-        assert 4 <= len(top) <= 5  # the sampled token is added when outside the top k
-        assert top[token] == logprob <= 0.0
-        assert logprob == max(top.values())  # greedy
-    assert "".join(lp["tokens"]).replace(" ", "") == choice["text"].replace(" ", "")
-    events = stream(http, "/v1/completions", **body)
-    chunks = [e["choices"][0] for e in events if e["choices"]]
-    assert "".join(c["text"] for c in chunks) == choice["text"]
-    streamed = [v for c in chunks if c["logprobs"] for v in c["logprobs"]["token_logprobs"]]
-    assert streamed == lp["token_logprobs"]
-    assert chunks[-1]["finish_reason"] == "length"
+    check_completion_logprobs_plain_and_streamed(stack, http)
 
 
 def test_chat_top_logprobs_plain_and_streamed(stack: ServeStack, http: httpx.Client) -> None:
     """Chat completions, plain and streamed, with top_logprobs; the stream adds up."""
-    body: dict[str, Any] = {
-        "messages": [{"role": "user", "content": "hello , what is your name ?"}],
-        "max_tokens": 8,
-        "temperature": 0.0,
-        "logprobs": True,
-        "top_logprobs": 2,
-    }
-    out = chat(http, **body)
-    choice = out["choices"][0]
-    assert choice["message"]["role"] == "assistant"
-    content = choice["logprobs"]["content"]
-    assert len(content) == out["usage"]["completion_tokens"] > 0
-    for entry in content:
-        assert len(entry["top_logprobs"]) == 2
-        assert entry["top_logprobs"][0]["token"] == entry["token"]
-        assert entry["top_logprobs"][0]["logprob"] == entry["logprob"]
-    events = stream(http, "/v1/chat/completions", **body)
-    deltas = [e["choices"][0] for e in events if e["choices"]]
-    text = "".join(d["delta"].get("content") or "" for d in deltas)
-    assert text == choice["message"]["content"]
-    streamed = [c for d in deltas if d.get("logprobs") for c in d["logprobs"]["content"]]
-    assert streamed == content
-    assert deltas[-1]["finish_reason"] == choice["finish_reason"]
+    check_chat_top_logprobs_plain_and_streamed(stack, http)
 
 
 def test_stop_string(stack: ServeStack, http: httpx.Client) -> None:
     """A stop string ends the text before it (the front-end matches it and aborts the
     request in the engine): finish_reason "stop" with the string as stop_reason."""
-    body = {"prompt": "i like the blue sea", "max_tokens": 16, "temperature": 0.0}
-    body["ignore_eos"] = True
-    full = completion(http, **body)["choices"][0]["text"]
-    words = full.split()
-    assert len(words) == 16
-    stop = " " + words[8]
-    cut = full.find(stop)
-    assert cut >= 0
-    out = completion(http, **body, stop=[stop])
-    choice = out["choices"][0]
-    assert choice["text"] == full[:cut]
-    assert choice["finish_reason"] == "stop"
-    assert choice["stop_reason"] == stop
-    assert out["usage"]["completion_tokens"] < 16
-
-
-def _running(http: httpx.Client) -> float:
-    """vllm:num_requests_running, summed over engines (as the engines last reported it)."""
-    return sum(v for _, v in metric_values(http.get("/metrics").text, "vllm:num_requests_running"))
+    check_stop_string(stack, http)
 
 
 def test_client_disconnect_aborts_in_engine(stack: ServeStack, http: httpx.Client) -> None:
-    """A client that hangs up mid-stream: the engine drops the request (ABORT).
-
-    The long request would run ~10 s. After the disconnect, a short request's last
-    output carries the engine's own count of running requests, which /metrics shows:
-    0 once the engine aborted the long one, 1 if it were still generating for nobody.
-    """
-    started = time.monotonic()
-    body = {"model": MODEL, "prompt": "write a long poem", "stream": True, "ignore_eos": True}
-    body |= {"max_tokens": LONG_TOKENS, "temperature": 0.0}
-    with http.stream("POST", "/v1/completions", json=body) as resp:
-        assert resp.status_code == 200
-        events = sse_events(resp)
-        for _ in range(3):
-            next(events)
-    # The response is closed: the server sees the disconnect on its next write.
-    deadline = started + LONG_TOKENS * STEP_DELAY * 0.6
-    while True:
-        completion(http, prompt="hi", max_tokens=2, temperature=0.0)
-        if _running(http) == 0:
-            break
-        assert time.monotonic() < deadline, "the engine still runs the abandoned request"
-        time.sleep(0.2)
+    """A client that hangs up mid-stream: the engine drops the request (ABORT)."""
+    check_client_disconnect_aborts_in_engine(stack, http)
 
 
 def test_metrics(stack: ServeStack, http: httpx.Client) -> None:
     """/metrics counts the requests and tokens that went through the engine."""
-    before = metric_values(http.get("/metrics").text, "vllm:generation_tokens_total")
-    completion(http, prompt="one two three", max_tokens=5, temperature=0.0, ignore_eos=True)
-    text = http.get("/metrics").text
-    after = metric_values(text, "vllm:generation_tokens_total")
-    assert sum(v for _, v in after) - sum(v for _, v in before) == 5
-    length = [
-        v
-        for labels, v in metric_values(text, "vllm:request_success_total")
-        if labels.get("finished_reason") == "length"
-    ]
-    assert sum(length) >= 1
-    assert {labels.get("engine") for labels, _ in after} == {"0"}
+    check_metrics(stack, http)
 
 
 def test_metrics_prompt_tokens(stack: ServeStack, http: httpx.Client) -> None:
     """vLLM counts prompt tokens from the prefill_stats of each request's first output."""
-    before = metric_values(http.get("/metrics").text, "vllm:prompt_tokens_total")
-    completion(http, prompt="one two three", max_tokens=2, temperature=0.0)
-    after = metric_values(http.get("/metrics").text, "vllm:prompt_tokens_total")
-    assert sum(v for _, v in after) - sum(v for _, v in before) == 3
+    check_metrics_prompt_tokens(stack, http)
 
 
 def test_corewire_metrics_in_vllms_metrics(stack: ServeStack, http: httpx.Client) -> None:
     """With the plugin on, corewire's client metrics appear in vLLM's own /metrics (the
     default registry) and count the messages of a request; with vLLM's client, none."""
-    text = http.get("/metrics").text
-    before = metric_values(text, "corewire_frames_received_total")
-    if stack.client != "corewire":
-        assert "corewire_" not in text
-        return
-    completion(http, prompt="one two three", max_tokens=5, temperature=0.0, ignore_eos=True)
-    text = http.get("/metrics").text
-    after = metric_values(text, "corewire_frames_received_total")
-    assert {labels.get("engine") for labels, _ in after} == {"0"}
-    # At least one message per generated token came through corewire's decoder.
-    assert sum(v for _, v in after) - sum(v for _, v in before) >= 5
-    outputs = metric_values(text, "corewire_outputs_received_total")
-    assert sum(v for _, v in outputs) >= 5
-    for name in (
-        "corewire_decode_seconds_count",
-        "corewire_output_backlog",
-        "corewire_pending_utility_calls",
-    ):
-        assert metric_values(text, name), name
+    check_corewire_metrics_in_vllms_metrics(stack, http)
 
 
 # ---------------------------------------------------------------------- own stacks
-
-
-async def _long_requests(base_url: str, n: int, started: list[asyncio.Event]) -> list[Any]:
-    """``n`` long requests, every other one streamed; each result says how it ended:
-    "finished", "error event" or "cut off" (streams), the HTTP status (plain requests),
-    or the name of the httpx error."""
-
-    async def one(i: int, client: httpx.AsyncClient) -> Any:
-        body = {"model": MODEL, "prompt": f"story {i}", "max_tokens": LONG_TOKENS}
-        body |= {"ignore_eos": True, "temperature": 0.0}
-        try:
-            if i % 2:
-                started[i].set()
-                resp = await client.post("/v1/completions", json=body)
-                return resp.status_code if resp.status_code != 200 else "finished"
-            async with client.stream("POST", "/v1/completions", json={**body, "stream": True}) as r:
-                async for line in r.aiter_lines():
-                    started[i].set()
-                    if line == "data: [DONE]":
-                        return "finished"
-                    if line.startswith("data: ") and '"error"' in line:
-                        return "error event"
-                return "cut off"
-        except httpx.HTTPError as exc:
-            return type(exc).__name__
-
-    async with httpx.AsyncClient(base_url=base_url, timeout=60.0) as client:
-        return await asyncio.gather(*(one(i, client) for i in range(n)))
-
-
-# corewire's health watchdog inside vLLM, made quick for the kill test: a check every
-# second, an engine that does not answer within 2 s is dead.
-HEALTH_ENV = {"COREWIRE_HEALTH_CHECK_INTERVAL_S": "1", "COREWIRE_HEALTH_CHECK_TIMEOUT_S": "2"}
-# Interval + timeout, and slack for a loaded 2-core machine.
-DEATH_NOTICED_S = 1 + 2 + 5
 
 
 @pytest.mark.skipif(_NO_PLUGIN is not None, reason=_NO_PLUGIN or "")
@@ -467,7 +205,7 @@ async def test_engine_killed_under_load_fails_requests_and_health(tmp_path: Path
     with running_stack(tmp_path, client="corewire", server_env=HEALTH_ENV) as stack:
         n = 6
         started = [asyncio.Event() for _ in range(n)]
-        task = asyncio.ensure_future(_long_requests(stack.base_url, n, started))
+        task = asyncio.ensure_future(long_requests(stack.base_url, n, started))
         await asyncio.wait_for(asyncio.gather(*(e.wait() for e in started)), 30)
         await asyncio.sleep(0.5)  # the non-streamed ones reached the engine too
         assert stack.health() == 200
@@ -490,30 +228,7 @@ def test_two_engines_behind_one_front_end(tmp_path: Path) -> None:
     and the greedy text does not depend on the engine that ran it. With corewire's client
     where the plugin is installed (its DP client under vLLM's coordinator), else vLLM's:
     one DP stack costs ~25 s on a 2-core machine."""
-    client = "corewire" if _NO_PLUGIN is None else "vllm"
-    with (
-        running_stack(tmp_path, client=client, engines=2) as stack,
-        httpx.Client(base_url=stack.base_url, timeout=HTTP_TIMEOUT) as http,
-    ):
-        body = {"prompt": "the quick brown fox", "max_tokens": 24, "temperature": 0.0}
-        body["ignore_eos"] = True
-
-        async def burst() -> list[str]:
-            async with httpx.AsyncClient(base_url=stack.base_url, timeout=HTTP_TIMEOUT) as c:
-                resps = await asyncio.gather(
-                    *(c.post("/v1/completions", json={"model": MODEL, **body}) for _ in range(8))
-                )
-            assert all(r.status_code == 200 for r in resps)
-            return [r.json()["choices"][0]["text"] for r in resps]
-
-        texts = asyncio.run(burst())
-        assert len(set(texts)) == 1
-        gen = metric_values(http.get("/metrics").text, "vllm:request_success_total")
-        per_engine: dict[str, float] = {}
-        for labels, v in gen:
-            per_engine[labels["engine"]] = per_engine.get(labels["engine"], 0) + v
-        assert per_engine.get("0", 0) > 0 and per_engine.get("1", 0) > 0, per_engine
-        assert sum(per_engine.values()) == 8
+    check_two_engines_behind_one_front_end(tmp_path, "corewire" if _NO_PLUGIN is None else "vllm")
 
 
 @pytest.mark.skipif(_NO_PLUGIN is not None, reason=_NO_PLUGIN or "")
@@ -522,28 +237,7 @@ def test_two_api_servers_with_corewire_clients(tmp_path: Path) -> None:
     server process builds corewire's client on the addresses vLLM's parent hands it and
     reports the endpoints it bound back to that parent, which only then starts the
     engine handshake. Both servers answer, on the one shared port."""
-    with (
-        running_stack(tmp_path, client="corewire", api_servers=2, timeout=150.0) as stack,
-        httpx.Client(base_url=stack.base_url, timeout=HTTP_TIMEOUT) as http,
-    ):
-        switched = [line for line in server_log(stack).splitlines() if PLUGIN_LOG_LINE in line]
-        servers = {line.split(" pid=")[0] for line in switched if "(ApiServer_" in line}
-        assert servers == {"(ApiServer_0", "(ApiServer_1"}, switched
-        body = {"prompt": "the quick brown fox", "max_tokens": 8, "temperature": 0.0}
-
-        async def burst() -> list[Any]:
-            async with httpx.AsyncClient(base_url=stack.base_url, timeout=HTTP_TIMEOUT) as c:
-                return await asyncio.gather(
-                    *(c.post("/v1/completions", json={"model": MODEL, **body}) for _ in range(8))
-                )
-
-        resps = asyncio.run(burst())
-        assert [r.status_code for r in resps] == [200] * 8
-        assert len({r.json()["choices"][0]["text"] for r in resps}) == 1
-        assert http.get("/health").status_code == 200
-        # vLLM aggregates the servers' metrics (prometheus multiprocess mode).
-        done = metric_values(http.get("/metrics").text, "vllm:request_success_total")
-        assert sum(v for _, v in done) == 8, done
+    check_two_api_servers_with_corewire_clients(tmp_path)
 
 
 def test_serve_command_serves_until_ctrl_c(tmp_path: Path) -> None:

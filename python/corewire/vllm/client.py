@@ -1,9 +1,12 @@
-"""corewire's clients built from vLLM 0.25.1's client-factory arguments.
+"""corewire's clients built from vLLM's client-factory arguments (0.25.1 here; 0.33.0's
+members in :mod:`corewire.vllm.v0_33_0`).
 
 vLLM's ``AsyncLLM`` builds its engine-core client with
 ``(vllm_config, executor_class, log_stats, client_addresses, client_count, client_index)``
-and then reads a few attributes of it. The classes here take exactly those arguments and
-differ from corewire's own clients only where vLLM's front-end needs it:
+(0.33.0 adds ``renderer=``) and then reads a few attributes of it. The classes here take
+exactly those arguments and differ from corewire's own clients only where vLLM's
+front-end needs it; what differs between vLLM releases is in
+:mod:`corewire.vllm.releases` (how engines are launched, how a ready response applies):
 
 - **Engines.** Without ``client_addresses`` the client binds its sockets and lets vLLM's
   own ``launch_core_engines`` start local engines and run the start-up handshake with
@@ -24,7 +27,8 @@ Health watchdog settings come from the environment: ``COREWIRE_HEALTH_CHECK_INTE
 the watchdog off.
 
 Wire format: docs/protocol.md §3.1 (the ready response applied to vLLM's config), §5 and
-§9.2 (outputs, a bad frame fails alone).
+§9.2 (outputs, a bad frame fails alone), §11 (0.33.0); how 0.33.0's ``AsyncLLM`` makes and
+calls its client: docs/vllm-0.33.0-notes.md §6.
 """
 
 from __future__ import annotations
@@ -33,27 +37,33 @@ import logging
 import os
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import msgspec
+import vllm
 import zmq
 from vllm import envs
-from vllm.v1.engine import EngineCoreReadyResponse
 from vllm.v1.engine.exceptions import EngineDeadError as _VllmEngineDeadError
-from vllm.v1.engine.utils import get_engine_zmq_addresses, launch_core_engines
 from vllm.v1.metrics.stats import PrefillStats, SchedulerStats
 
 import corewire.errors
 from corewire.client.async_client import AsyncMPClient
 from corewire.codec import NativeDecoder
+from corewire.curve import require_curve_for
 from corewire.errors import ProtocolError
 from corewire.protocol import FinishReason, finished_outputs
+from corewire.versions import V0_25_1, protocol_for_vllm
+from corewire.vllm.releases import Release, Release0251
 
 __all__ = [
+    "INSTALLED_PROTOCOL",
     "EngineDeadError",
+    "VllmArgs",
     "VllmAsyncMPClient",
     "VllmClientMixin",
     "apply_ready_response",
+    "client_classes",
     "make_async_mp_client",
     "make_output_decoder",
 ]
@@ -71,6 +81,10 @@ DEFAULT_HEALTH_INTERVAL_S = 5.0
 DEFAULT_HEALTH_TIMEOUT_S = 10.0
 
 
+#: The wire of the installed vLLM (refused at import when corewire does not speak it).
+INSTALLED_PROTOCOL = protocol_for_vllm(vllm.__version__)
+
+
 class EngineDeadError(corewire.errors.EngineDeadError, _VllmEngineDeadError):
     """An engine death under vLLM: caught by ``except corewire.EngineDeadError`` and by
     vLLM's ``except EngineDeadError`` (its serving code and health endpoint)."""
@@ -83,49 +97,81 @@ def make_async_mp_client(
     client_addresses: dict[str, Any] | None = None,
     client_count: int = 1,
     client_index: int = 0,
+    renderer: Any = None,
 ) -> Any:
     """vLLM's ``EngineCoreClient.make_async_mp_client`` with corewire's clients.
 
     Chooses as vLLM chooses: a data-parallel group gets the DP client with external or
-    internal load balancing, anything else :class:`VllmAsyncMPClient`.
+    internal load balancing, anything else the plain client; each of the installed
+    vLLM's release (:func:`client_classes`). ``renderer`` is vLLM 0.33.0's (None before).
     """
-    args = (vllm_config, executor_class, log_stats, client_addresses, client_count, client_index)
+    classes = client_classes(INSTALLED_PROTOCOL)
     parallel_config = vllm_config.parallel_config
     if parallel_config.data_parallel_size > 1:
+        kind = "dp" if parallel_config.data_parallel_external_lb else "dplb"
+    else:
+        kind = "plain"
+    client = classes[kind](
+        vllm_config,
+        executor_class,
+        log_stats,
+        client_addresses,
+        client_count,
+        client_index,
+        renderer=renderer,
+    )
+    # Said here too, not only when the plugin is installed: vLLM 0.33.0 configures its
+    # logging after the plugins ran, so that earlier line is lost there.
+    logger.info(
+        "corewire: vLLM's AsyncLLM uses corewire's engine-core client %s (vLLM %s)",
+        type(client).__name__,
+        INSTALLED_PROTOCOL,
+    )
+    return client
+
+
+def client_classes(protocol: str) -> dict[str, type]:
+    """corewire's client classes for the ``AsyncLLM`` of vLLM release ``protocol``:
+    ``"plain"``, ``"dp"`` (external load balancing) and ``"dplb"`` (internal)."""
+    if protocol == V0_25_1:
         from corewire.vllm.dp_client import VllmDPAsyncMPClient, VllmDPLBAsyncMPClient
 
-        if parallel_config.data_parallel_external_lb:
-            return VllmDPAsyncMPClient(*args)
-        return VllmDPLBAsyncMPClient(*args)
-    return VllmAsyncMPClient(*args)
+        return {
+            "plain": VllmAsyncMPClient,
+            "dp": VllmDPAsyncMPClient,
+            "dplb": VllmDPLBAsyncMPClient,
+        }
+    from corewire.vllm import v0_33_0
+
+    return v0_33_0.client_classes(protocol)
 
 
-def apply_ready_response(vllm_config: Any, info: dict[str, Any]) -> EngineCoreReadyResponse:
-    """Decode one engine's ready map as vLLM does (every required key) and apply it to
-    ``vllm_config`` as vLLM's client does; returns the decoded response.
+def apply_ready_response(vllm_config: Any, info: dict[str, Any]) -> Any:
+    """Decode one engine's ready map as vLLM 0.25.1 does (every required key) and apply
+    it to ``vllm_config`` as vLLM's client does; returns the decoded response.
 
-    Raises ``msgspec.ValidationError`` for a map vLLM would refuse.
+    Raises ``msgspec.ValidationError`` for a map vLLM would refuse. (Each release's own
+    rule: :meth:`corewire.vllm.releases.Release.apply_ready`.)
     """
-    response = msgspec.convert(info, EngineCoreReadyResponse)
-    model_config = vllm_config.model_config
-    model_config.max_model_len = min(model_config.max_model_len, response.max_model_len)
-    cache_config = vllm_config.cache_config
-    # KV-cache blocks add up over a DP group; the block size is the engine's own.
-    cache_config.num_gpu_blocks = (cache_config.num_gpu_blocks or 0) + response.num_gpu_blocks
-    cache_config.block_size = response.block_size
-    # Capacity figures are per engine: the first engine's stay.
-    for key in ("kv_cache_size_tokens", "kv_cache_max_concurrency"):
-        if getattr(cache_config, key, None) is None:
-            setattr(cache_config, key, getattr(response, key))
-    return response
+    holder = _ConfigHolder(vllm_config)
+    return Release0251().apply_ready(holder, info)
 
 
-def make_output_decoder() -> NativeDecoder:
-    """The native decoder as vLLM's front-end needs it: stats maps become vLLM's
-    ``PrefillStats`` / ``SchedulerStats`` (nested stats included), all else as usual."""
+class _ConfigHolder:
+    """Just a ``vllm_config``, for a release's ``apply_ready`` outside a client."""
+
+    def __init__(self, vllm_config: Any) -> None:
+        self.vllm_config = vllm_config
+
+
+def make_output_decoder(protocol: str | None = None) -> NativeDecoder:
+    """The native decoder of ``protocol`` (default: the installed vLLM's) as vLLM's
+    front-end needs it: stats maps become vLLM's ``PrefillStats`` / ``SchedulerStats``
+    (nested stats included), all else as usual."""
     return NativeDecoder(
         prefill_stats=_stats_converter(PrefillStats),
         scheduler_stats=_stats_converter(SchedulerStats),
+        protocol=protocol or INSTALLED_PROTOCOL,
     )
 
 
@@ -151,12 +197,29 @@ def _env_seconds(name: str, default: float) -> float:
     return value
 
 
+@dataclass
+class VllmArgs:
+    """vLLM's client-factory arguments (see :func:`make_async_mp_client`)."""
+
+    vllm_config: Any
+    executor_class: Any
+    log_stats: bool
+    client_addresses: dict[str, Any] | None
+    client_count: int
+    client_index: int
+    renderer: Any
+
+
 class VllmClientMixin:
     """The parts every corewire client shares under vLLM (see the module docstring).
 
     Mixed in before a corewire client class, whose constructor it calls with the keyword
-    arguments :meth:`_vllm_setup` makes of vLLM's factory arguments.
+    arguments :meth:`_vllm_setup` makes of vLLM's factory arguments. :attr:`release` is
+    the vLLM release whose helpers launch the engines and apply their ready responses.
     """
+
+    #: The vLLM release this class is built for (its wire is the clients' protocol).
+    release: Release = Release0251()
 
     # Provided by the corewire client class this is mixed into.
     resources: Any
@@ -165,6 +228,7 @@ class VllmClientMixin:
     input_address: str
     output_address: str
     ready_info: dict[bytes, dict[str, Any]]
+    engine_indices: list[int]
 
     def __init__(
         self,
@@ -174,37 +238,43 @@ class VllmClientMixin:
         client_addresses: dict[str, Any] | None = None,
         client_count: int = 1,
         client_index: int = 0,
+        renderer: Any = None,
     ) -> None:
         """vLLM's client-factory arguments (see :func:`make_async_mp_client`)."""
-        kwargs = self._vllm_setup(
-            vllm_config, executor_class, log_stats, client_addresses, client_count, client_index
+        args = VllmArgs(
+            vllm_config,
+            executor_class,
+            log_stats,
+            client_addresses,
+            client_count,
+            client_index,
+            renderer,
         )
-        super().__init__(**kwargs)
+        super().__init__(**self._vllm_setup(args))
         self._vllm_finish_setup()
 
-    def _vllm_setup(
-        self,
-        vllm_config: Any,
-        executor_class: Any,
-        log_stats: bool,
-        client_addresses: dict[str, Any] | None,
-        client_count: int,
-        client_index: int,
-    ) -> dict[str, Any]:
+    def _vllm_setup(self, args: VllmArgs) -> dict[str, Any]:
         """Record vLLM's arguments; return the corewire client's keyword arguments."""
-        self.vllm_config = vllm_config
+        vllm_config = self.vllm_config = args.vllm_config
         self.stats_update_address: str | None = None
         #: vLLM's engine manager and DP coordinator, when vLLM launched engines.
         self.vllm_engine_manager: Any = None
         self.vllm_coordinator: Any = None
         self._vllm_launch: tuple[Any, bool] | None = None
+        #: vLLM's renderer (0.33.0): its multimodal warm-up starts once engines exist.
+        self._vllm_renderer = args.renderer
         #: vLLM's multi-API-server parent waits on this pipe for the endpoints we bind.
         self._vllm_address_pipe: Any = None
         #: Engine frames that broke the protocol (dropped, their requests ended).
         self.protocol_errors = 0
         self._next_error_summary = 0.0
+        #: Listening sockets vLLM's multi-API-server parent bound for us (0.33.0), by the
+        #: ZeroMQ socket kind that adopts them.
+        self._vllm_listeners: dict[int, Any] = {}
+        client_addresses = args.client_addresses
         if client_addresses:
             # Engines managed elsewhere (e.g. by vLLM's multi-API-server parent).
+            self._vllm_listeners = self.release.listeners(client_addresses)
             addresses: dict[str, str] | None = {
                 "input_address": client_addresses["input_address"],
                 "output_address": client_addresses["output_address"],
@@ -212,37 +282,59 @@ class VllmClientMixin:
             self.stats_update_address = client_addresses.get("stats_update_address")
             self._vllm_address_pipe = client_addresses.get("actual_address_pipe")
         else:
-            self._vllm_launch = (executor_class, log_stats)
-            planned = get_engine_zmq_addresses(vllm_config)
-            if planned.inputs[0].startswith("ipc://"):
+            self._vllm_launch = (args.executor_class, args.log_stats)
+            inputs, outputs = self.release.planned_addresses(vllm_config)
+            if inputs.startswith("ipc://"):
                 # Local engines only: corewire's own endpoints in a private 0700 dir,
                 # handed to the engines by vLLM's handshake.
                 addresses = None
             else:
-                addresses = {
-                    "input_address": planned.inputs[0],
-                    "output_address": planned.outputs[0],
-                }
+                addresses = {"input_address": inputs, "output_address": outputs}
         interval = _env_seconds(HEALTH_INTERVAL_ENV, DEFAULT_HEALTH_INTERVAL_S)
         return {
             "client_addresses": addresses,
             "engine_indices": _ranks_managed(vllm_config.parallel_config),
-            "client_index": client_index,
-            "client_count": client_count,
+            "client_index": args.client_index,
+            "client_count": args.client_count,
             "ready_timeout": float(envs.VLLM_ENGINE_READY_TIMEOUT_S),
             "health_check_interval": interval or None,
             "health_check_timeout": _env_seconds(HEALTH_TIMEOUT_ENV, DEFAULT_HEALTH_TIMEOUT_S),
+            "protocol": self.release.protocol,
         }
 
     def _vllm_finish_setup(self) -> None:
         """Apply every engine's ready response to the VllmConfig (after the ready wait)."""
         for info in self.ready_info.values():
-            response = apply_ready_response(self.vllm_config, info)
+            response = self.release.apply_ready(self, info)
+            if response is None:
+                continue
             if response.dp_stats_address is not None and self.stats_update_address is None:
                 self.stats_update_address = response.dp_stats_address
 
     def _make_output_decoder(self) -> Any:
-        return make_output_decoder()
+        return make_output_decoder(self.release.protocol)
+
+    def _make_socket(self, kind: int, address: str, *, asyncio_mode: bool = False) -> Any:
+        listener = self._vllm_listeners.pop(kind, None)
+        if listener is None:
+            return super()._make_socket(kind, address, asyncio_mode=asyncio_mode)  # type: ignore[misc]
+        # Adopt the listening socket vLLM's parent bound on ``address`` (engines already
+        # connect there): ZeroMQ takes an open descriptor for the next bind (USE_FD). The
+        # socket is made, configured and owned as any other, bound first to a private
+        # in-process name nothing uses, since the base binds as it makes.
+        placeholder = f"inproc://corewire-adopt-{id(self)}-{kind}"
+        sock = super()._make_socket(kind, placeholder, asyncio_mode=asyncio_mode)  # type: ignore[misc]
+        sock.unbind(placeholder)
+        require_curve_for(address, None)
+        sock.setsockopt(zmq.USE_FD, listener.detach())
+        sock.bind(address)
+        return sock
+
+    def _start_mm_warmup(self) -> None:
+        """Start vLLM's multimodal warm-up of the renderer (0.33.0), as vLLM's client
+        does once the engines are started or known to run elsewhere (no-op for text)."""
+        if self._vllm_renderer is not None:
+            self._vllm_renderer.start_mm_warmup_in_background()
 
     async def get_output_async(self) -> Any:
         """The next outputs for vLLM's output handler; a frame that breaks the protocol
@@ -305,21 +397,23 @@ class VllmClientMixin:
         if self._vllm_address_pipe is not None:
             self._report_bound_endpoints(self._vllm_address_pipe)
         if self._vllm_launch is None:
+            # Engines run elsewhere: no process of ours is forked, warm up at once.
+            self._start_mm_warmup()
             return
         executor_class, log_stats = self._vllm_launch
-        addresses = get_engine_zmq_addresses(self.vllm_config)
         # The sockets are bound: hand the engines the real endpoints (a tcp port 0
         # placeholder resolved, or corewire's private ipc paths).
-        self.input_address = addresses.inputs[0] = _bound_endpoint(self.input_socket)
-        self.output_address = addresses.outputs[0] = _bound_endpoint(self.output_socket)
-        with launch_core_engines(self.vllm_config, executor_class, log_stats, addresses) as (
-            engine_manager,
-            coordinator,
-            launched,
-            _tensor_queue,
-        ):
+        self.input_address = _bound_endpoint(self.input_socket)
+        self.output_address = _bound_endpoint(self.output_socket)
+        with self.release.launch(
+            self.vllm_config, executor_class, log_stats, self.input_address, self.output_address
+        ) as launched:
+            engine_manager = launched.engine_manager
             self.vllm_engine_manager = engine_manager
-            self.vllm_coordinator = coordinator
+            self.vllm_coordinator = launched.coordinator
+            # The local engines are forked: a warm-up thread is safe now, and overlaps
+            # their start-up.
+            self._start_mm_warmup()
             # Watched by corewire's monitor and stopped with the client. vLLM starts the
             # local engines in rank order from the first rank this front-end drives (the
             # ranks after them may be remote).
@@ -332,13 +426,14 @@ class VllmClientMixin:
                 )
             for index, proc in zip(self.engine_indices, local, strict=False):
                 processes.add_engine(index, proc)
-            if coordinator is not None:
-                processes.set_coordinator(coordinator.proc)
-        self.stats_update_address = launched.frontend_stats_publish_address
+            if launched.coordinator is not None:
+                processes.set_coordinator(launched.coordinator.proc)
+        self.stats_update_address = launched.addresses.frontend_stats_publish_address
 
 
 class VllmAsyncMPClient(VllmClientMixin, AsyncMPClient):
-    """:class:`corewire.AsyncMPClient` built from vLLM's factory arguments (one engine)."""
+    """:class:`corewire.AsyncMPClient` built from vLLM 0.25.1's factory arguments (one
+    engine; 0.33.0's: :class:`corewire.vllm.v0_33_0.Vllm0330AsyncMPClient`)."""
 
 
 def _ranks_managed(parallel_config: Any) -> list[int]:

@@ -1,4 +1,5 @@
-"""corewire's data-parallel clients built from vLLM 0.25.1's client-factory arguments.
+"""corewire's data-parallel clients built from vLLM's client-factory arguments (0.25.1's
+classes here; 0.33.0's in :mod:`corewire.vllm.v0_33_0`).
 
 Under vLLM the DP coordinator is vLLM's own (started by ``launch_core_engines`` on rank 0,
 or reached through ``client_addresses["stats_update_address"]``): these clients start no
@@ -17,22 +18,23 @@ from typing import Any
 
 from corewire.client.dp import DPAsyncMPClient, DPLBAsyncMPClient
 from corewire.coordinator import CoordinatorAddresses
-from corewire.vllm.client import VllmClientMixin
+from corewire.vllm.client import VllmArgs, VllmClientMixin
 
-__all__ = ["VllmDPAsyncMPClient", "VllmDPLBAsyncMPClient"]
+__all__ = ["VllmDPAsyncMPClient", "VllmDPLBAsyncMPClient", "VllmDPMixin"]
 
 # Filled in once vLLM's coordinator is known (after the engines' start-up); the engine
 # endpoints are never used here: vLLM's handshake gives the engines their own.
 _UNKNOWN = CoordinatorAddresses(front_publish="", engine_stats="", engine_publish="")
 
 
-class _VllmDPMixin(VllmClientMixin):
-    """Construction shared by both DP adapters."""
+class VllmDPMixin(VllmClientMixin):
+    """Construction shared by the DP adapters (of every vLLM release): no coordinator of
+    corewire's, vLLM's publications followed instead."""
 
     coordinator_addresses: CoordinatorAddresses
 
-    def _vllm_setup(self, *args: Any) -> dict[str, Any]:
-        kwargs = super()._vllm_setup(*args)
+    def _vllm_setup(self, args: VllmArgs) -> dict[str, Any]:
+        kwargs = super()._vllm_setup(args)
         kwargs["data_parallel_size"] = self.vllm_config.parallel_config.data_parallel_size
         kwargs["coordinator_addresses"] = _UNKNOWN
         return kwargs
@@ -49,10 +51,10 @@ class _VllmDPMixin(VllmClientMixin):
         )
 
 
-class VllmDPAsyncMPClient(_VllmDPMixin, DPAsyncMPClient):
+class VllmDPAsyncMPClient(VllmDPMixin, DPAsyncMPClient):
     """:class:`corewire.DPAsyncMPClient` (external load balancing) from vLLM's arguments."""
 
 
-class VllmDPLBAsyncMPClient(_VllmDPMixin, DPLBAsyncMPClient):
+class VllmDPLBAsyncMPClient(VllmDPMixin, DPLBAsyncMPClient):
     """:class:`corewire.DPLBAsyncMPClient` (one front-end over N engines) from vLLM's
     arguments."""

@@ -4,7 +4,8 @@
 its processes. It does nothing unless ``COREWIRE_VLLM_CLIENT=1`` is set; then it replaces
 ``EngineCoreClient.make_async_mp_client``, the factory through which vLLM's ``AsyncLLM``
 builds its engine-core client, with :func:`corewire.vllm.client.make_async_mp_client`.
-vLLM looks the factory up when ``AsyncLLM`` starts, after the plugins ran. Engine-core and
+vLLM looks the factory up when ``AsyncLLM`` starts, after the plugins ran. The clients
+speak the installed vLLM's release (0.25.1 or 0.33.0; another is refused by name). Engine-core and
 worker processes never call that factory, so nothing changes for them, and vLLM's
 synchronous ``LLM`` class keeps its own client.
 """
@@ -39,9 +40,9 @@ def enabled() -> bool:
     raise ValueError(f"{ENV_SWITCH} must be 1 or 0, got {os.environ[ENV_SWITCH]!r}")
 
 
-#: The vLLM releases whose ``AsyncLLM`` the plugin's client is built and tested for. The
-#: wire of 0.33.0 is spoken (``corewire.versions``), its ``AsyncLLM`` interface not yet.
-PLUGIN_VLLM_VERSIONS = ("0.25.1",)
+#: The vLLM releases whose ``AsyncLLM`` the plugin's client is built and tested for (each
+#: with its own client classes: ``corewire.vllm.client.client_classes``).
+PLUGIN_VLLM_VERSIONS = ("0.25.1", "0.33.0")
 
 
 def check_vllm_version(version: str) -> None:

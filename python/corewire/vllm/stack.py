@@ -5,8 +5,9 @@ The stack is three kinds of processes on loopback:
 - ``vllm serve MODEL_DIR`` with ``--data-parallel-size-local 0``: vLLM's API server starts
   no engine of its own and waits on its handshake port for engines to join, as remote
   ``--headless`` vLLM engines would;
-- ``corewire engine --handshake-address tcp://127.0.0.1:RPC --engine-index i`` for each
-  of the N engines: reference engines that do vLLM's start-up handshake;
+- ``corewire engine --handshake-address tcp://127.0.0.1:RPC --engine-index i --protocol V``
+  for each of the N engines: reference engines that do vLLM's start-up handshake and speak
+  the wire of the installed vLLM (``V`` is 0.25.1 or 0.33.0, from its version);
 - with N > 1, vLLM's own DP coordinator, a child of the API server.
 
 ``client="corewire"`` sets ``COREWIRE_VLLM_CLIENT=1`` for the API server, so that
@@ -46,6 +47,7 @@ __all__ = [
     "ServeStack",
     "StackError",
     "free_port",
+    "installed_protocol",
     "main",
     "offline_env",
     "plugin_installed",
@@ -78,6 +80,17 @@ def plugin_installed() -> bool:
     )
 
 
+def installed_protocol() -> str:
+    """The wire of the installed vLLM (``corewire.versions.protocol_for_vllm``; another
+    release raises ``UnsupportedProtocolError`` naming the supported ones). Read from the
+    package metadata: vLLM is not imported."""
+    from importlib.metadata import version
+
+    from corewire.versions import protocol_for_vllm
+
+    return protocol_for_vllm(version("vllm"))
+
+
 def offline_env(base: Mapping[str, str] | None = None) -> dict[str, str]:
     """``base`` (default: this process's environment) with vLLM and Hugging Face offline.
 
@@ -102,7 +115,8 @@ class ServeStack:
     stderr. ``extra_server_args`` are appended to ``vllm serve``'s command line and
     ``server_env`` to its environment. ``api_servers`` > 1 runs vLLM's multi-API-server
     layout (``--api-server-count``): that many server processes share the HTTP port, each
-    with its own engine-core client.
+    with its own engine-core client. ``protocol``: the wire the engines speak (None: the
+    installed vLLM's, :func:`installed_protocol`).
 
     Use it as a context manager, or call :meth:`start` and :meth:`stop`.
     """
@@ -122,6 +136,7 @@ class ServeStack:
         extra_server_args: tuple[str, ...] = (),
         server_env: Mapping[str, str] | None = None,
         api_servers: int = 1,
+        protocol: str | None = None,
     ) -> None:
         if client not in CLIENTS:
             raise ValueError(f"client must be one of {CLIENTS}, got {client!r}")
@@ -145,6 +160,7 @@ class ServeStack:
         self.log_dir = Path(log_dir) if log_dir is not None else None
         self.extra_server_args = tuple(extra_server_args)
         self.server_env = dict(server_env or {})
+        self._protocol = protocol
         self.server: subprocess.Popen[bytes] | None = None
         self.engines: list[subprocess.Popen[bytes]] = []
         self._logs: list[IO[bytes]] = []
@@ -196,8 +212,16 @@ class ServeStack:
             cmd += ["--api-server-count", str(self.api_servers)]
         return cmd + list(self.extra_server_args)
 
+    @property
+    def protocol(self) -> str:
+        """The wire the engines speak: the one given, else the installed vLLM's."""
+        if self._protocol is None:
+            self._protocol = installed_protocol()
+        return self._protocol
+
     def engine_command(self, index: int) -> list[str]:
-        """``corewire engine`` joining the API server through vLLM's start-up handshake."""
+        """``corewire engine`` joining the API server through vLLM's start-up handshake,
+        speaking :attr:`protocol`."""
         engine_args = {"max_model_len": self.max_model_len, **self.engine_args}
         return [
             sys.executable,
@@ -210,6 +234,8 @@ class ServeStack:
             str(index),
             "--engine-args",
             json.dumps(engine_args),
+            "--protocol",
+            self.protocol,
             # The engine stops by itself if this launcher goes away without stopping it.
             "--parent-pid",
             str(os.getpid()),
@@ -429,7 +455,8 @@ def main(argv: list[str] | None = None) -> int:
             stack.start(timeout=args.startup_timeout)
             print(
                 f"\ncorewire: serving {stack.served_model_name!r} at {stack.base_url} "
-                f"({args.engines} engine(s), {args.client} client); Ctrl-C stops.\n"
+                f"({args.engines} engine(s) speaking vLLM {stack.protocol}, {args.client} "
+                "client); Ctrl-C stops.\n"
                 f"  curl {stack.base_url}/v1/completions -H 'Content-Type: application/json' "
                 f'-d \'{{"model": "{stack.served_model_name}", '
                 f'"prompt": "hello world", "max_tokens": 16}}\'\n',

@@ -1,0 +1,245 @@
+"""vLLM 0.33.0's OpenAI-compatible API server over corewire engines, driven over real HTTP
+(runs only where vLLM 0.33.0 is installed; skipped with vLLM 0.25.1, failed where CI
+requires 0.33.0 and something is missing).
+
+The same stack as ``test_vllm_serve.py`` (vLLM 0.25.1): ``vllm serve`` front-end only on a
+model directory the test writes, and ``corewire engine --protocol 0.33.0`` reference
+engines that joined it through vLLM's start-up handshake. One server per client setting,
+each started once and shared by every test: vLLM's own engine-core client, then corewire's
+(``COREWIRE_VLLM_CLIENT=1``). Greedy outputs must be identical with either. The last test
+kills the corewire server's engine: in-flight requests end with errors and /health turns
+unhealthy within corewire's health timeout.
+
+Checks ``docs/protocol.md`` end to end with vLLM 0.33.0's layouts (§11): §3.2 (engines
+join ``vllm serve``), §4.5 (a client disconnect aborts in the engine) and §7 (a killed
+engine).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+_REQUIRED = os.environ.get("COREWIRE_REQUIRE_VLLM")
+if _REQUIRED:
+    import vllm
+else:
+    vllm = pytest.importorskip("vllm")
+if vllm.__version__.split("+")[0] != "0.33.0":
+    if _REQUIRED:
+        raise RuntimeError(f"COREWIRE_REQUIRE_VLLM={_REQUIRED}, found vLLM {vllm.__version__}")
+    pytest.skip(f"needs vLLM 0.33.0 (found {vllm.__version__})", allow_module_level=True)
+
+from serve_support import missing_prerequisite, plugin_missing  # noqa: E402
+
+_MISSING = missing_prerequisite() or plugin_missing()
+if _MISSING is not None:
+    if _REQUIRED:
+        raise RuntimeError(f"COREWIRE_REQUIRE_VLLM={_REQUIRED}: {_MISSING}")
+    pytest.skip(_MISSING, allow_module_level=True)
+
+import httpx  # noqa: E402
+
+from corewire.vllm.stack import ServeStack  # noqa: E402
+from serve_support import (  # noqa: E402
+    DEATH_NOTICED_S,
+    GREEDY_COMPLETIONS,
+    HEALTH_ENV,
+    HTTP_TIMEOUT,
+    PLUGIN_LOG_LINE,
+    SharedPids,
+    check_chat_top_logprobs_plain_and_streamed,
+    check_client_disconnect_aborts_in_engine,
+    check_completion_logprobs_plain_and_streamed,
+    check_corewire_metrics_in_vllms_metrics,
+    check_greedy_tokens_and_logprobs_are_the_engines,
+    check_health_and_models,
+    check_metrics,
+    check_metrics_prompt_tokens,
+    check_stop_string,
+    check_two_api_servers_with_corewire_clients,
+    check_two_engines_behind_one_front_end,
+    greedy_outputs,
+    long_requests,
+    running_stack,
+    server_log,
+)
+
+# vLLM's client first: the corewire server compares its greedy outputs with its answers.
+CLIENTS = ["vllm", "corewire"]
+
+# Processes of the two shared stacks: they outlive single tests on purpose.
+_SHARED_PIDS = SharedPids()
+LEAK_ALLOWED_PIDS = _SHARED_PIDS.tree
+# Greedy outputs per client, compared across clients.
+_GREEDY: dict[str, list[dict[str, Any]]] = {}
+# Clients whose server's engine a test killed on purpose.
+_KILLED: set[str] = set()
+
+
+@pytest.fixture(scope="module", params=CLIENTS)
+def stack(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[ServeStack]:
+    """The module's API server (one engine speaking 0.33.0), with vLLM's client or with
+    corewire's (whose health watchdog is made quick for the kill test)."""
+    client = request.param
+    workdir = tmp_path_factory.mktemp(f"serve33-{client}")
+    env = HEALTH_ENV if client == "corewire" else None
+    with running_stack(workdir, client=client, server_env=env) as started:
+        assert started.protocol == "0.33.0"
+        pids = {started.server.pid, *(p.pid for p in started.engines)}  # type: ignore[union-attr]
+        _SHARED_PIDS.update(pids)
+        try:
+            yield started
+            if client not in _KILLED:
+                # Every test left the stack healthy: nothing crashed under the requests.
+                started.check_alive()
+                assert started.health() == 200
+        finally:
+            _SHARED_PIDS.difference_update(pids)
+
+
+@pytest.fixture
+def http(stack: ServeStack) -> Iterator[httpx.Client]:
+    """An HTTP client for the module's server."""
+    with httpx.Client(base_url=stack.base_url, timeout=HTTP_TIMEOUT) as client:
+        yield client
+
+
+def test_greedy_outputs_identical_across_clients(
+    stack: ServeStack, http: httpx.Client, tmp_path: Path
+) -> None:
+    """Same greedy requests, same text, token ids, logprobs and usage with either client
+    (completions and chat, plain and streamed). Runs first on each server, one request at
+    a time, so that each engine step sees the same batch."""
+    results = greedy_outputs(http)
+    for res in results[: len(GREEDY_COMPLETIONS)]:
+        assert res["token_ids"], "no tokens generated"
+        assert res["streamed_text"] == res["text"]
+        assert res["streamed_ids"] == res["token_ids"]
+        assert res["usage"]["completion_tokens"] == len(res["token_ids"])
+        assert len(res["logprobs"]["token_logprobs"]) == len(res["token_ids"])
+    assert results[1]["finish_reason"] == "length"
+    _GREEDY[stack.client] = results
+    if stack.client == "vllm":
+        return
+    if "vllm" not in _GREEDY:
+        # A run of the corewire parameter alone: a vLLM-client server to compare with.
+        with running_stack(tmp_path, client="vllm") as other:
+            pids = {p.pid for p in (other.server, *other.engines) if p}
+            _SHARED_PIDS.update(pids)
+            try:
+                with httpx.Client(base_url=other.base_url, timeout=HTTP_TIMEOUT) as client:
+                    _GREEDY["vllm"] = greedy_outputs(client)
+            finally:
+                _SHARED_PIDS.difference_update(pids)
+    assert results == _GREEDY["vllm"]
+
+
+def test_greedy_tokens_and_logprobs_are_the_engines(stack: ServeStack, http: httpx.Client) -> None:
+    """What the HTTP answer carries is what the reference engine sampled."""
+    check_greedy_tokens_and_logprobs_are_the_engines(stack, http)
+
+
+def test_api_server_runs_the_requested_client(stack: ServeStack) -> None:
+    """corewire's plugin says in vLLM 0.33.0's log that it installed corewire's client
+    exactly when COREWIRE_VLLM_CLIENT=1 (it is not refused by version)."""
+    log = server_log(stack)
+    assert (PLUGIN_LOG_LINE in log) == (stack.client == "corewire")
+    assert "supports vLLM" not in log
+
+
+def test_health_and_models(stack: ServeStack, http: httpx.Client) -> None:
+    """/health answers 200; /v1/models lists the served model."""
+    check_health_and_models(stack, http)
+
+
+def test_completion_logprobs_plain_and_streamed(stack: ServeStack, http: httpx.Client) -> None:
+    """Top-k logprobs in completions, the same values in the stream."""
+    check_completion_logprobs_plain_and_streamed(stack, http)
+
+
+def test_chat_top_logprobs_plain_and_streamed(stack: ServeStack, http: httpx.Client) -> None:
+    """Chat completions, plain and streamed, with top_logprobs; the stream adds up."""
+    check_chat_top_logprobs_plain_and_streamed(stack, http)
+
+
+def test_stop_string(stack: ServeStack, http: httpx.Client) -> None:
+    """A stop string ends the text before it: finish_reason "stop", the string as
+    stop_reason."""
+    check_stop_string(stack, http)
+
+
+def test_client_disconnect_aborts_in_engine(stack: ServeStack, http: httpx.Client) -> None:
+    """A client that hangs up mid-stream: the engine drops the request (ABORT)."""
+    check_client_disconnect_aborts_in_engine(stack, http)
+
+
+def test_metrics(stack: ServeStack, http: httpx.Client) -> None:
+    """/metrics counts the requests and tokens that went through the engine."""
+    check_metrics(stack, http)
+
+
+def test_metrics_prompt_tokens(stack: ServeStack, http: httpx.Client) -> None:
+    """vLLM counts prompt tokens from the prefill_stats of each request's first output."""
+    check_metrics_prompt_tokens(stack, http)
+
+
+def test_corewire_metrics_in_vllms_metrics(stack: ServeStack, http: httpx.Client) -> None:
+    """corewire's client metrics appear in vLLM 0.33.0's /metrics with the plugin only."""
+    check_corewire_metrics_in_vllms_metrics(stack, http)
+
+
+async def test_engine_killed_under_load_fails_requests_and_health(stack: ServeStack) -> None:
+    """corewire's client inside vLLM 0.33.0 (the last test on its server): SIGKILL of the
+    engine under load ends every in-flight HTTP request with an error and turns /health
+    unhealthy within the health timeout. (vLLM's own client never notices the death of
+    an engine that joined from elsewhere: not run with it.)"""
+    if stack.client != "corewire":
+        pytest.skip("vLLM's own client does not watch engines that joined from elsewhere")
+    n = 6
+    started = [asyncio.Event() for _ in range(n)]
+    task = asyncio.ensure_future(long_requests(stack.base_url, n, started))
+    await asyncio.wait_for(asyncio.gather(*(e.wait() for e in started)), 30)
+    await asyncio.sleep(0.5)  # the non-streamed ones reached the engine too
+    assert stack.health() == 200
+    _KILLED.add(stack.client)
+    killed_at = time.monotonic()
+    os.kill(stack.engines[0].pid, signal.SIGKILL)
+    results = await asyncio.wait_for(task, 45)
+    errors_after = time.monotonic() - killed_at
+    # Streams end with an error event (their 200 status is already sent), plain requests
+    # with status 500 (vLLM's answer to its EngineDeadError); none hangs, none finishes.
+    assert results[0::2] == ["error event"] * (n // 2), results
+    assert results[1::2] == [500] * (n // 2), results
+    assert errors_after < DEATH_NOTICED_S, f"errors came {errors_after:.1f} s after the kill"
+    while (status := stack.health()) == 200:
+        assert time.monotonic() - killed_at < DEATH_NOTICED_S, "/health stayed 200"
+        await asyncio.sleep(0.2)
+    assert status is None or status >= 500
+
+
+def test_two_engines_behind_one_front_end(tmp_path: Path) -> None:
+    """DP = 2 with corewire's DP client under vLLM 0.33.0's coordinator (its
+    [waiting, running, kv_cache_usage] counts): requests reach both engines, the greedy
+    text does not depend on the engine; vLLM's coordinator is sent nothing it does not
+    expect (0.33.0 has no first-request notices). Its own stack (~25 s)."""
+    log = check_two_engines_behind_one_front_end(tmp_path, "corewire")
+    assert f"{PLUGIN_LOG_LINE} Vllm0330DPLBAsyncMPClient" in log
+    assert "unexpected message" not in log
+
+
+def test_two_api_servers_with_corewire_clients(tmp_path: Path) -> None:
+    """``--api-server-count 2`` with the plugin on: vLLM 0.33.0's parent binds each
+    server's engine sockets itself and hands them over; corewire's client in each server
+    adopts them (zmq.USE_FD), and both servers answer on the one port. Its own stack."""
+    log = check_two_api_servers_with_corewire_clients(tmp_path)
+    assert "Vllm0330AsyncMPClient" in log
