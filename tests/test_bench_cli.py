@@ -14,6 +14,7 @@ import json
 import os
 import re
 import shutil
+import statistics
 import subprocess
 import sys
 import textwrap
@@ -274,6 +275,17 @@ def test_client_json_and_plot(tmp_path: Path) -> None:
         assert case["ratios"][doc["baseline"]] > 0
     assert [u["concurrency"] for u in doc["utility"]] == [1, 64]
     assert doc["utility"][0]["calls_per_s"]["raw"] > 0
+    # Sequential: the bare asyncio reference too; goals read on the medians of the trials.
+    sequential = doc["utility"][0]
+    assert sequential["calls_per_s"]["asyncio"] > 0
+    for name, rates in sequential["calls_per_s_trials"].items():
+        assert len(rates) == sequential["trials"]
+        assert sequential["calls_per_s"][name] == pytest.approx(statistics.median(rates))
+        assert sequential["calls_per_s_best"][name] == max(rates)
+    assert sequential["of_raw"] == pytest.approx(
+        sequential["calls_per_s"]["corewire"] / sequential["calls_per_s"]["raw"]
+    )
+    assert "asyncio" not in doc["utility"][1]["calls_per_s"]
     # No stream case at batch 256 ran: only the utility goals can be read.
     assert [g["name"].split(":")[0] for g in doc["goals"]] == [
         "utility sequential",

@@ -266,6 +266,37 @@ def test_no_reference_leaks_over_many_messages() -> None:
     assert len(gc.get_objects()) - before_objects < 50
 
 
+def test_interned_ids_and_cached_token_ints_keep_flat_refcounts() -> None:
+    """The decoder's own reference counting (inlined on the hot path) balances: the
+    request id strs and token ints it hands out again and again end with the counts
+    they started with, whether the outputs are dropped or kept a while."""
+    decoder = NativeDecoder()
+    ids = [f"req-{i}-with-a-longer-id" for i in range(32)]
+    frames = _step(ids, 100_000)
+    first = decoder.decode(frames).outputs
+    rid, token = first[5].request_id, first[5].new_token_ids[0]
+    del first
+    # Recycled token lists keep their last item until refilled: refill every one with
+    # other ints (a step with more outputs than lists were ever pooled here).
+    flush = _step([f"other-{i}" for i in range(64)], 7)
+    NativeDecoder().decode(flush)
+    gc.collect()
+    before = (sys.getrefcount(rid), sys.getrefcount(token))
+    kept = []
+    for i in range(3000):
+        message = decoder.decode(frames)
+        if i % 7 == 0:
+            kept.append(message.outputs[5])
+        if len(kept) > 10:
+            del kept[:-1]
+    assert kept[-1].request_id is rid and kept[-1].new_token_ids[0] is token
+    del message, kept
+    NativeDecoder().decode(flush)
+    gc.collect()
+    after = (sys.getrefcount(rid), sys.getrefcount(token))
+    assert after == before
+
+
 def _lists_step(rows: list[tuple[list[int], list[float], int]], **kw: object) -> list[bytes]:
     """One output per row, with sampled-token logprobs as small inline arrays."""
     dtype_ids = kw.pop("dtype_ids", np.int32)

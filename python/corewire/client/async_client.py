@@ -335,9 +335,29 @@ class AsyncMPClient(MPClient):
         :class:`EngineDeadError` when the engine dies first. A cancelled caller's call
         is forgotten at once; a late reply to it is ignored.
         """
-        return await self._call_utility_async(method, *args, engine=self.core_engine)
+        # The body of _call_utility_async, not a second coroutine around it: each
+        # coroutine layer is created per call and passed through at both ends of the
+        # await, and a sequential caller's round trip is mostly such per-call work.
+        future, call_id = self._send_utility(method, args, self.core_engine)
+        try:
+            return await future
+        except BaseException:
+            self.resources.registry.discard(call_id)
+            raise
 
     async def _call_utility_async(self, method: str, *args: Any, engine: bytes) -> Any:
+        future, call_id = self._send_utility(method, args, engine)
+        try:
+            return await future
+        except BaseException:
+            self.resources.registry.discard(call_id)
+            raise
+
+    def _send_utility(
+        self, method: str, args: tuple[Any, ...], engine: bytes
+    ) -> tuple[asyncio.Future[Any], int]:
+        """Register a utility call and send it to ``engine``: its future and call id (a
+        call that could not be sent is not left registered)."""
         resources = self.resources
         loop = asyncio.get_running_loop()
         if loop is not resources.loop:
@@ -354,10 +374,10 @@ class AsyncMPClient(MPClient):
             self._send_message(engine, REQUEST_UTILITY, frames, args)
             if resources.output_task is None:
                 self._ensure_output_queue_task()
-            return await future
         except BaseException:
             registry.discard(call_id)
             raise
+        return future, call_id
 
     # -- health ------------------------------------------------------------------------
 

@@ -14,9 +14,11 @@ use pyo3::types::{PyDict, PyFloat, PyString, PyTuple};
 use super::consts::{Consts, DtypeCache};
 use super::ffi::refill_array;
 use super::frames::Frame;
+use super::list::set_item;
 use super::objects::{
     enable_logprobs_pool, int_object, new_message, new_output, pop_logprobs, token_list,
 };
+use super::refcnt::incref;
 use super::torch;
 use crate::core::error::{ArrayKind, DecodeError, DecodeResult, ErrorKind};
 use crate::core::intern::{FrameOrder, InternCache};
@@ -403,9 +405,7 @@ impl<'py> Builder for PyBuilder<'_, 'py> {
     fn list_set(&mut self, list: &mut Obj<'py>, index: usize, item: Obj<'py>) {
         // SAFETY: `list` is a list from `list()` and `index` is in range; the reference
         // to `item` is stolen.
-        unsafe {
-            ffi::PyList_SetItem(list.as_ptr(), index as isize, item.into_ptr());
-        }
+        unsafe { set_item(list.as_ptr(), index, item.into_ptr()) }
     }
 
     fn tuple_from_list(&mut self, list: Obj<'py>) -> DecodeResult<Obj<'py>> {
@@ -464,9 +464,14 @@ impl<'py> Builder for PyBuilder<'_, 'py> {
         // Usually the id is the one that followed the previous one last time.
         let order = &mut self.state.orders[at].1;
         if let Some(s) = order.take_predicted(raw) {
-            let obj = s.bind(py).clone();
+            let ptr = s.as_ptr();
             order.push(raw, s);
-            return Ok(obj.into_any());
+            // SAFETY: a live str, which the order holds; the new reference is the
+            // output's (an inlined count, where `clone` would call the interpreter).
+            return Ok(unsafe {
+                incref(ptr);
+                Bound::from_owned_ptr(py, ptr)
+            });
         }
         let obj = self.interned(raw)?;
         let order = &mut self.state.orders[at].1;

@@ -1,7 +1,7 @@
 //! Thin binding types of `corewire._native`, one file per Python type.
 //!
 //! Modules depend on each other in one direction only:
-//! `decoder -> builder -> objects / frames / consts / torch -> ffi`; `registry`,
+//! `decoder -> builder -> objects / frames / consts / torch -> ffi / list / refcnt`; `registry`,
 //! `tracker`, `router` and `wire` stand alone over the core. [`register`] is the one
 //! place that puts names on the extension module.
 
@@ -16,7 +16,9 @@ mod consts;
 mod decoder;
 mod ffi;
 mod frames;
+mod list;
 mod objects;
+mod refcnt;
 mod torch;
 mod wire;
 

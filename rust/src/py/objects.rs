@@ -35,6 +35,8 @@ use pyo3::sync::PyOnceLock;
 use pyo3::types::{PyString, PyTuple, PyType};
 
 use super::ffi::reusable_array;
+use super::list::{self, set_item};
+use super::refcnt::{decref, incref};
 use crate::core::schema::{MessageSlots, OutputSlots};
 use crate::core::wire::{FieldType, MessageField, OutputField, WireStruct, LAYOUT_0_25_1};
 
@@ -74,7 +76,7 @@ fn token_int(py: Python<'_>, v: u32) -> PyResult<*mut ffi::PyObject> {
         let table = &mut *TOKEN_INTS.0.get();
         if let Some(&cached) = table.get(i) {
             if !cached.is_null() {
-                ffi::Py_INCREF(cached);
+                incref(cached);
                 return Ok(cached);
             }
         }
@@ -87,7 +89,7 @@ fn token_int(py: Python<'_>, v: u32) -> PyResult<*mut ffi::PyObject> {
                 table.resize((i + 1).next_power_of_two().max(1024), ptr::null_mut());
             }
             // The table keeps one reference for the life of the process.
-            ffi::Py_INCREF(obj);
+            incref(obj);
             table[i] = obj;
         }
         Ok(obj)
@@ -120,7 +122,7 @@ pub fn token_list<'py>(py: Python<'py>, ids: &[i128]) -> PyResult<Bound<'py, PyA
         _ => None,
     };
     // SAFETY: a pooled list is a list of length `n` that only the pool referenced; a new
-    // one from PyList_New has `n` NULL slots. Every slot is set below (PyList_SetItem
+    // one from PyList_New has `n` NULL slots. Every slot is set below (`set_item`
     // steals the new reference and releases the old item) before the list is used.
     unsafe {
         let list = match pooled {
@@ -132,7 +134,7 @@ pub fn token_list<'py>(py: Python<'py>, ids: &[i128]) -> PyResult<Bound<'py, PyA
                 Ok(small) => token_int(py, small)?,
                 Err(_) => int_object(py, v)?.into_ptr(),
             };
-            ffi::PyList_SetItem(list.as_ptr(), i as isize, item);
+            set_item(list.as_ptr(), i, item);
         }
         Ok(list)
     }
@@ -161,7 +163,7 @@ unsafe fn release_token_list(list: *mut ffi::PyObject) {
                 }
             }
         }
-        ffi::Py_DECREF(list);
+        decref(list);
     }
 }
 
@@ -282,7 +284,7 @@ fn zero_ptr() -> *mut ffi::PyObject {
 unsafe fn release(p: *mut ffi::PyObject) {
     if !p.is_null() && p != none_ptr() && p != zero_ptr() {
         // SAFETY: per the caller, `p` is an owned reference.
-        unsafe { ffi::Py_DECREF(p) }
+        unsafe { decref(p) }
     }
 }
 
@@ -311,7 +313,7 @@ fn store_slots<F: WireStruct, const N: usize>(
         if p == none {
             // A value that is None: fields never own None, so its reference goes.
             // SAFETY: an owned reference to None, given up here.
-            unsafe { ffi::Py_DECREF(p) };
+            unsafe { decref(p) };
         }
     }
     out
@@ -400,7 +402,7 @@ unsafe fn free_output(obj: *mut ffi::PyObject) {
         } else {
             ffi::PyObject_Free(obj.cast());
         }
-        ffi::Py_DECREF(ty.cast());
+        decref(ty.cast());
     }
 }
 
@@ -790,6 +792,7 @@ fn slot_order<F: WireStruct>() -> Vec<&'static str> {
 /// The `EngineCoreOutputs` and `EngineCoreOutput` types, created on first call (for the
 /// module to export; the decoder builds their instances).
 pub fn types(py: Python<'_>) -> PyResult<[&Py<PyType>; 2]> {
+    list::probe(py)?;
     if zero_ptr().is_null() {
         // Kept for the life of the process (this reference is never released).
         let zero = 0i32.into_pyobject(py)?.into_any().into_ptr();
