@@ -11,8 +11,10 @@ children inherit it) or, for the ``corewire engine`` command, with ``tests/`` on
 from __future__ import annotations
 
 import os
+from typing import Any
 
 from corewire.engine.reference import ReferenceEngine
+from corewire.engine.synthetic import SyntheticEngine
 from corewire.protocol import EngineCoreOutput, EngineCoreRequest
 
 #: Request ids that make :meth:`HookEngine.add_request` fail in a set way.
@@ -55,3 +57,42 @@ class HookEngine(ReferenceEngine):
             message, self._fail_next_step = self._fail_next_step, None
             raise RuntimeError(message)
         return super().step()
+
+
+class SessionEngine(SyntheticEngine):
+    """A synthetic engine that holds streaming-input sessions (``resumable`` requests:
+    nothing is generated until a request with the same id and ``resumable`` False comes)
+    and whose scheduler pauses (no steps until resumed)."""
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.sessions: set[str] = set()
+        self.paused = False
+
+    def add_request(self, request: EngineCoreRequest) -> None:
+        """Open (``resumable``) or close a session; the closing input generates."""
+        if request.resumable:
+            self.sessions.add(request.request_id)
+            return
+        self.sessions.discard(request.request_id)
+        super().add_request(request)
+
+    def has_unfinished_requests(self) -> bool:
+        """Open sessions count as unfinished."""
+        return bool(self.sessions) or super().has_unfinished_requests()
+
+    def step(self) -> list[EngineCoreOutput]:
+        """No tokens while paused."""
+        return [] if self.paused else super().step()
+
+    def pause_scheduler(self, mode: str = "abort", clear_cache: bool = True) -> None:
+        """Stop stepping until :meth:`resume_scheduler`."""
+        self.paused = True
+
+    def resume_scheduler(self) -> None:
+        """Step again."""
+        self.paused = False
+
+    def is_scheduler_paused(self) -> bool:
+        """Whether :meth:`pause_scheduler` is in effect."""
+        return self.paused

@@ -162,12 +162,16 @@ def test_an_engine_speaks_0_33_0_to_a_raw_front_end(front: FrontEnd) -> None:
             if out.finish_reason is not None:
                 pending.discard(out.request_id)
     assert stamps == {"default"} and tokens["new"] == tokens["old"] and len(tokens["new"]) == 3
-    # A refusal for the request's own fault: a validation error; none stamped.
+    # A refusal for the request's own fault: a validation error (its text in the error,
+    # stop_reason nil, as vLLM writes it); a message not from a step: not stamped.
     front.add(_request_0_33_0("bad", [1, 99999]))
-    (bad,) = front.collect(["bad"])["bad"]
-    assert bad.finish_reason == FinishReason.ERROR
+    refusal = front.recv()
+    (bad,) = refusal.outputs
+    assert refusal.weight_version is None and refusal.finished_requests == {"bad"}
+    assert bad.finish_reason == FinishReason.ERROR and bad.stop_reason is None
     assert bad.error.code == "validation_error" and bad.error.retryable is False
-    # pause_generation refuses new requests until resumed; "keep" refuses none.
+    assert "outside the vocabulary" in bad.error.message
+    # pause_generation refuses new requests until resumed.
     assert front.value("pause_generation", "abort", True) is None
     front.add(_request_0_33_0("paused", [5]))
     (paused,) = front.collect(["paused"])["paused"]
@@ -175,6 +179,12 @@ def test_an_engine_speaks_0_33_0_to_a_raw_front_end(front: FrontEnd) -> None:
     assert paused.stop_reason is None
     assert front.value("resume_scheduler") is None
     assert len(front.generate(_request_0_33_0("after", [5]))) == 3
+    # "keep" refuses none: the request waits for the resume, then runs.
+    assert front.value("pause_generation", "keep", False) is None
+    front.add(_request_0_33_0("kept", [5]))
+    assert front.value("resume_scheduler") is None
+    (kept,) = {o.finish_reason for o in front.collect(["kept"])["kept"] if o.finish_reason}
+    assert kept == FinishReason.LENGTH
     # The weight version is set and read by utilities, and stamped on later steps.
     assert front.value("set_weight_version", "w2") is None
     assert front.value("get_weight_version") == "w2"
@@ -188,6 +198,25 @@ def test_an_engine_speaks_0_33_0_to_a_raw_front_end(front: FrontEnd) -> None:
     assert seen == {"w2"}
     checksums = front.value("compute_weight_checksums")
     assert len(checksums) == 1 and all(k.startswith("dp0:pp0:pcp0:tp0:") for k in checksums[0])
+
+
+def test_a_paused_engine_takes_the_next_input_of_an_open_session(front: FrontEnd) -> None:
+    # vLLM 0.33.0 refuses only new work while generation is paused: a request the engine
+    # already holds (an open streaming-input session) goes on, and finishes after resume.
+    front.start_engine(engine="hook_engine:SessionEngine", protocol=V33)
+    front.wait_ready()
+    opening = _request_0_33_0("s", [5, 6])
+    opening.resumable = True
+    front.add(opening)
+    assert front.value("pause_generation", "wait", False) is None
+    front.add(_request_0_33_0("s", [7]))  # the session's last input
+    front.add(_request_0_33_0("new", [5]))  # new work: refused while paused
+    (refused,) = front.collect(["new"])["new"]
+    assert refused.error.code == "engine_paused"
+    assert front.value("resume_scheduler") is None
+    outs = front.collect(["s"])["s"]
+    assert all(o.error is None for o in outs) and outs[-1].finish_reason == FinishReason.LENGTH
+    assert sum(len(o.new_token_ids) for o in outs) == 3
 
 
 def test_a_0_25_1_engine_has_none_of_0_33_0s_utilities(ipc_dir: Path) -> None:

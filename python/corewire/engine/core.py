@@ -598,8 +598,14 @@ class EngineCoreProc:
                 request_id,
             )
             return
-        if self._refusing_new_requests() and not request.abort_immediately:
+        if (
+            self._refusing_new_requests()
+            and not request.abort_immediately
+            and request_id not in self._in_flight
+        ):
             # Generation is paused (0.33.0's pause_generation): retry later, says vLLM.
+            # The next input of an open streaming session (still in flight: duplicates
+            # were dropped above) is not new work, and goes on, as in vLLM.
             self._finish_with_error(request_id, request.client_index, None, error=PAUSED_ERROR)
             return
         limit = self._check_limits(request)
