@@ -182,14 +182,24 @@ class DPEngineCoreProc(EngineCoreProc):
 
     def _handle_add_engine_led(self, request: EngineCoreRequest) -> None:
         """An ADD under vLLM 0.33.0, whose front-ends send no first-request notices:
-        engines alone start waves. A paused engine that gets a request asks the
-        coordinator to wake the others, whichever wave the request names."""
+        engines alone start waves. An idle engine that took a request asks the
+        coordinator to wake the others, whichever wave the request names; a refused
+        request, or one queued behind a paused scheduler, starts none (as in vLLM)."""
         if request.current_wave > self.current_wave:
             self.current_wave = request.current_wave
-        if not self.engines_running:
+        super()._handle_add(request)
+        if (
+            not self.engines_running
+            and request.request_id in self._in_flight
+            and not self._scheduler_paused()
+        ):
             self.engines_running = True
             self._ask_for_wave(self.current_wave)
-        super()._handle_add(request)
+
+    def _scheduler_paused(self) -> bool:
+        """Whether the engine's scheduler is paused (False for an engine without one)."""
+        paused = getattr(self.engine, "is_scheduler_paused", None)
+        return bool(paused()) if callable(paused) else False
 
     def _handle_start_dp_wave(self, new_wave: int, exclude_engine_index: int) -> None:
         """START_DP_WAVE: join wave ``new_wave`` unless this engine is the excluded one."""
