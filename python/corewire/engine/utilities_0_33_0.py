@@ -121,7 +121,9 @@ class Utilities0330:
         """Release the KV cache's memory; only after a completed pause."""
         # A client awaits the pause's reply first (a "wait" pause replies once drained);
         # an engine that keeps a KV cache checks its own state in its own method.
-        if not self._engine("is_scheduler_paused")():
+        paused = self._engine("is_scheduler_paused")()
+        if not paused or self._proc.engine.has_unfinished_requests():
+            # A "wait" pause that has not drained is not complete either (vLLM's check).
             raise RuntimeError("release_kv_cache_memory() requires a completed pause first")
         own = getattr(self._proc.engine, "release_kv_cache_memory", None)
         return own() if callable(own) else None

@@ -68,17 +68,16 @@ def finish_output(
     error: RequestError | None = None,
 ) -> Any:
     """The output that finishes a request the engine never ran (refused or aborted):
-    no tokens, ``finish_reason``, corewire's ``stop_reason`` text, and (0.33.0 on) the
-    ``RequestError`` vLLM's front-end turns into 503/400/500. Under 0.25.1, which has no
-    error field, ``error`` is dropped."""
+    no tokens, ``finish_reason``, and either corewire's ``stop_reason`` text or (0.33.0
+    on) the ``RequestError`` vLLM's front-end turns into 503/400/500, whose message then
+    carries the text (``stop_reason`` nil, as vLLM's engine writes it). Under 0.25.1,
+    which has no error field, ``error`` is dropped."""
     if check_protocol(protocol) == V0_25_1 or error is None:
         return p.EngineCoreOutput(
             request_id, [], finish_reason=finish_reason, stop_reason=stop_reason
         )
     out_type = types_for(protocol)["EngineCoreOutput"]
-    return out_type(
-        request_id, [], finish_reason=finish_reason, stop_reason=stop_reason, error=error
-    )
+    return out_type(request_id, [], finish_reason=finish_reason, error=error)
 
 
 def output_converter(protocol: str | None) -> Callable[[Any], Any] | None:
