@@ -170,3 +170,14 @@ def test_other_vllm_versions_are_refused(installed: str) -> None:
         versions.protocol_for_vllm(installed)
     assert "vLLM version" in str(info.value) and "'0.33.0'" in str(info.value)
     assert info.value.version == installed
+
+
+def test_every_supported_version_has_its_behaviour_row() -> None:
+    # Version-dependent branches read these flags (corewire.versions.Behaviour): a version
+    # without a row, or an unsupported one, fails here rather than falling through an if.
+    rows = {v: versions.behaviour(v) for v in versions.SUPPORTED}
+    assert versions.behaviour(None) == rows[versions.DEFAULT]
+    assert not any(vars(rows["0.25.1"]).values())  # 0.25.1 is the baseline
+    assert all(vars(rows["0.33.0"]).values())  # 0.33.0 changed each of them
+    with pytest.raises(versions.UnsupportedProtocolError):
+        versions.behaviour("0.26.0")

@@ -97,7 +97,7 @@ from corewire.dp_messages import (
 )
 from corewire.ipcdir import make_private_dir
 from corewire.keygen import CurveAuthenticator, CurveServerKeys, apply_server
-from corewire.versions import V0_25_1, check_protocol
+from corewire.versions import behaviour, check_protocol
 
 __all__ = [
     "CoordinatorAddresses",
@@ -216,7 +216,7 @@ class CoordinatorState:
         if num_engines < 1:
             raise ValueError("a DP group needs at least one engine")
         #: Whether counts carry the KV cache's use (vLLM 0.33.0 on).
-        self.kv_cache_usage = check_protocol(protocol) != V0_25_1
+        self.kv_cache_usage = behaviour(protocol).counts_carry_kv_usage
         self.counts: list[list[Any]] = [self._idle() for _ in range(num_engines)]
         self.current_wave = 0
         self.engines_running = False

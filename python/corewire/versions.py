@@ -9,12 +9,16 @@ an installed vLLM's version string.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 __all__ = [
     "DEFAULT",
     "SUPPORTED",
     "V0_25_1",
     "V0_33_0",
+    "Behaviour",
     "UnsupportedProtocolError",
+    "behaviour",
     "check_protocol",
     "protocol_for_vllm",
     "unsupported_protocol",
@@ -45,6 +49,52 @@ def unsupported_protocol(version: object, what: str = "protocol") -> Unsupported
     return UnsupportedProtocolError(
         f"unsupported {what} {version!r}: corewire speaks vLLM {supported}", str(version)
     )
+
+
+@dataclass(frozen=True)
+class Behaviour:
+    """What one release's engines and front-ends do beyond their struct layouts
+    (docs/protocol.md §11). Every version-dependent branch outside the layout tables
+    (``corewire.layouts``, ``corewire.ready_layouts``) reads one of these flags, so a
+    further release is one more row, not a hunt through ``if`` statements."""
+
+    #: DP counts are ``[waiting, running, kv_cache_usage]`` (else ``[waiting, running]``),
+    #: and engines report the KV cache's use to the coordinator.
+    counts_carry_kv_usage: bool
+    #: Front-ends send no first-request notices: an idle engine that takes a request
+    #: starts the wave itself (else the front-end's notice starts it).
+    engine_led_waves: bool
+    #: Engines answer ``pause_generation`` (refusing new work with ``RequestError``),
+    #: weight versions, ``release_kv_cache_memory``, ``compute_weight_checksums``.
+    generation_pause_utilities: bool
+    #: Internal load balancing adds the KV-pressure term to an engine's waiting count.
+    kv_pressure_routing: bool
+    #: Internal load balancing keeps a streaming-input session on its engine and aborts
+    #: an open session on every engine.
+    session_affinity: bool
+
+
+_BEHAVIOUR = {
+    V0_25_1: Behaviour(
+        counts_carry_kv_usage=False,
+        engine_led_waves=False,
+        generation_pause_utilities=False,
+        kv_pressure_routing=False,
+        session_affinity=False,
+    ),
+    V0_33_0: Behaviour(
+        counts_carry_kv_usage=True,
+        engine_led_waves=True,
+        generation_pause_utilities=True,
+        kv_pressure_routing=True,
+        session_affinity=True,
+    ),
+}
+
+
+def behaviour(protocol: str | None) -> Behaviour:
+    """The :class:`Behaviour` of ``protocol`` (``None``: :data:`DEFAULT`)."""
+    return _BEHAVIOUR[check_protocol(protocol)]
 
 
 def check_protocol(protocol: str | None) -> str:

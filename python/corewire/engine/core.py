@@ -95,7 +95,7 @@ from corewire.protocol import (
     field_position,
     utility_failure_text,
 )
-from corewire.versions import V0_33_0, check_protocol
+from corewire.versions import behaviour, check_protocol
 
 __all__ = ["EngineCoreProc"]
 
@@ -269,7 +269,9 @@ class EngineCoreProc:
         self.engine_info = engine_info_of(engine)
         self._utility_defaults = UtilityDefaults(engine)
         # The utilities a 0.33.0 front-end calls that need this proc's own state.
-        self._protocol_utilities = Utilities0330(self) if self.protocol == V0_33_0 else None
+        self._protocol_utilities = (
+            Utilities0330(self) if behaviour(self.protocol).generation_pause_utilities else None
+        )
         #: Set once the ready response went out on every request link.
         self.ready_event = threading.Event()
         self.output_addresses = _address_list(output_address, "output")

@@ -54,7 +54,7 @@ from corewire.dp_messages import COORDINATOR_READY, XPUB_SUBSCRIBE, StartWave
 from corewire.engine.core import EngineCoreProc
 from corewire.engine.interface import Engine
 from corewire.protocol import REQUEST_START_DP_WAVE, EngineCoreRequest
-from corewire.versions import V0_25_1
+from corewire.versions import behaviour
 
 __all__ = ["VllmDPEngineCoreProc"]
 
@@ -152,7 +152,7 @@ class VllmDPEngineCoreProc(EngineCoreProc):
             return
         waiting = int(stats.get("num_waiting_reqs", 0))
         running = int(stats.get("num_running_reqs", 0))
-        if self.protocol == V0_25_1:
+        if not behaviour(self.protocol).counts_carry_kv_usage:
             counts: tuple[int, ...] = (waiting, running, self.current_wave)
             report = {
                 "num_running_reqs": running,

@@ -16,6 +16,8 @@ import logging
 import os
 from typing import Any
 
+from corewire.versions import SUPPORTED
+
 __all__ = ["ENV_SWITCH", "PLUGIN_VLLM_VERSIONS", "check_vllm_version", "enabled", "register"]
 
 # Under vLLM's logger namespace: its handlers (and level) show this in the server's log.
@@ -41,8 +43,9 @@ def enabled() -> bool:
 
 
 #: The vLLM releases whose ``AsyncLLM`` the plugin's client is built and tested for (each
-#: with its own client classes: ``corewire.vllm.client.client_classes``).
-PLUGIN_VLLM_VERSIONS = ("0.25.1", "0.33.0")
+#: with its own client classes: ``corewire.vllm.client.client_classes``): every release
+#: corewire speaks.
+PLUGIN_VLLM_VERSIONS = SUPPORTED
 
 
 def check_vllm_version(version: str) -> None:
