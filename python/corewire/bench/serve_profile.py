@@ -51,6 +51,8 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
             "corewire/codec.py",
             "corewire/vllm/client.py",
             "corewire/vllm/dp_client.py",
+            "corewire/vllm/v0_33_0.py",
+            "corewire/vllm/releases.py",
             "zmq/",
             "msgspec/",
         ),
