@@ -29,17 +29,9 @@ from typing import Any, TypeVar
 
 import pytest
 
-# scripts/test sets COREWIRE_REQUIRE_VLLM=0.33.0 in the 0.33.0 environment: there a missing
-# or broken vLLM must fail the step, not skip it.
-_REQUIRED = os.environ.get("COREWIRE_REQUIRE_VLLM")
-if _REQUIRED:
-    import vllm
-else:
-    vllm = pytest.importorskip("vllm")
-if vllm.__version__.split("+")[0] != "0.33.0":
-    if _REQUIRED:
-        raise RuntimeError(f"COREWIRE_REQUIRE_VLLM={_REQUIRED}, found vLLM {vllm.__version__}")
-    pytest.skip(f"needs vLLM 0.33.0 (found {vllm.__version__})", allow_module_level=True)
+from vllm_0_33_0_gate import require_vllm_0_33_0
+
+vllm = require_vllm_0_33_0()
 
 import msgspec  # noqa: E402
 import numpy as np  # noqa: E402

@@ -30,15 +30,9 @@ from typing import Any
 
 import pytest
 
-_REQUIRED = os.environ.get("COREWIRE_REQUIRE_VLLM")
-if _REQUIRED:
-    import vllm
-else:
-    vllm = pytest.importorskip("vllm")
-if vllm.__version__.split("+")[0] != "0.33.0":
-    if _REQUIRED:
-        raise RuntimeError(f"COREWIRE_REQUIRE_VLLM={_REQUIRED}, found vLLM {vllm.__version__}")
-    pytest.skip(f"needs vLLM 0.33.0 (found {vllm.__version__})", allow_module_level=True)
+from vllm_0_33_0_gate import require_vllm_0_33_0
+
+vllm = require_vllm_0_33_0()
 
 import msgspec  # noqa: E402
 import zmq  # noqa: E402

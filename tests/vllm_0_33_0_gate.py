@@ -1,0 +1,31 @@
+"""The gate of the test modules that need vLLM 0.33.0 itself (``test_vllm_0_33_0_*.py``).
+
+``scripts/test`` runs those modules a second time in a cached environment with vLLM
+0.33.0 and ``COREWIRE_REQUIRE_VLLM=0.33.0``: there a missing or other vLLM must fail the
+step, not skip it. Elsewhere (the main environment, vLLM 0.25.1) they skip.
+"""
+
+from __future__ import annotations
+
+import os
+from types import ModuleType
+
+import pytest
+
+#: The release these modules test against.
+RELEASE = "0.33.0"
+
+
+def require_vllm_0_33_0() -> ModuleType:
+    """The imported ``vllm`` module if it is release 0.33.0; otherwise skip the calling
+    module (call at module level), or raise where ``COREWIRE_REQUIRE_VLLM`` is set."""
+    required = os.environ.get("COREWIRE_REQUIRE_VLLM")
+    if required:
+        import vllm
+    else:
+        vllm = pytest.importorskip("vllm")
+    if vllm.__version__.split("+")[0] != RELEASE:
+        if required:
+            raise RuntimeError(f"COREWIRE_REQUIRE_VLLM={required}, found vLLM {vllm.__version__}")
+        pytest.skip(f"needs vLLM {RELEASE} (found {vllm.__version__})", allow_module_level=True)
+    return vllm
