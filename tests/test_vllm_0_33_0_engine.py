@@ -31,7 +31,6 @@ from vllm_0_33_0_gate import require_vllm_0_33_0
 vllm = require_vllm_0_33_0()
 
 import msgspec  # noqa: E402
-import numpy as np  # noqa: E402
 import torch  # noqa: E402
 from vllm.v1.engine import EngineCoreOutputs, EngineCoreReadyResponse, FinishReason  # noqa: E402
 from vllm.v1.serial_utils import MsgpackDecoder, MsgpackEncoder  # noqa: E402
@@ -40,11 +39,14 @@ from corewire.engine.reference import ReferenceEngine  # noqa: E402
 from corewire.protocol import EngineCoreRequestType  # noqa: E402
 from engine_support import LIGHT_REFERENCE, FrontEnd  # noqa: E402
 from vllm_client_support import (  # noqa: E402
+    SEEDED_PROMPT,
+    SEEDED_SAMPLING,
     Stack,
     abort_mid_request,
     assert_fatal_error_reaches_client_as_engine_dead,
     assert_greedy_generation_matches_reference,
     assert_prompt_logprobs_match_reference,
+    assert_seeded_sampling_matches_reference,
     client_stack,
     collect,
     collect_after,
@@ -52,7 +54,7 @@ from vllm_client_support import (  # noqa: E402
     generate,
     tokens,
 )
-from vllm_support import ENGINE_ARGS, offline_environment, reference_run, vllm_request  # noqa: E402
+from vllm_support import ENGINE_ARGS, offline_environment, vllm_request  # noqa: E402
 
 offline_environment()
 
@@ -94,26 +96,7 @@ def test_greedy_generation_matches_the_reference_engine(stack: Stack) -> None:
 
 
 def test_seeded_sampling_with_logprobs_matches_the_reference_engine(stack: Stack) -> None:
-    prompt = [11, 12, 13, 14]
-    sp = {
-        "temperature": 0.8,
-        "top_k": 50,
-        "top_p": 0.9,
-        "seed": 1234,
-        "min_tokens": 3,
-        "max_tokens": 12,
-        "ignore_eos": True,
-        "logprobs": 3,
-    }
-    (expected_tokens, expected_lps) = reference_run([("s", prompt, sp)])["s"]
-    first = stack.run(generate(stack.client, [vllm_request("s1", prompt, **sp)]))["s1"]
-    again = stack.run(generate(stack.client, [vllm_request("s2", prompt, **sp)]))["s2"]
-    assert tokens(first) == tokens(again) == expected_tokens
-    for out, want in zip(first, expected_lps, strict=True):
-        lp = out.new_logprobs
-        assert lp.logprob_token_ids.shape == lp.logprobs.shape == (1, 4)
-        assert lp.logprob_token_ids[0, 0] == out.new_token_ids[0]
-        np.testing.assert_allclose(lp.logprobs, want, rtol=1e-5)
+    assert_seeded_sampling_matches_reference(stack, SEEDED_PROMPT, SEEDED_SAMPLING)
 
 
 def test_prompt_logprobs_arrive_as_vllms_five_element_tensors(stack: Stack) -> None:

@@ -18,7 +18,6 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import pytest
 import torch
 
@@ -34,11 +33,14 @@ from vllm.lora.request import LoRARequest  # noqa: E402
 from vllm.v1.engine import FinishReason  # noqa: E402
 
 from vllm_client_support import (  # noqa: E402
+    SEEDED_PROMPT,
+    SEEDED_SAMPLING,
     Stack,
     abort_mid_request,
     assert_fatal_error_reaches_client_as_engine_dead,
     assert_greedy_generation_matches_reference,
     assert_prompt_logprobs_match_reference,
+    assert_seeded_sampling_matches_reference,
     client_stack,
     collect,
     collect_after,
@@ -92,31 +94,15 @@ def _stopping_token(prompt: list[int], sp: dict[str, Any]) -> int:
 
 
 def test_seeded_sampling_with_every_parameter_and_logprobs(stack: Stack) -> None:
-    prompt = [11, 12, 13, 14]
-    base = {
-        "temperature": 0.8,
-        "top_k": 50,
-        "top_p": 0.9,
-        "seed": 1234,
-        "min_tokens": 3,
-        "max_tokens": 12,
-        "ignore_eos": True,
-        "logprobs": 3,
-    }
+    prompt, base = SEEDED_PROMPT, SEEDED_SAMPLING
     stop = _stopping_token(prompt, base)
     sp = {**base, "stop_token_ids": [stop]}
-    (expected_tokens, expected_lps) = reference_run([("s", prompt, sp)])["s"]
-    first = stack.run(generate(stack.client, [vllm_request("s1", prompt, **sp)]))["s1"]
-    again = stack.run(generate(stack.client, [vllm_request("s2", prompt, **sp)]))["s2"]
-    assert tokens(first) == tokens(again) == expected_tokens
+    first, expected_tokens = assert_seeded_sampling_matches_reference(stack, prompt, sp)
     assert first[-1].finish_reason == FinishReason.STOP and first[-1].stop_reason == stop
     assert len(expected_tokens) < sp["max_tokens"]
-    # vLLM's LogprobsLists per output: the sampled token first, then the top 3.
-    for out, want in zip(first, expected_lps, strict=True):
+    # vLLM's LogprobsLists per output also ranks the sampled token.
+    for out in first:
         lp = out.new_logprobs
-        assert lp.logprob_token_ids.shape == lp.logprobs.shape == (1, 4)
-        assert lp.logprob_token_ids[0, 0] == out.new_token_ids[0]
-        np.testing.assert_allclose(lp.logprobs, want, rtol=1e-5)
         assert lp.sampled_token_ranks.shape == (1,) and lp.sampled_token_ranks[0] >= 1
 
 

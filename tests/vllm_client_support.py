@@ -9,6 +9,7 @@ modules that test either vLLM release's client against the engine
 - :func:`collect`, :func:`collect_messages`, :func:`generate`, :func:`collect_after`,
   :func:`tokens`: sending requests through that client and gathering their outputs.
 - :func:`abort_mid_request`, :func:`assert_greedy_generation_matches_reference`,
+  :func:`assert_seeded_sampling_matches_reference`,
   :func:`assert_prompt_logprobs_match_reference`,
   :func:`assert_fatal_error_reaches_client_as_engine_dead`: the checks both releases'
   clients must pass the same way.
@@ -28,6 +29,7 @@ from collections.abc import Awaitable, Iterator
 from pathlib import Path
 from typing import Any, TypeVar
 
+import numpy as np
 import pytest
 import torch
 
@@ -43,6 +45,19 @@ from vllm_support import (
 )
 
 T = TypeVar("T")
+#: A seeded request that uses every sampling parameter both releases share, with
+#: logprobs (its prompt: :data:`SEEDED_PROMPT`).
+SEEDED_SAMPLING: dict[str, Any] = {
+    "temperature": 0.8,
+    "top_k": 50,
+    "top_p": 0.9,
+    "seed": 1234,
+    "min_tokens": 3,
+    "max_tokens": 12,
+    "ignore_eos": True,
+    "logprobs": 3,
+}
+SEEDED_PROMPT = [11, 12, 13, 14]
 #: How long one call on the client's loop may take.
 CALL_TIMEOUT_S = 30.0
 
@@ -254,6 +269,24 @@ def assert_greedy_generation_matches_reference(stack: Stack) -> dict[str, list[A
         assert outs[rid][-1].finish_reason == FinishReason.LENGTH
         assert all(o.finish_reason is None for o in outs[rid][:-1])
     return outs
+
+
+def assert_seeded_sampling_matches_reference(
+    stack: Stack, prompt: list[int], sp: dict[str, Any]
+) -> tuple[list[Any], list[int]]:
+    """Two runs of the seeded request ``sp`` (asking 3 logprobs) through the client give
+    the reference engine's tokens, and each output the reference's logprob row (the
+    sampled token first, then the top 3); the first run's outputs and those tokens."""
+    (expected_tokens, expected_lps) = reference_run([("s", prompt, sp)])["s"]
+    first = stack.run(generate(stack.client, [vllm_request("s1", prompt, **sp)]))["s1"]
+    again = stack.run(generate(stack.client, [vllm_request("s2", prompt, **sp)]))["s2"]
+    assert tokens(first) == tokens(again) == expected_tokens
+    for out, want in zip(first, expected_lps, strict=True):
+        lp = out.new_logprobs
+        assert lp.logprob_token_ids.shape == lp.logprobs.shape == (1, 4)
+        assert lp.logprob_token_ids[0, 0] == out.new_token_ids[0]
+        np.testing.assert_allclose(lp.logprobs, want, rtol=1e-5)
+    return first, expected_tokens
 
 
 def assert_prompt_logprobs_match_reference(lp: Any, rid: str, prompt: list[int], n: int) -> None:
