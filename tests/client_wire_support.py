@@ -22,7 +22,7 @@ import msgspec
 import zmq
 
 from corewire.coordinator import CoordinatorAddresses
-from corewire.protocol import engine_identity
+from corewire.protocol import REQUEST_ADD, engine_identity
 from dp_support import Sockets
 
 
@@ -59,6 +59,13 @@ class EnginePeer:
         frames = self.recv(timeout)
         assert frames[0] == b"\x03", frames[0]
         return msgspec.msgpack.decode(frames[1])
+
+    def recv_add(self, timeout: float = 10.0) -> list[bytes]:
+        """The next message, which must be an ADD: its frames after the type
+        (``[payload, *aux]``)."""
+        frames = self.recv(timeout)
+        assert frames[0] == REQUEST_ADD, frames[0]
+        return frames[1:]
 
     def send(self, frames: Sequence[Any]) -> None:
         """Push one output message (``[payload, *aux]``) to the client."""

@@ -33,7 +33,7 @@ from corewire import AsyncMPClient, DPAsyncMPClient, DPLBAsyncMPClient, SyncMPCl
 from corewire import protocol as p
 from corewire.client.wire_requests import to_0_33_0
 from corewire.codec import Encoder
-from corewire.protocol import REQUEST_ADD, FinishReason, UtilityOutput, UtilityResult
+from corewire.protocol import FinishReason, UtilityOutput, UtilityResult
 from dp_support import Sockets, coordinator_addresses, wait_for
 from golden_0_33_0_requests_support import expected_requests, request_frames
 from golden_0_33_0_support import DATA
@@ -111,12 +111,6 @@ OLD_STRUCT_CASES = {
 }
 
 
-def _received_add(peer: EnginePeer) -> list[bytes]:
-    frames = peer.recv()
-    assert frames[0] == REQUEST_ADD
-    return frames[1:]
-
-
 async def test_async_client_writes_0_33_0_requests(ipc_dir: Path, sockets: Sockets) -> None:
     addresses = client_addresses(ipc_dir)
     peer = EnginePeer(sockets, addresses)
@@ -127,14 +121,14 @@ async def test_async_client_writes_0_33_0_requests(ipc_dir: Path, sockets: Socke
             request = build()
             await client.add_request_async(request)
             assert type(request) is p.EngineCoreRequest
-            assert _received_add(peer) == request_frames(case), case
+            assert peer.recv_add() == request_frames(case), case
         # A 0.33.0 struct: written as is (vLLM's own golden requests, decoded).
         for case in sorted(expected_requests()):
             request = layouts.request_decoder("0.33.0").decode(request_frames(case))
             if request.client_index != client.client_index:
                 continue  # stamped by the client: covered by the sync test below
             await client.add_request_async(request)
-            assert _received_add(peer) == request_frames(case), case
+            assert peer.recv_add() == request_frames(case), case
     finally:
         client.shutdown()
 
@@ -149,12 +143,12 @@ def test_sync_client_writes_0_33_0_requests(ipc_dir: Path, sockets: Sockets) -> 
     try:
         request = layouts.request_decoder("0.33.0").decode(request_frames("openai_default"))
         client.add_request(request)
-        assert _received_add(peer) == request_frames("openai_default")
+        assert peer.recv_add() == request_frames("openai_default")
         request = OLD_STRUCT_CASES["plain"]()
         client.add_request(request)
         want = layouts.request_decoder("0.33.0").decode(request_frames("plain"))
         want.client_index = 1
-        assert _received_add(peer) == encode_0_33_0(want)
+        assert peer.recv_add() == encode_0_33_0(want)
     finally:
         client.shutdown()
 
@@ -228,7 +222,7 @@ async def test_a_0_25_1_client_is_unchanged(ipc_dir: Path, sockets: Sockets) -> 
     try:
         request = OLD_STRUCT_CASES["plain"]()
         await client.add_request_async(request)
-        frames = _received_add(peer)
+        frames = peer.recv_add()
         assert frames == [bytes(f) for f in Encoder().encode(request)]
         assert frames[0][:3] == b"\xdc\x00\x14"  # 20 fields
         with pytest.raises(TypeError, match=r"0\.33\.0"):
@@ -327,7 +321,7 @@ async def test_request_error_reaches_the_caller(ipc_dir: Path, sockets: Sockets)
     client = AsyncMPClient(client_addresses=addresses, protocol="0.33.0", ready_timeout=10)
     try:
         await client.add_request_async(_request_0_25_1("req-err"))
-        _received_add(peer)
+        peer.recv_add()
         peer.send(golden_output("error"))
         outputs = await asyncio.wait_for(client.get_output_async(), 10)
         (out,) = outputs.outputs
@@ -392,7 +386,7 @@ async def test_dp_first_request_notices(ipc_dir: Path, sockets: Sockets, protoco
     )
     try:
         await client.add_request_async(_request_0_25_1("r1", current_wave=0))
-        frames = _received_add(peer)
+        frames = peer.recv_add()
         assert frames[0][:3] == (b"\xdc\x00\x16" if protocol == "0.33.0" else b"\xdc\x00\x14")
         await asyncio.to_thread(coordinator.wait_subscribed)
         sent = await asyncio.to_thread(coordinator.messages)
@@ -443,7 +437,7 @@ async def test_dplb_follows_vllm_0_33_0s_kv_pressure_rule(ipc_dir: Path, sockets
             await _publish_and_wait(client, coordinator, [[2, 0, 0.9], [3, 0, 0.1]])
             await client.add_request_async(_request_0_25_1(f"kv-{protocol}"))
             assert client.reqs_in_flight == {f"kv-{protocol}": want}
-            _received_add(peers[want])
+            peers[want].recv_add()
         finally:
             client.shutdown()
 
@@ -454,7 +448,7 @@ async def test_dplb_forgets_a_request_that_failed_with_an_error(
     client, peers, _ = _dplb(ipc_dir, sockets, "0.33.0")
     try:
         await client.add_request_async(_request_0_25_1("req-err", data_parallel_rank=1))
-        _received_add(peers[1])
+        peers[1].recv_add()
         assert client.reqs_in_flight == {"req-err": 1}
         assert client.router.in_flight() == [0, 1]
         peers[1].send(golden_output("error"))
@@ -489,12 +483,12 @@ async def test_dplb_streaming_session_affinity(
         await client.add_request_async(
             _request_0_25_1("sess", resumable=True, data_parallel_rank=1)
         )
-        _received_add(peers[1])
+        peers[1].recv_add()
         await client.add_request_async(
             _request_0_25_1("sess", resumable=True, data_parallel_rank=0)
         )
         second = 1 if protocol == "0.33.0" else 0
-        _received_add(peers[second])
+        peers[second].recv_add()
         assert client.reqs_in_flight["sess"] == second
         assert client.streaming_reqs == ({"sess"} if protocol == "0.33.0" else set())
         await client.abort_requests_async(["sess"])
