@@ -28,7 +28,7 @@ import msgspec
 import pytest
 import torch
 
-from client_wire_support import CoordinatorPeer, EnginePeer, client_addresses
+from client_wire_support import CoordinatorPeer, EnginePeer, client_addresses, client_and_peer
 from corewire import AsyncMPClient, DPAsyncMPClient, DPLBAsyncMPClient, SyncMPClient, layouts
 from corewire import protocol as p
 from corewire.client.wire_requests import to_0_33_0
@@ -112,10 +112,7 @@ OLD_STRUCT_CASES = {
 
 
 async def test_async_client_writes_0_33_0_requests(ipc_dir: Path, sockets: Sockets) -> None:
-    addresses = client_addresses(ipc_dir)
-    peer = EnginePeer(sockets, addresses)
-    client = AsyncMPClient(client_addresses=addresses, protocol="0.33.0", ready_timeout=10)
-    try:
+    with client_and_peer(ipc_dir, sockets, AsyncMPClient, protocol="0.33.0") as (client, peer):
         # A 0.25.1 struct: converted once, by field name (the caller's object untouched).
         for case, build in OLD_STRUCT_CASES.items():
             request = build()
@@ -129,18 +126,14 @@ async def test_async_client_writes_0_33_0_requests(ipc_dir: Path, sockets: Socke
                 continue  # stamped by the client: covered by the sync test below
             await client.add_request_async(request)
             assert peer.recv_add() == request_frames(case), case
-    finally:
-        client.shutdown()
 
 
 def test_sync_client_writes_0_33_0_requests(ipc_dir: Path, sockets: Sockets) -> None:
-    addresses = client_addresses(ipc_dir)
-    peer = EnginePeer(sockets, addresses)
     # openai_default was sent by client 1.
-    client = SyncMPClient(
-        client_addresses=addresses, protocol="0.33.0", client_index=1, ready_timeout=10
-    )
-    try:
+    with client_and_peer(ipc_dir, sockets, SyncMPClient, protocol="0.33.0", client_index=1) as (
+        client,
+        peer,
+    ):
         request = layouts.request_decoder("0.33.0").decode(request_frames("openai_default"))
         client.add_request(request)
         assert peer.recv_add() == request_frames("openai_default")
@@ -149,8 +142,6 @@ def test_sync_client_writes_0_33_0_requests(ipc_dir: Path, sockets: Sockets) -> 
         want = layouts.request_decoder("0.33.0").decode(request_frames("plain"))
         want.client_index = 1
         assert peer.recv_add() == encode_0_33_0(want)
-    finally:
-        client.shutdown()
 
 
 def test_sampling_params_whose_bytes_differ_are_rebuilt_as_0_33_0s() -> None:
@@ -185,10 +176,7 @@ def test_sampling_params_whose_bytes_differ_are_rebuilt_as_0_33_0s() -> None:
 
 
 async def test_add_lora_and_lora_refusals(ipc_dir: Path, sockets: Sockets) -> None:
-    addresses = client_addresses(ipc_dir)
-    peer = EnginePeer(sockets, addresses)
-    client = AsyncMPClient(client_addresses=addresses, protocol="0.33.0", ready_timeout=10)
-    try:
+    with client_and_peer(ipc_dir, sockets, AsyncMPClient, protocol="0.33.0") as (client, peer):
         lora = layouts.LoRARequest("a", 1, "/p")
         call = asyncio.ensure_future(client.add_lora_async(lora))
         _, call_id, method, args = await asyncio.to_thread(peer.recv_utility)
@@ -211,15 +199,10 @@ async def test_add_lora_and_lora_refusals(ipc_dir: Path, sockets: Sockets) -> No
         assert to_0_33_0(other) is other
         with pytest.raises(TypeError, match="cannot be sent"):
             await client.add_request_async(p.SamplingParams(max_tokens=1))  # type: ignore[arg-type]
-    finally:
-        client.shutdown()
 
 
 async def test_a_0_25_1_client_is_unchanged(ipc_dir: Path, sockets: Sockets) -> None:
-    addresses = client_addresses(ipc_dir)
-    peer = EnginePeer(sockets, addresses)
-    client = AsyncMPClient(client_addresses=addresses, ready_timeout=10)
-    try:
+    with client_and_peer(ipc_dir, sockets, AsyncMPClient) as (client, peer):
         request = OLD_STRUCT_CASES["plain"]()
         await client.add_request_async(request)
         frames = peer.recv_add()
@@ -233,18 +216,13 @@ async def test_a_0_25_1_client_is_unchanged(ipc_dir: Path, sockets: Sockets) -> 
         assert len(args[0]) == 7  # 0.25.1's layout
         peer.send(reply_frames(call_id, True))
         assert await call is True
-    finally:
-        client.shutdown()
 
 
 # -- call id -2 -------------------------------------------------------------------------
 
 
 async def test_async_client_keeps_each_engines_status(ipc_dir: Path, sockets: Sockets) -> None:
-    addresses = client_addresses(ipc_dir)
-    peer = EnginePeer(sockets, addresses)
-    client = AsyncMPClient(client_addresses=addresses, protocol="0.33.0", ready_timeout=10)
-    try:
+    with client_and_peer(ipc_dir, sockets, AsyncMPClient, protocol="0.33.0") as (client, peer):
         assert client.engine_status == {}
         call = asyncio.ensure_future(client.call_utility_async("is_sleeping"))
         _, call_id, _, _ = await asyncio.to_thread(peer.recv_utility)
@@ -272,17 +250,12 @@ async def test_async_client_keeps_each_engines_status(ipc_dir: Path, sockets: So
         await wait_for_async(lambda: 3 in client.engine_status)
         assert client.engine_status[0] == {"id": 0, "status": "healthy"}
         assert not client.engine_dead
-    finally:
-        client.shutdown()
 
 
 def test_sync_client_drops_and_counts_statuses(
     ipc_dir: Path, sockets: Sockets, caplog: pytest.LogCaptureFixture
 ) -> None:
-    addresses = client_addresses(ipc_dir)
-    peer = EnginePeer(sockets, addresses)
-    client = SyncMPClient(client_addresses=addresses, protocol="0.33.0", ready_timeout=10)
-    try:
+    with client_and_peer(ipc_dir, sockets, SyncMPClient, protocol="0.33.0") as (client, peer):
         with caplog.at_level(logging.WARNING, logger="corewire.client"):
             peer.send(golden_output("ft_status"))
             peer.send(status_frames(0, {"id": 0, "status": "unhealthy", "fault_info": "E"}))
@@ -299,8 +272,6 @@ def test_sync_client_drops_and_counts_statuses(
         assert result == [1]
         assert client.outputs_queue.empty()
         assert not client.engine_dead
-    finally:
-        client.shutdown()
 
 
 async def wait_for_async(predicate: Any, timeout: float = 10.0) -> None:
@@ -316,10 +287,7 @@ async def wait_for_async(predicate: Any, timeout: float = 10.0) -> None:
 
 
 async def test_request_error_reaches_the_caller(ipc_dir: Path, sockets: Sockets) -> None:
-    addresses = client_addresses(ipc_dir)
-    peer = EnginePeer(sockets, addresses)
-    client = AsyncMPClient(client_addresses=addresses, protocol="0.33.0", ready_timeout=10)
-    try:
+    with client_and_peer(ipc_dir, sockets, AsyncMPClient, protocol="0.33.0") as (client, peer):
         await client.add_request_async(_request_0_25_1("req-err"))
         peer.recv_add()
         peer.send(golden_output("error"))
@@ -336,8 +304,6 @@ async def test_request_error_reaches_the_caller(ipc_dir: Path, sockets: Sockets)
         peer.send(golden_output("error_validation"))
         (bad,) = (await asyncio.wait_for(client.get_output_async(), 10)).outputs
         assert (bad.error.code, bad.error.retryable) == ("validation_error", False)
-    finally:
-        client.shutdown()
 
 
 # -- data parallel --------------------------------------------------------------------

@@ -37,7 +37,7 @@ from vllm.sampling_params import SamplingParams  # noqa: E402
 from vllm.v1 import engine as E  # noqa: E402
 from vllm.v1.serial_utils import MsgpackDecoder, MsgpackEncoder  # noqa: E402
 
-from client_wire_support import EnginePeer, client_addresses  # noqa: E402
+from client_wire_support import EnginePeer, client_addresses, client_and_peer  # noqa: E402
 from corewire import (  # noqa: E402
     AsyncMPClient,
     DPAsyncMPClient,
@@ -153,10 +153,7 @@ def _read_back(frames: list[bytes]) -> E.EngineCoreRequest:
 
 
 async def test_async_client_requests_are_vllm_0_33_0s(ipc_dir: Path, sockets: Sockets) -> None:
-    addresses = client_addresses(ipc_dir)
-    peer = EnginePeer(sockets, addresses)
-    client = AsyncMPClient(client_addresses=addresses, protocol="0.33.0", ready_timeout=10)
-    try:
+    with client_and_peer(ipc_dir, sockets, AsyncMPClient, protocol="0.33.0") as (client, peer):
         for name, build in CASES.items():
             theirs, ours = build()
             want = vllm_frames(theirs)
@@ -172,17 +169,13 @@ async def test_async_client_requests_are_vllm_0_33_0s(ipc_dir: Path, sockets: So
             # vLLM's own request object, as vLLM's AsyncLLM hands it to the plugin's client
             await client.add_request_async(theirs)
             assert peer.recv_add() == want, name
-    finally:
-        client.shutdown()
 
 
 def test_sync_client_requests_are_vllm_0_33_0s(ipc_dir: Path, sockets: Sockets) -> None:
-    addresses = client_addresses(ipc_dir)
-    peer = EnginePeer(sockets, addresses)
-    client = SyncMPClient(
-        client_addresses=addresses, protocol="0.33.0", client_index=2, ready_timeout=10
-    )
-    try:
+    with client_and_peer(ipc_dir, sockets, SyncMPClient, protocol="0.33.0", client_index=2) as (
+        client,
+        peer,
+    ):
         for name in ("sampling-stops", "lora", "embeds-aux"):
             theirs, ours = CASES[name]()
             theirs.client_index = 2  # vLLM's client stamps it too
@@ -190,15 +183,10 @@ def test_sync_client_requests_are_vllm_0_33_0s(ipc_dir: Path, sockets: Sockets) 
             got = peer.recv_add()
             assert got == vllm_frames(theirs), name
             assert _read_back(got).client_index == 2
-    finally:
-        client.shutdown()
 
 
 async def test_add_lora_argument_reads_as_vllm_0_33_0s(ipc_dir: Path, sockets: Sockets) -> None:
-    addresses = client_addresses(ipc_dir)
-    peer = EnginePeer(sockets, addresses)
-    client = AsyncMPClient(client_addresses=addresses, protocol="0.33.0", ready_timeout=10)
-    try:
+    with client_and_peer(ipc_dir, sockets, AsyncMPClient, protocol="0.33.0") as (client, peer):
         call = asyncio.ensure_future(
             client.add_lora_async(layouts.LoRARequest("a", 2, "/p", "base", None, True))
         )
@@ -218,8 +206,6 @@ async def test_add_lora_argument_reads_as_vllm_0_33_0s(ipc_dir: Path, sockets: S
         assert msgspec.convert(args[0], LoRARequest) == theirs
         peer.send(_vllm_reply(call_id, True))
         assert await call is True
-    finally:
-        client.shutdown()
 
 
 def _vllm_reply(call_id: int, value: Any) -> list[bytes]:
@@ -284,18 +270,13 @@ async def test_async_clients_keep_engine_status(ipc_dir: Path, sockets: Sockets)
 
 
 def test_sync_client_drops_engine_status(ipc_dir: Path, sockets: Sockets) -> None:
-    addresses = client_addresses(ipc_dir)
-    peer = EnginePeer(sockets, addresses)
-    client = SyncMPClient(client_addresses=addresses, protocol="0.33.0", ready_timeout=10)
-    try:
+    with client_and_peer(ipc_dir, sockets, SyncMPClient, protocol="0.33.0") as (client, peer):
         peer.send(_status(0, "unhealthy", "ValueError"))
         peer.send(_status(0, "healthy"))
         wait_for(lambda: client.ft_status_dropped == 2, what="dropped statuses")
         client.add_request(_corewire("after", sampling_params=p.SamplingParams()))
         peer.recv_add()
         assert not client.engine_dead and client.outputs_queue.empty()
-    finally:
-        client.shutdown()
 
 
 # -- the error field -----------------------------------------------------------------
