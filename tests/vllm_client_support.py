@@ -38,6 +38,7 @@ from corewire.engine.reference import ReferenceEngine
 from vllm_support import (
     ENGINE_ARGS,
     EngineProcs,
+    close_client,
     reference_run,
     vllm_config,
     vllm_request,
@@ -124,12 +125,7 @@ def client_stack(
             client = loop.run_until_complete(make())
             yield Stack(client, loop, engines, config, profile_dir)
         finally:
-            if client is not None:
-                client.shutdown()
-                loop.run_until_complete(asyncio.sleep(0))
-                # vLLM's client leaves its ZeroMQ context to the process exit.
-                client.resources.ctx.destroy(linger=0)
-            loop.close()
+            close_client(client, loop)
             codes = engines.stop()
             leak_allowed.clear()
         assert codes == [0], engines.logs()
@@ -242,11 +238,7 @@ def assert_fatal_error_reaches_client_as_engine_dead(
     try:
         loop.run_until_complete(asyncio.wait_for(scenario(), CALL_TIMEOUT_S))
     finally:
-        if client is not None:
-            client.shutdown()
-            loop.run_until_complete(asyncio.sleep(0))
-            client.resources.ctx.destroy(linger=0)
-        loop.close()
+        close_client(client, loop)
         try:
             code = proc.wait(20)  # the engine leaves by itself after ENGINE_CORE_DEAD
         finally:

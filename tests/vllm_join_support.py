@@ -34,6 +34,7 @@ from dp_support import free_tcp_port
 from vllm_support import (
     ENGINE_ARGS,
     EngineProcs,
+    close_client,
     reference_run,
     vllm_config,
     vllm_request,
@@ -115,12 +116,7 @@ class Joining:
 
             return loop.run_until_complete(asyncio.wait_for(main(), self.timeout_s))
         finally:
-            if client is not None:
-                client.shutdown()
-                loop.run_until_complete(asyncio.sleep(0))
-                # vLLM's client leaves its ZeroMQ context to the process exit.
-                client.resources.ctx.destroy(linger=0)
-            loop.close()
+            close_client(client, loop)
             codes = engines.stop()
             assert codes == [0] * len(codes), engines.logs()
 

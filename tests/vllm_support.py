@@ -12,12 +12,15 @@ front-end classes (imported only by modules that skip without vllm).
   the expected tokens and logprobs of a run behind vLLM.
 - :func:`vllm_request`: a request of vLLM's own type, as its input processor hands it
   to the engine-core client (corewire's type comes from ``client_support.request``).
+- :func:`close_client`: vLLM's engine-core client shut down on its own loop, the loop
+  closed.
 - :func:`factory_after_plugins`: which client factory vLLM's plugin loader leaves in
   place (corewire's plugin switched on or off).
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import signal
@@ -201,6 +204,17 @@ def vllm_request(rid: str, prompt: list[int], **sp: Any) -> Any:
         cache_salt=None,
         data_parallel_rank=None,
     )
+
+
+def close_client(client: Any, loop: asyncio.AbstractEventLoop) -> None:
+    """Shut vLLM's async engine-core ``client`` (None: never built) down on ``loop``, its
+    ZeroMQ context too, and close the loop."""
+    if client is not None:
+        client.shutdown()
+        loop.run_until_complete(asyncio.sleep(0))
+        # vLLM's client leaves its ZeroMQ context to the process exit.
+        client.resources.ctx.destroy(linger=0)
+    loop.close()
 
 
 # Loads the plugins the way vLLM's processes do ({loads} times: vLLM calls it more than
