@@ -8,13 +8,15 @@ it wants the client to read (made by corewire or by vLLM's own encoder). A
 the test gives it and records what the front-end sends.
 
 Peers connect before the client binds (ZeroMQ queues the ready message meanwhile), so
-a client built after them finds every engine ready.
+a client built after them finds every engine ready. :func:`client_and_peer` builds the
+commonest pair: one client, one engine peer.
 """
 
 from __future__ import annotations
 
+import contextlib
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -22,13 +24,28 @@ import msgspec
 import zmq
 
 from corewire.coordinator import CoordinatorAddresses
-from corewire.protocol import engine_identity
+from corewire.protocol import REQUEST_ADD, engine_identity
 from dp_support import Sockets
 
 
 def client_addresses(ipc_dir: Path) -> dict[str, str]:
     """Request and output addresses for a client inside the test's private directory."""
     return {"input_address": f"ipc://{ipc_dir}/in", "output_address": f"ipc://{ipc_dir}/out"}
+
+
+@contextlib.contextmanager
+def client_and_peer(
+    ipc_dir: Path, sockets: Sockets, client_class: Any, **kwargs: Any
+) -> Iterator[tuple[Any, EnginePeer]]:
+    """A client of ``client_class`` (``kwargs`` besides its addresses; a 10 s ready
+    timeout) in front of one :class:`EnginePeer`; the client shut down on leaving."""
+    addresses = client_addresses(ipc_dir)
+    peer = EnginePeer(sockets, addresses)
+    client = client_class(client_addresses=addresses, ready_timeout=10, **kwargs)
+    try:
+        yield client, peer
+    finally:
+        client.shutdown()
 
 
 class EnginePeer:
@@ -59,6 +76,13 @@ class EnginePeer:
         frames = self.recv(timeout)
         assert frames[0] == b"\x03", frames[0]
         return msgspec.msgpack.decode(frames[1])
+
+    def recv_add(self, timeout: float = 10.0) -> list[bytes]:
+        """The next message, which must be an ADD: its frames after the type
+        (``[payload, *aux]``)."""
+        frames = self.recv(timeout)
+        assert frames[0] == REQUEST_ADD, frames[0]
+        return frames[1:]
 
     def send(self, frames: Sequence[Any]) -> None:
         """Push one output message (``[payload, *aux]``) to the client."""

@@ -13,9 +13,11 @@ import asyncio
 import contextlib
 import importlib.util
 import json
+import os
 import re
+import signal
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from importlib.metadata import entry_points
 from pathlib import Path
 from typing import Any
@@ -286,6 +288,98 @@ async def long_requests(base_url: str, n: int, started: list[asyncio.Event]) -> 
 HEALTH_ENV = {"COREWIRE_HEALTH_CHECK_INTERVAL_S": "1", "COREWIRE_HEALTH_CHECK_TIMEOUT_S": "2"}
 # Interval + timeout, and slack for a loaded 2-core machine.
 DEATH_NOTICED_S = 1 + 2 + 5
+
+
+@contextlib.contextmanager
+def shared_stack(
+    workdir: Path,
+    client: str,
+    shared: SharedPids,
+    *,
+    server_env: Mapping[str, str] | None = None,
+    still_healthy: Callable[[], bool] = lambda: True,
+) -> Iterator[ServeStack]:
+    """The stack a module shares across its tests (one engine, ``client`` in the API
+    server), its processes in ``shared`` while it runs. On leaving, unless
+    ``still_healthy()`` says a test broke it on purpose, every test must have left it
+    healthy: nothing crashed under the requests."""
+    with running_stack(workdir, client=client, server_env=server_env) as started:
+        pids = {started.server.pid, *(p.pid for p in started.engines)}  # type: ignore[union-attr]
+        shared.update(pids)
+        try:
+            yield started
+            if still_healthy():
+                started.check_alive()
+                assert started.health() == 200
+        finally:
+            shared.difference_update(pids)
+
+
+def http_client(stack: ServeStack) -> httpx.Client:
+    """An HTTP client for ``stack``'s server (close it, or use it in ``with``)."""
+    return httpx.Client(base_url=stack.base_url, timeout=HTTP_TIMEOUT)
+
+
+def check_greedy_outputs_identical_across_clients(
+    stack: ServeStack,
+    http: httpx.Client,
+    tmp_path: Path,
+    greedy: dict[str, list[dict[str, Any]]],
+    shared: SharedPids,
+) -> list[dict[str, Any]]:
+    """Same greedy requests, same text, token ids, logprobs and usage with either client
+    (completions and chat, plain and streamed); ``greedy`` keeps each client's outputs
+    across the module's servers. When the vLLM-client server did not run in this session
+    (a run of the corewire parameter alone), a vLLM-client stack is started here to
+    compare with (its processes in ``shared``). This client's outputs."""
+    results = greedy_outputs(http)
+    for res in results[: len(GREEDY_COMPLETIONS)]:
+        assert res["token_ids"], "no tokens generated"
+        assert res["streamed_text"] == res["text"]
+        assert res["streamed_ids"] == res["token_ids"]
+        assert res["usage"]["completion_tokens"] == len(res["token_ids"])
+        assert len(res["logprobs"]["token_logprobs"]) == len(res["token_ids"])
+    # A token-id prompt with ignore_eos runs to max_tokens.
+    assert results[1]["finish_reason"] == "length"
+    greedy[stack.client] = results
+    if stack.client == "vllm":
+        return results
+    if "vllm" not in greedy:
+        with running_stack(tmp_path, client="vllm") as other:
+            pids = {p.pid for p in (other.server, *other.engines) if p}
+            shared.update(pids)
+            try:
+                with http_client(other) as client:
+                    greedy["vllm"] = greedy_outputs(client)
+            finally:
+                shared.difference_update(pids)
+    assert results == greedy["vllm"]
+    return results
+
+
+async def kill_engine_under_load(
+    stack: ServeStack, n: int = 6, on_kill: Callable[[], None] = lambda: None
+) -> list[Any]:
+    """SIGKILL of the stack's engine while ``n`` long requests (every other one streamed)
+    are in flight (``on_kill`` runs just before): each request's ending (as
+    :func:`long_requests`), all within :data:`DEATH_NOTICED_S` of the kill, and /health
+    turns unhealthy within that time too."""
+    started = [asyncio.Event() for _ in range(n)]
+    task = asyncio.ensure_future(long_requests(stack.base_url, n, started))
+    await asyncio.wait_for(asyncio.gather(*(e.wait() for e in started)), 30)
+    await asyncio.sleep(0.5)  # the non-streamed ones reached the engine too
+    assert stack.health() == 200
+    on_kill()
+    killed_at = time.monotonic()
+    os.kill(stack.engines[0].pid, signal.SIGKILL)
+    results = await asyncio.wait_for(task, 45)
+    errors_after = time.monotonic() - killed_at
+    assert errors_after < DEATH_NOTICED_S, f"errors came {errors_after:.1f} s after the kill"
+    while (status := stack.health()) == 200:
+        assert time.monotonic() - killed_at < DEATH_NOTICED_S, "/health stayed 200"
+        await asyncio.sleep(0.2)
+    assert status is None or status >= 500
+    return results
 
 
 # ------------------------------------------------ checks shared by the serve tests of each vLLM

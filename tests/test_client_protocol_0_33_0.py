@@ -28,12 +28,12 @@ import msgspec
 import pytest
 import torch
 
-from client_wire_support import CoordinatorPeer, EnginePeer, client_addresses
+from client_wire_support import CoordinatorPeer, EnginePeer, client_addresses, client_and_peer
 from corewire import AsyncMPClient, DPAsyncMPClient, DPLBAsyncMPClient, SyncMPClient, layouts
 from corewire import protocol as p
 from corewire.client.wire_requests import to_0_33_0
 from corewire.codec import Encoder
-from corewire.protocol import REQUEST_ADD, FinishReason, UtilityOutput, UtilityResult
+from corewire.protocol import FinishReason, UtilityOutput, UtilityResult
 from dp_support import Sockets, coordinator_addresses, wait_for
 from golden_0_33_0_requests_support import expected_requests, request_frames
 from golden_0_33_0_support import DATA
@@ -111,52 +111,37 @@ OLD_STRUCT_CASES = {
 }
 
 
-def _received_add(peer: EnginePeer) -> list[bytes]:
-    frames = peer.recv()
-    assert frames[0] == REQUEST_ADD
-    return frames[1:]
-
-
 async def test_async_client_writes_0_33_0_requests(ipc_dir: Path, sockets: Sockets) -> None:
-    addresses = client_addresses(ipc_dir)
-    peer = EnginePeer(sockets, addresses)
-    client = AsyncMPClient(client_addresses=addresses, protocol="0.33.0", ready_timeout=10)
-    try:
+    with client_and_peer(ipc_dir, sockets, AsyncMPClient, protocol="0.33.0") as (client, peer):
         # A 0.25.1 struct: converted once, by field name (the caller's object untouched).
         for case, build in OLD_STRUCT_CASES.items():
             request = build()
             await client.add_request_async(request)
             assert type(request) is p.EngineCoreRequest
-            assert _received_add(peer) == request_frames(case), case
+            assert peer.recv_add() == request_frames(case), case
         # A 0.33.0 struct: written as is (vLLM's own golden requests, decoded).
         for case in sorted(expected_requests()):
             request = layouts.request_decoder("0.33.0").decode(request_frames(case))
             if request.client_index != client.client_index:
                 continue  # stamped by the client: covered by the sync test below
             await client.add_request_async(request)
-            assert _received_add(peer) == request_frames(case), case
-    finally:
-        client.shutdown()
+            assert peer.recv_add() == request_frames(case), case
 
 
 def test_sync_client_writes_0_33_0_requests(ipc_dir: Path, sockets: Sockets) -> None:
-    addresses = client_addresses(ipc_dir)
-    peer = EnginePeer(sockets, addresses)
     # openai_default was sent by client 1.
-    client = SyncMPClient(
-        client_addresses=addresses, protocol="0.33.0", client_index=1, ready_timeout=10
-    )
-    try:
+    with client_and_peer(ipc_dir, sockets, SyncMPClient, protocol="0.33.0", client_index=1) as (
+        client,
+        peer,
+    ):
         request = layouts.request_decoder("0.33.0").decode(request_frames("openai_default"))
         client.add_request(request)
-        assert _received_add(peer) == request_frames("openai_default")
+        assert peer.recv_add() == request_frames("openai_default")
         request = OLD_STRUCT_CASES["plain"]()
         client.add_request(request)
         want = layouts.request_decoder("0.33.0").decode(request_frames("plain"))
         want.client_index = 1
-        assert _received_add(peer) == encode_0_33_0(want)
-    finally:
-        client.shutdown()
+        assert peer.recv_add() == encode_0_33_0(want)
 
 
 def test_sampling_params_whose_bytes_differ_are_rebuilt_as_0_33_0s() -> None:
@@ -191,10 +176,7 @@ def test_sampling_params_whose_bytes_differ_are_rebuilt_as_0_33_0s() -> None:
 
 
 async def test_add_lora_and_lora_refusals(ipc_dir: Path, sockets: Sockets) -> None:
-    addresses = client_addresses(ipc_dir)
-    peer = EnginePeer(sockets, addresses)
-    client = AsyncMPClient(client_addresses=addresses, protocol="0.33.0", ready_timeout=10)
-    try:
+    with client_and_peer(ipc_dir, sockets, AsyncMPClient, protocol="0.33.0") as (client, peer):
         lora = layouts.LoRARequest("a", 1, "/p")
         call = asyncio.ensure_future(client.add_lora_async(lora))
         _, call_id, method, args = await asyncio.to_thread(peer.recv_utility)
@@ -217,18 +199,13 @@ async def test_add_lora_and_lora_refusals(ipc_dir: Path, sockets: Sockets) -> No
         assert to_0_33_0(other) is other
         with pytest.raises(TypeError, match="cannot be sent"):
             await client.add_request_async(p.SamplingParams(max_tokens=1))  # type: ignore[arg-type]
-    finally:
-        client.shutdown()
 
 
 async def test_a_0_25_1_client_is_unchanged(ipc_dir: Path, sockets: Sockets) -> None:
-    addresses = client_addresses(ipc_dir)
-    peer = EnginePeer(sockets, addresses)
-    client = AsyncMPClient(client_addresses=addresses, ready_timeout=10)
-    try:
+    with client_and_peer(ipc_dir, sockets, AsyncMPClient) as (client, peer):
         request = OLD_STRUCT_CASES["plain"]()
         await client.add_request_async(request)
-        frames = _received_add(peer)
+        frames = peer.recv_add()
         assert frames == [bytes(f) for f in Encoder().encode(request)]
         assert frames[0][:3] == b"\xdc\x00\x14"  # 20 fields
         with pytest.raises(TypeError, match=r"0\.33\.0"):
@@ -239,18 +216,13 @@ async def test_a_0_25_1_client_is_unchanged(ipc_dir: Path, sockets: Sockets) -> 
         assert len(args[0]) == 7  # 0.25.1's layout
         peer.send(reply_frames(call_id, True))
         assert await call is True
-    finally:
-        client.shutdown()
 
 
 # -- call id -2 -------------------------------------------------------------------------
 
 
 async def test_async_client_keeps_each_engines_status(ipc_dir: Path, sockets: Sockets) -> None:
-    addresses = client_addresses(ipc_dir)
-    peer = EnginePeer(sockets, addresses)
-    client = AsyncMPClient(client_addresses=addresses, protocol="0.33.0", ready_timeout=10)
-    try:
+    with client_and_peer(ipc_dir, sockets, AsyncMPClient, protocol="0.33.0") as (client, peer):
         assert client.engine_status == {}
         call = asyncio.ensure_future(client.call_utility_async("is_sleeping"))
         _, call_id, _, _ = await asyncio.to_thread(peer.recv_utility)
@@ -278,17 +250,12 @@ async def test_async_client_keeps_each_engines_status(ipc_dir: Path, sockets: So
         await wait_for_async(lambda: 3 in client.engine_status)
         assert client.engine_status[0] == {"id": 0, "status": "healthy"}
         assert not client.engine_dead
-    finally:
-        client.shutdown()
 
 
 def test_sync_client_drops_and_counts_statuses(
     ipc_dir: Path, sockets: Sockets, caplog: pytest.LogCaptureFixture
 ) -> None:
-    addresses = client_addresses(ipc_dir)
-    peer = EnginePeer(sockets, addresses)
-    client = SyncMPClient(client_addresses=addresses, protocol="0.33.0", ready_timeout=10)
-    try:
+    with client_and_peer(ipc_dir, sockets, SyncMPClient, protocol="0.33.0") as (client, peer):
         with caplog.at_level(logging.WARNING, logger="corewire.client"):
             peer.send(golden_output("ft_status"))
             peer.send(status_frames(0, {"id": 0, "status": "unhealthy", "fault_info": "E"}))
@@ -305,8 +272,6 @@ def test_sync_client_drops_and_counts_statuses(
         assert result == [1]
         assert client.outputs_queue.empty()
         assert not client.engine_dead
-    finally:
-        client.shutdown()
 
 
 async def wait_for_async(predicate: Any, timeout: float = 10.0) -> None:
@@ -322,12 +287,9 @@ async def wait_for_async(predicate: Any, timeout: float = 10.0) -> None:
 
 
 async def test_request_error_reaches_the_caller(ipc_dir: Path, sockets: Sockets) -> None:
-    addresses = client_addresses(ipc_dir)
-    peer = EnginePeer(sockets, addresses)
-    client = AsyncMPClient(client_addresses=addresses, protocol="0.33.0", ready_timeout=10)
-    try:
+    with client_and_peer(ipc_dir, sockets, AsyncMPClient, protocol="0.33.0") as (client, peer):
         await client.add_request_async(_request_0_25_1("req-err"))
-        _received_add(peer)
+        peer.recv_add()
         peer.send(golden_output("error"))
         outputs = await asyncio.wait_for(client.get_output_async(), 10)
         (out,) = outputs.outputs
@@ -342,8 +304,6 @@ async def test_request_error_reaches_the_caller(ipc_dir: Path, sockets: Sockets)
         peer.send(golden_output("error_validation"))
         (bad,) = (await asyncio.wait_for(client.get_output_async(), 10)).outputs
         assert (bad.error.code, bad.error.retryable) == ("validation_error", False)
-    finally:
-        client.shutdown()
 
 
 # -- data parallel --------------------------------------------------------------------
@@ -392,7 +352,7 @@ async def test_dp_first_request_notices(ipc_dir: Path, sockets: Sockets, protoco
     )
     try:
         await client.add_request_async(_request_0_25_1("r1", current_wave=0))
-        frames = _received_add(peer)
+        frames = peer.recv_add()
         assert frames[0][:3] == (b"\xdc\x00\x16" if protocol == "0.33.0" else b"\xdc\x00\x14")
         await asyncio.to_thread(coordinator.wait_subscribed)
         sent = await asyncio.to_thread(coordinator.messages)
@@ -443,7 +403,7 @@ async def test_dplb_follows_vllm_0_33_0s_kv_pressure_rule(ipc_dir: Path, sockets
             await _publish_and_wait(client, coordinator, [[2, 0, 0.9], [3, 0, 0.1]])
             await client.add_request_async(_request_0_25_1(f"kv-{protocol}"))
             assert client.reqs_in_flight == {f"kv-{protocol}": want}
-            _received_add(peers[want])
+            peers[want].recv_add()
         finally:
             client.shutdown()
 
@@ -454,7 +414,7 @@ async def test_dplb_forgets_a_request_that_failed_with_an_error(
     client, peers, _ = _dplb(ipc_dir, sockets, "0.33.0")
     try:
         await client.add_request_async(_request_0_25_1("req-err", data_parallel_rank=1))
-        _received_add(peers[1])
+        peers[1].recv_add()
         assert client.reqs_in_flight == {"req-err": 1}
         assert client.router.in_flight() == [0, 1]
         peers[1].send(golden_output("error"))
@@ -489,12 +449,12 @@ async def test_dplb_streaming_session_affinity(
         await client.add_request_async(
             _request_0_25_1("sess", resumable=True, data_parallel_rank=1)
         )
-        _received_add(peers[1])
+        peers[1].recv_add()
         await client.add_request_async(
             _request_0_25_1("sess", resumable=True, data_parallel_rank=0)
         )
         second = 1 if protocol == "0.33.0" else 0
-        _received_add(peers[second])
+        peers[second].recv_add()
         assert client.reqs_in_flight["sess"] == second
         assert client.streaming_reqs == ({"sess"} if protocol == "0.33.0" else set())
         await client.abort_requests_async(["sess"])

@@ -37,7 +37,7 @@ from vllm.sampling_params import SamplingParams  # noqa: E402
 from vllm.v1 import engine as E  # noqa: E402
 from vllm.v1.serial_utils import MsgpackDecoder, MsgpackEncoder  # noqa: E402
 
-from client_wire_support import EnginePeer, client_addresses  # noqa: E402
+from client_wire_support import EnginePeer, client_addresses, client_and_peer  # noqa: E402
 from corewire import (  # noqa: E402
     AsyncMPClient,
     DPAsyncMPClient,
@@ -46,7 +46,7 @@ from corewire import (  # noqa: E402
     layouts,
 )
 from corewire import protocol as p  # noqa: E402
-from corewire.protocol import REQUEST_ADD, FinishReason  # noqa: E402
+from corewire.protocol import FinishReason  # noqa: E402
 from dp_support import Sockets, coordinator_addresses, wait_for  # noqa: E402
 
 ENCODER = MsgpackEncoder()
@@ -102,6 +102,16 @@ SAMPLING_ARGS: dict[str, dict[str, Any]] = {
 }
 
 #: name -> (vLLM's request, corewire's 0.25.1 request), the same arguments.
+# The request fields both types spell alike (no nested structs).
+_FIELDS: dict[str, Any] = {
+    "cache_salt": "s",
+    "data_parallel_rank": 0,
+    "priority": 3,
+    "trace_headers": {"a": "b"},
+    "external_req_id": "ext",
+    "resumable": True,
+    "reasoning_ended": True,
+}
 CASES: dict[str, Callable[[], tuple[Any, Any]]] = {
     **{
         f"sampling-{name}": (
@@ -117,28 +127,8 @@ CASES: dict[str, Callable[[], tuple[Any, Any]]] = {
         _corewire("re", sampling_params=_routed(p.SamplingParams(max_tokens=2))),
     ),
     "fields": lambda: (
-        _vllm(
-            "f",
-            sampling_params=SamplingParams(),
-            cache_salt="s",
-            data_parallel_rank=0,
-            priority=3,
-            trace_headers={"a": "b"},
-            external_req_id="ext",
-            resumable=True,
-            reasoning_ended=True,
-        ),
-        _corewire(
-            "f",
-            sampling_params=p.SamplingParams(),
-            cache_salt="s",
-            data_parallel_rank=0,
-            priority=3,
-            trace_headers={"a": "b"},
-            external_req_id="ext",
-            resumable=True,
-            reasoning_ended=True,
-        ),
+        _vllm("f", sampling_params=SamplingParams(), **_FIELDS),
+        _corewire("f", sampling_params=p.SamplingParams(), **_FIELDS),
     ),
     "pooling": lambda: (
         _vllm("pool", pooling_params=PoolingParams(task="embed", dimensions=8)),
@@ -157,64 +147,46 @@ CASES: dict[str, Callable[[], tuple[Any, Any]]] = {
 }
 
 
-def _received_add(peer: EnginePeer) -> list[bytes]:
-    frames = peer.recv()
-    assert frames[0] == REQUEST_ADD
-    return frames[1:]
-
-
 def _read_back(frames: list[bytes]) -> E.EngineCoreRequest:
     # Writable copies: torch warns about read-only buffers (as vLLM's zmq frames are not).
     return MsgpackDecoder(E.EngineCoreRequest).decode([bytearray(f) for f in frames])
 
 
 async def test_async_client_requests_are_vllm_0_33_0s(ipc_dir: Path, sockets: Sockets) -> None:
-    addresses = client_addresses(ipc_dir)
-    peer = EnginePeer(sockets, addresses)
-    client = AsyncMPClient(client_addresses=addresses, protocol="0.33.0", ready_timeout=10)
-    try:
+    with client_and_peer(ipc_dir, sockets, AsyncMPClient, protocol="0.33.0") as (client, peer):
         for name, build in CASES.items():
             theirs, ours = build()
             want = vllm_frames(theirs)
             # corewire's 0.25.1 struct, converted by the client
             await client.add_request_async(ours)
-            got = _received_add(peer)
+            got = peer.recv_add()
             assert got == want, name
             assert vllm_frames(_read_back(got)) == want, name
             # 0.33.0's struct, as vLLM's decoder on the engine side would hand it over
             typed = layouts.request_decoder("0.33.0").decode(want)
             await client.add_request_async(typed)
-            assert _received_add(peer) == want, name
+            assert peer.recv_add() == want, name
             # vLLM's own request object, as vLLM's AsyncLLM hands it to the plugin's client
             await client.add_request_async(theirs)
-            assert _received_add(peer) == want, name
-    finally:
-        client.shutdown()
+            assert peer.recv_add() == want, name
 
 
 def test_sync_client_requests_are_vllm_0_33_0s(ipc_dir: Path, sockets: Sockets) -> None:
-    addresses = client_addresses(ipc_dir)
-    peer = EnginePeer(sockets, addresses)
-    client = SyncMPClient(
-        client_addresses=addresses, protocol="0.33.0", client_index=2, ready_timeout=10
-    )
-    try:
+    with client_and_peer(ipc_dir, sockets, SyncMPClient, protocol="0.33.0", client_index=2) as (
+        client,
+        peer,
+    ):
         for name in ("sampling-stops", "lora", "embeds-aux"):
             theirs, ours = CASES[name]()
             theirs.client_index = 2  # vLLM's client stamps it too
             client.add_request(ours)
-            got = _received_add(peer)
+            got = peer.recv_add()
             assert got == vllm_frames(theirs), name
             assert _read_back(got).client_index == 2
-    finally:
-        client.shutdown()
 
 
 async def test_add_lora_argument_reads_as_vllm_0_33_0s(ipc_dir: Path, sockets: Sockets) -> None:
-    addresses = client_addresses(ipc_dir)
-    peer = EnginePeer(sockets, addresses)
-    client = AsyncMPClient(client_addresses=addresses, protocol="0.33.0", ready_timeout=10)
-    try:
+    with client_and_peer(ipc_dir, sockets, AsyncMPClient, protocol="0.33.0") as (client, peer):
         call = asyncio.ensure_future(
             client.add_lora_async(layouts.LoRARequest("a", 2, "/p", "base", None, True))
         )
@@ -234,8 +206,6 @@ async def test_add_lora_argument_reads_as_vllm_0_33_0s(ipc_dir: Path, sockets: S
         assert msgspec.convert(args[0], LoRARequest) == theirs
         peer.send(_vllm_reply(call_id, True))
         assert await call is True
-    finally:
-        client.shutdown()
 
 
 def _vllm_reply(call_id: int, value: Any) -> list[bytes]:
@@ -300,18 +270,13 @@ async def test_async_clients_keep_engine_status(ipc_dir: Path, sockets: Sockets)
 
 
 def test_sync_client_drops_engine_status(ipc_dir: Path, sockets: Sockets) -> None:
-    addresses = client_addresses(ipc_dir)
-    peer = EnginePeer(sockets, addresses)
-    client = SyncMPClient(client_addresses=addresses, protocol="0.33.0", ready_timeout=10)
-    try:
+    with client_and_peer(ipc_dir, sockets, SyncMPClient, protocol="0.33.0") as (client, peer):
         peer.send(_status(0, "unhealthy", "ValueError"))
         peer.send(_status(0, "healthy"))
         wait_for(lambda: client.ft_status_dropped == 2, what="dropped statuses")
         client.add_request(_corewire("after", sampling_params=p.SamplingParams()))
-        _received_add(peer)
+        peer.recv_add()
         assert not client.engine_dead and client.outputs_queue.empty()
-    finally:
-        client.shutdown()
 
 
 # -- the error field -----------------------------------------------------------------
@@ -333,7 +298,7 @@ async def test_request_error_reaches_the_caller_and_ends_the_request(
         await client.add_request_async(_corewire("paused", data_parallel_rank=0))
         await client.add_request_async(_corewire("invalid", data_parallel_rank=1))
         for peer in peers:
-            _received_add(peer)
+            peer.recv_add()
         assert client.router.in_flight() == [1, 1]
         errors = {
             "paused": RequestError(

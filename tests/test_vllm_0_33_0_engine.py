@@ -19,13 +19,10 @@ vLLM 0.33.0's own client.
 from __future__ import annotations
 
 import asyncio
-import dataclasses
-import os
-import tempfile
 import warnings
-from collections.abc import Awaitable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 import pytest
 
@@ -34,127 +31,42 @@ from vllm_0_33_0_gate import require_vllm_0_33_0
 vllm = require_vllm_0_33_0()
 
 import msgspec  # noqa: E402
-import numpy as np  # noqa: E402
 import torch  # noqa: E402
 from vllm.v1.engine import EngineCoreOutputs, EngineCoreReadyResponse, FinishReason  # noqa: E402
-from vllm.v1.engine.core_client import AsyncMPClient  # noqa: E402
-from vllm.v1.executor.abstract import Executor  # noqa: E402
 from vllm.v1.serial_utils import MsgpackDecoder, MsgpackEncoder  # noqa: E402
 
-from client_support import request as corewire_request  # noqa: E402
 from corewire.engine.reference import ReferenceEngine  # noqa: E402
 from corewire.protocol import EngineCoreRequestType  # noqa: E402
 from engine_support import LIGHT_REFERENCE, FrontEnd  # noqa: E402
-from vllm_support import (  # noqa: E402
-    ENGINE_ARGS,
-    EngineProcs,
-    offline_environment,
-    reference_run,
-    vllm_config,
-    vllm_request,
-    write_model_dir,
+from vllm_client_support import (  # noqa: E402
+    SEEDED_PROMPT,
+    SEEDED_SAMPLING,
+    Stack,
+    abort_mid_request,
+    assert_fatal_error_reaches_client_as_engine_dead,
+    assert_greedy_generation_matches_reference,
+    assert_prompt_logprobs_match_reference,
+    assert_seeded_sampling_matches_reference,
+    client_stack,
+    collect,
+    collect_after,
+    collect_messages,
+    generate,
+    tokens,
 )
+from vllm_support import ENGINE_ARGS, offline_environment, vllm_request  # noqa: E402
 
 offline_environment()
 
-T = TypeVar("T")
 # The module's shared engine: it outlives single tests (conftest's leak check).
 LEAK_ALLOWED_PIDS: set[int] = set()
-_CALL_TIMEOUT_S = 30.0
 PROTOCOL = "0.33.0"
-
-
-@dataclasses.dataclass
-class Stack:
-    """vLLM's client, the loop it lives on, and the engine behind it."""
-
-    client: Any
-    loop: asyncio.AbstractEventLoop
-    engines: EngineProcs
-    config: Any
-    profile_dir: Path
-
-    def run(self, coro: Awaitable[T]) -> T:
-        """Run a coroutine on the client's loop, with a deadline."""
-        return self.loop.run_until_complete(asyncio.wait_for(coro, _CALL_TIMEOUT_S))
 
 
 @pytest.fixture(scope="module")
 def stack() -> Iterator[Stack]:
-    with tempfile.TemporaryDirectory(prefix="corewire-vllm-0330-") as tmp:
-        root = Path(tmp)
-        os.chmod(root, 0o700)
-        profile_dir = root / "profiles"
-        profile_dir.mkdir(mode=0o700)
-        engines = EngineProcs(root)
-        addresses = {"input_address": f"ipc://{root}/in", "output_address": f"ipc://{root}/out"}
-        proc = engines.start(
-            "--input-address",
-            addresses["input_address"],
-            "--output-address",
-            addresses["output_address"],
-            "--engine-index",
-            "0",
-            "--protocol",
-            PROTOCOL,
-            engine_args={**ENGINE_ARGS, "profile_dir": str(profile_dir)},
-        )
-        LEAK_ALLOWED_PIDS.add(proc.pid)
-        loop = asyncio.new_event_loop()
-        client = None
-        try:
-            config = vllm_config(write_model_dir(root / "model"))
-
-            async def make() -> Any:
-                # Built inside the loop, as vLLM's API server does.
-                return AsyncMPClient(config, Executor, False, client_addresses=addresses)
-
-            client = loop.run_until_complete(make())
-            yield Stack(client, loop, engines, config, profile_dir)
-        finally:
-            if client is not None:
-                client.shutdown()
-                loop.run_until_complete(asyncio.sleep(0))
-                client.resources.ctx.destroy(linger=0)
-            loop.close()
-            codes = engines.stop()
-            LEAK_ALLOWED_PIDS.clear()
-        assert codes == [0], engines.logs()
-
-
-async def collect(client: Any, rids: set[str]) -> tuple[dict[str, list[Any]], list[Any]]:
-    """Every output of ``rids`` until each finished, and the messages that carried them."""
-    outs: dict[str, list[Any]] = {rid: [] for rid in rids}
-    messages: list[Any] = []
-    pending = set(rids)
-    while pending:
-        batch = await client.get_output_async()
-        mine = [out for out in batch.outputs if out.request_id in outs]
-        if mine:
-            messages.append(batch)
-        for out in mine:
-            outs[out.request_id].append(out)
-            if out.finish_reason is not None:
-                pending.discard(out.request_id)
-    return outs, messages
-
-
-async def generate(client: Any, requests: list[Any]) -> dict[str, list[Any]]:
-    """Send ``requests`` and collect their outputs."""
-    for request in requests:
-        await client.add_request_async(request)
-    return (await collect(client, {r.request_id for r in requests}))[0]
-
-
-async def collect_after(client: Any, request: Any) -> list[Any]:
-    """Send one request and return its outputs."""
-    await client.add_request_async(request)
-    return (await collect(client, {request.request_id}))[0][request.request_id]
-
-
-def tokens(outs: list[Any]) -> list[int]:
-    """The token ids of one request's outputs."""
-    return [t for out in outs for t in out.new_token_ids]
+    with client_stack("corewire-vllm-0330-", LEAK_ALLOWED_PIDS, PROTOCOL) as shared:
+        yield shared
 
 
 # ---------------------------------------------------------------------- start-up
@@ -175,41 +87,16 @@ def test_vllm_0_33_0_accepts_the_ready_response_and_applies_it(stack: Stack) -> 
 
 
 def test_greedy_generation_matches_the_reference_engine(stack: Stack) -> None:
-    prompts = {"g0": [5, 6, 7], "g1": [9], "g2": [100, 200, 300, 400]}
-    sp = {"temperature": 0.0, "max_tokens": 8}
-    outs = stack.run(generate(stack.client, [vllm_request(r, p, **sp) for r, p in prompts.items()]))
-    expected = reference_run([(r, p, sp) for r, p in prompts.items()])
-    for rid in prompts:
-        assert tokens(outs[rid]) == expected[rid][0]
-        assert outs[rid][-1].finish_reason == FinishReason.LENGTH
-        assert all(o.finish_reason is None for o in outs[rid][:-1])
+    outs = assert_greedy_generation_matches_reference(stack)
+    for rid_outs in outs.values():
         # 0.33.0's fields, read unconditionally by its output processor.
-        for out in outs[rid]:
+        for out in rid_outs:
             assert out.error is None and out.ec_transfer_params is None
             assert out.spec_decode_metrics is None and out.new_sampling_mask is None
 
 
 def test_seeded_sampling_with_logprobs_matches_the_reference_engine(stack: Stack) -> None:
-    prompt = [11, 12, 13, 14]
-    sp = {
-        "temperature": 0.8,
-        "top_k": 50,
-        "top_p": 0.9,
-        "seed": 1234,
-        "min_tokens": 3,
-        "max_tokens": 12,
-        "ignore_eos": True,
-        "logprobs": 3,
-    }
-    (expected_tokens, expected_lps) = reference_run([("s", prompt, sp)])["s"]
-    first = stack.run(generate(stack.client, [vllm_request("s1", prompt, **sp)]))["s1"]
-    again = stack.run(generate(stack.client, [vllm_request("s2", prompt, **sp)]))["s2"]
-    assert tokens(first) == tokens(again) == expected_tokens
-    for out, want in zip(first, expected_lps, strict=True):
-        lp = out.new_logprobs
-        assert lp.logprob_token_ids.shape == lp.logprobs.shape == (1, 4)
-        assert lp.logprob_token_ids[0, 0] == out.new_token_ids[0]
-        np.testing.assert_allclose(lp.logprobs, want, rtol=1e-5)
+    assert_seeded_sampling_matches_reference(stack, SEEDED_PROMPT, SEEDED_SAMPLING)
 
 
 def test_prompt_logprobs_arrive_as_vllms_five_element_tensors(stack: Stack) -> None:
@@ -219,11 +106,7 @@ def test_prompt_logprobs_arrive_as_vllms_five_element_tensors(stack: Stack) -> N
     lp = first.new_prompt_logprobs_tensors
     assert len(lp) == 5 and lp.cu_num_generated_tokens_tensor is None
     assert isinstance(lp.logprobs, torch.Tensor) and lp.logprobs.shape == (3, 4)
-    engine = ReferenceEngine(**{**ENGINE_ARGS, "step_delay": 0.0})
-    engine.add_request(corewire_request("pl", 2, prompt=prompt, sampling={"prompt_logprobs": 3}))
-    want = engine.step()[0].new_prompt_logprobs_tensors
-    torch.testing.assert_close(lp.logprobs, want.logprobs)
-    torch.testing.assert_close(lp.logprob_token_ids, want.logprob_token_ids)
+    assert_prompt_logprobs_match_reference(lp, "pl", prompt, 3)
     # The first output's PrefillStats, with 0.33.0's num_cache_creation_tokens.
     assert first.prefill_stats.num_prompt_tokens == 4
     assert first.prefill_stats.num_cache_creation_tokens == 0
@@ -232,36 +115,13 @@ def test_prompt_logprobs_arrive_as_vllms_five_element_tensors(stack: Stack) -> N
 def test_every_step_message_carries_the_weight_version(stack: Stack) -> None:
     request = vllm_request("wv", [3, 4, 5], temperature=0.0, max_tokens=4)
     stack.run(stack.client.add_request_async(request))
-    outs, messages = stack.run(collect(stack.client, {"wv"}))
+    outs, messages = stack.run(collect_messages(stack.client, {"wv"}))
     assert len(tokens(outs["wv"])) == 4
     assert [m.weight_version for m in messages] == ["default"] * len(messages)
 
 
 def test_abort_stops_a_running_request(stack: Stack) -> None:
-    client = stack.client
-
-    async def scenario() -> tuple[int, list[Any], list[int]]:
-        await client.add_request_async(
-            vllm_request("long", [3, 4], temperature=0.0, max_tokens=400, ignore_eos=True)
-        )
-        seen = 0
-        while seen < 3:
-            batch = await client.get_output_async()
-            seen += sum(len(o.new_token_ids) for o in batch.outputs if o.request_id == "long")
-        await client.abort_requests_async(["long"])
-        # Input is applied in order: once this reply is back, every output made for
-        # "long" before the abort is already queued here.
-        assert await client.is_sleeping_async() is False
-        late: list[Any] = []
-        while not client.outputs_queue.empty():
-            late.extend((await client.get_output_async()).outputs)
-        seen += sum(len(o.new_token_ids) for o in late if o.request_id == "long")
-        after = await generate(
-            client, [vllm_request("after", [3, 4], temperature=0.0, max_tokens=4)]
-        )
-        return seen, [o for o in late if o.finish_reason is not None], tokens(after["after"])
-
-    seen, finished, after = stack.run(scenario())
+    seen, finished, after = stack.run(abort_mid_request(stack.client))
     assert 3 <= seen < 400
     assert finished == []
     assert len(after) == 4
@@ -292,7 +152,7 @@ def test_pause_generation_refuses_new_requests_with_a_retryable_error(stack: Sta
         await client.get_output_async()
         # "abort": what runs finishes as ABORT; what comes later is refused, retryable.
         await client.pause_generation_async("abort", True)
-        seen["running"] = (await collect(client, {"running"}))[0]["running"][-1]
+        seen["running"] = (await collect(client, {"running"}))["running"][-1]
         assert await client.is_scheduler_paused_async() is True
         seen["refused"] = await collect_after(client, vllm_request("late", [4], max_tokens=2))
         await client.resume_scheduler_async()
@@ -305,7 +165,7 @@ def test_pause_generation_refuses_new_requests_with_a_retryable_error(stack: Sta
         await asyncio.sleep(0.3)
         seen["kept_while_paused"] = client.outputs_queue.empty()
         await client.resume_scheduler_async()
-        seen["kept"] = (await collect(client, {"kept"}))[0]["kept"]
+        seen["kept"] = (await collect(client, {"kept"}))["kept"]
         # "wait": the reply comes once the request in flight finished; then refusals.
         await client.add_request_async(vllm_request("drained", [4], temperature=0.0, max_tokens=10))
         await client.pause_generation_async("wait", True)
@@ -354,7 +214,7 @@ def test_weight_version_utilities_and_outputs(stack: Stack) -> None:
     try:
         assert run(client.get_weight_version_async()) == "v2"
         stack.run(client.add_request_async(vllm_request("v2", [3], max_tokens=2)))
-        _outs, messages = stack.run(collect(client, {"v2"}))
+        _outs, messages = stack.run(collect_messages(client, {"v2"}))
         assert {m.weight_version for m in messages} == {"v2"}
         # Utility replies carry none (vLLM's engine stamps only a step's messages).
         assert run(client.call_utility_async("get_weight_version")) == "v2"
@@ -403,53 +263,7 @@ def test_every_0_33_0_utility_with_vllms_argument_lists(stack: Stack) -> None:
 def test_a_fatal_engine_error_reaches_vllms_client_as_engine_dead(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from vllm.v1.engine.exceptions import EngineDeadError
-
-    # The fault hook lives in the tests' own engine, which the engine command imports.
-    tests_dir = str(Path(__file__).parent)
-    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([tests_dir, os.environ.get("PYTHONPATH", "")]))
-    engines = EngineProcs(tmp_path)
-    addresses = {
-        "input_address": f"ipc://{tmp_path}/in",
-        "output_address": f"ipc://{tmp_path}/out",
-    }
-    proc = engines.start(
-        "--input-address",
-        addresses["input_address"],
-        "--output-address",
-        addresses["output_address"],
-        "--engine",
-        "hook_engine:HookEngine",
-        "--protocol",
-        PROTOCOL,
-    )
-    config = vllm_config(write_model_dir(tmp_path / "model"))
-    loop = asyncio.new_event_loop()
-    client = None
-
-    async def scenario() -> None:
-        nonlocal client
-        client = AsyncMPClient(config, Executor, False, client_addresses=addresses)
-        await client.call_utility_async("fail_next_step", "injected by the test")
-        await client.add_request_async(vllm_request("doomed", [1], temperature=0.0, max_tokens=4))
-        with pytest.raises(EngineDeadError):
-            while True:
-                await client.get_output_async()
-
-    try:
-        loop.run_until_complete(asyncio.wait_for(scenario(), _CALL_TIMEOUT_S))
-    finally:
-        if client is not None:
-            client.shutdown()
-            loop.run_until_complete(asyncio.sleep(0))
-            client.resources.ctx.destroy(linger=0)
-        loop.close()
-        try:
-            code = proc.wait(20)  # the engine leaves by itself after ENGINE_CORE_DEAD
-        finally:
-            engines.stop()
-    assert code == 1, engines.logs()
-    assert "injected by the test" in engines.logs()
+    assert_fatal_error_reaches_client_as_engine_dead(tmp_path, monkeypatch, PROTOCOL)
 
 
 # ---------------------------------------------------------------------- byte for byte

@@ -19,9 +19,6 @@ import asyncio
 import contextlib
 import os
 import signal
-import subprocess
-import sys
-import tempfile
 import threading
 import time
 from collections.abc import AsyncIterator, Iterator
@@ -56,7 +53,6 @@ from vllm.v1.serial_utils import MsgpackDecoder, MsgpackEncoder  # noqa: E402
 from corewire.engine.interface import EngineInfo  # noqa: E402
 from corewire.layouts import FT_STATUS_CALL_ID, RequestError  # noqa: E402
 from corewire.ready_layouts import ReadyFacts, ready_response_for  # noqa: E402
-from corewire.vllm import plugin  # noqa: E402
 from corewire.vllm.client import (  # noqa: E402
     HEALTH_INTERVAL_ENV,
     HEALTH_TIMEOUT_ENV,
@@ -64,9 +60,11 @@ from corewire.vllm.client import (  # noqa: E402
 )
 from corewire.vllm.v0_33_0 import FT_UTILITY_METHOD, Vllm0330AsyncMPClient  # noqa: E402
 from dp_support import free_tcp_port  # noqa: E402
+from vllm_join_support import frontend_only_config, join_args, private_root  # noqa: E402
 from vllm_support import (  # noqa: E402
     ENGINE_ARGS,
     EngineProcs,
+    factory_after_plugins,
     offline_environment,
     reference_run,
     vllm_config,
@@ -80,9 +78,8 @@ _DEADLINE_S = 90.0
 
 @pytest.fixture
 def root() -> Iterator[Path]:
-    with tempfile.TemporaryDirectory(prefix="corewire-vllm33-") as tmp:
-        os.chmod(tmp, 0o700)
-        yield Path(tmp)
+    with private_root("corewire-vllm33-") as path:
+        yield path
 
 
 @pytest.fixture
@@ -119,23 +116,8 @@ async def frontend(
     0.33.0`` that joined it; both stopped after the test."""
     port = free_tcp_port()
     engines = EngineProcs(root)
-    engines.start(
-        "--handshake-address",
-        f"tcp://127.0.0.1:{port}",
-        "--engine-index",
-        "0",
-        "--handshake-timeout",
-        "60",
-        "--protocol",
-        "0.33.0",
-    )
-    config = vllm_config(
-        write_model_dir(root / "model"),
-        data_parallel_size=1,
-        data_parallel_size_local=0,
-        data_parallel_master_ip="127.0.0.1",
-        data_parallel_rpc_port=port,
-    )
+    engines.start(*join_args(port, 0, protocol="0.33.0"))
+    config = frontend_only_config(root / "model", port)
     llm = None
     try:
         llm = AsyncLLM(
@@ -167,15 +149,6 @@ async def generate(llm: Any, rid: str, prompt: list[int], params: SamplingParams
 # ---------------------------------------------------------------------- the plugin
 
 
-_PROBE = """
-from vllm.plugins import load_general_plugins
-load_general_plugins()
-from vllm.v1.engine.core_client import EngineCoreClient
-factory = EngineCoreClient.make_async_mp_client
-print(factory.__module__ + "." + factory.__qualname__)
-"""
-
-
 @pytest.mark.parametrize(
     ("switch", "factory"),
     [
@@ -186,19 +159,7 @@ print(factory.__module__ + "." + factory.__qualname__)
 def test_plugin_switches_vllm_0_33_0s_factory(switch: str | None, factory: str) -> None:
     """Under vLLM 0.33.0 the plugin is accepted (not refused by version) and installs
     corewire's factory exactly when switched on."""
-    env = {k: v for k, v in os.environ.items() if k != plugin.ENV_SWITCH}
-    if switch is not None:
-        env[plugin.ENV_SWITCH] = switch
-    done = subprocess.run(
-        [sys.executable, "-c", _PROBE],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=90,
-        cwd="/",
-    )
-    assert done.returncode == 0, done.stderr[-2000:]
-    assert done.stdout.strip().splitlines()[-1] == factory
+    assert factory_after_plugins(switch) == factory
 
 
 # ---------------------------------------------------------------------- real engines

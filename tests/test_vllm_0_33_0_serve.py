@@ -17,10 +17,7 @@ engine).
 
 from __future__ import annotations
 
-import asyncio
 import os
-import signal
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -43,16 +40,14 @@ import httpx  # noqa: E402
 
 from corewire.vllm.stack import ServeStack  # noqa: E402
 from serve_support import (  # noqa: E402
-    DEATH_NOTICED_S,
-    GREEDY_COMPLETIONS,
     HEALTH_ENV,
-    HTTP_TIMEOUT,
     PLUGIN_LOG_LINE,
     SharedPids,
     check_chat_top_logprobs_plain_and_streamed,
     check_client_disconnect_aborts_in_engine,
     check_completion_logprobs_plain_and_streamed,
     check_corewire_metrics_in_vllms_metrics,
+    check_greedy_outputs_identical_across_clients,
     check_greedy_tokens_and_logprobs_are_the_engines,
     check_health_and_models,
     check_metrics,
@@ -60,10 +55,10 @@ from serve_support import (  # noqa: E402
     check_stop_string,
     check_two_api_servers_with_corewire_clients,
     check_two_engines_behind_one_front_end,
-    greedy_outputs,
-    long_requests,
-    running_stack,
+    http_client,
+    kill_engine_under_load,
     server_log,
+    shared_stack,
 )
 
 # vLLM's client first: the corewire server compares its greedy outputs with its answers.
@@ -87,24 +82,17 @@ def stack(
     client = request.param
     workdir = tmp_path_factory.mktemp(f"serve33-{client}")
     env = HEALTH_ENV if client == "corewire" else None
-    with running_stack(workdir, client=client, server_env=env) as started:
+    with shared_stack(
+        workdir, client, _SHARED_PIDS, server_env=env, still_healthy=lambda: client not in _KILLED
+    ) as started:
         assert started.protocol == "0.33.0"
-        pids = {started.server.pid, *(p.pid for p in started.engines)}  # type: ignore[union-attr]
-        _SHARED_PIDS.update(pids)
-        try:
-            yield started
-            if client not in _KILLED:
-                # Every test left the stack healthy: nothing crashed under the requests.
-                started.check_alive()
-                assert started.health() == 200
-        finally:
-            _SHARED_PIDS.difference_update(pids)
+        yield started
 
 
 @pytest.fixture
 def http(stack: ServeStack) -> Iterator[httpx.Client]:
     """An HTTP client for the module's server."""
-    with httpx.Client(base_url=stack.base_url, timeout=HTTP_TIMEOUT) as client:
+    with http_client(stack) as client:
         yield client
 
 
@@ -114,28 +102,7 @@ def test_greedy_outputs_identical_across_clients(
     """Same greedy requests, same text, token ids, logprobs and usage with either client
     (completions and chat, plain and streamed). Runs first on each server, one request at
     a time, so that each engine step sees the same batch."""
-    results = greedy_outputs(http)
-    for res in results[: len(GREEDY_COMPLETIONS)]:
-        assert res["token_ids"], "no tokens generated"
-        assert res["streamed_text"] == res["text"]
-        assert res["streamed_ids"] == res["token_ids"]
-        assert res["usage"]["completion_tokens"] == len(res["token_ids"])
-        assert len(res["logprobs"]["token_logprobs"]) == len(res["token_ids"])
-    assert results[1]["finish_reason"] == "length"
-    _GREEDY[stack.client] = results
-    if stack.client == "vllm":
-        return
-    if "vllm" not in _GREEDY:
-        # A run of the corewire parameter alone: a vLLM-client server to compare with.
-        with running_stack(tmp_path, client="vllm") as other:
-            pids = {p.pid for p in (other.server, *other.engines) if p}
-            _SHARED_PIDS.update(pids)
-            try:
-                with httpx.Client(base_url=other.base_url, timeout=HTTP_TIMEOUT) as client:
-                    _GREEDY["vllm"] = greedy_outputs(client)
-            finally:
-                _SHARED_PIDS.difference_update(pids)
-    assert results == _GREEDY["vllm"]
+    check_greedy_outputs_identical_across_clients(stack, http, tmp_path, _GREEDY, _SHARED_PIDS)
 
 
 def test_greedy_tokens_and_logprobs_are_the_engines(stack: ServeStack, http: httpx.Client) -> None:
@@ -200,25 +167,11 @@ async def test_engine_killed_under_load_fails_requests_and_health(stack: ServeSt
     if stack.client != "corewire":
         pytest.skip("vLLM's own client does not watch engines that joined from elsewhere")
     n = 6
-    started = [asyncio.Event() for _ in range(n)]
-    task = asyncio.ensure_future(long_requests(stack.base_url, n, started))
-    await asyncio.wait_for(asyncio.gather(*(e.wait() for e in started)), 30)
-    await asyncio.sleep(0.5)  # the non-streamed ones reached the engine too
-    assert stack.health() == 200
-    _KILLED.add(stack.client)
-    killed_at = time.monotonic()
-    os.kill(stack.engines[0].pid, signal.SIGKILL)
-    results = await asyncio.wait_for(task, 45)
-    errors_after = time.monotonic() - killed_at
+    results = await kill_engine_under_load(stack, n, on_kill=lambda: _KILLED.add(stack.client))
     # Streams end with an error event (their 200 status is already sent), plain requests
     # with status 500 (vLLM's answer to its EngineDeadError); none hangs, none finishes.
     assert results[0::2] == ["error event"] * (n // 2), results
     assert results[1::2] == [500] * (n // 2), results
-    assert errors_after < DEATH_NOTICED_S, f"errors came {errors_after:.1f} s after the kill"
-    while (status := stack.health()) == 200:
-        assert time.monotonic() - killed_at < DEATH_NOTICED_S, "/health stayed 200"
-        await asyncio.sleep(0.2)
-    assert status is None or status >= 500
 
 
 def test_two_engines_behind_one_front_end(tmp_path: Path) -> None:

@@ -14,127 +14,48 @@ reports), each against vLLM's own client.
 from __future__ import annotations
 
 import asyncio
-import dataclasses
-import os
-import tempfile
-from collections.abc import Awaitable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
-import numpy as np
 import pytest
 import torch
 
 import corewire.protocol as corewire_protocol
-from client_support import request as corewire_request
 from corewire.engine.reference import ReferenceEngine
-from vllm_support import (
-    ENGINE_ARGS,
-    EngineProcs,
-    offline_environment,
-    reference_run,
-    vllm_config,
-    vllm_request,
-    write_model_dir,
-)
+from vllm_support import ENGINE_ARGS, offline_environment, reference_run, vllm_request
 
 offline_environment()
 pytest.importorskip("vllm")
 
 from vllm import PoolingParams  # noqa: E402
 from vllm.lora.request import LoRARequest  # noqa: E402
-from vllm.v1.engine import EngineCoreRequest, FinishReason  # noqa: E402
-from vllm.v1.engine.core_client import AsyncMPClient  # noqa: E402
-from vllm.v1.executor.abstract import Executor  # noqa: E402
+from vllm.v1.engine import FinishReason  # noqa: E402
 
-T = TypeVar("T")
+from vllm_client_support import (  # noqa: E402
+    SEEDED_PROMPT,
+    SEEDED_SAMPLING,
+    Stack,
+    abort_mid_request,
+    assert_fatal_error_reaches_client_as_engine_dead,
+    assert_greedy_generation_matches_reference,
+    assert_prompt_logprobs_match_reference,
+    assert_seeded_sampling_matches_reference,
+    client_stack,
+    collect,
+    collect_after,
+    generate,
+    tokens,
+)
+
 # The module's shared engine: it outlives single tests (conftest's leak check).
 LEAK_ALLOWED_PIDS: set[int] = set()
-_CALL_TIMEOUT_S = 30.0
-
-
-@dataclasses.dataclass
-class Stack:
-    """vLLM's client, the loop it lives on, and the engine behind it."""
-
-    client: Any
-    loop: asyncio.AbstractEventLoop
-    engines: EngineProcs
-    config: Any
-    profile_dir: Path
-
-    def run(self, coro: Awaitable[T]) -> T:
-        """Run a coroutine on the client's loop, with a deadline."""
-        return self.loop.run_until_complete(asyncio.wait_for(coro, _CALL_TIMEOUT_S))
 
 
 @pytest.fixture(scope="module")
 def stack() -> Iterator[Stack]:
-    with tempfile.TemporaryDirectory(prefix="corewire-vllm-client-") as tmp:
-        root = Path(tmp)
-        os.chmod(root, 0o700)
-        profile_dir = root / "profiles"
-        profile_dir.mkdir(mode=0o700)
-        engines = EngineProcs(root)
-        addresses = {"input_address": f"ipc://{root}/in", "output_address": f"ipc://{root}/out"}
-        proc = engines.start(
-            "--input-address",
-            addresses["input_address"],
-            "--output-address",
-            addresses["output_address"],
-            "--engine-index",
-            "0",
-            engine_args={**ENGINE_ARGS, "profile_dir": str(profile_dir)},
-        )
-        LEAK_ALLOWED_PIDS.add(proc.pid)
-        loop = asyncio.new_event_loop()
-        client = None
-        try:
-            config = vllm_config(write_model_dir(root / "model"))
-
-            async def make() -> Any:
-                # Built inside the loop, as vLLM's API server does: its output task
-                # starts here.
-                return AsyncMPClient(config, Executor, False, client_addresses=addresses)
-
-            client = loop.run_until_complete(make())
-            yield Stack(client, loop, engines, config, profile_dir)
-        finally:
-            if client is not None:
-                client.shutdown()
-                loop.run_until_complete(asyncio.sleep(0))
-                # vLLM's client leaves its ZeroMQ context to the process exit.
-                client.resources.ctx.destroy(linger=0)
-            loop.close()
-            codes = engines.stop()
-            LEAK_ALLOWED_PIDS.clear()
-        assert codes == [0], engines.logs()
-
-
-async def collect(client: Any, rids: set[str]) -> dict[str, list[Any]]:
-    """Every output of ``rids`` until each finished (outputs of others are dropped)."""
-    outs: dict[str, list[Any]] = {rid: [] for rid in rids}
-    pending = set(rids)
-    while pending:
-        batch = await client.get_output_async()
-        for out in batch.outputs:
-            if out.request_id in outs:
-                outs[out.request_id].append(out)
-                if out.finish_reason is not None:
-                    pending.discard(out.request_id)
-    return outs
-
-
-async def generate(client: Any, requests: list[EngineCoreRequest]) -> dict[str, list[Any]]:
-    """Send ``requests`` and collect their outputs."""
-    for request in requests:
-        await client.add_request_async(request)
-    return await collect(client, {r.request_id for r in requests})
-
-
-def tokens(outs: list[Any]) -> list[int]:
-    """The token ids of one request's outputs."""
-    return [t for out in outs for t in out.new_token_ids]
+    with client_stack("corewire-vllm-client-", LEAK_ALLOWED_PIDS) as shared:
+        yield shared
 
 
 # ---------------------------------------------------------------------- start-up
@@ -158,14 +79,7 @@ def test_ready_response_is_applied_to_vllms_config(stack: Stack) -> None:
 
 
 def test_greedy_generation_matches_the_reference_engine(stack: Stack) -> None:
-    prompts = {"g0": [5, 6, 7], "g1": [9], "g2": [100, 200, 300, 400]}
-    sp = {"temperature": 0.0, "max_tokens": 8}
-    outs = stack.run(generate(stack.client, [vllm_request(r, p, **sp) for r, p in prompts.items()]))
-    expected = reference_run([(r, p, sp) for r, p in prompts.items()])
-    for rid in prompts:
-        assert tokens(outs[rid]) == expected[rid][0]
-        assert outs[rid][-1].finish_reason == FinishReason.LENGTH
-        assert all(o.finish_reason is None for o in outs[rid][:-1])
+    assert_greedy_generation_matches_reference(stack)
 
 
 def _stopping_token(prompt: list[int], sp: dict[str, Any]) -> int:
@@ -180,31 +94,15 @@ def _stopping_token(prompt: list[int], sp: dict[str, Any]) -> int:
 
 
 def test_seeded_sampling_with_every_parameter_and_logprobs(stack: Stack) -> None:
-    prompt = [11, 12, 13, 14]
-    base = {
-        "temperature": 0.8,
-        "top_k": 50,
-        "top_p": 0.9,
-        "seed": 1234,
-        "min_tokens": 3,
-        "max_tokens": 12,
-        "ignore_eos": True,
-        "logprobs": 3,
-    }
+    prompt, base = SEEDED_PROMPT, SEEDED_SAMPLING
     stop = _stopping_token(prompt, base)
     sp = {**base, "stop_token_ids": [stop]}
-    (expected_tokens, expected_lps) = reference_run([("s", prompt, sp)])["s"]
-    first = stack.run(generate(stack.client, [vllm_request("s1", prompt, **sp)]))["s1"]
-    again = stack.run(generate(stack.client, [vllm_request("s2", prompt, **sp)]))["s2"]
-    assert tokens(first) == tokens(again) == expected_tokens
+    first, expected_tokens = assert_seeded_sampling_matches_reference(stack, prompt, sp)
     assert first[-1].finish_reason == FinishReason.STOP and first[-1].stop_reason == stop
     assert len(expected_tokens) < sp["max_tokens"]
-    # vLLM's LogprobsLists per output: the sampled token first, then the top 3.
-    for out, want in zip(first, expected_lps, strict=True):
+    # vLLM's LogprobsLists per output also ranks the sampled token.
+    for out in first:
         lp = out.new_logprobs
-        assert lp.logprob_token_ids.shape == lp.logprobs.shape == (1, 4)
-        assert lp.logprob_token_ids[0, 0] == out.new_token_ids[0]
-        np.testing.assert_allclose(lp.logprobs, want, rtol=1e-5)
         assert lp.sampled_token_ranks.shape == (1,) and lp.sampled_token_ranks[0] >= 1
 
 
@@ -215,38 +113,11 @@ def test_prompt_logprobs_arrive_as_vllms_tensors(stack: Stack) -> None:
     lp = first.new_prompt_logprobs_tensors
     assert isinstance(lp.logprobs, torch.Tensor) and lp.logprobs.shape == (3, 4)
     assert lp.logprob_token_ids[:, 0].tolist() == prompt[1:]
-    engine = ReferenceEngine(**{**ENGINE_ARGS, "step_delay": 0.0})
-    engine.add_request(corewire_request("pl", 2, prompt=prompt, sampling={"prompt_logprobs": 3}))
-    want = engine.step()[0].new_prompt_logprobs_tensors
-    torch.testing.assert_close(lp.logprobs, want.logprobs)
-    torch.testing.assert_close(lp.logprob_token_ids, want.logprob_token_ids)
+    assert_prompt_logprobs_match_reference(lp, "pl", prompt, 3)
 
 
 def test_abort_stops_a_running_request(stack: Stack) -> None:
-    client = stack.client
-
-    async def scenario() -> tuple[int, list[Any], list[int]]:
-        await client.add_request_async(
-            vllm_request("long", [3, 4], temperature=0.0, max_tokens=400, ignore_eos=True)
-        )
-        seen = 0
-        while seen < 3:
-            batch = await client.get_output_async()
-            seen += sum(len(o.new_token_ids) for o in batch.outputs if o.request_id == "long")
-        await client.abort_requests_async(["long"])
-        # The engine applies input in order: once this reply is back, every output it
-        # made for "long" before the abort is already queued here.
-        assert await client.is_sleeping_async() is False
-        late: list[Any] = []
-        while not client.outputs_queue.empty():
-            late.extend((await client.get_output_async()).outputs)
-        seen += sum(len(o.new_token_ids) for o in late if o.request_id == "long")
-        after = await generate(
-            client, [vllm_request("after", [3, 4], temperature=0.0, max_tokens=4)]
-        )
-        return seen, [o for o in late if o.finish_reason is not None], tokens(after["after"])
-
-    seen, finished, after = stack.run(scenario())
+    seen, finished, after = stack.run(abort_mid_request(stack.client))
     assert 3 <= seen < 400
     assert finished == []  # vLLM's engines send nothing for a request the client aborted
     assert len(after) == 4
@@ -396,57 +267,7 @@ def test_error_reason_and_prefill_stats_reach_vllms_client(stack: Stack) -> None
     assert all(o.prefill_stats is None for o in outs[1:])
 
 
-async def collect_after(client: Any, request: EngineCoreRequest) -> list[Any]:
-    """Send one request and return its outputs."""
-    await client.add_request_async(request)
-    return (await collect(client, {request.request_id}))[request.request_id]
-
-
 def test_a_fatal_engine_error_reaches_vllms_client_as_engine_dead(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from vllm.v1.engine.exceptions import EngineDeadError
-
-    # The fault hook lives in the tests' own engine, which the engine command imports.
-    tests_dir = str(Path(__file__).parent)
-    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([tests_dir, os.environ.get("PYTHONPATH", "")]))
-    engines = EngineProcs(tmp_path)
-    addresses = {
-        "input_address": f"ipc://{tmp_path}/in",
-        "output_address": f"ipc://{tmp_path}/out",
-    }
-    proc = engines.start(
-        "--input-address",
-        addresses["input_address"],
-        "--output-address",
-        addresses["output_address"],
-        "--engine",
-        "hook_engine:HookEngine",
-    )
-    config = vllm_config(write_model_dir(tmp_path / "model"))
-    loop = asyncio.new_event_loop()
-    client = None
-
-    async def scenario() -> None:
-        nonlocal client
-        client = AsyncMPClient(config, Executor, False, client_addresses=addresses)
-        await client.call_utility_async("fail_next_step", "injected by the test")
-        await client.add_request_async(vllm_request("doomed", [1], temperature=0.0, max_tokens=4))
-        with pytest.raises(EngineDeadError):
-            while True:
-                await client.get_output_async()
-
-    try:
-        loop.run_until_complete(asyncio.wait_for(scenario(), _CALL_TIMEOUT_S))
-    finally:
-        if client is not None:
-            client.shutdown()
-            loop.run_until_complete(asyncio.sleep(0))
-            client.resources.ctx.destroy(linger=0)
-        loop.close()
-        try:
-            code = proc.wait(20)  # the engine leaves by itself after ENGINE_CORE_DEAD
-        finally:
-            engines.stop()
-    assert code == 1, engines.logs()
-    assert "injected by the test" in engines.logs()
+    assert_fatal_error_reaches_client_as_engine_dead(tmp_path, monkeypatch)

@@ -14,8 +14,6 @@ waves) and §7 (a stopped engine aborts its requests and sends ENGINE_CORE_DEAD)
 from __future__ import annotations
 
 import asyncio
-import os
-import tempfile
 import threading
 import time
 from collections.abc import Iterator
@@ -26,177 +24,58 @@ import msgspec
 import pytest
 import zmq
 
-from corewire.dp_messages import XPUB_SUBSCRIBE
 from dp_support import free_tcp_port
 from vllm_support import (
-    ENGINE_ARGS,
     EngineProcs,
     offline_environment,
     reference_run,
     vllm_config,
-    vllm_request,
     write_model_dir,
 )
 
 offline_environment()
 pytest.importorskip("vllm")
 
-from vllm.v1.engine import EngineCoreRequest, EngineCoreRequestType, FinishReason  # noqa: E402
-from vllm.v1.engine.core_client import (  # noqa: E402
-    AsyncMPClient,
-    DPLBAsyncMPClient,
-    EngineCoreClient,
-)
+from vllm.v1.engine import EngineCoreRequestType, FinishReason  # noqa: E402
+from vllm.v1.engine.core_client import AsyncMPClient, EngineCoreClient  # noqa: E402
 from vllm.v1.executor.abstract import Executor  # noqa: E402
 
-_DEADLINE_S = 60.0
+from vllm_join_support import (  # noqa: E402
+    Joining,
+    assert_one_engine_joins,
+    assert_same_tokens,
+    frontend_only_config,
+    private_root,
+    request,
+    two_engines_behind_vllms_coordinator,
+)
+
+
+def _make_client(config: Any) -> Any:
+    # vLLM's own factory, as its AsyncLLM calls it.
+    return EngineCoreClient.make_async_mp_client(config, Executor, False)
+
+
+#: 0.25.1's wire (the engine's default).
+JOINING = Joining(None, 60, _make_client)
+_DEADLINE_S = JOINING.timeout_s
 
 
 @pytest.fixture
 def root() -> Iterator[Path]:
-    with tempfile.TemporaryDirectory(prefix="corewire-vllm-join-") as tmp:
-        os.chmod(tmp, 0o700)
-        yield Path(tmp)
-
-
-def request(rid: str, prompt: list[int], max_tokens: int = 6) -> EngineCoreRequest:
-    """A greedy vLLM request (see ``vllm_support.vllm_request``)."""
-    return vllm_request(rid, prompt, temperature=0.0, max_tokens=max_tokens)
-
-
-async def generate(client: Any, requests: list[EngineCoreRequest]) -> dict[str, Any]:
-    """Send the requests; per request id, ``(tokens, engine indices that served it)``."""
-    for r in requests:
-        await client.add_request_async(r)
-    result: dict[str, Any] = {r.request_id: ([], set()) for r in requests}
-    pending = set(result)
-    while pending:
-        batch = await client.get_output_async()
-        for out in batch.outputs:
-            if out.request_id in result:
-                result[out.request_id][0].extend(out.new_token_ids)
-                result[out.request_id][1].add(batch.engine_index)
-                if out.finish_reason is not None:
-                    assert out.finish_reason == FinishReason.LENGTH
-                    pending.discard(out.request_id)
-    return result
-
-
-def join_args(port: int, index: int, *extra: str) -> list[str]:
-    """``corewire engine`` arguments that join the front-end at ``port``."""
-    return [
-        "--handshake-address",
-        f"tcp://127.0.0.1:{port}",
-        "--engine-index",
-        str(index),
-        "--handshake-timeout",
-        "60",
-        *extra,
-    ]
-
-
-def run_frontend(config: Any, engines: EngineProcs, scenario: Any) -> Any:
-    """Build vLLM's client (it waits for the engines' handshake), run ``scenario(client)``
-    on its loop, and shut everything down: the engines must exit cleanly."""
-    loop = asyncio.new_event_loop()
-    client = None
-    try:
-
-        async def main() -> Any:
-            nonlocal client
-            # vLLM's own factory, as its AsyncLLM calls it.
-            client = EngineCoreClient.make_async_mp_client(config, Executor, False)
-            return await scenario(client)
-
-        return loop.run_until_complete(asyncio.wait_for(main(), _DEADLINE_S))
-    finally:
-        if client is not None:
-            client.shutdown()
-            loop.run_until_complete(asyncio.sleep(0))
-            # vLLM's client leaves its ZeroMQ context to the process exit.
-            client.resources.ctx.destroy(linger=0)
-        loop.close()
-        codes = engines.stop()
-        assert codes == [0] * len(codes), engines.logs()
+    with private_root("corewire-vllm-join-") as path:
+        yield path
 
 
 def test_one_engine_joins_a_frontend_only_vllm_client(root: Path) -> None:
-    port = free_tcp_port()
-    engines = EngineProcs(root)
-    engines.start(*join_args(port, 0))
-    config = vllm_config(
-        write_model_dir(root / "model"),
-        data_parallel_size=1,
-        data_parallel_size_local=0,
-        data_parallel_master_ip="127.0.0.1",
-        data_parallel_rpc_port=port,
-    )
-
-    async def scenario(client: Any) -> Any:
-        assert type(client) is AsyncMPClient
-        tasks = await client.get_supported_tasks_async()
-        got = await generate(client, [request("a", [5, 6, 7]), request("b", [8])])
-        return tasks, got
-
-    tasks, got = run_frontend(config, engines, scenario)
-    assert tasks == ["generate", "embed"]
-    # The ready response reached vLLM's config: the engine's smaller limit won.
-    assert config.model_config.max_model_len == ENGINE_ARGS["max_model_len"]
-    expected = reference_run(
-        [(r, p, {"temperature": 0.0, "max_tokens": 6}) for r, p in (("a", [5, 6, 7]), ("b", [8]))]
-    )
-    assert {rid: toks for rid, (toks, _) in got.items()} == {
-        rid: toks for rid, (toks, _) in expected.items()
-    }
-    assert "joined the front-end" in engines.logs()
+    # The ready response reaches vLLM's config: the engine's smaller limit wins.
+    assert_one_engine_joins(root, JOINING)
 
 
 def test_two_engines_join_behind_vllms_dp_coordinator(root: Path) -> None:
-    port = free_tcp_port()
-    engines = EngineProcs(root)
-    for index in (0, 1):
-        engines.start(*join_args(port, index, "--data-parallel-size", "2"))
-    config = vllm_config(
-        write_model_dir(root / "model"),
-        data_parallel_size=2,
-        data_parallel_size_local=0,
-        data_parallel_master_ip="127.0.0.1",
-        data_parallel_rpc_port=port,
-    )
-
-    async def scenario(client: Any) -> Any:
-        assert type(client) is DPLBAsyncMPClient
-        # Listen to what vLLM's coordinator publishes to front-ends, as its client does.
-        ctx = zmq.Context()
-        stats = ctx.socket(zmq.XSUB)
-        try:
-            stats.connect(client.stats_update_address)
-            stats.send(XPUB_SUBSCRIBE)
-            await asyncio.sleep(0.2)
-            prompts = {f"r{i}": [3 + i, 4] for i in range(10)}
-            got = await generate(client, [request(r, p, 40) for r, p in prompts.items()])
-            await asyncio.sleep(0.3)
-            published = []
-            while stats.poll(0):
-                published.append(msgspec.msgpack.decode(stats.recv()))
-        finally:
-            stats.close(linger=0)
-            ctx.term()
-        return prompts, got, published
-
-    prompts, got, published = run_frontend(config, engines, scenario)
-    sp = {"temperature": 0.0, "max_tokens": 40}
-    expected = reference_run([(r, p, sp) for r, p in prompts.items()])
-    served = {rid: engines_seen for rid, (_, engines_seen) in got.items()}
-    assert all(len(s) == 1 for s in served.values())  # one engine per request
-    per_engine = [sum(1 for s in served.values() if s == {i}) for i in (0, 1)]
-    assert per_engine[0] >= 2 and per_engine[1] >= 2, per_engine
-    assert {rid: toks for rid, (toks, _) in got.items()} == {
-        rid: toks for rid, (toks, _) in expected.items()
-    }
+    counts = two_engines_behind_vllms_coordinator(root, JOINING)
     # The engines' [waiting, running] counts reached the coordinator, which published
     # them (both engines busy at some point, all idle at the end).
-    counts = [c for c, _wave, _running in published if c is not None]
     assert any(c[0] != [0, 0] for c in counts) and any(c[1] != [0, 0] for c in counts), counts
     assert counts[-1] == [[0, 0], [0, 0]]
 
@@ -211,7 +90,7 @@ def test_handshake_refuses_a_coordinated_moe_group(root: Path) -> None:
     router.bind(f"tcp://127.0.0.1:{port}")
     engines = EngineProcs(root)
     try:
-        proc = engines.start(*join_args(port, 0))
+        proc = engines.start(*JOINING.join_args(port, 0))
         assert router.poll(30_000), engines.logs()
         identity, hello = router.recv_multipart()
         # Engine 0's identity spelled out, as vLLM's ROUTER sees it (docs/protocol.md §2).
@@ -252,7 +131,7 @@ def test_one_engine_serves_two_api_servers(root: Path) -> None:
 
     port = free_tcp_port()
     engines = EngineProcs(root)
-    engines.start(*join_args(port, 0))
+    engines.start(*JOINING.join_args(port, 0))
     model_dir = write_model_dir(root / "model")
     parallel = {
         "data_parallel_size": 1,
@@ -278,7 +157,7 @@ def test_one_engine_serves_two_api_servers(root: Path) -> None:
             )
             try:
                 tasks = await client.get_supported_tasks_async()
-                got = await generate(
+                got = await JOINING.generate(
                     client, [request(f"s{index}-{i}", [index + 1, i]) for i in (0, 1)]
                 )
                 return tasks, got
@@ -319,9 +198,7 @@ def test_one_engine_serves_two_api_servers(root: Path) -> None:
         tasks, got = results[index]
         assert tasks == ["generate", "embed"]
         expected = reference_run([(f"s{index}-{i}", [index + 1, i], sp) for i in (0, 1)])
-        assert {rid: toks for rid, (toks, _) in got.items()} == {
-            rid: toks for rid, (toks, _) in expected.items()
-        }
+        assert_same_tokens(got, expected)
 
 
 def test_no_answer_to_hello_ends_the_engine_with_a_clear_error(root: Path) -> None:
@@ -414,7 +291,7 @@ def test_dp_rank_speaks_vllms_coordinator_protocol(root: Path) -> None:
     decoder = MsgpackDecoder(EngineCoreOutputs)
     engines = EngineProcs(root)
     try:
-        proc = engines.start(*join_args(port, 1, "--data-parallel-size", "2"))
+        proc = engines.start(*JOINING.join_args(port, 1, "--data-parallel-size", "2"))
         assert hs.poll(30_000), engines.logs()
         identity, _hello = hs.recv_multipart()
         # Raw wire bytes on purpose, here and below where this test plays vLLM's side:
@@ -513,14 +390,8 @@ def test_a_stopped_engine_aborts_its_requests_and_tells_vllms_client(root: Path)
 
     port = free_tcp_port()
     engines = EngineProcs(root)
-    proc = engines.start(*join_args(port, 0))
-    config = vllm_config(
-        write_model_dir(root / "model"),
-        data_parallel_size=1,
-        data_parallel_size_local=0,
-        data_parallel_master_ip="127.0.0.1",
-        data_parallel_rpc_port=port,
-    )
+    proc = engines.start(*JOINING.join_args(port, 0))
+    config = frontend_only_config(root / "model", port)
 
     async def scenario(client: Any) -> Any:
         await client.add_request_async(request("long", [3], max_tokens=400))
@@ -536,5 +407,5 @@ def test_a_stopped_engine_aborts_its_requests_and_tells_vllms_client(root: Path)
 
     # Without the notice, vLLM's client would wait for "long" forever (and route new
     # requests to the stopped engine).
-    assert run_frontend(config, engines, scenario) == [FinishReason.ABORT]
+    assert JOINING.run_frontend(config, engines, scenario) == [FinishReason.ABORT]
     assert "aborted 1 request(s), telling the front-end" in engines.logs()

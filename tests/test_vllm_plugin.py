@@ -9,42 +9,17 @@ corewire's clients: ``test_vllm_wire.py``, ``test_vllm_outputs.py``).
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-
 import pytest
 
 pytest.importorskip("vllm")
 
 from corewire.vllm import plugin
-
-# Loads the plugins the way vLLM's processes do, then reports which factory AsyncLLM
-# would call and how many times the plugin ran.
-_PROBE = """
-from vllm.plugins import load_general_plugins
-load_general_plugins()
-load_general_plugins()  # vLLM calls it more than once per process
-from vllm.v1.engine.core_client import EngineCoreClient
-factory = EngineCoreClient.make_async_mp_client
-print(factory.__module__ + "." + factory.__qualname__)
-"""
+from vllm_support import factory_after_plugins
 
 
 def _factory_with(switch: str | None) -> str:
-    env = {k: v for k, v in os.environ.items() if k != plugin.ENV_SWITCH}
-    if switch is not None:
-        env[plugin.ENV_SWITCH] = switch
-    done = subprocess.run(
-        [sys.executable, "-c", _PROBE],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=90,
-        cwd="/",
-    )
-    assert done.returncode == 0, done.stderr[-2000:]
-    return done.stdout.strip().splitlines()[-1]
+    # vLLM calls its plugin loader more than once per process.
+    return factory_after_plugins(switch, loads=2)
 
 
 def test_entry_point_is_registered_with_vllm() -> None:

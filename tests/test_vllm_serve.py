@@ -13,9 +13,7 @@ engine) and §8.1 (DP = 2 behind vLLM's coordinator).
 
 from __future__ import annotations
 
-import asyncio
 import json
-import os
 import signal
 import subprocess
 import sys
@@ -31,7 +29,6 @@ import pytest
 from corewire.vllm.model_dir import write_model_dir
 from corewire.vllm.stack import ServeStack, StackError, free_port
 from serve_support import (
-    DEATH_NOTICED_S,
     GREEDY_COMPLETIONS,
     HEALTH_ENV,
     HTTP_TIMEOUT,
@@ -42,6 +39,7 @@ from serve_support import (
     check_client_disconnect_aborts_in_engine,
     check_completion_logprobs_plain_and_streamed,
     check_corewire_metrics_in_vllms_metrics,
+    check_greedy_outputs_identical_across_clients,
     check_greedy_tokens_and_logprobs_are_the_engines,
     check_health_and_models,
     check_metrics,
@@ -49,12 +47,13 @@ from serve_support import (
     check_stop_string,
     check_two_api_servers_with_corewire_clients,
     check_two_engines_behind_one_front_end,
-    greedy_outputs,
-    long_requests,
+    http_client,
+    kill_engine_under_load,
     missing_prerequisite,
     plugin_missing,
     running_stack,
     server_log,
+    shared_stack,
 )
 
 _MISSING = missing_prerequisite()
@@ -85,22 +84,14 @@ def stack(
 ) -> Iterator[ServeStack]:
     """The module's API server (one engine), with vLLM's client or with corewire's."""
     workdir = tmp_path_factory.mktemp(f"serve-{request.param}")
-    with running_stack(workdir, client=request.param) as started:
-        pids = {started.server.pid, *(p.pid for p in started.engines)}  # type: ignore[union-attr]
-        _SHARED_PIDS.update(pids)
-        try:
-            yield started
-            # Every test left the stack healthy: nothing crashed under the requests.
-            started.check_alive()
-            assert started.health() == 200
-        finally:
-            _SHARED_PIDS.difference_update(pids)
+    with shared_stack(workdir, request.param, _SHARED_PIDS) as started:
+        yield started
 
 
 @pytest.fixture
 def http(stack: ServeStack) -> Iterator[httpx.Client]:
     """An HTTP client for the module's server."""
-    with httpx.Client(base_url=stack.base_url, timeout=HTTP_TIMEOUT) as client:
+    with http_client(stack) as client:
         yield client
 
 
@@ -113,28 +104,10 @@ def test_greedy_outputs_identical_across_clients(
     same batch. When the other client's server did not run in this session (a run of
     one parameter), this test starts a vLLM-client stack itself to compare with.
     """
-    results = greedy_outputs(http)
-    for res in results[: len(GREEDY_COMPLETIONS)]:
-        assert res["token_ids"], "no tokens generated"
-        assert res["streamed_text"] == res["text"]
-        assert res["streamed_ids"] == res["token_ids"]
-        assert res["usage"]["completion_tokens"] == len(res["token_ids"])
-        assert len(res["logprobs"]["token_logprobs"]) == len(res["token_ids"])
-    # A token-id prompt with ignore_eos runs to max_tokens.
-    assert results[1]["finish_reason"] == "length"
+    results = check_greedy_outputs_identical_across_clients(
+        stack, http, tmp_path, _GREEDY, _SHARED_PIDS
+    )
     assert len(results[1]["token_ids"]) == GREEDY_COMPLETIONS[1]["max_tokens"]
-    _GREEDY[stack.client] = results
-    if stack.client == "vllm":
-        return
-    if "vllm" not in _GREEDY:
-        with running_stack(tmp_path, client="vllm") as other:
-            _SHARED_PIDS.update(p.pid for p in (other.server, *other.engines) if p)
-            try:
-                with httpx.Client(base_url=other.base_url, timeout=HTTP_TIMEOUT) as client:
-                    _GREEDY["vllm"] = greedy_outputs(client)
-            finally:
-                _SHARED_PIDS.difference_update(p.pid for p in (other.server, *other.engines) if p)
-    assert results == _GREEDY["vllm"]
 
 
 def test_greedy_tokens_and_logprobs_are_the_engines(stack: ServeStack, http: httpx.Client) -> None:
@@ -204,23 +177,10 @@ async def test_engine_killed_under_load_fails_requests_and_health(tmp_path: Path
     (vLLM's own client never notices the death of an engine that joined from elsewhere.)"""
     with running_stack(tmp_path, client="corewire", server_env=HEALTH_ENV) as stack:
         n = 6
-        started = [asyncio.Event() for _ in range(n)]
-        task = asyncio.ensure_future(long_requests(stack.base_url, n, started))
-        await asyncio.wait_for(asyncio.gather(*(e.wait() for e in started)), 30)
-        await asyncio.sleep(0.5)  # the non-streamed ones reached the engine too
-        assert stack.health() == 200
-        killed_at = time.monotonic()
-        os.kill(stack.engines[0].pid, signal.SIGKILL)
-        results = await asyncio.wait_for(task, 45)
-        errors_after = time.monotonic() - killed_at
+        results = await kill_engine_under_load(stack, n)
         # Streams end with an error event (their 200 status is already sent), plain
         # requests with a 5xx status; none hangs, none finishes.
         assert sorted(map(str, results)) == sorted(["500"] * (n // 2) + ["error event"] * (n // 2))
-        assert errors_after < DEATH_NOTICED_S, f"errors came {errors_after:.1f} s after the kill"
-        while (status := stack.health()) == 200:
-            assert time.monotonic() - killed_at < DEATH_NOTICED_S, "/health stayed 200"
-            await asyncio.sleep(0.2)
-        assert status is None or status >= 500
 
 
 def test_two_engines_behind_one_front_end(tmp_path: Path) -> None:

@@ -12,10 +12,15 @@ front-end classes (imported only by modules that skip without vllm).
   the expected tokens and logprobs of a run behind vLLM.
 - :func:`vllm_request`: a request of vLLM's own type, as its input processor hands it
   to the engine-core client (corewire's type comes from ``client_support.request``).
+- :func:`close_client`: vLLM's engine-core client shut down on its own loop, the loop
+  closed.
+- :func:`factory_after_plugins`: which client factory vLLM's plugin loader leaves in
+  place (corewire's plugin switched on or off).
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import signal
@@ -199,3 +204,47 @@ def vllm_request(rid: str, prompt: list[int], **sp: Any) -> Any:
         cache_salt=None,
         data_parallel_rank=None,
     )
+
+
+def close_client(client: Any, loop: asyncio.AbstractEventLoop) -> None:
+    """Shut vLLM's async engine-core ``client`` (None: never built) down on ``loop``, its
+    ZeroMQ context too, and close the loop."""
+    if client is not None:
+        client.shutdown()
+        loop.run_until_complete(asyncio.sleep(0))
+        # vLLM's client leaves its ZeroMQ context to the process exit.
+        client.resources.ctx.destroy(linger=0)
+    loop.close()
+
+
+# Loads the plugins the way vLLM's processes do ({loads} times: vLLM calls it more than
+# once per process), then reports which factory AsyncLLM would call.
+_PLUGIN_PROBE = """
+from vllm.plugins import load_general_plugins
+for _ in range({loads}):
+    load_general_plugins()
+from vllm.v1.engine.core_client import EngineCoreClient
+factory = EngineCoreClient.make_async_mp_client
+print(factory.__module__ + "." + factory.__qualname__)
+"""
+
+
+def factory_after_plugins(switch: str | None, loads: int = 1) -> str:
+    """The qualified name of vLLM's client factory in a fresh interpreter after vLLM's
+    plugin loader ran ``loads`` times, corewire's plugin switch set to ``switch`` (None:
+    unset); the plugin patches a vLLM class for the whole process, hence the process."""
+    from corewire.vllm.plugin import ENV_SWITCH
+
+    env = {k: v for k, v in os.environ.items() if k != ENV_SWITCH}
+    if switch is not None:
+        env[ENV_SWITCH] = switch
+    done = subprocess.run(
+        [sys.executable, "-c", _PLUGIN_PROBE.format(loads=loads)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=90,
+        cwd="/",
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    return done.stdout.strip().splitlines()[-1]
