@@ -99,6 +99,16 @@ class RequestError(msgspec.Struct, frozen=True, gc=False):  # type: ignore[call-
     message: str
     retryable: bool = False
 
+    def to_exception(self) -> Exception:
+        """The exception vLLM's front-end raises for this error (vLLM 0.33.0's
+        ``RequestError.to_exception``: ``VLLMValidationError``, ``RetryableRequestError``
+        or ``GenerationError``), so vLLM's output processor takes corewire's decoded
+        errors as they are. Needs vLLM 0.33.0 or later installed (``ImportError``
+        otherwise); imported only here, on the rare error output."""
+        from vllm.outputs import RequestError as VllmRequestError
+
+        return VllmRequestError(self.code, self.message, self.retryable).to_exception()
+
 
 def request_error_from_map(fields: dict[str, Any]) -> RequestError:
     """The :class:`RequestError` of a decoded map (the decoder checked its types);

@@ -15,9 +15,9 @@ did not, or calls with other signatures or semantics (docs/vllm-0.33.0-notes.md 
   ``abort_external_elastic_ep``) is not supported: each raises ``NotImplementedError``
   saying so, as vLLM's own base client does.
 - **Request errors.** An output whose engine refused or failed its request carries
-  corewire's ``RequestError``; vLLM's front-end needs its own (``to_exception()`` gives
-  503 / 400 / 500), so such outputs are handed over with vLLM's (each output's ``error``
-  is looked at: the one per-output step in Python here).
+  corewire's ``RequestError`` as decoded: its ``to_exception()`` is the one vLLM's output
+  processor calls, giving vLLM's own exceptions (503 / 400 / 500), so outputs are handed
+  over untouched (no per-output step in Python).
 
 The data-parallel clients follow vLLM 0.33.0's coordinator as corewire's DP clients do
 with ``protocol="0.33.0"`` (``[waiting, running, kv_cache_usage]`` counts, no first-request
@@ -53,32 +53,6 @@ FT_UTILITY_METHOD = "handle_fault_tolerance"
 _STATUS_SCHEMA_VERSION = 1
 
 
-class _ErroredOutput:
-    """An output whose request the engine refused or failed, with vLLM's
-    ``RequestError`` in place of corewire's (every other field is the output's own)."""
-
-    __slots__ = ("_output", "error")
-
-    def __init__(self, output: Any, error: Any) -> None:
-        self._output = output
-        self.error = error
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._output, name)
-
-
-def _with_vllm_errors(outputs: Any, request_error: type) -> Any:
-    """``outputs`` with vLLM's ``request_error`` class on the outputs that carry an error."""
-    items = outputs.outputs
-    for i, output in enumerate(items):
-        error = output.error
-        if error is not None:
-            items[i] = _ErroredOutput(
-                output, request_error(error.code, error.message, error.retryable)
-            )
-    return outputs
-
-
 class Members0330(VllmClientMixin):
     """The client members of vLLM 0.33.0's ``AsyncMPClient`` (see the module docstring);
     mixed in before the corewire client class."""
@@ -95,9 +69,6 @@ class Members0330(VllmClientMixin):
         self.kv_event_sources: dict[int, Any] = {}
         self.coordinator_input_address: str | None = None
         self.coordinator_output_address: str | None = None
-        from vllm.outputs import RequestError
-
-        self._vllm_request_error = RequestError
         parallel_config = args.vllm_config.parallel_config
         self._fault_tolerance = bool(getattr(parallel_config, "enable_fault_tolerance", False))
         return super()._vllm_setup(args)
@@ -108,16 +79,6 @@ class Members0330(VllmClientMixin):
             # vLLM's client starts from "healthy" for every engine it drives.
             for rank in self.engine_indices:
                 self.engine_status.setdefault(rank, {"id": rank, "status": "healthy"})
-
-    # -- outputs ---------------------------------------------------------------------
-
-    async def get_output_async(self) -> Any:
-        """The next outputs, request errors as vLLM's ``RequestError``."""
-        outputs = await super().get_output_async()
-        # Every message is looked at (about 20 ns an output): vLLM's engine names refused
-        # requests in finished_requests, but an engine need not, and one error vLLM
-        # cannot turn into its exception stops its output handler, and the server.
-        return _with_vllm_errors(outputs, self._vllm_request_error)
 
     # -- utility fan-out ---------------------------------------------------------------
 
