@@ -74,7 +74,11 @@ async def test_burst_splits_evenly_and_waves_pause(size: int) -> None:
         )
         assert [s["engine_index"] for s in states] == list(range(size))
         assert all(s["num_requests"] == 0 for s in states)
-        assert {s["current_wave"] for s in states} == {client.current_wave}
+        (wave,) = {s["current_wave"] for s in states}  # the engines agree
+        # An engine whose requests raced the end of a wave asks for the next one, so the
+        # group may be a wave further on than the publication the client last read: the
+        # next publication (within the coordinator's period) brings it level.
+        await wait_until(lambda: client.current_wave == wave, what=f"client at wave {wave}")
     finally:
         client.shutdown()
 
