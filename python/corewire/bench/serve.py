@@ -1,29 +1,48 @@
-"""``corewire bench serve``: vLLM 0.25.1's API server with vLLM's client vs corewire's.
+"""``corewire bench serve``: vLLM 0.25.1's API server with vLLM's stack vs corewire's.
 
 Run: ``corewire bench serve`` (a few minutes; ``--quick`` for a short run). Needs vLLM
 (``vllm==0.25.1``; without it the command says so and stops, exit status 2) and, on a
 machine without a GPU, the CPU platform plugin (``scripts/serve`` installs it), and
 py-spy for the profile.
 
-Both stacks are the same processes (:class:`corewire.vllm.stack.ServeStack`): vLLM's
+Every stack is the same processes (:class:`corewire.vllm.stack.ServeStack`): vLLM's
 OpenAI-compatible API server started front-end only, with a model-free
 :class:`~corewire.engine.synthetic.SyntheticEngine` joining it through vLLM's handshake.
 The engine takes a fixed step (``--step-delay``, 5 ms) in which every running request gets
 a token, as a real engine batches: up to 51k tokens/s at 256 streams, more than the API
 server streams on this machine, and 12.8k at 64 streams (where the server is then measured
-by its CPU per token rather than by its ceiling). Only the engine-core client inside
-the API server differs: vLLM's own (``--client vllm``) or corewire's through its vLLM
-plugin (``COREWIRE_VLLM_CLIENT=1``).
+by its CPU per token rather than by its ceiling). Only the API server's own code differs
+between the stacks (``--clients``, all three by default):
 
-For each client and each scenario (concurrent streams x logprobs), the load generator in
-this process keeps ``streams`` streaming completions in flight (``max_tokens`` each) and
-measures requests/s, output tokens/s, time to first token and inter-token latency (p50 /
-p99), and the API server process's CPU seconds per 1,000 output tokens (from the kernel's
-accounting of that process alone), and tokens per SSE chunk (a server that falls behind
-merges tokens into fewer chunks, which is cheaper per token). Meanwhile py-spy samples
-the API server (non-blocking) and the samples are grouped by layer: receive + decode (the
-engine-core client), output processing, detokenization, logprobs, stats, OpenAI serving,
-HTTP, other (:mod:`corewire.bench.serve_profile`).
+- ``vllm``: vLLM's own engine-core client and output processing;
+- ``corewire``: corewire's engine-core client through its vLLM plugin
+  (``COREWIRE_VLLM_CLIENT=1``), vLLM's output processing;
+- ``corewire+output``: corewire's client and corewire's native output processing
+  (``COREWIRE_VLLM_CLIENT=1`` and ``COREWIRE_VLLM_OUTPUT=1``: detokenization, stop
+  strings, logprobs and stats in Rust). Left out of the default, with a note, where the
+  installed corewire or vLLM cannot run it (:func:`native_output_missing`).
+
+Scenarios: every ``--streams`` x ``--logprobs`` pair at ``--step-delay`` (saturation), and
+a named one-token-per-chunk scenario (``--chunk-streams`` streams, no logprobs, engine
+steps of ``--chunk-step-delay``, 20 ms): the server keeps up with the engine, so that each
+SSE chunk carries one token and the per-chunk work of HTTP and OpenAI serving weighs most.
+Its tokens per chunk are checked to be about 1.0 (a stack that falls behind merges tokens
+into fewer chunks, and the scenario would then measure something else). Scenarios with
+another step delay run on stacks of their own, started after the first ones stop.
+
+For each stack and each scenario, the load generator in this process keeps ``streams``
+streaming completions in flight (``max_tokens`` each) and measures requests/s, output
+tokens/s, time to first token and inter-token latency (p50 / p99), the API server
+process's CPU seconds per 1,000 output tokens and its inverse, output tokens per CPU
+second (from the kernel's accounting of that process alone), and tokens per SSE chunk (a
+server that falls behind merges tokens into fewer chunks, which is cheaper per token).
+Meanwhile py-spy samples the API server (non-blocking) and the samples are grouped by
+layer: receive + decode (the engine-core client), output processing (vLLM's), output
+processing (corewire's native path), detokenization, logprobs, stats, OpenAI serving,
+HTTP, other (:mod:`corewire.bench.serve_profile`). With vLLM's output processing, the
+decoding of logprob candidates (``transformers/``, ``vllm/tokenizers/``) is charged to
+"detokenization", not to "logprobs": with ``logprobs: 5`` that layer is mostly logprob
+work.
 
 CPython's cyclic garbage collector runs inside whichever allocation crosses its threshold
 and scans the server's whole young heap, so a sampling profile charges each collection to
@@ -36,11 +55,19 @@ which pauses the server at each sample) puts samples inside the collector in a "
 collector" layer, so that the client layer reads both as sampled and with collections
 apart.
 
-Goal (the vLLM issue): the client layer's share of the API server's CPU at least 3x smaller
-with corewire than with vLLM's client, and output tokens/s not lower. The share is read as
-sampled, and with ``--native-profile`` also with collections apart; both are printed and
-named. ``--plot FILE.png`` draws tokens/s and the latency percentiles, ``--json FILE``
-writes the results.
+Goals (read against the ``vllm`` stack in the same run; exit status 1 when one is missed):
+
+- ``corewire`` (the vLLM-plugin issue): the client layer's share of the API server's CPU
+  at least 3x smaller, and output tokens/s not lower. The share is read as sampled, and
+  with ``--native-profile`` also with collections apart; both are goals.
+- ``corewire+output`` (the native-output-processing issue): API-server output tokens per
+  CPU second at least 1.5x vLLM's at 256 streams without logprobs, 2x at 256 streams
+  with ``logprobs: 5``, 1.2x in the one-token-per-chunk scenario; in those scenarios TTFT
+  and inter-token latency p99 no worse (within :data:`LATENCY_SLACK`). Other stream
+  counts are reported without a goal.
+
+``--plot FILE.png`` draws tokens/s and the latency percentiles, ``--json FILE`` writes the
+results.
 """
 
 from __future__ import annotations
@@ -59,24 +86,98 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from corewire._optional import import_optional
+from corewire._optional import import_optional, is_installed
 from corewire.bench import common, gc_times
 from corewire.bench.serve_profile import (
     CLIENT_LAYER,
     COLLECTOR,
     LAYERS,
+    NATIVE_OUTPUT_LAYER,
     OTHER,
     Profile,
     profiled,
     read_profile,
 )
 
-__all__ = ["add_arguments", "run"]
+__all__ = [
+    "CHUNK_GOAL",
+    "DEFAULT_CLIENTS",
+    "LATENCY_SLACK",
+    "OUTPUT_SWITCH",
+    "STACKS",
+    "TOKENS_PER_CORE_GOALS",
+    "Result",
+    "Scenario",
+    "add_arguments",
+    "native_output_missing",
+    "run",
+]
 
 ENGINE = "corewire.engine.synthetic:SyntheticEngine"
 PROMPT = "hello tell me a story about the big old house"
 #: Under the work directory: the collector probe's sitecustomize, sockets and files.
 GC_PROBE_DIR = "gc-probe"
+
+#: The plugin's switch for corewire's native output processing in vLLM's ``AsyncLLM``.
+OUTPUT_SWITCH = "COREWIRE_VLLM_OUTPUT"
+#: The stacks: name -> (the API server's engine-core client for ``ServeStack``, the
+#: environment added to the API server's).
+STACKS: dict[str, tuple[str, dict[str, str]]] = {
+    "vllm": ("vllm", {}),
+    "corewire": ("corewire", {}),
+    "corewire+output": ("corewire", {OUTPUT_SWITCH: "1"}),
+}
+DEFAULT_CLIENTS = list(STACKS)
+#: Short names for the columns of the layer tables.
+_SHORT = {"vllm": "vllm", "corewire": "cw", "corewire+output": "cw+out"}
+
+#: The native-output-processing issue's goals: output tokens per API-server CPU second,
+#: corewire+output over vllm, by (streams, logprobs) of the saturation scenarios. Other
+#: stream counts have no stated goal (reported only).
+TOKENS_PER_CORE_GOALS: dict[tuple[int, int], float] = {(256, 0): 1.5, (256, 5): 2.0}
+#: The same goal in the one-token-per-chunk scenario.
+CHUNK_GOAL = 1.2
+#: "TTFT and ITL p99 no worse": corewire+output's p99 over vllm's, at most this (p99s of
+#: a few thousand samples move by a few percent between identical runs).
+LATENCY_SLACK = 1.05
+#: The one-token-per-chunk scenario holds when the chunks carry at most this many tokens
+#: on average (1.0 exactly when no chunk merges two steps).
+ONE_TOKEN_PER_CHUNK = 1.05
+CHUNK_SCENARIO = "one token per chunk"
+
+
+def native_output_missing() -> str | None:
+    """Why the ``corewire+output`` stack cannot run here (None: it can): it needs vLLM
+    0.25.1 (the native output path is not built for 0.33.0 yet) and
+    ``corewire.vllm.output``."""
+    version = common.vllm_version()
+    if version is None or version.split("+", 1)[0] != common.VLLM_VERSION:
+        return f"corewire's native output processing runs under vLLM {common.VLLM_VERSION} only"
+    if not is_installed("corewire.vllm.output"):
+        return "this corewire has no native output processing (corewire.vllm.output)"
+    return None
+
+
+@dataclass(frozen=True)
+class Scenario:
+    """One load: ``streams`` concurrent streams asking ``logprobs`` each, over engines
+    stepping every ``step_delay`` seconds; ``one_token_chunks``: the one-token-per-chunk
+    scenario."""
+
+    streams: int
+    logprobs: int
+    step_delay: float
+    one_token_chunks: bool = False
+
+    @property
+    def label(self) -> str:
+        """The scenario's name in the report, the goals and the JSON file."""
+        if self.one_token_chunks:
+            return (
+                f"{CHUNK_SCENARIO}: {self.streams} streams, "
+                f"{1e3 * self.step_delay:g} ms steps, logprobs {self.logprobs}"
+            )
+        return f"{self.streams} streams, logprobs {self.logprobs}"
 
 
 @dataclass
@@ -86,6 +187,11 @@ class Result:
     client: str
     streams: int
     logprobs: int
+    #: The scenario's label (:attr:`Scenario.label`; empty: a warm-up).
+    scenario: str = ""
+    step_delay: float = 0.0
+    #: Whether this is the one-token-per-chunk scenario.
+    one_token_chunks: bool = False
     requests: int = 0
     tokens: int = 0
     errors: int = 0
@@ -110,6 +216,12 @@ class Result:
     @property
     def cpu_per_1k_tokens(self) -> float:
         return 1000 * self.cpu_seconds / self.tokens if self.tokens else float("nan")
+
+    @property
+    def tokens_per_cpu_s(self) -> float:
+        """Output tokens per CPU second of the API server: tokens per core, when the
+        server saturates one."""
+        return self.tokens / self.cpu_seconds if self.cpu_seconds else float("nan")
 
     def share(self, layer: str, *, collections_apart: bool = False) -> float:
         """``layer``'s share of the profile's samples (see :meth:`Profile.share`)."""
@@ -214,44 +326,85 @@ def _bench_stack(**kwargs: Any) -> Any:
     return BenchStack(**kwargs)
 
 
+def scenarios(args: argparse.Namespace) -> list[Scenario]:
+    """The run's scenarios, in order: the saturation grid, then one token per chunk."""
+    found = [Scenario(n, lp, args.step_delay) for n in args.streams for lp in args.logprobs]
+    if args.chunk_streams:
+        found.append(Scenario(args.chunk_streams, 0, args.chunk_step_delay, one_token_chunks=True))
+    return found
+
+
+def _slug(client: str) -> str:
+    return client.replace("+", "-")
+
+
 def run_clients(args: argparse.Namespace, model_dir: Path, work: Path) -> list[Result]:
-    """Every client's stack is up at once (an idle one costs nothing); each scenario runs
-    on one client right after the other, so that both see the same machine."""
+    """Scenarios run in groups of one engine step delay. For each group every client's
+    stack is up at once (an idle one costs nothing), and each scenario runs on one stack
+    right after the other, so that all see the same machine; the stacks stop before the
+    next group's start."""
     psutil = import_optional("psutil", "the serve benchmark's CPU accounting")
-    engine_args = {"step_delay": args.step_delay, "max_batch": 4096}
     try:
-        server_env = gc_times.probe_env(work / GC_PROBE_DIR)
+        probe_env = gc_times.probe_env(work / GC_PROBE_DIR)
     except gc_times.GcProbeError as exc:
         print(f"no collector timing: {exc}")
-        server_env = {}
+        probe_env = {}
+    groups: dict[float, list[Scenario]] = {}
+    for scenario in scenarios(args):
+        groups.setdefault(scenario.step_delay, []).append(scenario)
     results = []
-    with contextlib.ExitStack() as stacks:
-        servers = {}
-        for client in args.clients:
-            stack = stacks.enter_context(
-                _bench_stack(
-                    model_dir=model_dir,
-                    port=0,
-                    client=client,
-                    engines=args.engines,
-                    engine_args=engine_args,
-                    log_dir=work / f"logs-{client}",
-                    extra_server_args=("--disable-log-stats",) if args.no_stats else (),
-                    server_env=server_env,
-                )
-            )
-            warm = Result(client, 8, 0)
-            asyncio.run(_load(stack.base_url, stack.served_model_name, warm, 16, 32))
-            if warm.errors or not warm.tokens:
-                raise RuntimeError(f"{client}: the warm-up failed ({warm.errors} errors)")
-            servers[client] = (stack, psutil.Process(stack.server.pid))
-        for streams in args.streams:
-            for logprobs in args.logprobs:
+    for step_delay, group in groups.items():
+        with contextlib.ExitStack() as stacks:
+            servers = {}
+            for client in args.clients:
+                stack = _start_stack(args, model_dir, work, client, step_delay, probe_env)
+                stacks.callback(stack.stop)
+                servers[client] = (stack, psutil.Process(stack.server.pid))
+            for scenario in group:
                 for client, (stack, server) in servers.items():
-                    results.append(
-                        _measure(args, work, stack, server, Result(client, streams, logprobs))
+                    result = Result(
+                        client,
+                        scenario.streams,
+                        scenario.logprobs,
+                        scenario.label,
+                        scenario.step_delay,
+                        scenario.one_token_chunks,
                     )
+                    results.append(_measure(args, work, stack, server, result))
     return results
+
+
+def _start_stack(
+    args: argparse.Namespace,
+    model_dir: Path,
+    work: Path,
+    client: str,
+    step_delay: float,
+    probe_env: dict[str, str],
+) -> Any:
+    """``client``'s stack, started and warmed up (the caller stops it; a failed warm-up
+    stops it here)."""
+    engine_client, switches = STACKS[client]
+    stack = _bench_stack(
+        model_dir=model_dir,
+        port=0,
+        client=engine_client,
+        engines=args.engines,
+        engine_args={"step_delay": step_delay, "max_batch": 4096},
+        log_dir=work / f"logs-{_slug(client)}-{1e3 * step_delay:g}ms",
+        extra_server_args=("--disable-log-stats",) if args.no_stats else (),
+        server_env={**probe_env, **switches},
+    )
+    stack.start()
+    try:
+        warm = Result(client, 8, 0)
+        asyncio.run(_load(stack.base_url, stack.served_model_name, warm, 16, 32))
+        if warm.errors or not warm.tokens:
+            raise RuntimeError(f"{client}: the warm-up failed ({warm.errors} errors)")
+    except BaseException:
+        stack.stop()
+        raise
+    return stack
 
 
 def _measure(
@@ -264,7 +417,9 @@ def _measure(
     cpu0 = sum(server.cpu_times()[:2])
     t0 = time.perf_counter()
     profile_dir = Path(args.profile_dir) if args.profile_dir else work
-    profile = profile_dir / f"profile-{result.client}-{result.streams}-{result.logprobs}.txt"
+    kind = "chunks-" if result.one_token_chunks else ""
+    name = f"profile-{_slug(result.client)}-{kind}{result.streams}-{result.logprobs}.txt"
+    profile = profile_dir / name
     with profiled(server.pid, profile, args.profile, native=args.native_profile):
         asyncio.run(
             _load(
@@ -283,8 +438,9 @@ def _measure(
     result.profile = read_profile(profile, native=args.native_profile)
     stack.check_alive()
     print(
-        f"  {result.client:9} {result.streams:4} streams  logprobs {result.logprobs}: "
-        f"{result.tokens_per_s:9,.0f} tok/s  {result.tokens_per_chunk:5.1f} tok/chunk  "
+        f"  {result.client:15} {result.scenario}: "
+        f"{result.tokens_per_s:9,.0f} tok/s  {result.tokens_per_chunk:5.2f} tok/chunk  "
+        f"{result.tokens_per_cpu_s:7,.0f} tok/CPU s  "
         f"collector {100 * result.gc_share:4.1f}% of CPU  "
         f"{result.profile.samples:6} samples"
         + (f" ({result.profile.idle} waiting left out)" if result.profile.native else "")
@@ -311,18 +467,23 @@ _GC_PROBE_REPORTED: set[int] = set()
 
 def report(results: list[Result]) -> list[common.Goal]:
     """Prints the results, the collector, the layers and the goals; returns the goals."""
-    by_key = {(r.client, r.streams, r.logprobs): r for r in results}
+    by_key = {(r.client, r.scenario): r for r in results}
     native = any(r.profile.native for r in results)
     print()
     print(
-        "client    streams lp   req/s    tok/s tok/chunk  TTFT p50/p99 ms   ITL p50/p99 ms"
-        "  CPU s/1k tok  GC % CPU  client layer  w/o GC  client ms/1k tok"
+        "client          streams lp step ms   req/s    tok/s tok/chunk  tok/CPU s x vllm"
+        "  TTFT p50/p99 ms   ITL p50/p99 ms  CPU s/1k tok  GC % CPU  client layer  w/o GC"
+        "  client ms/1k tok"
     )
     for r in results:
         apart = r.share(CLIENT_LAYER, collections_apart=True)
+        base = by_key.get(("vllm", r.scenario))
+        vs = _ratio(r.tokens_per_cpu_s, base.tokens_per_cpu_s) if base else float("nan")
         print(
-            f"{r.client:9} {r.streams:7} {r.logprobs:2} {r.requests / r.seconds:7.1f}"
-            f" {r.tokens_per_s:8,.0f} {r.tokens_per_chunk:9.1f}"
+            f"{r.client:15} {r.streams:7}{'c' if r.one_token_chunks else ' '}{r.logprobs:2}"
+            f" {1e3 * r.step_delay:7g} {r.requests / r.seconds:7.1f}"
+            f" {r.tokens_per_s:8,.0f} {r.tokens_per_chunk:9.2f} {r.tokens_per_cpu_s:10,.0f}"
+            f" {vs:6.2f}"
             f" {1e3 * percentile(r.ttft, 50):7.1f}/{1e3 * percentile(r.ttft, 99):7.1f}"
             f"  {1e3 * percentile(r.itl, 50):6.2f}/{1e3 * percentile(r.itl, 99):7.2f}"
             f"  {r.cpu_per_1k_tokens:11.3f}  {100 * r.gc_share:7.1f}%"
@@ -331,8 +492,10 @@ def report(results: list[Result]) -> list[common.Goal]:
             + f"  {1e3 * r.cpu_per_1k_tokens * r.share(CLIENT_LAYER):16.2f}"
         )
     print(
-        "(client layer: as sampled, a collection charged to the code that triggered it; "
-        "w/o GC: with collections apart, --native-profile only)"
+        "(c: the one-token-per-chunk scenario; tok/CPU s: output tokens per CPU second of "
+        "the API server, x vllm: over the vllm stack's in the same scenario; client layer: "
+        "as sampled, a collection charged to the code that triggered it; w/o GC: with "
+        "collections apart, --native-profile only)"
     )
     _report_collector(results)
     names = [name for name, _ in LAYERS] + [OTHER]
@@ -351,41 +514,39 @@ def report(results: list[Result]) -> list[common.Goal]:
             "CPython's gc_collect_* in 'garbage collector')",
             collections_apart=True,
         )
+    if any(r.logprobs for r in results):
+        print(
+            "(logprobs: vLLM's output processing decodes each candidate token through "
+            "transformers/ and vllm/tokenizers/, so that work shows as 'detokenization', not "
+            f"'logprobs'; corewire's native path does it inside '{NATIVE_OUTPUT_LAYER}')"
+        )
     print()
     found: list[common.Goal] = []
-    for (client, streams, logprobs), r in by_key.items():
-        if client != "corewire" or ("vllm", streams, logprobs) not in by_key:
+    for r in results:
+        base = by_key.get(("vllm", r.scenario))
+        if r.client == "vllm" or base is None:
             continue
-        base = by_key[("vllm", streams, logprobs)]
-        scenario = f"{streams} streams, logprobs {logprobs}"
-        tok_ratio = r.tokens_per_s / base.tokens_per_s if base.tokens_per_s else float("nan")
-        cpu_ratio = base.cpu_per_1k_tokens / r.cpu_per_1k_tokens
-        parts = []
-        # The issue's goal is read on the client layer as sampled; with a native profile
-        # it is also read with collections apart, and both are goals.
-        views = [(False, "as sampled")] + ([(True, "collections apart")] if native else [])
-        explain = {
-            "as sampled": "collections charged to the code that triggered them",
-            "collections apart": "samples inside a collection in the collector's own layer",
-        }
-        for apart, label in views if r.profile.samples else []:
-            ratio = _ratio(
-                base.share(CLIENT_LAYER, collections_apart=apart),
-                r.share(CLIENT_LAYER, collections_apart=apart),
+        if r.client == "corewire+output":
+            parts = _output_goals(r, base, by_key.get(("corewire", r.scenario)), found)
+        elif not r.one_token_chunks:
+            parts = _client_goals(r, base, found)
+        else:
+            parts = [f"tokens per CPU s {_ratio(r.tokens_per_cpu_s, base.tokens_per_cpu_s):.2f}x"]
+        print(f"{r.client} vs vllm, {r.scenario}:" + "".join(f"\n    {part}" for part in parts))
+    for r in results:
+        if r.one_token_chunks:
+            goal = common.Goal(
+                f"{r.scenario}: {r.client} tokens per chunk (about 1)",
+                r.tokens_per_chunk,
+                ONE_TOKEN_PER_CHUNK,
+                lower_is_better=True,
             )
-            goal = common.Goal(f"{scenario}: client layer share x smaller ({label})", ratio, 3)
             found.append(goal)
-            parts.append(
-                f"client layer share {ratio:4.1f}x smaller, {label} ({explain[label]}):"
-                f" {'met' if goal.met else 'MISS'} (>= 3x)"
+            print(
+                f"{r.client} {r.scenario}: {r.tokens_per_chunk:.3f} tokens per chunk: "
+                f"{'met' if goal.met else 'MISS'} (<= {ONE_TOKEN_PER_CHUNK}; more: the stack "
+                "fell behind the engine and merged steps, not the scenario asked for)"
             )
-        goal = common.Goal(f"{scenario}: tokens/s x vllm (not lower)", tok_ratio, 0.97)
-        found.append(goal)
-        parts.append(
-            f"tokens/s {tok_ratio:.2f}x vLLM's: {'met' if goal.met else 'MISS'} (not lower)"
-        )
-        parts.append(f"API server CPU per token {cpu_ratio:.2f}x less")
-        print(f"{scenario}:" + "".join(f"\n    {part}" for part in parts))
     if native:
         print(
             "(--native-profile: py-spy paused the API server at every sample, so tokens/s, "
@@ -394,10 +555,89 @@ def report(results: list[Result]) -> list[common.Goal]:
     return found
 
 
-def _ratio(base: float, value: float) -> float:
-    if value != value or base != base:  # NaN: no samples
+def _client_goals(r: Result, base: Result, found: list[common.Goal]) -> list[str]:
+    """The vLLM-plugin issue's goals for corewire's client (appended to ``found``); the
+    lines that report them."""
+    native = r.profile.native
+    tok_ratio = r.tokens_per_s / base.tokens_per_s if base.tokens_per_s else float("nan")
+    cpu_ratio = base.cpu_per_1k_tokens / r.cpu_per_1k_tokens
+    parts = []
+    # The issue's goal is read on the client layer as sampled; with a native profile
+    # it is also read with collections apart, and both are goals.
+    views = [(False, "as sampled")] + ([(True, "collections apart")] if native else [])
+    explain = {
+        "as sampled": "collections charged to the code that triggered them",
+        "collections apart": "samples inside a collection in the collector's own layer",
+    }
+    for apart, label in views if r.profile.samples else []:
+        ratio = _ratio(
+            base.share(CLIENT_LAYER, collections_apart=apart),
+            r.share(CLIENT_LAYER, collections_apart=apart),
+        )
+        goal = common.Goal(f"{r.scenario}: client layer share x smaller ({label})", ratio, 3)
+        found.append(goal)
+        parts.append(
+            f"client layer share {ratio:4.1f}x smaller, {label} ({explain[label]}):"
+            f" {'met' if goal.met else 'MISS'} (>= 3x)"
+        )
+    goal = common.Goal(f"{r.scenario}: tokens/s x vllm (not lower)", tok_ratio, 0.97)
+    found.append(goal)
+    parts.append(f"tokens/s {tok_ratio:.2f}x vLLM's: {'met' if goal.met else 'MISS'} (not lower)")
+    parts.append(f"API server CPU per token {cpu_ratio:.2f}x less")
+    return parts
+
+
+def _output_goals(
+    r: Result, base: Result, client_only: Result | None, found: list[common.Goal]
+) -> list[str]:
+    """The native-output-processing issue's goals for the corewire+output stack, where the
+    issue sets them (appended to ``found``); the lines that report them."""
+    per_core = _ratio(r.tokens_per_cpu_s, base.tokens_per_cpu_s)
+    target = (
+        CHUNK_GOAL if r.one_token_chunks else TOKENS_PER_CORE_GOALS.get((r.streams, r.logprobs))
+    )
+    parts = []
+    if target is None:
+        parts.append(
+            f"output tokens per API-server CPU second {per_core:.2f}x vLLM's "
+            "(no goal in this scenario)"
+        )
+    else:
+        goal = common.Goal(f"{r.scenario}: {r.client} tokens per CPU s x vllm", per_core, target)
+        found.append(goal)
+        parts.append(
+            f"output tokens per API-server CPU second {per_core:.2f}x vLLM's: "
+            f"{'met' if goal.met else 'MISS'} (>= {target}x)"
+        )
+        for attr, what in (("ttft", "TTFT"), ("itl", "ITL")):
+            ratio = _ratio(percentile(getattr(r, attr), 99), percentile(getattr(base, attr), 99))
+            goal = common.Goal(
+                f"{r.scenario}: {r.client} {what} p99 x vllm (no worse)",
+                ratio,
+                LATENCY_SLACK,
+                lower_is_better=True,
+            )
+            found.append(goal)
+            parts.append(
+                f"{what} p99 {ratio:.2f}x vLLM's: {'met' if goal.met else 'MISS'} "
+                f"(no worse: <= {LATENCY_SLACK}x)"
+            )
+    tok_ratio = _ratio(r.tokens_per_s, base.tokens_per_s)
+    parts.append(f"tokens/s {tok_ratio:.2f}x vLLM's")
+    if client_only is not None:
+        parts.append(
+            "output tokens per API-server CPU second "
+            f"{_ratio(r.tokens_per_cpu_s, client_only.tokens_per_cpu_s):.2f}x the corewire "
+            "stack's (its client, vLLM's output processing)"
+        )
+    return parts
+
+
+def _ratio(num: float, den: float) -> float:
+    """``num / den``: NaN when either is NaN (no samples, no tokens)."""
+    if num != num or den != den:
         return float("nan")
-    return base / value if value else float("inf")
+    return num / den if den else float("inf")
 
 
 def _report_collector(results: list[Result]) -> None:
@@ -410,18 +650,18 @@ def _report_collector(results: list[Result]) -> None:
         "window: CPU time of the collecting thread; wall time also counts waits for a core)"
     )
     print(
-        "client    streams lp  GC CPU s  GC wall s  % of server CPU  GC ms/1k tok"
+        "client          streams lp  GC CPU s  GC wall s  % of server CPU  GC ms/1k tok"
         "  collections gen0/gen1/gen2  GC CPU s gen0/gen1/gen2"
     )
     for r in results:
         if r.gc is None:
-            print(f"{r.client:9} {r.streams:7} {r.logprobs:2}  (probe did not answer)")
+            print(f"{r.client:15} {_streams(r):>8}{r.logprobs:2}  (probe did not answer)")
             continue
         per_1k = 1e3 * 1e3 * r.gc.total_cpu_s / r.tokens if r.tokens else float("nan")
         counts = "/".join(str(c) for c in r.gc.collections)
         seconds = "/".join(f"{s:.2f}" for s in r.gc.cpu_s)
         print(
-            f"{r.client:9} {r.streams:7} {r.logprobs:2} {r.gc.total_cpu_s:9.2f}"
+            f"{r.client:15} {_streams(r):>8}{r.logprobs:2} {r.gc.total_cpu_s:9.2f}"
             f" {sum(r.gc.wall_s):10.2f} {100 * r.gc_share:15.1f}% {per_1k:13.2f}"
             f"  {counts:>27}  {seconds:>22}"
         )
@@ -433,25 +673,42 @@ def _report_layers(
     print()
     print(title)
     print(
-        f"{'layer':18}"
-        + "".join(f" {r.client[:4]}/{r.streams}/{r.logprobs}".rjust(13) for r in results)
+        f"{'layer':29}"
+        + "".join(
+            f" {_SHORT.get(r.client, r.client)}/{_streams(r)}/{r.logprobs}".rjust(15)
+            for r in results
+        )
     )
     for name in names:
         print(
-            f"{name:18}"
+            f"{name:29}"
             + "".join(
-                f"{100 * r.share(name, collections_apart=collections_apart):13.1f}" for r in results
+                f"{100 * r.share(name, collections_apart=collections_apart):15.1f}" for r in results
             )
         )
 
 
-def as_case(r: Result) -> dict[str, Any]:
-    """One (client, scenario) result as the JSON file holds it."""
+def _streams(r: Result) -> str:
+    """The streams column: "c" marks the one-token-per-chunk scenario."""
+    return f"{r.streams}{'c' if r.one_token_chunks else ''}"
+
+
+def _vllm_result(results: list[Result], r: Result) -> Result | None:
+    """The vllm stack's result in ``r``'s scenario (None: not run)."""
+    return next((b for b in results if b.client == "vllm" and b.scenario == r.scenario), None)
+
+
+def as_case(r: Result, base: Result | None = None) -> dict[str, Any]:
+    """One (client, scenario) result as the JSON file holds it; ``base``: the vllm stack's
+    result in the same scenario, for the ratios."""
     names = [n for n, _ in LAYERS] + [OTHER]
     return {
         "client": r.client,
+        "scenario": r.scenario,
+        "one_token_per_chunk_scenario": r.one_token_chunks,
         "streams": r.streams,
         "logprobs": r.logprobs,
+        "step_delay_s": r.step_delay,
         "requests": r.requests,
         "tokens": r.tokens,
         "errors": r.errors,
@@ -463,6 +720,17 @@ def as_case(r: Result) -> dict[str, Any]:
         "itl_ms": {f"p{q}": 1e3 * percentile(r.itl, q) for q in (50, 90, 99)},
         "api_server_cpu_s": r.cpu_seconds,
         "api_server_cpu_s_per_1k_tokens": r.cpu_per_1k_tokens,
+        "tokens_per_api_server_cpu_s": r.tokens_per_cpu_s,
+        "vs_vllm": (
+            {
+                "tokens_per_api_server_cpu_s": _ratio(r.tokens_per_cpu_s, base.tokens_per_cpu_s),
+                "tokens_per_s": _ratio(r.tokens_per_s, base.tokens_per_s),
+                "ttft_p99": _ratio(percentile(r.ttft, 99), percentile(base.ttft, 99)),
+                "itl_p99": _ratio(percentile(r.itl, 99), percentile(base.itl, 99)),
+            }
+            if base is not None
+            else None
+        ),
         # As sampled: a collection counts in the layer that triggered it.
         "cpu_share_by_layer": {name: r.share(name) for name in names},
         "cpu_share_by_layer_collections_apart": (
@@ -480,37 +748,52 @@ def as_case(r: Result) -> dict[str, Any]:
 
 
 def plot(results: list[Result], path: str) -> None:
-    """Output tokens/s, then TTFT and ITL p50/p99, per scenario and client (matplotlib)."""
+    """Output tokens/s, output tokens per API-server CPU second, then TTFT and ITL
+    p50/p99, per scenario and client (matplotlib)."""
     plt = common.pyplot()
-    scenarios = list(dict.fromkeys((r.streams, r.logprobs) for r in results))
+    scenarios = list(dict.fromkeys(r.scenario for r in results))
     clients = list(dict.fromkeys(r.client for r in results))
-    by_key = {(r.client, r.streams, r.logprobs): r for r in results}
-    labels = {"vllm": "vLLM 0.25.1's client", "corewire": "corewire's client (plugin)"}
-    fig, axes = plt.subplots(1, 3, figsize=(16, 4.5))
+    by_key = {(r.client, r.scenario): r for r in results}
+    labels = {
+        "vllm": "vLLM 0.25.1's client and output processing",
+        "corewire": "corewire's client (plugin)",
+        "corewire+output": "corewire's client and output processing (plugin)",
+    }
+    fig, axes = plt.subplots(1, 4, figsize=(21, 4.5))
     width = 0.8 / len(clients)
     ticks = [j + 0.4 - width / 2 for j in range(len(scenarios))]
-    tick_labels = [f"{s} streams\nlogprobs {lp}" for s, lp in scenarios]
+    tick_labels = [_tick_label(next(r for r in results if r.scenario == s)) for s in scenarios]
     for i, client in enumerate(clients):
         xs = [j + i * width for j in range(len(scenarios))]
-        rows = [by_key.get((client, s, lp)) for s, lp in scenarios]
+        rows = [by_key.get((client, s)) for s in scenarios]
         label = labels.get(client, client)
         axes[0].bar(xs, [r.tokens_per_s if r else 0.0 for r in rows], width, label=label)
-        for ax, attr in ((axes[1], "ttft"), (axes[2], "itl")):
+        per_core = [r.tokens_per_cpu_s if r and r.cpu_seconds else 0.0 for r in rows]
+        axes[1].bar(xs, per_core, width, label=label)
+        for ax, attr in ((axes[2], "ttft"), (axes[3], "itl")):
             p50 = [1e3 * percentile(getattr(r, attr), 50) if r else 0.0 for r in rows]
             p99 = [1e3 * percentile(getattr(r, attr), 99) if r else 0.0 for r in rows]
             ax.bar(xs, p99, width, alpha=0.35, label=f"{label} p99")
             ax.bar(xs, p50, width, label=f"{label} p50")
     axes[0].set_ylabel("output tokens/s (higher is better)")
     axes[0].set_title("throughput")
-    axes[1].set_ylabel("ms (lower is better)")
-    axes[1].set_title("time to first token, p50 and p99")
+    axes[1].set_ylabel("output tokens per CPU second (higher is better)")
+    axes[1].set_title("API server: tokens per core")
     axes[2].set_ylabel("ms (lower is better)")
-    axes[2].set_title("inter-token latency, p50 and p99")
+    axes[2].set_title("time to first token, p50 and p99")
+    axes[3].set_ylabel("ms (lower is better)")
+    axes[3].set_title("inter-token latency, p50 and p99")
     for ax in axes:
         ax.set_xticks(ticks, tick_labels)
         ax.legend(fontsize=7)
     fig.suptitle("vLLM's API server (front-end only) over a synthetic engine")
     common.save_figure(fig, path)
+
+
+def _tick_label(r: Result) -> str:
+    if r.one_token_chunks:
+        return f"1 token/chunk\n{r.streams} streams, {1e3 * r.step_delay:g} ms"
+    return f"{r.streams} streams\nlogprobs {r.logprobs}"
 
 
 def _ints(text: str) -> list[int]:
@@ -525,9 +808,9 @@ def _ints(text: str) -> list[int]:
 
 def _clients(text: str) -> list[str]:
     clients = [c for c in text.split(",") if c]
-    if not clients or any(c not in ("vllm", "corewire") for c in clients):
-        raise argparse.ArgumentTypeError(f"{text!r}: expected a subset of vllm,corewire")
-    return clients
+    if not clients or any(c not in STACKS for c in clients):
+        raise argparse.ArgumentTypeError(f"{text!r}: expected a subset of {','.join(STACKS)}")
+    return list(dict.fromkeys(clients))
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -545,7 +828,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--seconds", type=float, default=20.0, help="and at least this long per scenario (20)"
     )
     parser.add_argument(
-        "--clients", type=_clients, default=["vllm", "corewire"], help="vllm,corewire"
+        "--clients",
+        type=_clients,
+        default=None,
+        help=f"the stacks ({','.join(DEFAULT_CLIENTS)}): vllm: vLLM's client and output "
+        "processing; corewire: corewire's client (COREWIRE_VLLM_CLIENT=1); corewire+output: "
+        f"corewire's client and native output processing (and {OUTPUT_SWITCH}=1), left out "
+        "of the default with a note where it cannot run",
     )
     parser.add_argument("--engines", type=int, default=1, help="engine processes (1)")
     # A model-free engine without a step time steps each request alone as soon as it
@@ -553,6 +842,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     # real engine. 5 ms is a fast GPU decode step and makes it batch like one.
     parser.add_argument(
         "--step-delay", type=float, default=0.005, help="engine seconds per step (0.005)"
+    )
+    # At 20 ms steps and 256 streams the engine asks for 12.8k tokens/s, well under what
+    # each stack's server streams: each step's token leaves in a chunk of its own, and the
+    # per-chunk work (HTTP, OpenAI serving) weighs most (the issue's third column).
+    parser.add_argument(
+        "--chunk-streams",
+        type=int,
+        default=256,
+        help="streams of the one-token-per-chunk scenario (256; 0: no such scenario)",
+    )
+    parser.add_argument(
+        "--chunk-step-delay",
+        type=float,
+        default=0.02,
+        help="engine seconds per step in the one-token-per-chunk scenario (0.02)",
     )
     parser.add_argument("--no-profile", dest="profile", action="store_false", help="no py-spy")
     parser.add_argument(
@@ -568,7 +872,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--profile-dir",
         metavar="DIR",
         default=None,
-        help="keep py-spy's raw profiles (profile-CLIENT-STREAMS-LOGPROBS.txt) in DIR",
+        help="keep py-spy's raw profiles (profile-CLIENT-[chunks-]STREAMS-LOGPROBS.txt) in DIR",
     )
 
 
@@ -586,6 +890,22 @@ def run(args: argparse.Namespace) -> int:
         return 2
     if args.max_tokens < 1 or args.rounds < 1 or args.engines < 1:
         print(f"{prog}: --max-tokens, --rounds and --engines must be at least 1", file=sys.stderr)
+        return 2
+    if args.chunk_streams < 0 or (args.chunk_streams and args.chunk_step_delay <= 0):
+        print(
+            f"{prog}: --chunk-streams must be at least 0, and --chunk-step-delay positive "
+            "(without a step time the engine does not pace the chunks)",
+            file=sys.stderr,
+        )
+        return 2
+    missing = native_output_missing()
+    if args.clients is None:
+        args.clients = list(DEFAULT_CLIENTS)
+        if missing is not None:
+            args.clients.remove("corewire+output")
+            print(f"no corewire+output stack: {missing}")
+    elif "corewire+output" in args.clients and missing is not None:
+        print(f"{prog}: --clients corewire+output: {missing}", file=sys.stderr)
         return 2
     if args.profile_dir:
         Path(args.profile_dir).mkdir(parents=True, exist_ok=True)
@@ -630,11 +950,13 @@ def run(args: argparse.Namespace) -> int:
                 "clients": args.clients,
                 "engines": args.engines,
                 "step_delay": args.step_delay,
+                "chunk_streams": args.chunk_streams,
+                "chunk_step_delay": args.chunk_step_delay,
                 "profile": args.profile,
                 "native_profile": args.native_profile,
                 "stats": not args.no_stats,
             },
-            cases=[as_case(r) for r in results],
+            cases=[as_case(r, _vllm_result(results, r)) for r in results],
             goals=found,
         )
         print(f"results written to {args.json}")

@@ -29,6 +29,7 @@ __all__ = [
     "CLIENT_LAYER",
     "COLLECTOR",
     "LAYERS",
+    "NATIVE_OUTPUT_LAYER",
     "OTHER",
     "Profile",
     "classify",
@@ -37,6 +38,10 @@ __all__ = [
     "profiled",
     "read_profile",
 ]
+
+#: The layer of corewire's native output processing (``corewire/vllm/output.py`` and
+#: ``corewire/vllm/output_*.py``), apart from vLLM's "output processing".
+NATIVE_OUTPUT_LAYER = "output processing (corewire)"
 
 #: Layers of the API server's CPU, and the file-path fragments of each. A sample belongs to
 #: the layer of its innermost frame that matches (generic modules such as asyncio match
@@ -58,6 +63,8 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
         ),
     ),
     ("logprobs", ("vllm/v1/engine/logprobs.py", "vllm/logprobs.py")),
+    # vLLM's logprobs processing decodes each candidate token through its tokenizer pool
+    # (vllm/tokenizers/, transformers/): with logprobs, most of this layer is logprob work.
     (
         "detokenization",
         ("vllm/v1/engine/detokenizer.py", "vllm/tokenizers/", "tokenizers/", "transformers/"),
@@ -66,6 +73,13 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     (
         "output processing",
         ("vllm/v1/engine/output_processor.py", "vllm/v1/engine/async_llm.py", "vllm/outputs.py"),
+    ),
+    # corewire's native output processing (COREWIRE_VLLM_OUTPUT=1): its Rust code has no
+    # Python frame of its own, so its samples land on the module that called it. What it
+    # hands to vLLM's own classes (RequestOutput, stats) stays in vLLM's layers above.
+    (
+        NATIVE_OUTPUT_LAYER,
+        ("corewire/vllm/output.py", "corewire/vllm/output_"),
     ),
     ("OpenAI serving", ("vllm/entrypoints/", "pydantic/", "pydantic_core/")),
     ("HTTP", ("uvicorn/", "starlette/", "fastapi/", "h11/", "httptools/", "anyio/")),
