@@ -29,9 +29,11 @@ from corewire import cli
 from corewire._optional import is_installed
 from corewire.bench import client as client_bench
 from corewire.bench import common, gc_times
+from corewire.bench import serve as serve_bench
 from corewire.bench.serve_profile import (
     CLIENT_LAYER,
     COLLECTOR,
+    NATIVE_OUTPUT_LAYER,
     classify,
     in_collection,
     is_waiting,
@@ -118,10 +120,13 @@ def test_bench_lists_every_benchmark(capsys: pytest.CaptureFixture[str]) -> None
     assert (args.bench, args.quick, args.json, args.plot) == ("decode", True, "x.json", "x.png")
 
 
-def test_serve_arguments() -> None:
+def test_serve_arguments(capsys: pytest.CaptureFixture[str]) -> None:
     parser = cli.build_parser("bench")
     args = parser.parse_args(["bench", "serve"])
-    assert (args.streams, args.logprobs, args.clients) == ([64, 256], [0, 5], ["vllm", "corewire"])
+    # None: every stack, less corewire+output where it cannot run (decided in run()).
+    assert (args.streams, args.logprobs, args.clients) == ([64, 256], [0, 5], None)
+    assert serve_bench.DEFAULT_CLIENTS == ["vllm", "corewire", "corewire+output"]
+    assert (args.chunk_streams, args.chunk_step_delay) == (256, 0.02)
     assert (args.profile, args.no_stats, args.quick, args.json, args.plot) == (
         True, False, False, None, None,
     )  # fmt: skip
@@ -135,6 +140,28 @@ def test_serve_arguments() -> None:
     )  # fmt: skip
     assert (args.streams, args.logprobs, args.clients) == ([8, 16], [5], ["corewire"])
     assert (args.profile, args.step_delay, args.max_tokens) == (False, 0.001, 32)
+    args = parser.parse_args(
+        ["bench", "serve", "--clients", "corewire+output,vllm,vllm", "--chunk-streams", "0",
+         "--chunk-step-delay", "0.05"]
+    )  # fmt: skip
+    assert args.clients == ["corewire+output", "vllm"]
+    assert (args.chunk_streams, args.chunk_step_delay) == (0, 0.05)
+    assert not any(s.one_token_chunks for s in serve_bench.scenarios(args))
+    args.chunk_streams = 128
+    assert [s.label for s in serve_bench.scenarios(args)] == [
+        "64 streams, logprobs 0", "64 streams, logprobs 5", "256 streams, logprobs 0",
+        "256 streams, logprobs 5", "one token per chunk: 128 streams, 50 ms steps, logprobs 0",
+    ]  # fmt: skip
+    with pytest.raises(SystemExit):
+        parser.parse_args(["bench", "serve", "--help"])
+    help_text = " ".join(capsys.readouterr().out.split())
+    for flag in (
+        "--chunk-streams",
+        "--chunk-step-delay",
+        "corewire+output",
+        "COREWIRE_VLLM_OUTPUT",
+    ):
+        assert flag in help_text
 
 
 def test_bad_arguments_stop_before_any_run(capsys: pytest.CaptureFixture[str]) -> None:
@@ -151,6 +178,10 @@ def test_bad_arguments_stop_before_any_run(capsys: pytest.CaptureFixture[str]) -
     assert cli.main(["bench", "serve", "--rounds", "0"]) == 2
     expected = "must be at least 1" if HAVE_VLLM else "vLLM is not installed"
     assert expected in capsys.readouterr().err
+    for bad in (["--chunk-streams", "-1"], ["--chunk-step-delay", "0"]):
+        assert cli.main(["bench", "serve", *bad]) == 2
+        expected = "--chunk-step-delay positive" if HAVE_VLLM else "vLLM is not installed"
+        assert expected in capsys.readouterr().err
 
 
 def test_decode_json_and_plot(tmp_path: Path) -> None:
@@ -386,31 +417,107 @@ def _serve_missing() -> str | None:
     return missing_prerequisite() or plugin_missing()
 
 
+@pytest.mark.timeout(240)
 def test_serve_tiny_run(tmp_path: Path) -> None:
-    """One tiny configuration: both clients in vLLM's API server, 32 short requests each
-    (16 tokens, the engine taking 2 ms a step: without a delay, the API server may merge a
-    request's tokens into one chunk, and there is no inter-token latency to measure)."""
+    """One tiny configuration: every stack in vLLM's API server (corewire+output where it
+    can run), 32 short requests each in a saturation scenario and in the one-token-per-
+    chunk scenario (16 tokens, the engine taking 10 ms a step: without a delay, the API
+    server may merge a request's tokens into one chunk, and there is no inter-token
+    latency to measure). One step delay for both: one stack per client (~10 s each)."""
     missing = _serve_missing()
     if missing:
         pytest.skip(missing)
+    no_output = serve_bench.native_output_missing()
+    clients = ["vllm", "corewire"] + (["corewire+output"] if no_output is None else [])
     out, png = tmp_path / "serve.json", tmp_path / "serve.png"
     proc = bench(
         "serve", "--quick", "--streams", "2", "--logprobs", "0", "--max-tokens", "16",
-        "--step-delay", "0.002", "--no-profile", "--json", str(out), "--plot", str(png),
+        "--step-delay", "0.01", "--chunk-streams", "4", "--chunk-step-delay", "0.01",
+        "--no-profile", "--json", str(out), "--plot", str(png), timeout=220,
     )  # fmt: skip
     # Exit status 1 is a missed goal (tokens/s within noise of vLLM's): not this test's.
     assert proc.returncode in (0, 1), proc.stdout + proc.stderr
+    assert ("no corewire+output stack: " in proc.stdout) is (no_output is not None)
     doc = read_results(out, "serve")
-    assert [c["client"] for c in doc["cases"]] == ["vllm", "corewire"]
+    saturation, chunks = "2 streams, logprobs 0", "one token per chunk: 4 streams, 10 ms steps"
+    chunks += ", logprobs 0"
+    assert [(c["client"], c["scenario"]) for c in doc["cases"]] == [
+        *((client, saturation) for client in clients),
+        *((client, chunks) for client in clients),
+    ]
     for case in doc["cases"]:
         assert case["errors"] == 0 and case["requests"] == 32
         assert case["tokens"] == 32 * 16 and case["tokens_per_s"] > 0
+        assert case["step_delay_s"] == 0.01
+        assert case["one_token_per_chunk_scenario"] is (case["scenario"] == chunks)
         assert 0 < case["ttft_ms"]["p50"] <= case["ttft_ms"]["p99"]
         assert 0 < case["itl_ms"]["p50"] <= case["itl_ms"]["p99"]
-    assert [g["name"] for g in doc["goals"]] == [
-        "2 streams, logprobs 0: tokens/s x vllm (not lower)"
-    ]
+        per_core = case["tokens_per_api_server_cpu_s"]
+        assert per_core == pytest.approx(1e3 / case["api_server_cpu_s_per_1k_tokens"])
+        if case["client"] == "vllm":
+            assert case["vs_vllm"]["tokens_per_api_server_cpu_s"] == 1.0
+        else:
+            assert case["vs_vllm"]["itl_p99"] > 0
+    # 4 streams at 10 ms steps: the server keeps up, one token per chunk.
+    for case in doc["cases"]:
+        if case["scenario"] == chunks:
+            assert case["tokens_per_chunk"] == pytest.approx(1.0, abs=0.05)
+    names = [g["name"] for g in doc["goals"]]
+    assert names[0] == f"{saturation}: tokens/s x vllm (not lower)"
+    expected_chunk_goals = [f"{chunks}: {client} tokens per chunk (about 1)" for client in clients]
+    assert names[-len(clients) :] == expected_chunk_goals
+    if no_output is None:
+        # The issue's goals in the named scenario; none at 2 streams (no goal stated there).
+        assert names[1 : -len(clients)] == [
+            f"{chunks}: corewire+output tokens per CPU s x vllm",
+            f"{chunks}: corewire+output TTFT p99 x vllm (no worse)",
+            f"{chunks}: corewire+output ITL p99 x vllm (no worse)",
+        ]
+    else:
+        assert len(names) == 1 + len(clients)
     check_png(png)
+
+
+def test_serve_refuses_an_output_stack_that_cannot_run() -> None:
+    """Asked by name, corewire+output without corewire's native output processing stops
+    the run before any stack starts (exit status 2), saying why."""
+    if not HAVE_VLLM:
+        pytest.skip("vllm is not installed")
+    proc = bench("serve", "--clients", "vllm,corewire+output", block=("corewire.vllm.output",))
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert proc.stderr.strip().splitlines() == [
+        "corewire bench serve: --clients corewire+output: this corewire has no native output "
+        "processing (corewire.vllm.output)"
+    ]
+    assert "serve benchmark" not in proc.stdout
+
+
+def test_serve_profile_layer_of_native_output_processing() -> None:
+    """corewire's native output processing (called from corewire/vllm/output.py and
+    output_*.py) is a layer of its own; vLLM's stays "output processing", and vLLM's
+    decoding of logprob candidates counts as detokenization."""
+    handler = (
+        "_run_once (asyncio/base_events.py:1922);_run (asyncio/events.py:80);"
+        "output_handler (vllm/v1/engine/async_llm.py:480)"
+    )
+    site = "/opt/venv/lib/python3.11/site-packages/"
+    ours = f"{handler};process_outputs ({site}corewire/vllm/output.py:120)"
+    assert classify(ours) == NATIVE_OUTPUT_LAYER == "output processing (corewire)"
+    assert classify(f"{handler};step (python/corewire/vllm/output_stats.py:40)") == (
+        NATIVE_OUTPUT_LAYER
+    )
+    # What our path hands to vLLM's own classes is vLLM's (its RequestOutput, its stats).
+    assert classify(f"{ours};__init__ ({site}vllm/outputs.py:110)") == "output processing"
+    assert classify(f"{ours};record ({site}vllm/v1/metrics/loggers.py:900)") == "stats"
+    vllms = f"{handler};process_outputs ({site}vllm/v1/engine/output_processor.py:600)"
+    assert classify(vllms) == "output processing"
+    candidates = (
+        f"{vllms};update_from_output ({site}vllm/v1/engine/logprobs.py:200);"
+        f"convert_ids_list_to_tokens ({site}vllm/tokenizers/detokenizer_utils.py:30);"
+        f"decode ({site}transformers/tokenization_utils_base.py:3900)"
+    )
+    assert classify(candidates) == "detokenization"
+    assert classify(f"{handler};check (corewire/vllm/outputs_probe.py:1)") != NATIVE_OUTPUT_LAYER
 
 
 # ---------------------------------------------------------------------- serve: the collector
