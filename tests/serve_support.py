@@ -26,6 +26,7 @@ import httpx
 import psutil
 import pytest
 
+from corewire.bench.serve import OUTPUT_SWITCH, STACKS, native_output_missing
 from corewire.vllm.model_dir import write_model_dir
 from corewire.vllm.stack import ServeStack, plugin_installed
 
@@ -73,6 +74,19 @@ def plugin_missing() -> str | None:
     if not plugin_installed():
         return "corewire's vllm.general_plugins entry point is not installed"
     return None
+
+
+def output_missing() -> str | None:
+    """Why corewire's native output processing cannot run inside vLLM here (its plugin
+    switch, ``COREWIRE_VLLM_OUTPUT``), or ``None`` when it can."""
+    return plugin_missing() or native_output_missing()
+
+
+#: The API server settings the serve tests run: name -> (engine-core client, the API
+#: server's extra environment). "corewire+output" is corewire's client with corewire's
+#: native output processing (the bench's stacks of the same names).
+SETTINGS: dict[str, tuple[str, dict[str, str]]] = STACKS
+assert SETTINGS["corewire+output"] == ("corewire", {OUTPUT_SWITCH: "1"})
 
 
 def engine_args(**overrides: Any) -> dict[str, Any]:
@@ -623,3 +637,282 @@ def check_two_api_servers_with_corewire_clients(tmp_path: Path) -> str:
         done = metric_values(http.get("/metrics").text, "vllm:request_success_total")
         assert sum(v for _, v in done) == 8, done
         return server_log(stack)
+
+
+# -------------------------------------------- native output processing vs vLLM's, end to end
+
+# The /metrics series the output path feeds that must not depend on who processed the
+# outputs: counters, and the histograms of token counts (exact: integers, no timing).
+OUTPUT_COUNTERS = (
+    "vllm:generation_tokens_total",
+    "vllm:prompt_tokens_total",
+    "vllm:request_success_total",
+)
+OUTPUT_HISTOGRAMS = ("vllm:request_generation_tokens", "vllm:request_prompt_tokens")
+
+
+def output_metrics(http: httpx.Client) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    """The :data:`OUTPUT_COUNTERS` and :data:`OUTPUT_HISTOGRAMS` samples of /metrics, once
+    two reads 0.2 s apart agree: a request's stats are recorded by vLLM's output handler
+    after its last output went to the HTTP handler (a stop string's abort is awaited in
+    between), so a read right after the response may come a step early."""
+    names = [*OUTPUT_COUNTERS]
+    names += [f"{h}{suffix}" for h in OUTPUT_HISTOGRAMS for suffix in ("_bucket", "_count", "_sum")]
+
+    def read() -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+        text = http.get("/metrics").text
+        return {
+            (name, tuple(sorted(labels.items()))): value
+            for name in names
+            for labels, value in metric_values(text, name)
+        }
+
+    last = read()
+    deadline = time.monotonic() + 10
+    while True:
+        time.sleep(0.2)
+        now = read()
+        if now == last:
+            return now
+        assert time.monotonic() < deadline, "/metrics kept changing with no request running"
+        last = now
+
+
+def metrics_delta(
+    before: Mapping[tuple[str, tuple[tuple[str, str], ...]], float],
+    after: Mapping[tuple[str, tuple[tuple[str, str], ...]], float],
+) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    """What ``after`` adds to ``before``, series by series (unchanged series left out)."""
+    delta = {key: value - before.get(key, 0.0) for key, value in after.items()}
+    return {key: value for key, value in delta.items() if value}
+
+
+def _without_ids(obj: Any) -> Any:
+    """A response without the fields that differ between identical requests (the request
+    id, the creation time) or servers (the fingerprint of the server's configuration)."""
+    if isinstance(obj, dict):
+        return {
+            k: _without_ids(v)
+            for k, v in obj.items()
+            if k not in ("id", "created", "system_fingerprint")
+        }
+    if isinstance(obj, list):
+        return [_without_ids(v) for v in obj]
+    return obj
+
+
+def _close(a: Any, b: Any, tolerance: float = 1e-5) -> bool:
+    """Equal, floats within ``tolerance``, dict keys in the same order."""
+    if isinstance(a, float) and isinstance(b, float):
+        return abs(a - b) <= tolerance
+    if isinstance(a, dict) and isinstance(b, dict):
+        return list(a) == list(b) and all(_close(a[k], b[k], tolerance) for k in a)
+    if isinstance(a, list) and isinstance(b, list):
+        return len(a) == len(b) and all(_close(x, y, tolerance) for x, y in zip(a, b, strict=True))
+    return bool(a == b)
+
+
+class CloseFloats(dict):  # type: ignore[type-arg]
+    """An answer whose floats compare within 1e-5 (:func:`_close`): the children of an
+    n > 1 request reach the engine one by one, so the batches they share, and the last
+    bits of their logprobs, depend on timing (seen: 1e-7 apart between two servers)."""
+
+    def __eq__(self, other: object) -> bool:
+        return _close(dict(self), other)
+
+    def __ne__(self, other: object) -> bool:
+        return not self == other
+
+    __hash__ = None  # type: ignore[assignment]
+
+
+def _joined_completion_stream(events: list[dict[str, Any]]) -> dict[str, Any]:
+    """A streamed completion as one choice: text, token ids and logprobs concatenated,
+    the last finish and stop reason, the usage (chunk boundaries are left out: a server
+    that falls behind merges outputs into fewer chunks, whoever processed them)."""
+    joined: dict[str, Any] = {"text": "", "token_ids": [], "logprobs": {}, "usage": None}
+    joined |= {"finish_reason": None, "stop_reason": None, "prompt_token_ids": None}
+    for event in events:
+        if event.get("usage"):
+            joined["usage"] = event["usage"]
+        for choice in event["choices"]:
+            assert choice["index"] == 0
+            joined["text"] += choice["text"]
+            joined["token_ids"] += choice.get("token_ids") or []
+            if choice.get("prompt_token_ids"):
+                joined["prompt_token_ids"] = choice["prompt_token_ids"]
+            for key, values in (choice.get("logprobs") or {}).items():
+                joined["logprobs"].setdefault(key, []).extend(values)
+            if choice.get("finish_reason") is not None:
+                joined["finish_reason"] = choice["finish_reason"]
+                joined["stop_reason"] = choice.get("stop_reason")
+    return joined
+
+
+def _joined_chat_stream(events: list[dict[str, Any]]) -> dict[str, Any]:
+    """A streamed chat completion as one message (see :func:`_joined_completion_stream`)."""
+    joined: dict[str, Any] = {"content": "", "logprobs": [], "token_ids": [], "usage": None}
+    joined |= {"finish_reason": None, "stop_reason": None, "role": None}
+    for event in events:
+        if event.get("usage"):
+            joined["usage"] = event["usage"]
+        for choice in event["choices"]:
+            delta = choice["delta"]
+            joined["role"] = joined["role"] or delta.get("role")
+            joined["content"] += delta.get("content") or ""
+            joined["token_ids"] += choice.get("token_ids") or []
+            joined["logprobs"] += (choice.get("logprobs") or {}).get("content") or []
+            if choice.get("finish_reason") is not None:
+                joined["finish_reason"] = choice["finish_reason"]
+                joined["stop_reason"] = choice.get("stop_reason")
+    return joined
+
+
+def _stop_across_tokens(text: str, at: int) -> str:
+    """A stop string that spans two tokens of ``text`` (words of the model directory's
+    tokenizer joined by spaces): the end of word ``at``, the space, the start of the next."""
+    words = text.split()
+    assert len(words) > at + 1, text
+    return f"{words[at][-2:]} {words[at + 1][:1]}"
+
+
+def output_workload(http: httpx.Client) -> list[dict[str, Any]]:
+    """Greedy requests (one seeded) through vLLM's output path, one at a time: completions
+    and chat completions, plain and streamed, with 5 logprobs, prompt logprobs (echo), stop
+    strings that span tokens (excluded from and included in the text), and n = 2. Each answer
+    without its id and creation time (streams joined: :func:`_joined_completion_stream`).
+    The stop strings are cut from the first answer's text, so two servers get the same
+    requests exactly when they gave the same first answer."""
+    stream_usage = {"stream": True, "stream_options": {"include_usage": True}}
+    base = {"prompt": "the old house on the hill", "max_tokens": 14, "temperature": 0.0}
+    base |= {"ignore_eos": True, "logprobs": 5, "return_token_ids": True}
+    results: list[dict[str, Any]] = []
+
+    def plain(**body: Any) -> dict[str, Any]:
+        out = _without_ids(completion(http, **body))
+        results.append(out)
+        return out
+
+    def streamed(
+        path: str, join: Callable[[list[dict[str, Any]]], dict[str, Any]], **body: Any
+    ) -> dict[str, Any]:
+        joined = join(stream(http, path, **body, **stream_usage))
+        results.append(joined)
+        return joined
+
+    first = plain(**base)
+    text = first["choices"][0]["text"]
+    assert streamed("/v1/completions", _joined_completion_stream, **base)["text"] == text
+    stop = _stop_across_tokens(text, 5)
+    stops = ["no such text", stop]
+    cut = plain(**base, stop=stops)["choices"][0]
+    assert (cut["finish_reason"], cut["stop_reason"]) == ("stop", stop), cut
+    assert cut["text"] == text[: text.index(stop)]
+    streamed("/v1/completions", _joined_completion_stream, **base, stop=stops)
+    kept = streamed(
+        "/v1/completions", _joined_completion_stream, **base, stop=stops,
+        include_stop_str_in_output=True,
+    )  # fmt: skip
+    assert kept["text"] == text[: text.index(stop) + len(stop)]
+    # Prompt logprobs (echo), and n = 2 (vLLM refuses it greedy: seeded sampling, which
+    # vLLM seeds per child), which the native path may leave to vLLM's own.
+    plain(**{**base, "max_tokens": 4}, echo=True)
+    body = {**base, "max_tokens": 6, "temperature": 0.8}
+    two = CloseFloats(_without_ids(completion(http, **body, n=2, seed=1234)))
+    results.append(two)
+    assert [c["index"] for c in two["choices"]] == [0, 1]
+
+    chat_base: dict[str, Any] = {
+        "messages": [{"role": "user", "content": "tell me about the old house"}],
+        "max_tokens": 12,
+        "temperature": 0.0,
+        "ignore_eos": True,
+        "logprobs": True,
+        "top_logprobs": 5,
+        "return_token_ids": True,
+    }
+    answer = _without_ids(chat(http, **chat_base))
+    results.append(answer)
+    content = answer["choices"][0]["message"]["content"]
+    joined = streamed("/v1/chat/completions", _joined_chat_stream, **chat_base)
+    assert joined["content"] == content
+    chat_stop = _stop_across_tokens(content, 4)
+    cut_chat = _without_ids(chat(http, **chat_base, stop=[chat_stop]))
+    results.append(cut_chat)
+    assert cut_chat["choices"][0]["finish_reason"] == "stop"
+    assert cut_chat["choices"][0]["message"]["content"] == content[: content.index(chat_stop)]
+    streamed("/v1/chat/completions", _joined_chat_stream, **chat_base, stop=[chat_stop])
+    return results
+
+
+#: What each setting's output workload is compared with: only the output processing
+#: differs from "corewire" to "corewire+output", only the client from "vllm" to "corewire".
+OUTPUT_BASELINES = {"corewire": "vllm", "corewire+output": "corewire"}
+
+
+def check_output_processing_identical(
+    setting: str,
+    stack: ServeStack,
+    http: httpx.Client,
+    tmp_path: Path,
+    runs: dict[str, dict[str, Any]],
+    shared: SharedPids,
+) -> dict[str, Any]:
+    """:func:`output_workload` on ``stack`` (the API server ``setting``), and the
+    :func:`output_metrics` it added; kept in ``runs`` across the module's servers. Both
+    must equal those of the setting's :data:`OUTPUT_BASELINES` entry when it ran: with
+    corewire's native output processing ("corewire+output"), those of corewire's client
+    with vLLM's output processing ("corewire"), which is started here when it did not run
+    in this session (its processes in ``shared``). This setting's run."""
+    before = output_metrics(http)
+    outputs = output_workload(http)
+    run = {"outputs": outputs, "metrics": metrics_delta(before, output_metrics(http))}
+    # 11 requests, each finish counted (n = 2: one per child): 5 stop strings, 7 lengths.
+    finished = {
+        dict(labels)["finished_reason"]: v
+        for (name, labels), v in run["metrics"].items()
+        if name == "vllm:request_success_total"
+    }
+    assert finished == {"length": 7, "stop": 5}, run["metrics"]
+    runs[setting] = run
+    baseline = OUTPUT_BASELINES.get(setting)
+    if baseline is None:
+        return run
+    if baseline not in runs:
+        if setting != "corewire+output":
+            return run  # the vLLM-client server did not run: the greedy test covers it
+        client, env = SETTINGS[baseline]
+        with running_stack(tmp_path, client=client, server_env=env) as other:
+            pids = {p.pid for p in (other.server, *other.engines) if p}
+            shared.update(pids)
+            try:
+                with http_client(other) as other_http:
+                    before = output_metrics(other_http)
+                    other_outputs = output_workload(other_http)
+                    delta = metrics_delta(before, output_metrics(other_http))
+                    runs[baseline] = {"outputs": other_outputs, "metrics": delta}
+            finally:
+                shared.difference_update(pids)
+    for i, (mine, theirs) in enumerate(zip(run["outputs"], runs[baseline]["outputs"], strict=True)):
+        assert mine == theirs, f"answer {i}: {first_difference(mine, theirs)}"
+    assert run["metrics"] == runs[baseline]["metrics"], first_difference(
+        run["metrics"], runs[baseline]["metrics"]
+    )
+    return run
+
+
+def first_difference(a: Any, b: Any, where: str = "") -> str:
+    """Where two JSON-like values first differ, and how (for assertion messages)."""
+    if isinstance(a, dict) and isinstance(b, dict):
+        for key in [*a, *(k for k in b if k not in a)]:
+            if key not in a or key not in b:
+                return f"{where}[{key!r}] only in {'the first' if key in a else 'the second'}"
+            if a[key] != b[key]:
+                return first_difference(a[key], b[key], f"{where}[{key!r}]")
+    elif isinstance(a, list) and isinstance(b, list):
+        for i, (x, y) in enumerate(zip(a, b, strict=False)):
+            if x != y:
+                return first_difference(x, y, f"{where}[{i}]")
+        if len(a) != len(b):
+            return f"{where}: {len(a)} items against {len(b)}"
+    return f"{where}: {a!r} != {b!r}"

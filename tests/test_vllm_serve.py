@@ -2,9 +2,12 @@
 
 Each stack is real processes: ``vllm serve`` front-end only on a model directory the test
 writes, and ``corewire engine`` reference engines that joined it through vLLM's start-up
-handshake. The module's shared server runs once with vLLM's own engine-core client and
-once with corewire's (``COREWIRE_VLLM_CLIENT=1``); the greedy outputs of the two must be
-identical. The engine-kill and DP = 2 tests start stacks of their own.
+handshake. The module's shared server runs once with vLLM's own engine-core client, once
+with corewire's (``COREWIRE_VLLM_CLIENT=1``), and once with corewire's client and
+corewire's native output processing (``COREWIRE_VLLM_OUTPUT=1`` too, where corewire has
+it); the greedy outputs of all must be identical, and the native output processing must
+give the same answers and /metrics counters as vLLM's. The engine-kill and DP = 2 tests
+start stacks of their own.
 
 Checks ``docs/protocol.md`` end to end: §3.2 (engines join ``vllm serve``), §2 (several
 API servers, client index), §4.5 (a client disconnect aborts in the engine), §7 (a killed
@@ -34,6 +37,7 @@ from serve_support import (
     HTTP_TIMEOUT,
     MODEL,
     PLUGIN_LOG_LINE,
+    SETTINGS,
     SharedPids,
     check_chat_top_logprobs_plain_and_streamed,
     check_client_disconnect_aborts_in_engine,
@@ -44,12 +48,14 @@ from serve_support import (
     check_health_and_models,
     check_metrics,
     check_metrics_prompt_tokens,
+    check_output_processing_identical,
     check_stop_string,
     check_two_api_servers_with_corewire_clients,
     check_two_engines_behind_one_front_end,
     http_client,
     kill_engine_under_load,
     missing_prerequisite,
+    output_missing,
     plugin_missing,
     running_stack,
     server_log,
@@ -58,14 +64,21 @@ from serve_support import (
 
 _MISSING = missing_prerequisite()
 _NO_PLUGIN = plugin_missing()
+_NO_OUTPUT = output_missing()
 pytestmark = pytest.mark.skipif(_MISSING is not None, reason=_MISSING or "")
 
-CLIENTS = [
+# The API server settings of the module's shared server (serve_support.SETTINGS).
+_SETTINGS = [
     pytest.param("vllm", id="vllm-client"),
     pytest.param(
         "corewire",
         id="corewire-client",
         marks=pytest.mark.skipif(_NO_PLUGIN is not None, reason=_NO_PLUGIN or ""),
+    ),
+    pytest.param(
+        "corewire+output",
+        id="corewire-output",
+        marks=pytest.mark.skipif(_NO_OUTPUT is not None, reason=_NO_OUTPUT or ""),
     ),
 ]
 
@@ -73,18 +86,26 @@ CLIENTS = [
 _SHARED_PIDS = SharedPids()
 # Greedy outputs per client, compared across clients.
 _GREEDY: dict[str, list[dict[str, Any]]] = {}
+# The output-path workload's answers and /metrics deltas per setting, compared.
+_OUTPUT_RUNS: dict[str, dict[str, Any]] = {}
 
 
 LEAK_ALLOWED_PIDS = _SHARED_PIDS.tree
 
 
-@pytest.fixture(scope="module", params=CLIENTS)
-def stack(
-    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
-) -> Iterator[ServeStack]:
-    """The module's API server (one engine), with vLLM's client or with corewire's."""
-    workdir = tmp_path_factory.mktemp(f"serve-{request.param}")
-    with shared_stack(workdir, request.param, _SHARED_PIDS) as started:
+@pytest.fixture(scope="module", params=_SETTINGS)
+def setting(request: pytest.FixtureRequest) -> str:
+    """The module's API server setting: "vllm", "corewire" or "corewire+output"."""
+    return request.param
+
+
+@pytest.fixture(scope="module")
+def stack(setting: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServeStack]:
+    """The module's API server (one engine), with vLLM's client, with corewire's, or with
+    corewire's client and native output processing."""
+    client, env = SETTINGS[setting]
+    workdir = tmp_path_factory.mktemp(f"serve-{setting.replace('+', '-')}")
+    with shared_stack(workdir, client, _SHARED_PIDS, server_env=env) as started:
         yield started
 
 
@@ -108,6 +129,18 @@ def test_greedy_outputs_identical_across_clients(
         stack, http, tmp_path, _GREEDY, _SHARED_PIDS
     )
     assert len(results[1]["token_ids"]) == GREEDY_COMPLETIONS[1]["max_tokens"]
+
+
+def test_output_processing_identical_with_native_output(
+    setting: str, stack: ServeStack, http: httpx.Client, tmp_path: Path
+) -> None:
+    """corewire's native output processing (COREWIRE_VLLM_OUTPUT=1) against vLLM's, both
+    under corewire's client: the same greedy answers for completions and chat completions,
+    plain and streamed, with 5 logprobs, prompt logprobs, stop strings across tokens and
+    n = 2, and the same /metrics counters of generation tokens, prompt tokens and finished
+    requests (and token-count histograms) for them. The other settings run the workload
+    too, as the baseline (a "corewire" stack is started here when none ran)."""
+    check_output_processing_identical(setting, stack, http, tmp_path, _OUTPUT_RUNS, _SHARED_PIDS)
 
 
 def test_greedy_tokens_and_logprobs_are_the_engines(stack: ServeStack, http: httpx.Client) -> None:
