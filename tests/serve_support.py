@@ -39,6 +39,10 @@ MAX_MODEL_LEN = 1024
 STEP_DELAY = 0.01
 # What corewire's plugin logs in the API server when it switches the client.
 PLUGIN_LOG_LINE = "uses corewire's engine-core client"
+# What it logs when it hands AsyncLLM's output processing to corewire, and what the native
+# processor logs when it keeps vLLM's path for the whole server.
+OUTPUT_LOG_LINE = "processes outputs with corewire"
+OUTPUT_KEPT_LOG_LINE = "vLLM's output processing kept"
 # A long request: all the room the context leaves, at STEP_DELAY per token (~10 s).
 LONG_TOKENS = MAX_MODEL_LEN - 16
 HTTP_TIMEOUT = 30.0

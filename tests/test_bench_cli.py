@@ -483,6 +483,12 @@ def test_serve_refuses_an_output_stack_that_cannot_run() -> None:
     the run before any stack starts (exit status 2), saying why."""
     if not HAVE_VLLM:
         pytest.skip("vllm is not installed")
+    from corewire.vllm import plugin
+
+    # The bench names the plugin's switch without importing the plugin (it needs vLLM).
+    assert serve_bench.OUTPUT_SWITCH == plugin.OUTPUT_SWITCH
+    assert serve_bench.STACKS["corewire+output"] == ("corewire", {plugin.OUTPUT_SWITCH: "1"})
+    assert serve_bench.STACKS["corewire"] == ("corewire", {})
     proc = bench("serve", "--clients", "vllm,corewire+output", block=("corewire.vllm.output",))
     assert proc.returncode == 2, proc.stdout + proc.stderr
     assert proc.stderr.strip().splitlines() == [

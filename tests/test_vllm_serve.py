@@ -36,6 +36,8 @@ from serve_support import (
     HEALTH_ENV,
     HTTP_TIMEOUT,
     MODEL,
+    OUTPUT_KEPT_LOG_LINE,
+    OUTPUT_LOG_LINE,
     PLUGIN_LOG_LINE,
     SETTINGS,
     SharedPids,
@@ -150,11 +152,15 @@ def test_greedy_tokens_and_logprobs_are_the_engines(stack: ServeStack, http: htt
     check_greedy_tokens_and_logprobs_are_the_engines(stack, http)
 
 
-def test_api_server_runs_the_requested_client(stack: ServeStack) -> None:
-    """The switch works both ways: corewire's plugin says in the API server's log that it
-    installed corewire's client exactly when COREWIRE_VLLM_CLIENT=1."""
-    switched = PLUGIN_LOG_LINE in server_log(stack)
-    assert switched == (stack.client == "corewire")
+def test_api_server_runs_the_requested_client(setting: str, stack: ServeStack) -> None:
+    """The switches work both ways: corewire's plugin says in the API server's log that it
+    installed corewire's client exactly when COREWIRE_VLLM_CLIENT=1, and corewire's output
+    processing exactly when COREWIRE_VLLM_OUTPUT=1, which then keeps the native path (no
+    refusal of the whole server: the test tokenizer is a fast one)."""
+    log = server_log(stack)
+    assert (PLUGIN_LOG_LINE in log) == (stack.client == "corewire")
+    assert (OUTPUT_LOG_LINE in log) == (setting == "corewire+output")
+    assert OUTPUT_KEPT_LOG_LINE not in log
 
 
 def test_health_and_models(stack: ServeStack, http: httpx.Client) -> None:

@@ -118,7 +118,8 @@ PROMPT = "hello tell me a story about the big old house"
 #: Under the work directory: the collector probe's sitecustomize, sockets and files.
 GC_PROBE_DIR = "gc-probe"
 
-#: The plugin's switch for corewire's native output processing in vLLM's ``AsyncLLM``.
+#: The plugin's switch for corewire's native output processing in vLLM's ``AsyncLLM``
+#: (``corewire.vllm.plugin.OUTPUT_SWITCH``, which cannot be imported without vLLM).
 OUTPUT_SWITCH = "COREWIRE_VLLM_OUTPUT"
 #: The stacks: name -> (the API server's engine-core client for ``ServeStack``, the
 #: environment added to the API server's).
@@ -147,14 +148,21 @@ CHUNK_SCENARIO = "one token per chunk"
 
 
 def native_output_missing() -> str | None:
-    """Why the ``corewire+output`` stack cannot run here (None: it can): it needs vLLM
-    0.25.1 (the native output path is not built for 0.33.0 yet) and
-    ``corewire.vllm.output``."""
+    """Why the ``corewire+output`` stack cannot run here (None: it can): it needs a vLLM
+    release the native output path reproduces (the plugin's ``OUTPUT_VLLM_VERSIONS``:
+    0.25.1) and ``corewire.vllm.output``."""
     version = common.vllm_version()
-    if version is None or version.split("+", 1)[0] != common.VLLM_VERSION:
-        return f"corewire's native output processing runs under vLLM {common.VLLM_VERSION} only"
+    if version is None:
+        return "vLLM is not installed"
     if not is_installed("corewire.vllm.output"):
         return "this corewire has no native output processing (corewire.vllm.output)"
+    from corewire.vllm.plugin import OUTPUT_VLLM_VERSIONS
+
+    if version.split("+", 1)[0] not in OUTPUT_VLLM_VERSIONS:
+        return (
+            f"corewire's native output processing runs under vLLM "
+            f"{', '.join(OUTPUT_VLLM_VERSIONS)}, not the installed {version}"
+        )
     return None
 
 
