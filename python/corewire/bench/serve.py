@@ -122,10 +122,11 @@ GC_PROBE_DIR = "gc-probe"
 #: (``corewire.vllm.plugin.OUTPUT_SWITCH``, which cannot be imported without vLLM).
 OUTPUT_SWITCH = "COREWIRE_VLLM_OUTPUT"
 #: The stacks: name -> (the API server's engine-core client for ``ServeStack``, the
-#: environment added to the API server's).
+#: environment added to the API server's). The output switch is set either way: a
+#: ``COREWIRE_VLLM_OUTPUT=1`` in the caller's environment must not reach the baselines.
 STACKS: dict[str, tuple[str, dict[str, str]]] = {
-    "vllm": ("vllm", {}),
-    "corewire": ("corewire", {}),
+    "vllm": ("vllm", {OUTPUT_SWITCH: "0"}),
+    "corewire": ("corewire", {OUTPUT_SWITCH: "0"}),
     "corewire+output": ("corewire", {OUTPUT_SWITCH: "1"}),
 }
 DEFAULT_CLIENTS = list(STACKS)
