@@ -66,8 +66,8 @@ Goals (read against the ``vllm`` stack in the same run; exit status 1 when one i
   and inter-token latency p99 no worse (within :data:`LATENCY_SLACK`). Other stream
   counts are reported without a goal.
 
-``--plot FILE.png`` draws tokens/s and the latency percentiles, ``--json FILE`` writes the
-results.
+``--plot FILE.png`` draws tokens/s, tokens per API-server CPU second and the latency
+percentiles, ``--json FILE`` writes the results.
 """
 
 from __future__ import annotations
@@ -111,6 +111,7 @@ __all__ = [
     "add_arguments",
     "native_output_missing",
     "run",
+    "scenarios",
 ]
 
 ENGINE = "corewire.engine.synthetic:SyntheticEngine"
