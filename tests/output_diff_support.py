@@ -241,17 +241,22 @@ def candidate_class() -> tuple[type[OutputProcessor], bool]:
 
 
 def expected_native(
-    params: SamplingParams, *, n: int, stream_interval: int = 1, tracing: bool = False
+    request: EngineCoreRequest, *, n: int, stream_interval: int = 1, tracing: bool = False
 ) -> bool:
-    """Whether a request with ``params`` should take the native path: not for n > 1,
-    prompt logprobs or ``flat_logprobs``, nor in a processor with ``stream_interval > 1``
-    or tracing (docs/native-output-processing-notes.md §3.3)."""
+    """Whether ``request`` (one of ``n`` siblings) should take the native path: not for
+    n > 1, prompt logprobs, ``flat_logprobs``, prompt embeddings, pooling or streaming
+    input, nor in a processor with ``stream_interval > 1`` or tracing
+    (docs/native-output-processing-notes.md §3.3)."""
+    params = request.sampling_params
     return (
         stream_interval == 1
         and not tracing
         and n == 1
+        and params is not None
         and params.prompt_logprobs is None
         and not params.flat_logprobs
+        and request.prompt_embeds is None
+        and not request.resumable
     )
 
 
@@ -353,6 +358,7 @@ class ClientPlan:
     params: dict[str, Any]  # SamplingParams keyword arguments (built fresh per side)
     lora: tuple[str, int] | None
     arrival_time: float
+    embeds: bool = False  # prompt embeddings in place of the prompt ids
     children: list[EnginePlan] = field(default_factory=list)
 
     def sampling_params(self) -> SamplingParams:
@@ -437,7 +443,7 @@ class EngineSim:
         rng, info = self.rng, self.info
         kind = "native"
         if rng.random() < fallback_share:
-            kind = rng.choice(["parallel", "prompt_logprobs", "flat"])
+            kind = rng.choice(["parallel", "prompt_logprobs", "flat", "embeds"])
         max_tokens = rng.randint(1, max_tokens_cap)
         detokenize = rng.random() > 0.1
         skip = rng.random() < 0.5
@@ -469,11 +475,14 @@ class EngineSim:
         plan = ClientPlan(
             external_id=external,
             request_id=f"{external}-{index:04x}{rng.randrange(1 << 16):04x}",
-            prompt=None if rng.random() < 0.3 else info.tokenizer.decode(prompt_ids),
+            prompt=None
+            if kind == "embeds" or rng.random() < 0.3
+            else info.tokenizer.decode(prompt_ids),
             prompt_ids=prompt_ids,
             params=params,
             lora=rng.choice([("lora-a", 1), ("lora-b", 2)]) if rng.random() < 0.15 else None,
             arrival_time=0.0,
+            embeds=kind == "embeds",
         )
         for child in range(plan.n):
             planned, finish, stop_reason = self._planned(max_tokens)
@@ -671,61 +680,52 @@ def _logprobs_snapshot(logprobs: Any) -> Any:
             continue
         positions.append(
             [
-                (
-                    token_id,
-                    lp.logprob,
-                    type(lp.logprob).__name__,
-                    lp.rank,
-                    lp.decoded_token,
-                )
+                # The layout too: an object built another way must still look the same.
+                (token_id, lp.logprob, lp.rank, lp.decoded_token, _types(lp))
                 for token_id, lp in position.items()
             ]
         )
     return type(logprobs).__name__, positions
 
 
+def _types(obj: Any) -> tuple[str, ...]:
+    """The class and its attributes' names, types and order (a Python float and a
+    numpy float32 compare equal; a consumer may still see the difference)."""
+    return (type(obj).__name__, *(f"{k}:{type(v).__name__}" for k, v in vars(obj).items()))
+
+
+def _field(name: str, value: Any) -> Any:
+    if name in ("logprobs", "prompt_logprobs"):
+        return _logprobs_snapshot(value)
+    if name == "outputs":
+        return [_object(c) for c in value]
+    if name in ("token_ids", "prompt_token_ids") and value is not None:
+        return list(value)
+    if name == "metrics" and value is not None:
+        return dataclasses.asdict(value)  # the live object: its values now
+    if name == "lora_request" and value is not None:
+        return (value.lora_name, value.lora_int_id)
+    return copy.deepcopy(value)
+
+
+def _object(obj: Any) -> dict[str, Any]:
+    out = {name: _field(name, value) for name, value in vars(obj).items()}
+    out["layout"] = _types(obj)
+    return out
+
+
 def snapshot(output: Any) -> Any:
     """A ``RequestOutput`` (or a queued exception) as plain data, at the time of the call.
 
-    Covers every field the serving layer reads (docs/native-output-processing-notes.md
-    §1.2, §3.1), with logprob dicts in insertion order and the live ``metrics`` object
-    copied.
+    Every attribute of the ``RequestOutput`` and of each ``CompletionOutput`` (so every
+    field the serving layer reads: docs/native-output-processing-notes.md §1.2, §3.1),
+    logprob dicts in insertion order, the live ``metrics`` object's values now, and each
+    object's class and attribute layout.
     """
     if isinstance(output, Exception):
         return ("exception", type(output).__name__, str(output))
     assert isinstance(output, RequestOutput), type(output)
-    completions = [
-        {
-            "index": c.index,
-            "text": c.text,
-            "token_ids": list(c.token_ids),
-            "cumulative_logprob": c.cumulative_logprob,
-            "cumulative_type": type(c.cumulative_logprob).__name__,
-            "logprobs": _logprobs_snapshot(c.logprobs),
-            "finish_reason": c.finish_reason,
-            "stop_reason": c.stop_reason,
-            "routed_experts": c.routed_experts,
-            "finished": c.finished(),
-        }
-        for c in output.outputs
-    ]
-    lora = output.lora_request
-    return {
-        "request_id": output.request_id,
-        "prompt": output.prompt,
-        "prompt_token_ids": None
-        if output.prompt_token_ids is None
-        else list(output.prompt_token_ids),
-        "prompt_logprobs": _logprobs_snapshot(output.prompt_logprobs),
-        "encoder_prompt": output.encoder_prompt,
-        "encoder_prompt_token_ids": output.encoder_prompt_token_ids,
-        "finished": output.finished,
-        "num_cached_tokens": output.num_cached_tokens,
-        "kv_transfer_params": output.kv_transfer_params,
-        "lora": None if lora is None else (lora.lora_name, lora.lora_int_id),
-        "metrics": None if output.metrics is None else dataclasses.asdict(output.metrics),
-        "outputs": completions,
-    }
+    return _object(output)
 
 
 def stats_snapshot(stats: IterationStats) -> dict[str, Any]:
@@ -753,14 +753,14 @@ class Side:
     def __init__(self, processor: OutputProcessor) -> None:
         self.processor = processor
         self.queues: dict[str, RequestOutputCollector] = {}
-        self.engine_ids: dict[str, tuple[SamplingParams, int]] = {}  # id -> (params, n)
+        self.engine_ids: dict[str, tuple[EngineCoreRequest, int]] = {}  # id -> (request, n)
 
     def add(self, plan: ClientPlan) -> None:
         """Add ``plan`` as ``AsyncLLM.add_request`` does (n > 1 through a parent)."""
         params = plan.sampling_params()
         request = EngineCoreRequest(
             request_id=plan.request_id,
-            prompt_token_ids=list(plan.prompt_ids),
+            prompt_token_ids=None if plan.embeds else list(plan.prompt_ids),
             mm_features=None,
             sampling_params=params,
             pooling_params=None,
@@ -771,11 +771,12 @@ class Side:
             cache_salt=None,
             data_parallel_rank=None,
             external_req_id=plan.external_id,
+            prompt_embeds=torch.zeros(len(plan.prompt_ids), 4) if plan.embeds else None,
         )
         queue = RequestOutputCollector(params.output_kind, request.request_id)
         self.queues[request.request_id] = queue
         if params.n == 1:
-            self.engine_ids[request.request_id] = (params, 1)
+            self.engine_ids[request.request_id] = (request, 1)
             self.processor.add_request(request, plan.prompt, None, 0, queue)
             return
         parent = ParentRequest(request)
@@ -784,7 +785,7 @@ class Side:
             child = request if index == params.n - 1 else copy.copy(request)
             child.request_id = child_id
             child.sampling_params = child_params
-            self.engine_ids[child_id] = (child_params, params.n)
+            self.engine_ids[child_id] = (child, params.n)
             self.processor.add_request(child, plan.prompt, parent, index, queue)
 
     def step(self, specs: list[OutputSpec], engine_ts: float, wall: float) -> dict[str, Any]:
@@ -868,11 +869,11 @@ class Pair:
         self.reference.add(plan)
         self.candidate.add(plan)
         is_native = getattr(self.candidate.processor, "is_native", None)
-        for engine_id, (params, n) in self.reference.engine_ids.items():
+        for engine_id, (request, n) in self.reference.engine_ids.items():
             if engine_id in before:
                 continue
             expected = expected_native(
-                params, n=n, stream_interval=self.stream_interval, tracing=self.tracing
+                request, n=n, stream_interval=self.stream_interval, tracing=self.tracing
             )
             self.natives[engine_id] = expected
             if is_native is not None:

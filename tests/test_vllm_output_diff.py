@@ -143,6 +143,8 @@ def _coverage(outputs: list[tuple[str, Any]], info: TokenizerInfo) -> Counter[st
             continue
         if out["prompt_logprobs"]:
             seen["prompt logprobs"] += 1
+        if not any(out["prompt_token_ids"]):
+            seen["prompt embeds"] += 1  # placeholder ids: the request had embeddings
         for c in out["outputs"]:
             seen[f"finish {c['finish_reason']}"] += 1
             if isinstance(c["stop_reason"], str):
@@ -158,7 +160,7 @@ def _coverage(outputs: list[tuple[str, Any]], info: TokenizerInfo) -> Counter[st
             if c["finish_reason"] == "abort" and positions:
                 seen["abort output with logprobs"] += 1
             for position in positions:
-                for token_id, _, _, _, text in position:
+                for token_id, _, _, text, _ in position:
                     if text is not None and decode([token_id]).endswith("\ufffd"):
                         seen["U+FFFD candidate"] += 1
                         if text:
@@ -186,6 +188,7 @@ def test_workloads_cover_the_edge_cases(
         "stop token",
         "n > 1",
         "prompt logprobs",
+        "prompt embeds",
         "list logprobs",
         "FlatLogprobs logprobs",
         "abort output with logprobs",
@@ -434,7 +437,7 @@ def test_replacement_character_candidates_are_corrected_with_context(
     logprobs = [o["outputs"][0]["logprobs"][1] for _, o in script.outputs]
     position = logprobs[i][0]  # one position per output (DELTA, drained each step)
     decode = bpe.tokenizer._tokenizer.decode
-    sampled_id, _, _, rank, text = position[0]
+    sampled_id, _, rank, text, _ = position[0]
     assert sampled_id == ids[i] and rank == 2  # first insertion place, the top-k rank
     # Corrected with the sampled context: the completed character, not U+FFFD.
     assert text and text != decode([ids[i]]) and not text.endswith("\ufffd")
