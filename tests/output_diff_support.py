@@ -189,6 +189,12 @@ class TokenizerInfo:
     plain_ids: list[int]  # every other id
     encode: Callable[[random.Random], list[int]]  # token ids of one piece of new text
 
+    @property
+    def beyond_ids(self) -> list[int]:
+        """Ids past the tokenizer's vocabulary (a model's padded embedding rows can be
+        sampled): they decode to nothing."""
+        return list(range(len(self.tokenizer), len(self.tokenizer) + 16))
+
     @classmethod
     def for_bpe(cls, tokenizer: Any, seed: int = 0) -> TokenizerInfo:
         """For :func:`write_bpe_tokenizer_dir`'s tokenizer trained with ``seed``."""
@@ -286,6 +292,8 @@ class OutputSpec:
     events: list[tuple[EngineCoreEventType, float]] | None = None
     prefill: tuple[int, int, int] | None = None  # prompt, local cached, external cached
     kv_transfer_params: dict[str, Any] | None = None
+    num_nans: int = 0
+    routed_experts: list[list[list[int]]] | None = None  # tokens x layers x top-k
 
 
 def _logprobs_lists(spec: LogprobsSpec, width: int) -> LogprobsLists:
@@ -329,6 +337,10 @@ def make_output(spec: OutputSpec, width: int) -> EngineCoreOutput:
         else [EngineCoreEvent(kind, ts) for kind, ts in spec.events],
         kv_transfer_params=copy.deepcopy(spec.kv_transfer_params),
         prefill_stats=prefill,
+        routed_experts=None
+        if spec.routed_experts is None
+        else np.array(spec.routed_experts, dtype=np.int16),
+        num_nans_in_logits=spec.num_nans,
     )
 
 
@@ -388,9 +400,11 @@ class EngineSim:
         *,
         fallback_share: float = 0.2,
         max_tokens: int = 32,
+        max_stop_chars: int = 6,
     ) -> None:
         self.rng = random.Random(seed)
         self.info = info
+        self.max_stop_chars = max_stop_chars
         self.step_index = 0
         self.engine_ts = 5000.0
         self.wall = 1_700_000_000.0
@@ -413,7 +427,7 @@ class EngineSim:
         for _ in range(rng.randint(1, 3)):
             if text and rng.random() < 0.8:
                 start = rng.randrange(len(text))
-                stop = text[start : start + rng.randint(1, 6)]
+                stop = text[start : start + rng.randint(1, self.max_stop_chars)]
                 if stop and stop not in stops:
                     stops.append(stop)
             else:
@@ -428,6 +442,8 @@ class EngineSim:
             if rng.random() < 0.25:
                 at = rng.randrange(len(planned) + 1)
                 planned[at:at] = rng.choices(info.added_ids, k=rng.randint(1, 3))
+            if rng.random() < 0.03:
+                planned.insert(rng.randrange(len(planned) + 1), rng.choice(info.beyond_ids))
         ending = rng.random()
         if ending < 0.45 or max_tokens == 1:
             return planned[:max_tokens], FinishReason.LENGTH, None
@@ -453,7 +469,7 @@ class EngineSim:
             "detokenize": detokenize,
             "skip_special_tokens": skip,
             "spaces_between_special_tokens": rng.random() < 0.5,
-            "logprobs": rng.choice([None, None, 0, 1, 5]),
+            "logprobs": rng.choice([None, None, 0, 1, 5, 5, 20]),
             "include_stop_str_in_output": rng.random() < 0.3,
         }
         if rng.random() < 0.3:
@@ -470,8 +486,8 @@ class EngineSim:
             # The same user id twice: aborting it by that id aborts both.
             external = rng.choice(self.clients).external_id
         prompt_ids = []
-        while len(prompt_ids) < 2:
-            prompt_ids = info.encode(rng)[: rng.randint(2, 12)]
+        while len(prompt_ids) < (2 if kind == "prompt_logprobs" else 1):
+            prompt_ids = info.encode(rng)[: rng.randint(1, 12)]
         plan = ClientPlan(
             external_id=external,
             request_id=f"{external}-{index:04x}{rng.randrange(1 << 16):04x}",
@@ -592,7 +608,8 @@ class EngineSim:
         top = []
         for _ in range(k):
             pool = rng.choices(
-                [info.fffd_ids or info.plain_ids, info.added_ids, info.plain_ids], [3, 1, 6]
+                [info.fffd_ids or info.plain_ids, info.added_ids, info.plain_ids, info.beyond_ids],
+                [3, 1, 6, 0.2],
             )[0]
             top.append(rng.choice(pool))
         values = sorted((rng.uniform(-12.0, -0.01) for _ in range(k)), reverse=True)
@@ -705,6 +722,8 @@ def _field(name: str, value: Any) -> Any:
         return dataclasses.asdict(value)  # the live object: its values now
     if name == "lora_request" and value is not None:
         return (value.lora_name, value.lora_int_id)
+    if isinstance(value, np.ndarray):
+        return ("ndarray", str(value.dtype), value.tolist())
     return copy.deepcopy(value)
 
 
