@@ -69,6 +69,7 @@ __all__ = [
     "expected_native",
     "load_tokenizer",
     "make_output",
+    "processor_goes_native",
     "run_workload",
     "snapshot",
     "write_bpe_tokenizer_dir",
@@ -246,17 +247,24 @@ def candidate_class() -> tuple[type[OutputProcessor], bool]:
     return NativeOutputProcessor, False
 
 
-def expected_native(
-    request: EngineCoreRequest, *, n: int, stream_interval: int = 1, tracing: bool = False
-) -> bool:
-    """Whether ``request`` (one of ``n`` siblings) should take the native path: not for
-    n > 1, prompt logprobs, ``flat_logprobs``, prompt embeddings, pooling or streaming
-    input, nor in a processor with ``stream_interval > 1`` or tracing
+def processor_goes_native(tokenizer: Any, *, stream_interval: int, tracing: bool) -> bool:
+    """Whether a processor so built may take the native path at all: not without a
+    tokenizer, with ``stream_interval > 1`` or with tracing
     (docs/native-output-processing-notes.md §3.3)."""
+    return tokenizer is not None and stream_interval == 1 and not tracing
+
+
+def expected_native(
+    request: EngineCoreRequest, *, n: int, queued: bool = True, processor: bool = True
+) -> bool:
+    """Whether ``request`` (one of ``n`` siblings; ``queued``: added with a collector, as
+    ``AsyncLLM`` adds) should take the native path in a processor that may
+    (:func:`processor_goes_native`): not for n > 1, prompt logprobs, ``flat_logprobs``,
+    prompt embeddings, pooling or streaming input (notes §3.3)."""
     params = request.sampling_params
     return (
-        stream_interval == 1
-        and not tracing
+        processor
+        and queued
         and n == 1
         and params is not None
         and params.prompt_logprobs is None
@@ -769,8 +777,9 @@ def stats_snapshot(stats: IterationStats) -> dict[str, Any]:
 class Side:
     """One processor and its collectors, fed as ``AsyncLLM`` feeds its processor."""
 
-    def __init__(self, processor: OutputProcessor) -> None:
+    def __init__(self, processor: OutputProcessor, *, collectors: bool = True) -> None:
         self.processor = processor
+        self.collectors = collectors  # False: as vLLM's LLMEngine, outputs are returned
         self.queues: dict[str, RequestOutputCollector] = {}
         self.engine_ids: dict[str, tuple[EngineCoreRequest, int]] = {}  # id -> (request, n)
 
@@ -792,8 +801,10 @@ class Side:
             external_req_id=plan.external_id,
             prompt_embeds=torch.zeros(len(plan.prompt_ids), 4) if plan.embeds else None,
         )
-        queue = RequestOutputCollector(params.output_kind, request.request_id)
-        self.queues[request.request_id] = queue
+        queue = None
+        if self.collectors:
+            queue = RequestOutputCollector(params.output_kind, request.request_id)
+            self.queues[request.request_id] = queue
         if params.n == 1:
             self.engine_ids[request.request_id] = (request, 1)
             self.processor.add_request(request, plan.prompt, None, 0, queue)
@@ -868,13 +879,15 @@ class Pair:
         *,
         stream_interval: int = 1,
         tracing: bool = False,
+        collectors: bool = True,
         label: str = "",
     ) -> None:
         kwargs = {"log_stats": True, "stream_interval": stream_interval, "tracing_enabled": tracing}
-        self.reference = Side(OutputProcessor(tokenizer, **kwargs))
-        self.candidate = Side(candidate_cls(tokenizer, **kwargs))
-        self.stream_interval = stream_interval
-        self.tracing = tracing
+        self.reference = Side(OutputProcessor(tokenizer, **kwargs), collectors=collectors)
+        self.candidate = Side(candidate_cls(tokenizer, **kwargs), collectors=collectors)
+        self.processor_native = processor_goes_native(
+            tokenizer, stream_interval=stream_interval, tracing=tracing
+        )
         self.label = label
         self.steps = 0
         self.natives: dict[str, bool] = {}
@@ -892,7 +905,10 @@ class Pair:
             if engine_id in before:
                 continue
             expected = expected_native(
-                request, n=n, stream_interval=self.stream_interval, tracing=self.tracing
+                request,
+                n=n,
+                queued=self.reference.collectors,
+                processor=self.processor_native,
             )
             self.natives[engine_id] = expected
             if is_native is not None:
@@ -948,14 +964,23 @@ def run_workload(
     drain_every: int = 1,
     stream_interval: int = 1,
     tracing: bool = False,
+    collectors: bool = True,
     label: str = "",
 ) -> WorkloadResult:
     """Drive a reference and a candidate processor with ``sim``'s workload; compare all.
 
-    Raises ``AssertionError`` naming the step at the first difference.
+    ``tokenizer`` None is a processor without one (``skip_tokenizer_init``);
+    ``collectors`` False adds requests without collectors, as vLLM's ``LLMEngine``
+    does (the outputs come back from ``process_outputs``). Raises ``AssertionError``
+    naming the step at the first difference.
     """
     pair = Pair(
-        tokenizer, candidate_cls, stream_interval=stream_interval, tracing=tracing, label=label
+        tokenizer,
+        candidate_cls,
+        stream_interval=stream_interval,
+        tracing=tracing,
+        collectors=collectors,
+        label=label,
     )
     outputs: list[tuple[str, Any]] = []
     stopped: list[str] = []

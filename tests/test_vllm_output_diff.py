@@ -128,7 +128,9 @@ def test_random_workload_word_level(
 
 @pytest.mark.parametrize("seed", range(3))
 @pytest.mark.parametrize(
-    "processor", [{"stream_interval": 3}, {"tracing": True}], ids=["stream-interval", "tracing"]
+    "processor",
+    [{"stream_interval": 3}, {"tracing": True}, {"tokenizer": None}, {"collectors": False}],
+    ids=["stream-interval", "tracing", "no-tokenizer", "llm-engine"],
 )
 def test_whole_processor_fallbacks(
     bpe: TokenizerInfo,
@@ -136,10 +138,13 @@ def test_whole_processor_fallbacks(
     processor: dict[str, Any],
     seed: int,
 ) -> None:
-    """``stream_interval > 1`` and tracing are vLLM's path for every request; identical."""
+    """vLLM's path for every request, and identical: ``stream_interval > 1``, tracing, no
+    tokenizer (``skip_tokenizer_init``), no collectors (``LLMEngine``: the outputs are
+    returned, compared in order)."""
     cls, stand_in = candidate
     sim = EngineSim(2000 + seed, bpe, 12)
-    result = run_workload(sim, bpe.tokenizer, cls, **processor)
+    options = {"tokenizer": bpe.tokenizer, **processor}
+    result = run_workload(sim, options.pop("tokenizer"), cls, **options)
     assert not any(result.pair.natives.values())
     _check_fast_path_ran(result.pair, stand_in, expect_fast=False)
 
