@@ -74,3 +74,67 @@ def test_each_supported_vllm_has_its_client_classes() -> None:
         classes = client.client_classes(version)
         assert set(classes) == {"plain", "dp", "dplb"}
         assert {cls.release.protocol for cls in classes.values()} == {version}
+
+
+_OUTPUT_PROBE = """
+from vllm.plugins import load_general_plugins
+load_general_plugins()
+load_general_plugins()
+import vllm.v1.engine.async_llm as async_llm
+import vllm.v1.engine.llm_engine as llm_engine
+for cls in (async_llm.OutputProcessor, llm_engine.OutputProcessor):
+    print(cls.__module__ + "." + cls.__qualname__)
+"""
+
+
+def _output_processors_with(output: str | None, client: str | None = None) -> list[str]:
+    """The output processor classes ``AsyncLLM`` and ``LLMEngine`` would build, in a fresh
+    interpreter after vLLM's plugin loader ran twice with the switches as given."""
+    import os
+    import subprocess
+    import sys
+
+    env = {
+        k: v for k, v in os.environ.items() if k not in (plugin.ENV_SWITCH, plugin.OUTPUT_SWITCH)
+    }
+    for name, value in ((plugin.OUTPUT_SWITCH, output), (plugin.ENV_SWITCH, client)):
+        if value is not None:
+            env[name] = value
+    done = subprocess.run(
+        [sys.executable, "-c", _OUTPUT_PROBE],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=90,
+        cwd="/",
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    return done.stdout.strip().splitlines()[-2:]
+
+
+VLLM_PROCESSOR = "vllm.v1.engine.output_processor.OutputProcessor"
+
+
+def test_output_switch_installs_the_native_processor_for_async_llm_only() -> None:
+    assert _output_processors_with(None, client="1") == [VLLM_PROCESSOR, VLLM_PROCESSOR]
+    native = "corewire.vllm.output.NativeOutputProcessor"
+    # AsyncLLM gets corewire's; vLLM's synchronous LLMEngine keeps its own.
+    assert _output_processors_with("1") == [native, VLLM_PROCESSOR]
+    assert _output_processors_with("1", client="1") == [native, VLLM_PROCESSOR]
+
+
+def test_unclear_output_switch_is_an_error(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(plugin.OUTPUT_SWITCH, "native")
+    with pytest.raises(ValueError, match=plugin.OUTPUT_SWITCH):
+        plugin.output_enabled()
+    monkeypatch.setenv(plugin.OUTPUT_SWITCH, "0")
+    assert not plugin.output_enabled()
+
+
+@pytest.mark.parametrize("version", ["0.33.0", "0.25.2", "0.26.0"])
+def test_output_switch_refuses_a_vllm_it_does_not_reproduce(version: str) -> None:
+    plugin.check_output_version("0.25.1+cpu")
+    with pytest.raises(
+        RuntimeError, match=rf"reproduces vLLM 0\.25\.1, not the installed {version}"
+    ):
+        plugin.check_output_version(version)

@@ -1,13 +1,20 @@
 """The ``vllm.general_plugins`` entry point: corewire's client inside vLLM's ``AsyncLLM``.
 
 ``pip install corewire`` registers :func:`register` with vLLM, which calls it in each of
-its processes. It does nothing unless ``COREWIRE_VLLM_CLIENT=1`` is set; then it replaces
+its processes. It does nothing unless switched on. ``COREWIRE_VLLM_CLIENT=1`` replaces
 ``EngineCoreClient.make_async_mp_client``, the factory through which vLLM's ``AsyncLLM``
 builds its engine-core client, with :func:`corewire.vllm.client.make_async_mp_client`.
 vLLM looks the factory up when ``AsyncLLM`` starts, after the plugins ran. The clients
 speak the installed vLLM's release (0.25.1 or 0.33.0; another is refused by name). Engine-core and
 worker processes never call that factory, so nothing changes for them, and vLLM's
 synchronous ``LLM`` class keeps its own client.
+
+``COREWIRE_VLLM_OUTPUT=1`` (a switch of its own, off by default; meant to be used with the
+client switch) hands ``AsyncLLM``'s output processing to corewire: the plugin replaces
+``vllm.v1.engine.async_llm.OutputProcessor``, the name ``AsyncLLM.__init__`` builds its
+processor from, with :class:`corewire.vllm.output.NativeOutputProcessor`. Supported under
+vLLM 0.25.1; refused by name under another release. vLLM's synchronous ``LLMEngine``
+keeps vLLM's processor (it imports the class under its own name).
 """
 
 from __future__ import annotations
@@ -18,7 +25,17 @@ from typing import Any
 
 from corewire.versions import SUPPORTED
 
-__all__ = ["ENV_SWITCH", "PLUGIN_VLLM_VERSIONS", "check_vllm_version", "enabled", "register"]
+__all__ = [
+    "ENV_SWITCH",
+    "OUTPUT_SWITCH",
+    "OUTPUT_VLLM_VERSIONS",
+    "PLUGIN_VLLM_VERSIONS",
+    "check_output_version",
+    "check_vllm_version",
+    "enabled",
+    "output_enabled",
+    "register",
+]
 
 # Under vLLM's logger namespace: its handlers (and level) show this in the server's log.
 logger = logging.getLogger("vllm.corewire")
@@ -28,18 +45,35 @@ ENV_SWITCH = "COREWIRE_VLLM_CLIENT"
 _TRUE = frozenset({"1", "true", "yes", "on"})
 _FALSE = frozenset({"", "0", "false", "no", "off"})
 
+#: The output switch: "1" makes vLLM's ``AsyncLLM`` process outputs natively.
+OUTPUT_SWITCH = "COREWIRE_VLLM_OUTPUT"
+
+#: The vLLM releases whose output processing corewire's native path reproduces.
+OUTPUT_VLLM_VERSIONS = ("0.25.1",)
+
+
+def _switch(name: str) -> bool:
+    # A value that is neither on nor off raises rather than being guessed.
+    raw = os.environ.get(name, "").strip().lower()
+    if raw in _TRUE:
+        return True
+    if raw in _FALSE:
+        return False
+    raise ValueError(f"{name} must be 1 or 0, got {os.environ[name]!r}")
+
 
 def enabled() -> bool:
     """Whether ``COREWIRE_VLLM_CLIENT`` asks for corewire's client.
 
     Raises ``ValueError`` for a value that is neither on nor off, rather than guessing.
     """
-    raw = os.environ.get(ENV_SWITCH, "").strip().lower()
-    if raw in _TRUE:
-        return True
-    if raw in _FALSE:
-        return False
-    raise ValueError(f"{ENV_SWITCH} must be 1 or 0, got {os.environ[ENV_SWITCH]!r}")
+    return _switch(ENV_SWITCH)
+
+
+def output_enabled() -> bool:
+    """Whether ``COREWIRE_VLLM_OUTPUT`` asks for native output processing (``ValueError``
+    for a value that is neither on nor off)."""
+    return _switch(OUTPUT_SWITCH)
 
 
 #: The vLLM releases whose ``AsyncLLM`` the plugin's client is built and tested for (each
@@ -59,10 +93,39 @@ def check_vllm_version(version: str) -> None:
         )
 
 
+def check_output_version(version: str) -> None:
+    """Raise ``RuntimeError`` unless the native output path reproduces vLLM ``version``."""
+    if version.split("+", 1)[0] not in OUTPUT_VLLM_VERSIONS:
+        supported = ", ".join(OUTPUT_VLLM_VERSIONS)
+        raise RuntimeError(
+            f"{OUTPUT_SWITCH}=1: corewire's output processing reproduces vLLM {supported}, "
+            f"not the installed {version}; unset {OUTPUT_SWITCH} to keep vLLM's own"
+        )
+
+
 def register() -> None:
-    """Entry point run by vLLM: install corewire's client factory when switched on."""
-    if not enabled():
-        return
+    """Entry point run by vLLM: install what the switches ask for."""
+    if output_enabled():
+        _install_output_processor()
+    if enabled():
+        _install_client()
+
+
+def _install_output_processor() -> None:
+    import vllm
+
+    check_output_version(vllm.__version__)
+    import vllm.v1.engine.async_llm as async_llm
+
+    from corewire.vllm.output import NativeOutputProcessor
+
+    if async_llm.OutputProcessor is NativeOutputProcessor:
+        return  # vLLM loads plugins more than once per process
+    async_llm.OutputProcessor = NativeOutputProcessor  # type: ignore[misc]
+    logger.info("corewire: vLLM's AsyncLLM processes outputs with corewire")
+
+
+def _install_client() -> None:
     import vllm
 
     # Before importing the adapter: under another vLLM it would fail on a moved name,

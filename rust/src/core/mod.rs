@@ -1,4 +1,5 @@
-//! PyO3-free logic: msgpack reader, wire schema, call-id registry, buffer tracking, errors.
+//! PyO3-free logic: msgpack reader, wire schema, call-id registry, buffer tracking, errors,
+//! and (feature `text`) the text side of output processing.
 
 pub mod registry;
 pub mod router;
@@ -10,6 +11,9 @@ pub mod msgpack;
 pub mod schema;
 pub mod tree;
 pub mod wire;
+
+#[cfg(feature = "text")]
+pub mod text;
 
 #[cfg(test)]
 mod depth_tests;

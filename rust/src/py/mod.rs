@@ -11,6 +11,7 @@ mod registry;
 mod router;
 mod tracker;
 
+mod arrays;
 mod builder;
 mod consts;
 mod decoder;
@@ -18,6 +19,7 @@ mod ffi;
 mod frames;
 mod list;
 mod objects;
+mod outproc;
 mod refcnt;
 mod torch;
 mod wire;
@@ -34,6 +36,8 @@ pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("EngineCoreOutputs", message.bind(py))?;
     m.add("EngineCoreOutput", output.bind(py))?;
     m.add_class::<frames::FrameBuffer>()?;
+    m.add_class::<outproc::OutputCore>()?;
+    m.add_class::<outproc::RequestText>()?;
     m.add_function(wrap_pyfunction!(wire::wire_fields, m)?)?;
     m.add_function(wrap_pyfunction!(wire::wire_structs, m)?)?;
     m.add_function(wrap_pyfunction!(wire::wire_version, m)?)?;

@@ -1,0 +1,297 @@
+"""Native output processing inside vLLM 0.25.1's ``AsyncLLM``.
+
+:class:`NativeOutputProcessor` is vLLM's ``OutputProcessor`` with the common case done in
+Rust: for each request that qualifies (:func:`native_refusal`), detokenization, stop
+strings and sample logprobs live in a :class:`corewire._native.RequestText`, and every
+plain output of such a request (past its first output, no finish from the engine, no
+events) is handled whole by :meth:`corewire._native.OutputCore.process`: stats, text,
+logprobs, the ``RequestOutput`` and its hand-off to the request's collector, with no
+Python per token. The outputs that need vLLM's bookkeeping (first outputs, engine
+finishes, events), and every output of other requests, go through vLLM's own loop; for
+native requests that loop drives the same ``RequestText`` (it stands in for the request's
+detokenizer and logprobs processor), so each request has one state whichever path its
+outputs take.
+
+The plugin installs the class when ``COREWIRE_VLLM_OUTPUT=1``
+(:mod:`corewire.vllm.plugin`). A processor whose tokenizer or settings the native path
+does not cover (:func:`processor_refusal`) behaves exactly as vLLM's.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import tokenizers
+import tokenizers.decoders
+import vllm.envs as envs
+from vllm.logprobs import Logprob
+from vllm.outputs import CompletionOutput, RequestOutput
+from vllm.sampling_params import RequestOutputKind
+from vllm.tokenizers.detokenizer_utils import convert_ids_list_to_tokens
+from vllm.v1.engine import FinishReason
+from vllm.v1.engine.detokenizer import USE_FAST_DETOKENIZER
+from vllm.v1.engine.output_processor import (
+    OutputProcessor,
+    OutputProcessorOutput,
+    RequestState,
+)
+
+from corewire._native import OutputCore, RequestText
+
+__all__ = ["NativeOutputProcessor", "native_refusal", "processor_refusal"]
+
+logger = logging.getLogger("vllm.corewire")
+
+# The Python class vLLM's fast detokenizer steps; a shim that replaces it (vLLM honours
+# one) would decode differently from the crate, so the native path only runs under this.
+_DECODE_STREAM = tokenizers.decoders.DecodeStream
+
+#: The instance attributes, in order, that the native path gives each vLLM class (the
+#: order their ``__init__`` assigns them; checked at start-up, since a vLLM build that
+#: adds a field must not get objects without it).
+_LAYOUTS: dict[type, tuple[str, ...]] = {
+    RequestOutput: (
+        "request_id",
+        "prompt",
+        "prompt_token_ids",
+        "prompt_logprobs",
+        "outputs",
+        "finished",
+        "metrics",
+        "lora_request",
+        "encoder_prompt",
+        "encoder_prompt_token_ids",
+        "num_cached_tokens",
+        "kv_transfer_params",
+    ),
+    CompletionOutput: (
+        "index",
+        "text",
+        "token_ids",
+        "cumulative_logprob",
+        "logprobs",
+        "routed_experts",
+        "finish_reason",
+        "stop_reason",
+        "lora_request",
+    ),
+    Logprob: ("logprob", "rank", "decoded_token"),
+}
+
+
+def _layouts_match() -> bool:
+    samples = {
+        RequestOutput: RequestOutput("r", None, [], None, [], False),
+        CompletionOutput: CompletionOutput(0, "", [], None, None),
+        Logprob: Logprob(0.0),
+    }
+    return all(tuple(vars(obj)) == _LAYOUTS[cls] for cls, obj in samples.items())
+
+
+def processor_refusal(tokenizer: Any, stream_interval: int, tracing_enabled: bool) -> str | None:
+    """Why a whole processor must stay on vLLM's path, or None when it can go native.
+
+    The native path decodes with the ``tokenizers`` crate what vLLM decodes with the
+    ``tokenizers`` package's ``DecodeStream``: only fast tokenizers qualify. Stream
+    intervals above 1 and tracing keep vLLM's code (not covered yet).
+    """
+    from transformers import PreTrainedTokenizerFast
+
+    if tokenizer is None:
+        return "no tokenizer (skip_tokenizer_init)"
+    if not (USE_FAST_DETOKENIZER and isinstance(tokenizer, PreTrainedTokenizerFast)):
+        return f"not a fast tokenizer ({type(tokenizer).__name__})"
+    if tokenizers.decoders.DecodeStream is not _DECODE_STREAM:
+        return "tokenizers.decoders.DecodeStream is replaced by a shim"
+    if stream_interval != 1:
+        return f"stream interval {stream_interval}"
+    if tracing_enabled:
+        return "tracing is enabled"
+    if not _layouts_match():
+        return "vLLM's output classes have fields the native path does not know"
+    return None
+
+
+def native_refusal(request: Any, parent_req: Any, queue: Any) -> str | None:
+    """Why one request must stay on vLLM's path (None: it goes native).
+
+    Parallel sampling (n > 1), pooling, prompt embeddings, prompt logprobs, flat
+    logprobs, streaming input and the synchronous engine (no collector) keep vLLM's code.
+    """
+    params = request.sampling_params
+    if params is None:
+        return "pooling"
+    if parent_req is not None:
+        return "n > 1"
+    if queue is None:
+        return "no output collector (LLMEngine)"
+    if request.prompt_token_ids is None or request.prompt_embeds is not None:
+        return "prompt embeddings"
+    if params.prompt_logprobs is not None:
+        return "prompt logprobs"
+    if params.flat_logprobs:
+        return "flat logprobs"
+    if request.resumable:
+        return "streaming input"
+    return None
+
+
+class NativeOutputProcessor(OutputProcessor):
+    """vLLM 0.25.1's ``OutputProcessor`` with plain outputs processed natively (see the
+    module doc). Same constructor and methods as vLLM's."""
+
+    def __init__(
+        self,
+        tokenizer: Any,
+        *,
+        log_stats: bool,
+        stream_interval: int = 1,
+        tracing_enabled: bool = False,
+    ) -> None:
+        super().__init__(
+            tokenizer,
+            log_stats=log_stats,
+            stream_interval=stream_interval,
+            tracing_enabled=tracing_enabled,
+        )
+        #: Why this processor stays on vLLM's path (None when it does not).
+        self.refusal = processor_refusal(tokenizer, stream_interval, tracing_enabled)
+        self._core: OutputCore | None = None
+        if self.refusal is not None:
+            logger.info("corewire: vLLM's output processing kept: %s", self.refusal)
+            return
+        raw = tokenizer._tokenizer
+        added = {tid: tok.content for tid, tok in raw.get_added_tokens_decoder().items()}
+        self._core = OutputCore(
+            raw.to_str(),
+            added,
+            self._candidate_string,
+            # transformers may clean up spaces after decoding; the crate never does.
+            tokenizer.decode if getattr(tokenizer, "clean_up_tokenization_spaces", False) else None,
+            logger.warning,
+            (RequestOutput, CompletionOutput, Logprob),
+            self.request_states,
+        )
+
+    def _candidate_string(self, token_id: int) -> str:
+        # vLLM's own function, so that the strings are exactly vLLM's (once per id).
+        return convert_ids_list_to_tokens(self.tokenizer, [token_id])[0]
+
+    @property
+    def native_counts(self) -> dict[str, int]:
+        """Outputs by path: ``fast`` (wholly native), ``slow`` (native requests' outputs
+        that took vLLM's loop), ``fallback`` (other requests' outputs)."""
+        if self._core is None:
+            return {"fast": 0, "slow": 0, "fallback": 0}
+        return self._core.counts
+
+    def is_native(self, request_id: str) -> bool:
+        """Whether the request (internal id) takes the native path."""
+        state = self.request_states.get(request_id)
+        return state is not None and isinstance(state.detokenizer, RequestText)
+
+    def add_request(
+        self,
+        request: Any,
+        prompt: str | None,
+        parent_req: Any = None,
+        request_index: int = 0,
+        queue: Any = None,
+    ) -> None:
+        """vLLM's ``add_request``; a qualifying new request gets native state."""
+        core = self._core
+        if (
+            core is None
+            or request.request_id in self.request_states
+            or native_refusal(request, parent_req, queue) is not None
+        ):
+            super().add_request(request, prompt, parent_req, request_index, queue)
+            return
+        params = request.sampling_params
+        detokenize = bool(params.detokenize)
+        if params.stop is None or not detokenize:
+            stop: list[str] = []
+        elif isinstance(params.stop, str):
+            stop = [params.stop]
+        else:
+            stop = list(params.stop)
+        stats_state = RequestState(
+            request_id=request.request_id,
+            external_req_id=request.external_req_id,
+            parent_req=None,
+            request_index=request_index,
+            lora_request=request.lora_request,
+            output_kind=params.output_kind,
+            prompt=prompt,
+            prompt_token_ids=request.prompt_token_ids,
+            prompt_embeds=None,
+            logprobs_processor=None,
+            detokenizer=None,
+            max_tokens_param=params.max_tokens,
+            arrival_time=request.arrival_time,
+            queue=queue,
+            log_stats=self.log_stats,
+            stream_interval=self.stream_interval,
+            top_p=params.top_p,
+            n=params.n,
+            temperature=params.temperature,
+            stream_input=False,
+        )
+        text = core.request(
+            request.request_id,
+            request.external_req_id,
+            prompt,
+            request.prompt_token_ids,
+            request.lora_request,
+            request_index,
+            _KIND_NUMBERS[params.output_kind],
+            queue,
+            stats_state.stats,
+            detokenize,
+            params.skip_special_tokens,
+            params.skip_special_tokens or params.spaces_between_special_tokens,
+            stop,
+            params.min_tokens,
+            params.include_stop_str_in_output,
+            params.num_logprobs,
+        )
+        # One object answers both roles: it holds the text and the sample logprobs.
+        stats_state.detokenizer = text
+        stats_state.logprobs_processor = text
+        self.request_states[request.request_id] = stats_state
+        self.external_req_ids[stats_state.external_req_id].append(request.request_id)
+
+    def process_outputs(
+        self,
+        engine_core_outputs: list[Any],
+        engine_core_timestamp: float | None = None,
+        iteration_stats: Any = None,
+    ) -> OutputProcessorOutput:
+        """vLLM's ``process_outputs``: plain outputs of native requests natively, the
+        rest through vLLM's loop."""
+        core = self._core
+        if core is None:
+            return super().process_outputs(
+                engine_core_outputs, engine_core_timestamp, iteration_stats
+            )
+        # vLLM reads this setting per output; once per chunk gives the same answer.
+        nans = iteration_stats is not None and bool(envs.VLLM_COMPUTE_NANS_IN_LOGITS)
+        rest, stopped = core.process(
+            engine_core_outputs, engine_core_timestamp, iteration_stats, nans
+        )
+        if rest:
+            result = super().process_outputs(rest, engine_core_timestamp, iteration_stats)
+        else:
+            result = OutputProcessorOutput(request_outputs=[], reqs_to_abort=[])
+        for req_id in stopped:
+            # A stop string ended a request the engine still runs: finish it here and
+            # have the engine abort it, as vLLM's loop does.
+            req_state = self.request_states[req_id]
+            self._finish_request(req_state)
+            result.reqs_to_abort.append(req_id)
+            self._update_stats_from_finished(req_state, FinishReason.STOP, iteration_stats)
+        return result
+
+
+_KIND_NUMBERS = {kind: kind.value for kind in RequestOutputKind}

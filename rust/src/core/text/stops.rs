@@ -1,0 +1,57 @@
+//! Stop strings: which one the text now contains, and where the text is cut.
+
+use super::chars;
+
+/// One stop string with its length in code points.
+#[derive(Clone, Debug)]
+pub struct StopString {
+    pub text: String,
+    pub chars: usize,
+}
+
+impl StopString {
+    /// Wraps `text`, counting its code points once.
+    pub fn new(text: String) -> Self {
+        let chars = text.chars().count();
+        StopString { text, chars }
+    }
+}
+
+/// Where a matched stop string leaves the text.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Cut {
+    /// The text stays whole (the stop string, kept, ends it already).
+    None,
+    /// The text keeps this many code points.
+    At(usize),
+}
+
+/// vLLM 0.25.1's rule: the first stop string, in the order given, found in the part of
+/// `text` that the last `new_chars` code points could complete. Returns its index in
+/// `stops` and the cut: before the match, or after it when `include_in_output`.
+pub fn first_in_order(
+    text: &str,
+    text_chars: usize,
+    new_chars: usize,
+    stops: &[StopString],
+    include_in_output: bool,
+) -> Option<(usize, Cut)> {
+    if new_chars == 0 || stops.is_empty() {
+        return None;
+    }
+    for (i, stop) in stops.iter().enumerate() {
+        // Text before this window was searched when it was new.
+        let start = 1 - new_chars as isize - stop.chars as isize;
+        let Some(mut at) = chars::find_from(text, text_chars, &stop.text, start) else {
+            continue;
+        };
+        if include_in_output {
+            at += stop.chars;
+            if at >= text_chars {
+                return Some((i, Cut::None));
+            }
+        }
+        return Some((i, Cut::At(at)));
+    }
+    None
+}
