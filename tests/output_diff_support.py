@@ -585,6 +585,11 @@ class EngineSim:
             plan.prefilled = last
             if last < positions:
                 return [spec]
+        if plan.produced and not spec.events and rng.random() < 0.03:
+            # No token this time, only KV-transfer news (the scheduler sends such outputs):
+            # a DELTA output without new tokens (0.25.1 slices logprobs[-0:] for it).
+            spec.kv_transfer_params = {"remote_blocks": [self.step_index]}
+            return [spec]
         count = 2 if rng.random() < 0.1 else 1
         new = plan.planned[plan.produced : plan.produced + count]
         plan.produced += len(new)
@@ -621,12 +626,15 @@ class EngineSim:
             )[0]
             top.append(rng.choice(pool))
         values = sorted((rng.uniform(-12.0, -0.01) for _ in range(k)), reverse=True)
+        if k > 2 and rng.random() < 0.05:
+            values[-1] = float("-inf")  # masked tokens can make the top k
         rank = 1 if rng.random() < 0.5 else rng.randint(2, 20)
         if rank <= k:
             top[rank - 1] = sampled
             sampled_value = values[rank - 1]
         else:
             sampled_value = (values[-1] if values else -0.5) - rng.uniform(0.0, 2.0)
+            sampled_value = max(sampled_value, -30.0)
         # float32 round trip: the processors see float32 values, as from the sampler.
         row = [float(np.float32(v)) for v in [sampled_value, *values]]
         return [sampled, *top], row, rank

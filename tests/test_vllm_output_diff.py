@@ -173,6 +173,8 @@ def _coverage(outputs: list[tuple[str, Any]], info: TokenizerInfo) -> Counter[st
             seen[f"{kind} logprobs"] += 1
             if c["finish_reason"] == "abort" and positions:
                 seen["abort output with logprobs"] += 1
+            if c["finish_reason"] is None and not c["token_ids"] and positions:
+                seen["DELTA output without tokens, with logprobs"] += 1
             for position in positions:
                 for token_id, _, _, text, _ in position:
                     if text is not None and decode([token_id]).endswith("\ufffd"):
@@ -206,6 +208,7 @@ def test_workloads_cover_the_edge_cases(
         "list logprobs",
         "FlatLogprobs logprobs",
         "abort output with logprobs",
+        "DELTA output without tokens, with logprobs",
         "U+FFFD candidate",
         "U+FFFD candidate corrected",
     ):
