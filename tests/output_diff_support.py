@@ -785,9 +785,16 @@ def stats_snapshot(stats: IterationStats) -> dict[str, Any]:
 class Side:
     """One processor and its collectors, fed as ``AsyncLLM`` feeds its processor."""
 
-    def __init__(self, processor: OutputProcessor, *, collectors: bool = True) -> None:
+    def __init__(
+        self,
+        processor: OutputProcessor,
+        *,
+        collectors: bool = True,
+        chunk: int | None = None,
+    ) -> None:
         self.processor = processor
         self.collectors = collectors  # False: as vLLM's LLMEngine, outputs are returned
+        self.chunk = chunk  # the output handler's VLLM_V1_OUTPUT_PROC_CHUNK_SIZE
         self.queues: dict[str, RequestOutputCollector] = {}
         self.engine_ids: dict[str, tuple[EngineCoreRequest, int]] = {}  # id -> (request, n)
 
@@ -831,15 +838,23 @@ class Side:
         widths = [len(s.logprobs.ids[0]) for s in specs if s.logprobs and s.logprobs.ids]
         width = max(widths, default=1)
         outputs = [make_output(spec, width) for spec in specs]
-        stats = IterationStats()
-        stats.iteration_timestamp = wall  # TTFT and e2e are measured from it
-        result = self.processor.process_outputs(outputs, engine_ts, stats)
+        stats = None
+        if self.processor.log_stats:
+            stats = IterationStats()
+            stats.iteration_timestamp = wall  # TTFT and e2e are measured from it
+        # As the output handler: chunks of one step share its IterationStats.
+        size = self.chunk or max(len(outputs), 1)
+        request_outputs, reqs_to_abort = [], []
+        for start in range(0, max(len(outputs), 1), size):
+            result = self.processor.process_outputs(outputs[start : start + size], engine_ts, stats)
+            request_outputs.extend(snapshot(o) for o in result.request_outputs)
+            reqs_to_abort.extend(result.reqs_to_abort)
         scheduler = SchedulerStats()
         self.processor.update_scheduler_stats(scheduler)
         return {
-            "request_outputs": [snapshot(o) for o in result.request_outputs],
-            "reqs_to_abort": sorted(result.reqs_to_abort),
-            "stats": stats_snapshot(stats),
+            "request_outputs": request_outputs,
+            "reqs_to_abort": sorted(reqs_to_abort),
+            "stats": None if stats is None else stats_snapshot(stats),
             "lora_waiting": dict(scheduler.waiting_lora_adapters),
             "lora_running": dict(scheduler.running_lora_adapters),
             **self.counts(),
@@ -888,11 +903,18 @@ class Pair:
         stream_interval: int = 1,
         tracing: bool = False,
         collectors: bool = True,
+        log_stats: bool = True,
+        chunk: int | None = None,
         label: str = "",
     ) -> None:
-        kwargs = {"log_stats": True, "stream_interval": stream_interval, "tracing_enabled": tracing}
-        self.reference = Side(OutputProcessor(tokenizer, **kwargs), collectors=collectors)
-        self.candidate = Side(candidate_cls(tokenizer, **kwargs), collectors=collectors)
+        kwargs = {
+            "log_stats": log_stats,
+            "stream_interval": stream_interval,
+            "tracing_enabled": tracing,
+        }
+        sides = {"collectors": collectors, "chunk": chunk}
+        self.reference = Side(OutputProcessor(tokenizer, **kwargs), **sides)
+        self.candidate = Side(candidate_cls(tokenizer, **kwargs), **sides)
         self.processor_native = processor_goes_native(
             tokenizer, stream_interval=stream_interval, tracing=tracing
         )
@@ -973,14 +995,19 @@ def run_workload(
     stream_interval: int = 1,
     tracing: bool = False,
     collectors: bool = True,
+    log_stats: bool = True,
+    chunk: int | None = None,
     label: str = "",
 ) -> WorkloadResult:
     """Drive a reference and a candidate processor with ``sim``'s workload; compare all.
 
     ``tokenizer`` None is a processor without one (``skip_tokenizer_init``);
     ``collectors`` False adds requests without collectors, as vLLM's ``LLMEngine``
-    does (the outputs come back from ``process_outputs``). Raises ``AssertionError``
-    naming the step at the first difference.
+    does (the outputs come back from ``process_outputs``); ``log_stats`` False is
+    ``--disable-log-stats`` (no ``IterationStats``, no ``metrics``); ``chunk`` splits each
+    step into ``process_outputs`` calls of that many outputs sharing one ``IterationStats``,
+    as the output handler does above ``VLLM_V1_OUTPUT_PROC_CHUNK_SIZE``. Raises
+    ``AssertionError`` naming the step at the first difference.
     """
     pair = Pair(
         tokenizer,
@@ -988,6 +1015,8 @@ def run_workload(
         stream_interval=stream_interval,
         tracing=tracing,
         collectors=collectors,
+        log_stats=log_stats,
+        chunk=chunk,
         label=label,
     )
     outputs: list[tuple[str, Any]] = []

@@ -116,6 +116,26 @@ def test_random_workload_long_outputs(
     _check_fast_path_ran(result.pair, stand_in)
 
 
+@pytest.mark.parametrize("seed", range(4))
+@pytest.mark.parametrize(
+    "options",
+    [{"log_stats": False}, {"chunk": 5}],
+    ids=["disable-log-stats", "chunks-of-5"],
+)
+def test_random_workload_server_options(
+    bpe: TokenizerInfo,
+    candidate: tuple[type[OutputProcessor], bool],
+    seed: int,
+    options: dict[str, Any],
+) -> None:
+    """``--disable-log-stats`` (no stats objects at all), and steps split into chunks
+    that share one ``IterationStats`` (the output handler's chunking)."""
+    cls, stand_in = candidate
+    sim = EngineSim(4000 + seed, bpe, REQUESTS)
+    result = run_workload(sim, bpe.tokenizer, cls, drain_every=2, label=f"seed {seed}", **options)
+    _check_fast_path_ran(result.pair, stand_in)
+
+
 @pytest.mark.parametrize("seed", range(8))
 def test_random_workload_word_level(
     word_level: TokenizerInfo, candidate: tuple[type[OutputProcessor], bool], seed: int
