@@ -15,11 +15,11 @@ The pieces, each usable alone:
   ``AsyncLLM`` adds them) and emits engine steps as plain data (:class:`OutputSpec`),
   which :func:`make_output` turns into fresh vLLM ``EngineCoreOutput`` objects for each
   processor (the collectors mutate what they are given, so the two sides never share one).
-- a driver: :class:`Side` is one processor with its own collectors; :func:`run_workload`
-  drives two sides in lock step with identical inputs and compares, after every action,
-  the drained ``RequestOutput`` snapshots (:func:`snapshot`), ``reqs_to_abort``, the
-  ``IterationStats`` (lists as multisets), the LoRA scheduler stats and the unfinished
-  counts.
+- a driver: :class:`Side` is one processor with its own collectors; :class:`Pair` feeds a
+  reference side (vLLM's class) and a candidate side the same and compares, after every
+  action, the drained ``RequestOutput`` snapshots (:func:`snapshot`), ``reqs_to_abort``,
+  the ``IterationStats`` (lists as multisets), the LoRA scheduler stats and the
+  unfinished counts; :func:`run_workload` runs an :class:`EngineSim` through a pair.
 
 Nothing here mocks vLLM: the processors, collectors, stats and output classes are vLLM's.
 """
@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import importlib.util
 import json
 import random
 from collections.abc import Callable, Iterable
@@ -65,7 +64,6 @@ __all__ = [
     "Side",
     "TokenizerInfo",
     "WorkloadResult",
-    "candidate_class",
     "expected_native",
     "load_tokenizer",
     "make_output",
@@ -230,21 +228,7 @@ class TokenizerInfo:
 
 
 # ---------------------------------------------------------------------------------------
-# Which processor is the candidate
-
-
-def candidate_class() -> tuple[type[OutputProcessor], bool]:
-    """The processor under test and whether it is only a stand-in.
-
-    ``corewire.vllm.output.NativeOutputProcessor`` when that module exists; until then
-    vLLM's own ``OutputProcessor`` stands in (True), so the harness itself is tested. A
-    module that exists but fails to import is an error, never a silent stand-in.
-    """
-    if importlib.util.find_spec("corewire.vllm.output") is None:
-        return OutputProcessor, True
-    from corewire.vllm.output import NativeOutputProcessor
-
-    return NativeOutputProcessor, False
+# Which requests go native
 
 
 def processor_goes_native(tokenizer: Any, *, stream_interval: int, tracing: bool) -> bool:
@@ -972,7 +956,7 @@ class Pair:
         return expected
 
     def native_counts(self) -> dict[str, int] | None:
-        """The candidate's ``native_counts`` (None for a stand-in)."""
+        """The candidate's ``native_counts`` (None for a class without them, as vLLM's)."""
         counts = getattr(self.candidate.processor, "native_counts", None)
         return None if counts is None else dict(counts)
 

@@ -9,10 +9,10 @@ dicts in key order), ``reqs_to_abort``, the stats (lists as multisets), the LoRA
 scheduler stats, the unfinished-request counts. Spec: docs/native-output-processing-
 notes.md §1, §3.1, §3.2 and §5.2.
 
-The candidate is ``corewire.vllm.output.NativeOutputProcessor``; until that module exists
-vLLM's own class stands in, which tests this harness (see
-``output_diff_support.candidate_class``). With the real class, each request's
-``is_native`` must match its parameters and the native fast path must have run.
+The candidate is ``corewire.vllm.output.NativeOutputProcessor``: each request's
+``is_native`` must match its parameters (``output_diff_support.expected_native``) and the
+native fast path must have run (``native_counts``). Deliberately wrong processors (vLLM's
+with one thing changed) must make the harness fail.
 
 The tokenizers: a byte-level BPE trained at test time on text with multi-byte characters,
 special and added tokens (so characters split across tokens and logprob candidates whose
@@ -35,6 +35,7 @@ from vllm.v1.engine import EngineCoreEventType, FinishReason
 from vllm.v1.engine.output_processor import OutputProcessor
 
 from corewire.vllm.model_dir import write_model_dir
+from corewire.vllm.output import NativeOutputProcessor
 from output_diff_support import (
     ClientPlan,
     EngineSim,
@@ -42,7 +43,6 @@ from output_diff_support import (
     OutputSpec,
     Pair,
     TokenizerInfo,
-    candidate_class,
     load_tokenizer,
     run_workload,
     write_bpe_tokenizer_dir,
@@ -71,15 +71,13 @@ def word_level(tmp_path_factory: pytest.TempPathFactory) -> TokenizerInfo:
 
 
 @pytest.fixture(scope="session")
-def candidate() -> tuple[type[OutputProcessor], bool]:
-    """The processor under test and whether it is vLLM's own class standing in."""
-    return candidate_class()
+def candidate() -> type[OutputProcessor]:
+    """The processor under test."""
+    return NativeOutputProcessor
 
 
-def _check_fast_path_ran(pair: Pair, stand_in: bool, *, expect_fast: bool = True) -> None:
+def _check_fast_path_ran(pair: Pair, *, expect_fast: bool = True) -> None:
     counts = pair.native_counts()
-    if stand_in:
-        return
     assert counts is not None, "NativeOutputProcessor has no native_counts"
     if expect_fast:
         assert counts["fast"] > 0, counts
@@ -94,26 +92,26 @@ def _check_fast_path_ran(pair: Pair, stand_in: bool, *, expect_fast: bool = True
 @pytest.mark.parametrize("drain_every", [1, 3], ids=["drain-each-step", "drain-every-3"])
 @pytest.mark.parametrize("seed", SEEDS)
 def test_random_workload_bpe(
-    bpe: TokenizerInfo, candidate: tuple[type[OutputProcessor], bool], seed: int, drain_every: int
+    bpe: TokenizerInfo, candidate: type[OutputProcessor], seed: int, drain_every: int
 ) -> None:
     """Native and fallback requests mixed in the same batches; draining every 3 steps
     makes the collectors merge outputs (``RequestOutput.add``)."""
-    cls, stand_in = candidate
+    cls = candidate
     sim = EngineSim(seed, bpe, REQUESTS)
     result = run_workload(sim, bpe.tokenizer, cls, drain_every=drain_every, label=f"seed {seed}")
     assert len(result.outputs) >= REQUESTS
-    _check_fast_path_ran(result.pair, stand_in)
+    _check_fast_path_ran(result.pair)
 
 
 @pytest.mark.parametrize("seed", range(4))
 def test_random_workload_long_outputs(
-    bpe: TokenizerInfo, candidate: tuple[type[OutputProcessor], bool], seed: int
+    bpe: TokenizerInfo, candidate: type[OutputProcessor], seed: int
 ) -> None:
     """Longer outputs and stop strings, more requests per batch, merging every 2 steps."""
-    cls, stand_in = candidate
+    cls = candidate
     sim = EngineSim(3000 + seed, bpe, 48, max_tokens=160, max_stop_chars=16)
     result = run_workload(sim, bpe.tokenizer, cls, drain_every=2, label=f"seed {seed}")
-    _check_fast_path_ran(result.pair, stand_in)
+    _check_fast_path_ran(result.pair)
 
 
 @pytest.mark.parametrize("seed", range(4))
@@ -124,26 +122,26 @@ def test_random_workload_long_outputs(
 )
 def test_random_workload_server_options(
     bpe: TokenizerInfo,
-    candidate: tuple[type[OutputProcessor], bool],
+    candidate: type[OutputProcessor],
     seed: int,
     options: dict[str, Any],
 ) -> None:
     """``--disable-log-stats`` (no stats objects at all), and steps split into chunks
     that share one ``IterationStats`` (the output handler's chunking)."""
-    cls, stand_in = candidate
+    cls = candidate
     sim = EngineSim(4000 + seed, bpe, REQUESTS)
     result = run_workload(sim, bpe.tokenizer, cls, drain_every=2, label=f"seed {seed}", **options)
-    _check_fast_path_ran(result.pair, stand_in)
+    _check_fast_path_ran(result.pair)
 
 
 @pytest.mark.parametrize("seed", range(8))
 def test_random_workload_word_level(
-    word_level: TokenizerInfo, candidate: tuple[type[OutputProcessor], bool], seed: int
+    word_level: TokenizerInfo, candidate: type[OutputProcessor], seed: int
 ) -> None:
-    cls, stand_in = candidate
+    cls = candidate
     sim = EngineSim(1000 + seed, word_level, REQUESTS)
     result = run_workload(sim, word_level.tokenizer, cls, drain_every=1 + seed % 3)
-    _check_fast_path_ran(result.pair, stand_in)
+    _check_fast_path_ran(result.pair)
 
 
 @pytest.mark.parametrize("seed", range(3))
@@ -154,19 +152,19 @@ def test_random_workload_word_level(
 )
 def test_whole_processor_fallbacks(
     bpe: TokenizerInfo,
-    candidate: tuple[type[OutputProcessor], bool],
+    candidate: type[OutputProcessor],
     processor: dict[str, Any],
     seed: int,
 ) -> None:
     """vLLM's path for every request, and identical: ``stream_interval > 1``, tracing, no
     tokenizer (``skip_tokenizer_init``), no collectors (``LLMEngine``: the outputs are
     returned, compared in order)."""
-    cls, stand_in = candidate
+    cls = candidate
     sim = EngineSim(2000 + seed, bpe, 12)
     options = {"tokenizer": bpe.tokenizer, **processor}
     result = run_workload(sim, options.pop("tokenizer"), cls, **options)
     assert not any(result.pair.natives.values())
-    _check_fast_path_ran(result.pair, stand_in, expect_fast=False)
+    _check_fast_path_ran(result.pair, expect_fast=False)
 
 
 def _coverage(outputs: list[tuple[str, Any]], info: TokenizerInfo) -> Counter[str]:
@@ -205,10 +203,10 @@ def _coverage(outputs: list[tuple[str, Any]], info: TokenizerInfo) -> Counter[st
 
 
 def test_workloads_cover_the_edge_cases(
-    bpe: TokenizerInfo, candidate: tuple[type[OutputProcessor], bool]
+    bpe: TokenizerInfo, candidate: type[OutputProcessor]
 ) -> None:
     """The generator really produces what the randomized tests claim to cover."""
-    cls, _ = candidate
+    cls = candidate
     seen: Counter[str] = Counter()
     stopped = 0
     for seed in range(6):
@@ -312,9 +310,8 @@ def _first(spec: OutputSpec) -> OutputSpec:
 class _Script:
     """A pair of processors fed by hand, one request, one token per step by default."""
 
-    def __init__(self, info: TokenizerInfo, candidate: tuple[type[OutputProcessor], bool]) -> None:
-        self.pair = Pair(info.tokenizer, candidate[0])
-        self.stand_in = candidate[1]
+    def __init__(self, info: TokenizerInfo, candidate: type[OutputProcessor]) -> None:
+        self.pair = Pair(info.tokenizer, candidate)
         self.t = 0
         self.outputs: list[tuple[str, Any]] = []
         self.aborts: list[list[str]] = []
@@ -372,7 +369,7 @@ def _spanning_stop(info: TokenizerInfo) -> tuple[list[int], str, int]:
 @pytest.mark.parametrize("kind", [RequestOutputKind.DELTA, RequestOutputKind.CUMULATIVE])
 def test_stop_string_spanning_three_tokens(
     bpe: TokenizerInfo,
-    candidate: tuple[type[OutputProcessor], bool],
+    candidate: type[OutputProcessor],
     kind: RequestOutputKind,
     include: bool,
 ) -> None:
@@ -394,7 +391,7 @@ def test_stop_string_spanning_three_tokens(
 
 
 def test_two_stop_strings_in_one_step_first_in_list_wins(
-    bpe: TokenizerInfo, candidate: tuple[type[OutputProcessor], bool]
+    bpe: TokenizerInfo, candidate: type[OutputProcessor]
 ) -> None:
     """0.25.1 takes the first stop string in list order, not the one that ends first."""
     for seed in range(500):
@@ -421,7 +418,7 @@ def test_two_stop_strings_in_one_step_first_in_list_wins(
 
 @pytest.mark.parametrize("min_tokens", [0, 3])
 def test_min_tokens_suppresses_an_early_stop(
-    bpe: TokenizerInfo, candidate: tuple[type[OutputProcessor], bool], min_tokens: int
+    bpe: TokenizerInfo, candidate: type[OutputProcessor], min_tokens: int
 ) -> None:
     decode = bpe.tokenizer._tokenizer.decode
     words = [i for i in bpe.plain_ids if decode([i]).startswith(" ") and len(decode([i])) >= 5]
@@ -455,7 +452,7 @@ def _split_character(info: TokenizerInfo) -> tuple[list[int], int]:
 
 
 def test_replacement_character_candidates_are_corrected_with_context(
-    bpe: TokenizerInfo, candidate: tuple[type[OutputProcessor], bool]
+    bpe: TokenizerInfo, candidate: type[OutputProcessor]
 ) -> None:
     ids, i = _split_character(bpe)
     script = _Script(bpe, candidate)
@@ -487,7 +484,7 @@ def _logprobs_row(ids: list[int], values: list[float], rank: int) -> LogprobsSpe
 
 @pytest.mark.parametrize("internal", [False, True], ids=["external-id", "internal-id"])
 def test_delta_abort_output_carries_the_whole_logprob_history(
-    bpe: TokenizerInfo, candidate: tuple[type[OutputProcessor], bool], internal: bool
+    bpe: TokenizerInfo, candidate: type[OutputProcessor], internal: bool
 ) -> None:
     """0.25.1 slices ``logprobs[-0:]`` for an output without new tokens: everything."""
     ids, _ = _text_ids(bpe, 3)
@@ -515,7 +512,7 @@ def test_delta_abort_output_carries_the_whole_logprob_history(
 
 
 def test_propagate_error_reaches_every_queue(
-    bpe: TokenizerInfo, candidate: tuple[type[OutputProcessor], bool]
+    bpe: TokenizerInfo, candidate: type[OutputProcessor]
 ) -> None:
     ids, _ = _text_ids(bpe, 5)
     script = _Script(bpe, candidate)
@@ -542,7 +539,7 @@ def test_propagate_error_reaches_every_queue(
 
 
 def test_output_for_an_unknown_id_is_ignored(
-    bpe: TokenizerInfo, candidate: tuple[type[OutputProcessor], bool]
+    bpe: TokenizerInfo, candidate: type[OutputProcessor]
 ) -> None:
     ids, _ = _text_ids(bpe, 9)
     script = _Script(bpe, candidate)
@@ -561,7 +558,7 @@ def test_output_for_an_unknown_id_is_ignored(
 
 def test_nans_in_logits_and_routed_experts(
     bpe: TokenizerInfo,
-    candidate: tuple[type[OutputProcessor], bool],
+    candidate: type[OutputProcessor],
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """Two per-output extras vLLM keeps: NaN counts (with ``VLLM_COMPUTE_NANS_IN_LOGITS``,
