@@ -346,6 +346,12 @@ def _pieces(info: TokenizerInfo, ids: list[int]) -> list[str]:
     return [decode(ids[: i + 1])[len(decode(ids[:i])) :] for i in range(len(ids))]
 
 
+def _ascii_prompt(info: TokenizerInfo) -> list[int]:
+    """A prompt that ends on a character boundary: the output text then decodes the same
+    after it as alone (what the expected texts below assume)."""
+    return info.tokenizer.encode(" ka lo mi", add_special_tokens=False)
+
+
 def _text_ids(info: TokenizerInfo, seed: int) -> tuple[list[int], list[str]]:
     ids = info.encode(random.Random(seed))
     return ids, _pieces(info, ids)
@@ -375,7 +381,13 @@ def test_stop_string_spanning_three_tokens(
 ) -> None:
     ids, stop, i = _spanning_stop(bpe)
     script = _Script(bpe, candidate)
-    plan = _plan("span", ids[:3], output_kind=kind, stop=[stop], include_stop_str_in_output=include)
+    plan = _plan(
+        "span",
+        _ascii_prompt(bpe),
+        output_kind=kind,
+        stop=[stop],
+        include_stop_str_in_output=include,
+    )
     script.pair.add(plan)
     script.tokens(plan.request_id, ids)
     text = "".join(_pieces(bpe, ids))
@@ -406,7 +418,7 @@ def test_two_stop_strings_in_one_step_first_in_list_wins(
     else:
         raise AssertionError("no suitable text")
     script = _Script(bpe, candidate)
-    plan = _plan("two", ids[:2], stop=[late, early], output_kind=RequestOutputKind.DELTA)
+    plan = _plan("two", _ascii_prompt(bpe), stop=[late, early], output_kind=RequestOutputKind.DELTA)
     script.pair.add(plan)
     script.tokens(plan.request_id, ids[:2])
     script.step([OutputSpec(plan.request_id, ids[2:4])])  # both complete in this step
