@@ -138,6 +138,8 @@ def test_random_workload_server_options(
 def test_random_workload_word_level(
     word_level: TokenizerInfo, candidate: type[OutputProcessor], seed: int
 ) -> None:
+    """The serve tests' word-level tokenizer: no split characters, tokens joined by
+    spaces, four special tokens."""
     cls = candidate
     sim = EngineSim(1000 + seed, word_level, REQUESTS)
     result = run_workload(sim, word_level.tokenizer, cls, drain_every=1 + seed % 3)
@@ -279,6 +281,7 @@ class _NoKvParams(OutputProcessor):
 
 @pytest.mark.parametrize("mutant", [_NoUtf8Correction, _NoHoldBack, _NoEvents, _NoKvParams])
 def test_harness_catches_a_wrong_processor(bpe: TokenizerInfo, mutant: type) -> None:
+    """vLLM's processor with one thing changed must fail the comparison (not crash)."""
     with pytest.raises(AssertionError, match=r"step \d+: "):
         for seed in range(6):
             run_workload(EngineSim(seed, bpe, REQUESTS), bpe.tokenizer, mutant)
@@ -379,6 +382,8 @@ def test_stop_string_spanning_three_tokens(
     kind: RequestOutputKind,
     include: bool,
 ) -> None:
+    """A stop string from the last character of one token to the first of the token
+    after next: found at that token, text cut before (or after) it, request aborted."""
     ids, stop, i = _spanning_stop(bpe)
     script = _Script(bpe, candidate)
     plan = _plan(
@@ -432,6 +437,8 @@ def test_two_stop_strings_in_one_step_first_in_list_wins(
 def test_min_tokens_suppresses_an_early_stop(
     bpe: TokenizerInfo, candidate: type[OutputProcessor], min_tokens: int
 ) -> None:
+    """A stop string within the first ``min_tokens`` tokens is ignored; its next
+    occurrence stops the request."""
     decode = bpe.tokenizer._tokenizer.decode
     words = [i for i in bpe.plain_ids if decode([i]).startswith(" ") and len(decode([i])) >= 5]
     rng = random.Random(3)
@@ -466,6 +473,9 @@ def _split_character(info: TokenizerInfo) -> tuple[list[int], int]:
 def test_replacement_character_candidates_are_corrected_with_context(
     bpe: TokenizerInfo, candidate: type[OutputProcessor]
 ) -> None:
+    """A candidate whose single-id decode ends in U+FFFD gets its string from the
+    sampled context (the completed character); a sampled token also in the top k keeps
+    its first place in the dict with its top-k rank."""
     ids, i = _split_character(bpe)
     script = _Script(bpe, candidate)
     plan = _plan("fffd", ids[:2], logprobs=5, output_kind=RequestOutputKind.DELTA)
@@ -526,6 +536,8 @@ def test_delta_abort_output_carries_the_whole_logprob_history(
 def test_propagate_error_reaches_every_queue(
     bpe: TokenizerInfo, candidate: type[OutputProcessor]
 ) -> None:
+    """The engine's death reaches every request's collector, native and fallback, as the
+    same exception object."""
     ids, _ = _text_ids(bpe, 5)
     script = _Script(bpe, candidate)
     native = _plan("native", ids[:2], logprobs=1)
@@ -553,6 +565,7 @@ def test_propagate_error_reaches_every_queue(
 def test_output_for_an_unknown_id_is_ignored(
     bpe: TokenizerInfo, candidate: type[OutputProcessor]
 ) -> None:
+    """An output for a request never added (or already gone) changes nothing."""
     ids, _ = _text_ids(bpe, 9)
     script = _Script(bpe, candidate)
     plan = _plan("known", ids[:2])
