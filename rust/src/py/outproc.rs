@@ -12,8 +12,9 @@ use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 
 use pyo3::exceptions::{PyRuntimeError, PyValueError};
+use pyo3::ffi;
 use pyo3::prelude::*;
-use pyo3::types::{PyDict, PyFloat, PyList, PyString};
+use pyo3::types::{PyDict, PyFloat, PyList, PyString, PyTuple};
 use pyo3::IntoPyObjectExt;
 use tokenizers::Tokenizer;
 
@@ -38,7 +39,10 @@ struct Shared {
     /// Python's decode of a run of ids, when the crate's decode may differ from it.
     python_decode: Option<Py<PyAny>>,
     warn: Py<PyAny>,
-    object_new: Py<PyAny>,
+    /// `object.__new__`'s C function and an empty tuple to call it with: instances made
+    /// without a Python call, their attributes set in `__init__`'s order.
+    object_new: ffi::newfunc,
+    empty: Py<PyTuple>,
     request_output: Py<PyAny>,
     completion_output: Py<PyAny>,
     logprob: Py<PyAny>,
@@ -88,19 +92,37 @@ impl Shared {
         cls: &Py<PyAny>,
         items: &[(&Py<PyString>, Bound<'py, PyAny>)],
     ) -> PyResult<Bound<'py, PyAny>> {
-        let obj = self.object_new.bind(py).call1((cls.bind(py),))?;
-        // SAFETY: `obj` is a live instance of a class with an instance dict.
-        let dict = unsafe {
+        // SAFETY: `cls` is a class whose `__new__` is `object.__new__` (checked when the
+        // processor was made); the call takes no arguments.
+        let obj = unsafe {
             Bound::from_owned_ptr_or_err(
                 py,
-                pyo3::ffi::PyObject_GenericGetDict(obj.as_ptr(), std::ptr::null_mut()),
+                (self.object_new)(
+                    cls.as_ptr().cast(),
+                    self.empty.as_ptr(),
+                    std::ptr::null_mut(),
+                ),
             )?
         };
-        let dict = dict.cast_into::<PyDict>()?;
         for (k, v) in items {
-            dict.set_item(k.bind(py), v)?;
+            obj.setattr(k.bind(py), v)?;
         }
         Ok(obj)
+    }
+}
+
+/// Leaves `obj` out of the cyclic collector's scans.
+///
+/// A request keeps every position's logprobs until it finishes (vLLM's processor does
+/// too), so a long stream piles up thousands of `Logprob` objects and dicts; tracked, they
+/// make each full collection scan them all, again and again. A `Logprob` holds a float, an
+/// int and a string, and can be part of no cycle.
+fn untrack(obj: &Bound<'_, PyAny>) {
+    // SAFETY: a live GC object; untracking an untracked object is a no-op.
+    unsafe {
+        if ffi::PyObject_GC_IsTracked(obj.as_ptr()) != 0 {
+            ffi::PyObject_GC_UnTrack(obj.as_ptr().cast());
+        }
     }
 }
 
@@ -137,10 +159,20 @@ impl RequestText {
     fn take_ids(&mut self, py: Python<'_>, new_ids: &Bound<'_, PyAny>) -> PyResult<Vec<i64>> {
         let list = self.token_ids.bind(py);
         let mut ids = Vec::new();
-        for id in new_ids.try_iter()? {
-            let id = id?;
+        let mut take = |id: Bound<'_, PyAny>| -> PyResult<()> {
+            // An id that is no int, or out of range, decodes to nothing (as in vLLM).
             ids.push(id.extract::<i64>().unwrap_or(-1));
-            list.append(id)?;
+            list.append(id)
+        };
+        // Index a list (no iterator object: one allocation less per output).
+        if let Ok(new_list) = new_ids.cast::<PyList>() {
+            for i in 0..new_list.len() {
+                take(new_list.get_item(i)?)?;
+            }
+        } else {
+            for id in new_ids.try_iter()? {
+                take(id?)?;
+            }
         }
         Ok(ids)
     }
@@ -218,8 +250,12 @@ impl RequestText {
                         (&names.decoded_token, decoded),
                     ],
                 )?;
+                untrack(&value);
                 position.set_item(ids[i], value)?;
             }
+            // Keys are ints and values untracked Logprobs: no cycle can pass through the
+            // dict (CPython tracks it again if a container is ever stored in it).
+            untrack(&position);
             store.append(position)?;
             if let Some(&first) = lps.first() {
                 self.cumulative += first;
@@ -478,11 +514,21 @@ impl OutputCore {
             .parse()
             .map_err(|e| PyValueError::new_err(format!("tokenizer JSON: {e}")))?;
         let vocab = tokenizer.get_vocab_size(true);
-        let object_new = py
-            .import("builtins")?
-            .getattr("object")?
-            .getattr("__new__")?
-            .unbind();
+        // SAFETY: reading a slot of the static base type.
+        let object_new = unsafe {
+            let slot = ffi::PyType_GetSlot(&raw mut ffi::PyBaseObject_Type, ffi::Py_tp_new);
+            std::mem::transmute::<*mut std::ffi::c_void, Option<ffi::newfunc>>(slot)
+        }
+        .ok_or_else(|| PyRuntimeError::new_err("object has no tp_new"))?;
+        let base_new = py.get_type::<pyo3::types::PyAny>().getattr("__new__")?;
+        for cls in [&classes.0, &classes.1, &classes.2] {
+            if !cls.bind(py).getattr("__new__")?.is(&base_new) {
+                return Err(PyValueError::new_err(format!(
+                    "{} has its own __new__",
+                    cls.bind(py)
+                )));
+            }
+        }
         Ok(OutputCore {
             shared: Arc::new(Shared {
                 tokenizer,
@@ -492,6 +538,7 @@ impl OutputCore {
                 python_decode,
                 warn,
                 object_new,
+                empty: PyTuple::empty(py).unbind(),
                 request_output: classes.0,
                 completion_output: classes.1,
                 logprob: classes.2,
