@@ -18,6 +18,8 @@ use pyo3::types::{PyDict, PyFloat, PyList, PyString, PyTuple};
 use pyo3::IntoPyObjectExt;
 use tokenizers::Tokenizer;
 
+use crate::core::text::decoder::TextDecoder;
+
 use crate::core::text::candidates;
 use crate::core::text::output::{OutputText, StopRules};
 use crate::core::text::stops::StopString;
@@ -30,7 +32,7 @@ type Candidate = (Py<PyString>, bool);
 
 /// What every request of one processor shares: the tokenizer and vLLM's classes.
 struct Shared {
-    tokenizer: Tokenizer,
+    tokenizer: TextDecoder,
     added: Arc<HashMap<u32, String>>,
     /// Candidate strings by id, filled on first use through `single_string` (vLLM's
     /// own function, so that they are exactly vLLM's), with whether each ends in U+FFFD.
@@ -80,7 +82,7 @@ impl Shared {
             None => self
                 .tokenizer
                 .decode(ids, false)
-                .map_err(|e| PyRuntimeError::new_err(e.to_string())),
+                .map_err(|e| PyRuntimeError::new_err(e.0)),
         }
     }
 
@@ -514,6 +516,7 @@ impl OutputCore {
             .parse()
             .map_err(|e| PyValueError::new_err(format!("tokenizer JSON: {e}")))?;
         let vocab = tokenizer.get_vocab_size(true);
+        let tokenizer = TextDecoder::new(tokenizer);
         // SAFETY: reading a slot of the static base type.
         let object_new = unsafe {
             let slot = ffi::PyType_GetSlot(&raw mut ffi::PyBaseObject_Type, ffi::Py_tp_new);
@@ -688,6 +691,12 @@ impl OutputCore {
             }
         }
         Ok((rest, stopped))
+    }
+
+    /// Whether decodes go through the per-id byte table (byte-level tokenizers).
+    #[getter]
+    fn byte_table(&self) -> bool {
+        self.shared.tokenizer.uses_byte_table()
     }
 
     /// `{"fast": .., "slow": .., "fallback": ..}`: outputs by path (see the fields).
