@@ -154,6 +154,9 @@ pub struct RequestText {
     request_index: Py<PyAny>,
     output_kind: u8,
     queue: Py<PyAny>,
+    /// Whether `queue` is exactly vLLM's `RequestOutputCollector` (its `put` is then
+    /// done here for the common case, see `hand_off`).
+    plain_collector: bool,
     stats: Option<Py<PyAny>>,
 }
 
@@ -400,6 +403,9 @@ struct Names {
     is_corrupted: Py<PyString>,
     inter_token_latencies_iter: Py<PyString>,
     put: Py<PyString>,
+    output: Py<PyString>,
+    ready: Py<PyString>,
+    set: Py<PyString>,
     logprob: Py<PyString>,
     rank: Py<PyString>,
     decoded_token: Py<PyString>,
@@ -447,6 +453,9 @@ impl Names {
                 is_corrupted: n("is_corrupted"),
                 inter_token_latencies_iter: n("inter_token_latencies_iter"),
                 put: n("put"),
+                output: n("output"),
+                ready: n("ready"),
+                set: n("set"),
                 logprob: n("logprob"),
                 rank: n("rank"),
                 decoded_token: n("decoded_token"),
@@ -555,10 +564,11 @@ impl OutputCore {
 
     /// The native state of a new request: `stop` (its stop strings: empty without
     /// detokenization), `num_logprobs` (None without sample logprobs), `output_kind`
-    /// (vLLM's number), and what its outputs carry.
+    /// (vLLM's number), `plain_collector` (`queue` is exactly vLLM's
+    /// `RequestOutputCollector`), and what its outputs carry.
     #[allow(clippy::too_many_arguments)]
     #[pyo3(signature = (request_id, external_req_id, prompt, prompt_token_ids, lora_request,
-        request_index, output_kind, queue, stats, detokenize, skip_special_tokens,
+        request_index, output_kind, queue, plain_collector, stats, detokenize, skip_special_tokens,
         spaces_between_special_tokens, stop, min_tokens, include_stop_str_in_output,
         num_logprobs))]
     fn request(
@@ -572,6 +582,7 @@ impl OutputCore {
         request_index: Py<PyAny>,
         output_kind: u8,
         queue: Py<PyAny>,
+        plain_collector: bool,
         stats: Option<Py<PyAny>>,
         detokenize: bool,
         skip_special_tokens: bool,
@@ -619,6 +630,7 @@ impl OutputCore {
             request_index,
             output_kind,
             queue,
+            plain_collector,
             stats,
         })
     }
@@ -779,9 +791,24 @@ impl RequestText {
         let finished = stop.is_some();
         if finished || self.output_kind != FINAL_ONLY {
             let out = self.request_output(py, req_state, &new_ids, stop)?;
-            self.queue.bind(py).call_method1(&names.put, (out,))?;
+            self.hand_off(py, out)?;
         }
         Ok(finished)
+    }
+
+    /// `queue.put(out)`. For vLLM's own collector with nothing waiting in it, that is
+    /// storing the output and setting the ready event, done here without the Python
+    /// frame of `put`; merging into a waiting output stays with `put`.
+    fn hand_off<'py>(&self, py: Python<'py>, out: Bound<'py, PyAny>) -> PyResult<()> {
+        let names = Names::get(py);
+        let queue = self.queue.bind(py);
+        if self.plain_collector && queue.getattr(&names.output)?.is_none() {
+            queue.setattr(&names.output, out)?;
+            queue.getattr(&names.ready)?.call_method0(&names.set)?;
+            return Ok(());
+        }
+        queue.call_method1(&names.put, (out,))?;
+        Ok(())
     }
 
     /// The `RequestOutput` of a plain output, as vLLM's `RequestState` makes it.
