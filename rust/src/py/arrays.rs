@@ -106,13 +106,6 @@ pub fn block<T: Number>(obj: &Bound<'_, PyAny>) -> PyResult<Block<T>> {
     Ok(out)
 }
 
-/// Rows of different lengths cannot come from vLLM's arrays; refuse them plainly.
-fn ragged<T>(_out: Block<T>, _row: Vec<T>) -> PyResult<Block<T>> {
-    Err(pyo3::exceptions::PyValueError::new_err(
-        "logprobs rows of different lengths",
-    ))
-}
-
 fn numpy_block<T: Number>(obj: &Bound<'_, PyAny>) -> PyResult<Option<Block<T>>> {
     let py = obj.py();
     let np = &Consts::get(py)?.numpy;
