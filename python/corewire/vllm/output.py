@@ -34,6 +34,7 @@ from vllm.v1.engine.detokenizer import USE_FAST_DETOKENIZER
 from vllm.v1.engine.output_processor import (
     OutputProcessor,
     OutputProcessorOutput,
+    RequestOutputCollector,
     RequestState,
 )
 
@@ -247,6 +248,7 @@ class NativeOutputProcessor(OutputProcessor):
             request_index,
             _KIND_NUMBERS[params.output_kind],
             queue,
+            type(queue) is RequestOutputCollector,
             stats_state.stats,
             detokenize,
             params.skip_special_tokens,
