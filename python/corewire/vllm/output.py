@@ -38,7 +38,7 @@ from vllm.v1.engine.output_processor import (
     RequestState,
 )
 
-from corewire._native import OutputCore, RequestText
+from corewire._native import TOKENIZERS_VERSION, OutputCore, RequestText
 
 __all__ = ["NativeOutputProcessor", "native_refusal", "processor_refusal"]
 
@@ -105,6 +105,12 @@ def processor_refusal(tokenizer: Any, stream_interval: int, tracing_enabled: boo
         return f"not a fast tokenizer ({type(tokenizer).__name__})"
     if tokenizers.decoders.DecodeStream is not _DECODE_STREAM:
         return "tokenizers.decoders.DecodeStream is replaced by a shim"
+    if tokenizers.__version__.split(".")[:2] != TOKENIZERS_VERSION.split("."):
+        # Another release of the library could decode an edge case differently.
+        return (
+            f"the tokenizers package is {tokenizers.__version__}, the native path decodes "
+            f"with the {TOKENIZERS_VERSION} crate"
+        )
     if stream_interval != 1:
         return f"stream interval {stream_interval}"
     if tracing_enabled:

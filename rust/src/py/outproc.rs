@@ -128,6 +128,11 @@ fn untrack(obj: &Bound<'_, PyAny>) {
     }
 }
 
+/// The `tokenizers` crate release this module decodes with (major.minor; keep in step
+/// with Cargo.toml). The Python side compares it with the `tokenizers` package vLLM
+/// decodes with, and keeps vLLM's path when they differ.
+pub const TOKENIZERS_VERSION: &str = "0.23";
+
 /// Output kinds, as vLLM's `RequestOutputKind` numbers them (0 is `CUMULATIVE`).
 const DELTA: u8 = 1;
 const FINAL_ONLY: u8 = 2;
