@@ -255,3 +255,86 @@ class Router:
         """The coordinator's last ``(waiting, running)`` counts per engine."""
 
 # ------------------------------------------------------------------------- end router (H5)
+
+# ----------------------------------------------------------- native output processing
+
+#: The ``tokenizers`` crate release (major.minor) the native output path decodes with.
+TOKENIZERS_VERSION: str
+
+class RequestText:
+    """One request's text, token ids and sample logprobs on the native output path; also
+    its detokenizer and logprobs processor for vLLM's own loop
+    (``corewire.vllm.output``)."""
+
+    def update(self, new_token_ids: Sequence[int], stop_terminated: bool) -> str | None:
+        """Takes new token ids; returns the stop string that ended the text, if any."""
+    def get_next_output_text(self, finished: bool, delta: bool) -> str:
+        """The next output's text: all of it, or with ``delta`` what is new; the stop
+        strings' hold-back kept back while unfinished."""
+    @property
+    def output_token_ids(self) -> list[int]:
+        """Every output token id so far (the same list each time)."""
+    def num_output_tokens(self) -> int:
+        """How many output token ids so far."""
+    @property
+    def output_text(self) -> str:
+        """The output text so far."""
+    def update_from_output(self, output: Any) -> None:
+        """Takes an output's sample logprobs (``new_logprobs``)."""
+    @property
+    def logprobs(self) -> list[dict[int, Any]] | None:
+        """Sample logprobs so far (vLLM's ``Logprob`` objects), or None."""
+    @property
+    def cumulative_logprob(self) -> float | None:
+        """The sum of the sampled tokens' logprobs, or None without logprobs."""
+    @property
+    def prompt_logprobs(self) -> None:
+        """Always None (requests with prompt logprobs keep vLLM's path)."""
+    def pop_prompt_logprobs(self) -> None:
+        """Always None."""
+
+class OutputCore:
+    """The native half of ``corewire.vllm.output.NativeOutputProcessor``."""
+
+    def __new__(
+        cls,
+        tokenizer_json: str,
+        added: dict[int, str],
+        single_string: Any,
+        python_decode: Any | None,
+        warn: Any,
+        classes: tuple[Any, Any, Any],
+        request_states: dict[str, Any],
+    ) -> OutputCore: ...
+    def request(
+        self,
+        request_id: str,
+        external_req_id: str,
+        prompt: str | None,
+        prompt_token_ids: Sequence[int],
+        lora_request: Any,
+        request_index: int,
+        output_kind: int,
+        queue: Any,
+        plain_collector: bool,
+        stats: Any | None,
+        detokenize: bool,
+        skip_special_tokens: bool,
+        spaces_between_special_tokens: bool,
+        stop: Sequence[str],
+        min_tokens: int,
+        include_stop_str_in_output: bool,
+        num_logprobs: int | None,
+    ) -> RequestText:
+        """The native state of a new request."""
+    def process(
+        self, outputs: Sequence[Any], timestamp: float | None, iteration_stats: Any, nans: bool
+    ) -> tuple[list[Any], list[str]]:
+        """Handles the plain outputs of native requests; returns the outputs left for
+        vLLM's loop and the requests a stop string finished."""
+    @property
+    def byte_table(self) -> bool:
+        """Whether decodes go through the per-id byte table."""
+    @property
+    def counts(self) -> dict[str, int]:
+        """Outputs by path: ``fast``, ``slow``, ``fallback``."""

@@ -1,6 +1,6 @@
 """``corewire bench``: corewire's benchmarks, shipped in the package.
 
-``corewire bench decode|client|dp|serve [--quick] [--plot FILE.png] [--json FILE]``, each
+``corewire bench decode|client|dp|serve|output [--quick] [--plot FILE.png] [--json FILE]``, each
 with options of its own. Every benchmark runs the alternatives side by side in one process
 on the same input and compares corewire with vLLM 0.25.1 when vLLM is installed (and says
 so when it is not). ``--json`` writes machine-readable results (machine, versions, date,
@@ -25,6 +25,7 @@ BENCHES: dict[str, str] = {
     "client": "AsyncMPClient vs vLLM's AsyncMPClient over the same fake engine",
     "dp": "data-parallel routing: decision cost and load spread vs vLLM's rule",
     "serve": "vLLM's API server with vLLM's engine-core client vs corewire's",
+    "output": "vLLM's OutputProcessor vs corewire's native output processing, in process",
 }
 
 

@@ -34,10 +34,11 @@ from vllm.v1.engine.detokenizer import USE_FAST_DETOKENIZER
 from vllm.v1.engine.output_processor import (
     OutputProcessor,
     OutputProcessorOutput,
+    RequestOutputCollector,
     RequestState,
 )
 
-from corewire._native import OutputCore, RequestText
+from corewire._native import TOKENIZERS_VERSION, OutputCore, RequestText
 
 __all__ = ["NativeOutputProcessor", "native_refusal", "processor_refusal"]
 
@@ -104,6 +105,12 @@ def processor_refusal(tokenizer: Any, stream_interval: int, tracing_enabled: boo
         return f"not a fast tokenizer ({type(tokenizer).__name__})"
     if tokenizers.decoders.DecodeStream is not _DECODE_STREAM:
         return "tokenizers.decoders.DecodeStream is replaced by a shim"
+    if tokenizers.__version__.split(".")[:2] != TOKENIZERS_VERSION.split("."):
+        # Another release of the library could decode an edge case differently.
+        return (
+            f"the tokenizers package is {tokenizers.__version__}, the native path decodes "
+            f"with the {TOKENIZERS_VERSION} crate"
+        )
     if stream_interval != 1:
         return f"stream interval {stream_interval}"
     if tracing_enabled:
@@ -247,6 +254,7 @@ class NativeOutputProcessor(OutputProcessor):
             request_index,
             _KIND_NUMBERS[params.output_kind],
             queue,
+            type(queue) is RequestOutputCollector,
             stats_state.stats,
             detokenize,
             params.skip_special_tokens,

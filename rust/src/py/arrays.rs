@@ -95,19 +95,15 @@ pub fn block<T: Number>(obj: &Bound<'_, PyAny>) -> PyResult<Block<T>> {
         if out.rows == 0 {
             out.cols = row.len();
         } else if row.len() != out.cols {
-            return ragged(out, row);
+            // vLLM's arrays are rectangular; anything else is refused plainly.
+            return Err(pyo3::exceptions::PyValueError::new_err(
+                "logprobs rows of different lengths",
+            ));
         }
         out.values.extend(row);
         out.rows += 1;
     }
     Ok(out)
-}
-
-/// Rows of different lengths cannot come from vLLM's arrays; refuse them plainly.
-fn ragged<T>(_out: Block<T>, _row: Vec<T>) -> PyResult<Block<T>> {
-    Err(pyo3::exceptions::PyValueError::new_err(
-        "logprobs rows of different lengths",
-    ))
 }
 
 fn numpy_block<T: Number>(obj: &Bound<'_, PyAny>) -> PyResult<Option<Block<T>>> {

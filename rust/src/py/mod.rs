@@ -38,6 +38,7 @@ pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<frames::FrameBuffer>()?;
     m.add_class::<outproc::OutputCore>()?;
     m.add_class::<outproc::RequestText>()?;
+    m.add("TOKENIZERS_VERSION", outproc::TOKENIZERS_VERSION)?;
     m.add_function(wrap_pyfunction!(wire::wire_fields, m)?)?;
     m.add_function(wrap_pyfunction!(wire::wire_structs, m)?)?;
     m.add_function(wrap_pyfunction!(wire::wire_version, m)?)?;

@@ -12,10 +12,13 @@ use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 
 use pyo3::exceptions::{PyRuntimeError, PyValueError};
+use pyo3::ffi;
 use pyo3::prelude::*;
-use pyo3::types::{PyDict, PyFloat, PyList, PyString};
+use pyo3::types::{PyDict, PyFloat, PyList, PyString, PyTuple};
 use pyo3::IntoPyObjectExt;
 use tokenizers::Tokenizer;
+
+use crate::core::text::decoder::TextDecoder;
 
 use crate::core::text::candidates;
 use crate::core::text::output::{OutputText, StopRules};
@@ -29,7 +32,7 @@ type Candidate = (Py<PyString>, bool);
 
 /// What every request of one processor shares: the tokenizer and vLLM's classes.
 struct Shared {
-    tokenizer: Tokenizer,
+    tokenizer: TextDecoder,
     added: Arc<HashMap<u32, String>>,
     /// Candidate strings by id, filled on first use through `single_string` (vLLM's
     /// own function, so that they are exactly vLLM's), with whether each ends in U+FFFD.
@@ -38,7 +41,10 @@ struct Shared {
     /// Python's decode of a run of ids, when the crate's decode may differ from it.
     python_decode: Option<Py<PyAny>>,
     warn: Py<PyAny>,
-    object_new: Py<PyAny>,
+    /// `object.__new__`'s C function and an empty tuple to call it with: instances made
+    /// without a Python call, their attributes set in `__init__`'s order.
+    object_new: ffi::newfunc,
+    empty: Py<PyTuple>,
     request_output: Py<PyAny>,
     completion_output: Py<PyAny>,
     logprob: Py<PyAny>,
@@ -76,7 +82,7 @@ impl Shared {
             None => self
                 .tokenizer
                 .decode(ids, false)
-                .map_err(|e| PyRuntimeError::new_err(e.to_string())),
+                .map_err(|e| PyRuntimeError::new_err(e.0)),
         }
     }
 
@@ -88,21 +94,44 @@ impl Shared {
         cls: &Py<PyAny>,
         items: &[(&Py<PyString>, Bound<'py, PyAny>)],
     ) -> PyResult<Bound<'py, PyAny>> {
-        let obj = self.object_new.bind(py).call1((cls.bind(py),))?;
-        // SAFETY: `obj` is a live instance of a class with an instance dict.
-        let dict = unsafe {
+        // SAFETY: `cls` is a class whose `__new__` is `object.__new__` (checked when the
+        // processor was made); the call takes no arguments.
+        let obj = unsafe {
             Bound::from_owned_ptr_or_err(
                 py,
-                pyo3::ffi::PyObject_GenericGetDict(obj.as_ptr(), std::ptr::null_mut()),
+                (self.object_new)(
+                    cls.as_ptr().cast(),
+                    self.empty.as_ptr(),
+                    std::ptr::null_mut(),
+                ),
             )?
         };
-        let dict = dict.cast_into::<PyDict>()?;
         for (k, v) in items {
-            dict.set_item(k.bind(py), v)?;
+            obj.setattr(k.bind(py), v)?;
         }
         Ok(obj)
     }
 }
+
+/// Leaves `obj` out of the cyclic collector's scans.
+///
+/// A request keeps every position's logprobs until it finishes (vLLM's processor does
+/// too), so a long stream piles up thousands of `Logprob` objects and dicts; tracked, they
+/// make each full collection scan them all, again and again. A `Logprob` holds a float, an
+/// int and a string, and can be part of no cycle.
+fn untrack(obj: &Bound<'_, PyAny>) {
+    // SAFETY: a live GC object; untracking an untracked object is a no-op.
+    unsafe {
+        if ffi::PyObject_GC_IsTracked(obj.as_ptr()) != 0 {
+            ffi::PyObject_GC_UnTrack(obj.as_ptr().cast());
+        }
+    }
+}
+
+/// The `tokenizers` crate release this module decodes with (major.minor; keep in step
+/// with Cargo.toml). The Python side compares it with the `tokenizers` package vLLM
+/// decodes with, and keeps vLLM's path when they differ.
+pub const TOKENIZERS_VERSION: &str = "0.23";
 
 /// Output kinds, as vLLM's `RequestOutputKind` numbers them (0 is `CUMULATIVE`).
 const DELTA: u8 = 1;
@@ -130,6 +159,9 @@ pub struct RequestText {
     request_index: Py<PyAny>,
     output_kind: u8,
     queue: Py<PyAny>,
+    /// Whether `queue` is exactly vLLM's `RequestOutputCollector` (its `put` is then
+    /// done here for the common case, see `hand_off`).
+    plain_collector: bool,
     stats: Option<Py<PyAny>>,
 }
 
@@ -137,10 +169,20 @@ impl RequestText {
     fn take_ids(&mut self, py: Python<'_>, new_ids: &Bound<'_, PyAny>) -> PyResult<Vec<i64>> {
         let list = self.token_ids.bind(py);
         let mut ids = Vec::new();
-        for id in new_ids.try_iter()? {
-            let id = id?;
+        let mut take = |id: Bound<'_, PyAny>| -> PyResult<()> {
+            // An id that is no int, or out of range, decodes to nothing (as in vLLM).
             ids.push(id.extract::<i64>().unwrap_or(-1));
-            list.append(id)?;
+            list.append(id)
+        };
+        // Index a list (no iterator object: one allocation less per output).
+        if let Ok(new_list) = new_ids.cast::<PyList>() {
+            for i in 0..new_list.len() {
+                take(new_list.get_item(i)?)?;
+            }
+        } else {
+            for id in new_ids.try_iter()? {
+                take(id?)?;
+            }
         }
         Ok(ids)
     }
@@ -218,8 +260,12 @@ impl RequestText {
                         (&names.decoded_token, decoded),
                     ],
                 )?;
+                untrack(&value);
                 position.set_item(ids[i], value)?;
             }
+            // Keys are ints and values untracked Logprobs: no cycle can pass through the
+            // dict (CPython tracks it again if a container is ever stored in it).
+            untrack(&position);
             store.append(position)?;
             if let Some(&first) = lps.first() {
                 self.cumulative += first;
@@ -362,6 +408,9 @@ struct Names {
     is_corrupted: Py<PyString>,
     inter_token_latencies_iter: Py<PyString>,
     put: Py<PyString>,
+    output: Py<PyString>,
+    ready: Py<PyString>,
+    set: Py<PyString>,
     logprob: Py<PyString>,
     rank: Py<PyString>,
     decoded_token: Py<PyString>,
@@ -409,6 +458,9 @@ impl Names {
                 is_corrupted: n("is_corrupted"),
                 inter_token_latencies_iter: n("inter_token_latencies_iter"),
                 put: n("put"),
+                output: n("output"),
+                ready: n("ready"),
+                set: n("set"),
                 logprob: n("logprob"),
                 rank: n("rank"),
                 decoded_token: n("decoded_token"),
@@ -478,11 +530,22 @@ impl OutputCore {
             .parse()
             .map_err(|e| PyValueError::new_err(format!("tokenizer JSON: {e}")))?;
         let vocab = tokenizer.get_vocab_size(true);
-        let object_new = py
-            .import("builtins")?
-            .getattr("object")?
-            .getattr("__new__")?
-            .unbind();
+        let tokenizer = TextDecoder::new(tokenizer);
+        // SAFETY: reading a slot of the static base type.
+        let object_new = unsafe {
+            let slot = ffi::PyType_GetSlot(&raw mut ffi::PyBaseObject_Type, ffi::Py_tp_new);
+            std::mem::transmute::<*mut std::ffi::c_void, Option<ffi::newfunc>>(slot)
+        }
+        .ok_or_else(|| PyRuntimeError::new_err("object has no tp_new"))?;
+        let base_new = py.get_type::<pyo3::types::PyAny>().getattr("__new__")?;
+        for cls in [&classes.0, &classes.1, &classes.2] {
+            if !cls.bind(py).getattr("__new__")?.is(&base_new) {
+                return Err(PyValueError::new_err(format!(
+                    "{} has its own __new__",
+                    cls.bind(py)
+                )));
+            }
+        }
         Ok(OutputCore {
             shared: Arc::new(Shared {
                 tokenizer,
@@ -492,6 +555,7 @@ impl OutputCore {
                 python_decode,
                 warn,
                 object_new,
+                empty: PyTuple::empty(py).unbind(),
                 request_output: classes.0,
                 completion_output: classes.1,
                 logprob: classes.2,
@@ -505,10 +569,11 @@ impl OutputCore {
 
     /// The native state of a new request: `stop` (its stop strings: empty without
     /// detokenization), `num_logprobs` (None without sample logprobs), `output_kind`
-    /// (vLLM's number), and what its outputs carry.
+    /// (vLLM's number), `plain_collector` (`queue` is exactly vLLM's
+    /// `RequestOutputCollector`), and what its outputs carry.
     #[allow(clippy::too_many_arguments)]
     #[pyo3(signature = (request_id, external_req_id, prompt, prompt_token_ids, lora_request,
-        request_index, output_kind, queue, stats, detokenize, skip_special_tokens,
+        request_index, output_kind, queue, plain_collector, stats, detokenize, skip_special_tokens,
         spaces_between_special_tokens, stop, min_tokens, include_stop_str_in_output,
         num_logprobs))]
     fn request(
@@ -522,6 +587,7 @@ impl OutputCore {
         request_index: Py<PyAny>,
         output_kind: u8,
         queue: Py<PyAny>,
+        plain_collector: bool,
         stats: Option<Py<PyAny>>,
         detokenize: bool,
         skip_special_tokens: bool,
@@ -569,6 +635,7 @@ impl OutputCore {
             request_index,
             output_kind,
             queue,
+            plain_collector,
             stats,
         })
     }
@@ -641,6 +708,12 @@ impl OutputCore {
             }
         }
         Ok((rest, stopped))
+    }
+
+    /// Whether decodes go through the per-id byte table (byte-level tokenizers).
+    #[getter]
+    fn byte_table(&self) -> bool {
+        self.shared.tokenizer.uses_byte_table()
     }
 
     /// `{"fast": .., "slow": .., "fallback": ..}`: outputs by path (see the fields).
@@ -723,9 +796,24 @@ impl RequestText {
         let finished = stop.is_some();
         if finished || self.output_kind != FINAL_ONLY {
             let out = self.request_output(py, req_state, &new_ids, stop)?;
-            self.queue.bind(py).call_method1(&names.put, (out,))?;
+            self.hand_off(py, out)?;
         }
         Ok(finished)
+    }
+
+    /// `queue.put(out)`. For vLLM's own collector with nothing waiting in it, that is
+    /// storing the output and setting the ready event, done here without the Python
+    /// frame of `put`; merging into a waiting output stays with `put`.
+    fn hand_off<'py>(&self, py: Python<'py>, out: Bound<'py, PyAny>) -> PyResult<()> {
+        let names = Names::get(py);
+        let queue = self.queue.bind(py);
+        if self.plain_collector && queue.getattr(&names.output)?.is_none() {
+            queue.setattr(&names.output, out)?;
+            queue.getattr(&names.ready)?.call_method0(&names.set)?;
+            return Ok(());
+        }
+        queue.call_method1(&names.put, (out,))?;
+        Ok(())
     }
 
     /// The `RequestOutput` of a plain output, as vLLM's `RequestState` makes it.

@@ -1,5 +1,5 @@
 //! The text side of output processing, as vLLM's front-end does it per request: incremental
-//! detokenization ([`stream`]), the output text with its stop strings and hold-back
+//! detokenization ([`stream`] over [`decoder`]), the output text with its stop strings and hold-back
 //! ([`output`], [`stops`]), and the token strings of logprob candidates ([`candidates`]).
 //!
 //! Python strings count code points, not bytes; [`chars`] holds the conversions so that
@@ -7,6 +7,7 @@
 
 pub mod candidates;
 pub mod chars;
+pub mod decoder;
 pub mod output;
 pub mod stops;
 pub mod stream;

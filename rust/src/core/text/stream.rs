@@ -1,15 +1,18 @@
-//! Incremental detokenization of one request over the `tokenizers` crate, the same steps
-//! the `tokenizers` Python package's `DecodeStream` takes (vLLM's fast detokenizer drives
-//! that from Python, one call per token).
+//! Incremental detokenization of one request: the steps of the `tokenizers` package's
+//! `DecodeStream` (which vLLM's fast detokenizer drives from Python, one call per token),
+//! over a [`TextDecoder`].
+//!
+//! The stream keeps a window of recent ids and the text the window's first part decodes
+//! to (the prefix). A new id is appended and the window decoded: when the result is
+//! longer than the prefix and does not end in U+FFFD (an incomplete character), the part
+//! past the prefix is the new text, and the window moves on to start where the previous
+//! prefix ended. A result that no longer starts with the prefix is an invalid prefix.
 
 use std::collections::HashMap;
 use std::sync::Arc;
 
-use tokenizers::Tokenizer;
-
-/// The message the crate's stream error starts with when a decode no longer extends the
-/// text already produced (vLLM restarts the stream without the prompt then).
-pub const INVALID_PREFIX: &str = "Invalid prefix encountered";
+use super::candidates::incomplete;
+use super::decoder::{DecodeError, TextDecoder};
 
 /// What a step can report besides its text.
 #[derive(Debug, PartialEq, Eq)]
@@ -20,16 +23,20 @@ pub enum StepNote {
     Restarted,
 }
 
-/// A decode error of the crate, as text.
-#[derive(Debug)]
-pub struct DecodeError(pub String);
+/// The outcome of one raw step.
+enum Step {
+    Text(Option<String>),
+    InvalidPrefix,
+}
 
 /// One request's stream state.
 #[derive(Debug)]
 pub struct DecodeStream {
+    /// The window: ids whose decode starts with `prefix`, and the ids after them.
     ids: Vec<u32>,
     prefix: String,
-    prefix_index: usize,
+    /// How many ids of `ids` the prefix was decoded from.
+    prefix_ids: usize,
     skip_special_tokens: bool,
     /// Added tokens by id, set when special tokens are written without spaces between.
     added: Option<Arc<HashMap<u32, String>>>,
@@ -49,7 +56,7 @@ impl DecodeStream {
         DecodeStream {
             ids: prompt.to_vec(),
             prefix: String::new(),
-            prefix_index: 0,
+            prefix_ids: 0,
             skip_special_tokens,
             added: if spaces {
                 None
@@ -64,11 +71,27 @@ impl DecodeStream {
     /// step was not an ordinary one.
     pub fn next(
         &mut self,
-        tokenizer: &Tokenizer,
+        decoder: &TextDecoder,
         id: i64,
     ) -> Result<(String, Option<StepNote>), DecodeError> {
         let (text, note) = match u32::try_from(id) {
-            Ok(token) => self.protected_step(tokenizer, token)?,
+            Ok(token) => match self.step(decoder, token)? {
+                Step::Text(text) => (text, None),
+                Step::InvalidPrefix => {
+                    // As vLLM does: start over without the prompt, then take the id again.
+                    self.ids.clear();
+                    self.prefix.clear();
+                    self.prefix_ids = 0;
+                    match self.step(decoder, token)? {
+                        Step::Text(text) => (text, Some(StepNote::Restarted)),
+                        Step::InvalidPrefix => {
+                            return Err(DecodeError(format!(
+                                "invalid prefix again after restarting the stream at id {token}"
+                            )))
+                        }
+                    }
+                }
+            },
             Err(_) => (None, Some(StepNote::InvalidId(id))),
         };
         let mut text = text.unwrap_or_default();
@@ -82,32 +105,31 @@ impl DecodeStream {
         Ok((text, note))
     }
 
-    fn protected_step(
-        &mut self,
-        tokenizer: &Tokenizer,
-        token: u32,
-    ) -> Result<(Option<String>, Option<StepNote>), DecodeError> {
-        match self.step(tokenizer, token) {
-            Ok(text) => Ok((text, None)),
-            Err(e) if e.0.starts_with(INVALID_PREFIX) => {
-                self.ids.clear();
-                self.prefix.clear();
-                self.prefix_index = 0;
-                Ok((self.step(tokenizer, token)?, Some(StepNote::Restarted)))
+    fn step(&mut self, decoder: &TextDecoder, token: u32) -> Result<Step, DecodeError> {
+        let skip = self.skip_special_tokens;
+        if self.prefix.is_empty() && !self.ids.is_empty() {
+            // An empty prefix (the prompt at the start, or a window that decodes to
+            // nothing) is taken from the window, unless it ends inside a character.
+            let text = decoder.decode(&self.ids, skip)?;
+            if !incomplete(&text) {
+                self.prefix = text;
+                self.prefix_ids = self.ids.len();
             }
-            Err(e) => Err(e),
         }
-    }
-
-    fn step(&mut self, tokenizer: &Tokenizer, token: u32) -> Result<Option<String>, DecodeError> {
-        tokenizers::tokenizer::step_decode_stream(
-            &**tokenizer,
-            vec![token],
-            self.skip_special_tokens,
-            &mut self.ids,
-            &mut self.prefix,
-            &mut self.prefix_index,
-        )
-        .map_err(|e| DecodeError(e.to_string()))
+        self.ids.push(token);
+        let text = decoder.decode(&self.ids, skip)?;
+        if text.len() <= self.prefix.len() || incomplete(&text) {
+            return Ok(Step::Text(None));
+        }
+        let Some(new_text) = text.strip_prefix(self.prefix.as_str()) else {
+            return Ok(Step::InvalidPrefix);
+        };
+        let new_text = new_text.to_owned();
+        // The window now starts where the old prefix started to be decoded from.
+        let moved = self.ids.len() - self.prefix_ids;
+        self.ids.drain(..self.prefix_ids);
+        self.prefix = decoder.decode(&self.ids, skip)?;
+        self.prefix_ids = moved;
+        Ok(Step::Text(Some(new_text)))
     }
 }

@@ -8,6 +8,7 @@ use std::sync::Arc;
 
 use super::candidates;
 use super::chars;
+use super::decoder::TextDecoder;
 use super::output::{OutputText, StopRules};
 use super::stops::{first_in_order, Cut, StopString};
 use super::stream::{DecodeStream, StepNote};
@@ -152,8 +153,8 @@ const WORDS: &str = r#"{
             "unk_token": "[UNK]"}
 }"#;
 
-fn words() -> tokenizers::Tokenizer {
-    WORDS.parse().expect("test tokenizer")
+fn words() -> TextDecoder {
+    TextDecoder::new(WORDS.parse().expect("test tokenizer"))
 }
 
 #[test]
@@ -180,4 +181,80 @@ fn stream_matches_whole_decode_and_restores_special_spacing() {
     assert_eq!(tight.next(&tok, 5).unwrap().0, "<t>");
     let (text, note) = tight.next(&tok, -1).unwrap();
     assert_eq!((text.as_str(), note), ("", Some(StepNote::InvalidId(-1))));
+}
+
+/// A byte-level BPE over the 256 byte characters, with merges that put pieces of "é"
+/// (bytes C3 A9) and "日" (E6 97 A5) in single tokens, and one special token.
+fn byte_level() -> tokenizers::Tokenizer {
+    use tokenizers::decoders::byte_level::ByteLevel;
+    use tokenizers::models::bpe::BPE;
+    use tokenizers::AddedToken;
+
+    let alphabet: Vec<char> = {
+        let mut chars: Vec<char> = (b'!'..=b'~')
+            .chain(0xA1..=0xAC)
+            .chain(0xAE..=0xFF)
+            .map(char::from)
+            .collect();
+        chars.extend((0..68).map(|n| char::from_u32(256 + n).unwrap()));
+        chars
+    };
+    let mut vocab: std::collections::HashMap<String, u32> = alphabet
+        .iter()
+        .enumerate()
+        .map(|(i, c)| (c.to_string(), i as u32))
+        .collect();
+    let merges = vec![
+        ("Ã".to_owned(), "©".to_owned()),
+        ("æ".to_owned(), "Ĺ".to_owned()),
+    ];
+    for (a, b) in &merges {
+        let id = vocab.len() as u32;
+        vocab.insert(format!("{a}{b}"), id);
+    }
+    let bpe = BPE::builder()
+        .vocab_and_merges(
+            vocab
+                .into_iter()
+                .collect::<tokenizers::models::bpe::Vocab>(),
+            merges,
+        )
+        .build()
+        .unwrap();
+    let mut tok = tokenizers::Tokenizer::new(bpe);
+    tok.with_pre_tokenizer(Some(ByteLevel::default()));
+    tok.with_decoder(Some(ByteLevel::default()));
+    let _ = tok.add_special_tokens([AddedToken::from("<s>", true)]);
+    tok
+}
+
+#[test]
+fn byte_table_decodes_as_the_crate_and_streams_the_same_text() {
+    let tok = byte_level();
+    let fast = TextDecoder::new(tok.clone());
+    assert!(fast.uses_byte_table());
+    let text = "aé 日本 <s>x";
+    let ids = tok.encode(text, false).unwrap().get_ids().to_vec();
+    for skip in [false, true] {
+        assert_eq!(
+            fast.decode(&ids, skip).unwrap(),
+            tok.decode(&ids, skip).unwrap()
+        );
+        // Every cut of the ids, the incomplete characters at the cut included.
+        for cut in 0..ids.len() {
+            assert_eq!(
+                fast.decode(&ids[..cut], skip).unwrap(),
+                tok.decode(&ids[..cut], skip).unwrap()
+            );
+        }
+        let none: Arc<HashMap<u32, String>> = Arc::default();
+        let mut stream = DecodeStream::new(&ids[..2], skip, true, &none);
+        let streamed: String = ids[2..]
+            .iter()
+            .map(|&id| stream.next(&fast, id.into()).unwrap().0)
+            .collect();
+        let whole = tok.decode(&ids, skip).unwrap();
+        let head = tok.decode(&ids[..2], skip).unwrap();
+        assert_eq!(format!("{head}{streamed}"), whole);
+    }
 }

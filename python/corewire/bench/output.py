@@ -1,0 +1,218 @@
+"""``corewire bench output``: vLLM 0.25.1's ``OutputProcessor`` vs corewire's
+``NativeOutputProcessor``, side by side in one process.
+
+Both processors get the same tokenizer (a byte-level BPE trained at run time, wrapped in
+vLLM's tokenizer thread pool as vLLM's renderer wraps it), the same requests (DELTA
+outputs, stats on, as ``vllm serve`` streams) and the same engine outputs: one token per
+request per step, in chunks of 128 as ``AsyncLLM``'s output handler cuts them. Each step
+gets a fresh ``IterationStats`` and every collector is drained after it, as the serving
+tasks would. The first (prefill) step is not timed. Reported: CPU ns per output, median of
+interleaved trials, and the ratio. The texts both processors produced are compared.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import random
+import statistics
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from corewire.bench import bpe, common
+
+__all__ = ["add_arguments", "run"]
+
+#: case name -> (top logprobs per token or None, stop strings)
+CASES: dict[str, tuple[int | None, list[str] | None]] = {
+    "plain": (None, None),
+    "stop strings": (None, ["\x00never", "nor\x00this"]),
+    "logprobs 5": (5, None),
+}
+
+#: The output handler's chunk (vLLM's VLLM_V1_OUTPUT_PROC_CHUNK_SIZE default).
+CHUNK = 128
+
+
+@dataclass
+class Workload:
+    """Pre-built requests and engine steps of one case."""
+
+    requests: list[Any]
+    steps: list[list[Any]]
+
+
+def _workload(
+    tok: Any, vocabulary: list[str], case: str, batch: int, steps: int, seed: int
+) -> Workload:
+    import numpy as np
+    from vllm.sampling_params import RequestOutputKind, SamplingParams
+    from vllm.v1.engine import EngineCoreOutput, EngineCoreRequest
+    from vllm.v1.outputs import LogprobsLists
+
+    logprobs, stop = CASES[case]
+    rng = random.Random(seed)
+    vocab = len(tok)
+    requests, texts = [], []
+    for i in range(batch):
+        ids = tok.encode(bpe.sample_text(rng, 120, vocabulary))
+        params = SamplingParams(
+            max_tokens=10_000, logprobs=logprobs, stop=stop, output_kind=RequestOutputKind.DELTA
+        )
+        request = EngineCoreRequest(
+            request_id=f"req-{i}",
+            prompt_token_ids=ids[:32],
+            mm_features=None,
+            sampling_params=params,
+            pooling_params=None,
+            arrival_time=time.time(),
+            lora_request=None,
+            cache_salt=None,
+            data_parallel_rank=None,
+        )
+        request.external_req_id = f"ext-{i}"
+        requests.append(request)
+        texts.append(ids[32:])
+    all_steps = []
+    for s in range(steps + 1):
+        outputs = []
+        for request, generated in zip(requests, texts, strict=True):
+            token = generated[s % len(generated)]
+            lists = None
+            if logprobs is not None:
+                ids = [token] + [rng.randrange(vocab) for _ in range(logprobs)]
+                values = sorted((rng.uniform(-8.0, 0.0) for _ in ids), reverse=True)
+                lists = LogprobsLists(
+                    np.array([ids], dtype=np.int32),
+                    np.array([values], dtype=np.float32),
+                    np.array([rng.randint(1, 20)], dtype=np.int32),
+                )
+            outputs.append(
+                EngineCoreOutput(
+                    request_id=request.request_id, new_token_ids=[token], new_logprobs=lists
+                )
+            )
+        all_steps.append(outputs)
+    return Workload(requests, all_steps)
+
+
+def _measure(processor_cls: type, tok: Any, work: Workload) -> tuple[float, list[str]]:
+    """CPU ns per output over the timed steps, and each request's text."""
+    from vllm.v1.engine.output_processor import RequestOutputCollector
+    from vllm.v1.metrics.stats import IterationStats
+
+    processor = processor_cls(tok, log_stats=True)
+    queues = []
+    texts: list[list[str]] = []
+    for request in work.requests:
+        queue = RequestOutputCollector(request.sampling_params.output_kind, request.request_id)
+        processor.add_request(request, None, None, 0, queue)
+        queues.append(queue)
+        texts.append([])
+
+    def step(outputs: list[Any]) -> None:
+        stats = IterationStats()
+        for start in range(0, len(outputs), CHUNK):
+            processor.process_outputs(outputs[start : start + CHUNK], time.time(), stats)
+        for i, queue in enumerate(queues):
+            out = queue.get_nowait()
+            if out is not None:
+                texts[i].append(out.outputs[0].text)
+
+    step(work.steps[0])
+    gc.collect()
+    begin = time.process_time_ns()
+    for outputs in work.steps[1:]:
+        step(outputs)
+    spent = time.process_time_ns() - begin
+    outputs_timed = sum(len(s) for s in work.steps[1:])
+    return spent / outputs_timed, ["".join(t) for t in texts]
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The benchmark's options."""
+    parser.add_argument("--batch", type=int, default=256, help="concurrent requests (256)")
+    parser.add_argument("--steps", type=int, default=32, help="timed engine steps (32)")
+    parser.add_argument("--trials", type=int, default=5, help="interleaved trials (5)")
+    common.add_common_arguments(parser)
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run every case; print the table and the ratios."""
+    if not common.check_plot_possible("corewire bench output", args):
+        return 2
+    installed = common.vllm_version()
+    if installed is None or installed.split("+")[0] != common.VLLM_VERSION:
+        print(f"corewire bench output: needs vLLM {common.VLLM_VERSION} (installed: {installed})")
+        return 2
+    from vllm.tokenizers.hf import maybe_make_thread_pool
+    from vllm.v1.engine.output_processor import OutputProcessor
+
+    from corewire.vllm.output import NativeOutputProcessor
+
+    steps, trials = (8, 3) if args.quick else (args.steps, args.trials)
+    trained, vocabulary = bpe.train()
+    # As vLLM's renderer does (renderer_num_workers + 1 copies).
+    tok = maybe_make_thread_pool(trained, 2)
+    print(
+        f"output processing, {args.batch} requests x {steps} steps, one token each, "
+        f"DELTA, stats on; CPU ns per output, median of {trials} interleaved trials"
+    )
+    print(f"{'case':<14} {'vLLM 0.25.1':>12} {'corewire':>10} {'ratio':>7}  texts")
+    rows = []
+    for case in CASES:
+        work = _workload(tok, vocabulary, case, args.batch, steps, seed=1)
+        ns: dict[str, list[float]] = {"vllm": [], "corewire": []}
+        same = True
+        for _ in range(trials):
+            base, base_texts = _measure(OutputProcessor, tok, work)
+            ours, our_texts = _measure(NativeOutputProcessor, tok, work)
+            ns["vllm"].append(base)
+            ns["corewire"].append(ours)
+            same = same and base_texts == our_texts
+        vllm_ns, ours_ns = statistics.median(ns["vllm"]), statistics.median(ns["corewire"])
+        ratio = vllm_ns / ours_ns
+        print(
+            f"{case:<14} {vllm_ns:>12,.0f} {ours_ns:>10,.0f} {ratio:>6.2f}x  "
+            f"{'identical' if same else 'DIFFERENT'}"
+        )
+        rows.append(
+            {
+                "case": case,
+                "ns_per_output": {"vllm": vllm_ns, "corewire": ours_ns},
+                "ratio": ratio,
+                "identical_texts": same,
+            }
+        )
+    if args.plot:
+        plt = common.pyplot()
+        fig, ax = plt.subplots(figsize=(6, 3.5))
+        x = range(len(rows))
+        ax.bar(
+            [i - 0.2 for i in x],
+            [r["ns_per_output"]["vllm"] for r in rows],
+            0.4,
+            label="vLLM 0.25.1",
+        )
+        ax.bar(
+            [i + 0.2 for i in x],
+            [r["ns_per_output"]["corewire"] for r in rows],
+            0.4,
+            label="corewire",
+        )
+        ax.set_xticks(list(x), [r["case"] for r in rows])
+        ax.set_ylabel("CPU ns per output")
+        ax.set_yscale("log")
+        ax.legend()
+        common.save_figure(fig, args.plot)
+    if args.json:
+        common.write_json(
+            args.json,
+            "output",
+            baseline=f"vLLM {common.VLLM_VERSION} OutputProcessor",
+            options={"batch": args.batch, "steps": steps, "trials": trials},
+            cases=rows,
+            goals=[],
+        )
+    return 0 if all(r["identical_texts"] for r in rows) else 1
