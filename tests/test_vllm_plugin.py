@@ -138,3 +138,26 @@ def test_output_switch_refuses_a_vllm_it_does_not_reproduce(version: str) -> Non
         RuntimeError, match=rf"reproduces vLLM 0\.25\.1, not the installed {version}"
     ):
         plugin.check_output_version(version)
+
+
+def test_serve_stack_sets_exactly_the_switches_asked_for(
+    monkeypatch: pytest.MonkeyPatch, tmp_path
+) -> None:
+    """``scripts/serve``'s stack never passes its own environment's switches on: the API
+    server gets the client and output switches as asked, the engines neither."""
+    from corewire.vllm.stack import ServeStack
+
+    monkeypatch.setenv(plugin.ENV_SWITCH, "1")
+    monkeypatch.setenv(plugin.OUTPUT_SWITCH, "1")
+    cases = {
+        ("vllm", "vllm"): {},
+        ("corewire", "vllm"): {plugin.ENV_SWITCH: "1"},
+        ("corewire", "corewire"): {plugin.ENV_SWITCH: "1", plugin.OUTPUT_SWITCH: "1"},
+    }
+    for (client, output), expected in cases.items():
+        stack = ServeStack(tmp_path, port=0, client=client, output=output)
+        env = stack.server_environment()
+        got = {k: env[k] for k in (plugin.ENV_SWITCH, plugin.OUTPUT_SWITCH) if k in env}
+        assert got == expected, (client, output)
+    with pytest.raises(ValueError, match="output must be one of"):
+        ServeStack(tmp_path, port=0, output="native")  # type: ignore[arg-type]

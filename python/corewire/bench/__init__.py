@@ -24,7 +24,7 @@ BENCHES: dict[str, str] = {
     "decode": "NativeDecoder vs vLLM's MsgpackDecoder on vLLM's own frames",
     "client": "AsyncMPClient vs vLLM's AsyncMPClient over the same fake engine",
     "dp": "data-parallel routing: decision cost and load spread vs vLLM's rule",
-    "serve": "vLLM's API server with vLLM's engine-core client vs corewire's",
+    "serve": "vLLM's API server: vLLM's stack vs corewire's client (and native output processing)",
     "output": "vLLM's OutputProcessor vs corewire's native output processing, in process",
 }
 

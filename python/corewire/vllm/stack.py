@@ -12,9 +12,10 @@ The stack is three kinds of processes on loopback:
 
 ``client="corewire"`` sets ``COREWIRE_VLLM_CLIENT=1`` for the API server, so that
 corewire's vLLM plugin makes vLLM's ``AsyncLLM`` use corewire's client; ``client="vllm"``
-leaves vLLM's own client in place. The model directory must match the engines' vocabulary
-(:func:`corewire.vllm.model_dir.write_model_dir` with the same ``vocab_size`` and
-``max_model_len``).
+leaves vLLM's own client in place. ``output="corewire"`` also sets ``COREWIRE_VLLM_OUTPUT=1``
+(corewire's native output processing inside ``AsyncLLM``; vLLM 0.25.1). The model directory
+must match the engines' vocabulary (:func:`corewire.vllm.model_dir.write_model_dir` with
+the same ``vocab_size`` and ``max_model_len``).
 
 On a machine without a GPU, vLLM's front-end needs a platform plugin (the project's
 ``tools/vllm-cpu-platform``), installed by ``scripts/serve`` and the test set-up.
@@ -44,6 +45,7 @@ from typing import IO, Any, Literal
 
 __all__ = [
     "CLIENTS",
+    "OUTPUTS",
     "ServeStack",
     "StackError",
     "free_port",
@@ -55,6 +57,12 @@ __all__ = [
 
 CLIENTS = ("corewire", "vllm")
 """The engine-core clients the API server can use: ``"corewire"`` (the plugin) or ``"vllm"``."""
+
+OUTPUTS = ("vllm", "corewire")
+"""Who processes outputs in the API server: ``"vllm"`` (its ``OutputProcessor``) or
+``"corewire"`` (the plugin's native output processing, ``COREWIRE_VLLM_OUTPUT=1``)."""
+
+_SWITCHES = ("COREWIRE_VLLM_CLIENT", "COREWIRE_VLLM_OUTPUT")
 
 _LOG_TAIL_BYTES = 6000
 _LOOPBACK = "127.0.0.1"
@@ -107,7 +115,8 @@ class ServeStack:
 
     ``model_dir``: a model directory matching the engines (see the module docstring).
     ``port``: the HTTP port (0: a free one); ``host``: the HTTP host (the engines always
-    join on loopback). ``client``: ``"corewire"`` or ``"vllm"``.
+    join on loopback). ``client``: ``"corewire"`` or ``"vllm"``; ``output``: ``"vllm"`` or
+    ``"corewire"`` (see the module docstring).
     ``engine_args``: keyword arguments for each reference engine (JSON-serialisable);
     ``vocab_size`` and ``max_model_len`` should agree with the model directory.
     ``log_dir``: where each process's output goes (``api-server.log``,
@@ -137,9 +146,12 @@ class ServeStack:
         server_env: Mapping[str, str] | None = None,
         api_servers: int = 1,
         protocol: str | None = None,
+        output: Literal["vllm", "corewire"] = "vllm",
     ) -> None:
         if client not in CLIENTS:
             raise ValueError(f"client must be one of {CLIENTS}, got {client!r}")
+        if output not in OUTPUTS:
+            raise ValueError(f"output must be one of {OUTPUTS}, got {output!r}")
         if engines < 1:
             raise ValueError(f"engines must be at least 1, got {engines}")
         if api_servers < 1:
@@ -154,6 +166,7 @@ class ServeStack:
         self.num_engines = engines
         self.api_servers = api_servers
         self.client = client
+        self.output = output
         self.served_model_name = served_model_name
         self.max_model_len = max_model_len
         self.engine_args = dict(engine_args or {})
@@ -242,11 +255,15 @@ class ServeStack:
         ]
 
     def server_environment(self) -> dict[str, str]:
-        """The API server's environment: offline, and the client switch."""
+        """The API server's environment: offline, and the plugin's switches as asked (none
+        inherited from this process)."""
         env = offline_env()
-        env.pop("COREWIRE_VLLM_CLIENT", None)
+        for switch in _SWITCHES:
+            env.pop(switch, None)
         if self.client == "corewire":
             env["COREWIRE_VLLM_CLIENT"] = "1"
+        if self.output == "corewire":
+            env["COREWIRE_VLLM_OUTPUT"] = "1"
         env.update(self.server_env)
         return env
 
@@ -261,7 +278,7 @@ class ServeStack:
         """
         if self.server is not None:
             raise StackError("the stack is already started")
-        if self.client == "corewire" and not plugin_installed():
+        if "corewire" in (self.client, self.output) and not plugin_installed():
             raise StackError(
                 "client 'corewire' needs corewire's vLLM plugin (the vllm.general_plugins "
                 "entry point), which is not installed here: reinstall corewire"
@@ -274,7 +291,8 @@ class ServeStack:
                 self.server_command(), self.server_environment(), "api-server.log"
             )
             engine_env = offline_env()
-            engine_env.pop("COREWIRE_VLLM_CLIENT", None)
+            for switch in _SWITCHES:
+                engine_env.pop(switch, None)
             for i in range(self.num_engines):
                 self.engines.append(
                     self._spawn(self.engine_command(i), engine_env, f"engine-{i}.log")
@@ -412,6 +430,13 @@ def main(argv: list[str] | None = None) -> int:
         default="corewire",
         help="the API server's engine-core client (default corewire)",
     )
+    parser.add_argument(
+        "--output",
+        choices=OUTPUTS,
+        default="vllm",
+        help="who processes outputs: vLLM's OutputProcessor or corewire's native one "
+        "(vLLM 0.25.1; default vllm)",
+    )
     parser.add_argument("--engines", type=int, default=1, help="engines, DP size (default 1)")
     parser.add_argument(
         "--api-servers",
@@ -447,6 +472,7 @@ def main(argv: list[str] | None = None) -> int:
             host=args.host,
             engines=args.engines,
             client=args.client,
+            output=args.output,
             max_model_len=args.max_model_len,
             engine_args=args.engine_args,
             api_servers=args.api_servers,
@@ -456,7 +482,7 @@ def main(argv: list[str] | None = None) -> int:
             print(
                 f"\ncorewire: serving {stack.served_model_name!r} at {stack.base_url} "
                 f"({args.engines} engine(s) speaking vLLM {stack.protocol}, {args.client} "
-                "client); Ctrl-C stops.\n"
+                f"client, {args.output} output processing); Ctrl-C stops.\n"
                 f"  curl {stack.base_url}/v1/completions -H 'Content-Type: application/json' "
                 f'-d \'{{"model": "{stack.served_model_name}", '
                 f'"prompt": "hello world", "max_tokens": 16}}\'\n',

@@ -147,11 +147,15 @@ fn numpy_block<T: Number>(obj: &Bound<'_, PyAny>) -> PyResult<Option<Block<T>>> 
         _ => unreachable!(),
     };
     let n = rows * cols;
+    // Element by element, without assuming alignment: an array viewing a received frame
+    // can start at any byte.
     macro_rules! read {
         ($t:ty, $conv:ident) => {{
-            // SAFETY: a C-contiguous array of `n` elements of this type.
-            let s = unsafe { std::slice::from_raw_parts(data.cast::<$t>(), n) };
-            s.iter().map(|&v| T::$conv(v as _)).collect()
+            let base = data.cast::<$t>();
+            (0..n)
+                // SAFETY: a C-contiguous array of `n` elements of this type.
+                .map(|i| T::$conv(unsafe { base.add(i).read_unaligned() } as _))
+                .collect()
         }};
     }
     let values: Vec<T> = match type_char {
