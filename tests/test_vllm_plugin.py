@@ -116,11 +116,29 @@ VLLM_PROCESSOR = "vllm.v1.engine.output_processor.OutputProcessor"
 
 
 def test_output_switch_installs_the_native_processor_for_async_llm_only() -> None:
-    assert _output_processors_with(None, client="1") == [VLLM_PROCESSOR, VLLM_PROCESSOR]
     native = "corewire.vllm.output.NativeOutputProcessor"
+    # Nothing switched on: vLLM's everywhere.
+    assert _output_processors_with(None) == [VLLM_PROCESSOR, VLLM_PROCESSOR]
+    # Unset, it follows the client switch (vLLM 0.25.1 here); 0 keeps vLLM's.
+    assert _output_processors_with(None, client="1") == [native, VLLM_PROCESSOR]
+    assert _output_processors_with("0", client="1") == [VLLM_PROCESSOR, VLLM_PROCESSOR]
     # AsyncLLM gets corewire's; vLLM's synchronous LLMEngine keeps its own.
     assert _output_processors_with("1") == [native, VLLM_PROCESSOR]
     assert _output_processors_with("1", client="1") == [native, VLLM_PROCESSOR]
+
+
+def test_unset_output_switch_follows_the_client_only_where_reproduced(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.delenv(plugin.OUTPUT_SWITCH, raising=False)
+    monkeypatch.setenv(plugin.ENV_SWITCH, "1")
+    assert plugin.output_wanted("0.25.1+cpu")
+    # Under 0.33.0 the client alone does not bring it (and nothing is refused).
+    assert not plugin.output_wanted("0.33.0")
+    monkeypatch.setenv(plugin.ENV_SWITCH, "0")
+    assert not plugin.output_wanted("0.25.1")
+    monkeypatch.setenv(plugin.OUTPUT_SWITCH, "1")
+    assert plugin.output_wanted("0.25.1")
 
 
 def test_unclear_output_switch_is_an_error(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -144,14 +162,17 @@ def test_serve_stack_sets_exactly_the_switches_asked_for(
     monkeypatch: pytest.MonkeyPatch, tmp_path
 ) -> None:
     """``scripts/serve``'s stack never passes its own environment's switches on: the API
-    server gets the client and output switches as asked, the engines neither."""
+    server gets the client and output switches as asked (an output of None leaves the
+    plugin's default)."""
     from corewire.vllm.stack import ServeStack
 
     monkeypatch.setenv(plugin.ENV_SWITCH, "1")
     monkeypatch.setenv(plugin.OUTPUT_SWITCH, "1")
     cases = {
-        ("vllm", "vllm"): {},
-        ("corewire", "vllm"): {plugin.ENV_SWITCH: "1"},
+        ("vllm", None): {},
+        ("vllm", "vllm"): {plugin.OUTPUT_SWITCH: "0"},
+        ("corewire", None): {plugin.ENV_SWITCH: "1"},
+        ("corewire", "vllm"): {plugin.ENV_SWITCH: "1", plugin.OUTPUT_SWITCH: "0"},
         ("corewire", "corewire"): {plugin.ENV_SWITCH: "1", plugin.OUTPUT_SWITCH: "1"},
     }
     for (client, output), expected in cases.items():

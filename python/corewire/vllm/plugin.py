@@ -9,11 +9,13 @@ speak the installed vLLM's release (0.25.1 or 0.33.0; another is refused by name
 worker processes never call that factory, so nothing changes for them, and vLLM's
 synchronous ``LLM`` class keeps its own client.
 
-``COREWIRE_VLLM_OUTPUT=1`` (a switch of its own, off by default; meant to be used with the
-client switch) hands ``AsyncLLM``'s output processing to corewire: the plugin replaces
-``vllm.v1.engine.async_llm.OutputProcessor``, the name ``AsyncLLM.__init__`` builds its
-processor from, with :class:`corewire.vllm.output.NativeOutputProcessor`. Supported under
-vLLM 0.25.1; refused by name under another release. vLLM's synchronous ``LLMEngine``
+``COREWIRE_VLLM_OUTPUT`` (a switch of its own) hands ``AsyncLLM``'s output processing to
+corewire: the plugin replaces ``vllm.v1.engine.async_llm.OutputProcessor``, the name
+``AsyncLLM.__init__`` builds its processor from, with
+:class:`corewire.vllm.output.NativeOutputProcessor`. Unset, it follows the client switch
+where the native path reproduces the installed vLLM (0.25.1): corewire's client comes with
+corewire's output processing; ``0`` keeps vLLM's; ``1`` asks for it even with vLLM's own
+client, and is refused by name under another release. vLLM's synchronous ``LLMEngine``
 keeps vLLM's processor (it imports the class under its own name).
 """
 
@@ -34,6 +36,7 @@ __all__ = [
     "check_vllm_version",
     "enabled",
     "output_enabled",
+    "output_wanted",
     "register",
 ]
 
@@ -45,7 +48,8 @@ ENV_SWITCH = "COREWIRE_VLLM_CLIENT"
 _TRUE = frozenset({"1", "true", "yes", "on"})
 _FALSE = frozenset({"", "0", "false", "no", "off"})
 
-#: The output switch: "1" makes vLLM's ``AsyncLLM`` process outputs natively.
+#: The output switch: "1" makes vLLM's ``AsyncLLM`` process outputs natively, "0" keeps
+#: vLLM's; unset, it follows the client switch (see :func:`output_wanted`).
 OUTPUT_SWITCH = "COREWIRE_VLLM_OUTPUT"
 
 #: The vLLM releases whose output processing corewire's native path reproduces.
@@ -72,8 +76,17 @@ def enabled() -> bool:
 
 def output_enabled() -> bool:
     """Whether ``COREWIRE_VLLM_OUTPUT`` asks for native output processing (``ValueError``
-    for a value that is neither on nor off)."""
+    for a value that is neither on nor off); False when unset."""
     return _switch(OUTPUT_SWITCH)
+
+
+def output_wanted(vllm_version: str) -> bool:
+    """Whether the plugin installs native output processing under vLLM ``vllm_version``:
+    as ``COREWIRE_VLLM_OUTPUT`` says, or, unset, with corewire's client where the native
+    path reproduces that release."""
+    if os.environ.get(OUTPUT_SWITCH, "").strip():
+        return output_enabled()
+    return enabled() and vllm_version.split("+", 1)[0] in OUTPUT_VLLM_VERSIONS
 
 
 #: The vLLM releases whose ``AsyncLLM`` the plugin's client is built and tested for (each
@@ -105,8 +118,11 @@ def check_output_version(version: str) -> None:
 
 def register() -> None:
     """Entry point run by vLLM: install what the switches ask for."""
-    if output_enabled():
-        _install_output_processor()
+    if os.environ.get(OUTPUT_SWITCH, "").strip() or enabled():
+        import vllm
+
+        if output_wanted(vllm.__version__):
+            _install_output_processor()
     if enabled():
         _install_client()
 

@@ -12,8 +12,10 @@ The stack is three kinds of processes on loopback:
 
 ``client="corewire"`` sets ``COREWIRE_VLLM_CLIENT=1`` for the API server, so that
 corewire's vLLM plugin makes vLLM's ``AsyncLLM`` use corewire's client; ``client="vllm"``
-leaves vLLM's own client in place. ``output="corewire"`` also sets ``COREWIRE_VLLM_OUTPUT=1``
-(corewire's native output processing inside ``AsyncLLM``; vLLM 0.25.1). The model directory
+leaves vLLM's own client in place. ``output`` sets ``COREWIRE_VLLM_OUTPUT``: ``"corewire"``
+to 1 (corewire's native output processing inside ``AsyncLLM``; vLLM 0.25.1), ``"vllm"`` to
+0, None leaves it unset (the plugin's default: on with corewire's client under vLLM
+0.25.1). The model directory
 must match the engines' vocabulary (:func:`corewire.vllm.model_dir.write_model_dir` with
 the same ``vocab_size`` and ``max_model_len``).
 
@@ -115,8 +117,8 @@ class ServeStack:
 
     ``model_dir``: a model directory matching the engines (see the module docstring).
     ``port``: the HTTP port (0: a free one); ``host``: the HTTP host (the engines always
-    join on loopback). ``client``: ``"corewire"`` or ``"vllm"``; ``output``: ``"vllm"`` or
-    ``"corewire"`` (see the module docstring).
+    join on loopback). ``client``: ``"corewire"`` or ``"vllm"``; ``output``: ``"vllm"``,
+    ``"corewire"`` or None (see the module docstring).
     ``engine_args``: keyword arguments for each reference engine (JSON-serialisable);
     ``vocab_size`` and ``max_model_len`` should agree with the model directory.
     ``log_dir``: where each process's output goes (``api-server.log``,
@@ -146,11 +148,11 @@ class ServeStack:
         server_env: Mapping[str, str] | None = None,
         api_servers: int = 1,
         protocol: str | None = None,
-        output: Literal["vllm", "corewire"] = "vllm",
+        output: Literal["vllm", "corewire"] | None = None,
     ) -> None:
         if client not in CLIENTS:
             raise ValueError(f"client must be one of {CLIENTS}, got {client!r}")
-        if output not in OUTPUTS:
+        if output is not None and output not in OUTPUTS:
             raise ValueError(f"output must be one of {OUTPUTS}, got {output!r}")
         if engines < 1:
             raise ValueError(f"engines must be at least 1, got {engines}")
@@ -262,8 +264,8 @@ class ServeStack:
             env.pop(switch, None)
         if self.client == "corewire":
             env["COREWIRE_VLLM_CLIENT"] = "1"
-        if self.output == "corewire":
-            env["COREWIRE_VLLM_OUTPUT"] = "1"
+        if self.output is not None:
+            env["COREWIRE_VLLM_OUTPUT"] = "1" if self.output == "corewire" else "0"
         env.update(self.server_env)
         return env
 
@@ -433,9 +435,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--output",
         choices=OUTPUTS,
-        default="vllm",
+        default=None,
         help="who processes outputs: vLLM's OutputProcessor or corewire's native one "
-        "(vLLM 0.25.1; default vllm)",
+        "(vLLM 0.25.1); default: the plugin's (corewire's with corewire's client under "
+        "vLLM 0.25.1, else vLLM's)",
     )
     parser.add_argument("--engines", type=int, default=1, help="engines, DP size (default 1)")
     parser.add_argument(
@@ -482,7 +485,7 @@ def main(argv: list[str] | None = None) -> int:
             print(
                 f"\ncorewire: serving {stack.served_model_name!r} at {stack.base_url} "
                 f"({args.engines} engine(s) speaking vLLM {stack.protocol}, {args.client} "
-                f"client, {args.output} output processing); Ctrl-C stops.\n"
+                f"client, {args.output or 'default'} output processing); Ctrl-C stops.\n"
                 f"  curl {stack.base_url}/v1/completions -H 'Content-Type: application/json' "
                 f'-d \'{{"model": "{stack.served_model_name}", '
                 f'"prompt": "hello world", "max_tokens": 16}}\'\n',
