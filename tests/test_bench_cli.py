@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import datetime
+import importlib.metadata
 import json
 import os
 import re
@@ -114,7 +115,7 @@ def test_bench_lists_every_benchmark(capsys: pytest.CaptureFixture[str]) -> None
         parser.parse_args(["bench", "--help"])
     assert exc.value.code == 0
     help_text = capsys.readouterr().out
-    for name in ("decode", "client", "dp", "serve"):
+    for name in ("decode", "client", "dp", "serve", "output"):
         assert f"    {name} " in help_text
     args = parser.parse_args(["bench", "decode", "--quick", "--json", "x.json", "--plot", "x.png"])
     assert (args.bench, args.quick, args.json, args.plot) == ("decode", True, "x.json", "x.png")
@@ -384,6 +385,29 @@ def test_dp_json_and_plot(tmp_path: Path) -> None:
     assert len(spread) == 2 * 2 * len(names)  # two scenarios x two group sizes
     assert [g["name"] for g in doc["goals"]] == ["native decision at 16 engines, ns"]
     assert doc["goals"][0]["lower_is_better"] is True
+    check_png(png)
+
+
+@pytest.mark.skipif(
+    not HAVE_VLLM or importlib.metadata.version("vllm").split("+")[0] != "0.25.1",
+    reason="vLLM 0.25.1 is the output benchmark's baseline",
+)
+@needs_matplotlib
+def test_output_json_and_plot(tmp_path: Path) -> None:
+    """``corewire bench output``: both processors on every case, the same texts, vLLM's
+    processor slower per output than the native one (a real difference of about 3x to 8x,
+    not a timing threshold: the check is only that the ratio is a measured number)."""
+    out, png = tmp_path / "output.json", tmp_path / "output.png"
+    proc = bench("output", "--quick", "--batch", "32", "--json", str(out), "--plot", str(png))
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    doc = read_results(out, "output")
+    assert [c["case"] for c in doc["cases"]] == ["plain", "stop strings", "logprobs 5"]
+    for case in doc["cases"]:
+        assert case["identical_texts"] is True
+        ns = case["ns_per_output"]
+        assert set(ns) == {"vllm", "corewire"} and min(ns.values()) > 0
+        assert case["ratio"] == pytest.approx(ns["vllm"] / ns["corewire"])
+    assert "identical" in proc.stdout
     check_png(png)
 
 
