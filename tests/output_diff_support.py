@@ -132,22 +132,15 @@ def write_bpe_tokenizer_dir(path: Path, *, vocab_size: int = 3000, seed: int = 0
     ids 0-3 are :data:`SPECIAL_TOKENS` (0 is eos, 1 pad), the last id is the added
     non-special ``<tool>``. Trains in well under a second. Returns ``path``.
     """
-    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, trainers
+    from tokenizers import AddedToken
     from transformers import PreTrainedTokenizerFast
+
+    from corewire.bench.bpe import train_byte_level
 
     source = TextSource(seed)
     rng = random.Random(seed + 1)
     corpus = [source.line(rng, rng.randint(4, 16)) for _ in range(3000)]
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size,
-        special_tokens=list(SPECIAL_TOKENS),
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
-    )
-    tok.train_from_iterator(corpus, trainer)
+    tok = train_byte_level(corpus, vocab_size, list(SPECIAL_TOKENS))
     tok.add_tokens([AddedToken(t, special=False, normalized=False) for t in ADDED_TOKENS])
     fast = PreTrainedTokenizerFast(
         tokenizer_object=tok,

@@ -12,7 +12,7 @@ from __future__ import annotations
 import random
 from typing import Any
 
-__all__ = ["ALPHABET", "SPECIAL_TOKENS", "sample_text", "train"]
+__all__ = ["ALPHABET", "SPECIAL_TOKENS", "sample_text", "train", "train_byte_level"]
 
 #: Characters the invented words are made of: 1- to 4-byte UTF-8.
 ALPHABET = "abcdefghijklmnopqrstuvwxyzéèàüöñçøåαβγδεζηθλμπσωжзийклмн日本語中文字漢東京😀🎉🚀🌍"  # noqa: RUF001
@@ -31,24 +31,33 @@ def sample_text(rng: random.Random, words: int, vocabulary: list[str]) -> str:
     return " ".join(rng.choices(vocabulary, weights, k=words))
 
 
-def train(vocab_size: int = 4000, seed: int = 0, lines: int = 3000) -> tuple[Any, list[str]]:
-    """A trained fast tokenizer (``PreTrainedTokenizerFast``) and the invented word list
-    its training text was drawn from (to generate more text like it)."""
+def train_byte_level(corpus: list[str], vocab_size: int, special_tokens: list[str]) -> Any:
+    """A GPT-2 style byte-level BPE (``tokenizers.Tokenizer``) trained on ``corpus``, with
+    ``special_tokens`` as its first ids."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
 
-    rng = random.Random(seed)
-    vocabulary = _words(rng, 800)
-    corpus = [sample_text(rng, 24, vocabulary) for _ in range(lines)]
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
         vocab_size=vocab_size,
-        special_tokens=list(SPECIAL_TOKENS),
+        special_tokens=special_tokens,
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
     )
     tok.train_from_iterator(corpus, trainer)
+    return tok
+
+
+def train(vocab_size: int = 4000, seed: int = 0, lines: int = 3000) -> tuple[Any, list[str]]:
+    """A trained fast tokenizer (``PreTrainedTokenizerFast``) and the invented word list
+    its training text was drawn from (to generate more text like it)."""
+    from transformers import PreTrainedTokenizerFast
+
+    rng = random.Random(seed)
+    vocabulary = _words(rng, 800)
+    corpus = [sample_text(rng, 24, vocabulary) for _ in range(lines)]
+    tok = train_byte_level(corpus, vocab_size, list(SPECIAL_TOKENS))
     fast = PreTrainedTokenizerFast(
         tokenizer_object=tok,
         bos_token=SPECIAL_TOKENS[0],
