@@ -18,12 +18,15 @@ from corewire.protocol import (
 )
 
 __all__ = [
+    "TOKENIZERS_VERSION",
     "CallRegistry",
     "EngineCoreOutput",
     "EngineCoreOutputs",
     "FrameBuffer",
     "NativeDecoder",
+    "OutputCore",
     "ProtocolError",
+    "RequestText",
     "Router",
     "SendTracker",
     "wire_fields",
@@ -261,6 +264,7 @@ class Router:
 #: The ``tokenizers`` crate release (major.minor) the native output path decodes with.
 TOKENIZERS_VERSION: str
 
+@final
 class RequestText:
     """One request's text, token ids and sample logprobs on the native output path; also
     its detokenizer and logprobs processor for vLLM's own loop
@@ -293,6 +297,7 @@ class RequestText:
     def pop_prompt_logprobs(self) -> None:
         """Always None."""
 
+@final
 class OutputCore:
     """The native half of ``corewire.vllm.output.NativeOutputProcessor``."""
 
