@@ -1,0 +1,272 @@
+//! `OutputCore`: the processor's native half and its chunk loop.
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+
+use pyo3::exceptions::{PyRuntimeError, PyValueError};
+use pyo3::ffi;
+use pyo3::prelude::*;
+use pyo3::types::{PyDict, PyList, PyString, PyTuple};
+use tokenizers::Tokenizer;
+
+use crate::core::text::decoder::TextDecoder;
+use crate::core::text::output::{OutputText, StopRules};
+use crate::core::text::stops::StopString;
+use crate::core::text::stream::DecodeStream;
+
+use super::names::Names;
+use super::request::{ChunkStats, RequestText, FINAL_ONLY};
+use super::shared::Shared;
+
+/// The processor's native half (see the module doc).
+#[pyclass(module = "corewire._native", name = "OutputCore")]
+pub struct OutputCore {
+    shared: Arc<Shared>,
+    /// vLLM's `OutputProcessor.request_states` (the same dict object).
+    request_states: Py<PyDict>,
+    /// Outputs handled here; outputs of native requests left to vLLM's loop; outputs
+    /// of other requests.
+    fast: u64,
+    slow: u64,
+    fallback: u64,
+}
+
+#[pymethods]
+impl OutputCore {
+    /// A processor over `tokenizer_json` (the tokenizer's own JSON: vLLM's detokenizer
+    /// uses that same tokenizer). `added` maps added-token ids to their content;
+    /// `single_string(id)` gives a logprob candidate's string as vLLM makes it;
+    /// `python_decode(ids)`, when given, decodes candidate corrections in Python (for
+    /// tokenizers whose Python decode differs from the crate's); `warn(msg)` logs;
+    /// `classes` are vLLM's `(RequestOutput, CompletionOutput, Logprob)`.
+    #[new]
+    #[allow(clippy::too_many_arguments)]
+    fn new(
+        py: Python<'_>,
+        tokenizer_json: &str,
+        added: HashMap<u32, String>,
+        single_string: Py<PyAny>,
+        python_decode: Option<Py<PyAny>>,
+        warn: Py<PyAny>,
+        classes: (Py<PyAny>, Py<PyAny>, Py<PyAny>),
+        request_states: Py<PyDict>,
+    ) -> PyResult<Self> {
+        let tokenizer: Tokenizer = tokenizer_json
+            .parse()
+            .map_err(|e| PyValueError::new_err(format!("tokenizer JSON: {e}")))?;
+        let vocab = tokenizer.get_vocab_size(true);
+        let tokenizer = TextDecoder::new(tokenizer);
+        // SAFETY: reading a slot of the static base type.
+        let object_new = unsafe {
+            let slot = ffi::PyType_GetSlot(&raw mut ffi::PyBaseObject_Type, ffi::Py_tp_new);
+            std::mem::transmute::<*mut std::ffi::c_void, Option<ffi::newfunc>>(slot)
+        }
+        .ok_or_else(|| PyRuntimeError::new_err("object has no tp_new"))?;
+        let base_new = py.get_type::<pyo3::types::PyAny>().getattr("__new__")?;
+        for cls in [&classes.0, &classes.1, &classes.2] {
+            if !cls.bind(py).getattr("__new__")?.is(&base_new) {
+                return Err(PyValueError::new_err(format!(
+                    "{} has its own __new__",
+                    cls.bind(py)
+                )));
+            }
+        }
+        Ok(OutputCore {
+            shared: Arc::new(Shared {
+                tokenizer,
+                added: Arc::new(added),
+                cache: Mutex::new((0..vocab).map(|_| None).collect()),
+                single_string,
+                python_decode,
+                warn,
+                object_new,
+                empty: PyTuple::empty(py).unbind(),
+                request_output: classes.0,
+                completion_output: classes.1,
+                logprob: classes.2,
+            }),
+            request_states,
+            fast: 0,
+            slow: 0,
+            fallback: 0,
+        })
+    }
+
+    /// The native state of a new request: `stop` (its stop strings: empty without
+    /// detokenization), `num_logprobs` (None without sample logprobs), `output_kind`
+    /// (vLLM's number), `plain_collector` (`queue` is exactly vLLM's
+    /// `RequestOutputCollector`), and what its outputs carry.
+    #[allow(clippy::too_many_arguments)]
+    #[pyo3(signature = (request_id, external_req_id, prompt, prompt_token_ids, lora_request,
+        request_index, output_kind, queue, plain_collector, stats, detokenize, skip_special_tokens,
+        spaces_between_special_tokens, stop, min_tokens, include_stop_str_in_output,
+        num_logprobs))]
+    fn request(
+        &self,
+        py: Python<'_>,
+        request_id: Py<PyString>,
+        external_req_id: Py<PyAny>,
+        prompt: Py<PyAny>,
+        prompt_token_ids: Bound<'_, PyAny>,
+        lora_request: Py<PyAny>,
+        request_index: Py<PyAny>,
+        output_kind: u8,
+        queue: Py<PyAny>,
+        plain_collector: bool,
+        stats: Option<Py<PyAny>>,
+        detokenize: bool,
+        skip_special_tokens: bool,
+        spaces_between_special_tokens: bool,
+        stop: Vec<String>,
+        min_tokens: usize,
+        include_stop_str_in_output: bool,
+        num_logprobs: Option<i64>,
+    ) -> PyResult<RequestText> {
+        if output_kind > FINAL_ONLY {
+            return Err(PyValueError::new_err(format!(
+                "unknown output kind {output_kind}"
+            )));
+        }
+        let stream = if detokenize {
+            let prompt_ids: Vec<u32> = prompt_token_ids.extract()?;
+            Some(DecodeStream::new(
+                &prompt_ids,
+                skip_special_tokens,
+                spaces_between_special_tokens,
+                &self.shared.added,
+            ))
+        } else {
+            None
+        };
+        let rules = StopRules {
+            stops: stop.into_iter().map(StopString::new).collect(),
+            min_tokens,
+            include_in_output: include_stop_str_in_output,
+        };
+        Ok(RequestText {
+            shared: Arc::clone(&self.shared),
+            stream,
+            text: OutputText::new(rules),
+            token_ids: PyList::empty(py).unbind(),
+            num_logprobs,
+            logprobs: num_logprobs.map(|_| PyList::empty(py).unbind()),
+            cumulative: 0.0,
+            sampled: Vec::new(),
+            request_id,
+            external_req_id,
+            prompt,
+            prompt_token_ids: prompt_token_ids.unbind(),
+            lora_request,
+            request_index,
+            output_kind,
+            queue,
+            plain_collector,
+            stats,
+        })
+    }
+
+    /// Handles the chunk's outputs that need nothing of vLLM's bookkeeping, and returns
+    /// `(rest, stopped)`: the outputs left for vLLM's loop, in order, and the ids of
+    /// requests that a stop string finished here (the caller finishes them as vLLM
+    /// does). `nans` is vLLM's `VLLM_COMPUTE_NANS_IN_LOGITS`, read once per chunk.
+    #[pyo3(signature = (outputs, timestamp, iteration_stats, nans))]
+    fn process<'py>(
+        &mut self,
+        py: Python<'py>,
+        outputs: &Bound<'py, PyAny>,
+        timestamp: Option<f64>,
+        iteration_stats: Option<Bound<'py, PyAny>>,
+        nans: bool,
+    ) -> PyResult<(Bound<'py, PyList>, Bound<'py, PyList>)> {
+        let names = Names::get(py);
+        let rest = PyList::empty(py);
+        let stopped = PyList::empty(py);
+        let mut chunk = match (iteration_stats, timestamp) {
+            (Some(stats), Some(timestamp)) => Some(ChunkStats {
+                latencies: stats
+                    .getattr(&names.inter_token_latencies_iter)?
+                    .cast_into()?,
+                stats,
+                timestamp,
+                nans,
+                generated: 0,
+            }),
+            (Some(_), None) => {
+                return Err(PyValueError::new_err("iteration stats without a timestamp"))
+            }
+            _ => None,
+        };
+        let states = self.request_states.bind(py);
+        for output in outputs.try_iter()? {
+            let output = output?;
+            let req_id = output.getattr(&names.request_id)?;
+            let Some(req_state) = states.get_item(&req_id)? else {
+                rest.append(output)?; // vLLM's loop drops it: already aborted
+                self.fallback += 1;
+                continue;
+            };
+            let detok = req_state.getattr(&names.detokenizer)?;
+            let Ok(text) = detok.cast::<RequestText>() else {
+                rest.append(output)?;
+                self.fallback += 1;
+                continue;
+            };
+            if !plain(&output, &req_state, names)? {
+                rest.append(output)?;
+                self.slow += 1;
+                continue;
+            }
+            let mut text = text.borrow_mut();
+            if text.fast_output(py, &output, &req_state, chunk.as_mut())? {
+                stopped.append(req_id)?;
+            }
+            self.fast += 1;
+        }
+        if let Some(c) = chunk {
+            if c.generated > 0 {
+                let total = c
+                    .stats
+                    .getattr(&names.num_generation_tokens)?
+                    .extract::<i64>()?;
+                c.stats
+                    .setattr(&names.num_generation_tokens, total + c.generated)?;
+            }
+        }
+        Ok((rest, stopped))
+    }
+
+    /// Whether decodes go through the per-id byte table (byte-level tokenizers).
+    #[getter]
+    fn byte_table(&self) -> bool {
+        self.shared.tokenizer.uses_byte_table()
+    }
+
+    /// `{"fast": .., "slow": .., "fallback": ..}`: outputs by path (see the fields).
+    #[getter]
+    fn counts<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        let d = PyDict::new(py);
+        d.set_item("fast", self.fast)?;
+        d.set_item("slow", self.slow)?;
+        d.set_item("fallback", self.fallback)?;
+        Ok(d)
+    }
+}
+
+/// Whether an output is a plain step of a request past its first output: nothing in it
+/// needs vLLM's bookkeeping (finish, events, prefill, pooling, KV transfer, experts).
+fn plain(output: &Bound<'_, PyAny>, req_state: &Bound<'_, PyAny>, n: &Names) -> PyResult<bool> {
+    let py = output.py();
+    for name in [
+        &n.finish_reason,
+        &n.events,
+        &n.pooling_output,
+        &n.kv_transfer_params,
+        &n.routed_experts,
+        &n.new_prompt_logprobs_tensors,
+    ] {
+        if !output.getattr(name.bind(py))?.is_none() {
+            return Ok(false);
+        }
+    }
+    Ok(!req_state.getattr(&n.is_prefilling)?.is_truthy()?)
+}

@@ -1,0 +1,434 @@
+//! `RequestText`: one request's native state, and vLLM's per-output work on it.
+
+use std::sync::Arc;
+
+use pyo3::exceptions::{PyRuntimeError, PyValueError};
+use pyo3::prelude::*;
+use pyo3::types::{PyDict, PyFloat, PyList, PyString};
+use pyo3::IntoPyObjectExt;
+
+use crate::core::text::candidates;
+use crate::core::text::output::OutputText;
+use crate::core::text::stream::{DecodeStream, StepNote};
+
+use super::names::Names;
+use super::shared::{untrack, Shared};
+use crate::py::arrays::{self, Block};
+
+/// Output kinds, as vLLM's `RequestOutputKind` numbers them (0 is `CUMULATIVE`).
+const DELTA: u8 = 1;
+pub(super) const FINAL_ONLY: u8 = 2;
+
+/// Per-chunk stats context: vLLM's `IterationStats` and what this chunk adds to it.
+pub(super) struct ChunkStats<'py> {
+    pub(super) stats: Bound<'py, PyAny>,
+    pub(super) latencies: Bound<'py, PyList>,
+    pub(super) timestamp: f64,
+    pub(super) nans: bool,
+    pub(super) generated: i64,
+}
+
+/// One request's text, token ids and sample logprobs (see the module doc).
+#[pyclass(module = "corewire._native", name = "RequestText")]
+pub struct RequestText {
+    pub(super) shared: Arc<Shared>,
+    /// `None` when the request asked for no detokenization.
+    pub(super) stream: Option<DecodeStream>,
+    pub(super) text: OutputText,
+    pub(super) token_ids: Py<PyList>,
+    pub(super) num_logprobs: Option<i64>,
+    pub(super) logprobs: Option<Py<PyList>>,
+    pub(super) cumulative: f64,
+    /// The sampled ids of the last positions (the context of candidate corrections).
+    pub(super) sampled: Vec<u32>,
+    // What the request's outputs carry, fixed when it was added.
+    pub(super) request_id: Py<PyString>,
+    pub(super) external_req_id: Py<PyAny>,
+    pub(super) prompt: Py<PyAny>,
+    pub(super) prompt_token_ids: Py<PyAny>,
+    pub(super) lora_request: Py<PyAny>,
+    pub(super) request_index: Py<PyAny>,
+    pub(super) output_kind: u8,
+    pub(super) queue: Py<PyAny>,
+    /// Whether `queue` is exactly vLLM's `RequestOutputCollector` (its `put` is then
+    /// done here for the common case, see `hand_off`).
+    pub(super) plain_collector: bool,
+    pub(super) stats: Option<Py<PyAny>>,
+}
+
+impl RequestText {
+    fn take_ids(&mut self, py: Python<'_>, new_ids: &Bound<'_, PyAny>) -> PyResult<Vec<i64>> {
+        let list = self.token_ids.bind(py);
+        let mut ids = Vec::new();
+        let mut take = |id: Bound<'_, PyAny>| -> PyResult<()> {
+            // An id that is no int, or out of range, decodes to nothing (as in vLLM).
+            ids.push(id.extract::<i64>().unwrap_or(-1));
+            list.append(id)
+        };
+        // Index a list (no iterator object: one allocation less per output).
+        if let Ok(new_list) = new_ids.cast::<PyList>() {
+            for i in 0..new_list.len() {
+                take(new_list.get_item(i)?)?;
+            }
+        } else {
+            for id in new_ids.try_iter()? {
+                take(id?)?;
+            }
+        }
+        Ok(ids)
+    }
+
+    /// Detokenizes `ids` and checks stop strings: the stop string's index, if one ended
+    /// the text.
+    fn detokenize(
+        &mut self,
+        py: Python<'_>,
+        ids: &[i64],
+        stop_terminated: bool,
+    ) -> PyResult<Option<usize>> {
+        let shared = &*self.shared;
+        let request_id = &self.request_id;
+        match self.stream.as_mut() {
+            None => self
+                .text
+                .update::<PyErr>(ids, stop_terminated, |_| Ok(String::new())),
+            Some(stream) => self.text.update(ids, stop_terminated, |id| {
+                let (piece, note) = stream
+                    .next(&shared.tokenizer, id)
+                    .map_err(|e| PyRuntimeError::new_err(e.0))?;
+                if let Some(note) = note {
+                    let msg = match note {
+                        StepNote::InvalidId(id) => format!("Encountered invalid token id: {id}"),
+                        StepNote::Restarted => format!(
+                            "Encountered invalid prefix detokenization error for request {}, \
+                             resetting decode stream.",
+                            request_id.bind(py)
+                        ),
+                    };
+                    shared.warn.bind(py).call1((msg,))?;
+                }
+                Ok(piece)
+            }),
+        }
+    }
+
+    /// Appends the positions of an output's `new_logprobs` (a `LogprobsLists`).
+    fn add_logprobs(&mut self, py: Python<'_>, lists: &Bound<'_, PyAny>) -> PyResult<()> {
+        let (Some(num), Some(store)) = (self.num_logprobs, self.logprobs.as_ref()) else {
+            return Err(PyRuntimeError::new_err(
+                "logprobs for a request that asked for none",
+            ));
+        };
+        let ids: Block<i64> = arrays::block(&arrays::item(lists, 0)?)?;
+        let lps: Block<f64> = arrays::block(&arrays::item(lists, 1)?)?;
+        let ranks: Block<i64> = arrays::block(&arrays::item(lists, 2)?)?;
+        let store = store.bind(py).clone();
+        let shared = Arc::clone(&self.shared);
+        let names = Names::get(py);
+        let positions = ids.rows.min(lps.rows).min(ranks.rows);
+        for p in 0..positions {
+            let (ids, lps, rank) = (ids.row(p), lps.row(p), ranks.row(p)[0]);
+            let wanted = if num == -1 {
+                lps.len()
+            } else {
+                num.max(0) as usize
+            };
+            let count = ids.len().min(lps.len()).min(1 + wanted);
+            let position = PyDict::new(py);
+            for i in 0..count {
+                let decoded = if self.stream.is_some() {
+                    self.candidate(py, &shared, ids[i])?.into_any()
+                } else {
+                    py.None().into_bound(py)
+                };
+                let rank = if i == 0 { rank } else { i as i64 };
+                let value = shared.instance(
+                    py,
+                    &shared.logprob,
+                    &[
+                        (&names.logprob, PyFloat::new(py, lps[i]).into_any()),
+                        (&names.rank, rank.into_bound_py_any(py)?),
+                        (&names.decoded_token, decoded),
+                    ],
+                )?;
+                untrack(&value);
+                position.set_item(ids[i], value)?;
+            }
+            // Keys are ints and values untracked Logprobs: no cycle can pass through the
+            // dict (CPython tracks it again if a container is ever stored in it).
+            untrack(&position);
+            store.append(position)?;
+            if let Some(&first) = lps.first() {
+                self.cumulative += first;
+            }
+            if let Some(&first) = ids.first() {
+                self.sampled.push(u32::try_from(first).unwrap_or(u32::MAX));
+                if self.sampled.len() > candidates::MAX_CONTEXT {
+                    self.sampled.remove(0);
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// A candidate's string at the current position.
+    fn candidate<'py>(
+        &self,
+        py: Python<'py>,
+        shared: &Shared,
+        id: i64,
+    ) -> PyResult<Bound<'py, PyString>> {
+        let (s, incomplete) = shared.single(py, id)?;
+        if !incomplete {
+            return Ok(s);
+        }
+        let token = u32::try_from(id).map_err(|_| PyValueError::new_err("negative token id"))?;
+        let fixed = candidates::correct(
+            token,
+            &self.sampled,
+            |ids| shared.decode(py, ids),
+            |t| Ok(shared.single(py, t as i64)?.1),
+        )?;
+        Ok(PyString::new(py, &fixed))
+    }
+
+    fn cumulative_value<'py>(&self, py: Python<'py>) -> Bound<'py, PyAny> {
+        match self.num_logprobs {
+            Some(_) => PyFloat::new(py, self.cumulative).into_any(),
+            None => py.None().into_bound(py),
+        }
+    }
+}
+
+#[pymethods]
+impl RequestText {
+    /// Detokenizer: takes new token ids; returns the stop string that ended the text.
+    fn update(
+        &mut self,
+        py: Python<'_>,
+        new_token_ids: &Bound<'_, PyAny>,
+        stop_terminated: bool,
+    ) -> PyResult<Option<String>> {
+        let ids = self.take_ids(py, new_token_ids)?;
+        Ok(self
+            .detokenize(py, &ids, stop_terminated)?
+            .map(|i| self.text.stop(i).to_owned()))
+    }
+
+    /// Detokenizer: the text of the next output (see `OutputText::next_output`).
+    fn get_next_output_text(&mut self, finished: bool, delta: bool) -> String {
+        self.text.next_output(finished, delta).to_owned()
+    }
+
+    /// Detokenizer: every output token id so far (the same list each time).
+    #[getter]
+    fn output_token_ids(&self, py: Python<'_>) -> Py<PyList> {
+        self.token_ids.clone_ref(py)
+    }
+
+    /// Detokenizer: the number of output token ids so far.
+    fn num_output_tokens(&self) -> usize {
+        self.text.tokens()
+    }
+
+    /// Detokenizer: the output text so far.
+    #[getter]
+    fn output_text(&self) -> &str {
+        self.text.text()
+    }
+
+    /// Logprobs processor: takes an output's sample logprobs.
+    fn update_from_output(&mut self, py: Python<'_>, output: &Bound<'_, PyAny>) -> PyResult<()> {
+        let names = Names::get(py);
+        if !output
+            .getattr(&names.new_prompt_logprobs_tensors)?
+            .is_none()
+        {
+            return Err(PyRuntimeError::new_err(
+                "prompt logprobs reached a request on corewire's native output path",
+            ));
+        }
+        let lists = output.getattr(&names.new_logprobs)?;
+        if !lists.is_none() {
+            self.add_logprobs(py, &lists)?;
+        }
+        Ok(())
+    }
+
+    /// Logprobs processor: the sample logprobs so far (a list of dicts), or None.
+    #[getter]
+    fn logprobs(&self, py: Python<'_>) -> Option<Py<PyList>> {
+        self.logprobs.as_ref().map(|l| l.clone_ref(py))
+    }
+
+    /// Logprobs processor: the sum of the sampled tokens' logprobs, or None.
+    #[getter]
+    fn cumulative_logprob<'py>(&self, py: Python<'py>) -> Bound<'py, PyAny> {
+        self.cumulative_value(py)
+    }
+
+    /// Logprobs processor: native requests never ask for prompt logprobs.
+    #[getter]
+    fn prompt_logprobs(&self) -> Option<Py<PyAny>> {
+        None
+    }
+
+    /// Logprobs processor: native requests never ask for prompt logprobs.
+    fn pop_prompt_logprobs(&self) -> Option<Py<PyAny>> {
+        None
+    }
+}
+
+impl RequestText {
+    /// vLLM's per-output work for a plain output (see `plain`); true when a stop string
+    /// finished the request.
+    pub(super) fn fast_output<'py>(
+        &mut self,
+        py: Python<'py>,
+        output: &Bound<'py, PyAny>,
+        req_state: &Bound<'py, PyAny>,
+        chunk: Option<&mut ChunkStats<'py>>,
+    ) -> PyResult<bool> {
+        let names = Names::get(py);
+        let new_ids = output.getattr(&names.new_token_ids)?;
+        // 1) Stats, as IterationStats.update_from_output does for a request past its
+        //    first token.
+        if let Some(c) = chunk {
+            let stats = self
+                .stats
+                .as_ref()
+                .ok_or_else(|| PyRuntimeError::new_err("stats logged but none kept"))?
+                .bind(py);
+            let n = new_ids.len()? as i64;
+            c.generated += n;
+            let had = stats
+                .getattr(&names.num_generation_tokens)?
+                .extract::<i64>()?;
+            stats.setattr(&names.num_generation_tokens, had + n)?;
+            if c.nans
+                && !stats.getattr(&names.is_corrupted)?.is_truthy()?
+                && output
+                    .getattr(&names.num_nans_in_logits)?
+                    .extract::<i64>()?
+                    > 0
+            {
+                stats.setattr(&names.is_corrupted, true)?;
+            }
+            let last = stats.getattr(&names.last_token_ts)?.extract::<f64>()?;
+            c.latencies.append(c.timestamp - last)?;
+            stats.setattr(&names.last_token_ts, c.timestamp)?;
+        }
+        // 2) Detokenize and check stop strings; 3) sample logprobs.
+        let ids = self.take_ids(py, &new_ids)?;
+        let stop = self.detokenize(py, &ids, false)?;
+        let lists = output.getattr(&names.new_logprobs)?;
+        if !lists.is_none() {
+            self.add_logprobs(py, &lists)?;
+        }
+        // 4) The RequestOutput, to the request's collector.
+        let finished = stop.is_some();
+        if finished || self.output_kind != FINAL_ONLY {
+            let out = self.request_output(py, req_state, &new_ids, stop)?;
+            self.hand_off(py, out)?;
+        }
+        Ok(finished)
+    }
+
+    /// `queue.put(out)`. For vLLM's own collector with nothing waiting in it, that is
+    /// storing the output and setting the ready event, done here without the Python
+    /// frame of `put`; merging into a waiting output stays with `put`.
+    fn hand_off<'py>(&self, py: Python<'py>, out: Bound<'py, PyAny>) -> PyResult<()> {
+        let names = Names::get(py);
+        let queue = self.queue.bind(py);
+        if self.plain_collector && queue.getattr(&names.output)?.is_none() {
+            queue.setattr(&names.output, out)?;
+            queue.getattr(&names.ready)?.call_method0(&names.set)?;
+            return Ok(());
+        }
+        queue.call_method1(&names.put, (out,))?;
+        Ok(())
+    }
+
+    /// The `RequestOutput` of a plain output, as vLLM's `RequestState` makes it.
+    fn request_output<'py>(
+        &mut self,
+        py: Python<'py>,
+        req_state: &Bound<'py, PyAny>,
+        new_ids: &Bound<'py, PyAny>,
+        stop: Option<usize>,
+    ) -> PyResult<Bound<'py, PyAny>> {
+        let n = Names::get(py);
+        let finished = stop.is_some();
+        let delta = self.output_kind == DELTA;
+        let text = PyString::new(py, self.text.next_output(finished, delta)).into_any();
+        let token_ids = if delta {
+            new_ids.clone()
+        } else {
+            self.token_ids.bind(py).clone().into_any()
+        };
+        let logprobs = match &self.logprobs {
+            None => py.None().into_bound(py),
+            Some(all) => {
+                let all = all.bind(py);
+                let len = all.len();
+                if delta && len > 0 {
+                    // Python's all[-k:], where k == 0 means the whole list.
+                    let k = token_ids.len()?;
+                    let start = if k == 0 { 0 } else { len.saturating_sub(k) };
+                    all.get_slice(start, len).into_any()
+                } else {
+                    all.clone().into_any()
+                }
+            }
+        };
+        let none = || py.None().into_bound(py);
+        let (reason, stop_reason) = match stop {
+            Some(i) => (
+                PyString::new(py, "stop").into_any(),
+                PyString::new(py, self.text.stop(i)).into_any(),
+            ),
+            None => (none(), none()),
+        };
+        let shared = &*self.shared;
+        let completion = shared.instance(
+            py,
+            &shared.completion_output,
+            &[
+                (&n.index, self.request_index.bind(py).clone()),
+                (&n.text, text),
+                (&n.token_ids, token_ids),
+                (&n.cumulative_logprob, self.cumulative_value(py)),
+                (&n.logprobs, logprobs),
+                (&n.routed_experts, none()),
+                (&n.finish_reason, reason),
+                (&n.stop_reason, stop_reason),
+                (&n.lora_request, none()),
+            ],
+        )?;
+        let metrics = match &self.stats {
+            Some(s) => s.bind(py).clone(),
+            None => none(),
+        };
+        shared.instance(
+            py,
+            &shared.request_output,
+            &[
+                (&n.request_id, self.external_req_id.bind(py).clone()),
+                (&n.prompt, self.prompt.bind(py).clone()),
+                (&n.prompt_token_ids, self.prompt_token_ids.bind(py).clone()),
+                (&n.prompt_logprobs, none()),
+                (&n.outputs, PyList::new(py, [completion])?.into_any()),
+                (&n.finished, finished.into_bound_py_any(py)?),
+                (&n.metrics, metrics),
+                (&n.lora_request, self.lora_request.bind(py).clone()),
+                (&n.encoder_prompt, none()),
+                (&n.encoder_prompt_token_ids, none()),
+                (
+                    &n.num_cached_tokens,
+                    req_state.getattr(&n.num_cached_tokens)?,
+                ),
+                (&n.kv_transfer_params, none()),
+            ],
+        )
+    }
+}
