@@ -27,7 +27,6 @@ import tokenizers.decoders
 import vllm.envs as envs
 from vllm.logprobs import Logprob
 from vllm.outputs import CompletionOutput, RequestOutput
-from vllm.sampling_params import RequestOutputKind
 from vllm.tokenizers.detokenizer_utils import convert_ids_list_to_tokens
 from vllm.v1.engine import FinishReason
 from vllm.v1.engine.detokenizer import USE_FAST_DETOKENIZER
@@ -252,7 +251,7 @@ class NativeOutputProcessor(OutputProcessor):
             request.prompt_token_ids,
             request.lora_request,
             request_index,
-            _KIND_NUMBERS[params.output_kind],
+            params.output_kind.value,
             queue,
             type(queue) is RequestOutputCollector,
             stats_state.stats,
@@ -300,6 +299,3 @@ class NativeOutputProcessor(OutputProcessor):
             result.reqs_to_abort.append(req_id)
             self._update_stats_from_finished(req_state, FinishReason.STOP, iteration_stats)
         return result
-
-
-_KIND_NUMBERS = {kind: kind.value for kind in RequestOutputKind}

@@ -110,11 +110,6 @@ impl TextDecoder {
         self.bytes.is_some()
     }
 
-    /// The tokenizer.
-    pub fn tokenizer(&self) -> &Tokenizer {
-        &self.tokenizer
-    }
-
     /// The text of `ids` (special tokens left out when `skip_special_tokens`).
     pub fn decode(&self, ids: &[u32], skip_special_tokens: bool) -> Result<String, DecodeError> {
         match &self.bytes {
