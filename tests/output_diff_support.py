@@ -224,11 +224,11 @@ class TokenizerInfo:
 # Which requests go native
 
 
-def processor_goes_native(tokenizer: Any, *, stream_interval: int, tracing: bool) -> bool:
+def processor_goes_native(tokenizer: Any, *, tracing: bool) -> bool:
     """Whether a processor so built may take the native path at all: not without a
-    tokenizer, with ``stream_interval > 1`` or with tracing
-    (docs/native-output-processing-notes.md §3.3)."""
-    return tokenizer is not None and stream_interval == 1 and not tracing
+    tokenizer or with tracing (docs/native-output-processing-notes.md §3.3). Any
+    ``stream_interval`` may."""
+    return tokenizer is not None and not tracing
 
 
 def expected_native(
@@ -892,9 +892,7 @@ class Pair:
         sides = {"collectors": collectors, "chunk": chunk}
         self.reference = Side(OutputProcessor(tokenizer, **kwargs), **sides)
         self.candidate = Side(candidate_cls(tokenizer, **kwargs), **sides)
-        self.processor_native = processor_goes_native(
-            tokenizer, stream_interval=stream_interval, tracing=tracing
-        )
+        self.processor_native = processor_goes_native(tokenizer, tracing=tracing)
         self.label = label
         self.steps = 0
         self.natives: dict[str, bool] = {}

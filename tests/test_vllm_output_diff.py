@@ -134,6 +134,30 @@ def test_random_workload_server_options(
     _check_fast_path_ran(result.pair)
 
 
+@pytest.mark.parametrize("seed", range(6))
+@pytest.mark.parametrize("interval", [2, 3, 7])
+def test_random_workload_stream_interval(
+    bpe: TokenizerInfo, candidate: type[OutputProcessor], seed: int, interval: int
+) -> None:
+    """``--stream-interval`` above 1 on the native path: a ``DELTA`` request's outputs
+    wait for ``interval`` new tokens (its first and its finish go at once) and then carry
+    every token, text and logprob since the last one sent; other kinds send each
+    output (vLLM moves the sent-token offset only for ``DELTA``). Stop strings finish
+    a request between two intervals; draining every 1 or 2 steps merges some outputs."""
+    cls = candidate
+    sim = EngineSim(5000 + 10 * interval + seed, bpe, REQUESTS, max_stop_chars=12)
+    result = run_workload(
+        sim,
+        bpe.tokenizer,
+        cls,
+        drain_every=1 + seed % 2,
+        stream_interval=interval,
+        label=f"seed {seed}, interval {interval}",
+    )
+    _check_fast_path_ran(result.pair)
+    assert result.pair.candidate.processor.stream_interval == interval
+
+
 @pytest.mark.parametrize("seed", range(8))
 def test_random_workload_word_level(
     word_level: TokenizerInfo, candidate: type[OutputProcessor], seed: int
@@ -149,8 +173,8 @@ def test_random_workload_word_level(
 @pytest.mark.parametrize("seed", range(3))
 @pytest.mark.parametrize(
     "processor",
-    [{"stream_interval": 3}, {"tracing": True}, {"tokenizer": None}, {"collectors": False}],
-    ids=["stream-interval", "tracing", "no-tokenizer", "llm-engine"],
+    [{"tracing": True}, {"tokenizer": None}, {"collectors": False}],
+    ids=["tracing", "no-tokenizer", "llm-engine"],
 )
 def test_whole_processor_fallbacks(
     bpe: TokenizerInfo,
@@ -158,9 +182,9 @@ def test_whole_processor_fallbacks(
     processor: dict[str, Any],
     seed: int,
 ) -> None:
-    """vLLM's path for every request, and identical: ``stream_interval > 1``, tracing, no
-    tokenizer (``skip_tokenizer_init``), no collectors (``LLMEngine``: the outputs are
-    returned, compared in order)."""
+    """vLLM's path for every request, and identical: tracing, no tokenizer
+    (``skip_tokenizer_init``), no collectors (``LLMEngine``: the outputs are returned,
+    compared in order)."""
     cls = candidate
     sim = EngineSim(2000 + seed, bpe, 12)
     options = {"tokenizer": bpe.tokenizer, **processor}
@@ -277,6 +301,24 @@ class _NoKvParams(OutputProcessor):
         for output in engine_core_outputs:
             output.kv_transfer_params = None
         return super().process_outputs(engine_core_outputs, engine_core_timestamp, stats)
+
+
+class _IntervalIgnored(OutputProcessor):
+    """vLLM's processor sending every output whatever the stream interval."""
+
+    def __init__(self, tokenizer, *, log_stats, stream_interval=1, tracing_enabled=False):  # type: ignore[no-untyped-def]
+        super().__init__(
+            tokenizer, log_stats=log_stats, stream_interval=1, tracing_enabled=tracing_enabled
+        )
+
+
+def test_harness_catches_an_ignored_stream_interval(bpe: TokenizerInfo) -> None:
+    """With ``stream_interval=3`` on both sides, a processor that ignores it must fail."""
+    with pytest.raises(AssertionError, match=r"step \d+: "):
+        for seed in range(6):
+            run_workload(
+                EngineSim(seed, bpe, REQUESTS), bpe.tokenizer, _IntervalIgnored, stream_interval=3
+            )
 
 
 @pytest.mark.parametrize("mutant", [_NoUtf8Correction, _NoHoldBack, _NoEvents, _NoKvParams])

@@ -320,6 +320,7 @@ class OutputCore:
         lora_request: Any,
         request_index: int,
         output_kind: int,
+        stream_interval: int,
         queue: Any,
         plain_collector: bool,
         stats: Any | None,

@@ -89,12 +89,12 @@ def _layouts_match() -> bool:
     return all(tuple(vars(obj)) == _LAYOUTS[cls] for cls, obj in samples.items())
 
 
-def processor_refusal(tokenizer: Any, stream_interval: int, tracing_enabled: bool) -> str | None:
+def processor_refusal(tokenizer: Any, tracing_enabled: bool) -> str | None:
     """Why a whole processor must stay on vLLM's path, or None when it can go native.
 
     The native path decodes with the ``tokenizers`` crate what vLLM decodes with the
-    ``tokenizers`` package's ``DecodeStream``: only fast tokenizers qualify. Stream
-    intervals above 1 and tracing keep vLLM's code (not covered yet).
+    ``tokenizers`` package's ``DecodeStream``: only fast tokenizers qualify. Tracing
+    keeps vLLM's code (not covered yet).
     """
     from transformers import PreTrainedTokenizerFast
 
@@ -110,8 +110,6 @@ def processor_refusal(tokenizer: Any, stream_interval: int, tracing_enabled: boo
             f"the tokenizers package is {tokenizers.__version__}, the native path decodes "
             f"with the {TOKENIZERS_VERSION} crate"
         )
-    if stream_interval != 1:
-        return f"stream interval {stream_interval}"
     if tracing_enabled:
         return "tracing is enabled"
     if not _layouts_match():
@@ -162,7 +160,7 @@ class NativeOutputProcessor(OutputProcessor):
             tracing_enabled=tracing_enabled,
         )
         #: Why this processor stays on vLLM's path (None when it does not).
-        self.refusal = processor_refusal(tokenizer, stream_interval, tracing_enabled)
+        self.refusal = processor_refusal(tokenizer, tracing_enabled)
         self._core: OutputCore | None = None
         if self.refusal is not None:
             logger.info("corewire: vLLM's output processing kept: %s", self.refusal)
@@ -252,6 +250,7 @@ class NativeOutputProcessor(OutputProcessor):
             request.lora_request,
             request_index,
             params.output_kind.value,
+            self.stream_interval,
             queue,
             type(queue) is RequestOutputCollector,
             stats_state.stats,

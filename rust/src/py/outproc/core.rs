@@ -94,13 +94,13 @@ impl OutputCore {
 
     /// The native state of a new request: `stop` (its stop strings: empty without
     /// detokenization), `num_logprobs` (None without sample logprobs), `output_kind`
-    /// (vLLM's number), `plain_collector` (`queue` is exactly vLLM's
-    /// `RequestOutputCollector`), and what its outputs carry.
+    /// (vLLM's number), `stream_interval` (the processor's), `plain_collector` (`queue`
+    /// is exactly vLLM's `RequestOutputCollector`), and what its outputs carry.
     #[allow(clippy::too_many_arguments)]
     #[pyo3(signature = (request_id, external_req_id, prompt, prompt_token_ids, lora_request,
-        request_index, output_kind, queue, plain_collector, stats, detokenize, skip_special_tokens,
-        spaces_between_special_tokens, stop, min_tokens, include_stop_str_in_output,
-        num_logprobs))]
+        request_index, output_kind, stream_interval, queue, plain_collector, stats, detokenize,
+        skip_special_tokens, spaces_between_special_tokens, stop, min_tokens,
+        include_stop_str_in_output, num_logprobs))]
     fn request(
         &self,
         py: Python<'_>,
@@ -111,6 +111,7 @@ impl OutputCore {
         lora_request: Py<PyAny>,
         request_index: Py<PyAny>,
         output_kind: u8,
+        stream_interval: i64,
         queue: Py<PyAny>,
         plain_collector: bool,
         stats: Option<Py<PyAny>>,
@@ -159,6 +160,7 @@ impl OutputCore {
             lora_request,
             request_index,
             output_kind,
+            stream_interval,
             queue,
             plain_collector,
             stats,

@@ -49,6 +49,9 @@ pub struct RequestText {
     pub(super) lora_request: Py<PyAny>,
     pub(super) request_index: Py<PyAny>,
     pub(super) output_kind: u8,
+    /// vLLM's stream interval: above 1, a `DELTA` request's outputs wait until this many
+    /// tokens are new (its `RequestState.sent_tokens_offset` keeps the count sent).
+    pub(super) stream_interval: i64,
     pub(super) queue: Py<PyAny>,
     /// Whether `queue` is exactly vLLM's `RequestOutputCollector` (its `put` is then
     /// done here for the common case, see `hand_off`).
@@ -328,10 +331,45 @@ impl RequestText {
         // 4) The RequestOutput, to the request's collector.
         let finished = stop.is_some();
         if finished || self.output_kind != FINAL_ONLY {
-            let out = self.request_output(py, req_state, &new_ids, stop)?;
-            self.hand_off(py, out)?;
+            if let Some(token_ids) = self.interval_ids(py, req_state, new_ids, finished)? {
+                let out = self.request_output(py, req_state, &token_ids, stop)?;
+                self.hand_off(py, out)?;
+            }
         }
         Ok(finished)
+    }
+
+    /// The token ids of this output's `RequestOutput` under the stream interval, as
+    /// vLLM's `make_request_output` chooses them, or None when the output waits: above
+    /// 1, only a finish, a request's first sent output or `stream_interval` new tokens
+    /// are sent, and a `DELTA` output then carries every id since the last one sent.
+    /// (Other kinds never move `sent_tokens_offset` from 0, so every output is sent: as
+    /// in vLLM.)
+    fn interval_ids<'py>(
+        &self,
+        py: Python<'py>,
+        req_state: &Bound<'py, PyAny>,
+        new_ids: Bound<'py, PyAny>,
+        finished: bool,
+    ) -> PyResult<Option<Bound<'py, PyAny>>> {
+        if self.stream_interval <= 1 {
+            return Ok(Some(new_ids));
+        }
+        let names = Names::get(py);
+        let offset: i64 = req_state.getattr(&names.sent_tokens_offset)?.extract()?;
+        let total = self.text.tokens() as i64;
+        if !(finished || offset == 0 || total - offset >= self.stream_interval) {
+            return Ok(None);
+        }
+        if self.output_kind != DELTA {
+            return Ok(Some(new_ids));
+        }
+        let all = self.token_ids.bind(py);
+        // Python's all[offset:] (an offset is never negative: vLLM only stores counts).
+        let start = usize::try_from(offset).unwrap_or(0).min(all.len());
+        let ids = all.get_slice(start, all.len()).into_any();
+        req_state.setattr(&names.sent_tokens_offset, total)?;
+        Ok(Some(ids))
     }
 
     /// `queue.put(out)`. For vLLM's own collector with nothing waiting in it, that is
