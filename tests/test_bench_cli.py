@@ -133,6 +133,10 @@ def test_serve_arguments(capsys: pytest.CaptureFixture[str]) -> None:
     )  # fmt: skip
     assert args.native_profile is False
     assert args.profile_dir is None
+    assert args.stream_interval == 1
+    assert serve_bench._server_args(args) == ()
+    args = parser.parse_args(["bench", "serve", "--stream-interval", "8", "--no-stats"])
+    assert serve_bench._server_args(args) == ("--disable-log-stats", "--stream-interval", "8")
     args = parser.parse_args(["bench", "serve", "--native-profile", "--profile-dir", "p"])
     assert (args.native_profile, args.profile_dir) == (True, "p")
     args = parser.parse_args(
@@ -159,6 +163,7 @@ def test_serve_arguments(capsys: pytest.CaptureFixture[str]) -> None:
     for flag in (
         "--chunk-streams",
         "--chunk-step-delay",
+        "--stream-interval",
         "corewire+output",
         "COREWIRE_VLLM_OUTPUT",
     ):
@@ -183,6 +188,9 @@ def test_bad_arguments_stop_before_any_run(capsys: pytest.CaptureFixture[str]) -
         assert cli.main(["bench", "serve", *bad]) == 2
         expected = "--chunk-step-delay positive" if HAVE_VLLM else "vLLM is not installed"
         assert expected in capsys.readouterr().err
+    assert cli.main(["bench", "serve", "--stream-interval", "0"]) == 2
+    expected = "--stream-interval must be at least 1" if HAVE_VLLM else "vLLM is not installed"
+    assert expected in capsys.readouterr().err
 
 
 def test_decode_json_and_plot(tmp_path: Path) -> None:
