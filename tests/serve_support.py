@@ -113,9 +113,11 @@ def running_stack(
     engine_overrides: Mapping[str, Any] | None = None,
     server_env: Mapping[str, str] | None = None,
     api_servers: int = 1,
+    extra_server_args: tuple[str, ...] = (),
     timeout: float = 90.0,
 ) -> Iterator[ServeStack]:
-    """A started stack with its model directory and logs under ``workdir``; stopped on exit."""
+    """A started stack with its model directory and logs under ``workdir``; stopped on exit
+    (``extra_server_args``: more ``vllm serve`` flags)."""
     model_dir = write_model_dir(workdir / "model", max_model_len=MAX_MODEL_LEN)
     stack = ServeStack(
         model_dir,
@@ -128,6 +130,7 @@ def running_stack(
         log_dir=workdir / "logs",
         server_env=server_env,
         api_servers=api_servers,
+        extra_server_args=extra_server_args,
     )
     stack.start(timeout=timeout)
     try:
@@ -691,17 +694,17 @@ def metrics_delta(
     return {key: value for key, value in delta.items() if value}
 
 
-def _without_ids(obj: Any) -> Any:
+def without_ids(obj: Any) -> Any:
     """A response without the fields that differ between identical requests (the request
     id, the creation time) or servers (the fingerprint of the server's configuration)."""
     if isinstance(obj, dict):
         return {
-            k: _without_ids(v)
+            k: without_ids(v)
             for k, v in obj.items()
             if k not in ("id", "created", "system_fingerprint")
         }
     if isinstance(obj, list):
-        return [_without_ids(v) for v in obj]
+        return [without_ids(v) for v in obj]
     return obj
 
 
@@ -793,7 +796,7 @@ def output_workload(http: httpx.Client) -> list[dict[str, Any]]:
     results: list[dict[str, Any]] = []
 
     def plain(**body: Any) -> dict[str, Any]:
-        out = _without_ids(completion(http, **body))
+        out = without_ids(completion(http, **body))
         results.append(out)
         return out
 
@@ -822,7 +825,7 @@ def output_workload(http: httpx.Client) -> list[dict[str, Any]]:
     # vLLM seeds per child), which the native path may leave to vLLM's own.
     plain(**{**base, "max_tokens": 4}, echo=True)
     body = {**base, "max_tokens": 6, "temperature": 0.8}
-    two = CloseFloats(_without_ids(completion(http, **body, n=2, seed=1234)))
+    two = CloseFloats(without_ids(completion(http, **body, n=2, seed=1234)))
     results.append(two)
     assert [c["index"] for c in two["choices"]] == [0, 1]
 
@@ -835,13 +838,13 @@ def output_workload(http: httpx.Client) -> list[dict[str, Any]]:
         "top_logprobs": 5,
         "return_token_ids": True,
     }
-    answer = _without_ids(chat(http, **chat_base))
+    answer = without_ids(chat(http, **chat_base))
     results.append(answer)
     content = answer["choices"][0]["message"]["content"]
     joined = streamed("/v1/chat/completions", _joined_chat_stream, **chat_base)
     assert joined["content"] == content
     chat_stop = _stop_across_tokens(content, 4)
-    cut_chat = _without_ids(chat(http, **chat_base, stop=[chat_stop]))
+    cut_chat = without_ids(chat(http, **chat_base, stop=[chat_stop]))
     results.append(cut_chat)
     assert cut_chat["choices"][0]["finish_reason"] == "stop"
     assert cut_chat["choices"][0]["message"]["content"] == content[: content.index(chat_stop)]

@@ -54,6 +54,7 @@ from serve_support import (
     check_stop_string,
     check_two_api_servers_with_corewire_clients,
     check_two_engines_behind_one_front_end,
+    first_difference,
     http_client,
     kill_engine_under_load,
     missing_prerequisite,
@@ -62,6 +63,8 @@ from serve_support import (
     running_stack,
     server_log,
     shared_stack,
+    stream,
+    without_ids,
 )
 
 _MISSING = missing_prerequisite()
@@ -220,6 +223,55 @@ async def test_engine_killed_under_load_fails_requests_and_health(tmp_path: Path
         # Streams end with an error event (their 200 status is already sent), plain
         # requests with a 5xx status; none hangs, none finishes.
         assert sorted(map(str, results)) == sorted(["500"] * (n // 2) + ["error event"] * (n // 2))
+
+
+@pytest.mark.skipif(_NO_OUTPUT is not None, reason=_NO_OUTPUT or "")
+def test_stream_interval_with_native_output(tmp_path: Path) -> None:
+    """``vllm serve --stream-interval 4``: corewire's native output processing stays on
+    (no "kept" line) and streams the same events as vLLM's output processing under the
+    same client, chunk for chunk: the first token alone, then four tokens (text, ids and
+    logprobs) per chunk, the rest with the finish; chat and a stop string too."""
+    interval = ("--stream-interval", "4")
+    body = {"prompt": "the old house on the hill", "max_tokens": 14, "temperature": 0.0}
+    body |= {"ignore_eos": True, "logprobs": 5, "return_token_ids": True}
+    chat_body: dict[str, Any] = {
+        "messages": [{"role": "user", "content": "tell me about the old house"}],
+        "max_tokens": 11,
+        "temperature": 0.0,
+        "ignore_eos": True,
+        "logprobs": True,
+        "top_logprobs": 3,
+    }
+    events: dict[str, list[Any]] = {}
+    for setting in ("corewire", "corewire+output"):
+        client, env = SETTINGS[setting]
+        workdir = tmp_path / setting.replace("+", "-")
+        with (
+            running_stack(
+                workdir, client=client, server_env=env, extra_server_args=interval
+            ) as stack,
+            http_client(stack) as http,
+        ):
+            log = server_log(stack)
+            assert (OUTPUT_LOG_LINE in log) == (setting == "corewire+output"), log[-2000:]
+            assert OUTPUT_KEPT_LOG_LINE not in log
+            text = "".join(
+                e["choices"][0]["text"]
+                for e in stream(http, "/v1/completions", **body)
+                if e["choices"]
+            )
+            stop = text.split()[4]
+            events[setting] = [
+                without_ids(stream(http, "/v1/completions", **body)),
+                without_ids(stream(http, "/v1/completions", **body, stop=[stop])),
+                without_ids(stream(http, "/v1/chat/completions", **chat_body)),
+            ]
+    for i, (mine, theirs) in enumerate(
+        zip(events["corewire+output"], events["corewire"], strict=True)
+    ):
+        assert mine == theirs, f"stream {i}: {first_difference(mine, theirs)}"
+    sizes = [len(e["choices"][0]["token_ids"]) for e in events["corewire"][0] if e["choices"]]
+    assert sizes == [1, 4, 4, 4, 1], sizes
 
 
 def test_two_engines_behind_one_front_end(tmp_path: Path) -> None:
