@@ -37,6 +37,7 @@ from typing import Any
 
 import numpy as np
 import torch
+from vllm.logprobs import FlatLogprobs
 from vllm.lora.request import LoRARequest
 from vllm.outputs import RequestOutput
 from vllm.sampling_params import RequestOutputKind, SamplingParams
@@ -236,7 +237,7 @@ def expected_native(
 ) -> bool:
     """Whether ``request`` (one of ``n`` siblings; ``queued``: added with a collector, as
     ``AsyncLLM`` adds) should take the native path in a processor that may
-    (:func:`processor_goes_native`): not for n > 1, prompt logprobs, ``flat_logprobs``,
+    (:func:`processor_goes_native`): not for n > 1, prompt logprobs,
     prompt embeddings, pooling or streaming input (notes §3.3)."""
     params = request.sampling_params
     return (
@@ -245,7 +246,6 @@ def expected_native(
         and n == 1
         and params is not None
         and params.prompt_logprobs is None
-        and not params.flat_logprobs
         and request.prompt_embeds is None
         and not request.resumable
     )
@@ -444,7 +444,7 @@ class EngineSim:
         rng, info = self.rng, self.info
         kind = "native"
         if rng.random() < fallback_share:
-            kind = rng.choice(["parallel", "prompt_logprobs", "flat", "embeds"])
+            kind = rng.choice(["parallel", "prompt_logprobs", "embeds"])
         max_tokens = rng.randint(1, max_tokens_cap)
         detokenize = rng.random() > 0.1
         skip = rng.random() < 0.5
@@ -463,9 +463,9 @@ class EngineSim:
             params["n"] = rng.randint(2, 3)
         elif kind == "prompt_logprobs":
             params["prompt_logprobs"] = rng.choice([0, 1, 3])
-        elif kind == "flat":
+        if rng.random() < 0.2:
+            # vLLM's FlatLogprobs container: native requests fill it natively.
             params["flat_logprobs"] = True
-            params["logprobs"] = rng.choice([0, 2])
         external = f"ext-{index}"
         if index and rng.random() < 0.04:
             # The same user id twice: aborting it by that id aborts both.
@@ -682,6 +682,12 @@ class EngineSim:
 def _logprobs_snapshot(logprobs: Any) -> Any:
     if logprobs is None:
         return None
+    if isinstance(logprobs, FlatLogprobs):
+        # Its own lists, with each item's type: reading positions would merge duplicates.
+        return "FlatLogprobs", {
+            f.name: [(v, type(v).__name__) for v in getattr(logprobs, f.name)]
+            for f in dataclasses.fields(logprobs)
+        }
     positions = []
     for i in range(len(logprobs)):
         position = logprobs[i]

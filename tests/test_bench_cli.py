@@ -409,7 +409,9 @@ def test_output_json_and_plot(tmp_path: Path) -> None:
     proc = bench("output", "--quick", "--batch", "32", "--json", str(out), "--plot", str(png))
     assert proc.returncode == 0, proc.stdout + proc.stderr
     doc = read_results(out, "output")
-    assert [c["case"] for c in doc["cases"]] == ["plain", "stop strings", "logprobs 5"]
+    assert [c["case"] for c in doc["cases"]] == [
+        "plain", "stop strings", "logprobs 5", "flat logprobs 5",
+    ]  # fmt: skip
     for case in doc["cases"]:
         assert case["identical_texts"] is True
         ns = case["ns_per_output"]

@@ -215,12 +215,21 @@ def _coverage(outputs: list[tuple[str, Any]], info: TokenizerInfo) -> Counter[st
                 continue
             kind, positions = c["logprobs"]
             seen[f"{kind} logprobs"] += 1
+            if kind == "FlatLogprobs":
+                # The snapshot holds the flat lists; their candidates as (id, text) pairs.
+                pairs = [
+                    list(zip([v for v, _ in positions["token_ids"]],
+                             [v for v, _ in positions["decoded_tokens"]], strict=True))
+                ]  # fmt: skip
+                positions = positions["start_indices"]
+            else:
+                pairs = [[(p[0], p[3]) for p in position] for position in positions]
             if c["finish_reason"] == "abort" and positions:
                 seen["abort output with logprobs"] += 1
             if c["finish_reason"] is None and not c["token_ids"] and positions:
                 seen["DELTA output without tokens, with logprobs"] += 1
-            for position in positions:
-                for token_id, _, _, text, _ in position:
+            for position in pairs:
+                for token_id, text in position:
                     if text is not None and decode([token_id]).endswith("\ufffd"):
                         seen["U+FFFD candidate"] += 1
                         if text:
@@ -303,6 +312,16 @@ class _NoKvParams(OutputProcessor):
         return super().process_outputs(engine_core_outputs, engine_core_timestamp, stats)
 
 
+class _FlatAsDicts(OutputProcessor):
+    """vLLM's processor keeping ``flat_logprobs`` requests' logprobs as position dicts."""
+
+    def add_request(self, request, prompt, parent_req=None, request_index=0, queue=None):  # type: ignore[no-untyped-def]
+        if request.sampling_params is not None and request.sampling_params.flat_logprobs:
+            request.sampling_params = request.sampling_params.clone()
+            request.sampling_params.flat_logprobs = False
+        super().add_request(request, prompt, parent_req, request_index, queue)
+
+
 class _IntervalIgnored(OutputProcessor):
     """vLLM's processor sending every output whatever the stream interval."""
 
@@ -321,7 +340,9 @@ def test_harness_catches_an_ignored_stream_interval(bpe: TokenizerInfo) -> None:
             )
 
 
-@pytest.mark.parametrize("mutant", [_NoUtf8Correction, _NoHoldBack, _NoEvents, _NoKvParams])
+@pytest.mark.parametrize(
+    "mutant", [_NoUtf8Correction, _NoHoldBack, _NoEvents, _NoKvParams, _FlatAsDicts]
+)
 def test_harness_catches_a_wrong_processor(bpe: TokenizerInfo, mutant: type) -> None:
     """vLLM's processor with one thing changed must fail the comparison (not crash)."""
     with pytest.raises(AssertionError, match=r"step \d+: "):

@@ -331,6 +331,7 @@ class OutputCore:
         min_tokens: int,
         include_stop_str_in_output: bool,
         num_logprobs: int | None,
+        flat_logprobs: Any | None = None,
     ) -> RequestText:
         """The native state of a new request."""
     def process(

@@ -24,11 +24,12 @@ from corewire.bench import bpe, common
 
 __all__ = ["add_arguments", "run"]
 
-#: case name -> (top logprobs per token or None, stop strings)
-CASES: dict[str, tuple[int | None, list[str] | None]] = {
-    "plain": (None, None),
-    "stop strings": (None, ["\x00never", "nor\x00this"]),
-    "logprobs 5": (5, None),
+#: case name -> (top logprobs per token or None, stop strings, flat_logprobs)
+CASES: dict[str, tuple[int | None, list[str] | None, bool]] = {
+    "plain": (None, None, False),
+    "stop strings": (None, ["\x00never", "nor\x00this"], False),
+    "logprobs 5": (5, None, False),
+    "flat logprobs 5": (5, None, True),
 }
 
 #: The output handler's chunk (vLLM's VLLM_V1_OUTPUT_PROC_CHUNK_SIZE default).
@@ -51,14 +52,18 @@ def _workload(
     from vllm.v1.engine import EngineCoreOutput, EngineCoreRequest
     from vllm.v1.outputs import LogprobsLists
 
-    logprobs, stop = CASES[case]
+    logprobs, stop, flat = CASES[case]
     rng = random.Random(seed)
     vocab = len(tok)
     requests, texts = [], []
     for i in range(batch):
         ids = tok.encode(bpe.sample_text(rng, 120, vocabulary))
         params = SamplingParams(
-            max_tokens=10_000, logprobs=logprobs, stop=stop, output_kind=RequestOutputKind.DELTA
+            max_tokens=10_000,
+            logprobs=logprobs,
+            stop=stop,
+            output_kind=RequestOutputKind.DELTA,
+            flat_logprobs=flat,
         )
         request = EngineCoreRequest(
             request_id=f"req-{i}",
@@ -159,7 +164,7 @@ def run(args: argparse.Namespace) -> int:
         f"output processing, {args.batch} requests x {steps} steps, one token each, "
         f"DELTA, stats on; CPU ns per output, median of {trials} interleaved trials"
     )
-    print(f"{'case':<14} {'vLLM 0.25.1':>12} {'corewire':>10} {'ratio':>7}  texts")
+    print(f"{'case':<16} {'vLLM 0.25.1':>12} {'corewire':>10} {'ratio':>7}  texts")
     rows = []
     for case in CASES:
         work = _workload(tok, vocabulary, case, args.batch, steps, seed=1)
@@ -174,7 +179,7 @@ def run(args: argparse.Namespace) -> int:
         vllm_ns, ours_ns = statistics.median(ns["vllm"]), statistics.median(ns["corewire"])
         ratio = vllm_ns / ours_ns
         print(
-            f"{case:<14} {vllm_ns:>12,.0f} {ours_ns:>10,.0f} {ratio:>6.2f}x  "
+            f"{case:<16} {vllm_ns:>12,.0f} {ours_ns:>10,.0f} {ratio:>6.2f}x  "
             f"{'identical' if same else 'DIFFERENT'}"
         )
         rows.append(

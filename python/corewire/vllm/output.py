@@ -25,7 +25,7 @@ from typing import Any
 import tokenizers
 import tokenizers.decoders
 import vllm.envs as envs
-from vllm.logprobs import Logprob
+from vllm.logprobs import Logprob, create_sample_logprobs
 from vllm.outputs import CompletionOutput, RequestOutput
 from vllm.tokenizers.detokenizer_utils import convert_ids_list_to_tokens
 from vllm.v1.engine import FinishReason
@@ -120,8 +120,8 @@ def processor_refusal(tokenizer: Any, tracing_enabled: bool) -> str | None:
 def native_refusal(request: Any, parent_req: Any, queue: Any) -> str | None:
     """Why one request must stay on vLLM's path (None: it goes native).
 
-    Parallel sampling (n > 1), pooling, prompt embeddings, prompt logprobs, flat
-    logprobs, streaming input and the synchronous engine (no collector) keep vLLM's code.
+    Parallel sampling (n > 1), pooling, prompt embeddings, prompt logprobs, streaming
+    input and the synchronous engine (no collector) keep vLLM's code.
     """
     params = request.sampling_params
     if params is None:
@@ -134,8 +134,6 @@ def native_refusal(request: Any, parent_req: Any, queue: Any) -> str | None:
         return "prompt embeddings"
     if params.prompt_logprobs is not None:
         return "prompt logprobs"
-    if params.flat_logprobs:
-        return "flat logprobs"
     if request.resumable:
         return "streaming input"
     return None
@@ -261,6 +259,8 @@ class NativeOutputProcessor(OutputProcessor):
             params.min_tokens,
             params.include_stop_str_in_output,
             params.num_logprobs,
+            # vLLM's own container, filled natively: its slices and reads stay vLLM's.
+            create_sample_logprobs(True) if params.flat_logprobs else None,
         )
         # One object answers both roles: it holds the text and the sample logprobs.
         stats_state.detokenizer = text

@@ -16,6 +16,7 @@ use crate::core::text::stream::DecodeStream;
 
 use super::names::Names;
 use super::request::{ChunkStats, RequestText, FINAL_ONLY};
+use super::samples::SampleLogprobs;
 use super::shared::Shared;
 
 /// The processor's native half (see the module doc).
@@ -93,14 +94,15 @@ impl OutputCore {
     }
 
     /// The native state of a new request: `stop` (its stop strings: empty without
-    /// detokenization), `num_logprobs` (None without sample logprobs), `output_kind`
+    /// detokenization), `num_logprobs` (None without sample logprobs), `flat_logprobs`
+    /// (an empty vLLM `FlatLogprobs` for requests that asked for it), `output_kind`
     /// (vLLM's number), `stream_interval` (the processor's), `plain_collector` (`queue`
     /// is exactly vLLM's `RequestOutputCollector`), and what its outputs carry.
     #[allow(clippy::too_many_arguments)]
     #[pyo3(signature = (request_id, external_req_id, prompt, prompt_token_ids, lora_request,
         request_index, output_kind, stream_interval, queue, plain_collector, stats, detokenize,
         skip_special_tokens, spaces_between_special_tokens, stop, min_tokens,
-        include_stop_str_in_output, num_logprobs))]
+        include_stop_str_in_output, num_logprobs, flat_logprobs = None))]
     fn request(
         &self,
         py: Python<'_>,
@@ -122,6 +124,7 @@ impl OutputCore {
         min_tokens: usize,
         include_stop_str_in_output: bool,
         num_logprobs: Option<i64>,
+        flat_logprobs: Option<Bound<'_, PyAny>>,
     ) -> PyResult<RequestText> {
         if output_kind > FINAL_ONLY {
             return Err(PyValueError::new_err(format!(
@@ -150,7 +153,11 @@ impl OutputCore {
             text: OutputText::new(rules),
             token_ids: PyList::empty(py).unbind(),
             num_logprobs,
-            logprobs: num_logprobs.map(|_| PyList::empty(py).unbind()),
+            logprobs: match (num_logprobs, flat_logprobs) {
+                (None, _) => None,
+                (Some(_), None) => Some(SampleLogprobs::dicts(py)),
+                (Some(_), Some(flat)) => Some(SampleLogprobs::flat(&flat)?),
+            },
             cumulative: 0.0,
             sampled: Vec::new(),
             request_id,

@@ -10,11 +10,13 @@
 //!
 //! Modules: `shared` (the tokenizer, vLLM's classes and the candidate cache every request
 //! of a processor shares), `names` (interned attribute names), `request` (`RequestText`
-//! and the per-output work), `core` (`OutputCore`: the chunk loop).
+//! and the per-output work), `samples` (the sample logprobs container: position dicts or
+//! vLLM's `FlatLogprobs`), `core` (`OutputCore`: the chunk loop).
 
 mod core;
 mod names;
 mod request;
+mod samples;
 mod shared;
 
 pub use self::core::OutputCore;

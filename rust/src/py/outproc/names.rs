@@ -30,6 +30,11 @@ pub(super) struct Names {
     pub(super) logprob: Py<PyString>,
     pub(super) rank: Py<PyString>,
     pub(super) decoded_token: Py<PyString>,
+    // FlatLogprobs' lists (with `token_ids` and `logprobs` below).
+    pub(super) start_indices: Py<PyString>,
+    pub(super) end_indices: Py<PyString>,
+    pub(super) ranks: Py<PyString>,
+    pub(super) decoded_tokens: Py<PyString>,
     // CompletionOutput's fields, in order.
     pub(super) index: Py<PyString>,
     pub(super) text: Py<PyString>,
@@ -70,6 +75,10 @@ impl Names {
                 is_prefilling: n("is_prefilling"),
                 num_cached_tokens: n("num_cached_tokens"),
                 sent_tokens_offset: n("sent_tokens_offset"),
+                start_indices: n("start_indices"),
+                end_indices: n("end_indices"),
+                ranks: n("ranks"),
+                decoded_tokens: n("decoded_tokens"),
                 num_generation_tokens: n("num_generation_tokens"),
                 last_token_ts: n("last_token_ts"),
                 is_corrupted: n("is_corrupted"),

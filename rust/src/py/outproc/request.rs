@@ -4,7 +4,7 @@ use std::sync::Arc;
 
 use pyo3::exceptions::{PyRuntimeError, PyValueError};
 use pyo3::prelude::*;
-use pyo3::types::{PyDict, PyFloat, PyList, PyString};
+use pyo3::types::{PyFloat, PyList, PyString};
 use pyo3::IntoPyObjectExt;
 
 use crate::core::text::candidates;
@@ -12,7 +12,8 @@ use crate::core::text::output::OutputText;
 use crate::core::text::stream::{DecodeStream, StepNote};
 
 use super::names::Names;
-use super::shared::{untrack, Shared};
+use super::samples::{Candidate, SampleLogprobs};
+use super::shared::Shared;
 use crate::py::arrays::{self, Block};
 
 /// Output kinds, as vLLM's `RequestOutputKind` numbers them (0 is `CUMULATIVE`).
@@ -37,7 +38,7 @@ pub struct RequestText {
     pub(super) text: OutputText,
     pub(super) token_ids: Py<PyList>,
     pub(super) num_logprobs: Option<i64>,
-    pub(super) logprobs: Option<Py<PyList>>,
+    pub(super) logprobs: Option<SampleLogprobs>,
     pub(super) cumulative: f64,
     /// The sampled ids of the last positions (the context of candidate corrections).
     pub(super) sampled: Vec<u32>,
@@ -117,17 +118,29 @@ impl RequestText {
 
     /// Appends the positions of an output's `new_logprobs` (a `LogprobsLists`).
     fn add_logprobs(&mut self, py: Python<'_>, lists: &Bound<'_, PyAny>) -> PyResult<()> {
-        let (Some(num), Some(store)) = (self.num_logprobs, self.logprobs.as_ref()) else {
+        let (Some(num), Some(store)) = (self.num_logprobs, self.logprobs.take()) else {
             return Err(PyRuntimeError::new_err(
                 "logprobs for a request that asked for none",
             ));
         };
+        // Out of `self` while the positions are added (the candidates read `self`), and
+        // back whatever happens.
+        let added = self.add_positions(py, num, &store, lists);
+        self.logprobs = Some(store);
+        added
+    }
+
+    fn add_positions(
+        &mut self,
+        py: Python<'_>,
+        num: i64,
+        store: &SampleLogprobs,
+        lists: &Bound<'_, PyAny>,
+    ) -> PyResult<()> {
         let ids: Block<i64> = arrays::block(&arrays::item(lists, 0)?)?;
         let lps: Block<f64> = arrays::block(&arrays::item(lists, 1)?)?;
         let ranks: Block<i64> = arrays::block(&arrays::item(lists, 2)?)?;
-        let store = store.bind(py).clone();
         let shared = Arc::clone(&self.shared);
-        let names = Names::get(py);
         let positions = ids.rows.min(lps.rows).min(ranks.rows);
         for p in 0..positions {
             let (ids, lps, rank) = (ids.row(p), lps.row(p), ranks.row(p)[0]);
@@ -137,30 +150,21 @@ impl RequestText {
                 num.max(0) as usize
             };
             let count = ids.len().min(lps.len()).min(1 + wanted);
-            let position = PyDict::new(py);
-            for i in 0..count {
+            let entries = (0..count).map(|i| {
+                // The candidates' strings see the context of the positions before.
                 let decoded = if self.stream.is_some() {
                     self.candidate(py, &shared, ids[i])?.into_any()
                 } else {
                     py.None().into_bound(py)
                 };
-                let rank = if i == 0 { rank } else { i as i64 };
-                let value = shared.instance(
-                    py,
-                    &shared.logprob,
-                    &[
-                        (&names.logprob, PyFloat::new(py, lps[i]).into_any()),
-                        (&names.rank, rank.into_bound_py_any(py)?),
-                        (&names.decoded_token, decoded),
-                    ],
-                )?;
-                untrack(&value);
-                position.set_item(ids[i], value)?;
-            }
-            // Keys are ints and values untracked Logprobs: no cycle can pass through the
-            // dict (CPython tracks it again if a container is ever stored in it).
-            untrack(&position);
-            store.append(position)?;
+                Ok(Candidate {
+                    id: ids[i],
+                    logprob: lps[i],
+                    rank: if i == 0 { rank } else { i as i64 },
+                    decoded,
+                })
+            });
+            store.push(py, &shared, entries)?;
             if let Some(&first) = lps.first() {
                 self.cumulative += first;
             }
@@ -258,10 +262,11 @@ impl RequestText {
         Ok(())
     }
 
-    /// Logprobs processor: the sample logprobs so far (a list of dicts), or None.
+    /// Logprobs processor: the sample logprobs so far (a list of dicts, or vLLM's
+    /// `FlatLogprobs`), or None.
     #[getter]
-    fn logprobs(&self, py: Python<'_>) -> Option<Py<PyList>> {
-        self.logprobs.as_ref().map(|l| l.clone_ref(py))
+    fn logprobs<'py>(&self, py: Python<'py>) -> Option<Bound<'py, PyAny>> {
+        self.logprobs.as_ref().map(|l| l.object(py))
     }
 
     /// Logprobs processor: the sum of the sampled tokens' logprobs, or None.
@@ -406,18 +411,9 @@ impl RequestText {
         };
         let logprobs = match &self.logprobs {
             None => py.None().into_bound(py),
-            Some(all) => {
-                let all = all.bind(py);
-                let len = all.len();
-                if delta && len > 0 {
-                    // Python's all[-k:], where k == 0 means the whole list.
-                    let k = token_ids.len()?;
-                    let start = if k == 0 { 0 } else { len.saturating_sub(k) };
-                    all.get_slice(start, len).into_any()
-                } else {
-                    all.clone().into_any()
-                }
-            }
+            // vLLM slices a non-empty container to the output's new positions.
+            Some(all) if delta && all.len(py) > 0 => all.tail(py, token_ids.len()?)?,
+            Some(all) => all.object(py),
         };
         let none = || py.None().into_bound(py);
         let (reason, stop_reason) = match stop {
