@@ -308,7 +308,7 @@ class OutputCore:
         single_string: Any,
         python_decode: Any | None,
         warn: Any,
-        classes: tuple[Any, Any, Any],
+        classes: tuple[Any, Any, Any, Any],
         request_states: dict[str, Any],
     ) -> OutputCore: ...
     def request(

@@ -25,7 +25,7 @@ from typing import Any
 import tokenizers
 import tokenizers.decoders
 import vllm.envs as envs
-from vllm.logprobs import Logprob, create_sample_logprobs
+from vllm.logprobs import FlatLogprobs, Logprob, create_sample_logprobs
 from vllm.outputs import CompletionOutput, RequestOutput
 from vllm.tokenizers.detokenizer_utils import convert_ids_list_to_tokens
 from vllm.v1.engine import FinishReason
@@ -77,6 +77,14 @@ _LAYOUTS: dict[type, tuple[str, ...]] = {
         "lora_request",
     ),
     Logprob: ("logprob", "rank", "decoded_token"),
+    FlatLogprobs: (
+        "start_indices",
+        "end_indices",
+        "token_ids",
+        "logprobs",
+        "ranks",
+        "decoded_tokens",
+    ),
 }
 
 
@@ -85,6 +93,7 @@ def _layouts_match() -> bool:
         RequestOutput: RequestOutput("r", None, [], None, [], False),
         CompletionOutput: CompletionOutput(0, "", [], None, None),
         Logprob: Logprob(0.0),
+        FlatLogprobs: FlatLogprobs(),
     }
     return all(tuple(vars(obj)) == _LAYOUTS[cls] for cls, obj in samples.items())
 
@@ -172,7 +181,7 @@ class NativeOutputProcessor(OutputProcessor):
             # transformers may clean up spaces after decoding; the crate never does.
             tokenizer.decode if getattr(tokenizer, "clean_up_tokenization_spaces", False) else None,
             logger.warning,
-            (RequestOutput, CompletionOutput, Logprob),
+            (RequestOutput, CompletionOutput, Logprob, FlatLogprobs),
             self.request_states,
         )
 

@@ -39,7 +39,7 @@ impl OutputCore {
     /// `single_string(id)` gives a logprob candidate's string as vLLM makes it;
     /// `python_decode(ids)`, when given, decodes candidate corrections in Python (for
     /// tokenizers whose Python decode differs from the crate's); `warn(msg)` logs;
-    /// `classes` are vLLM's `(RequestOutput, CompletionOutput, Logprob)`.
+    /// `classes` are vLLM's `(RequestOutput, CompletionOutput, Logprob, FlatLogprobs)`.
     #[new]
     #[allow(clippy::too_many_arguments)]
     fn new(
@@ -49,7 +49,7 @@ impl OutputCore {
         single_string: Py<PyAny>,
         python_decode: Option<Py<PyAny>>,
         warn: Py<PyAny>,
-        classes: (Py<PyAny>, Py<PyAny>, Py<PyAny>),
+        classes: (Py<PyAny>, Py<PyAny>, Py<PyAny>, Py<PyAny>),
         request_states: Py<PyDict>,
     ) -> PyResult<Self> {
         let tokenizer: Tokenizer = tokenizer_json
@@ -64,7 +64,7 @@ impl OutputCore {
         }
         .ok_or_else(|| PyRuntimeError::new_err("object has no tp_new"))?;
         let base_new = py.get_type::<pyo3::types::PyAny>().getattr("__new__")?;
-        for cls in [&classes.0, &classes.1, &classes.2] {
+        for cls in [&classes.0, &classes.1, &classes.2, &classes.3] {
             if !cls.bind(py).getattr("__new__")?.is(&base_new) {
                 return Err(PyValueError::new_err(format!(
                     "{} has its own __new__",
@@ -85,6 +85,7 @@ impl OutputCore {
                 request_output: classes.0,
                 completion_output: classes.1,
                 logprob: classes.2,
+                flat_logprobs: classes.3,
             }),
             request_states,
             fast: 0,

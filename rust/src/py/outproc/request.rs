@@ -412,7 +412,9 @@ impl RequestText {
         let logprobs = match &self.logprobs {
             None => py.None().into_bound(py),
             // vLLM slices a non-empty container to the output's new positions.
-            Some(all) if delta && all.len(py) > 0 => all.tail(py, token_ids.len()?)?,
+            Some(all) if delta && all.len(py) > 0 => {
+                all.tail(py, &self.shared, token_ids.len()?)?
+            }
             Some(all) => all.object(py),
         };
         let none = || py.None().into_bound(py);

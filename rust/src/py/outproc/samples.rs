@@ -2,8 +2,9 @@
 //! (`{token_id: Logprob}`), or, for `flat_logprobs`, vLLM's `FlatLogprobs`, whose six
 //! flat lists are appended to here directly.
 
+use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
-use pyo3::types::{PyDict, PyFloat, PyList, PySlice};
+use pyo3::types::{PyDict, PyFloat, PyList};
 use pyo3::IntoPyObjectExt;
 
 use super::names::Names;
@@ -27,6 +28,51 @@ pub(super) struct FlatLists {
     logprobs: Py<PyList>,
     ranks: Py<PyList>,
     decoded_tokens: Py<PyList>,
+}
+
+impl FlatLists {
+    /// `FlatLogprobs.__getitem__` of the positions `start..end` (not empty): a new
+    /// `FlatLogprobs` of copies of their entries, its indices shifted to start at 0.
+    fn slice<'py>(
+        &self,
+        py: Python<'py>,
+        shared: &Shared,
+        start: usize,
+        end: usize,
+    ) -> PyResult<Bound<'py, PyAny>> {
+        let names = Names::get(py);
+        let index = |list: &Py<PyList>, i: usize| -> PyResult<i64> {
+            list.bind(py).get_item(i)?.extract::<i64>()
+        };
+        let first = index(&self.start_indices, start)?;
+        let last = index(&self.end_indices, end - 1)?;
+        let shifted = |list: &Py<PyList>| -> PyResult<Bound<'py, PyAny>> {
+            let out = PyList::empty(py);
+            for i in start..end {
+                out.append(index(list, i)? - first)?;
+            }
+            Ok(out.into_any())
+        };
+        let entries = |list: &Py<PyList>| -> PyResult<Bound<'py, PyAny>> {
+            let (lo, hi) = (usize::try_from(first), usize::try_from(last));
+            match (lo, hi) {
+                (Ok(lo), Ok(hi)) => Ok(list.bind(py).get_slice(lo, hi).into_any()),
+                _ => Err(PyValueError::new_err("FlatLogprobs with a negative index")),
+            }
+        };
+        shared.instance(
+            py,
+            &shared.flat_logprobs,
+            &[
+                (&names.start_indices, shifted(&self.start_indices)?),
+                (&names.end_indices, shifted(&self.end_indices)?),
+                (&names.token_ids, entries(&self.token_ids)?),
+                (&names.logprobs, entries(&self.logprobs)?),
+                (&names.ranks, entries(&self.ranks)?),
+                (&names.decoded_tokens, entries(&self.decoded_tokens)?),
+            ],
+        )
+    }
 }
 
 /// The container (see the module doc).
@@ -79,16 +125,18 @@ impl SampleLogprobs {
     }
 
     /// Python's `container[-k:]` for a `DELTA` output of `k` tokens (`k == 0` is the
-    /// whole container, as `[-0:]` is); the container's own slice for `FlatLogprobs`.
-    pub(super) fn tail<'py>(&self, py: Python<'py>, k: usize) -> PyResult<Bound<'py, PyAny>> {
+    /// whole container, as `[-0:]` is), of a non-empty container.
+    pub(super) fn tail<'py>(
+        &self,
+        py: Python<'py>,
+        shared: &Shared,
+        k: usize,
+    ) -> PyResult<Bound<'py, PyAny>> {
         let len = self.len(py);
         let start = if k == 0 { 0 } else { len.saturating_sub(k) };
         match self {
             SampleLogprobs::Dicts(list) => Ok(list.bind(py).get_slice(start, len).into_any()),
-            SampleLogprobs::Flat(flat) => {
-                let slice = PySlice::new(py, start as isize, len as isize, 1);
-                flat.object.bind(py).get_item(slice)
-            }
+            SampleLogprobs::Flat(flat) => flat.slice(py, shared, start, len),
         }
     }
 

@@ -32,6 +32,7 @@ pub(super) struct Shared {
     pub(super) request_output: Py<PyAny>,
     pub(super) completion_output: Py<PyAny>,
     pub(super) logprob: Py<PyAny>,
+    pub(super) flat_logprobs: Py<PyAny>,
 }
 
 impl Shared {
