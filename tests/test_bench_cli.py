@@ -35,6 +35,7 @@ from corewire.bench.serve_profile import (
     CLIENT_LAYER,
     COLLECTOR,
     NATIVE_OUTPUT_LAYER,
+    Profile,
     classify,
     in_collection,
     is_waiting,
@@ -133,7 +134,7 @@ def test_serve_arguments(capsys: pytest.CaptureFixture[str]) -> None:
     )  # fmt: skip
     assert args.native_profile is False
     assert args.profile_dir is None
-    assert args.stream_interval == 1
+    assert (args.stream_interval, args.repeat) == (1, 1)
     assert serve_bench._server_args(args) == ()
     args = parser.parse_args(["bench", "serve", "--stream-interval", "8", "--no-stats"])
     assert serve_bench._server_args(args) == ("--disable-log-stats", "--stream-interval", "8")
@@ -164,10 +165,53 @@ def test_serve_arguments(capsys: pytest.CaptureFixture[str]) -> None:
         "--chunk-streams",
         "--chunk-step-delay",
         "--stream-interval",
+        "--repeat",
         "corewire+output",
         "COREWIRE_VLLM_OUTPUT",
     ):
         assert flag in help_text
+
+
+def _round(client: str, tokens: int, cpu_s: float, gc_cpu_s: float) -> serve_bench.Result:
+    r = serve_bench.Result(client, 8, 0, "8 streams, logprobs 0", requests=2, tokens=tokens)
+    r.seconds, r.cpu_seconds, r.chunks = 1.0, cpu_s, tokens
+    r.ttft, r.itl = [0.1], [0.01, 0.02]
+    r.profile = Profile()
+    r.profile.as_sampled.update({CLIENT_LAYER: 3, "HTTP": 1})
+    r.gc = gc_times.GcTimes((1, 0, 0), (gc_cpu_s, 0.0, 0.0), (gc_cpu_s, 0.0, 0.0), (5, 0, 0))
+    r.rounds = [r.tokens_per_cpu_s]
+    return r
+
+
+def test_serve_rounds_pool_and_read_the_median_ratio() -> None:
+    """``--repeat``: rounds of one client pool into one result (tokens, CPU, latencies,
+    profile, collector), and tokens per CPU second against vLLM's stack is the median of
+    the rounds' own ratios, not the ratio of the totals."""
+    ours = _round("corewire+output", 1000, 1.0, 0.1)
+    for tokens, cpu in ((1000, 2.0), (1000, 0.5)):
+        ours.add_round(_round("corewire+output", tokens, cpu, 0.1))
+    base = _round("vllm", 1000, 1.0, 0.2)
+    for _ in range(2):
+        base.add_round(_round("vllm", 1000, 1.0, 0.2))
+    assert (ours.tokens, ours.cpu_seconds, ours.requests, ours.chunks) == (3000, 3.5, 6, 3000)
+    assert (len(ours.ttft), len(ours.itl), ours.profile.samples) == (3, 6, 12)
+    assert ours.gc is not None and ours.gc.collections == (3, 0, 0)
+    assert ours.gc.total_cpu_s == pytest.approx(0.3)
+    assert ours.rounds == [1000.0, 500.0, 2000.0]
+    # Round ratios 1.0, 0.5, 2.0: the median is 1.0; the totals would say 3000/3.5 / 1000.
+    assert serve_bench.per_core_ratio(ours, base) == pytest.approx(1.0)
+    assert serve_bench.round_ratios(ours, base) == "rounds 1.00, 0.50, 2.00x (median 1.00x)"
+    single, single_base = _round("corewire", 1500, 1.0, 0.1), _round("vllm", 1000, 1.0, 0.1)
+    assert serve_bench.per_core_ratio(single, single_base) == pytest.approx(1.5)
+    assert serve_bench.round_ratios(single, single_base) == ""
+    # A round whose probe did not answer leaves the pooled collector unknown.
+    missing = _round("vllm", 1000, 1.0, 0.1)
+    missing.gc = None
+    single_base.add_round(missing)
+    assert single_base.gc is None
+    case = serve_bench.as_case(ours, base)
+    assert case["tokens_per_api_server_cpu_s_by_round"] == [1000.0, 500.0, 2000.0]
+    assert case["vs_vllm"]["tokens_per_api_server_cpu_s"] == pytest.approx(1.0)
 
 
 def test_bad_arguments_stop_before_any_run(capsys: pytest.CaptureFixture[str]) -> None:
@@ -188,6 +232,9 @@ def test_bad_arguments_stop_before_any_run(capsys: pytest.CaptureFixture[str]) -
         assert cli.main(["bench", "serve", *bad]) == 2
         expected = "--chunk-step-delay positive" if HAVE_VLLM else "vLLM is not installed"
         assert expected in capsys.readouterr().err
+    assert cli.main(["bench", "serve", "--repeat", "0"]) == 2
+    expected = "--repeat must be at least 1" if HAVE_VLLM else "vLLM is not installed"
+    assert expected in capsys.readouterr().err
     assert cli.main(["bench", "serve", "--stream-interval", "0"]) == 2
     expected = "--stream-interval must be at least 1" if HAVE_VLLM else "vLLM is not installed"
     assert expected in capsys.readouterr().err

@@ -42,6 +42,17 @@ class GcTimes:
         """CPU seconds in collections of every generation."""
         return sum(self.cpu_s)
 
+    def __add__(self, other: GcTimes) -> GcTimes:
+        def plus(a: tuple, b: tuple) -> tuple:
+            return tuple(x + y for x, y in zip(a, b, strict=True))
+
+        return GcTimes(
+            collections=plus(self.collections, other.collections),
+            cpu_s=plus(self.cpu_s, other.cpu_s),
+            wall_s=plus(self.wall_s, other.wall_s),
+            collected=plus(self.collected, other.collected),
+        )
+
     def __sub__(self, other: GcTimes) -> GcTimes:
         def minus(a: tuple, b: tuple) -> tuple:
             return tuple(x - y for x, y in zip(a, b, strict=True))

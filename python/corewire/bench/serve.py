@@ -79,6 +79,7 @@ import json
 import os
 import platform
 import shutil
+import statistics
 import sys
 import tempfile
 import time
@@ -214,6 +215,22 @@ class Result:
     profile: Profile = field(default_factory=Profile)
     #: The API server's collector during the window (None: the probe did not answer).
     gc: gc_times.GcTimes | None = None
+    #: Tokens per API-server CPU second of each round (``--repeat``), in order.
+    rounds: list[float] = field(default_factory=list)
+
+    def add_round(self, other: Result) -> None:
+        """Pools another round of the same client and scenario into this one."""
+        self.requests += other.requests
+        self.tokens += other.tokens
+        self.errors += other.errors
+        self.seconds += other.seconds
+        self.cpu_seconds += other.cpu_seconds
+        self.chunks += other.chunks
+        self.ttft += other.ttft
+        self.itl += other.itl
+        self.profile = self.profile + other.profile
+        self.gc = None if self.gc is None or other.gc is None else self.gc + other.gc
+        self.rounds += other.rounds
 
     @property
     def tokens_per_s(self) -> float:
@@ -243,6 +260,28 @@ class Result:
         if self.gc is None or not self.cpu_seconds:
             return float("nan")
         return self.gc.total_cpu_s / self.cpu_seconds
+
+
+def per_core_ratio(r: Result, base: Result) -> float:
+    """``r``'s tokens per API-server CPU second over ``base``'s: with rounds
+    (``--repeat``), the median of each round's ratio (the two measured back to back);
+    otherwise the ratio of the totals."""
+    if len(r.rounds) > 1 and len(r.rounds) == len(base.rounds):
+        return statistics.median(
+            _ratio(mine, theirs) for mine, theirs in zip(r.rounds, base.rounds, strict=True)
+        )
+    return _ratio(r.tokens_per_cpu_s, base.tokens_per_cpu_s)
+
+
+def round_ratios(r: Result, base: Result) -> str:
+    """Each round's ratio of tokens per API-server CPU second, as the report prints them
+    (empty without rounds)."""
+    if len(r.rounds) < 2 or len(r.rounds) != len(base.rounds):
+        return ""
+    each = ", ".join(
+        f"{_ratio(mine, theirs):.2f}" for mine, theirs in zip(r.rounds, base.rounds, strict=True)
+    )
+    return f"rounds {each}x (median {per_core_ratio(r, base):.2f}x)"
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -371,16 +410,25 @@ def run_clients(args: argparse.Namespace, model_dir: Path, work: Path) -> list[R
                 stacks.callback(stack.stop)
                 servers[client] = (stack, psutil.Process(stack.server.pid))
             for scenario in group:
-                for client, (stack, server) in servers.items():
-                    result = Result(
-                        client,
-                        scenario.streams,
-                        scenario.logprobs,
-                        scenario.label,
-                        scenario.step_delay,
-                        scenario.one_token_chunks,
-                    )
-                    results.append(_measure(args, work, stack, server, result))
+                pooled: dict[str, Result] = {}
+                # Rounds alternate the stacks, so that a slow spell of the machine
+                # falls on all of them; each round's ratio is read against its own.
+                for round_ in range(args.repeat):
+                    for client, (stack, server) in servers.items():
+                        result = Result(
+                            client,
+                            scenario.streams,
+                            scenario.logprobs,
+                            scenario.label,
+                            scenario.step_delay,
+                            scenario.one_token_chunks,
+                        )
+                        _measure(args, work, stack, server, result, round_)
+                        if client in pooled:
+                            pooled[client].add_round(result)
+                        else:
+                            pooled[client] = result
+                results.extend(pooled.values())
     return results
 
 
@@ -426,7 +474,7 @@ def _server_args(args: argparse.Namespace) -> tuple[str, ...]:
 
 
 def _measure(
-    args: argparse.Namespace, work: Path, stack: Any, server: Any, result: Result
+    args: argparse.Namespace, work: Path, stack: Any, server: Any, result: Result, round_: int = 0
 ) -> Result:
     total = max(result.streams * args.rounds, 32)
     # The collector's totals are taken just outside the CPU window: the server is idle
@@ -436,7 +484,8 @@ def _measure(
     t0 = time.perf_counter()
     profile_dir = Path(args.profile_dir) if args.profile_dir else work
     kind = "chunks-" if result.one_token_chunks else ""
-    name = f"profile-{_slug(result.client)}-{kind}{result.streams}-{result.logprobs}.txt"
+    suffix = f"-round{round_ + 1}" if args.repeat > 1 else ""
+    name = f"profile-{_slug(result.client)}-{kind}{result.streams}-{result.logprobs}{suffix}.txt"
     profile = profile_dir / name
     with profiled(server.pid, profile, args.profile, native=args.native_profile):
         asyncio.run(
@@ -454,6 +503,7 @@ def _measure(
     gc1 = _gc_snapshot(work, server.pid)
     result.gc = gc1 - gc0 if gc0 is not None and gc1 is not None else None
     result.profile = read_profile(profile, native=args.native_profile)
+    result.rounds = [result.tokens_per_cpu_s]
     stack.check_alive()
     print(
         f"  {result.client:15} {result.scenario}: "
@@ -498,7 +548,7 @@ def report(results: list[Result], *, goals: bool = True) -> list[common.Goal]:
     for r in results:
         apart = r.share(CLIENT_LAYER, collections_apart=True)
         base = by_key.get(("vllm", r.scenario))
-        vs = _ratio(r.tokens_per_cpu_s, base.tokens_per_cpu_s) if base else float("nan")
+        vs = per_core_ratio(r, base) if base else float("nan")
         print(
             f"{r.client:15} {r.streams:7}{'c' if r.one_token_chunks else ' '}{r.logprobs:2}"
             f" {1e3 * r.step_delay:7g} {r.requests / r.seconds:7.1f}"
@@ -548,7 +598,7 @@ def report(results: list[Result], *, goals: bool = True) -> list[common.Goal]:
             continue
         if not goals:
             parts = [
-                f"tokens per CPU s {_ratio(r.tokens_per_cpu_s, base.tokens_per_cpu_s):.2f}x, "
+                f"tokens per CPU s {per_core_ratio(r, base):.2f}x, "
                 f"tokens/s {_ratio(r.tokens_per_s, base.tokens_per_s):.2f}x (no goal: the "
                 "goals are set for the default server options)"
             ]
@@ -557,7 +607,9 @@ def report(results: list[Result], *, goals: bool = True) -> list[common.Goal]:
         elif not r.one_token_chunks:
             parts = _client_goals(r, base, found)
         else:
-            parts = [f"tokens per CPU s {_ratio(r.tokens_per_cpu_s, base.tokens_per_cpu_s):.2f}x"]
+            parts = [f"tokens per CPU s {per_core_ratio(r, base):.2f}x"]
+        if rounds := round_ratios(r, base):
+            parts.append(f"tokens per CPU s by round: {rounds}")
         print(f"{r.client} vs vllm, {r.scenario}:" + "".join(f"\n    {part}" for part in parts))
     for r in results:
         if r.one_token_chunks:
@@ -618,7 +670,7 @@ def _output_goals(
 ) -> list[str]:
     """The native-output-processing issue's goals for the corewire+output stack, where the
     issue sets them (appended to ``found``); the lines that report them."""
-    per_core = _ratio(r.tokens_per_cpu_s, base.tokens_per_cpu_s)
+    per_core = per_core_ratio(r, base)
     target = (
         CHUNK_GOAL if r.one_token_chunks else TOKENS_PER_CORE_GOALS.get((r.streams, r.logprobs))
     )
@@ -747,9 +799,10 @@ def as_case(r: Result, base: Result | None = None) -> dict[str, Any]:
         "api_server_cpu_s": r.cpu_seconds,
         "api_server_cpu_s_per_1k_tokens": r.cpu_per_1k_tokens,
         "tokens_per_api_server_cpu_s": r.tokens_per_cpu_s,
+        "tokens_per_api_server_cpu_s_by_round": r.rounds,
         "vs_vllm": (
             {
-                "tokens_per_api_server_cpu_s": _ratio(r.tokens_per_cpu_s, base.tokens_per_cpu_s),
+                "tokens_per_api_server_cpu_s": per_core_ratio(r, base),
                 "tokens_per_s": _ratio(r.tokens_per_s, base.tokens_per_s),
                 "ttft_p99": _ratio(percentile(r.ttft, 99), percentile(base.ttft, 99)),
                 "itl_p99": _ratio(percentile(r.itl, 99), percentile(base.itl, 99)),
@@ -893,6 +946,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "apart. py-spy cannot read native stacks without stopping the process, so this PAUSES "
         "the API server at every sample: tokens/s and latencies of such a run are lower",
     )
+    parser.add_argument(
+        "--repeat",
+        type=int,
+        default=1,
+        help="rounds per scenario (1): the stacks take turns each round, the results are "
+        "pooled, and tokens per CPU second is read as the median of the rounds' ratios "
+        "(this machine's speed drifts between runs)",
+    )
     parser.add_argument("--no-stats", action="store_true", help="vllm serve --disable-log-stats")
     # Above 1, each SSE chunk carries that many tokens: the per-chunk layers (HTTP, OpenAI
     # serving) weigh less and output processing more. The issue's goals are set for 1.
@@ -925,6 +986,9 @@ def run(args: argparse.Namespace) -> int:
         return 2
     if args.max_tokens < 1 or args.rounds < 1 or args.engines < 1:
         print(f"{prog}: --max-tokens, --rounds and --engines must be at least 1", file=sys.stderr)
+        return 2
+    if args.repeat < 1:
+        print(f"{prog}: --repeat must be at least 1", file=sys.stderr)
         return 2
     if args.stream_interval < 1:
         print(f"{prog}: --stream-interval must be at least 1", file=sys.stderr)
@@ -997,6 +1061,7 @@ def run(args: argparse.Namespace) -> int:
                 "native_profile": args.native_profile,
                 "stats": not args.no_stats,
                 "stream_interval": args.stream_interval,
+                "repeat": args.repeat,
             },
             cases=[as_case(r, _vllm_result(results, r)) for r in results],
             goals=found,

@@ -174,6 +174,15 @@ class Profile:
     #: Native samples of threads waiting, left out of both counters.
     idle: int = 0
 
+    def __add__(self, other: Profile) -> Profile:
+        """Both profiles' samples together (rounds of one scenario)."""
+        return Profile(
+            as_sampled=self.as_sampled + other.as_sampled,
+            collections_apart=self.collections_apart + other.collections_apart,
+            native=self.native or other.native,
+            idle=self.idle + other.idle,
+        )
+
     @property
     def samples(self) -> int:
         """Samples in the profile."""
