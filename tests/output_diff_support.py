@@ -684,10 +684,11 @@ def _logprobs_snapshot(logprobs: Any) -> Any:
         return None
     if isinstance(logprobs, FlatLogprobs):
         # Its own lists, with each item's type: reading positions would merge duplicates.
-        return "FlatLogprobs", {
+        lists = {
             f.name: [(v, type(v).__name__) for v in getattr(logprobs, f.name)]
             for f in dataclasses.fields(logprobs)
         }
+        return "FlatLogprobs", {**lists, "layout": _types(logprobs)}
     positions = []
     for i in range(len(logprobs)):
         position = logprobs[i]

@@ -733,7 +733,7 @@ class CloseFloats(dict):  # type: ignore[type-arg]
     __hash__ = None  # type: ignore[assignment]
 
 
-def _joined_completion_stream(events: list[dict[str, Any]]) -> dict[str, Any]:
+def joined_completion_stream(events: list[dict[str, Any]]) -> dict[str, Any]:
     """A streamed completion as one choice: text, token ids and logprobs concatenated,
     the last finish and stop reason, the usage (chunk boundaries are left out: a server
     that falls behind merges outputs into fewer chunks, whoever processed them)."""
@@ -756,8 +756,8 @@ def _joined_completion_stream(events: list[dict[str, Any]]) -> dict[str, Any]:
     return joined
 
 
-def _joined_chat_stream(events: list[dict[str, Any]]) -> dict[str, Any]:
-    """A streamed chat completion as one message (see :func:`_joined_completion_stream`)."""
+def joined_chat_stream(events: list[dict[str, Any]]) -> dict[str, Any]:
+    """A streamed chat completion as one message (see :func:`joined_completion_stream`)."""
     joined: dict[str, Any] = {"content": "", "logprobs": [], "token_ids": [], "usage": None}
     joined |= {"finish_reason": None, "stop_reason": None, "role": None}
     for event in events:
@@ -787,7 +787,7 @@ def output_workload(http: httpx.Client) -> list[dict[str, Any]]:
     """Greedy requests (one seeded) through vLLM's output path, one at a time: completions
     and chat completions, plain and streamed, with 5 logprobs, prompt logprobs (echo), stop
     strings that span tokens (excluded from and included in the text), and n = 2. Each answer
-    without its id and creation time (streams joined: :func:`_joined_completion_stream`).
+    without its id and creation time (streams joined: :func:`joined_completion_stream`).
     The stop strings are cut from the first answer's text, so two servers get the same
     requests exactly when they gave the same first answer."""
     stream_usage = {"stream": True, "stream_options": {"include_usage": True}}
@@ -809,15 +809,15 @@ def output_workload(http: httpx.Client) -> list[dict[str, Any]]:
 
     first = plain(**base)
     text = first["choices"][0]["text"]
-    assert streamed("/v1/completions", _joined_completion_stream, **base)["text"] == text
+    assert streamed("/v1/completions", joined_completion_stream, **base)["text"] == text
     stop = _stop_across_tokens(text, 5)
     stops = ["no such text", stop]
     cut = plain(**base, stop=stops)["choices"][0]
     assert (cut["finish_reason"], cut["stop_reason"]) == ("stop", stop), cut
     assert cut["text"] == text[: text.index(stop)]
-    streamed("/v1/completions", _joined_completion_stream, **base, stop=stops)
+    streamed("/v1/completions", joined_completion_stream, **base, stop=stops)
     kept = streamed(
-        "/v1/completions", _joined_completion_stream, **base, stop=stops,
+        "/v1/completions", joined_completion_stream, **base, stop=stops,
         include_stop_str_in_output=True,
     )  # fmt: skip
     assert kept["text"] == text[: text.index(stop) + len(stop)]
@@ -841,14 +841,14 @@ def output_workload(http: httpx.Client) -> list[dict[str, Any]]:
     answer = without_ids(chat(http, **chat_base))
     results.append(answer)
     content = answer["choices"][0]["message"]["content"]
-    joined = streamed("/v1/chat/completions", _joined_chat_stream, **chat_base)
+    joined = streamed("/v1/chat/completions", joined_chat_stream, **chat_base)
     assert joined["content"] == content
     chat_stop = _stop_across_tokens(content, 4)
     cut_chat = without_ids(chat(http, **chat_base, stop=[chat_stop]))
     results.append(cut_chat)
     assert cut_chat["choices"][0]["finish_reason"] == "stop"
     assert cut_chat["choices"][0]["message"]["content"] == content[: content.index(chat_stop)]
-    streamed("/v1/chat/completions", _joined_chat_stream, **chat_base, stop=[chat_stop])
+    streamed("/v1/chat/completions", joined_chat_stream, **chat_base, stop=[chat_stop])
     return results
 
 

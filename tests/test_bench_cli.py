@@ -179,7 +179,7 @@ def _round(client: str, tokens: int, cpu_s: float, gc_cpu_s: float) -> serve_ben
     r.profile = Profile()
     r.profile.as_sampled.update({CLIENT_LAYER: 3, "HTTP": 1})
     r.gc = gc_times.GcTimes((1, 0, 0), (gc_cpu_s, 0.0, 0.0), (gc_cpu_s, 0.0, 0.0), (5, 0, 0))
-    r.rounds = [r.tokens_per_cpu_s]
+    r.per_round = [r.tokens_per_cpu_s]
     return r
 
 
@@ -197,13 +197,19 @@ def test_serve_rounds_pool_and_read_the_median_ratio() -> None:
     assert (len(ours.ttft), len(ours.itl), ours.profile.samples) == (3, 6, 12)
     assert ours.gc is not None and ours.gc.collections == (3, 0, 0)
     assert ours.gc.total_cpu_s == pytest.approx(0.3)
-    assert ours.rounds == [1000.0, 500.0, 2000.0]
+    assert ours.per_round == [1000.0, 500.0, 2000.0]
     # Round ratios 1.0, 0.5, 2.0: the median is 1.0; the totals would say 3000/3.5 / 1000.
     assert serve_bench.per_core_ratio(ours, base) == pytest.approx(1.0)
     assert serve_bench.round_ratios(ours, base) == "rounds 1.00, 0.50, 2.00x (median 1.00x)"
     single, single_base = _round("corewire", 1500, 1.0, 0.1), _round("vllm", 1000, 1.0, 0.1)
     assert serve_bench.per_core_ratio(single, single_base) == pytest.approx(1.5)
     assert serve_bench.round_ratios(single, single_base) == ""
+    # A round without CPU time has no ratio: the median is of the others.
+    empty = _round("corewire+output", 0, 0.0, 0.1)
+    lagging = _round("corewire+output", 2000, 1.0, 0.1)
+    lagging.add_round(empty)
+    lagging.add_round(_round("corewire+output", 3000, 1.0, 0.1))
+    assert serve_bench.per_core_ratio(lagging, base) == pytest.approx(2.5)
     # A round whose probe did not answer leaves the pooled collector unknown.
     missing = _round("vllm", 1000, 1.0, 0.1)
     missing.gc = None

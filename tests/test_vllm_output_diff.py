@@ -158,6 +158,29 @@ def test_random_workload_stream_interval(
     assert result.pair.candidate.processor.stream_interval == interval
 
 
+def test_stream_interval_workloads_cover_their_cases(
+    bpe: TokenizerInfo, candidate: type[OutputProcessor]
+) -> None:
+    """The stream-interval workloads really have what their test claims: outputs held
+    back (the same workloads send fewer outputs at interval 3 than at 1), stop strings
+    finishing requests, and flat logprobs."""
+    seen: Counter[str] = Counter()
+    stopped = 0
+    sent = {1: 0, 3: 0}
+    for seed in range(3):
+        for interval in sent:
+            sim = EngineSim(5000 + 30 + seed, bpe, REQUESTS, max_stop_chars=12)
+            result = run_workload(sim, bpe.tokenizer, candidate, stream_interval=interval)
+            sent[interval] += len(result.outputs)
+            if interval == 3:
+                seen += _coverage(result.outputs, bpe)
+                stopped += len(result.reqs_to_abort)
+    assert sent[3] < sent[1], sent
+    assert stopped > 0
+    for what in ("stop string", "FlatLogprobs logprobs"):
+        assert seen[what] > 0, (what, seen)
+
+
 @pytest.mark.parametrize("seed", range(8))
 def test_random_workload_word_level(
     word_level: TokenizerInfo, candidate: type[OutputProcessor], seed: int
@@ -216,6 +239,7 @@ def _coverage(outputs: list[tuple[str, Any]], info: TokenizerInfo) -> Counter[st
             kind, positions = c["logprobs"]
             seen[f"{kind} logprobs"] += 1
             if kind == "FlatLogprobs":
+                assert positions["layout"][0] == "FlatLogprobs"
                 # The snapshot holds the flat lists; their candidates as (id, text) pairs.
                 pairs = [
                     list(zip([v for v, _ in positions["token_ids"]],

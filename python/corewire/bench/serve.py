@@ -64,7 +64,13 @@ Goals (read against the ``vllm`` stack in the same run; exit status 1 when one i
   CPU second at least 1.5x vLLM's at 256 streams without logprobs, 2x at 256 streams
   with ``logprobs: 5``, 1.2x in the one-token-per-chunk scenario; in those scenarios TTFT
   and inter-token latency p99 no worse (within :data:`LATENCY_SLACK`). Other stream
-  counts are reported without a goal.
+  counts are reported without a goal, and so is every scenario of a run with
+  ``--stream-interval`` above 1 (the goals are set for the default server).
+
+``--repeat N`` runs each scenario N rounds, the stacks taking turns (their order reversed
+every other round); a stack's rounds are pooled, and its tokens per API-server CPU second
+against another stack's is the median of the rounds' paired ratios
+(:func:`per_core_ratio`), goals included.
 
 ``--plot FILE.png`` draws tokens/s, tokens per API-server CPU second and the latency
 percentiles, ``--json FILE`` writes the results.
@@ -76,6 +82,7 @@ import argparse
 import asyncio
 import contextlib
 import json
+import math
 import os
 import platform
 import shutil
@@ -215,8 +222,9 @@ class Result:
     profile: Profile = field(default_factory=Profile)
     #: The API server's collector during the window (None: the probe did not answer).
     gc: gc_times.GcTimes | None = None
-    #: Tokens per API-server CPU second of each round (``--repeat``), in order.
-    rounds: list[float] = field(default_factory=list)
+    #: Tokens per API-server CPU second of each round (``--repeat``), in order (not
+    #: ``--rounds``, which is requests per stream).
+    per_round: list[float] = field(default_factory=list)
 
     def add_round(self, other: Result) -> None:
         """Pools another round of the same client and scenario into this one."""
@@ -230,7 +238,7 @@ class Result:
         self.itl += other.itl
         self.profile = self.profile + other.profile
         self.gc = None if self.gc is None or other.gc is None else self.gc + other.gc
-        self.rounds += other.rounds
+        self.per_round += other.per_round
 
     @property
     def tokens_per_s(self) -> float:
@@ -264,23 +272,25 @@ class Result:
 
 def per_core_ratio(r: Result, base: Result) -> float:
     """``r``'s tokens per API-server CPU second over ``base``'s: with rounds
-    (``--repeat``), the median of each round's ratio (the two measured back to back);
-    otherwise the ratio of the totals."""
-    if len(r.rounds) > 1 and len(r.rounds) == len(base.rounds):
-        return statistics.median(
-            _ratio(mine, theirs) for mine, theirs in zip(r.rounds, base.rounds, strict=True)
-        )
+    (``--repeat``), the median of each round's ratio (the two measured back to back;
+    rounds without CPU time are left out, NaN when none is left); otherwise the ratio of
+    the totals."""
+    if len(r.per_round) > 1 and len(r.per_round) == len(base.per_round):
+        ratios = [q for q in _round_ratios(r, base) if not math.isnan(q)]
+        return statistics.median(ratios) if ratios else float("nan")
     return _ratio(r.tokens_per_cpu_s, base.tokens_per_cpu_s)
+
+
+def _round_ratios(r: Result, base: Result) -> list[float]:
+    return [_ratio(mine, theirs) for mine, theirs in zip(r.per_round, base.per_round, strict=True)]
 
 
 def round_ratios(r: Result, base: Result) -> str:
     """Each round's ratio of tokens per API-server CPU second, as the report prints them
     (empty without rounds)."""
-    if len(r.rounds) < 2 or len(r.rounds) != len(base.rounds):
+    if len(r.per_round) < 2 or len(r.per_round) != len(base.per_round):
         return ""
-    each = ", ".join(
-        f"{_ratio(mine, theirs):.2f}" for mine, theirs in zip(r.rounds, base.rounds, strict=True)
-    )
+    each = ", ".join(f"{q:.2f}" for q in _round_ratios(r, base))
     return f"rounds {each}x (median {per_core_ratio(r, base):.2f}x)"
 
 
@@ -412,9 +422,11 @@ def run_clients(args: argparse.Namespace, model_dir: Path, work: Path) -> list[R
             for scenario in group:
                 pooled: dict[str, Result] = {}
                 # Rounds alternate the stacks, so that a slow spell of the machine
-                # falls on all of them; each round's ratio is read against its own.
+                # falls on all of them; each round's ratio is read against its own. Every
+                # other round reverses their order, so that going first or last evens out.
                 for round_ in range(args.repeat):
-                    for client, (stack, server) in servers.items():
+                    turns = list(servers.items())
+                    for client, (stack, server) in turns if round_ % 2 == 0 else turns[::-1]:
                         result = Result(
                             client,
                             scenario.streams,
@@ -503,7 +515,7 @@ def _measure(
     gc1 = _gc_snapshot(work, server.pid)
     result.gc = gc1 - gc0 if gc0 is not None and gc1 is not None else None
     result.profile = read_profile(profile, native=args.native_profile)
-    result.rounds = [result.tokens_per_cpu_s]
+    result.per_round = [result.tokens_per_cpu_s]
     stack.check_alive()
     print(
         f"  {result.client:15} {result.scenario}: "
@@ -563,7 +575,8 @@ def report(results: list[Result], *, goals: bool = True) -> list[common.Goal]:
         )
     print(
         "(c: the one-token-per-chunk scenario; tok/CPU s: output tokens per CPU second of "
-        "the API server, x vllm: over the vllm stack's in the same scenario; client layer: "
+        "the API server, over all rounds; x vllm: over the vllm stack's in the same scenario "
+        "(with --repeat, the median of the rounds' ratios); client layer: "
         "as sampled, a collection charged to the code that triggered it; w/o GC: with "
         "collections apart, --native-profile only)"
     )
@@ -705,7 +718,7 @@ def _output_goals(
     if client_only is not None:
         parts.append(
             "output tokens per API-server CPU second "
-            f"{_ratio(r.tokens_per_cpu_s, client_only.tokens_per_cpu_s):.2f}x the corewire "
+            f"{per_core_ratio(r, client_only):.2f}x the corewire "
             "stack's (its client, vLLM's output processing)"
         )
     return parts
@@ -799,7 +812,7 @@ def as_case(r: Result, base: Result | None = None) -> dict[str, Any]:
         "api_server_cpu_s": r.cpu_seconds,
         "api_server_cpu_s_per_1k_tokens": r.cpu_per_1k_tokens,
         "tokens_per_api_server_cpu_s": r.tokens_per_cpu_s,
-        "tokens_per_api_server_cpu_s_by_round": r.rounds,
+        "tokens_per_api_server_cpu_s_by_round": r.per_round,
         "vs_vllm": (
             {
                 "tokens_per_api_server_cpu_s": per_core_ratio(r, base),

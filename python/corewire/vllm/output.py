@@ -268,7 +268,7 @@ class NativeOutputProcessor(OutputProcessor):
             params.min_tokens,
             params.include_stop_str_in_output,
             params.num_logprobs,
-            # vLLM's own container, filled natively: its slices and reads stay vLLM's.
+            # vLLM's own container, filled natively: what reads it reads vLLM's class.
             create_sample_logprobs(True) if params.flat_logprobs else None,
         )
         # One object answers both roles: it holds the text and the sample logprobs.

@@ -124,7 +124,7 @@ impl RequestText {
             ));
         };
         // Out of `self` while the positions are added (the candidates read `self`), and
-        // back whatever happens.
+        // back on every return, an error's too.
         let added = self.add_positions(py, num, &store, lists);
         self.logprobs = Some(store);
         added

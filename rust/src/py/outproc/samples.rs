@@ -19,7 +19,8 @@ pub(super) struct Candidate<'py> {
     pub(super) decoded: Bound<'py, PyAny>,
 }
 
-/// The six lists of a `FlatLogprobs` (borrowed from it: it owns them).
+/// A `FlatLogprobs` and its six lists, each taken from it once (vLLM never replaces
+/// them, so appending to these is appending to the object's own).
 pub(super) struct FlatLists {
     object: Py<PyAny>,
     start_indices: Py<PyList>,
@@ -173,11 +174,13 @@ impl SampleLogprobs {
                 list.bind(py).append(position)
             }
             SampleLogprobs::Flat(flat) => {
-                // Every candidate is kept, duplicates too (vLLM's `append_fast`).
+                // Every candidate is made before anything is appended, so that a failure
+                // leaves the six lists aligned (as vLLM's decodes come before its
+                // `append_fast`); every candidate is kept, duplicates too.
+                let candidates = candidates.collect::<PyResult<Vec<_>>>()?;
                 let values = flat.logprobs.bind(py);
                 flat.start_indices.bind(py).append(values.len())?;
                 for c in candidates {
-                    let c = c?;
                     flat.token_ids.bind(py).append(c.id)?;
                     values.append(c.logprob)?;
                     flat.ranks.bind(py).append(c.rank)?;
