@@ -355,8 +355,10 @@ const _: () = assert!(OutputField::NewLogprobs as usize == OutputField::REQUIRED
 static OUTPUT_TYPE: PyOnceLock<Py<PyType>> = PyOnceLock::new();
 static MESSAGE_TYPE: PyOnceLock<Py<PyType>> = PyOnceLock::new();
 
-/// Freed output objects kept for reuse: allocating an output is then a pop and
-/// `PyObject_Init`, with no allocator call and no zeroing.
+/// Freed output objects kept for reuse: allocating an output is then a pop and a
+/// reference count set, with no allocator call, no zeroing and no call into CPython.
+/// A kept object keeps its type and the reference to it that every heap-type instance
+/// owns, so reusing it for the same type has nothing else to set.
 ///
 /// Only touched while attached to the interpreter, and the GIL serialises that: abi3
 /// extensions load only in builds with a GIL.
@@ -378,14 +380,28 @@ unsafe fn alloc_output(py: Python<'_>, ty: &Py<PyType>) -> PyResult<*mut ffi::Py
     // SAFETY: attached (we hold `py`); no Python code runs while the list is borrowed.
     let reused = unsafe { (*OUTPUT_FREE_LIST.0.get()).pop() };
     match reused {
-        // SAFETY: memory of a freed OutputObject of this type; Init sets the type (with
-        // a new reference, as GenericAlloc does) and a refcount of 1.
-        Some(obj) => unsafe { Ok(ffi::PyObject_Init(obj, ty.as_ptr().cast())) },
+        // SAFETY: memory of a freed OutputObject that still holds its type and a
+        // reference to it (see `free_output`): of the same type, only the count is
+        // set (what `PyObject_Init` would do besides the type it would re-set and
+        // re-reference; its tracemalloc note of a new reference is skipped, the
+        // memory's own allocation trace stays).
+        Some(obj) if unsafe { ffi::Py_TYPE(obj) } == ty.as_ptr().cast() => unsafe {
+            (*obj).ob_refcnt = 1;
+            Ok(obj)
+        },
+        // SAFETY: as above, of another type (the output type was made again):
+        // its type reference is given up, then Init sets the type (with a new
+        // reference, as GenericAlloc does) and a refcount of 1.
+        Some(obj) => unsafe {
+            decref(ffi::Py_TYPE(obj).cast());
+            Ok(ffi::PyObject_Init(obj, ty.as_ptr().cast()))
+        },
         None => unsafe { alloc(py, ty) },
     }
 }
 
-/// Returns an output object's memory to the free list (or the allocator when full).
+/// Returns an output object's memory to the free list, with its type and the
+/// reference to it, or to the allocator when the list is full.
 ///
 /// # Safety
 /// `obj` is an output object whose refcount reached zero and whose fields were
@@ -395,14 +411,12 @@ unsafe fn free_output(obj: *mut ffi::PyObject) {
     // SAFETY: attached (called from tp_dealloc), fields already released; no Python code
     // runs while the list is borrowed.
     unsafe {
-        let ty = ffi::Py_TYPE(obj);
         let list = &mut *OUTPUT_FREE_LIST.0.get();
         if list.len() < FREE_LIST_MAX {
             list.push(obj);
         } else {
-            ffi::PyObject_Free(obj.cast());
+            free(obj);
         }
-        decref(ty.cast());
     }
 }
 
