@@ -272,70 +272,99 @@ impl<V> InternCache<V> {
 /// almost always the one just after the previous match in the last message. A
 /// prediction costs one comparison with bytes read sequentially, instead of a hash and
 /// a table probe; ids it misses go through [`InternCache`].
+///
+/// The bytes of every id live in one buffer shared by both messages' records: an id
+/// predicted again is recorded by its place there ([`FrameOrder::keep`]), so a step
+/// whose ids were all predicted copies no bytes. Ids that dropped out leave their bytes
+/// behind until the buffer is mostly such garbage and is compacted.
 pub struct FrameOrder<V> {
-    prev: Order<V>,
-    cur: Order<V>,
+    keys: Vec<u8>,
+    /// The last message's ids (values taken out as they are matched).
+    prev: Vec<Entry<V>>,
+    /// This message's ids so far.
+    cur: Vec<Entry<V>>,
+    /// Bytes of the ids in `cur`.
+    cur_bytes: usize,
     /// Where in `prev` the next id is expected.
     cursor: usize,
 }
 
-struct Order<V> {
-    keys: Vec<u8>,
-    /// Per id: where its key starts and ends in `keys`, and its value (taken out when
-    /// matched: each value lives in one place).
-    entries: Vec<(u32, u32, Option<V>)>,
+/// An id recorded in a [`FrameOrder`]: where its bytes are in the shared buffer, and its
+/// value (taken out when matched: each value lives in one place).
+struct Entry<V> {
+    start: u32,
+    end: u32,
+    value: Option<V>,
 }
 
-impl<V> Order<V> {
-    fn new() -> Self {
-        Order {
-            keys: Vec::new(),
-            entries: Vec::new(),
-        }
-    }
-
-    fn clear(&mut self) {
-        self.keys.clear();
-        self.entries.clear();
-    }
-
-    #[inline]
-    fn key(&self, i: usize) -> &[u8] {
-        let (start, end, _) = self.entries[i];
-        &self.keys[start as usize..end as usize]
-    }
+/// A predicted id's value, taken out of the last message's record, with the place of
+/// its bytes (to record it again with [`FrameOrder::keep`]).
+pub struct Hit<V> {
+    pub value: V,
+    start: u32,
+    end: u32,
 }
+
+/// Garbage (bytes of ids no longer recorded) always tolerated before compacting.
+const COMPACT_SLACK: usize = 64 * 1024;
 
 impl<V> Default for FrameOrder<V> {
     fn default() -> Self {
         FrameOrder {
-            prev: Order::new(),
-            cur: Order::new(),
+            keys: Vec::new(),
+            prev: Vec::new(),
+            cur: Vec::new(),
+            cur_bytes: 0,
             cursor: 0,
         }
     }
 }
 
 impl<V> FrameOrder<V> {
+    #[inline(always)]
+    fn key(&self, e: &Entry<V>) -> &[u8] {
+        &self.keys[e.start as usize..e.end as usize]
+    }
+
     /// Starts a message: the ids recorded so far become the prediction, and values of
     /// the previous prediction that were not matched are dropped.
     pub fn start(&mut self) {
         std::mem::swap(&mut self.prev, &mut self.cur);
         self.cur.clear();
         self.cursor = 0;
+        let live = std::mem::take(&mut self.cur_bytes);
+        if self.keys.len() > 2 * live + COMPACT_SLACK {
+            self.compact(live);
+        }
+    }
+
+    /// Keeps only the bytes of the ids in `prev` (`live` bytes), in their order.
+    #[cold]
+    fn compact(&mut self, live: usize) {
+        let mut keys = Vec::with_capacity(live);
+        for e in &mut self.prev {
+            let start = keys.len();
+            keys.extend_from_slice(&self.keys[e.start as usize..e.end as usize]);
+            // Fits: `live` bytes came from a buffer whose offsets fit in u32.
+            e.start = start as u32;
+            e.end = keys.len() as u32;
+        }
+        self.keys = keys;
     }
 
     /// The value recorded for `key` if it is the predicted next id (or the one after:
-    /// a request that finished); the caller records it again with [`FrameOrder::push`].
+    /// a request that finished); the caller records it again with [`FrameOrder::keep`].
     #[inline(always)]
-    pub fn take_predicted(&mut self, key: &[u8]) -> Option<V> {
-        let n = self.prev.entries.len();
+    pub fn take_predicted(&mut self, key: &[u8]) -> Option<Hit<V>> {
+        let n = self.prev.len();
         let mut i = self.cursor;
         while i < n && i <= self.cursor + 1 {
-            if same_bytes(self.prev.key(i), key) {
-                if let Some(v) = self.prev.entries[i].2.take() {
+            let e = &self.prev[i];
+            if same_bytes(self.key(e), key) {
+                let (start, end) = (e.start, e.end);
+                if let Some(value) = self.prev[i].value.take() {
                     self.cursor = i + 1;
-                    return Some(v);
+                    return Some(Hit { value, start, end });
                 }
             }
             i += 1;
@@ -343,29 +372,43 @@ impl<V> FrameOrder<V> {
         None
     }
 
-    /// Records `key` as the next id of this message (keys of 4 GiB and more are not
-    /// recorded: they are never predicted).
+    /// Records a predicted id as the next id of this message, its bytes where they are.
+    #[inline(always)]
+    pub fn keep(&mut self, hit: Hit<V>) {
+        self.cur_bytes += (hit.end - hit.start) as usize;
+        self.cur.push(Entry {
+            start: hit.start,
+            end: hit.end,
+            value: Some(hit.value),
+        });
+    }
+
+    /// Records `key` as the next id of this message (keys that would take the shared
+    /// buffer to 4 GiB are not recorded: they are never predicted).
     #[inline]
     pub fn push(&mut self, key: &[u8], value: V) {
-        let start = self.cur.keys.len();
+        let start = self.keys.len();
         let end = start + key.len();
         if end > u32::MAX as usize {
             return;
         }
-        self.cur.keys.extend_from_slice(key);
-        self.cur
-            .entries
-            .push((start as u32, end as u32, Some(value)));
+        self.keys.extend_from_slice(key);
+        self.cur_bytes += key.len();
+        self.cur.push(Entry {
+            start: start as u32,
+            end: end as u32,
+            value: Some(value),
+        });
     }
 
     /// After a miss: resume predicting after `key`'s place in the last message, if it
     /// is there (requests that joined in between shift the order).
     pub fn resync(&mut self, key: &[u8]) {
-        let n = self.prev.entries.len();
+        let n = self.prev.len();
         // Look a short way ahead only: a far jump is better left to the hash table.
         for i in self.cursor..n.min(self.cursor + 8) {
-            if same_bytes(self.prev.key(i), key) {
-                self.prev.entries[i].2 = None;
+            if same_bytes(self.key(&self.prev[i]), key) {
+                self.prev[i].value = None;
                 self.cursor = i + 1;
                 return;
             }
@@ -374,21 +417,28 @@ impl<V> FrameOrder<V> {
 
     /// Every id held (recorded for this message, or predicted and not matched yet).
     pub fn keys(&self) -> impl Iterator<Item = &[u8]> {
-        let prev = (0..self.prev.entries.len())
-            .filter(|&i| self.prev.entries[i].2.is_some())
-            .map(|i| self.prev.key(i));
-        let cur = (0..self.cur.entries.len()).map(|i| self.cur.key(i));
+        let prev = self
+            .prev
+            .iter()
+            .filter(|e| e.value.is_some())
+            .map(|e| self.key(e));
+        let cur = self.cur.iter().map(|e| self.key(e));
         prev.chain(cur)
     }
 
     /// Ids recorded for the current message.
     pub fn len(&self) -> usize {
-        self.cur.entries.len()
+        self.cur.len()
     }
 
     /// Whether no id was recorded for the current message.
     pub fn is_empty(&self) -> bool {
-        self.cur.entries.is_empty()
+        self.cur.is_empty()
+    }
+
+    /// Bytes held for ids, garbage included (for tests of the compaction bound).
+    pub fn key_bytes(&self) -> usize {
+        self.keys.len()
     }
 }
 
@@ -407,27 +457,28 @@ mod tests {
         // Same order: every id predicted.
         o.start();
         for id in ["a", "b", "c", "d"] {
-            let v = o.take_predicted(id.as_bytes()).expect(id);
-            o.push(id.as_bytes(), v);
+            let hit = o.take_predicted(id.as_bytes()).expect(id);
+            o.keep(hit);
         }
         // "b" finished, "e" joined at the end.
         o.start();
-        assert_eq!(o.take_predicted(b"a"), Some(0));
-        o.push(b"a", 0);
-        assert_eq!(o.take_predicted(b"c"), Some(2), "skips the finished id");
-        o.push(b"c", 2);
-        assert_eq!(o.take_predicted(b"d"), Some(3));
-        o.push(b"d", 3);
-        assert_eq!(o.take_predicted(b"e"), None);
+        for (id, v) in [(b"a", 0), (b"c", 2), (b"d", 3)] {
+            let hit = o
+                .take_predicted(id)
+                .expect("predicted (c: skips the finished b)");
+            assert_eq!(hit.value, v);
+            o.keep(hit);
+        }
+        assert!(o.take_predicted(b"e").is_none());
         o.push(b"e", 4);
         assert_eq!(o.len(), 4);
         // A value is handed out once: a repeated id in one message is a miss.
         o.start();
-        assert_eq!(o.take_predicted(b"a"), Some(0));
-        assert_eq!(o.take_predicted(b"a"), None);
+        assert_eq!(o.take_predicted(b"a").map(|h| h.value), Some(0));
+        assert!(o.take_predicted(b"a").is_none());
         // Resync after a miss in the middle.
         o.resync(b"d");
-        assert_eq!(o.take_predicted(b"e"), Some(4));
+        assert_eq!(o.take_predicted(b"e").map(|h| h.value), Some(4));
         assert!(o.is_empty(), "nothing pushed for this message yet");
         // Held ids: the unmatched predictions ("c"; "a", "d", "e" were taken).
         assert_eq!(o.keys().collect::<Vec<_>>(), vec![b"c".as_slice()]);
@@ -436,6 +487,43 @@ mod tests {
             o.keys().collect::<Vec<_>>(),
             vec![b"c".as_slice(), b"z".as_slice()]
         );
+    }
+
+    #[test]
+    fn frame_order_compacts_the_bytes_of_ids_gone() {
+        // Every step, the oldest of 64 running requests finishes and a new one joins:
+        // the bytes of finished ids are garbage, which compaction bounds.
+        let id = |n: usize| format!("cmpl-{n:040}-0").into_bytes();
+        let mut o = FrameOrder::default();
+        let mut first = 0;
+        for step in 0..20_000 {
+            o.start();
+            for n in first..first + 64 {
+                let key = id(n);
+                match o.take_predicted(&key) {
+                    Some(hit) => {
+                        assert_eq!(hit.value, n, "step {step}");
+                        o.keep(hit);
+                    }
+                    None => {
+                        assert!(step == 0 || n == first + 63, "step {step}: {n} missed");
+                        o.push(&key, n);
+                    }
+                }
+            }
+            let len = id(0).len();
+            assert!(
+                o.key_bytes() <= 2 * 64 * len + COMPACT_SLACK + len,
+                "step {step}"
+            );
+            first += 1;
+        }
+        // Held: the last step's 64 ids, and the one that finished at that step (an
+        // unmatched prediction, dropped at the next start).
+        let last = first - 1;
+        let held: Vec<Vec<u8>> = o.keys().map(<[u8]>::to_vec).collect();
+        let expected: Vec<Vec<u8>> = (last - 1..last + 64).map(id).collect();
+        assert!(held == expected, "held {} ids", held.len());
     }
 
     #[test]

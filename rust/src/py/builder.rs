@@ -463,9 +463,9 @@ impl<'py> Builder for PyBuilder<'_, 'py> {
         };
         // Usually the id is the one that followed the previous one last time.
         let order = &mut self.state.orders[at].1;
-        if let Some(s) = order.take_predicted(raw) {
-            let ptr = s.as_ptr();
-            order.push(raw, s);
+        if let Some(hit) = order.take_predicted(raw) {
+            let ptr = hit.value.as_ptr();
+            order.keep(hit);
             // SAFETY: a live str, which the order holds; the new reference is the
             // output's (an inlined count, where `clone` would call the interpreter).
             return Ok(unsafe {
