@@ -237,15 +237,14 @@ def expected_native(
 ) -> bool:
     """Whether ``request`` (one of ``n`` siblings; ``queued``: added with a collector, as
     ``AsyncLLM`` adds) should take the native path in a processor that may
-    (:func:`processor_goes_native`): not for n > 1, prompt logprobs,
-    prompt embeddings, pooling or streaming input (notes §3.3)."""
+    (:func:`processor_goes_native`): not for n > 1, prompt embeddings, pooling or
+    streaming input (notes §3.3)."""
     params = request.sampling_params
     return (
         processor
         and queued
         and n == 1
         and params is not None
-        and params.prompt_logprobs is None
         and request.prompt_embeds is None
         and not request.resumable
     )

@@ -224,6 +224,13 @@ def _coverage(outputs: list[tuple[str, Any]], info: TokenizerInfo) -> Counter[st
             continue
         if out["prompt_logprobs"]:
             seen["prompt logprobs"] += 1
+            kind, positions = out["prompt_logprobs"]
+            seen[f"{kind} prompt logprobs"] += 1
+            if kind == "list":
+                for position in positions:
+                    for token_id, _, _, text, _ in position or ():
+                        if text and decode([token_id]).endswith("\ufffd"):
+                            seen["U+FFFD prompt candidate corrected"] += 1
         if not any(out["prompt_token_ids"]):
             seen["prompt embeds"] += 1  # placeholder ids: the request had embeddings
         for c in out["outputs"]:
@@ -281,6 +288,9 @@ def test_workloads_cover_the_edge_cases(
         "stop token",
         "n > 1",
         "prompt logprobs",
+        "list prompt logprobs",
+        "FlatLogprobs prompt logprobs",
+        "U+FFFD prompt candidate corrected",
         "prompt embeds",
         "list logprobs",
         "FlatLogprobs logprobs",
@@ -346,6 +356,38 @@ class _FlatAsDicts(OutputProcessor):
         super().add_request(request, prompt, parent_req, request_index, queue)
 
 
+class _PromptLogprobsResent(OutputProcessor):
+    """vLLM's processor sending a ``DELTA`` request's prompt logprobs with every output
+    (instead of once, then an empty list)."""
+
+    def add_request(self, request, prompt, parent_req=None, request_index=0, queue=None):  # type: ignore[no-untyped-def]
+        super().add_request(request, prompt, parent_req, request_index, queue)
+        lp = self.request_states[request.request_id].logprobs_processor
+        if lp is not None:
+            lp.pop_prompt_logprobs = lambda: lp.prompt_logprobs  # type: ignore[method-assign]
+
+
+class _NoPromptUtf8Correction(OutputProcessor):
+    """vLLM's processor without the U+FFFD context correction of prompt logprob
+    strings only (sample logprobs keep theirs)."""
+
+    def add_request(self, request, prompt, parent_req=None, request_index=0, queue=None):  # type: ignore[no-untyped-def]
+        super().add_request(request, prompt, parent_req, request_index, queue)
+        lp = self.request_states[request.request_id].logprobs_processor
+        if lp is None:
+            return
+        update = lp._update_prompt_logprobs
+
+        def uncorrected(tensors):  # type: ignore[no-untyped-def]
+            lp._verify_tokens = lambda decoded_tokens_list, **_: decoded_tokens_list
+            try:
+                update(tensors)
+            finally:
+                del lp._verify_tokens  # the class's method again
+
+        lp._update_prompt_logprobs = uncorrected  # type: ignore[method-assign]
+
+
 class _IntervalIgnored(OutputProcessor):
     """vLLM's processor sending every output whatever the stream interval."""
 
@@ -365,7 +407,16 @@ def test_harness_catches_an_ignored_stream_interval(bpe: TokenizerInfo) -> None:
 
 
 @pytest.mark.parametrize(
-    "mutant", [_NoUtf8Correction, _NoHoldBack, _NoEvents, _NoKvParams, _FlatAsDicts]
+    "mutant",
+    [
+        _NoUtf8Correction,
+        _NoHoldBack,
+        _NoEvents,
+        _NoKvParams,
+        _FlatAsDicts,
+        _PromptLogprobsResent,
+        _NoPromptUtf8Correction,
+    ],
 )
 def test_harness_catches_a_wrong_processor(bpe: TokenizerInfo, mutant: type) -> None:
     """vLLM's processor with one thing changed must fail the comparison (not crash)."""

@@ -25,7 +25,7 @@ from typing import Any
 import tokenizers
 import tokenizers.decoders
 import vllm.envs as envs
-from vllm.logprobs import FlatLogprobs, Logprob, create_sample_logprobs
+from vllm.logprobs import FlatLogprobs, Logprob, create_prompt_logprobs, create_sample_logprobs
 from vllm.outputs import CompletionOutput, RequestOutput
 from vllm.tokenizers.detokenizer_utils import convert_ids_list_to_tokens
 from vllm.v1.engine import FinishReason
@@ -129,8 +129,8 @@ def processor_refusal(tokenizer: Any, tracing_enabled: bool) -> str | None:
 def native_refusal(request: Any, parent_req: Any, queue: Any) -> str | None:
     """Why one request must stay on vLLM's path (None: it goes native).
 
-    Parallel sampling (n > 1), pooling, prompt embeddings, prompt logprobs, streaming
-    input and the synchronous engine (no collector) keep vLLM's code.
+    Parallel sampling (n > 1), pooling, prompt embeddings, streaming input and the
+    synchronous engine (no collector) keep vLLM's code.
     """
     params = request.sampling_params
     if params is None:
@@ -141,8 +141,6 @@ def native_refusal(request: Any, parent_req: Any, queue: Any) -> str | None:
         return "no output collector (LLMEngine)"
     if request.prompt_token_ids is None or request.prompt_embeds is not None:
         return "prompt embeddings"
-    if params.prompt_logprobs is not None:
-        return "prompt logprobs"
     if request.resumable:
         return "streaming input"
     return None
@@ -270,6 +268,11 @@ class NativeOutputProcessor(OutputProcessor):
             params.num_logprobs,
             # vLLM's own container, filled natively: what reads it reads vLLM's class.
             create_sample_logprobs(True) if params.flat_logprobs else None,
+            params.prompt_logprobs,
+            # vLLM's new prompt container (its first position None), filled natively.
+            None
+            if params.prompt_logprobs is None
+            else create_prompt_logprobs(params.flat_logprobs),
         )
         # One object answers both roles: it holds the text and the sample logprobs.
         stats_state.detokenizer = text

@@ -103,7 +103,8 @@ impl OutputCore {
     #[pyo3(signature = (request_id, external_req_id, prompt, prompt_token_ids, lora_request,
         request_index, output_kind, stream_interval, queue, plain_collector, stats, detokenize,
         skip_special_tokens, spaces_between_special_tokens, stop, min_tokens,
-        include_stop_str_in_output, num_logprobs, flat_logprobs = None))]
+        include_stop_str_in_output, num_logprobs, flat_logprobs = None,
+        num_prompt_logprobs = None, prompt_logprobs = None))]
     fn request(
         &self,
         py: Python<'_>,
@@ -126,7 +127,21 @@ impl OutputCore {
         include_stop_str_in_output: bool,
         num_logprobs: Option<i64>,
         flat_logprobs: Option<Bound<'_, PyAny>>,
+        num_prompt_logprobs: Option<i64>,
+        prompt_logprobs: Option<Bound<'_, PyAny>>,
     ) -> PyResult<RequestText> {
+        let prompt_logprobs = match (num_prompt_logprobs, prompt_logprobs) {
+            (None, _) => None,
+            (Some(_), None) => {
+                return Err(PyValueError::new_err(
+                    "num_prompt_logprobs without a prompt_logprobs container",
+                ))
+            }
+            (Some(_), Some(c)) => Some(match c.cast::<PyList>() {
+                Ok(list) => SampleLogprobs::Dicts(list.clone().unbind()),
+                Err(_) => SampleLogprobs::flat(&c)?,
+            }),
+        };
         if output_kind > FINAL_ONLY {
             return Err(PyValueError::new_err(format!(
                 "unknown output kind {output_kind}"
@@ -161,6 +176,10 @@ impl OutputCore {
             },
             cumulative: 0.0,
             sampled: Vec::new(),
+            num_prompt_logprobs,
+            // vLLM's new container holds the first prompt token's None position.
+            prompt_context: prompt_logprobs.as_ref().map_or(Vec::new(), |_| vec![None]),
+            prompt_logprobs,
             request_id,
             external_req_id,
             prompt,

@@ -52,6 +52,9 @@ pub(super) struct Names {
     pub(super) metrics: Py<PyString>,
     pub(super) encoder_prompt: Py<PyString>,
     pub(super) encoder_prompt_token_ids: Py<PyString>,
+    // Tensor methods (prompt logprobs).
+    pub(super) numpy: Py<PyString>,
+    pub(super) tolist: Py<PyString>,
 }
 
 static NAMES: pyo3::sync::PyOnceLock<Names> = pyo3::sync::PyOnceLock::new();
@@ -105,6 +108,8 @@ impl Names {
                 metrics: n("metrics"),
                 encoder_prompt: n("encoder_prompt"),
                 encoder_prompt_token_ids: n("encoder_prompt_token_ids"),
+                numpy: n("numpy"),
+                tolist: n("tolist"),
             }
         })
     }

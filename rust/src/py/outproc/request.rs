@@ -4,7 +4,7 @@ use std::sync::Arc;
 
 use pyo3::exceptions::{PyRuntimeError, PyValueError};
 use pyo3::prelude::*;
-use pyo3::types::{PyFloat, PyList, PyString};
+use pyo3::types::{PyFloat, PyList, PyString, PyTuple};
 use pyo3::IntoPyObjectExt;
 
 use crate::core::text::candidates;
@@ -42,6 +42,15 @@ pub struct RequestText {
     pub(super) cumulative: f64,
     /// The sampled ids of the last positions (the context of candidate corrections).
     pub(super) sampled: Vec<u32>,
+    /// vLLM's `prompt_logprobs` parameter (None: the request asked for none).
+    pub(super) num_prompt_logprobs: Option<i64>,
+    /// The prompt logprobs not yet handed out, in vLLM's container (starting with the
+    /// first prompt token's None), or None when the request asked for none.
+    pub(super) prompt_logprobs: Option<SampleLogprobs>,
+    /// The prompt token of each of the container's last positions (None for the first
+    /// prompt token's), the context of the prompt candidates' corrections: vLLM reads
+    /// it from the container, so it restarts when the container is handed out.
+    pub(super) prompt_context: Vec<Option<u32>>,
     // What the request's outputs carry, fixed when it was added.
     pub(super) request_id: Py<PyString>,
     pub(super) external_req_id: Py<PyAny>,
@@ -125,8 +134,32 @@ impl RequestText {
         };
         // Out of `self` while the positions are added (the candidates read `self`), and
         // back on every return, an error's too.
-        let added = self.add_positions(py, num, &store, lists);
+        let added = self.add_positions(py, num, &store, lists, Positions::Sampled);
         self.logprobs = Some(store);
+        added
+    }
+
+    /// Appends the positions of an output's `new_prompt_logprobs_tensors` (a
+    /// `LogprobsTensors` of torch tensors or numpy arrays), as vLLM's
+    /// `_update_prompt_logprobs` does.
+    fn add_prompt_logprobs(&mut self, py: Python<'_>, tensors: &Bound<'_, PyAny>) -> PyResult<()> {
+        let (Some(num), Some(store)) = (self.num_prompt_logprobs, self.prompt_logprobs.take())
+        else {
+            return Err(PyRuntimeError::new_err(
+                "prompt logprobs for a request that asked for none",
+            ));
+        };
+        let arrays = (0..3)
+            .map(|i| as_array(&arrays::item(tensors, i)?))
+            .collect::<PyResult<Vec<_>>>();
+        let added = match arrays {
+            Ok(a) => {
+                let lists = PyTuple::new(py, a)?;
+                self.add_positions(py, num, &store, lists.as_any(), Positions::Prompt)
+            }
+            Err(e) => Err(e),
+        };
+        self.prompt_logprobs = Some(store);
         added
     }
 
@@ -136,6 +169,7 @@ impl RequestText {
         num: i64,
         store: &SampleLogprobs,
         lists: &Bound<'_, PyAny>,
+        kind: Positions,
     ) -> PyResult<()> {
         let ids: Block<i64> = arrays::block(&arrays::item(lists, 0)?)?;
         let lps: Block<f64> = arrays::block(&arrays::item(lists, 1)?)?;
@@ -150,10 +184,14 @@ impl RequestText {
                 num.max(0) as usize
             };
             let count = ids.len().min(lps.len()).min(1 + wanted);
+            // The candidates' strings see the context of the positions before.
+            let context: Vec<u32> = match kind {
+                Positions::Sampled => self.sampled.clone(),
+                Positions::Prompt => self.prompt_context.iter().flatten().copied().collect(),
+            };
             let entries = (0..count).map(|i| {
-                // The candidates' strings see the context of the positions before.
                 let decoded = if self.stream.is_some() {
-                    self.candidate(py, &shared, ids[i])?.into_any()
+                    self.candidate(py, &shared, ids[i], &context)?.into_any()
                 } else {
                     py.None().into_bound(py)
                 };
@@ -165,17 +203,43 @@ impl RequestText {
                 })
             });
             store.push(py, &shared, entries)?;
-            if let Some(&first) = lps.first() {
-                self.cumulative += first;
-            }
-            if let Some(&first) = ids.first() {
-                self.sampled.push(u32::try_from(first).unwrap_or(u32::MAX));
-                if self.sampled.len() > candidates::MAX_CONTEXT {
-                    self.sampled.remove(0);
+            let first = ids.first().map(|&id| u32::try_from(id).unwrap_or(u32::MAX));
+            match kind {
+                Positions::Sampled => {
+                    if let Some(&value) = lps.first() {
+                        self.cumulative += value;
+                    }
+                    if let Some(first) = first {
+                        self.sampled.push(first);
+                        if self.sampled.len() > candidates::MAX_CONTEXT {
+                            self.sampled.remove(0);
+                        }
+                    }
+                }
+                Positions::Prompt => {
+                    // A position of no candidates (zero-width rows) has no first id.
+                    self.prompt_context.push(first.filter(|_| count > 0));
+                    if self.prompt_context.len() > candidates::MAX_CONTEXT {
+                        self.prompt_context.remove(0);
+                    }
                 }
             }
         }
         Ok(())
+    }
+
+    /// The prompt logprobs a `RequestOutput` carries: for `DELTA`, those not handed out
+    /// yet, which are then forgotten (vLLM's `pop_prompt_logprobs`: a container with
+    /// positions is replaced by an empty list, so later outputs carry that same list);
+    /// for the other kinds the whole container. None when the request asked for none.
+    fn prompt_logprobs_for_output<'py>(&mut self, py: Python<'py>) -> Option<Bound<'py, PyAny>> {
+        let store = self.prompt_logprobs.as_ref()?;
+        let object = store.object(py);
+        if self.output_kind == DELTA && store.len(py) > 0 {
+            self.prompt_logprobs = Some(SampleLogprobs::dicts(py));
+            self.prompt_context.clear();
+        }
+        Some(object)
     }
 
     /// A candidate's string at the current position.
@@ -184,6 +248,7 @@ impl RequestText {
         py: Python<'py>,
         shared: &Shared,
         id: i64,
+        context: &[u32],
     ) -> PyResult<Bound<'py, PyString>> {
         let (s, incomplete) = shared.single(py, id)?;
         if !incomplete {
@@ -192,7 +257,7 @@ impl RequestText {
         let token = u32::try_from(id).map_err(|_| PyValueError::new_err("negative token id"))?;
         let fixed = candidates::correct(
             token,
-            &self.sampled,
+            context,
             |ids| shared.decode(py, ids),
             |t| Ok(shared.single(py, t as i64)?.1),
         )?;
@@ -244,20 +309,16 @@ impl RequestText {
         self.text.text()
     }
 
-    /// Logprobs processor: takes an output's sample logprobs.
+    /// Logprobs processor: takes an output's sample logprobs, then its prompt logprobs.
     fn update_from_output(&mut self, py: Python<'_>, output: &Bound<'_, PyAny>) -> PyResult<()> {
         let names = Names::get(py);
-        if !output
-            .getattr(&names.new_prompt_logprobs_tensors)?
-            .is_none()
-        {
-            return Err(PyRuntimeError::new_err(
-                "prompt logprobs reached a request on corewire's native output path",
-            ));
-        }
         let lists = output.getattr(&names.new_logprobs)?;
         if !lists.is_none() {
             self.add_logprobs(py, &lists)?;
+        }
+        let tensors = output.getattr(&names.new_prompt_logprobs_tensors)?;
+        if !tensors.is_none() {
+            self.add_prompt_logprobs(py, &tensors)?;
         }
         Ok(())
     }
@@ -275,15 +336,24 @@ impl RequestText {
         self.cumulative_value(py)
     }
 
-    /// Logprobs processor: native requests never ask for prompt logprobs.
+    /// Logprobs processor: the prompt logprobs not handed out yet (vLLM's container),
+    /// or None when the request asked for none.
     #[getter]
-    fn prompt_logprobs(&self) -> Option<Py<PyAny>> {
-        None
+    fn prompt_logprobs<'py>(&self, py: Python<'py>) -> Option<Bound<'py, PyAny>> {
+        self.prompt_logprobs.as_ref().map(|l| l.object(py))
     }
 
-    /// Logprobs processor: native requests never ask for prompt logprobs.
-    fn pop_prompt_logprobs(&self) -> Option<Py<PyAny>> {
-        None
+    /// Logprobs processor: the prompt logprobs not handed out yet, forgotten once they
+    /// have positions (vLLM's `pop_prompt_logprobs`); None when the request asked for
+    /// none.
+    fn pop_prompt_logprobs<'py>(&mut self, py: Python<'py>) -> Option<Bound<'py, PyAny>> {
+        let store = self.prompt_logprobs.as_ref()?;
+        let object = store.object(py);
+        if store.len(py) > 0 {
+            self.prompt_logprobs = Some(SampleLogprobs::dicts(py));
+            self.prompt_context.clear();
+        }
+        Some(object)
     }
 }
 
@@ -425,6 +495,7 @@ impl RequestText {
             ),
             None => (none(), none()),
         };
+        let prompt_logprobs = self.prompt_logprobs_for_output(py).unwrap_or_else(none);
         let shared = &*self.shared;
         let completion = shared.instance(
             py,
@@ -452,7 +523,7 @@ impl RequestText {
                 (&n.request_id, self.external_req_id.bind(py).clone()),
                 (&n.prompt, self.prompt.bind(py).clone()),
                 (&n.prompt_token_ids, self.prompt_token_ids.bind(py).clone()),
-                (&n.prompt_logprobs, none()),
+                (&n.prompt_logprobs, prompt_logprobs),
                 (&n.outputs, PyList::new(py, [completion])?.into_any()),
                 (&n.finished, finished.into_bound_py_any(py)?),
                 (&n.metrics, metrics),
@@ -467,4 +538,26 @@ impl RequestText {
             ],
         )
     }
+}
+
+/// Which of a request's logprobs a block of positions is for.
+#[derive(Clone, Copy)]
+enum Positions {
+    /// Sampled tokens' (`new_logprobs`): they add to the cumulative logprob and are
+    /// the context of later sample candidates.
+    Sampled,
+    /// Prompt tokens' (`new_prompt_logprobs_tensors`).
+    Prompt,
+}
+
+/// A tensor as something [`arrays::block`] reads quickly: a torch tensor's numpy view
+/// (`Tensor.numpy()` shares the memory of a CPU tensor), or its `tolist()` where there
+/// is no such view (another device); anything else (a numpy array) as it is.
+fn as_array<'py>(obj: &Bound<'py, PyAny>) -> PyResult<Bound<'py, PyAny>> {
+    let names = Names::get(obj.py());
+    if !obj.hasattr(&names.numpy)? {
+        return Ok(obj.clone());
+    }
+    obj.call_method0(&names.numpy)
+        .or_else(|_| obj.call_method0(&names.tolist))
 }
