@@ -463,11 +463,12 @@ def test_output_json_and_plot(tmp_path: Path) -> None:
     assert proc.returncode == 0, proc.stdout + proc.stderr
     doc = read_results(out, "output")
     assert [c["case"] for c in doc["cases"]] == [
-        "plain", "stop strings", "logprobs 5", "flat logprobs 5",
+        "plain", "stop strings", "logprobs 5", "flat logprobs 5", "prompt logprobs 5",
     ]  # fmt: skip
     for case in doc["cases"]:
         assert case["identical_texts"] is True
-        ns = case["ns_per_output"]
+        # The scoring case counts per request (one output each, its prompt's logprobs).
+        ns = case["ns_per_request" if case["case"] == "prompt logprobs 5" else "ns_per_output"]
         assert set(ns) == {"vllm", "corewire"} and min(ns.values()) > 0
         assert case["ratio"] == pytest.approx(ns["vllm"] / ns["corewire"])
     assert "identical" in proc.stdout

@@ -8,6 +8,10 @@ request per step, in chunks of 128 as ``AsyncLLM``'s output handler cuts them. E
 gets a fresh ``IterationStats`` and every collector is drained after it, as the serving
 tasks would. The first (prefill) step is not timed. Reported: CPU ns per output, median of
 interleaved trials, and the ratio. The texts both processors produced are compared.
+
+The scoring case (``prompt logprobs 5``) brings a new batch of one-token requests every
+step, each output carrying its prompt's logprobs, and is reported per request; the prompt
+logprobs both processors produced are compared too.
 """
 
 from __future__ import annotations
@@ -31,6 +35,16 @@ CASES: dict[str, tuple[int | None, list[str] | None, bool]] = {
     "logprobs 5": (5, None, False),
     "flat logprobs 5": (5, None, True),
 }
+
+#: Scoring cases (case name -> prompt logprobs per position): every timed step brings a
+#: new batch of one-token requests whose only output carries the prompt's logprobs, as
+#: an evaluation harness scores prompts (``prompt_logprobs`` with ``max_tokens=1``).
+#: Reported per request.
+SCORING_CASES: dict[str, int] = {"prompt logprobs 5": 5}
+
+#: Prompt tokens of each request (the scoring cases' prompts have this many minus one
+#: scored positions).
+PROMPT_LEN = 32
 
 #: The output handler's chunk (vLLM's VLLM_V1_OUTPUT_PROC_CHUNK_SIZE default).
 CHUNK = 128
@@ -100,6 +114,109 @@ def _workload(
             )
         all_steps.append(outputs)
     return Workload(requests, all_steps)
+
+
+def _request(index: int, ids: list[int], params: Any) -> Any:
+    """A vLLM ``EngineCoreRequest`` of prompt ``ids`` (ids ``req-N`` / ``ext-N``)."""
+    from vllm.v1.engine import EngineCoreRequest
+
+    request = EngineCoreRequest(
+        request_id=f"req-{index}",
+        prompt_token_ids=ids,
+        mm_features=None,
+        sampling_params=params,
+        pooling_params=None,
+        arrival_time=time.time(),
+        lora_request=None,
+        cache_salt=None,
+        data_parallel_rank=None,
+    )
+    request.external_req_id = f"ext-{index}"
+    return request
+
+
+def _scoring_workload(
+    tok: Any, vocabulary: list[str], case: str, batch: int, steps: int, seed: int
+) -> list[Workload]:
+    """One workload per step (the first untimed): ``batch`` new requests, each with one
+    output that carries its prompt logprobs (torch tensors, as corewire's decoder hands
+    them over) and its only token, finished by length."""
+    import torch
+    from vllm.sampling_params import RequestOutputKind, SamplingParams
+    from vllm.v1.engine import EngineCoreOutput, FinishReason
+    from vllm.v1.outputs import LogprobsTensors
+
+    k = SCORING_CASES[case]
+    rng = random.Random(seed)
+    vocab = len(tok)
+    work = []
+    for s in range(steps + 1):
+        requests, outputs = [], []
+        for i in range(batch):
+            ids = tok.encode(bpe.sample_text(rng, 120, vocabulary))[: PROMPT_LEN + 1]
+            params = SamplingParams(
+                max_tokens=1, prompt_logprobs=k, output_kind=RequestOutputKind.DELTA
+            )
+            request = _request(s * batch + i, ids[:PROMPT_LEN], params)
+            rows = [[t] + [rng.randrange(vocab) for _ in range(k)] for t in ids[1:PROMPT_LEN]]
+            values = [sorted((rng.uniform(-8.0, 0.0) for _ in r), reverse=True) for r in rows]
+            tensors = LogprobsTensors(
+                torch.tensor(rows, dtype=torch.int32),
+                torch.tensor(values, dtype=torch.float32),
+                torch.tensor([rng.randint(1, 20) for _ in rows], dtype=torch.int64),
+            )
+            requests.append(request)
+            outputs.append(
+                EngineCoreOutput(
+                    request_id=request.request_id,
+                    new_token_ids=[ids[PROMPT_LEN]],
+                    new_prompt_logprobs_tensors=tensors,
+                    finish_reason=FinishReason.LENGTH,
+                )
+            )
+        work.append(Workload(requests, [outputs]))
+    return work
+
+
+def _measure_scoring(
+    processor_cls: type, tok: Any, work: list[Workload]
+) -> tuple[float, list[Any]]:
+    """CPU ns per request (added, its output processed and collected) over the timed
+    steps, and what each request's output carried (text and prompt logprobs)."""
+    from vllm.v1.engine.output_processor import RequestOutputCollector
+    from vllm.v1.metrics.stats import IterationStats
+
+    processor = processor_cls(tok, log_stats=True)
+    got: list[Any] = []
+
+    def step(batch: Workload) -> None:
+        queues = []
+        for request in batch.requests:
+            queue = RequestOutputCollector(request.sampling_params.output_kind, request.request_id)
+            processor.add_request(request, None, None, 0, queue)
+            queues.append(queue)
+        (outputs,) = batch.steps
+        stats = IterationStats()
+        for start in range(0, len(outputs), CHUNK):
+            processor.process_outputs(outputs[start : start + CHUNK], time.time(), stats)
+        for queue in queues:
+            out = queue.get_nowait()
+            got.append((out.outputs[0].text, _prompt_logprobs(out.prompt_logprobs)))
+
+    step(work[0])
+    gc.collect()
+    begin = time.process_time_ns()
+    for batch in work[1:]:
+        step(batch)
+    spent = time.process_time_ns() - begin
+    return spent / sum(len(b.requests) for b in work[1:]), got
+
+
+def _prompt_logprobs(positions: Any) -> Any:
+    return [
+        None if p is None else [(t, lp.logprob, lp.rank, lp.decoded_token) for t, lp in p.items()]
+        for p in positions
+    ]
 
 
 def _measure(processor_cls: type, tok: Any, work: Workload) -> tuple[float, list[str]]:
@@ -190,24 +307,49 @@ def run(args: argparse.Namespace) -> int:
                 "identical_texts": same,
             }
         )
+    for case in SCORING_CASES:
+        scoring = _scoring_workload(tok, vocabulary, case, args.batch, steps, seed=2)
+        ns = {"vllm": [], "corewire": []}
+        same = True
+        for _ in range(trials):
+            base, base_got = _measure_scoring(OutputProcessor, tok, scoring)
+            ours, our_got = _measure_scoring(NativeOutputProcessor, tok, scoring)
+            ns["vllm"].append(base)
+            ns["corewire"].append(ours)
+            same = same and base_got == our_got
+        vllm_ns, ours_ns = statistics.median(ns["vllm"]), statistics.median(ns["corewire"])
+        ratio = vllm_ns / ours_ns
+        print(
+            f"{case:<16} {vllm_ns:>12,.0f} {ours_ns:>10,.0f} {ratio:>6.2f}x  "
+            f"{'identical' if same else 'DIFFERENT'} (per request: {PROMPT_LEN - 1} "
+            f"scored prompt positions, one token)"
+        )
+        rows.append(
+            {
+                "case": case,
+                "ns_per_request": {"vllm": vllm_ns, "corewire": ours_ns},
+                "ratio": ratio,
+                "identical_texts": same,
+            }
+        )
     if args.plot:
         plt = common.pyplot()
         fig, ax = plt.subplots(figsize=(6, 3.5))
         x = range(len(rows))
         ax.bar(
             [i - 0.2 for i in x],
-            [r["ns_per_output"]["vllm"] for r in rows],
+            [_ns(r)["vllm"] for r in rows],
             0.4,
             label="vLLM 0.25.1",
         )
         ax.bar(
             [i + 0.2 for i in x],
-            [r["ns_per_output"]["corewire"] for r in rows],
+            [_ns(r)["corewire"] for r in rows],
             0.4,
             label="corewire",
         )
         ax.set_xticks(list(x), [r["case"] for r in rows])
-        ax.set_ylabel("CPU ns per output")
+        ax.set_ylabel("CPU ns per output (scoring: per request)")
         ax.set_yscale("log")
         ax.legend()
         common.save_figure(fig, args.plot)
@@ -221,3 +363,7 @@ def run(args: argparse.Namespace) -> int:
             goals=[],
         )
     return 0 if all(r["identical_texts"] for r in rows) else 1
+
+
+def _ns(row: dict[str, Any]) -> dict[str, float]:
+    return row.get("ns_per_output") or row["ns_per_request"]
