@@ -63,7 +63,7 @@ def _workload(
 ) -> Workload:
     import numpy as np
     from vllm.sampling_params import RequestOutputKind, SamplingParams
-    from vllm.v1.engine import EngineCoreOutput, EngineCoreRequest
+    from vllm.v1.engine import EngineCoreOutput
     from vllm.v1.outputs import LogprobsLists
 
     logprobs, stop, flat = CASES[case]
@@ -79,20 +79,8 @@ def _workload(
             output_kind=RequestOutputKind.DELTA,
             flat_logprobs=flat,
         )
-        request = EngineCoreRequest(
-            request_id=f"req-{i}",
-            prompt_token_ids=ids[:32],
-            mm_features=None,
-            sampling_params=params,
-            pooling_params=None,
-            arrival_time=time.time(),
-            lora_request=None,
-            cache_salt=None,
-            data_parallel_rank=None,
-        )
-        request.external_req_id = f"ext-{i}"
-        requests.append(request)
-        texts.append(ids[32:])
+        requests.append(_request(i, ids[:PROMPT_LEN], params))
+        texts.append(ids[PROMPT_LEN:])
     all_steps = []
     for s in range(steps + 1):
         outputs = []
@@ -252,6 +240,37 @@ def _measure(processor_cls: type, tok: Any, work: Workload) -> tuple[float, list
     return spent / outputs_timed, ["".join(t) for t in texts]
 
 
+def _compare(
+    case: str, unit: str, measure: Any, tok: Any, work: Any, trials: int, note: str
+) -> dict[str, Any]:
+    """Interleaved trials of both processors on ``work`` through ``measure``; prints the
+    case's line and returns its row (medians under ``unit``)."""
+    from vllm.v1.engine.output_processor import OutputProcessor
+
+    from corewire.vllm.output import NativeOutputProcessor
+
+    ns: dict[str, list[float]] = {"vllm": [], "corewire": []}
+    same = True
+    for _ in range(trials):
+        base, base_got = measure(OutputProcessor, tok, work)
+        ours, our_got = measure(NativeOutputProcessor, tok, work)
+        ns["vllm"].append(base)
+        ns["corewire"].append(ours)
+        same = same and base_got == our_got
+    vllm_ns, ours_ns = statistics.median(ns["vllm"]), statistics.median(ns["corewire"])
+    ratio = vllm_ns / ours_ns
+    print(
+        f"{case:<16} {vllm_ns:>12,.0f} {ours_ns:>10,.0f} {ratio:>6.2f}x  "
+        f"{'identical' if same else 'DIFFERENT'}{note}"
+    )
+    return {
+        "case": case,
+        unit: {"vllm": vllm_ns, "corewire": ours_ns},
+        "ratio": ratio,
+        "identical_texts": same,
+    }
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The benchmark's options."""
     parser.add_argument("--batch", type=int, default=256, help="concurrent requests (256)")
@@ -269,9 +288,6 @@ def run(args: argparse.Namespace) -> int:
         print(f"corewire bench output: needs vLLM {common.VLLM_VERSION} (installed: {installed})")
         return 2
     from vllm.tokenizers.hf import maybe_make_thread_pool
-    from vllm.v1.engine.output_processor import OutputProcessor
-
-    from corewire.vllm.output import NativeOutputProcessor
 
     steps, trials = (8, 3) if args.quick else (args.steps, args.trials)
     trained, vocabulary = bpe.train()
@@ -285,53 +301,11 @@ def run(args: argparse.Namespace) -> int:
     rows = []
     for case in CASES:
         work = _workload(tok, vocabulary, case, args.batch, steps, seed=1)
-        ns: dict[str, list[float]] = {"vllm": [], "corewire": []}
-        same = True
-        for _ in range(trials):
-            base, base_texts = _measure(OutputProcessor, tok, work)
-            ours, our_texts = _measure(NativeOutputProcessor, tok, work)
-            ns["vllm"].append(base)
-            ns["corewire"].append(ours)
-            same = same and base_texts == our_texts
-        vllm_ns, ours_ns = statistics.median(ns["vllm"]), statistics.median(ns["corewire"])
-        ratio = vllm_ns / ours_ns
-        print(
-            f"{case:<16} {vllm_ns:>12,.0f} {ours_ns:>10,.0f} {ratio:>6.2f}x  "
-            f"{'identical' if same else 'DIFFERENT'}"
-        )
-        rows.append(
-            {
-                "case": case,
-                "ns_per_output": {"vllm": vllm_ns, "corewire": ours_ns},
-                "ratio": ratio,
-                "identical_texts": same,
-            }
-        )
+        rows.append(_compare(case, "ns_per_output", _measure, tok, work, trials, ""))
     for case in SCORING_CASES:
         scoring = _scoring_workload(tok, vocabulary, case, args.batch, steps, seed=2)
-        ns = {"vllm": [], "corewire": []}
-        same = True
-        for _ in range(trials):
-            base, base_got = _measure_scoring(OutputProcessor, tok, scoring)
-            ours, our_got = _measure_scoring(NativeOutputProcessor, tok, scoring)
-            ns["vllm"].append(base)
-            ns["corewire"].append(ours)
-            same = same and base_got == our_got
-        vllm_ns, ours_ns = statistics.median(ns["vllm"]), statistics.median(ns["corewire"])
-        ratio = vllm_ns / ours_ns
-        print(
-            f"{case:<16} {vllm_ns:>12,.0f} {ours_ns:>10,.0f} {ratio:>6.2f}x  "
-            f"{'identical' if same else 'DIFFERENT'} (per request: {PROMPT_LEN - 1} "
-            f"scored prompt positions, one token)"
-        )
-        rows.append(
-            {
-                "case": case,
-                "ns_per_request": {"vllm": vllm_ns, "corewire": ours_ns},
-                "ratio": ratio,
-                "identical_texts": same,
-            }
-        )
+        note = f" (per request: {PROMPT_LEN - 1} scored prompt positions, one token)"
+        rows.append(_compare(case, "ns_per_request", _measure_scoring, tok, scoring, trials, note))
     if args.plot:
         plt = common.pyplot()
         fig, ax = plt.subplots(figsize=(6, 3.5))
