@@ -266,7 +266,7 @@ TOKENIZERS_VERSION: str
 
 @final
 class RequestText:
-    """One request's text, token ids and sample logprobs on the native output path; also
+    """One request's text, token ids, sample and prompt logprobs on the native output path; also
     its detokenizer and logprobs processor for vLLM's own loop
     (``corewire.vllm.output``)."""
 
@@ -284,7 +284,8 @@ class RequestText:
     def output_text(self) -> str:
         """The output text so far."""
     def update_from_output(self, output: Any) -> None:
-        """Takes an output's sample logprobs (``new_logprobs``)."""
+        """Takes an output's sample logprobs (``new_logprobs``), then its prompt logprobs
+        (``new_prompt_logprobs_tensors``)."""
     @property
     def logprobs(self) -> list[dict[int, Any]] | None:
         """Sample logprobs so far (vLLM's ``Logprob`` objects), or None."""
@@ -292,10 +293,12 @@ class RequestText:
     def cumulative_logprob(self) -> float | None:
         """The sum of the sampled tokens' logprobs, or None without logprobs."""
     @property
-    def prompt_logprobs(self) -> None:
-        """Always None (requests with prompt logprobs keep vLLM's path)."""
-    def pop_prompt_logprobs(self) -> None:
-        """Always None."""
+    def prompt_logprobs(self) -> Any | None:
+        """The prompt logprobs not handed out yet (vLLM's container: a list of position
+        dicts or a ``FlatLogprobs``), or None when the request asked for none."""
+    def pop_prompt_logprobs(self) -> Any | None:
+        """The prompt logprobs not handed out yet, forgotten once they have positions
+        (vLLM's ``pop_prompt_logprobs``); None when the request asked for none."""
 
 @final
 class OutputCore:
@@ -332,6 +335,8 @@ class OutputCore:
         include_stop_str_in_output: bool,
         num_logprobs: int | None,
         flat_logprobs: Any | None = None,
+        num_prompt_logprobs: int | None = None,
+        prompt_logprobs: Any | None = None,
     ) -> RequestText:
         """The native state of a new request."""
     def process(

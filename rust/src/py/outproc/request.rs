@@ -29,7 +29,7 @@ pub(super) struct ChunkStats<'py> {
     pub(super) generated: i64,
 }
 
-/// One request's text, token ids and sample logprobs (see the module doc).
+/// One request's text, token ids, sample and prompt logprobs (see the module doc).
 #[pyclass(module = "corewire._native", name = "RequestText")]
 pub struct RequestText {
     pub(super) shared: Arc<Shared>,
