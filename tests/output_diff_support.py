@@ -302,7 +302,8 @@ def make_output(spec: OutputSpec, width: int) -> EngineCoreOutput:
         prompt_lp = LogprobsTensors(
             torch.tensor(p.ids, dtype=torch.int32),
             torch.tensor(p.values, dtype=torch.float32),
-            torch.tensor(p.ranks, dtype=torch.int64),
+            # Both rank types the engines use (vLLM's own sampler makes int32 ones).
+            torch.tensor(p.ranks, dtype=torch.int32 if len(p.ranks) % 2 else torch.int64),
         )
     prefill = None
     if spec.prefill is not None:
@@ -461,7 +462,9 @@ class EngineSim:
         if kind == "parallel":
             params["n"] = rng.randint(2, 3)
         elif kind == "prompt_logprobs":
-            params["prompt_logprobs"] = rng.choice([0, 1, 3])
+            # -1: every candidate the rows hold (rows of the vocabulary's width in a real
+            # engine; narrow ones here exercise the same rule).
+            params["prompt_logprobs"] = rng.choice([-1, 0, 1, 3])
         if rng.random() < 0.2:
             # vLLM's FlatLogprobs container: native requests fill it natively.
             params["flat_logprobs"] = True
@@ -626,6 +629,8 @@ class EngineSim:
 
     def _prompt_logprobs(self, client: ClientPlan, first: int, last: int) -> LogprobsSpec:
         k = client.params["prompt_logprobs"]
+        if k == -1:
+            k = 4
         spec = LogprobsSpec([], [], [])
         for position in range(first, last + 1):
             ids, values, rank = self._row(client.prompt_ids[position], k)

@@ -638,6 +638,50 @@ def test_replacement_character_candidates_are_corrected_with_context(
     assert text.endswith(decode(ids[: i + 1])[-1])
 
 
+@pytest.mark.parametrize("kind", [RequestOutputKind.DELTA, RequestOutputKind.CUMULATIVE])
+def test_prompt_logprob_context_restarts_after_a_delta_pop(
+    bpe: TokenizerInfo, candidate: type[OutputProcessor], kind: RequestOutputKind
+) -> None:
+    """Prompt logprobs in two prefill chunks split inside a character. ``DELTA`` hands the
+    first chunk's positions out with that chunk's output (vLLM pops them), so the second
+    chunk's U+FFFD prompt token has no context left: its string is empty. ``CUMULATIVE``
+    keeps the container, and the string is the completed character."""
+    ids, i = _split_character(bpe)
+    prompt = ids[: i + 1]
+    script = _Script(bpe, candidate)
+    plan = _plan("prompt-fffd", prompt, prompt_logprobs=1, output_kind=kind)
+    script.pair.add(plan)
+    other = bpe.plain_ids[0]
+
+    def rows(first: int, last: int) -> LogprobsSpec:
+        positions = range(first, last + 1)
+        return LogprobsSpec(
+            [[prompt[p], other] for p in positions],
+            [[-0.5, -1.5] for _ in positions],
+            [1 for _ in positions],
+        )
+
+    chunk = _first(OutputSpec(plan.request_id, []))  # a chunk before the last: no token
+    chunk.prompt_logprobs = rows(1, i - 1)
+    script.step([chunk])
+    last = OutputSpec(plan.request_id, [ids[i + 1]])
+    last.prompt_logprobs = rows(i, i)
+    script.step([last])
+    outputs = [o for _, o in script.outputs]
+    assert len(outputs) == 2
+    layout, positions = outputs[1]["prompt_logprobs"]
+    assert layout == "list"
+    token_id, _, _, text, _ = positions[-1][0]
+    assert token_id == prompt[i]
+    if kind == RequestOutputKind.DELTA:
+        assert len(positions) == 1 and text == ""  # popped: no context before it
+    else:
+        assert len(positions) == i + 1  # the None position, then every scored one
+        decode = bpe.tokenizer._tokenizer.decode
+        assert text and not text.endswith("\ufffd")
+        assert text.endswith(decode(prompt)[-1])
+
+
 def _logprobs_row(ids: list[int], values: list[float], rank: int) -> LogprobsSpec:
     return LogprobsSpec([ids], [values], [rank])
 

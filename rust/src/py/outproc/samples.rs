@@ -88,7 +88,8 @@ impl SampleLogprobs {
         SampleLogprobs::Dicts(PyList::empty(py).unbind())
     }
 
-    /// Over an empty `FlatLogprobs` (vLLM's `create_sample_logprobs(True)`).
+    /// Over a `FlatLogprobs` made by vLLM (`create_sample_logprobs(True)`, empty, or
+    /// `create_prompt_logprobs(True)`, holding the first prompt token's None position).
     pub(super) fn flat(object: &Bound<'_, PyAny>) -> PyResult<Self> {
         let py = object.py();
         let names = Names::get(py);
