@@ -237,13 +237,13 @@ def expected_native(
 ) -> bool:
     """Whether ``request`` (one of ``n`` siblings; ``queued``: added with a collector, as
     ``AsyncLLM`` adds) should take the native path in a processor that may
-    (:func:`processor_goes_native`): not for n > 1, prompt embeddings, pooling or
-    streaming input (notes §3.3)."""
+    (:func:`processor_goes_native`): not for prompt embeddings, pooling or streaming
+    input (notes §3.3)."""
+    del n  # n > 1 children go native too
     params = request.sampling_params
     return (
         processor
         and queued
-        and n == 1
         and params is not None
         and request.prompt_embeds is None
         and not request.resumable

@@ -744,6 +744,45 @@ def test_propagate_error_reaches_every_queue(
             assert raised.value is error
 
 
+@pytest.mark.parametrize(
+    "kind", [RequestOutputKind.DELTA, RequestOutputKind.CUMULATIVE, RequestOutputKind.FINAL_ONLY]
+)
+def test_parallel_children_share_a_collector_in_engine_order(
+    bpe: TokenizerInfo, candidate: type[OutputProcessor], kind: RequestOutputKind
+) -> None:
+    """n = 2: the children's outputs reach their one collector in the engine's order, so
+    the merged ``RequestOutput`` (its base output, metrics and completion order) is
+    vLLM's, also when one child's output needs vLLM's loop (its first) and the other's
+    could be native in the same step; plain steps of both are native."""
+    ids, _ = _text_ids(bpe, 5)
+    script = _Script(bpe, candidate)
+    plan = _plan("parallel", ids[:2], n=2, output_kind=kind, max_tokens=6)
+    script.pair.add(plan)
+    first, second = f"0_{plan.request_id}", f"1_{plan.request_id}"
+    script.step([_first(OutputSpec(first, ids[2:3]))])
+    # The second child's first output (vLLM's loop), then the first child's plain one:
+    # handled natively before the other, it would reach the collector first.
+    script.step([_first(OutputSpec(second, ids[2:3])), OutputSpec(first, ids[3:4])])
+    counts = script.pair.native_counts()
+    assert counts is not None
+    slow_before = counts["slow"]
+    assert len(ids) >= 8
+    for step in range(4, 8):
+        finish = FinishReason.LENGTH if step == 7 else None
+        script.step(
+            [
+                OutputSpec(second, ids[step : step + 1], finish_reason=finish),
+                OutputSpec(first, ids[step : step + 1], finish_reason=finish),
+            ]
+        )
+    counts = script.pair.native_counts()
+    assert counts is not None and counts["fast"] > 0, counts
+    assert counts["slow"] > slow_before  # the finishes went through vLLM's loop
+    outputs = [o for _, o in script.outputs if isinstance(o, dict)]
+    assert outputs[-1]["finished"] is True
+    assert sorted(c["index"] for c in outputs[-1]["outputs"]) == [0, 1]
+
+
 def test_output_for_an_unknown_id_is_ignored(
     bpe: TokenizerInfo, candidate: type[OutputProcessor]
 ) -> None:

@@ -337,6 +337,7 @@ class OutputCore:
         flat_logprobs: Any | None = None,
         num_prompt_logprobs: int | None = None,
         prompt_logprobs: Any | None = None,
+        parent: Any | None = None,
     ) -> RequestText:
         """The native state of a new request."""
     def process(

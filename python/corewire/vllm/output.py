@@ -129,14 +129,12 @@ def processor_refusal(tokenizer: Any, tracing_enabled: bool) -> str | None:
 def native_refusal(request: Any, parent_req: Any, queue: Any) -> str | None:
     """Why one request must stay on vLLM's path (None: it goes native).
 
-    Parallel sampling (n > 1), pooling, prompt embeddings, streaming input and the
-    synchronous engine (no collector) keep vLLM's code.
+    Pooling, prompt embeddings, streaming input and the synchronous engine (no
+    collector) keep vLLM's code.
     """
     params = request.sampling_params
     if params is None:
         return "pooling"
-    if parent_req is not None:
-        return "n > 1"
     if queue is None:
         return "no output collector (LLMEngine)"
     if request.prompt_token_ids is None or request.prompt_embeds is not None:
@@ -228,7 +226,7 @@ class NativeOutputProcessor(OutputProcessor):
         stats_state = RequestState(
             request_id=request.request_id,
             external_req_id=request.external_req_id,
-            parent_req=None,
+            parent_req=parent_req,
             request_index=request_index,
             lora_request=request.lora_request,
             output_kind=params.output_kind,
@@ -273,11 +271,15 @@ class NativeOutputProcessor(OutputProcessor):
             None
             if params.prompt_logprobs is None
             else create_prompt_logprobs(params.flat_logprobs),
+            # An n > 1 child's outputs go through vLLM's ParentRequest, as in vLLM.
+            parent_req,
         )
         # One object answers both roles: it holds the text and the sample logprobs.
         stats_state.detokenizer = text
         stats_state.logprobs_processor = text
         self.request_states[request.request_id] = stats_state
+        if parent_req is not None:
+            self.parent_requests[parent_req.request_id] = parent_req
         self.external_req_ids[stats_state.external_req_id].append(request.request_id)
 
     def process_outputs(

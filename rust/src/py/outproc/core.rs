@@ -98,13 +98,15 @@ impl OutputCore {
     /// detokenization), `num_logprobs` (None without sample logprobs), `flat_logprobs`
     /// (an empty vLLM `FlatLogprobs` for requests that asked for it), `output_kind`
     /// (vLLM's number), `stream_interval` (the processor's), `plain_collector` (`queue`
-    /// is exactly vLLM's `RequestOutputCollector`), and what its outputs carry.
+    /// is exactly vLLM's `RequestOutputCollector`), `num_prompt_logprobs` and
+    /// `prompt_logprobs` (vLLM's new prompt container), `parent` (the `ParentRequest`
+    /// of an n > 1 child), and what its outputs carry.
     #[allow(clippy::too_many_arguments)]
     #[pyo3(signature = (request_id, external_req_id, prompt, prompt_token_ids, lora_request,
         request_index, output_kind, stream_interval, queue, plain_collector, stats, detokenize,
         skip_special_tokens, spaces_between_special_tokens, stop, min_tokens,
         include_stop_str_in_output, num_logprobs, flat_logprobs = None,
-        num_prompt_logprobs = None, prompt_logprobs = None))]
+        num_prompt_logprobs = None, prompt_logprobs = None, parent = None))]
     fn request(
         &self,
         py: Python<'_>,
@@ -129,6 +131,7 @@ impl OutputCore {
         flat_logprobs: Option<Bound<'_, PyAny>>,
         num_prompt_logprobs: Option<i64>,
         prompt_logprobs: Option<Bound<'_, PyAny>>,
+        parent: Option<Py<PyAny>>,
     ) -> PyResult<RequestText> {
         let prompt_logprobs = match (num_prompt_logprobs, prompt_logprobs) {
             (None, _) => None,
@@ -182,6 +185,7 @@ impl OutputCore {
             prompt_logprobs,
             request_id,
             external_req_id,
+            parent,
             prompt,
             prompt_token_ids: prompt_token_ids.unbind(),
             lora_request,
@@ -226,30 +230,71 @@ impl OutputCore {
             _ => None,
         };
         let states = self.request_states.bind(py);
+        // First which path each output takes, then the outputs in order: the native
+        // ones are handled here, the others left for vLLM's loop, which runs after.
+        let mut routes = Vec::new();
+        // The parents (n > 1) with an output for vLLM's loop in this chunk: their
+        // children share one collector, where the order of the outputs shows, so every
+        // output of theirs in the chunk goes that way, in order.
+        let mut parents_in_loop: Vec<*mut pyo3::ffi::PyObject> = Vec::new();
         for output in outputs.try_iter()? {
             let output = output?;
             let req_id = output.getattr(&names.request_id)?;
             let Some(req_state) = states.get_item(&req_id)? else {
-                rest.append(output)?; // vLLM's loop drops it: already aborted
-                self.fallback += 1;
+                routes.push(Route::Fallback(output)); // vLLM's loop drops it: aborted
                 continue;
             };
             let detok = req_state.getattr(&names.detokenizer)?;
-            let Ok(text) = detok.cast::<RequestText>() else {
-                rest.append(output)?;
-                self.fallback += 1;
+            let Ok(text) = detok.cast_into::<RequestText>() else {
+                routes.push(Route::Fallback(output));
                 continue;
             };
+            let parent = text.borrow().parent.as_ref().map(|p| p.as_ptr());
             if !plain(&output, &req_state, names)? {
-                rest.append(output)?;
-                self.slow += 1;
+                parents_in_loop.extend(parent);
+                routes.push(Route::Slow(output));
                 continue;
             }
-            let mut text = text.borrow_mut();
-            if text.fast_output(py, &output, &req_state, chunk.as_mut())? {
-                stopped.append(req_id)?;
+            routes.push(Route::Fast {
+                output,
+                req_id,
+                req_state,
+                text,
+                parent,
+            });
+        }
+        for route in routes {
+            match route {
+                Route::Fallback(output) => {
+                    rest.append(output)?;
+                    self.fallback += 1;
+                }
+                Route::Slow(output) => {
+                    rest.append(output)?;
+                    self.slow += 1;
+                }
+                Route::Fast {
+                    output,
+                    parent: Some(p),
+                    ..
+                } if parents_in_loop.contains(&p) => {
+                    rest.append(output)?;
+                    self.slow += 1;
+                }
+                Route::Fast {
+                    output,
+                    req_id,
+                    req_state,
+                    text,
+                    ..
+                } => {
+                    let mut text = text.borrow_mut();
+                    if text.fast_output(py, &output, &req_state, chunk.as_mut())? {
+                        stopped.append(req_id)?;
+                    }
+                    self.fast += 1;
+                }
             }
-            self.fast += 1;
         }
         if let Some(c) = chunk {
             if c.generated > 0 {
@@ -279,6 +324,23 @@ impl OutputCore {
         d.set_item("fallback", self.fallback)?;
         Ok(d)
     }
+}
+
+/// Which path an output of a chunk takes (see `OutputCore::process`).
+enum Route<'py> {
+    /// Not a native request's: vLLM's loop.
+    Fallback(Bound<'py, PyAny>),
+    /// A native request's output that needs vLLM's bookkeeping: vLLM's loop.
+    Slow(Bound<'py, PyAny>),
+    /// A plain output of a native request: handled natively, unless its parent has an
+    /// output in vLLM's loop in the same chunk.
+    Fast {
+        output: Bound<'py, PyAny>,
+        req_id: Bound<'py, PyAny>,
+        req_state: Bound<'py, PyAny>,
+        text: Bound<'py, RequestText>,
+        parent: Option<*mut pyo3::ffi::PyObject>,
+    },
 }
 
 /// Whether an output is a plain step of a request past its first output: nothing in it

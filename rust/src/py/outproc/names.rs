@@ -55,6 +55,9 @@ pub(super) struct Names {
     // Tensor methods (prompt logprobs).
     pub(super) numpy: Py<PyString>,
     pub(super) tolist: Py<PyString>,
+    // ParentRequest (n > 1).
+    pub(super) get_outputs: Py<PyString>,
+    pub(super) external_req_id: Py<PyString>,
 }
 
 static NAMES: pyo3::sync::PyOnceLock<Names> = pyo3::sync::PyOnceLock::new();
@@ -110,6 +113,8 @@ impl Names {
                 encoder_prompt_token_ids: n("encoder_prompt_token_ids"),
                 numpy: n("numpy"),
                 tolist: n("tolist"),
+                get_outputs: n("get_outputs"),
+                external_req_id: n("external_req_id"),
             }
         })
     }

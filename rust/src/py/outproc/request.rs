@@ -54,6 +54,9 @@ pub struct RequestText {
     // What the request's outputs carry, fixed when it was added.
     pub(super) request_id: Py<PyString>,
     pub(super) external_req_id: Py<PyAny>,
+    /// vLLM's `ParentRequest` of an n > 1 request's child (None otherwise): it chooses
+    /// which outputs reach the collector and names the request.
+    pub(super) parent: Option<Py<PyAny>>,
     pub(super) prompt: Py<PyAny>,
     pub(super) prompt_token_ids: Py<PyAny>,
     pub(super) lora_request: Py<PyAny>,
@@ -407,8 +410,9 @@ impl RequestText {
         let finished = stop.is_some();
         if finished || self.output_kind != FINAL_ONLY {
             if let Some(token_ids) = self.interval_ids(py, req_state, new_ids, finished)? {
-                let out = self.request_output(py, req_state, &token_ids, stop)?;
-                self.hand_off(py, out)?;
+                if let Some(out) = self.request_output(py, req_state, &token_ids, stop)? {
+                    self.hand_off(py, out)?;
+                }
             }
         }
         Ok(finished)
@@ -462,14 +466,15 @@ impl RequestText {
         Ok(())
     }
 
-    /// The `RequestOutput` of a plain output, as vLLM's `RequestState` makes it.
+    /// The `RequestOutput` of a plain output, as vLLM's `RequestState` makes it, or
+    /// None when an n > 1 request's parent holds it back.
     fn request_output<'py>(
         &mut self,
         py: Python<'py>,
         req_state: &Bound<'py, PyAny>,
         new_ids: &Bound<'py, PyAny>,
         stop: Option<usize>,
-    ) -> PyResult<Bound<'py, PyAny>> {
+    ) -> PyResult<Option<Bound<'py, PyAny>>> {
         let n = Names::get(py);
         let finished = stop.is_some();
         let delta = self.output_kind == DELTA;
@@ -495,8 +500,7 @@ impl RequestText {
             ),
             None => (none(), none()),
         };
-        let prompt_logprobs = self.prompt_logprobs_for_output(py).unwrap_or_else(none);
-        let shared = &*self.shared;
+        let shared = Arc::clone(&self.shared);
         let completion = shared.instance(
             py,
             &shared.completion_output,
@@ -512,31 +516,55 @@ impl RequestText {
                 (&n.lora_request, none()),
             ],
         )?;
+        let (request_id, outputs, finished) = match &self.parent {
+            None => (
+                self.external_req_id.bind(py).clone(),
+                PyList::new(py, [completion])?.into_any(),
+                finished,
+            ),
+            Some(parent) => {
+                // vLLM's `ParentRequest.get_outputs`: this child's output alone while
+                // streaming, all of them once every child finished for FINAL_ONLY.
+                let parent = parent.bind(py);
+                let (outputs, finished): (Bound<'py, PyAny>, bool) = parent
+                    .call_method1(&n.get_outputs, (self.request_id.bind(py), completion))?
+                    .extract()?;
+                if !outputs.is_truthy()? {
+                    return Ok(None);
+                }
+                (parent.getattr(&n.external_req_id)?, outputs, finished)
+            }
+        };
+        // Only an output that goes out hands the prompt logprobs out (vLLM pops them in
+        // `_new_request_output`).
+        let prompt_logprobs = self.prompt_logprobs_for_output(py).unwrap_or_else(none);
         let metrics = match &self.stats {
             Some(s) => s.bind(py).clone(),
             None => none(),
         };
-        shared.instance(
-            py,
-            &shared.request_output,
-            &[
-                (&n.request_id, self.external_req_id.bind(py).clone()),
-                (&n.prompt, self.prompt.bind(py).clone()),
-                (&n.prompt_token_ids, self.prompt_token_ids.bind(py).clone()),
-                (&n.prompt_logprobs, prompt_logprobs),
-                (&n.outputs, PyList::new(py, [completion])?.into_any()),
-                (&n.finished, finished.into_bound_py_any(py)?),
-                (&n.metrics, metrics),
-                (&n.lora_request, self.lora_request.bind(py).clone()),
-                (&n.encoder_prompt, none()),
-                (&n.encoder_prompt_token_ids, none()),
-                (
-                    &n.num_cached_tokens,
-                    req_state.getattr(&n.num_cached_tokens)?,
-                ),
-                (&n.kv_transfer_params, none()),
-            ],
-        )
+        shared
+            .instance(
+                py,
+                &shared.request_output,
+                &[
+                    (&n.request_id, request_id),
+                    (&n.prompt, self.prompt.bind(py).clone()),
+                    (&n.prompt_token_ids, self.prompt_token_ids.bind(py).clone()),
+                    (&n.prompt_logprobs, prompt_logprobs),
+                    (&n.outputs, outputs),
+                    (&n.finished, finished.into_bound_py_any(py)?),
+                    (&n.metrics, metrics),
+                    (&n.lora_request, self.lora_request.bind(py).clone()),
+                    (&n.encoder_prompt, none()),
+                    (&n.encoder_prompt_token_ids, none()),
+                    (
+                        &n.num_cached_tokens,
+                        req_state.getattr(&n.num_cached_tokens)?,
+                    ),
+                    (&n.kv_transfer_params, none()),
+                ],
+            )
+            .map(Some)
     }
 }
 
