@@ -783,6 +783,48 @@ def test_parallel_children_share_a_collector_in_engine_order(
     assert sorted(c["index"] for c in outputs[-1]["outputs"]) == [0, 1]
 
 
+def _distinct_piece(info: TokenizerInfo, at: int) -> tuple[list[int], str]:
+    """Ids of a text whose token ``at`` adds a piece of two or more characters (no
+    U+FFFD) that the text holds nowhere before it: a stop string that ends there."""
+    for seed in range(500):
+        ids, pieces = _text_ids(info, seed)
+        if len(ids) <= at:
+            continue
+        piece = pieces[at]
+        if len(piece.strip()) >= 2 and "\ufffd" not in piece and piece not in "".join(pieces[:at]):
+            return ids[: at + 1], piece
+    raise AssertionError("no distinct piece")
+
+
+@pytest.mark.parametrize("n", [2, 3])
+@pytest.mark.parametrize(
+    "kind", [RequestOutputKind.DELTA, RequestOutputKind.CUMULATIVE, RequestOutputKind.FINAL_ONLY]
+)
+def test_parallel_children_stopped_in_one_step(
+    bpe: TokenizerInfo, candidate: type[OutputProcessor], kind: RequestOutputKind, n: int
+) -> None:
+    """Every child of an n > 1 request stopped by the same stop string in one step,
+    natively: each is finished right after its own output, as in vLLM's loop, so the
+    parent's stats count the request once (when its last child finishes), not once per
+    child; the engine is asked to abort every child."""
+    ids, stop = _distinct_piece(bpe, 5)
+    script = _Script(bpe, candidate)
+    plan = _plan("stopped", _ascii_prompt(bpe), n=n, output_kind=kind, stop=[stop])
+    script.pair.add(plan)
+    children = [f"{i}_{plan.request_id}" for i in range(n)]
+    script.step([_first(OutputSpec(child, ids[:1])) for child in children])
+    for step in range(1, len(ids)):
+        result = script.step([OutputSpec(child, ids[step : step + 1]) for child in children])
+    assert result["reqs_to_abort"] == sorted(children)
+    counts = script.pair.native_counts()
+    assert counts is not None and counts["fast"] >= n * (len(ids) - 1), counts
+    stats = result["stats"]
+    assert stats["n_params_iter"] == [n] and len(stats["max_num_generation_tokens_iter"]) == 1
+    outputs = [o for _, o in script.outputs if isinstance(o, dict)]
+    assert outputs[-1]["finished"] is True
+    assert {c["stop_reason"] for c in outputs[-1]["outputs"]} == {stop}
+
+
 def test_output_for_an_unknown_id_is_ignored(
     bpe: TokenizerInfo, candidate: type[OutputProcessor]
 ) -> None:

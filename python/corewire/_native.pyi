@@ -341,10 +341,16 @@ class OutputCore:
     ) -> RequestText:
         """The native state of a new request."""
     def process(
-        self, outputs: Sequence[Any], timestamp: float | None, iteration_stats: Any, nans: bool
-    ) -> tuple[list[Any], list[str]]:
+        self,
+        outputs: Sequence[Any],
+        timestamp: float | None,
+        iteration_stats: Any,
+        nans: bool,
+        finish: Callable[[str], None],
+    ) -> list[Any]:
         """Handles the plain outputs of native requests; returns the outputs left for
-        vLLM's loop and the requests a stop string finished."""
+        vLLM's loop. ``finish(req_id)`` is called for a request a stop string finished
+        here, right after its output went to its collector."""
     @property
     def byte_table(self) -> bool:
         """Whether decodes go through the per-id byte table."""

@@ -297,18 +297,22 @@ class NativeOutputProcessor(OutputProcessor):
             )
         # vLLM reads this setting per output; once per chunk gives the same answer.
         nans = iteration_stats is not None and bool(envs.VLLM_COMPUTE_NANS_IN_LOGITS)
-        rest, stopped = core.process(
-            engine_core_outputs, engine_core_timestamp, iteration_stats, nans
+        aborted: list[str] = []
+
+        def finish(req_id: str) -> None:
+            # A stop string ended a request the engine still runs: finish it and have the
+            # engine abort it, as vLLM's loop does right after the request's output.
+            req_state = self.request_states[req_id]
+            self._finish_request(req_state)
+            aborted.append(req_id)
+            self._update_stats_from_finished(req_state, FinishReason.STOP, iteration_stats)
+
+        rest = core.process(
+            engine_core_outputs, engine_core_timestamp, iteration_stats, nans, finish
         )
         if rest:
             result = super().process_outputs(rest, engine_core_timestamp, iteration_stats)
         else:
             result = OutputProcessorOutput(request_outputs=[], reqs_to_abort=[])
-        for req_id in stopped:
-            # A stop string ended a request the engine still runs: finish it here and
-            # have the engine abort it, as vLLM's loop does.
-            req_state = self.request_states[req_id]
-            self._finish_request(req_state)
-            result.reqs_to_abort.append(req_id)
-            self._update_stats_from_finished(req_state, FinishReason.STOP, iteration_stats)
+        result.reqs_to_abort.extend(aborted)
         return result

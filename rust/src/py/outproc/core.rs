@@ -199,10 +199,12 @@ impl OutputCore {
     }
 
     /// Handles the chunk's outputs that need nothing of vLLM's bookkeeping, and returns
-    /// `(rest, stopped)`: the outputs left for vLLM's loop, in order, and the ids of
-    /// requests that a stop string finished here (the caller finishes them as vLLM
-    /// does). `nans` is vLLM's `VLLM_COMPUTE_NANS_IN_LOGITS`, read once per chunk.
-    #[pyo3(signature = (outputs, timestamp, iteration_stats, nans))]
+    /// the outputs left for vLLM's loop, in order. `finish(req_id)` is called for a
+    /// request that a stop string finished here, right after its output went to its
+    /// collector (where vLLM's loop finishes it: the caller does what vLLM does then,
+    /// in the engine's order, which an n > 1 parent's stats depend on). `nans` is
+    /// vLLM's `VLLM_COMPUTE_NANS_IN_LOGITS`, read once per chunk.
+    #[pyo3(signature = (outputs, timestamp, iteration_stats, nans, finish))]
     fn process<'py>(
         &mut self,
         py: Python<'py>,
@@ -210,10 +212,10 @@ impl OutputCore {
         timestamp: Option<f64>,
         iteration_stats: Option<Bound<'py, PyAny>>,
         nans: bool,
-    ) -> PyResult<(Bound<'py, PyList>, Bound<'py, PyList>)> {
+        finish: &Bound<'py, PyAny>,
+    ) -> PyResult<Bound<'py, PyList>> {
         let names = Names::get(py);
         let rest = PyList::empty(py);
-        let stopped = PyList::empty(py);
         let mut chunk = match (iteration_stats, timestamp) {
             (Some(stats), Some(timestamp)) => Some(ChunkStats {
                 latencies: stats
@@ -288,11 +290,13 @@ impl OutputCore {
                     text,
                     ..
                 } => {
-                    let mut text = text.borrow_mut();
-                    if text.fast_output(py, &output, &req_state, chunk.as_mut())? {
-                        stopped.append(req_id)?;
-                    }
+                    let stopped =
+                        text.borrow_mut()
+                            .fast_output(py, &output, &req_state, chunk.as_mut())?;
                     self.fast += 1;
+                    if stopped {
+                        finish.call1((req_id,))?;
+                    }
                 }
             }
         }
@@ -306,7 +310,7 @@ impl OutputCore {
                     .setattr(&names.num_generation_tokens, total + c.generated)?;
             }
         }
-        Ok((rest, stopped))
+        Ok(rest)
     }
 
     /// Whether decodes go through the per-id byte table (byte-level tokenizers).
