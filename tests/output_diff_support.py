@@ -461,6 +461,9 @@ class EngineSim:
             params["min_tokens"] = rng.randint(0, min(max_tokens, 8))
         if kind == "parallel":
             params["n"] = rng.randint(2, 3)
+            if rng.random() < 0.3:
+                # Each child has prompt logprobs of its own (FINAL_ONLY: the last one's).
+                params["prompt_logprobs"] = rng.choice([0, 2])
         elif kind == "prompt_logprobs":
             # -1: every candidate the rows hold (rows of the vocabulary's width in a real
             # engine; narrow ones here exercise the same rule).
@@ -473,7 +476,7 @@ class EngineSim:
             # The same user id twice: aborting it by that id aborts both.
             external = rng.choice(self.clients).external_id
         prompt_ids = []
-        while len(prompt_ids) < (2 if kind == "prompt_logprobs" else 1):
+        while len(prompt_ids) < (2 if "prompt_logprobs" in params else 1):
             prompt_ids = info.encode(rng)[: rng.randint(1, 12)]
         plan = ClientPlan(
             external_id=external,

@@ -226,6 +226,8 @@ def _coverage(outputs: list[tuple[str, Any]], info: TokenizerInfo) -> Counter[st
             seen["prompt logprobs"] += 1
             kind, positions = out["prompt_logprobs"]
             seen[f"{kind} prompt logprobs"] += 1
+            if any(c["index"] > 0 for c in out["outputs"]):
+                seen["n > 1 prompt logprobs"] += 1
             if kind == "list":
                 for position in positions:
                     for token_id, _, _, text, _ in position or ():
@@ -291,6 +293,7 @@ def test_workloads_cover_the_edge_cases(
         "list prompt logprobs",
         "FlatLogprobs prompt logprobs",
         "U+FFFD prompt candidate corrected",
+        "n > 1 prompt logprobs",
         "prompt embeds",
         "list logprobs",
         "FlatLogprobs logprobs",
