@@ -625,8 +625,15 @@ def check_two_api_servers_with_corewire_clients(tmp_path: Path) -> str:
         running_stack(tmp_path, client="corewire", api_servers=2, timeout=150.0) as stack,
         httpx.Client(base_url=stack.base_url, timeout=HTTP_TIMEOUT) as http,
     ):
-        switched = [line for line in server_log(stack).splitlines() if PLUGIN_LOG_LINE in line]
-        servers = {line.split(" pid=")[0] for line in switched if "(ApiServer_" in line}
+        # /health answers once one server is up; the other may still be building its
+        # AsyncLLM (and logging the switch) on a loaded machine: wait for both lines.
+        deadline = time.monotonic() + 60.0
+        while True:
+            switched = [x for x in server_log(stack).splitlines() if PLUGIN_LOG_LINE in x]
+            servers = {line.split(" pid=")[0] for line in switched if "(ApiServer_" in line}
+            if len(servers) >= 2 or time.monotonic() > deadline:
+                break
+            time.sleep(0.5)
         assert servers == {"(ApiServer_0", "(ApiServer_1"}, switched
         body = {"prompt": "the quick brown fox", "max_tokens": 8, "temperature": 0.0}
 
