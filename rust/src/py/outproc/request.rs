@@ -187,14 +187,22 @@ impl RequestText {
                 num.max(0) as usize
             };
             let count = ids.len().min(lps.len()).min(1 + wanted);
-            // The candidates' strings see the context of the positions before.
-            let context: Vec<u32> = match kind {
-                Positions::Sampled => self.sampled.clone(),
-                Positions::Prompt => self.prompt_context.iter().flatten().copied().collect(),
+            // The candidates' strings see the context of the positions before (on the
+            // stack: at most MAX_CONTEXT ids).
+            let mut context = [0u32; candidates::MAX_CONTEXT];
+            let known: &mut dyn Iterator<Item = u32> = match kind {
+                Positions::Sampled => &mut self.sampled.iter().copied(),
+                Positions::Prompt => &mut self.prompt_context.iter().flatten().copied(),
             };
+            let mut held = 0;
+            for (slot, id) in context.iter_mut().zip(known) {
+                *slot = id;
+                held += 1;
+            }
+            let context = &context[..held];
             let entries = (0..count).map(|i| {
                 let decoded = if self.stream.is_some() {
-                    self.candidate(py, &shared, ids[i], &context)?.into_any()
+                    self.candidate(py, &shared, ids[i], context)?.into_any()
                 } else {
                     py.None().into_bound(py)
                 };
@@ -236,9 +244,19 @@ impl RequestText {
     /// positions is replaced by an empty list, so later outputs carry that same list);
     /// for the other kinds the whole container. None when the request asked for none.
     fn prompt_logprobs_for_output<'py>(&mut self, py: Python<'py>) -> Option<Bound<'py, PyAny>> {
+        if self.output_kind == DELTA {
+            self.take_prompt_logprobs(py)
+        } else {
+            self.prompt_logprobs.as_ref().map(|l| l.object(py))
+        }
+    }
+
+    /// vLLM's `pop_prompt_logprobs`: the container, replaced by an empty list (and its
+    /// correction context restarted) once it has positions.
+    fn take_prompt_logprobs<'py>(&mut self, py: Python<'py>) -> Option<Bound<'py, PyAny>> {
         let store = self.prompt_logprobs.as_ref()?;
         let object = store.object(py);
-        if self.output_kind == DELTA && store.len(py) > 0 {
+        if store.len(py) > 0 {
             self.prompt_logprobs = Some(SampleLogprobs::dicts(py));
             self.prompt_context.clear();
         }
@@ -350,13 +368,7 @@ impl RequestText {
     /// have positions (vLLM's `pop_prompt_logprobs`); None when the request asked for
     /// none.
     fn pop_prompt_logprobs<'py>(&mut self, py: Python<'py>) -> Option<Bound<'py, PyAny>> {
-        let store = self.prompt_logprobs.as_ref()?;
-        let object = store.object(py);
-        if store.len(py) > 0 {
-            self.prompt_logprobs = Some(SampleLogprobs::dicts(py));
-            self.prompt_context.clear();
-        }
-        Some(object)
+        self.take_prompt_logprobs(py)
     }
 }
 
