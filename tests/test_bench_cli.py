@@ -264,6 +264,17 @@ def test_decode_json_and_plot(tmp_path: Path) -> None:
         seen.add((case["case"], case["batch"], case["mode"]))
         assert set(case["us"]) == set(case["ns_out"]) == decoders
         assert set(case["ratios"]) == decoders - {"corewire"}
+        # Each decoder's time is its best of the quick run's 5 rounds, and the second
+        # reading is the median of the rounds' paired ratios.
+        assert case["rounds"] == 5
+        rounds = case["round_us"]
+        assert set(rounds) == decoders and all(len(t) == 5 for t in rounds.values())
+        assert set(case["paired_ratios"]) == decoders - {"corewire"}
+        for name in decoders:
+            assert case["us"][name] == pytest.approx(min(rounds[name]))
+        for name, ratio in case["paired_ratios"].items():
+            paired = [a / b for a, b in zip(rounds[name], rounds["corewire"], strict=True)]
+            assert ratio == pytest.approx(statistics.median(paired))
         assert case["equal"] is True and case["differences"] == []
         for name in decoders:
             assert case["us"][name] > 0

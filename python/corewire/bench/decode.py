@@ -26,7 +26,12 @@ batch 1, 32, 256 and 1024, in three cases:
   so they travel as aux frames; needs torch).
 
 Frames are handed to the decoders as ``zmq.Frame`` objects, as both clients receive them
-(``recv_multipart(copy=False)``). Timed, in one process and interleaved:
+(``recv_multipart(copy=False)``). Timed in one process, in rounds (15; 5 with
+``--quick``): each round runs every decoder once for a short while (50 ms; 20 ms), the
+decoders taking turns, so that a slow spell of a shared machine falls on all of them
+alike. A decoder's time is its best round; the ``median`` column is the median over
+rounds of the baseline's time over corewire's in the same round (a second reading of the
+ratio, which a decoder's single lucky round cannot move). The modes:
 
 - ``decode``: decode the frame only;
 - ``decode+touch``: also read what a front-end reads of every output (``request_id``,
@@ -57,10 +62,10 @@ import argparse
 import dataclasses
 import enum
 import gc
-import math
 import os
 import platform
 import random
+import statistics
 import sys
 import time
 import uuid
@@ -343,25 +348,57 @@ def differences(expected: Any, got: Any, fields: tuple[str, ...], out_fields: tu
 clock: Callable[[], float] = time.process_time
 
 
-def time_per_call(fn: Callable[[], Any], min_seconds: float, repeats: int) -> float:
-    """Best mean seconds per call over ``repeats`` runs of about ``min_seconds`` each."""
+#: ``quick -> (rounds, seconds per run)``. Many short runs in turns rather than a few long
+#: ones: on a shared machine slow spells last about a second, and a decoder timed only
+#: inside one reads slow.
+TIMING = {False: (15, 0.05), True: (5, 0.02)}
+
+
+def calls_for(fn: Callable[[], Any], seconds: float) -> int:
+    """How many calls of ``fn`` take about ``seconds`` (calibrated by running it)."""
     calls = 1
-    while True:  # calibrate
+    while True:
         start = clock()
         for _ in range(calls):
             fn()
         elapsed = clock() - start
-        if elapsed >= min_seconds / 4:
-            break
+        if elapsed >= seconds / 4:
+            return max(1, int(calls * seconds / max(elapsed, 1e-9)))
         calls *= 4
-    calls = max(1, int(calls * min_seconds / max(elapsed, 1e-9) / 4 * 4))
-    best = math.inf
-    for _ in range(repeats):
-        start = clock()
-        for _ in range(calls):
-            fn()
-        best = min(best, (clock() - start) / calls)
-    return best
+
+
+def seconds_per_call(fn: Callable[[], Any], calls: int) -> float:
+    """Mean seconds per call over one run of ``calls`` calls."""
+    start = clock()
+    for _ in range(calls):
+        fn()
+    return (clock() - start) / calls
+
+
+def rounds_of(
+    fns: dict[str, Callable[[], Any]], rounds: int, seconds: float, gc_off: bool
+) -> dict[str, list[float]]:
+    """Seconds per call of each function, one short run each per round, the functions
+    taking turns (the first one moving each round), so that the machine's slow spells
+    fall on all of them alike; the collector paused during each run with ``gc_off``."""
+    calls = {name: calls_for(fn, seconds) for name, fn in fns.items()}
+    names = list(fns)
+    times: dict[str, list[float]] = {name: [] for name in names}
+    for r in range(rounds):
+        for name in names[r % len(names) :] + names[: r % len(names)]:
+            if gc_off:
+                gc.disable()
+            try:
+                times[name].append(seconds_per_call(fns[name], calls[name]))
+            finally:
+                gc.enable()
+        gc.collect()
+    return times
+
+
+def paired_median(times: dict[str, list[float]], name: str, over: str) -> float:
+    """The median over rounds of ``name``'s time over ``over``'s in the same round."""
+    return statistics.median(a / b for a, b in zip(times[name], times[over], strict=True))
 
 
 def decoders(use_vllm: bool) -> dict[str, Any]:
@@ -414,37 +451,32 @@ def measure(quick: bool, cases: tuple[str, ...], batches: tuple[int, ...]) -> li
     rng = random.Random(20250101)
     if torch is not None:
         torch.manual_seed(20250101)
-    min_seconds = 0.04 if quick else 0.2
-    repeats = 3 if quick else 5
+    rounds, seconds = TIMING[quick]
     rows = []
     for case in cases:
         for batch in batches:
             frames = wire.frames(wire.message(case, batch, rng))
             wrong = check(decs, frames, wire)
             for mode in modes(case):
-                seconds = dict.fromkeys(names, math.inf)
-                for _ in range(2):  # interleaved, so that machine noise hits all alike
-                    for name, dec in decs.items():
-                        fn = _timed(mode, dec.decode, frames)
-                        if mode == "decode+tolist":
-                            # The lists it makes trigger full collections whose cost is
-                            # the whole heap's, not the decoder's: timed with the
-                            # collector paused (the other modes run with it as usual).
-                            gc.disable()
-                        try:
-                            t = time_per_call(fn, min_seconds / 2, repeats)
-                        finally:
-                            gc.enable()
-                        seconds[name] = min(seconds[name], t)
-                    gc.collect()
+                fns = {name: _timed(mode, dec.decode, frames) for name, dec in decs.items()}
+                # The lists decode+tolist makes trigger full collections whose cost is
+                # the whole heap's, not the decoder's: timed with the collector paused
+                # (the other modes run with it as usual).
+                times = rounds_of(fns, rounds, seconds, gc_off=mode == "decode+tolist")
+                seconds_best = {name: min(t) for name, t in times.items()}
                 row = {
                     "case": case,
                     "batch": batch,
                     "mode": mode,
                     "frame_bytes": sum(len(f.bytes) for f in frames),
                     "frames": len(frames),
-                    "us": {n: s * 1e6 for n, s in seconds.items()},
-                    "ns_out": {n: s * 1e9 / batch for n, s in seconds.items()},
+                    "us": {n: s * 1e6 for n, s in seconds_best.items()},
+                    "ns_out": {n: s * 1e9 / batch for n, s in seconds_best.items()},
+                    "paired_ratios": {
+                        n: paired_median(times, n, "corewire") for n in names if n != "corewire"
+                    },
+                    "rounds": rounds,
+                    "round_us": {n: [t * 1e6 for t in ts] for n, ts in times.items()},
                     "baseline": names[0],
                     "wrong": wrong,
                 }
@@ -466,7 +498,7 @@ def header(names: list[str]) -> str:
     us = "".join(f"{n + ' µs':>13}" for n in names)
     ns = "".join(f"{n[:8] + ' ns/out':>16}" for n in names)
     ratios = "".join(f"{'x ' + n:>11}" for n in names[:-1])
-    return f"{'case':>6} {'batch':>5} {'mode':>13} |{us} |{ns} |{ratios} | equal"
+    return f"{'case':>6} {'batch':>5} {'mode':>13} |{us} |{ns} |{ratios} |{'median':>8} | equal"
 
 
 def print_row(r: dict[str, Any], names: list[str]) -> None:
@@ -474,8 +506,9 @@ def print_row(r: dict[str, Any], names: list[str]) -> None:
     us = "".join(f"{r['us'][n]:>13.2f}" for n in names)
     ns = "".join(f"{r['ns_out'][n]:>16.1f}" for n in names)
     ratios = "".join(f"{r['us'][n] / r['us']['corewire']:>10.2f}x" for n in names[:-1])
+    median = f"{r['paired_ratios'][r['baseline']]:>7.2f}x"
     print(
-        f"{r['case']:>6} {r['batch']:>5} {r['mode']:>13} |{us} |{ns} |{ratios} | "
+        f"{r['case']:>6} {r['batch']:>5} {r['mode']:>13} |{us} |{ns} |{ratios} |{median} | "
         f"{'NO' if r['wrong'] else 'yes'}",
         flush=True,
     )
@@ -617,7 +650,8 @@ def run(args: argparse.Namespace) -> int:
     print(
         f"{time.strftime('%Y-%m-%d')}; python {platform.python_version()}, numpy {np.__version__}"
         f"; {os.cpu_count()} CPUs; {'quick' if args.quick else 'full'} run; best of "
-        f"interleaved repeats; {'wall-clock' if args.wall else 'CPU'} time"
+        f"{TIMING[args.quick][0]} rounds in turns (median: of the rounds' paired ratios);"
+        f" {'wall-clock' if args.wall else 'CPU'} time"
     )
     if use_vllm:
         print(
@@ -651,9 +685,16 @@ def run(args: argparse.Namespace) -> int:
     found = goals(rows)
     for goal in found:
         verdict = "met" if goal.met else "NOT met"
+        case = goal.name.split(",")[0]
+        median = next(
+            r["paired_ratios"][baseline]
+            for r in rows
+            if r["batch"] == 256 and r["case"] == case and r["mode"] == "decode+touch"
+        )
         print(
-            f"goal at batch 256 decode+touch, {goal.name.split(',')[0]}: >= {goal.target:g}x "
-            f"{baseline} -> {goal.value:.2f}x ({verdict})"
+            f"goal at batch 256 decode+touch, {case}: >= {goal.target:g}x "
+            f"{baseline} -> {goal.value:.2f}x ({verdict}; median of paired rounds"
+            f" {median:.2f}x)"
         )
     logprobs_cost = None
     for_lists = {
