@@ -35,10 +35,13 @@ from corewire.bench.serve_profile import (
     CLIENT_LAYER,
     COLLECTOR,
     NATIVE_OUTPUT_LAYER,
+    NATIVE_RATE,
+    RATE,
     Profile,
     classify,
     in_collection,
     is_waiting,
+    profiled,
     read_profile,
 )
 from corewire.client import AsyncMPClient
@@ -138,8 +141,12 @@ def test_serve_arguments(capsys: pytest.CaptureFixture[str]) -> None:
     assert serve_bench._server_args(args) == ()
     args = parser.parse_args(["bench", "serve", "--stream-interval", "8", "--no-stats"])
     assert serve_bench._server_args(args) == ("--disable-log-stats", "--stream-interval", "8")
+    assert serve_bench.requests_at_least(args, 256) == 256 * 4
+    assert serve_bench.requests_at_least(args, 4) == 32
     args = parser.parse_args(["bench", "serve", "--native-profile", "--profile-dir", "p"])
     assert (args.native_profile, args.profile_dir) == (True, "p")
+    # A server paused at every sample runs for --seconds, one request per stream at least.
+    assert serve_bench.requests_at_least(args, 256) == 256
     args = parser.parse_args(
         ["bench", "serve", "--streams", "8,16", "--logprobs", "5", "--clients", "corewire",
          "--no-profile", "--step-delay", "0.001", "--max-tokens", "32"]
@@ -715,6 +722,31 @@ def test_serve_profile_reads_a_real_native_profile(tmp_path: Path) -> None:
     assert profile.samples > 20
     assert profile.share(COLLECTOR, collections_apart=True) > 0.5, out.read_text()[:2000]
     assert profile.as_sampled[COLLECTOR] == 0
+
+
+@pytest.mark.skipif(shutil.which("py-spy") is None, reason="py-spy is not installed")
+def test_native_profiling_samples_at_the_lower_rate(tmp_path: Path) -> None:
+    """``profiled(native=True)`` pauses its target NATIVE_RATE times a second, not RATE:
+    about a quarter of the samples of the non-blocking mode over the same time."""
+    code = "import time\nprint('ready', flush=True)\nwhile True: sum(range(1000))\n"
+    child = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    counts = {}
+    try:
+        assert child.stdout is not None and child.stdout.readline() == "ready\n"
+        for native in (False, True):
+            out = tmp_path / f"native-{native}.txt"
+            with profiled(child.pid, out, True, native=native):
+                time.sleep(3)
+            counts[native] = read_profile(out, native=native).samples
+    finally:
+        child.kill()
+        child.wait()
+        if child.stdout is not None:
+            child.stdout.close()
+    assert NATIVE_RATE * 4 <= RATE
+    # py-spy may fall behind its rate on a loaded machine, never ahead of it.
+    assert 0 < counts[True] <= NATIVE_RATE * 3 * 1.2, counts
+    assert counts[False] > counts[True] * 2, counts
 
 
 _GC_CHILD = textwrap.dedent(

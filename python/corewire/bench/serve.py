@@ -101,7 +101,9 @@ from corewire.bench.serve_profile import (
     COLLECTOR,
     LAYERS,
     NATIVE_OUTPUT_LAYER,
+    NATIVE_RATE,
     OTHER,
+    RATE,
     Profile,
     profiled,
     read_profile,
@@ -118,6 +120,7 @@ __all__ = [
     "Scenario",
     "add_arguments",
     "native_output_missing",
+    "requests_at_least",
     "run",
     "scenarios",
 ]
@@ -485,10 +488,19 @@ def _server_args(args: argparse.Namespace) -> tuple[str, ...]:
     return flags
 
 
+def requests_at_least(args: argparse.Namespace, streams: int) -> int:
+    """How many requests a scenario's load starts at least (it also runs ``--seconds``):
+    ``--rounds`` per stream, but one per stream with ``--native-profile``, where the
+    server, paused at every sample, would take many minutes over ``--rounds``' requests."""
+    if args.native_profile:
+        return streams
+    return max(streams * args.rounds, 32)
+
+
 def _measure(
     args: argparse.Namespace, work: Path, stack: Any, server: Any, result: Result, round_: int = 0
 ) -> Result:
-    total = max(result.streams * args.rounds, 32)
+    total = requests_at_least(args, result.streams)
     # The collector's totals are taken just outside the CPU window: the server is idle
     # there, so no collection falls between the two.
     gc0 = _gc_snapshot(work, server.pid)
@@ -957,7 +969,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="py-spy --native: samples inside CPython's garbage collector go to a 'garbage "
         "collector' layer, and the client layer is read both as sampled and with collections "
         "apart. py-spy cannot read native stacks without stopping the process, so this PAUSES "
-        "the API server at every sample: tokens/s and latencies of such a run are lower",
+        f"the API server at every sample ({NATIVE_RATE} a second, not {RATE}): tokens/s and "
+        "latencies of such a run are lower, and each scenario runs for --seconds (--rounds "
+        "ignored)",
     )
     parser.add_argument(
         "--repeat",
@@ -1044,8 +1058,9 @@ def run(args: argparse.Namespace) -> int:
     )
     if args.native_profile:
         print(
-            "profile: py-spy --native, which pauses the API server at every sample (200/s): "
-            "collections are seen apart, but throughput and latency are lower than unprofiled"
+            f"profile: py-spy --native, which pauses the API server at every sample "
+            f"({NATIVE_RATE}/s): collections are seen apart, but throughput and latency are "
+            "lower than unprofiled; each scenario runs --seconds, --rounds ignored"
         )
     results: list[Result] = []
     with tempfile.TemporaryDirectory(prefix="corewire-serve-bench-") as tmp:

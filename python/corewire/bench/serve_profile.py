@@ -30,7 +30,9 @@ __all__ = [
     "COLLECTOR",
     "LAYERS",
     "NATIVE_OUTPUT_LAYER",
+    "NATIVE_RATE",
     "OTHER",
+    "RATE",
     "Profile",
     "classify",
     "in_collection",
@@ -88,6 +90,14 @@ OTHER = "other"
 CLIENT_LAYER = "receive + decode"
 #: The layer of samples taken inside a collection (native profiles only).
 COLLECTOR = "garbage collector"
+
+#: py-spy's samples per second.
+RATE = 200
+#: py-spy's samples per second with ``--native``. Each native sample stops the API server
+#: while py-spy unwinds every thread's stack: at 200 a second py-spy took 70% of a core
+#: here and left the server a quarter of one, so a 256-stream run crawled for many
+#: minutes. At 50 the server runs most of the time.
+NATIVE_RATE = 50
 
 # CPython's collector entry points as py-spy names them: gc_collect_main (3.8-3.11, 3.13),
 # gc_collect_generations (3.12), gc_collect_region / _young / _full / _increment (3.13+),
@@ -217,10 +227,11 @@ def read_profile(path: Path, *, native: bool = False) -> Profile:
 
 @contextlib.contextmanager
 def profiled(pid: int, out: Path, enabled: bool, *, native: bool = False) -> Iterator[None]:
-    """Sample ``pid`` with py-spy meanwhile, 200 times a second.
+    """Sample ``pid`` with py-spy meanwhile, :data:`RATE` times a second.
 
     Without ``native``, non-blocking: the server is never paused. py-spy cannot unwind
-    native stacks of a running process, so ``native`` pauses the server at each sample.
+    native stacks of a running process, so ``native`` pauses the server at each sample,
+    :data:`NATIVE_RATE` times a second.
     """
     proc = None
     if enabled:
@@ -233,7 +244,7 @@ def profiled(pid: int, out: Path, enabled: bool, *, native: bool = False) -> Ite
                 str(pid),
                 *mode,
                 "--rate",
-                "200",
+                str(NATIVE_RATE if native else RATE),
                 "--format",
                 "raw",
                 "--output",
