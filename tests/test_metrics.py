@@ -16,6 +16,7 @@ import pytest
 
 from client_support import REPLAY, SUPPORT
 from corewire import AsyncMPClient, ProtocolError, SyncMPClient
+from corewire import metrics as corewire_metrics
 from corewire.metrics import ENV_SWITCH, enabled
 from leak_support import no_leaks
 
@@ -112,6 +113,76 @@ async def test_pending_utility_calls_gauge() -> None:
             assert sample("corewire_pending_utility_calls", **gauge) == 0
         finally:
             client.shutdown()
+
+
+async def test_receiving_makes_no_prometheus_call_until_a_collection() -> None:
+    """The receive path counts in plain ints: the Prometheus series stay as they were until
+    something collects the registry, which folds the counts in first."""
+    with no_leaks():
+        client = AsyncMPClient(engine_main=REPLAY)
+        try:
+            labels = per_engine(client)
+            family = corewire_metrics._get_family()
+            series = family.frames.labels(labels["client"], labels["engine"])
+            frames0, outputs0, _ = counts(labels)  # a collection: folded so far
+            before = series._value.get()
+            await client.call_utility_async("replay", BATCH, FRAMES)
+            for _ in range(FRAMES):
+                await client.get_output_async()
+            assert series._value.get() == before  # nothing reached the series yet
+            frames, outputs, _ = counts(labels)  # this collection folds
+            assert (frames - frames0, outputs - outputs0) == (FRAMES + 1, FRAMES * BATCH)
+            assert series._value.get() == frames
+        finally:
+            client.shutdown()
+
+
+def test_folded_tallies_read_as_observed_histograms() -> None:
+    """A tally folded into fresh series exports exactly what a histogram observing each
+    decode time and counters incremented per message export, bucket bounds included."""
+    prom = prometheus_client
+    elapsed_ns = [1, 9_999, 10_000, 10_001, 30_000, 2_999_999, 3_000_000, 99_999_999,
+                  100_000_000, 100_000_001, 7_000_000_000]  # fmt: skip
+    outputs_per_message = [0, 1, 256, 3, 0, 7, 1, 1, 64, 2, 5]
+
+    def series(registry: object) -> tuple[object, object, object]:
+        labels = ("0", "0")
+        return (
+            prom.Counter("f_total", "", ("client", "engine"), registry=registry).labels(*labels),
+            prom.Counter("o_total", "", ("client", "engine"), registry=registry).labels(*labels),
+            prom.Histogram(
+                "d_seconds", "", ("client", "engine"), registry=registry,
+                buckets=corewire_metrics._DECODE_BUCKETS,
+            ).labels(*labels),
+        )  # fmt: skip
+
+    folded_registry, observed_registry = prom.CollectorRegistry(), prom.CollectorRegistry()
+    folded = series(folded_registry)
+    frames, outputs, decode = series(observed_registry)
+    assert corewire_metrics._histogram_internals(folded[2])
+    tally = corewire_metrics._Tally(*folded)
+    for i, (ns, n) in enumerate(zip(elapsed_ns, outputs_per_message, strict=True)):
+        tally.count(n, ns)
+        frames.inc()
+        outputs.inc(n)
+        decode.observe(ns * 1e-9)
+        if i % 4 == 0:
+            tally.fold()  # folds in between count only what came since
+    tally.fold()
+
+    def exported(registry: object) -> dict[tuple[str, str], float]:
+        return {
+            (s.name, s.labels.get("le", "")): s.value
+            for m in registry.collect()  # type: ignore[attr-defined]
+            for s in m.samples
+            if not s.name.endswith("_created")
+        }
+
+    got, expected = exported(folded_registry), exported(observed_registry)
+    # two counters; nine bounds and +Inf, count and sum of the histogram
+    assert got.keys() == expected.keys() and len(got) == 2 + 10 + 2
+    for key, value in expected.items():
+        assert got[key] == pytest.approx(value, rel=1e-9), key
 
 
 def test_sync_client_counts_what_it_received() -> None:
