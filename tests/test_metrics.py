@@ -185,6 +185,27 @@ def test_folded_tallies_read_as_observed_histograms() -> None:
         assert got[key] == pytest.approx(value, rel=1e-9), key
 
 
+def test_a_histogram_without_the_internals_is_counted_message_by_message() -> None:
+    """Where a histogram series lacks the internals a fold adds to (another
+    prometheus_client), the check says so, and the exact tally counts each message at once."""
+    prom = prometheus_client
+    registry = prom.CollectorRegistry()
+    summary = prom.Summary("s_seconds", "", registry=registry)
+    assert not corewire_metrics._histogram_internals(summary)
+    frames = prom.Counter("f_total", "", registry=registry)
+    outputs = prom.Counter("o_total", "", registry=registry)
+    decode = prom.Histogram(
+        "d_seconds", "", registry=registry, buckets=corewire_metrics._DECODE_BUCKETS
+    )
+    tally = corewire_metrics._Exact(frames, outputs, decode)
+    tally.count(0, 20_000)
+    tally.count(7, 2_000_000)
+    value = registry.get_sample_value
+    assert (value("f_total"), value("o_total"), value("d_seconds_count")) == (2, 7, 2)
+    assert value("d_seconds_bucket", {"le": "3e-05"}) == 1
+    assert value("d_seconds_sum") == pytest.approx(0.00202)
+
+
 def test_sync_client_counts_what_it_received() -> None:
     with no_leaks():
         client = SyncMPClient(engine_main=REPLAY)
