@@ -18,18 +18,25 @@ install_cpu_platform() {
     python -m pip install -q "$(dirname "${BASH_SOURCE[0]}")/../tools/vllm-cpu-platform"
 }
 
-# vLLM 0.33.0 cannot share an environment with 0.25.1: the tests against it run in a second
-# cached venv beside the first (override with COREWIRE_VENV_0_33). Created and filled once
-# (vLLM 0.33.0 with its torch: about 5 minutes and 9 GB on a first run), reused after.
-COREWIRE_VENV_0_33="${COREWIRE_VENV_0_33:-${XDG_CACHE_HOME:-$HOME/.cache}/corewire/vllm-0.33.0-venv}"
-ensure_vllm_0_33_venv() {
-    local py="$COREWIRE_VENV_0_33/bin/python"
+# Each further vLLM release the tests run live against has a cached venv of its own beside
+# the first (releases cannot share one: each pins its own torch): created and filled once
+# (a release with its torch: about 5 minutes and 9 GB on a first run), reused after.
+# `vllm_venv VERSION` prints its path (override with COREWIRE_VENV_<VERSION with _>, e.g.
+# COREWIRE_VENV_0_34_0); `ensure_vllm_venv VERSION` makes sure it holds that release and
+# the CPU platform plugin. scripts/install-vllm installs releases that do not install as
+# published (vLLM 0.34.0's missing flashinfer pin).
+vllm_venv() {
+    local var="COREWIRE_VENV_${1//./_}"
+    echo "${!var:-${XDG_CACHE_HOME:-$HOME/.cache}/corewire/vllm-$1-venv}"
+}
+ensure_vllm_venv() {
+    local venv; venv="$(vllm_venv "$1")"
+    local py="$venv/bin/python"
     if [ ! -x "$py" ]; then
-        echo "== creating virtual environment $COREWIRE_VENV_0_33"
-        python3 -m venv "$COREWIRE_VENV_0_33"
+        echo "== creating virtual environment $venv"
+        python3 -m venv "$venv"
         "$py" -m pip install -q --upgrade pip
     fi
-    "$py" -c 'import importlib.metadata as m; assert m.version("vllm") == "0.33.0"' 2>/dev/null \
-        || "$py" -m pip install -q "vllm==0.33.0"
+    "$py" "$(dirname "${BASH_SOURCE[0]}")/install-vllm" "$1"
     "$py" -m pip install -q "$(dirname "${BASH_SOURCE[0]}")/../tools/vllm-cpu-platform"
 }
