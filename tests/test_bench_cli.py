@@ -47,7 +47,8 @@ from corewire.bench.serve_profile import (
 from corewire.client import AsyncMPClient
 from corewire.codec import NativeDecoder
 from corewire.errors import ProtocolError
-from corewire.versions import UnsupportedProtocolError, protocol_for_vllm
+from corewire.releases import UnsupportedProtocolError
+from corewire.releases import for_vllm as protocol_for_vllm
 
 HAVE_VLLM = is_installed("vllm")
 HAVE_MATPLOTLIB = is_installed("matplotlib")

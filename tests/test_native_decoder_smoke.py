@@ -45,7 +45,11 @@ def test_fields_mirror_the_protocol_structs() -> None:
     assert out_fields[: len(p.EngineCoreOutput.__struct_fields__)] == (
         p.EngineCoreOutput.__struct_fields__
     )
-    assert set(out_fields) == set(layouts.V0_33_0_TYPES["EngineCoreOutput"].__struct_fields__)
+    # every release's fields: 0.33.0's, and 0.34.0's watermarking
+    assert set(out_fields) == {
+        *layouts.V0_33_0_TYPES["EngineCoreOutput"].__struct_fields__,
+        "watermarking",
+    }
     assert type(out).__module__ == "corewire._native"
     assert "request_id='a'" in repr(out)
     with pytest.raises(TypeError):

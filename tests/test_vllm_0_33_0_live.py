@@ -31,7 +31,7 @@ from vllm.v1.outputs import LogprobsLists  # noqa: E402
 from vllm.v1.serial_utils import MsgpackDecoder, MsgpackEncoder  # noqa: E402
 
 from corewire.codec import Encoder, NativeDecoder  # noqa: E402
-from corewire.versions import protocol_for_vllm  # noqa: E402
+from corewire.releases import for_vllm as protocol_for_vllm  # noqa: E402
 from golden_0_33_0_support import DATA, to_structs  # noqa: E402
 from golden_support import jsonable  # noqa: E402
 

@@ -73,7 +73,7 @@ def test_each_supported_vllm_has_its_client_classes() -> None:
     for version in plugin.PLUGIN_VLLM_VERSIONS:
         classes = client.client_classes(version)
         assert set(classes) == {"plain", "dp", "dplb"}
-        assert {cls.release.protocol for cls in classes.values()} == {version}
+        assert {cls.release for cls in classes.values()} == {version}
 
 
 _OUTPUT_PROBE = """

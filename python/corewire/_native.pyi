@@ -57,8 +57,8 @@ class NativeDecoder:
     an exception they raise rejects the frame as a :class:`ProtocolError`.
 
     ``protocol`` is the vLLM version whose wire the frames follow (``"0.25.1"``, the
-    default, or ``"0.33.0"``; ``corewire.versions``); another raises
-    ``corewire.versions.UnsupportedProtocolError``. The decoded objects carry every
+    default, or ``"0.33.0"``; ``corewire.releases``); another raises
+    ``corewire.releases.UnsupportedProtocolError``. The decoded objects carry every
     version's fields (one the version lacks is None, or 0 for a count).
     """
 

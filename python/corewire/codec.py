@@ -25,11 +25,11 @@ from typing import Any
 import msgspec
 import numpy as np
 
+from corewire import releases
 from corewire._native import NativeDecoder
 from corewire.errors import ProtocolError
 from corewire.layouts import version_of
 from corewire.protocol import UtilityResult, utility_result_wire
-from corewire.versions import check_protocol
 
 try:
     import torch
@@ -63,7 +63,7 @@ class Encoder:
     def __init__(
         self, inline_threshold: int = INLINE_THRESHOLD, *, protocol: str | None = None
     ) -> None:
-        self.protocol = check_protocol(protocol)
+        self.protocol = releases.get(protocol)
         self._inline_threshold = inline_threshold
         self._encoder = msgspec.msgpack.Encoder(enc_hook=self._enc_hook)
         # Set for the duration of one encode() call; the hook appends to it.

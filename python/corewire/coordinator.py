@@ -82,6 +82,7 @@ from typing import Any
 import msgspec
 import zmq
 
+from corewire import releases
 from corewire.curve import require_curve_for
 from corewire.dp_messages import (
     XPUB_SUBSCRIBE,
@@ -97,7 +98,6 @@ from corewire.dp_messages import (
 )
 from corewire.ipcdir import make_private_dir
 from corewire.keygen import CurveAuthenticator, CurveServerKeys, apply_server
-from corewire.versions import behaviour, check_protocol
 
 __all__ = [
     "CoordinatorAddresses",
@@ -216,7 +216,7 @@ class CoordinatorState:
         if num_engines < 1:
             raise ValueError("a DP group needs at least one engine")
         #: Whether counts carry the KV cache's use (vLLM 0.33.0 on).
-        self.kv_cache_usage = behaviour(protocol).counts_carry_kv_usage
+        self.kv_cache_usage = releases.get(protocol).counts_carry_kv_usage
         self.counts: list[list[Any]] = [self._idle() for _ in range(num_engines)]
         self.current_wave = 0
         self.engines_running = False
@@ -607,7 +607,7 @@ class DPCoordinator:
         startup_timeout: float = 30.0,
         protocol: str | None = None,
     ) -> None:
-        protocol = check_protocol(protocol)
+        protocol = releases.get(protocol)
         directory = None
         if addresses is None:
             directory = make_private_dir("dp")
@@ -626,7 +626,8 @@ class DPCoordinator:
             addresses=addresses.to_wire(),
             parent_pid=os.getpid(),
             curve_server_dir=os.fspath(curve_server_dir) if curve_server_dir else None,
-            protocol=protocol,
+            # The plain version string: msgspec writes no str subclass (a Release).
+            protocol=releases.get(protocol).name,
         )
         payload = msgspec.msgpack.encode(config)
         proc = subprocess.Popen(

@@ -25,8 +25,8 @@ import msgspec
 import numpy as np
 
 from corewire import protocol as p
+from corewire import releases
 from corewire.protocol import Tensor
-from corewire.versions import V0_25_1, V0_33_0, check_protocol
 
 __all__ = [
     "FT_STATUS_CALL_ID",
@@ -401,7 +401,7 @@ V0_25_1_TYPES = types.MappingProxyType(
 #: vLLM 0.33.0's wire structs by name.
 V0_33_0_TYPES = _build_0_33_0()
 
-_TYPES = {V0_25_1: V0_25_1_TYPES, V0_33_0: V0_33_0_TYPES}
+_TYPES = {"0.25.1": V0_25_1_TYPES, "0.33.0": V0_33_0_TYPES}
 # The structs whose layout differs between versions -> their version.
 _VERSION_OF: dict[type, str] = {}
 for _version, _table in _TYPES.items():
@@ -414,7 +414,7 @@ def types_for(protocol: str | None) -> types.MappingProxyType[str, Any]:
     """The wire structs of ``protocol`` by name, both directions (``EngineCoreOutputs``,
     ``EngineCoreOutput``, ``LogprobsTensors``, ``EngineCoreRequest``, ``SamplingParams``...);
     a version without one lacks its name."""
-    return _TYPES[check_protocol(protocol)]
+    return _TYPES[releases.get(protocol)]
 
 
 def request_decoder(protocol: str | None) -> Any:

@@ -23,9 +23,9 @@ from typing import Any
 
 import msgspec
 
+from corewire import releases
 from corewire.engine.interface import EngineInfo
 from corewire.engine.ready import ready_response
-from corewire.versions import V0_25_1, V0_33_0, check_protocol
 
 __all__ = [
     "READY_RESPONSE_TYPES",
@@ -88,8 +88,8 @@ class ReadyResponse0330(msgspec.Struct):
 
 #: Each version's declared ready response.
 READY_RESPONSE_TYPES: dict[str, type[msgspec.Struct]] = {
-    V0_25_1: ReadyResponse0251,
-    V0_33_0: ReadyResponse0330,
+    "0.25.1": ReadyResponse0251,
+    "0.33.0": ReadyResponse0330,
 }
 
 
@@ -149,8 +149,8 @@ def ready_response_for(
     keys in vLLM's order, from ``info`` and ``facts`` (:class:`ReadyFacts` defaults when
     None), then corewire's ``status``, ``engine_index`` and ``pid``.
     """
-    protocol = check_protocol(protocol)
-    if protocol == V0_25_1:
+    protocol = releases.get(protocol)
+    if READY_RESPONSE_TYPES[protocol] is ReadyResponse0251:
         return ready_response(
             info,
             engine_index=engine_index,
@@ -165,7 +165,7 @@ def ready_response_for(
         block_size=info.block_size,
         dp_stats_address=dp_stats_address,
         dtype=info.dtype,
-        vllm_version=protocol,
+        vllm_version=protocol.name,
         world_size=info.world_size,
         data_parallel_size=data_parallel_size,
         tensor_parallel_size=facts.tensor_parallel_size,

@@ -2,7 +2,7 @@
 
 Run: ``corewire bench client`` (a few minutes; ``--quick`` for a short run).
 
-The wire is the installed vLLM's: 0.25.1 or 0.33.0 (``corewire.versions``), 0.25.1
+The wire is the installed vLLM's: 0.25.1 or 0.33.0 (``corewire.releases``), 0.25.1
 without vLLM; another vLLM release stops the run (exit status 2, naming the supported
 ones) rather than measuring a wire corewire would decode wrongly.
 
@@ -69,7 +69,7 @@ import numpy as np
 import zmq
 import zmq.asyncio
 
-from corewire import layouts, versions
+from corewire import layouts, releases
 from corewire.bench import common
 from corewire.client import AsyncMPClient
 from corewire.codec import Encoder, MsgspecDecoder
@@ -117,13 +117,13 @@ def outputs_message(protocol: str, engine_index: int, **fields: Any) -> Any:
     """An ``EngineCoreOutputs`` of ``protocol``'s layout, stamped now; under 0.33.0 steps
     (messages with ``outputs``) carry ``weight_version="default"`` as its engine stamps
     them, utility replies nil."""
-    if protocol != versions.V0_25_1 and "outputs" in fields:
+    if releases.get(protocol).weight_versions and "outputs" in fields:
         fields.setdefault("weight_version", "default")
     outputs_type = layouts.types_for(protocol)["EngineCoreOutputs"]
     return outputs_type(engine_index=engine_index, timestamp=time.monotonic(), **fields)
 
 
-def case_frame(case: str, batch: int, protocol: str = versions.DEFAULT) -> bytes:
+def case_frame(case: str, batch: int, protocol: str = releases.DEFAULT) -> bytes:
     """One ``EngineCoreOutputs`` of ``batch`` outputs of one new token each (every eighth
     request finishing), encoded in ``protocol``'s layout; with ``top-5``, a
     ``LogprobsLists`` per output: ``1 x 6`` int32 ids and float32 logprobs and the int64
@@ -158,7 +158,7 @@ class BenchLink(EngineLink):
 
     def __init__(self, *args: Any, protocol: str, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        self.protocol = versions.check_protocol(protocol)
+        self.protocol = releases.get(protocol)
 
     def send_ready(self) -> None:
         """The ready response of :attr:`protocol` (its required keys all present)."""
@@ -185,7 +185,7 @@ class BenchEngine(ReplayEngine):
     def utility_replay_case(self, case: str, batch: int, count: int) -> int:
         """After the reply, push ``count`` frames of ``case`` at ``batch``; returns the
         frame's size in bytes."""
-        protocol = getattr(self.link, "protocol", versions.DEFAULT)
+        protocol = getattr(self.link, "protocol", releases.DEFAULT)
         return self.push_after_reply(case_frame(case, batch, protocol), count)
 
 
@@ -195,7 +195,7 @@ def run_bench_engine(
     input_address: str,
     output_address: str,
     parent_pid: int | None = None,
-    wire: str = versions.DEFAULT,
+    wire: str = releases.DEFAULT,
     **_options: Any,
 ) -> None:
     """Process target (``engine_main``) running a :class:`BenchEngine` that speaks
@@ -526,7 +526,7 @@ async def measure(
     gc_modes: tuple[str, ...],
     calls: int | None,
     use_vllm: bool,
-    protocol: str = versions.DEFAULT,
+    protocol: str = releases.DEFAULT,
 ) -> dict[str, Any]:
     """Runs both parts over engines speaking ``protocol``, printing as it goes; returns
     what was measured."""
@@ -734,7 +734,7 @@ def plot(measured: dict[str, Any], path: str) -> None:
     plt = common.pyplot()
     labels = {
         "raw": "raw pyzmq receive (ceiling)",
-        "vllm": f"vLLM {measured.get('protocol', versions.DEFAULT)} AsyncMPClient",
+        "vllm": f"vLLM {measured.get('protocol', releases.DEFAULT)} AsyncMPClient",
         "baseline": "in-house reference client",
         "corewire": "corewire AsyncMPClient",
         "d+t": "corewire decode+touch, no I/O",
@@ -870,7 +870,7 @@ def run(args: argparse.Namespace) -> int:
     vllm_version = common.vllm_version()
     try:
         protocol = common.baseline_protocol(vllm_version)
-    except versions.UnsupportedProtocolError as e:
+    except releases.UnsupportedProtocolError as e:
         print(
             f"corewire bench client: {e}; the baseline must be one of those releases"
             " (its AsyncMPClient is measured on the wire corewire speaks for it)",

@@ -17,7 +17,7 @@ import sys
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from corewire import versions
+from corewire import releases
 from corewire._optional import import_optional, is_installed
 
 __all__ = [
@@ -175,5 +175,5 @@ def baseline_protocol(vllm_version: str | None) -> str:
     installed, corewire's default); raises ``UnsupportedProtocolError`` naming the
     supported releases for any other vLLM."""
     if vllm_version is None:
-        return versions.DEFAULT
-    return versions.protocol_for_vllm(vllm_version)
+        return releases.DEFAULT
+    return releases.for_vllm(vllm_version)

@@ -1,7 +1,7 @@
 """``corewire bench decode``: corewire's NativeDecoder vs the installed vLLM's MsgpackDecoder.
 
 The baseline is vLLM itself when it is installed, whichever of the releases corewire
-speaks (``corewire.versions.SUPPORTED``: 0.25.1, 0.33.0): frames are made by that vLLM's
+speaks (``corewire.releases.SUPPORTED``: 0.25.1, 0.33.0): frames are made by that vLLM's
 ``MsgpackEncoder`` from its real ``EngineCoreOutputs`` structs, and its
 ``MsgpackDecoder(EngineCoreOutputs)`` decodes them next to corewire's
 ``NativeDecoder(protocol=protocol_for_vllm(vllm.__version__))``; corewire's pure-Python
@@ -76,7 +76,7 @@ import msgspec
 import numpy as np
 import zmq
 
-from corewire import layouts, versions
+from corewire import layouts, releases
 from corewire import protocol as cw
 from corewire._optional import import_optional, is_installed
 from corewire.bench import common
@@ -93,7 +93,7 @@ VllmEncoder: Any = None
 torch: Any = None
 #: The wire version measured: the installed vLLM's (set by _load_optional), else
 #: corewire's default.
-protocol: str = versions.DEFAULT
+protocol: str = releases.DEFAULT
 
 
 def _load_optional(use_vllm: bool) -> None:
@@ -111,7 +111,7 @@ def _load_optional(use_vllm: bool) -> None:
         VllmDecoder = serial_utils.MsgpackDecoder
         VllmEncoder = serial_utils.MsgpackEncoder
     else:
-        protocol = versions.DEFAULT
+        protocol = releases.DEFAULT
     if is_installed("torch"):  # prompt logprobs travel as torch tensors
         import torch
 
@@ -633,7 +633,7 @@ def run(args: argparse.Namespace) -> int:
         # importing vLLM), then on the imported vllm.__version__ by _load_optional.
         common.baseline_protocol(vllm_version)
         _load_optional(use_vllm)
-    except versions.UnsupportedProtocolError as e:
+    except releases.UnsupportedProtocolError as e:
         print(
             f"corewire bench decode: {e}; the baseline must be one of those releases"
             " (its MsgpackDecoder is measured on the wire corewire speaks for it)",

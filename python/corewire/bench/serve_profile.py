@@ -59,7 +59,7 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
             "corewire/vllm/client.py",
             "corewire/vllm/dp_client.py",
             "corewire/vllm/v0_33_0.py",
-            "corewire/vllm/releases.py",
+            "corewire/releases/",
             "zmq/",
             "msgspec/",
         ),

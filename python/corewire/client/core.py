@@ -16,6 +16,7 @@ from typing import Any
 import zmq
 import zmq.asyncio
 
+from corewire import releases
 from corewire.client._resources import ClientResources
 from corewire.client.futures import complete_future
 from corewire.client.ready import ReadyWait
@@ -26,7 +27,6 @@ from corewire.engine.startup import check_engine_spec, engine_process_main
 from corewire.errors import EngineDeadError, UtilityError
 from corewire.ipcdir import make_private_dir
 from corewire.protocol import engine_identity, failed_method
-from corewire.versions import DEFAULT, check_protocol
 
 __all__ = ["DEFAULT_ENGINE_MAIN", "MPClient", "make_output_decoder", "resolve_utility_output"]
 
@@ -97,7 +97,7 @@ class MPClient:
             Utility replies travel behind the outputs sent before them and wait as they
             do; a health check does not count the time the backlog was full.
         protocol: the vLLM version the engines speak (``"0.25.1"``, the default, or
-            ``"0.33.0"``; ``corewire.versions``), in both directions: it picks the
+            ``"0.33.0"``; ``corewire.releases``), in both directions: it picks the
             decoder of their outputs and the layout of what is sent. A ``"0.33.0"``
             client writes 0.33.0's ``EngineCoreRequest`` whether it is given
             ``corewire.protocol.EngineCoreRequest`` (converted by field name, see
@@ -132,7 +132,7 @@ class MPClient:
         **engine_options: Any,
     ) -> None:
         #: The vLLM wire version of the engines' outputs (checked before anything starts).
-        self.protocol = check_protocol(protocol)
+        self.protocol = releases.get(protocol)
         if max_output_backlog is not None and max_output_backlog < 2:
             raise ValueError(f"max_output_backlog must be >= 2 or None, got {max_output_backlog}")
         #: The output backlog's high-water mark (None: unbounded); see the class docstring.
@@ -232,7 +232,7 @@ class MPClient:
             "parent_pid": os.getpid(),
             **self.engine_options,
         }
-        if self.protocol != DEFAULT:
+        if self.protocol != releases.DEFAULT:
             kwargs["protocol"] = self.protocol
         return kwargs
 

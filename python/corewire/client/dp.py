@@ -75,7 +75,7 @@ from corewire.protocol import (
     engine_index_of,
     finished_outputs,
 )
-from corewire.versions import V0_25_1, behaviour
+from corewire.releases import get as get_release
 
 __all__ = ["DPAsyncMPClient", "DPConsensusError", "DPLBAsyncMPClient"]
 
@@ -151,7 +151,7 @@ class DPAsyncMPClient(AsyncMPClient):
         #: (``[waiting, running, kv_cache_usage]`` from vLLM 0.33.0's, and before the
         #: first publication when ``protocol="0.33.0"``, as vLLM 0.33.0's client).
         self._idle_counts: list[Any] = (
-            [0, 0, 0.0] if behaviour(kwargs.get("protocol")).counts_carry_kv_usage else [0, 0]
+            [0, 0, 0.0] if get_release(kwargs.get("protocol")).counts_carry_kv_usage else [0, 0]
         )
         self.lb_engines: list[list[Any]] = [list(self._idle_counts) for _ in engine_indices]
         self._stats_socket: Any = None
@@ -164,7 +164,7 @@ class DPAsyncMPClient(AsyncMPClient):
                 self._coordinator.shutdown()
             raise
         # vLLM 0.33.0's front-ends send none (its engines start the waves).
-        self._first_request_notices = not behaviour(self.protocol).engine_led_waves
+        self._first_request_notices = not get_release(self.protocol).engine_led_waves
         if self._coordinator is not None:
             # Watched and stopped with the engines: its death kills the client too.
             self.resources.processes.set_coordinator(self._coordinator)
@@ -420,7 +420,7 @@ class DPLBAsyncMPClient(DPAsyncMPClient):
         super().__init__(data_parallel_size=data_parallel_size, **kwargs)
         # vLLM 0.33.0's KV-pressure rule (the counts carry kv_cache_usage from then on)
         # and its streaming-session affinity.
-        rules = behaviour(self.protocol)
+        rules = get_release(self.protocol)
         self._kv_pressure = rules.kv_pressure_routing
         self._sessions = rules.session_affinity
 
@@ -645,7 +645,7 @@ class DPLBAsyncMPClient(DPAsyncMPClient):
             del self.reqs_in_flight[rid]
         logger.warning("finishing %d request(s) of removed engines as aborted", len(leftovers))
         outputs = finished_outputs(leftovers, FinishReason.ABORT, engine_index=min(removed))
-        if self.protocol != V0_25_1:
+        if not get_release(self.protocol).speaks_protocol_structs:
             # The consumer reads this version's fields (weight_version, error...).
             outputs = _in_version(outputs, self.protocol)
         self.outputs_queue.put_nowait(outputs)

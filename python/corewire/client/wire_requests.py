@@ -39,12 +39,12 @@ import msgspec
 
 from corewire import layouts
 from corewire import protocol as p
-from corewire.versions import V0_25_1, V0_33_0, check_protocol
+from corewire.releases import get as get_release
 
 __all__ = ["request_writer", "utility_args_writer"]
 
 _asdict = msgspec.structs.asdict
-_T = layouts.types_for(V0_33_0)
+_T = layouts.types_for("0.33.0")
 _REQUEST: Any = _T["EngineCoreRequest"]
 _SAMPLING: Any = _T["SamplingParams"]
 _POOLING: Any = _T["PoolingParams"]
@@ -63,7 +63,7 @@ _ROUTED_DEFAULT = next(
 def request_writer(protocol: str | None) -> Callable[[Any], Any] | None:
     """The function that turns a request into what a ``protocol`` client sends, or None
     when requests are sent as given (0.25.1: its encoder refuses a 0.33.0 request)."""
-    if check_protocol(protocol) == V0_25_1:
+    if get_release(protocol).speaks_protocol_structs:
         return None
     return to_0_33_0
 
@@ -74,7 +74,7 @@ def utility_args_writer(
     """The function that turns a utility call's arguments into what a ``protocol`` client
     sends (only ``add_lora``'s LoRA differs between versions), or None when they are sent
     as given (0.25.1)."""
-    if check_protocol(protocol) == V0_25_1:
+    if get_release(protocol).speaks_protocol_structs:
         return None
     return _utility_args_0_33_0
 

@@ -26,10 +26,10 @@ import json
 import sys
 from typing import Any
 
+from corewire import releases
 from corewire.coordinator import TcpEndpoints
 from corewire.curve import is_loopback_address
 from corewire.keygen import CurveClientKeys
-from corewire.versions import DEFAULT, SUPPORTED
 
 __all__ = ["add_arguments", "run"]
 
@@ -76,9 +76,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--protocol",
-        choices=SUPPORTED,
-        default=DEFAULT,
-        help=f"the vLLM version whose engine-core wire to speak (default {DEFAULT})",
+        choices=releases.SUPPORTED,
+        default=releases.DEFAULT,
+        help=f"the vLLM version whose engine-core wire to speak (default {releases.DEFAULT})",
     )
     parser.add_argument(
         "--parent-pid",

@@ -50,7 +50,7 @@ import msgspec
 import zmq
 
 # A module, not its names: ready_layouts imports corewire.engine, which imports this.
-from corewire import ready_layouts
+from corewire import ready_layouts, releases
 from corewire.codec import Encoder, MsgspecDecoder
 from corewire.dp_messages import StartWave, WaveComplete
 from corewire.engine.frame_head import array_length, read_head
@@ -95,7 +95,6 @@ from corewire.protocol import (
     field_position,
     utility_failure_text,
 )
-from corewire.versions import behaviour, check_protocol
 
 __all__ = ["EngineCoreProc"]
 
@@ -236,8 +235,8 @@ class EngineCoreProc:
     ) -> None:
         if not 0 <= engine_index < 1 << 16:
             raise ValueError(f"engine_index must fit in 2 bytes, got {engine_index}")
-        #: The vLLM version whose wire this engine speaks (``corewire.versions``).
-        self.protocol = check_protocol(protocol)
+        #: The vLLM version whose wire this engine speaks (``corewire.releases``).
+        self.protocol = releases.get(protocol)
         # Converts each queued message into the protocol's layout on the output thread
         # (None: engines' structs are that layout already, nothing to do).
         self._to_wire = output_converter(self.protocol)
@@ -270,7 +269,7 @@ class EngineCoreProc:
         self._utility_defaults = UtilityDefaults(engine)
         # The utilities a 0.33.0 front-end calls that need this proc's own state.
         self._protocol_utilities = (
-            Utilities0330(self) if behaviour(self.protocol).generation_pause_utilities else None
+            Utilities0330(self) if releases.get(self.protocol).generation_pause_utilities else None
         )
         #: Set once the ready response went out on every request link.
         self.ready_event = threading.Event()

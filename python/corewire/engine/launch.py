@@ -88,7 +88,7 @@ def serve_engine(
 ) -> int:
     """Run an engine core in this process until it stops; return its exit status.
 
-    ``protocol`` is the vLLM wire version to speak (None: ``corewire.versions.DEFAULT``).
+    ``protocol`` is the vLLM wire version to speak (None: ``corewire.releases.DEFAULT``).
 
     SIGTERM and SIGINT stop it cleanly (status 0) when called on the main thread. With
     ``parent_pid``, it also stops when that process dies. A fatal engine error sends

@@ -37,6 +37,7 @@ from typing import Any
 import msgspec
 import zmq
 
+from corewire import releases
 from corewire.codec import Encoder
 from corewire.engine.interface import EngineInfo
 from corewire.engine.link import connect_socket, engine_outputs, stamp_unstamped
@@ -58,7 +59,6 @@ from corewire.protocol import (
     utility_result_wire,
 )
 from corewire.ready_layouts import ready_response_for
-from corewire.versions import check_protocol
 
 __all__ = [
     "EngineLink",
@@ -137,7 +137,7 @@ class EngineLink:
         self.engine_index = engine_index
         self.parent_pid = parent_pid
         #: The vLLM wire version this link speaks.
-        self.wire_protocol = check_protocol(protocol)
+        self.wire_protocol = releases.get(protocol)
         # None for 0.25.1: messages go out as built.
         self._to_wire = output_converter(self.wire_protocol)
         self.ctx = zmq.Context(io_threads=1)

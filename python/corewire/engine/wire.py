@@ -36,7 +36,7 @@ import msgspec
 
 from corewire import protocol as p
 from corewire.layouts import RequestError, types_for
-from corewire.versions import V0_25_1, V0_33_0, check_protocol
+from corewire.releases import get as get_release
 
 __all__ = [
     "DEFAULT_WEIGHT_VERSION",
@@ -72,7 +72,7 @@ def finish_output(
     on) the ``RequestError`` vLLM's front-end turns into 503/400/500, whose message then
     carries the text (``stop_reason`` nil, as vLLM's engine writes it). Under 0.25.1,
     which has no error field, ``error`` is dropped."""
-    if check_protocol(protocol) == V0_25_1 or error is None:
+    if not get_release(protocol).request_errors or error is None:
         return p.EngineCoreOutput(
             request_id, [], finish_reason=finish_reason, stop_reason=stop_reason
         )
@@ -83,12 +83,10 @@ def finish_output(
 def output_converter(protocol: str | None) -> Callable[[Any], Any] | None:
     """The conversion of a queued message (``EngineCoreOutputs`` or :class:`StepOutputs`)
     into ``protocol``'s layout; None when engines' structs are that layout already."""
-    protocol = check_protocol(protocol)
-    if protocol == V0_25_1:
+    release = get_release(protocol)
+    if release.speaks_protocol_structs:
         return None
-    if protocol == V0_33_0:
-        return _converter_0_33_0()
-    raise AssertionError(f"no output layout for {protocol}")  # pragma: no cover
+    return _converter(release)
 
 
 def _scheduler_stats_0_33_0() -> dict[str, Any]:
@@ -145,8 +143,8 @@ def _splice(old: type, new: type) -> tuple[int, tuple[Any, ...]]:
     return at, fill
 
 
-def _converter_0_33_0() -> Callable[[Any], Any]:
-    table = types_for(V0_33_0)
+def _converter(release: Any) -> Callable[[Any], Any]:
+    table = types_for(release)
     outputs_type = table["EngineCoreOutputs"]
     output_type = table["EngineCoreOutput"]
     tensors_type = table["LogprobsTensors"]

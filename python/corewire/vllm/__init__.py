@@ -5,7 +5,7 @@ adapters.
   ``COREWIRE_VLLM_CLIENT=1`` it makes vLLM's ``AsyncLLM`` build corewire's client.
 - :mod:`corewire.vllm.client`: corewire's clients with vLLM's constructor arguments and the
   attributes vLLM's front-end reads (0.25.1's; :mod:`corewire.vllm.v0_33_0` adds 0.33.0's
-  members, :mod:`corewire.vllm.releases` holds each release's launch and ready helpers).
+  members, :mod:`corewire.releases` holds each release's launch and ready helpers).
 - :mod:`corewire.vllm.model_dir` and :mod:`corewire.vllm.stack`: a tiny local model
   directory and the launcher of a ``vllm serve`` stack over corewire engines (the serve
   script, tests and benchmarks).

@@ -6,7 +6,7 @@ vLLM's ``AsyncLLM`` builds its engine-core client with
 (0.33.0 adds ``renderer=``) and then reads a few attributes of it. The classes here take
 exactly those arguments and differ from corewire's own clients only where vLLM's
 front-end needs it; what differs between vLLM releases is in
-:mod:`corewire.vllm.releases` (how engines are launched, how a ready response applies):
+:mod:`corewire.releases` (how engines are launched, how a ready response applies):
 
 - **Engines.** Without ``client_addresses`` the client binds its sockets and lets vLLM's
   own ``launch_core_engines`` start local engines and run the start-up handshake with
@@ -48,13 +48,14 @@ from vllm.v1.engine.exceptions import EngineDeadError as _VllmEngineDeadError
 from vllm.v1.metrics.stats import PrefillStats, SchedulerStats
 
 import corewire.errors
+from corewire import releases
 from corewire.client.async_client import AsyncMPClient
 from corewire.codec import NativeDecoder
 from corewire.curve import require_curve_for
 from corewire.errors import ProtocolError
 from corewire.protocol import FinishReason, finished_outputs
-from corewire.versions import V0_25_1, protocol_for_vllm
-from corewire.vllm.releases import Release, Release0251
+from corewire.releases import Release
+from corewire.releases import get as get_release
 
 __all__ = [
     "INSTALLED_PROTOCOL",
@@ -82,7 +83,7 @@ DEFAULT_HEALTH_TIMEOUT_S = 10.0
 
 
 #: The wire of the installed vLLM (refused at import when corewire does not speak it).
-INSTALLED_PROTOCOL = protocol_for_vllm(vllm.__version__)
+INSTALLED_PROTOCOL = releases.for_vllm(vllm.__version__)
 
 
 class EngineDeadError(corewire.errors.EngineDeadError, _VllmEngineDeadError):
@@ -133,17 +134,7 @@ def make_async_mp_client(
 def client_classes(protocol: str) -> dict[str, type]:
     """corewire's client classes for the ``AsyncLLM`` of vLLM release ``protocol``:
     ``"plain"``, ``"dp"`` (external load balancing) and ``"dplb"`` (internal)."""
-    if protocol == V0_25_1:
-        from corewire.vllm.dp_client import VllmDPAsyncMPClient, VllmDPLBAsyncMPClient
-
-        return {
-            "plain": VllmAsyncMPClient,
-            "dp": VllmDPAsyncMPClient,
-            "dplb": VllmDPLBAsyncMPClient,
-        }
-    from corewire.vllm import v0_33_0
-
-    return v0_33_0.client_classes(protocol)
+    return get_release(protocol).vllm_client_classes()
 
 
 def apply_ready_response(vllm_config: Any, info: dict[str, Any]) -> Any:
@@ -151,10 +142,10 @@ def apply_ready_response(vllm_config: Any, info: dict[str, Any]) -> Any:
     it to ``vllm_config`` as vLLM's client does; returns the decoded response.
 
     Raises ``msgspec.ValidationError`` for a map vLLM would refuse. (Each release's own
-    rule: :meth:`corewire.vllm.releases.Release.apply_ready`.)
+    rule: :meth:`corewire.releases.Release.apply_ready`.)
     """
     holder = _ConfigHolder(vllm_config)
-    return Release0251().apply_ready(holder, info)
+    return releases.get("0.25.1").apply_ready(holder, info)
 
 
 class _ConfigHolder:
@@ -219,7 +210,7 @@ class VllmClientMixin:
     """
 
     #: The vLLM release this class is built for (its wire is the clients' protocol).
-    release: Release = Release0251()
+    release: Release = releases.get("0.25.1")
 
     # Provided by the corewire client class this is mixed into.
     resources: Any
@@ -299,7 +290,7 @@ class VllmClientMixin:
             "ready_timeout": float(envs.VLLM_ENGINE_READY_TIMEOUT_S),
             "health_check_interval": interval or None,
             "health_check_timeout": _env_seconds(HEALTH_TIMEOUT_ENV, DEFAULT_HEALTH_TIMEOUT_S),
-            "protocol": self.release.protocol,
+            "protocol": self.release,
         }
 
     def _vllm_finish_setup(self) -> None:
@@ -312,7 +303,7 @@ class VllmClientMixin:
                 self.stats_update_address = response.dp_stats_address
 
     def _make_output_decoder(self) -> Any:
-        return make_output_decoder(self.release.protocol)
+        return make_output_decoder(self.release)
 
     def _make_socket(self, kind: int, address: str, *, asyncio_mode: bool = False) -> Any:
         listener = self._vllm_listeners.pop(kind, None)

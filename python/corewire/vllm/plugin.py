@@ -25,7 +25,7 @@ import logging
 import os
 from typing import Any
 
-from corewire.versions import SUPPORTED
+from corewire import releases
 
 __all__ = [
     "ENV_SWITCH",
@@ -53,7 +53,7 @@ _FALSE = frozenset({"", "0", "false", "no", "off"})
 OUTPUT_SWITCH = "COREWIRE_VLLM_OUTPUT"
 
 #: The vLLM releases whose output processing corewire's native path reproduces.
-OUTPUT_VLLM_VERSIONS = ("0.25.1",)
+OUTPUT_VLLM_VERSIONS = tuple(r for r in releases.SUPPORTED if r.native_output)
 
 
 def _switch(name: str) -> bool:
@@ -92,7 +92,7 @@ def output_wanted(vllm_version: str) -> bool:
 #: The vLLM releases whose ``AsyncLLM`` the plugin's client is built and tested for (each
 #: with its own client classes: ``corewire.vllm.client.client_classes``): every release
 #: corewire speaks.
-PLUGIN_VLLM_VERSIONS = SUPPORTED
+PLUGIN_VLLM_VERSIONS = releases.SUPPORTED
 
 
 def check_vllm_version(version: str) -> None:

@@ -91,14 +91,14 @@ def plugin_installed() -> bool:
 
 
 def installed_protocol() -> str:
-    """The wire of the installed vLLM (``corewire.versions.protocol_for_vllm``; another
+    """The wire of the installed vLLM (``corewire.releases.for_vllm``; another
     release raises ``UnsupportedProtocolError`` naming the supported ones). Read from the
     package metadata: vLLM is not imported."""
     from importlib.metadata import version
 
-    from corewire.versions import protocol_for_vllm
+    from corewire import releases
 
-    return protocol_for_vllm(version("vllm"))
+    return releases.for_vllm(version("vllm"))
 
 
 def offline_env(base: Mapping[str, str] | None = None) -> dict[str, str]:

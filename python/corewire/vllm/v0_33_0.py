@@ -31,12 +31,11 @@ from typing import Any
 
 import msgspec
 
+from corewire import releases
 from corewire.client.async_client import AsyncMPClient
 from corewire.client.dp import DPAsyncMPClient, DPConsensusError, DPLBAsyncMPClient
-from corewire.versions import V0_33_0
 from corewire.vllm.client import VllmArgs, VllmClientMixin
 from corewire.vllm.dp_client import VllmDPMixin
-from corewire.vllm.releases import Release0330
 
 __all__ = [
     "FT_UTILITY_METHOD",
@@ -44,7 +43,6 @@ __all__ = [
     "Vllm0330AsyncMPClient",
     "Vllm0330DPAsyncMPClient",
     "Vllm0330DPLBAsyncMPClient",
-    "client_classes",
 ]
 
 #: The engine utility behind ``handle_fault`` (vLLM 0.33.0's ``FT_UTILITY_METHOD``).
@@ -57,7 +55,7 @@ class Members0330(VllmClientMixin):
     """The client members of vLLM 0.33.0's ``AsyncMPClient`` (see the module docstring);
     mixed in before the corewire client class."""
 
-    release = Release0330()
+    release = releases.get("0.33.0")
 
     # Provided by the corewire client class this is mixed into.
     core_engines: list[bytes]
@@ -224,15 +222,3 @@ class Vllm0330DPAsyncMPClient(Members0330, VllmDPMixin, DPAsyncMPClient):
 class Vllm0330DPLBAsyncMPClient(Members0330, VllmDPMixin, DPLBAsyncMPClient):
     """:class:`corewire.DPLBAsyncMPClient` (one front-end over N engines) for vLLM 0.33.0's
     ``AsyncLLM``, under vLLM's DP coordinator."""
-
-
-def client_classes(protocol: str = V0_33_0) -> dict[str, type]:
-    """The classes :func:`corewire.vllm.client.make_async_mp_client` picks from under
-    vLLM 0.33.0 (``"plain"``, ``"dp"``, ``"dplb"``)."""
-    if protocol != V0_33_0:
-        raise ValueError(f"corewire.vllm.v0_33_0 builds clients for vLLM 0.33.0, not {protocol}")
-    return {
-        "plain": Vllm0330AsyncMPClient,
-        "dp": Vllm0330DPAsyncMPClient,
-        "dplb": Vllm0330DPLBAsyncMPClient,
-    }
