@@ -3,7 +3,7 @@
 Public names are re-exported from ``corewire`` and ``corewire.codec``; import them there.
 """
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, ClassVar, TypeAlias, final
 
 import numpy as np
@@ -57,9 +57,14 @@ class NativeDecoder:
     an exception they raise rejects the frame as a :class:`ProtocolError`.
 
     ``protocol`` is the vLLM version whose wire the frames follow (``"0.25.1"``, the
-    default, or ``"0.33.0"``; ``corewire.releases``); another raises
-    ``corewire.releases.UnsupportedProtocolError``. The decoded objects carry every
-    version's fields (one the version lacks is None, or 0 for a count).
+    default, or ``"0.33.0"``; ``corewire.releases``). ``layout`` maps each struct's name
+    (``EngineCoreOutputs``, ``EngineCoreOutput``, ``UtilityOutput``, ``LogprobsLists``,
+    ``LogprobsTensors``, and ``SamplingMaskLists`` where the release has it) to its field
+    names in wire order, as the release's own structs give them: any release whose fields
+    the decoder knows is then read (a field it does not know raises ``ValueError``), by a
+    compiled walk where the positions are one of its own. Without ``layout`` another
+    version raises ``corewire.releases.UnsupportedProtocolError``. The decoded objects
+    carry every version's fields (one the version lacks is None, or 0 for a count).
     """
 
     def __new__(
@@ -69,6 +74,7 @@ class NativeDecoder:
         prefill_stats: Callable[[dict[str, Any]], Any] | None = None,
         scheduler_stats: Callable[[dict[str, Any]], Any] | None = None,
         protocol: str | None = None,
+        layout: Mapping[str, Sequence[str] | None] | None = None,
     ) -> NativeDecoder: ...
     def decode(self, frames: Sequence[_Frame] | _Frame) -> EngineCoreOutputs:
         """Decodes one message; a single buffer is taken as the payload alone."""
@@ -81,6 +87,9 @@ class NativeDecoder:
     @property
     def protocol(self) -> str:
         """The vLLM version whose wire this decoder reads."""
+    @property
+    def compiled_layout(self) -> bool:
+        """Whether the walk is one compiled into this build for these positions."""
 
 @final
 class EngineCoreOutputs:
@@ -151,6 +160,9 @@ class EngineCoreOutput:
     def prompt_token_id_logprobs(self) -> Any: ...
     @property
     def error(self) -> RequestError | None: ...
+    # vLLM 0.34.0 on (None before):
+    @property
+    def watermarking(self) -> bool | None: ...
     @property
     def finished(self) -> bool:
         """Whether this is the request's last output (``finish_reason is not None``)."""

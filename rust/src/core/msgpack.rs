@@ -462,6 +462,19 @@ impl<'a> Reader<'a> {
         }
     }
 
+    /// Reads a bool.
+    #[inline]
+    pub fn bool(&mut self) -> DecodeResult<bool> {
+        let save = self.pos;
+        match self.next_item()? {
+            Item::Bool(v) => Ok(v),
+            other => {
+                self.pos = save;
+                Err(type_error("bool", other.kind()))
+            }
+        }
+    }
+
     /// Reads a float; integers are accepted and converted, as msgspec does for `float`.
     #[inline]
     pub fn float(&mut self) -> DecodeResult<f64> {

@@ -12,13 +12,12 @@
 //! not written here but read from a version's [`super::wire::Layout`]; the walk only
 //! knows how to read each [`FieldType`].
 
-use std::marker::PhantomData;
-
 use super::error::{ArrayKind, DecodeError, DecodeResult, ErrorKind, Kind};
 use super::msgpack::{check_utf8, Item, Reader, RAW_VIEW_EXT};
 use super::wire::{
-    Current, EventField, FieldType, ListsField, MaskField, MessageField, OutputField, Protocol,
-    StatsKind, StructLayout, TensorsField, UtilityField, Version, WireStruct, V0_25_1, V0_33_0,
+    Compiled, Current, EventField, FieldType, LayoutRef, LayoutSource, ListsField, MaskField,
+    MessageField, OutputField, Protocol, Runtime, StatsKind, StructLayout, TensorsField,
+    UtilityField, Version, WireStruct, V0_25_1, V0_33_0,
 };
 
 /// Deepest nesting of containers inside a free-form (`Any`) field: the containers a
@@ -212,17 +211,22 @@ pub fn decode_outputs<B: Builder>(
     decode_outputs_as::<Current, B>(frames, builder, scratch)
 }
 
-/// [`decode_outputs`] for the wire of `protocol`, chosen at run time: one branch per
-/// message, then the walk compiled for that version.
+/// [`decode_outputs`] for the wire `layout`, chosen at run time: one branch per message,
+/// then the walk compiled for that version, or the walk over a layout made at run time.
 pub fn decode_outputs_for<B: Builder>(
-    protocol: Protocol,
+    layout: impl Into<LayoutRef>,
     frames: &[&[u8]],
     builder: &mut B,
     scratch: &mut Scratch,
 ) -> DecodeResult<B::Obj> {
-    match protocol {
-        Protocol::V0_25_1 => decode_outputs_as::<V0_25_1, B>(frames, builder, scratch),
-        Protocol::V0_33_0 => decode_outputs_as::<V0_33_0, B>(frames, builder, scratch),
+    match layout.into() {
+        LayoutRef::Builtin(Protocol::V0_25_1) => {
+            decode_outputs_as::<V0_25_1, B>(frames, builder, scratch)
+        }
+        LayoutRef::Builtin(Protocol::V0_33_0) => {
+            decode_outputs_as::<V0_33_0, B>(frames, builder, scratch)
+        }
+        LayoutRef::Dynamic(layout) => decode_outputs_in(Runtime(layout), frames, builder, scratch),
     }
 }
 
@@ -235,10 +239,21 @@ pub fn decode_outputs_as<V: Version, B: Builder>(
     builder: &mut B,
     scratch: &mut Scratch,
 ) -> DecodeResult<B::Obj> {
+    decode_outputs_in(Compiled::<V>::new(), frames, builder, scratch)
+}
+
+/// [`decode_outputs`] for the wire `src` lays out.
+#[cfg_attr(not(debug_assertions), inline(always))]
+fn decode_outputs_in<L: LayoutSource, B: Builder>(
+    src: L,
+    frames: &[&[u8]],
+    builder: &mut B,
+    scratch: &mut Scratch,
+) -> DecodeResult<B::Obj> {
     let Some(payload) = frames.first() else {
         return Err(DecodeError::new(ErrorKind::EmptyMessage));
     };
-    let mut walk = Walk::<B, V> {
+    let mut walk = Walk::<B, L> {
         r: Reader::new(payload),
         frames,
         payload_start: payload.as_ptr() as usize,
@@ -246,7 +261,7 @@ pub fn decode_outputs_as<V: Version, B: Builder>(
         scratch,
         open: Vec::new(),
         engine_index: 0,
-        version: PhantomData,
+        src,
     };
     let message = walk.message()?;
     walk.r.finish()?;
@@ -283,7 +298,7 @@ macro_rules! each_position {
     };
 }
 
-struct Walk<'a, 'b, B: Builder, V: Version> {
+struct Walk<'a, 'b, B: Builder, L: LayoutSource> {
     r: Reader<'a>,
     frames: &'b [&'a [u8]],
     payload_start: usize,
@@ -294,7 +309,8 @@ struct Walk<'a, 'b, B: Builder, V: Version> {
     open: Vec<Open<'a, B::Obj>>,
     /// The message's engine index, once read (for [`Builder::begin_outputs`]).
     engine_index: i128,
-    version: PhantomData<V>,
+    /// Where the positions of every struct are read from.
+    src: L,
 }
 
 /// A container of a free-form value whose elements are still being read.
@@ -318,11 +334,11 @@ enum Open<'a, O> {
     },
 }
 
-impl<'a, B: Builder, V: Version> Walk<'a, '_, B, V> {
+impl<'a, B: Builder, L: LayoutSource> Walk<'a, '_, B, L> {
     fn message(&mut self) -> DecodeResult<B::Obj> {
         let n = self.r.array_len("array (EngineCoreOutputs)")?;
         let mut fields = [const { None }; MessageField::COUNT];
-        self.struct_fields(&V::LAYOUT.message, n, &mut fields)?;
+        self.struct_fields(&self.src.get().message, n, &mut fields)?;
         let built = self.b.message(&mut fields);
         taken(fields);
         built
@@ -331,9 +347,10 @@ impl<'a, B: Builder, V: Version> Walk<'a, '_, B, V> {
     /// The fields of a struct array of `n` elements laid out as `layout`, by slot:
     /// checks the length, reads every known position, skips the rest, makes defaults.
     ///
-    /// Every position is its own inlined step with the field and its type known at
-    /// compile time (`V::LAYOUT` is a constant), so the walk is the straight-line code
-    /// a hand-written reader of this version would be: no table lookup at run time.
+    /// Every position is its own inlined step. For a compiled version the field and its
+    /// type are known at compile time (its layout is a constant), so the walk is the
+    /// straight-line code a hand-written reader of that version would be: no table
+    /// lookup at run time. A layout made at run time is read position by position.
     // Inlined where it is used in optimised builds, where the steps fold to straight-line
     // code; not in debug builds, whose unmerged stack slots would make deep values
     // overflow small stacks.
@@ -431,6 +448,7 @@ impl<'a, B: Builder, V: Version> Walk<'a, '_, B, V> {
             FieldType::OptInt => self.nullable_int(),
             FieldType::Float => self.float(),
             FieldType::OptStr => self.string(),
+            FieldType::OptBool => self.boolean(),
             FieldType::Outputs => {
                 self.b.begin_outputs(self.engine_index);
                 some(self.outputs())
@@ -495,6 +513,11 @@ impl<'a, B: Builder, V: Version> Walk<'a, '_, B, V> {
         self.b.float(v).map(Some)
     }
 
+    fn boolean(&mut self) -> DecodeResult<Option<B::Obj>> {
+        let v = self.r.bool()?;
+        Ok(Some(self.b.bool(v)))
+    }
+
     fn string(&mut self) -> DecodeResult<Option<B::Obj>> {
         let s = self.r.str()?;
         self.b.str(s).map(Some)
@@ -539,7 +562,7 @@ impl<'a, B: Builder, V: Version> Walk<'a, '_, B, V> {
     fn output(&mut self) -> DecodeResult<B::Obj> {
         let n = self.r.array_len("array (EngineCoreOutput)")?;
         let mut fields = [const { None }; OutputField::COUNT];
-        self.struct_fields(&V::LAYOUT.output, n, &mut fields)?;
+        self.struct_fields(&self.src.get().output, n, &mut fields)?;
         let built = self.b.output(&mut fields);
         taken(fields);
         built
@@ -702,7 +725,7 @@ impl<'a, B: Builder, V: Version> Walk<'a, '_, B, V> {
     fn utility_output(&mut self) -> DecodeResult<B::Obj> {
         let n = self.r.array_len("array (UtilityOutput) | nil")?;
         let mut fields = [const { None }; UtilityField::COUNT];
-        self.struct_fields(&V::LAYOUT.utility_output, n, &mut fields)?;
+        self.struct_fields(&self.src.get().utility_output, n, &mut fields)?;
         let built = self.b.utility_output(&mut fields);
         taken(fields);
         built
@@ -735,14 +758,14 @@ impl<'a, B: Builder, V: Version> Walk<'a, '_, B, V> {
         match kind {
             ArrayKind::Ndarray => {
                 let mut fields = [const { None }; ListsField::COUNT];
-                self.struct_fields(&V::LAYOUT.logprobs_lists, n, &mut fields)?;
+                self.struct_fields(&self.src.get().logprobs_lists, n, &mut fields)?;
                 let built = self.b.logprobs(kind, &mut fields);
                 taken(fields);
                 built
             }
             ArrayKind::Tensor => {
                 let mut fields = [const { None }; TensorsField::COUNT];
-                self.struct_fields(&V::LAYOUT.logprobs_tensors, n, &mut fields)?;
+                self.struct_fields(&self.src.get().logprobs_tensors, n, &mut fields)?;
                 let built = self.b.logprobs(kind, &mut fields);
                 taken(fields);
                 built
@@ -754,7 +777,7 @@ impl<'a, B: Builder, V: Version> Walk<'a, '_, B, V> {
     #[inline(never)]
     fn sampling_mask(&mut self) -> DecodeResult<B::Obj> {
         let n = self.r.array_len("array (SamplingMaskLists) | nil")?;
-        let Some(layout) = &V::LAYOUT.sampling_mask else {
+        let Some(layout) = &self.src.get().sampling_mask else {
             // Only a layout with a SamplingMask position gets here.
             return Err(DecodeError::new(ErrorKind::Rejected(
                 "internal error: a layout without SamplingMaskLists reads one".into(),

@@ -3,11 +3,14 @@
 //! small msgpack writer below, so each test shows the exact bytes it feeds.
 
 use super::error::{ArrayKind, DecodeError, ErrorKind, Kind};
-use super::schema::{decode_outputs, decode_outputs_as, Builder, Scratch, MAX_DEPTH, MAX_DIMS};
+use super::schema::{
+    decode_outputs, decode_outputs_as, decode_outputs_for, Builder, Scratch, MAX_DEPTH, MAX_DIMS,
+};
 use super::tree::{MessageTree, OutputTree, Tree, TreeBuilder};
 use super::wire::{
-    layout, wire_fields, Layout, MessageField as MF, OutputField, OutputField as OF, StructLayout,
-    Version, WireStruct, CURRENT, LAYOUT_0_25_1, LAYOUT_0_33_0, SKIPPED, V0_33_0,
+    layout, layout_from_names, wire_fields, Layout, LayoutError, LayoutNames, LayoutRef,
+    MessageField as MF, OutputField, OutputField as OF, Protocol, StructLayout, Version,
+    WireStruct, CURRENT, LAYOUT_0_25_1, LAYOUT_0_33_0, SKIPPED, V0_33_0,
 };
 
 /// A msgpack value to write.
@@ -1715,4 +1718,176 @@ fn the_0_33_0_layout_appends_and_inserts_only() {
     assert_eq!(LAYOUT_0_33_0.output.min_len, 2);
     assert_eq!(LAYOUT_0_33_0.logprobs_tensors.min_len, 3);
     assert_eq!(wire_fields(&LAYOUT_0_25_1, "SamplingMaskLists"), None);
+}
+
+// ------------------------------------------------------------------ layouts made at run time
+
+/// The field names of every struct of `layout`, as a release's own declarations give them.
+fn names_of(layout: &Layout) -> Vec<(&'static str, Vec<&'static str>)> {
+    [
+        "EngineCoreOutputs",
+        "EngineCoreOutput",
+        "UtilityOutput",
+        "LogprobsLists",
+        "LogprobsTensors",
+        "SamplingMaskLists",
+    ]
+    .into_iter()
+    .filter_map(|n| wire_fields(layout, n).map(|f| (n, f)))
+    .collect()
+}
+
+fn from_names(version: &str, names: &[(&str, Vec<&str>)]) -> Result<LayoutRef, LayoutError> {
+    let get = |n: &str| {
+        names
+            .iter()
+            .find(|(k, _)| *k == n)
+            .map(|(_, v)| v.as_slice())
+    };
+    layout_from_names(
+        version,
+        LayoutNames {
+            message: get("EngineCoreOutputs").unwrap(),
+            output: get("EngineCoreOutput").unwrap(),
+            utility_output: get("UtilityOutput").unwrap(),
+            logprobs_lists: get("LogprobsLists").unwrap(),
+            logprobs_tensors: get("LogprobsTensors").unwrap(),
+            sampling_mask: get("SamplingMaskLists"),
+        },
+    )
+}
+
+/// vLLM 0.34.0's names: 0.33.0's with `watermarking` appended to `EngineCoreOutput`.
+fn names_0_34_0() -> Vec<(&'static str, Vec<&'static str>)> {
+    let mut names = names_of(&LAYOUT_0_33_0);
+    names[1].1.push("watermarking");
+    names
+}
+
+fn decode_in(layout: LayoutRef, msg: &V) -> Result<MessageTree, DecodeError> {
+    let payload = enc(msg);
+    let frames: Vec<&[u8]> = vec![&payload];
+    let mut b = TreeBuilder::new(&frames);
+    decode_outputs_for(layout, &frames, &mut b, &mut Scratch::default()).map(Tree::into_message)
+}
+
+#[test]
+fn names_of_a_compiled_layout_give_its_compiled_walk() {
+    for p in Protocol::ALL {
+        let made = from_names("any name", &names_of(p.layout())).unwrap();
+        assert_eq!(made, LayoutRef::Builtin(p));
+    }
+}
+
+#[test]
+fn a_layout_made_at_run_time_reads_a_later_release() {
+    let made = from_names("0.34.0", &names_0_34_0()).unwrap();
+    let LayoutRef::Dynamic(layout) = made else {
+        panic!("{made:?}")
+    };
+    assert_eq!(layout.version, "0.34.0");
+    assert_eq!(layout.output.fields.len(), 20);
+    // Made once: the same names give the same layout.
+    assert_eq!(from_names("0.34.0", &names_0_34_0()).unwrap(), made);
+    let mut fields = vec![V::Nil; 17];
+    fields[11] = i(3);
+    fields.push(V::B(true));
+    let frame = V::A(vec![
+        i(1),
+        a(vec![out("r", &[5, 6], fields.clone())]),
+        V::Nil,
+        V::F(2.5),
+    ]);
+    let m = decode_in(made, &frame).unwrap();
+    let o = &m.outputs[0];
+    assert_eq!(o[OF::Watermarking], Tree::Bool(true));
+    assert_eq!(o[OF::NumNansInLogits], Tree::Int(3));
+    // A wrong type is refused by name, as vLLM's own decoder refuses it.
+    let mut bad = fields;
+    *bad.last_mut().unwrap() = i(1);
+    let err = decode_in(made, &V::A(vec![i(1), a(vec![out("r", &[5], bad)])])).unwrap_err();
+    assert_eq!(err.path_string(), "outputs[0].watermarking");
+    // 0.33.0's walk reads the appended field past.
+    assert!(decode_0_33_0(&frame).is_ok());
+}
+
+#[test]
+fn the_runtime_walk_reads_what_the_compiled_walk_reads() {
+    // 0.33.0's positions in a layout the walk reads at run time (a copy that differs
+    // only in not being compiled): values and errors alike.
+    let leaked: &'static Layout = Box::leak(Box::new(Layout {
+        version: "runtime copy of 0.33.0",
+        ..LAYOUT_0_33_0
+    }));
+    let runtime = LayoutRef::Dynamic(leaked);
+    let frames = [
+        V::A(vec![
+            i(0),
+            a(vec![out_0_33_0(
+                "r",
+                vec![(13, i(7)), (14, a(vec![s("h")]))],
+            )]),
+        ]),
+        V::A(vec![
+            i(2),
+            a(vec![]),
+            V::Nil,
+            V::F(1.0),
+            V::Nil,
+            a(vec![s("x")]),
+            i(3),
+            V::Nil,
+            s("v"),
+        ]),
+        V::A(vec![
+            i(0),
+            a(vec![out_0_33_0(
+                "r",
+                vec![(18, V::M(vec![(s("code"), s("c")), (s("message"), s("m"))]))],
+            )]),
+        ]),
+    ];
+    for frame in &frames {
+        assert_eq!(
+            decode_in(runtime, frame).unwrap(),
+            decode_0_33_0(frame).unwrap()
+        );
+    }
+    let bad = V::A(vec![i(0), a(vec![out_0_33_0("r", vec![(13, s("x"))])])]);
+    assert_eq!(
+        decode_in(runtime, &bad).unwrap_err().to_string(),
+        decode_0_33_0(&bad).unwrap_err().to_string()
+    );
+}
+
+#[test]
+fn names_the_decoder_cannot_read_are_refused_by_name() {
+    let mut names = names_0_34_0();
+    names[1].1.push("a_field_of_2027");
+    let err = from_names("x", &names).unwrap_err();
+    assert_eq!(
+        err.to_string(),
+        "EngineCoreOutput field \"a_field_of_2027\" (position 20) is not one the native decoder reads"
+    );
+    let mut names = names_of(&LAYOUT_0_25_1);
+    names[1].1.retain(|n| *n != "new_token_ids");
+    assert!(matches!(
+        from_names("x", &names),
+        Err(LayoutError::MissingRequired {
+            name: "new_token_ids",
+            ..
+        })
+    ));
+    let mut names = names_of(&LAYOUT_0_25_1);
+    names[0].1.push("timestamp");
+    assert!(matches!(
+        from_names("x", &names),
+        Err(LayoutError::Duplicate { .. })
+    ));
+    let mut names = names_of(&LAYOUT_0_25_1);
+    names[0].1.extend(["timestamp"; 30]);
+    assert!(matches!(
+        from_names("x", &names),
+        Err(LayoutError::TooLong { len: 38, .. })
+    ));
 }

@@ -40,6 +40,8 @@ pub enum FieldType {
     Float,
     /// `str | nil`.
     OptStr,
+    /// `bool | nil`.
+    OptBool,
     /// `list[EngineCoreOutput]`, empty when absent.
     Outputs,
     /// `LogprobsLists` (ndarrays) or `LogprobsTensors` (tensors), or nil.
@@ -298,6 +300,9 @@ wire_struct! {
             "A torch tensor [num_scored_rows, num_token_ids] (vLLM 0.33.0 on), or None.";
         Error = error: FieldType::RequestError,
             "A corewire.layouts.RequestError (code, message, retryable; vLLM 0.33.0 on), or None.";
+        // vLLM 0.34.0 on:
+        Watermarking = watermarking: FieldType::OptBool,
+            "Whether the engine watermarked the request's output (bool; vLLM 0.34.0 on), or None.";
     }
 }
 
@@ -365,7 +370,7 @@ pub const MAX_FIELDS: usize = 24;
 /// One struct's wire positions in one protocol version: `fields[i]` is at position `i`;
 /// `None` is a position this build reads past (checked as msgpack, its value dropped):
 /// a field of a later version that corewire does not surface (yet).
-#[derive(Debug)]
+#[derive(Debug, PartialEq, Eq)]
 pub struct StructLayout<F: 'static> {
     pub fields: &'static [Option<F>],
     /// Shortest valid array: one past the last required field.
@@ -412,7 +417,7 @@ macro_rules! layout {
 pub(crate) use layout;
 
 /// The wire positions of every struct in one protocol version.
-#[derive(Debug)]
+#[derive(Debug, PartialEq, Eq)]
 pub struct Layout {
     /// The vLLM version whose wire this is.
     pub version: &'static str,
@@ -449,6 +454,54 @@ impl Version for V0_33_0 {
 
 /// The version a decoder speaks unless told otherwise.
 pub type Current = V0_25_1;
+
+/// Where a walk finds its layout: a compiled version's constant ([`Compiled`], a value of
+/// no size whose positions fold into the walk's code) or a layout made at run time
+/// ([`Runtime`], read position by position).
+pub trait LayoutSource: Copy {
+    fn get(self) -> &'static Layout;
+}
+
+/// The layout of compiled version `V`.
+pub struct Compiled<V>(std::marker::PhantomData<fn() -> V>);
+
+impl<V> Compiled<V> {
+    pub const fn new() -> Self {
+        Compiled(std::marker::PhantomData)
+    }
+}
+
+impl<V> Default for Compiled<V> {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl<V> Clone for Compiled<V> {
+    fn clone(&self) -> Self {
+        *self
+    }
+}
+
+impl<V> Copy for Compiled<V> {}
+
+impl<V: Version> LayoutSource for Compiled<V> {
+    #[inline(always)]
+    fn get(self) -> &'static Layout {
+        V::LAYOUT
+    }
+}
+
+/// A layout made at run time.
+#[derive(Clone, Copy, Debug)]
+pub struct Runtime(pub &'static Layout);
+
+impl LayoutSource for Runtime {
+    #[inline(always)]
+    fn get(self) -> &'static Layout {
+        self.0
+    }
+}
 
 /// vLLM 0.25.1's wire (docs/protocol.md §5).
 pub const LAYOUT_0_25_1: Layout = Layout {
@@ -575,4 +628,205 @@ pub fn structs(layout: &Layout) -> Vec<&'static str> {
         .into_iter()
         .filter(|name| wire_fields(layout, name).is_some())
         .collect()
+}
+
+/// The layout a decoder walks: one compiled into this build (its positions are constants
+/// the walk folds into straight-line code), or one made at run time from field names
+/// ([`layout_from_names`]), which the same walk reads position by position.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum LayoutRef {
+    Builtin(Protocol),
+    Dynamic(&'static Layout),
+}
+
+impl LayoutRef {
+    /// The positions themselves.
+    pub fn layout(self) -> &'static Layout {
+        match self {
+            LayoutRef::Builtin(p) => p.layout(),
+            LayoutRef::Dynamic(l) => l,
+        }
+    }
+}
+
+/// Why field names do not make a layout this build can walk.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum LayoutError {
+    /// A field the decoder has no table row for (it could not surface its value).
+    UnknownField {
+        strukt: &'static str,
+        name: String,
+        position: usize,
+    },
+    /// A field named twice.
+    Duplicate { strukt: &'static str, name: String },
+    /// More positions than the walk has steps for.
+    TooLong { strukt: &'static str, len: usize },
+    /// A field the decoder requires that the layout lacks.
+    MissingRequired {
+        strukt: &'static str,
+        name: &'static str,
+    },
+}
+
+impl std::fmt::Display for LayoutError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            LayoutError::UnknownField {
+                strukt,
+                name,
+                position,
+            } => write!(
+                f,
+                "{strukt} field {name:?} (position {position}) is not one the native decoder reads"
+            ),
+            LayoutError::Duplicate { strukt, name } => {
+                write!(f, "{strukt} names field {name:?} twice")
+            }
+            LayoutError::TooLong { strukt, len } => write!(
+                f,
+                "{strukt} has {len} fields; the native decoder reads at most {MAX_FIELDS}"
+            ),
+            LayoutError::MissingRequired { strukt, name } => {
+                write!(f, "{strukt} lacks the required field {name:?}")
+            }
+        }
+    }
+}
+
+impl std::error::Error for LayoutError {}
+
+/// Field names in wire order for each struct a layout has (see [`layout_from_names`]).
+#[derive(Clone, Copy, Debug)]
+pub struct LayoutNames<'a> {
+    pub message: &'a [&'a str],
+    pub output: &'a [&'a str],
+    pub utility_output: &'a [&'a str],
+    pub logprobs_lists: &'a [&'a str],
+    pub logprobs_tensors: &'a [&'a str],
+    /// `None` for a version without `SamplingMaskLists`.
+    pub sampling_mask: Option<&'a [&'a str]>,
+}
+
+/// A struct's positions before they are kept ([`StructLayout`] holds a `'static` slice,
+/// which is only made for a layout not seen before).
+#[derive(Debug)]
+struct Positions<F: 'static> {
+    fields: Vec<Option<F>>,
+    min_len: usize,
+}
+
+impl<F: WireStruct> Positions<F> {
+    fn matches(&self, layout: &StructLayout<F>) -> bool {
+        self.min_len == layout.min_len && self.fields == layout.fields
+    }
+
+    fn keep(self) -> StructLayout<F> {
+        StructLayout {
+            fields: Box::leak(self.fields.into_boxed_slice()),
+            min_len: self.min_len,
+        }
+    }
+}
+
+fn positions<F: WireStruct>(names: &[&str]) -> Result<Positions<F>, LayoutError> {
+    if names.len() > MAX_FIELDS {
+        return Err(LayoutError::TooLong {
+            strukt: F::STRUCT,
+            len: names.len(),
+        });
+    }
+    let mut fields = Vec::with_capacity(names.len());
+    let mut min_len = 0;
+    for (position, name) in names.iter().enumerate() {
+        let Some(&field) = F::ALL.iter().find(|f| f.info().name == *name) else {
+            return Err(LayoutError::UnknownField {
+                strukt: F::STRUCT,
+                name: (*name).to_owned(),
+                position,
+            });
+        };
+        if fields.contains(&Some(field)) {
+            return Err(LayoutError::Duplicate {
+                strukt: F::STRUCT,
+                name: (*name).to_owned(),
+            });
+        }
+        fields.push(Some(field));
+        if field.info().ty.required() {
+            min_len = position + 1;
+        }
+    }
+    // The builder relies on every required field having a position (request id and
+    // token ids of an output, a call id, the arrays of logprobs).
+    for &field in F::ALL {
+        if field.info().ty.required() && !fields.contains(&Some(field)) {
+            return Err(LayoutError::MissingRequired {
+                strukt: F::STRUCT,
+                name: field.info().name,
+            });
+        }
+    }
+    Ok(Positions { fields, min_len })
+}
+
+/// Layouts made at run time, kept for the life of the process: a layout is made once per
+/// distinct set of positions however many decoders ask for it, so what is kept is bounded
+/// by the releases a process speaks.
+static DYNAMIC_LAYOUTS: std::sync::Mutex<Vec<&'static Layout>> = std::sync::Mutex::new(Vec::new());
+
+/// The layout whose structs have `names`' fields in `names`' order (the wire order of the
+/// release named `version`), derived from that release's own struct declarations rather
+/// than from a table of this build: one compiled into this build when its positions are
+/// the same (the version name aside), else one made now (or earlier, for the same
+/// positions).
+///
+/// Every name must be a field the decoder has a table row for (it could not hand the
+/// value of any other to its caller), and every required field must have a position.
+pub fn layout_from_names(version: &str, names: LayoutNames<'_>) -> Result<LayoutRef, LayoutError> {
+    let message = positions::<MessageField>(names.message)?;
+    let output = positions::<OutputField>(names.output)?;
+    let utility_output = positions::<UtilityField>(names.utility_output)?;
+    let logprobs_lists = positions::<ListsField>(names.logprobs_lists)?;
+    let logprobs_tensors = positions::<TensorsField>(names.logprobs_tensors)?;
+    let sampling_mask = match names.sampling_mask {
+        Some(mask) => Some(positions::<MaskField>(mask)?),
+        None => None,
+    };
+    let same = |l: &Layout| {
+        message.matches(&l.message)
+            && output.matches(&l.output)
+            && utility_output.matches(&l.utility_output)
+            && logprobs_lists.matches(&l.logprobs_lists)
+            && logprobs_tensors.matches(&l.logprobs_tensors)
+            && match (&sampling_mask, &l.sampling_mask) {
+                (None, None) => true,
+                (Some(a), Some(b)) => a.matches(b),
+                _ => false,
+            }
+    };
+    if let Some(p) = Protocol::ALL.into_iter().find(|p| same(p.layout())) {
+        return Ok(LayoutRef::Builtin(p));
+    }
+    let mut known = DYNAMIC_LAYOUTS.lock().unwrap_or_else(|e| e.into_inner());
+    if let Some(&l) = known.iter().find(|l| same(l)) {
+        return Ok(LayoutRef::Dynamic(l));
+    }
+    let layout: &'static Layout = Box::leak(Box::new(Layout {
+        version: Box::leak(version.to_owned().into_boxed_str()),
+        message: message.keep(),
+        output: output.keep(),
+        utility_output: utility_output.keep(),
+        logprobs_lists: logprobs_lists.keep(),
+        logprobs_tensors: logprobs_tensors.keep(),
+        sampling_mask: sampling_mask.map(Positions::keep),
+    }));
+    known.push(layout);
+    Ok(LayoutRef::Dynamic(layout))
+}
+
+impl From<Protocol> for LayoutRef {
+    fn from(p: Protocol) -> Self {
+        LayoutRef::Builtin(p)
+    }
 }

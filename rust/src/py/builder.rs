@@ -24,7 +24,7 @@ use crate::core::error::{ArrayKind, DecodeError, DecodeResult, ErrorKind};
 use crate::core::intern::{FrameOrder, InternCache};
 use crate::core::msgpack::check_utf8;
 use crate::core::schema::{ArrayRef, Builder, MaskSlots, MessageSlots, OutputSlots, UtilitySlots};
-use crate::core::wire::{Protocol, StatsKind};
+use crate::core::wire::{LayoutRef, StatsKind, TensorsField};
 
 /// What a decoder keeps from frame to frame.
 pub struct DecoderState {
@@ -90,8 +90,9 @@ pub struct PyBuilder<'a, 'py> {
     pub frames: &'a mut [Frame<'py>],
     /// Callables that turn decoded stats maps into the caller's stats objects.
     pub stats_types: &'a StatsTypes,
-    /// The version being decoded (which named tuple a `LogprobsTensors` is).
-    protocol: Protocol,
+    /// Whether the layout's `LogprobsTensors` has later versions' fifth element (which
+    /// named tuple a decoded one is).
+    five_element_tensors: bool,
     /// A foreign Python error behind an [`ErrorKind::Foreign`] result.
     pub error: Option<PyErr>,
     /// The dtype object found by the last `dtype_itemsize`, for the `array` call after it.
@@ -132,15 +133,20 @@ impl<'a, 'py> PyBuilder<'a, 'py> {
         state: &'a mut DecoderState,
         frames: &'a mut [Frame<'py>],
         stats_types: &'a StatsTypes,
-        protocol: Protocol,
+        layout: LayoutRef,
     ) -> Self {
+        let five_element_tensors = layout
+            .layout()
+            .logprobs_tensors
+            .fields
+            .contains(&Some(TensorsField::CuNumGeneratedTokensTensor));
         PyBuilder {
             py,
             consts,
             state,
             frames,
             stats_types,
-            protocol,
+            five_element_tensors,
             error: None,
             dtype: HeldDtype::None,
             order: None,
@@ -584,7 +590,7 @@ impl<'py> Builder for PyBuilder<'_, 'py> {
             return Err(missing_field());
         };
         let arrays = [ids, lps, ranks];
-        if kind == ArrayKind::Tensor && self.protocol != Protocol::V0_25_1 {
+        if kind == ArrayKind::Tensor && self.five_element_tensors {
             // A later version's LogprobsTensors: its own named tuple, every element.
             let cu = self.opt(cu_num_generated_tokens).into_bound(py);
             let [ids, lps, ranks] = arrays;

@@ -2,6 +2,7 @@
 
 use std::panic::{catch_unwind, AssertUnwindSafe};
 
+use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
 use pyo3::types::{PyList, PyTuple};
 
@@ -11,7 +12,7 @@ use super::frames::Frame;
 use crate::core::error::{DecodeError, ErrorKind};
 use crate::core::intern::InternCache;
 use crate::core::schema::{decode_outputs_for, Scratch};
-use crate::core::wire::Protocol;
+use crate::core::wire::{layout_from_names, LayoutNames, LayoutRef, Protocol};
 
 pyo3::create_exception!(
     corewire,
@@ -23,11 +24,18 @@ pyo3::create_exception!(
 /// Decodes `EngineCoreOutputs` frames (`[payload, aux_1, ...]`) into Python objects.
 ///
 /// `protocol` is the vLLM version whose wire the frames follow (`"0.25.1"`, the default,
-/// or `"0.33.0"`); any other raises `corewire.versions.UnsupportedProtocolError`. The
-/// decoded objects carry every version's fields as attributes (a field the version
-/// lacks is None, or 0 for a count). A frame of the other version with request outputs
-/// fails with `ProtocolError`; one without outputs (a utility reply, stats only) may
-/// decode under either (docs/protocol.md, "Versions").
+/// or `"0.33.0"`). `layout`, when given, says where that version puts each field: a
+/// mapping from each struct's name (`EngineCoreOutputs`, `EngineCoreOutput`,
+/// `UtilityOutput`, `LogprobsLists`, `LogprobsTensors`, and `SamplingMaskLists` where the
+/// version has it) to its field names in wire order, derived from that release's own
+/// structs (`corewire.releases`); any release whose fields the decoder knows can then be
+/// read, a compiled-in walk is used where the positions are one of its own, and a field
+/// it does not know raises `ValueError` naming it. Without `layout`, a version other than
+/// the compiled-in ones raises `corewire.releases.UnsupportedProtocolError`. The decoded
+/// objects carry every version's fields as attributes (a field the version lacks is
+/// None, or 0 for a count). A frame of another layout with request outputs fails with
+/// `ProtocolError`; one without outputs (a utility reply, stats only) may decode under
+/// either (docs/protocol.md, "Versions").
 ///
 /// Arrays and tensors are zero-copy views of the frames and keep them alive; request
 /// ids are interned (bounded); malformed frames raise `corewire.ProtocolError`. One
@@ -38,7 +46,10 @@ pub struct NativeDecoder {
     state: DecoderState,
     scratch: Scratch,
     stats_types: StatsTypes,
-    protocol: Protocol,
+    /// The positions the walk reads.
+    layout: LayoutRef,
+    /// The version named by the caller (or the default's).
+    protocol: String,
 }
 
 /// Frames per message handled without a heap allocation.
@@ -55,8 +66,8 @@ const MAX_CACHED_KEY: usize = 64;
 impl NativeDecoder {
     #[new]
     #[pyo3(
-        signature = (intern_capacity = DEFAULT_INTERN_CAPACITY, *, prefill_stats = None, scheduler_stats = None, protocol = None),
-        text_signature = "(intern_capacity=16384, *, prefill_stats=None, scheduler_stats=None, protocol=None)"
+        signature = (intern_capacity = DEFAULT_INTERN_CAPACITY, *, prefill_stats = None, scheduler_stats = None, protocol = None, layout = None),
+        text_signature = "(intern_capacity=16384, *, prefill_stats=None, scheduler_stats=None, protocol=None, layout=None)"
     )]
     fn new(
         py: Python<'_>,
@@ -64,12 +75,15 @@ impl NativeDecoder {
         prefill_stats: Option<Bound<'_, PyAny>>,
         scheduler_stats: Option<Bound<'_, PyAny>>,
         protocol: Option<&str>,
+        layout: Option<Bound<'_, PyAny>>,
     ) -> PyResult<Self> {
-        let protocol = match protocol {
-            None => Protocol::DEFAULT,
-            Some(name) => match Protocol::from_name(name) {
-                Some(p) => p,
-                None => return Err(unsupported_protocol(py, name)),
+        let name = protocol.unwrap_or(Protocol::DEFAULT.name()).to_owned();
+        let layout = match (layout, protocol) {
+            (Some(map), _) => layout_of_mapping(&name, &map)?,
+            (None, None) => LayoutRef::Builtin(Protocol::DEFAULT),
+            (None, Some(n)) => match Protocol::from_name(n) {
+                Some(p) => LayoutRef::Builtin(p),
+                None => return Err(unsupported_protocol(py, n)),
             },
         };
         let callable = |name: &str, v: Option<Bound<'_, PyAny>>| -> PyResult<Option<Py<PyAny>>> {
@@ -98,7 +112,8 @@ impl NativeDecoder {
             },
             scratch: Scratch::default(),
             stats_types,
-            protocol,
+            layout,
+            protocol: name,
         })
     }
 
@@ -128,12 +143,12 @@ impl NativeDecoder {
             &mut self.state,
             &mut held,
             &self.stats_types,
-            self.protocol,
+            self.layout,
         );
         let scratch = &mut self.scratch;
-        let protocol = self.protocol;
+        let layout = self.layout;
         let result = catch_unwind(AssertUnwindSafe(|| {
-            decode_outputs_for(protocol, slices, &mut builder, scratch)
+            decode_outputs_for(layout, slices, &mut builder, scratch)
         }));
         match result {
             Ok(Ok(obj)) => Ok(obj.unbind()),
@@ -150,10 +165,17 @@ impl NativeDecoder {
         }
     }
 
-    /// The vLLM version whose wire this decoder reads (`"0.25.1"`, `"0.33.0"`).
+    /// The vLLM version whose wire this decoder reads (`"0.25.1"`, `"0.33.0"`...).
     #[getter]
-    fn protocol(&self) -> &'static str {
-        self.protocol.name()
+    fn protocol(&self) -> &str {
+        &self.protocol
+    }
+
+    /// Whether the walk is one compiled into this build for these positions (the fastest),
+    /// rather than one over positions read at run time.
+    #[getter]
+    fn compiled_layout(&self) -> bool {
+        matches!(self.layout, LayoutRef::Builtin(_))
     }
 
     /// Number of request ids held by the intern cache now.
@@ -167,6 +189,51 @@ impl NativeDecoder {
     fn intern_capacity(&self) -> usize {
         self.state.ids.capacity()
     }
+}
+
+/// The struct names a `layout` mapping has, in [`LayoutNames`]' order (the last optional).
+const LAYOUT_STRUCTS: [&str; 6] = [
+    "EngineCoreOutputs",
+    "EngineCoreOutput",
+    "UtilityOutput",
+    "LogprobsLists",
+    "LogprobsTensors",
+    "SamplingMaskLists",
+];
+
+/// The layout a `layout=` mapping describes (see `NativeDecoder`).
+fn layout_of_mapping(version: &str, map: &Bound<'_, PyAny>) -> PyResult<LayoutRef> {
+    let mut names: Vec<Option<Vec<String>>> = Vec::with_capacity(LAYOUT_STRUCTS.len());
+    for (i, strukt) in LAYOUT_STRUCTS.iter().enumerate() {
+        let optional = i == LAYOUT_STRUCTS.len() - 1;
+        let fields = match map.get_item(strukt) {
+            Ok(v) if v.is_none() && optional => None,
+            Ok(v) => Some(
+                v.try_iter()?
+                    .map(|f| f.and_then(|f| f.extract::<String>()))
+                    .collect::<PyResult<Vec<String>>>()?,
+            ),
+            Err(e) if e.is_instance_of::<pyo3::exceptions::PyKeyError>(map.py()) && optional => {
+                None
+            }
+            Err(e) => return Err(e),
+        };
+        names.push(fields);
+    }
+    let refs: Vec<Option<Vec<&str>>> = names
+        .iter()
+        .map(|n| n.as_ref().map(|v| v.iter().map(String::as_str).collect()))
+        .collect();
+    let get = |i: usize| refs[i].as_deref().unwrap_or(&[]);
+    let spec = LayoutNames {
+        message: get(0),
+        output: get(1),
+        utility_output: get(2),
+        logprobs_lists: get(3),
+        logprobs_tensors: get(4),
+        sampling_mask: refs[5].as_deref(),
+    };
+    layout_from_names(version, spec).map_err(|e| PyValueError::new_err(e.to_string()))
 }
 
 /// The frames of a message: a list or tuple of buffers, or one buffer.
@@ -205,12 +272,12 @@ unsafe fn detach<'b>(frame: &Frame<'_>) -> &'b [u8] {
     unsafe { std::slice::from_raw_parts(b.as_ptr(), b.len()) }
 }
 
-/// `corewire.versions.UnsupportedProtocolError` for `name` (the one message that names
+/// `corewire.releases.UnsupportedProtocolError` for `name` (the one message that names
 /// the supported versions lives there).
 #[cold]
 fn unsupported_protocol(py: Python<'_>, name: &str) -> PyErr {
     let made = py
-        .import("corewire.versions")
+        .import("corewire.releases")
         .and_then(|m| m.getattr("unsupported_protocol"))
         .and_then(|f| f.call1((name,)));
     match made {
