@@ -9,8 +9,10 @@ if [ ! -x "$COREWIRE_VENV/bin/python" ]; then
 fi
 export VIRTUAL_ENV="$COREWIRE_VENV"
 export PATH="$COREWIRE_VENV/bin:$PATH"
-# maturin is needed before the project itself can be built.
-python -m pip install -q "maturin>=1.5,<2"
+# maturin is needed before the project itself can be built; zig, from the package index,
+# links the manylinux2014 wheel against glibc 2.17 (`maturin build --zig`), pinned to the
+# release that scripts/test was checked with.
+python -m pip install -q "maturin>=1.9,<2" "ziglang==0.17.1"
 
 # vLLM's front-end needs a platform on a machine without a GPU: this test/serve-only plugin
 # names vLLM's CPU platform. Installed here, never a dependency of corewire itself.

@@ -13,7 +13,9 @@ from typing import TYPE_CHECKING, Any
 
 from corewire.errors import EngineDeadError, ProtocolError, UtilityError
 
-__version__ = "0.1.0"
+# The version is written once, in Cargo.toml; maturin writes it into the installed
+# distribution's metadata, and __getattr__ reads it from there on first use.
+__version__: str
 
 # Public name -> module that defines it. Imported on first use so that `import corewire`
 # stays cheap (no zmq or torch) for users who only want the codec.
@@ -62,6 +64,11 @@ if TYPE_CHECKING:
 
 
 def __getattr__(name: str) -> Any:
+    if name == "__version__":
+        from importlib.metadata import version
+
+        globals()[name] = value = version("corewire")
+        return value
     module = _LAZY.get(name)
     if module is None:
         raise AttributeError(f"module 'corewire' has no attribute {name!r}")
