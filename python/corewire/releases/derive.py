@@ -41,12 +41,13 @@ import dataclasses
 import enum
 import importlib
 import math
+from collections.abc import Sequence
 from typing import Any
 
 import msgspec
 import msgspec.inspect as mi
 
-__all__ = ["ENUM_ROOTS", "ROOTS", "derive", "jsonable_default", "type_tree"]
+__all__ = ["ENUM_ROOTS", "ROOTS", "derive", "describe", "jsonable_default", "type_tree"]
 
 #: Where the walk starts: (module, class). Every message of the protocol is one of
 #: these or nested in one (a release without a class skips it).
@@ -104,20 +105,27 @@ def derive(vllm_module: Any = None) -> dict[str, Any]:
     """The wire record of the importable vLLM (see the module docstring).
 
     ``vllm_module`` is the imported ``vllm`` package (imported here when None); raises
-    ``ImportError`` without vLLM.
+    ``ImportError`` without vLLM, or when its wire modules do not import.
     """
     vllm = vllm_module if vllm_module is not None else importlib.import_module("vllm")
     roots = [cls for cls in (_find(m, n) for m, n in ROOTS) if cls is not None]
-    infos = mi.multi_type_info(roots)
+    if not roots:
+        raise ImportError(f"vLLM {vllm.__version__} has none of the wire classes {ROOTS}")
+    enums = [cls for cls in (_find(m, n) for m, n in ENUM_ROOTS) if cls is not None]
+    return {"vllm": str(vllm.__version__), **describe(roots, enums)}
+
+
+def describe(roots: Sequence[type], enums: Sequence[type] = ()) -> dict[str, Any]:
+    """``{"roots", "structs", "enums"}`` of a record for the classes ``roots`` and all
+    they reach, plus the enums ``enums`` (any classes msgspec can describe, vLLM's or
+    not); ``TypeError`` if two of them share a name."""
     walker = _Walker()
-    for info in infos:
+    for info in mi.multi_type_info(roots):
         walker.visit(info)
-    for module, name in ENUM_ROOTS:
-        cls = _find(module, name)
+    for cls in enums:
         if isinstance(cls, type) and issubclass(cls, enum.Enum):
             walker.enum_ref(cls)
     return {
-        "vllm": str(vllm.__version__),
         "roots": [cls.__name__ for cls in roots],
         "structs": {k: walker.structs[k] for k in sorted(walker.structs)},
         "enums": {k: walker.enums[k] for k in sorted(walker.enums)},
@@ -149,10 +157,9 @@ def jsonable_default(value: Any) -> Any:
 
 
 def _find(module: str, name: str) -> Any:
-    try:
-        return getattr(importlib.import_module(module), name, None)
-    except ImportError:
-        return None
+    # A module that fails to import is an error (a broken environment would otherwise
+    # read as a release without those messages); a missing class is a release without it.
+    return getattr(importlib.import_module(module), name, None)
 
 
 def _factory_name(factory: Any) -> str:
