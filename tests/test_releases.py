@@ -288,3 +288,24 @@ def test_ready_records_agree_with_the_hand_tables(release: str, ready: str) -> N
     entry = records.load(release)["structs"]["EngineCoreReadyResponse"]
     recorded = [(f["name"], f["required"]) for f in entry["fields"]]
     assert [(f.name, f.required) for f in msgspec.structs.fields(cls)] == recorded
+
+
+@pytest.mark.parametrize("release", RELEASES)
+def test_golden_with_dataclasses_kept_as_maps(release: str) -> None:
+    """``as_maps``: vLLM's dataclasses (statistics, the ready response's parts) read as
+    plain maps, as corewire.protocol keeps them, decode to the same values (a never
+    assigned field aside) and write the same bytes."""
+    types = build_structs(records.load(release), as_maps=("dataclass",))
+    assert types["EngineCoreOutputs"].__annotations__["scheduler_stats"] == dict[str, Any] | None
+    # a dataclass holding a tensor (PlaceholderRange.is_embed) stays typed
+    features = types["EngineCoreRequest"].__annotations__["mm_features"]
+    assert features == list[types["MultiModalFeatureSpec"]] | None
+    for case, want in expected(release).items():
+        if not isinstance(want, dict) or want["root"] == "EngineCoreReadyResponse":
+            continue
+        golden = frames(release, case)
+        decoded = MsgspecDecoder(types[want["root"]]).decode(golden)
+        got = jsonable(decoded, wire_names=True)
+        names = _unassigned_names(release) if case.endswith("_unassigned") else frozenset()
+        assert got == _without_unassigned(want["decoded"], got, names), case
+        assert [bytes(f) for f in Encoder().encode(decoded)] == golden, case

@@ -10,7 +10,10 @@ stays ``np.ndarray``, ``torch.Tensor`` is ``corewire.protocol.Tensor``, vLLM's
 decoder handle all three); any other class is ``Any`` (decoded as plain msgpack data).
 
 ``as_maps`` names structs (or kinds: ``"dataclass"``, ``"typeddict"``) to keep as
-``dict[str, Any]`` instead, as ``corewire.protocol`` keeps vLLM's statistics.
+``dict[str, Any]`` instead, as ``corewire.protocol`` keeps vLLM's statistics. A struct
+that holds an array or tensor at any depth (``PlaceholderRange.is_embed``) stays typed:
+in a plain map those would read as their raw ``[dtype, shape, data]`` and be written
+back as something else.
 
 A field the wire may lack without it meaning the default, a TypedDict's optional key or
 a dataclass field its ``__init__`` does not take (msgspec writes one only once an
@@ -83,7 +86,25 @@ class _Builder:
         return self.built
 
     def _mapped(self, name: str) -> bool:
-        return name in self.as_maps or self.structs[name]["kind"] in self.as_maps
+        selected = name in self.as_maps or self.structs[name]["kind"] in self.as_maps
+        return selected and not self._holds_custom(name, set())
+
+    def _holds_custom(self, name: str, seen: set[str]) -> bool:
+        """Whether struct ``name`` holds, at any depth, a class left to hooks."""
+        if name in seen:
+            return False
+        seen.add(name)
+
+        def holds(t: dict[str, Any]) -> bool:
+            if t["kind"] == "custom":
+                return True
+            if t["kind"] == "struct":
+                return self._holds_custom(t["name"], seen)
+            subs = [t[k] for k in ("item", "key", "value") if k in t]
+            subs += [*t.get("types", ()), *t.get("items", ())]
+            return any(holds(sub) for sub in subs)
+
+        return any(holds(f["type"]) for f in self.structs[name]["fields"])
 
     def struct(self, name: str) -> Any:
         if name in self.built:
