@@ -299,7 +299,8 @@ def test_golden_with_dataclasses_kept_as_maps(release: str) -> None:
     assert types["EngineCoreOutputs"].__annotations__["scheduler_stats"] == dict[str, Any] | None
     # a dataclass holding a tensor (PlaceholderRange.is_embed) stays typed
     features = types["EngineCoreRequest"].__annotations__["mm_features"]
-    assert features == list[types["MultiModalFeatureSpec"]] | None
+    spec = types["MultiModalFeatureSpec"]
+    assert features == list[spec] | None
     for case, want in expected(release).items():
         if not isinstance(want, dict) or want["root"] == "EngineCoreReadyResponse":
             continue
