@@ -8,7 +8,8 @@ and compare. It imports neither vLLM nor corewire, so both sides run the very sa
 Structs become ``{field: value}`` over all their fields (msgspec's ``__struct_fields__``,
 a dataclass's fields, a named tuple's ``_fields``); ndarrays and tensors become
 ``{"dtype", "shape", "data"}``; enums their values; sets sorted lists; ``UtilityResult``
-``{"result": ...}``; floats stay floats (JSON keeps them exactly). With
+``{"result": ...}``; floats stay floats (JSON keeps them exactly); a struct field left
+``msgspec.UNSET`` (absent on the wire) is left out. With
 ``wire_names=True`` a msgspec struct's keys are its wire names (``__struct_encode_fields__``:
 vLLM's ``_eos_token_id`` is corewire's ``eos_token_id``), for requests.
 """
@@ -51,13 +52,20 @@ def _jsonable(obj: Any, wire_names: bool) -> Any:
         return {"result": jsonable(obj.result)}
     fields = getattr(type(obj), "__struct_fields__", None)
     if fields is not None:
-        if wire_names:
-            names = type(obj).__struct_encode_fields__
-            return {n: jsonable(getattr(obj, f)) for f, n in zip(fields, names, strict=True)}
-        return {f: jsonable(getattr(obj, f)) for f in fields}
+        names = type(obj).__struct_encode_fields__ if wire_names else fields
+        return {
+            n: jsonable(getattr(obj, f))
+            for f, n in zip(fields, names, strict=True)
+            if not _unset(getattr(obj, f))
+        }
     if dataclasses.is_dataclass(obj):
         return {f.name: jsonable(getattr(obj, f.name)) for f in dataclasses.fields(obj)}
     raise TypeError(f"no JSON form for {type(obj).__name__}")
+
+
+def _unset(value: Any) -> bool:
+    # msgspec.UNSET, by name: this module imports neither side's libraries
+    return type(value).__name__ == "UnsetType"
 
 
 def _array(obj: Any) -> dict[str, Any]:
