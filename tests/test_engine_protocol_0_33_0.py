@@ -79,7 +79,15 @@ def test_0_33_0_conversion_moves_every_field_by_name() -> None:
             assert getattr(got, name) == getattr(out, name), name
     assert got.ec_transfer_params is None and got.error is None
     assert len(got.new_prompt_logprobs_tensors) == 5
-    assert got.prefill_stats == {"num_prompt_tokens": 2, "num_cache_creation_tokens": 0}
+    # vLLM 0.33.0's PrefillStats: every key (its engines write them all), the engine's in place.
+    assert got.prefill_stats == {
+        "num_prompt_tokens": 2,
+        "num_computed_tokens": 0,
+        "num_cached_tokens": 0,
+        "num_local_cached_tokens": 0,
+        "num_external_cached_tokens": 0,
+        "num_cache_creation_tokens": 0,
+    }
     # vLLM 0.33.0's SchedulerStats: every key, in its order, the engine's values in place.
     stats = step.scheduler_stats
     assert len(stats) == 18 and list(stats)[:4] == [

@@ -6,7 +6,7 @@
   ``tools/record-vllm-release`` with that release's own encoder) decode through the types
   built from its record (``corewire.codec.MsgspecDecoder``) to exactly what that release's
   own decoder made of them, and ``corewire.codec.Encoder`` writes them back byte for byte.
-- ``NativeDecoder`` reads the recorded frames of the versions it speaks as they did.
+- ``NativeDecoder``, laid out by each record, reads every release's recorded frames as it did.
 - The records of 0.25.1 and 0.33.0 have the field names and order of corewire's
   hand-kept tables (``corewire.layouts``, ``corewire.ready_layouts``).
 """
@@ -22,8 +22,8 @@ from typing import Any
 import msgspec
 import pytest
 
-from corewire import versions
-from corewire.codec import Encoder, MsgspecDecoder, NativeDecoder
+from corewire import releases
+from corewire.codec import Encoder, MsgspecDecoder
 from corewire.releases import records
 from corewire.releases.structs import build_structs
 from golden_support import jsonable
@@ -241,19 +241,15 @@ def _subset(got: Any, want: Any) -> bool:
     return type(got) is type(want) and got == want
 
 
-NATIVE_CASES = [
-    (r, c)
-    for r, c in CASES
-    if r in versions.SUPPORTED and expected(r)[c]["root"] == "EngineCoreOutputs"
-]
+NATIVE_CASES = [(r, c) for r, c in CASES if expected(r)[c]["root"] == "EngineCoreOutputs"]
 
 
 @pytest.mark.parametrize(("release", "case"), NATIVE_CASES)
 def test_native_decoder_reads_the_recorded_frames(release: str, case: str) -> None:
-    """The Rust decoder of a version corewire speaks reads that release's recorded frames
-    as the release did (its objects carry every version's fields: only the release's are
-    compared)."""
-    decoded = NativeDecoder(protocol=release).decode(frames(release, case))
+    """The Rust decoder of every release, laid out by that release's record, reads its
+    recorded frames as the release did (its objects carry every version's fields: only
+    the release's are compared)."""
+    decoded = releases.get(release).native_decoder().decode(frames(release, case))
     assert _subset(jsonable(decoded), expected(release)[case]["decoded"])
 
 

@@ -20,7 +20,7 @@ from typing import Any
 
 import pytest
 
-from vllm_0_33_0_gate import require_vllm_0_33_0
+from vllm_0_33_0_gate import RELEASE, require_vllm_0_33_0
 
 vllm = require_vllm_0_33_0()
 
@@ -146,9 +146,21 @@ def _varied_request(seed: int) -> Any:
     )  # fmt: skip
 
 
+def _as_the_client_sends(request: Any) -> Any:
+    """``request`` as the installed release's own client sends it: vLLM 0.34.0's packs
+    the prompt as an int32 ndarray (``_with_packed_prompt``), which its engines expect."""
+    from vllm.v1.engine import core_client
+
+    pack = getattr(core_client, "_with_packed_prompt", None)
+    return request if pack is None else pack(request)
+
+
 REQUESTS = {
-    **_load_generator("make_golden_requests").cases(),
-    **{f"varied-{s}": _varied_request(s) for s in range(16)},
+    name: _as_the_client_sends(request)
+    for name, request in {
+        **_load_generator("make_golden_requests").cases(),
+        **{f"varied-{s}": _varied_request(s) for s in range(16)},
+    }.items()
 }
 
 
@@ -183,7 +195,7 @@ def test_vllm_0_33_0_accepts_corewires_ready_response() -> None:
 
     info = EngineInfo(max_model_len=4096, num_gpu_blocks=12, kv_cache_size_tokens=192)
     ready = ready_response_for(
-        "0.33.0",
+        RELEASE,
         info,
         engine_index=1,
         data_parallel_size=2,
@@ -193,7 +205,7 @@ def test_vllm_0_33_0_accepts_corewires_ready_response() -> None:
     # as vLLM 0.33.0's front-end decodes it (core_client)
     got = msgspec.msgpack.decode(payload, type=E.EngineCoreReadyResponse)
     assert (got.max_model_len, got.num_gpu_blocks, got.data_parallel_rank) == (4096, 12, 1)
-    assert (got.max_num_seqs, got.instance_id, got.vllm_version) == (64, "live", "0.33.0")
+    assert (got.max_num_seqs, got.instance_id, got.vllm_version) == (64, "live", RELEASE)
     # byte for byte vLLM's own, up to corewire's trailing keys
     ours = {k: v for k, v in ready.items() if k not in ("status", "engine_index", "pid")}
     assert msgspec.msgpack.encode(ours) == msgspec.msgpack.encode(got)

@@ -62,8 +62,9 @@ class NativeDecoder:
     ``LogprobsTensors``, and ``SamplingMaskLists`` where the release has it) to its field
     names in wire order, as the release's own structs give them: any release whose fields
     the decoder knows is then read (a field it does not know raises ``ValueError``), by a
-    compiled walk where the positions are one of its own. Without ``layout`` another
-    version raises ``corewire.releases.UnsupportedProtocolError``. The decoded objects
+    compiled walk where the positions are one of its own. Without ``layout`` the release
+    is laid out as ``corewire.releases`` has it (an unknown one raises
+    ``corewire.releases.UnsupportedProtocolError``). The decoded objects
     carry every version's fields (one the version lacks is None, or 0 for a count).
     """
 

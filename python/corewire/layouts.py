@@ -402,6 +402,49 @@ V0_25_1_TYPES = types.MappingProxyType(
 V0_33_0_TYPES = _build_0_33_0()
 
 _TYPES = {"0.25.1": V0_25_1_TYPES, "0.33.0": V0_33_0_TYPES}
+
+#: corewire's own classes of the structs that hold no other changing struct: a release's
+#: recorded layout uses them where its fields are theirs, so that every release decodes
+#: into the same classes (those the native decoder makes) wherever the layout did not
+#: change. (A struct that nests others, ``EngineCoreOutput`` say, is always built from
+#: its record: a class matching its field names could still nest another release's.)
+_SHARED_LEAVES = (
+    "UtilityOutput",
+    "LogprobsLists",
+    "LogprobsTensors",
+    "SamplingMaskLists",
+    "EngineCoreEvent",
+    "RequestError",
+    "KvHintAction",
+    "LateChunkingParams",
+)
+
+
+def _recorded_types(release: str) -> types.MappingProxyType[str, Any]:
+    """``release``'s wire structs built from its recorded layout
+    (``corewire.releases.records``): vLLM's statistics (dataclasses, TypedDicts) kept as
+    maps, as ``corewire.protocol`` keeps them, corewire's own class of a leaf struct where
+    the layout is its."""
+    from corewire.releases import records
+    from corewire.releases.structs import build_structs, wire_names
+
+    record = records.load(release)
+    given = {}
+    for name in _SHARED_LEAVES:
+        entry = record["structs"].get(name)
+        if entry is None:
+            continue
+        names = tuple(f["encode_name"] for f in entry["fields"])
+        for table in _TYPES.values():
+            cls = table.get(name)
+            if cls is not None and wire_names(cls) == names:
+                given[name] = cls
+                break
+    built = build_structs(record, as_maps=("dataclass", "typeddict"), given=given)
+    return types.MappingProxyType(built)
+
+
+_RECORDED: dict[str, types.MappingProxyType[str, Any]] = {}
 # The structs whose layout differs between versions -> their version.
 _VERSION_OF: dict[type, str] = {}
 for _version, _table in _TYPES.items():
@@ -414,19 +457,59 @@ def types_for(protocol: str | None) -> types.MappingProxyType[str, Any]:
     """The wire structs of ``protocol`` by name, both directions (``EngineCoreOutputs``,
     ``EngineCoreOutput``, ``LogprobsTensors``, ``EngineCoreRequest``, ``SamplingParams``...);
     a version without one lacks its name."""
-    return _TYPES[releases.get(protocol)]
+    release = releases.get(protocol)
+    table = _TYPES.get(release)
+    if table is None:
+        table = _RECORDED.get(release)
+        if table is None:
+            table = _RECORDED[release] = _recorded_types(release)
+    return table
 
 
-def request_decoder(protocol: str | None) -> Any:
+def request_decoder(protocol: str | None, *, for_engine: bool = False) -> Any:
     """A decoder of ``protocol``'s ``EngineCoreRequest`` frames (``[payload, aux...]``):
     a ``corewire.codec.MsgspecDecoder``, whose arrays in aux frames (``prompt_embeds``,
     0.33.0's ``prompt_logprob_token_ids``) are views of those frames. The 0.33.0 decoder
     raises ``ProtocolError`` for a 0.25.1 ``LoRARequest``; the 0.25.1 request keeps its
     ``lora_request`` untyped, so a 0.33.0 LoRA reaches it as a plain list. The field
-    count alone is not checked, as vLLM's decoder does not."""
+    count alone is not checked, as vLLM's decoder does not.
+
+    ``for_engine``: a packed prompt (an int32 ndarray, vLLM 0.34.0 on) reaches the caller
+    as a list of ints, as engines read prompts; otherwise requests decode as vLLM's
+    decoder reads them (the ndarray kept, a view of its aux frame)."""
     from corewire.codec import MsgspecDecoder  # codec imports this module
 
-    return MsgspecDecoder(types_for(protocol)["EngineCoreRequest"])
+    decoder = MsgspecDecoder(types_for(protocol)["EngineCoreRequest"])
+    if for_engine and releases.get(protocol).packs_prompts:
+        return _UnpackingDecoder(decoder)
+    return decoder
+
+
+class _UnpackingDecoder:
+    """A request decoder that hands engines each packed prompt (an int32 ndarray, vLLM
+    0.34.0 on) as a list of ints, as every engine reads prompts: ``list(ndarray)`` would
+    give numpy scalars, which msgspec does not write back (an engine echoing a prompt
+    token would fail), and a view of an aux frame would keep the frame alive."""
+
+    __slots__ = ("_decoder",)
+
+    def __init__(self, decoder: Any) -> None:
+        self._decoder = decoder
+
+    def decode(self, frames: Any) -> Any:
+        """Decode one request; an ndarray prompt becomes a list of ints."""
+        request = self._decoder.decode(frames)
+        prompt = request.prompt_token_ids
+        if isinstance(prompt, np.ndarray):
+            if prompt.ndim != 1 or prompt.dtype.kind not in "iu":
+                from corewire.errors import ProtocolError
+
+                raise ProtocolError(
+                    f"prompt_token_ids: expected a 1-D integer array, got {prompt.dtype}"
+                    f" of shape {prompt.shape}"
+                )
+            request.prompt_token_ids = prompt.tolist()
+        return request
 
 
 def version_of(cls: type) -> str | None:

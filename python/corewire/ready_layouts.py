@@ -147,10 +147,12 @@ def ready_response_for(
     0.25.1 (and ``None``, the default version): exactly
     ``corewire.engine.ready.ready_response``. 0.33.0: :class:`ReadyResponse0330`'s 28
     keys in vLLM's order, from ``info`` and ``facts`` (:class:`ReadyFacts` defaults when
-    None), then corewire's ``status``, ``engine_index`` and ``pid``.
+    None), then corewire's ``status``, ``engine_index`` and ``pid``. Any other recorded
+    release: the keys of its own ``EngineCoreReadyResponse`` (its record), in its order,
+    those 0.33.0 has from them and the rest at the release's defaults.
     """
     protocol = releases.get(protocol)
-    if READY_RESPONSE_TYPES[protocol] is ReadyResponse0251:
+    if protocol.speaks_protocol_structs:
         return ready_response(
             info,
             engine_index=engine_index,
@@ -189,7 +191,28 @@ def ready_response_for(
         coordinator_input_address=facts.coordinator_input_address,
         coordinator_output_address=facts.coordinator_output_address,
     )
-    out = msgspec.structs.asdict(response)
+    out = _in_release_layout(msgspec.structs.asdict(response), protocol)
     # corewire's own: who is ready (vLLM's front-end ignores unknown keys).
     out.update(status="READY", engine_index=engine_index, pid=os.getpid())
+    return out
+
+
+def _in_release_layout(ready: dict[str, Any], release: Any) -> dict[str, Any]:
+    """``ready`` (0.33.0's keys) with exactly ``release``'s ready keys in its order, from
+    its record: a key ``ready`` lacks takes the release's default; one the release lacks
+    is left out (0.33.0's own map is its record's keys already)."""
+    from corewire.releases import records
+
+    if release.name not in records.releases():
+        return ready
+    record = records.load(release.name)
+    defaults = records.defaults_or_missing(record, "EngineCoreReadyResponse")
+    out: dict[str, Any] = {}
+    for key, default in defaults.items():
+        if key in ready:
+            out[key] = ready[key]
+        elif default is records.MISSING:
+            raise ValueError(f"vLLM {release.name}'s ready response needs {key!r}")
+        else:
+            out[key] = default
     return out

@@ -21,7 +21,7 @@ from corewire.client._resources import ClientResources
 from corewire.client.futures import complete_future
 from corewire.client.ready import ReadyWait
 from corewire.client.wire_requests import request_writer, utility_args_writer
-from corewire.codec import Encoder, NativeDecoder
+from corewire.codec import Encoder
 from corewire.curve import require_curve_for
 from corewire.engine.startup import check_engine_spec, engine_process_main
 from corewire.errors import EngineDeadError, UtilityError
@@ -52,7 +52,7 @@ OUTPUT_RCVHWM = 128
 def make_output_decoder(protocol: str | None = None) -> Any:
     """The decoder of engine output frames: the Rust ``NativeDecoder`` of ``protocol``
     (None: the default version)."""
-    return NativeDecoder(protocol=protocol)
+    return releases.get(protocol).native_decoder()
 
 
 def _resolve(target: str | Callable[..., Any]) -> Callable[..., Any]:

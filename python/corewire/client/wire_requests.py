@@ -62,10 +62,9 @@ _ROUTED_DEFAULT = next(
 
 def request_writer(protocol: str | None) -> Callable[[Any], Any] | None:
     """The function that turns a request into what a ``protocol`` client sends, or None
-    when requests are sent as given (0.25.1: its encoder refuses a 0.33.0 request)."""
-    if get_release(protocol).speaks_protocol_structs:
-        return None
-    return to_0_33_0
+    when requests are sent as given (0.25.1: its encoder refuses a 0.33.0 request): the
+    release's own choice (``Release.request_writer``)."""
+    return get_release(protocol).request_writer()
 
 
 def utility_args_writer(
@@ -77,6 +76,53 @@ def utility_args_writer(
     if get_release(protocol).speaks_protocol_structs:
         return None
     return _utility_args_0_33_0
+
+
+def as_given(release: Any) -> Callable[[Any], Any]:
+    """The writer of a release whose requests corewire does not convert (one recorded but
+    not verified): requests in the release's own layout (``types_for(release)``, or vLLM's
+    own) go as given; corewire's 0.25.1 struct, which that release would misread, is
+    refused with a ``TypeError`` naming what to send instead."""
+
+    def write(request: Any) -> Any:
+        if type(request) is p.EngineCoreRequest:
+            raise TypeError(
+                f"vLLM {release.name}'s engines read its own EngineCoreRequest: build it with "
+                f"corewire.layouts.types_for({release.name!r})['EngineCoreRequest']"
+            )
+        return request
+
+    return write
+
+
+def packed_writer(release: Any) -> Callable[[Any], Any]:
+    """The writer of a release whose requests are 0.33.0's with fields appended and whose
+    prompts travel packed (vLLM 0.34.0): corewire's 0.25.1 struct is converted as for
+    0.33.0 and rebuilt in the release's layout, and every list prompt (vLLM's own
+    requests' too, as vLLM's client packs them) goes as an int32 ndarray."""
+    import numpy as np
+
+    target = layouts.types_for(release)["EngineCoreRequest"]
+    replace = msgspec.structs.replace
+
+    def write(request: Any) -> Any:
+        if type(request) is p.EngineCoreRequest:
+            request = target(**_asdict(to_0_33_0(request)))
+        prompt = request.prompt_token_ids
+        if type(prompt) is list:
+            # array('i') then a view, as vLLM 0.34.0's _with_packed_prompt: no Python int
+            # per token on either side; the caller's request keeps its list.
+            packed = np.frombuffer(_int32_array(prompt), dtype=np.int32)
+            request = replace(request, prompt_token_ids=packed)
+        return request
+
+    return write
+
+
+def _int32_array(values: list[int]) -> Any:
+    from array import array
+
+    return array("i", values)
 
 
 def _utility_args_0_33_0(method: str, args: tuple[Any, ...]) -> tuple[Any, ...]:

@@ -1061,7 +1061,7 @@ class _InputDecoder:
         self._proc = proc
         self._put = proc.input_queue.put
         # The protocol's request layout (0.33.0 appends fields, and its LoRA differs).
-        self._add_decoder = request_decoder(proc.protocol)
+        self._add_decoder = request_decoder(proc.protocol, for_engine=True)
         self._any_decoder = MsgspecDecoder()
         self._log = proc._malformed_log
         self._max_model_len = proc.engine_info.max_model_len

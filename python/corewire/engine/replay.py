@@ -230,7 +230,9 @@ class ReplayEngine:
         self.step_delay = step_delay
         #: request id -> [tokens sent, max_tokens]
         self.running: dict[str, list[int]] = {}
-        self._decode_request = request_decoder(getattr(link, "wire_protocol", None)).decode
+        self._decode_request = request_decoder(
+            getattr(link, "wire_protocol", None), for_engine=True
+        ).decode
         #: Work to do right after the current utility reply is sent.
         self._after_reply: Any = None
 

@@ -1,34 +1,38 @@
-"""An engine core's outputs in its protocol's layout (vLLM 0.25.1 or 0.33.0).
+"""An engine core's outputs in its release's layout (any release corewire speaks).
 
-Engines build ``corewire.protocol`` structs (vLLM 0.25.1's layout) whatever the protocol
-their engine core speaks. A core speaking another version converts each message once,
+Engines build ``corewire.protocol`` structs (vLLM 0.25.1's layout) whatever the release
+their engine core speaks. A core speaking another release converts each message once,
 on its output thread, right before encoding it: :func:`output_converter` gives that
 conversion (None for 0.25.1, whose messages go out as built, at no cost). The conversion
-copies every field by name into ``corewire.layouts.types_for(protocol)``'s structs, so a
-field both versions share can never land at the other version's position.
+copies every field by name into ``corewire.layouts.types_for(release)``'s structs, so a
+field both releases share can never land at the other release's position.
 
-What 0.33.0 adds that an engine cannot know is filled in here:
+What a later release adds that an engine cannot know is filled in here, from the
+release's record (``corewire.releases``), not from a table of this module's:
 
-- ``weight_version``: vLLM 0.33.0's engine stamps its current weight version on every
-  message a step produces, and nil on everything else (utility replies, refusals, abort
-  notices, counts for a coordinator). A step's message is queued as :class:`StepOutputs`
-  (the version it was made under); anything else converts with nil.
-- ``scheduler_stats`` is written as vLLM 0.33.0's ``SchedulerStats`` is: every one of
-  its 18 keys, in its order, those the engine did not report at their defaults (vLLM's
-  front-end fills them in the same way; its engine writes them all). Keys vLLM does not
-  know follow, as the engine gave them (vLLM's decoder drops them).
-- ``prefill_stats`` gains ``num_cache_creation_tokens`` (0: corewire's engines create no
-  cache entries a front-end would bill).
-- ``LogprobsTensors`` has a fifth element (nil here).
+- ``weight_version`` (0.32.0 on): vLLM's engine stamps its current weight version on
+  every message a step produces, and nil on everything else (utility replies, refusals,
+  abort notices, counts for a coordinator). A step's message is queued as
+  :class:`StepOutputs` (the version it was made under); anything else converts with nil.
+- ``scheduler_stats`` is written as the release's own ``SchedulerStats`` is: every one
+  of its keys, in its order, those the engine did not report at their defaults (vLLM's
+  Python front-end fills them in the same way, its Rust front-end refuses a map without
+  them, its engine writes them all). Keys vLLM does not know follow, as the engine gave
+  them (vLLM's decoder drops them).
+- ``prefill_stats`` likewise gains the release's keys the engine did not report
+  (``num_cache_creation_tokens``, 0: corewire's engines create no cache entries a
+  front-end would bill).
+- ``LogprobsTensors`` has the release's elements (0.29.0's fifth: nil here).
 
 Outputs and messages already in the target layout (built by :func:`finish_output`, or by
-an engine that fills 0.33.0's own fields) pass through unchanged.
+an engine that fills a release's own fields) pass through unchanged.
 
 Wire format: docs/protocol.md §11 (versions), docs/vllm-0.33.0-notes.md §2.2-§2.3.
 """
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Callable
 from typing import Any
 
@@ -89,37 +93,19 @@ def output_converter(protocol: str | None) -> Callable[[Any], Any] | None:
     return _converter(release)
 
 
-def _scheduler_stats_0_33_0() -> dict[str, Any]:
-    """vLLM 0.33.0's ``SchedulerStats()``, every key in its order (a fresh map)."""
-    return {
-        "num_running_reqs": 0,
-        "num_waiting_reqs": 0,
-        "num_skipped_waiting_reqs": 0,
-        "num_kv_fetch_reqs_by_stage": {},
-        "step_counter": 0,
-        "current_wave": 0,
-        "kv_cache_usage": 0.0,
-        "iteration_details": None,
-        "prefix_cache_stats": {
-            "reset": False,
-            "requests": 0,
-            "queries": 0,
-            "hits": 0,
-            "preempted_requests": 0,
-            "preempted_queries": 0,
-            "preempted_hits": 0,
-            "hits_by_source": {},
-        },
-        "connector_prefix_cache_stats": None,
-        "kv_cache_eviction_events": [],
-        "spec_decoding_stats": None,
-        "kv_connector_stats": None,
-        "ec_connector_stats": None,
-        "waiting_lora_adapters": {},
-        "running_lora_adapters": {},
-        "cudagraph_stats": None,
-        "perf_stats": None,
-    }
+def _stats_defaults(release: Any, name: str) -> dict[str, Any] | None:
+    """Every key of the release's stats dataclass ``name`` at its default, in its order
+    (what its own engines write for an instance made without arguments), from its
+    record; None for a release without a record of it (0.25.1's engines send what they
+    report, and vLLM 0.25.1's front-end fills in the rest)."""
+    from corewire.releases import records
+
+    if release.name not in records.releases():
+        return None
+    record = records.load(release.name)
+    if name not in record["structs"]:
+        return None
+    return records.defaults(record, name)
 
 
 def _splice(old: type, new: type) -> tuple[int, tuple[Any, ...]]:
@@ -149,14 +135,18 @@ def _converter(release: Any) -> Callable[[Any], Any]:
     output_type = table["EngineCoreOutput"]
     tensors_type = table["LogprobsTensors"]
     astuple = msgspec.structs.astuple
-    # Positional construction (about twice as fast as by keyword), planned by name.
-    out_at, out_fill = _splice(p.EngineCoreOutput, output_type)
-    outs_at, outs_fill = _splice(p.EngineCoreOutputs, outputs_type)
     names = p.EngineCoreOutput.__struct_fields__
     tensors_i = names.index("new_prompt_logprobs_tensors")
     prefill_i = names.index("prefill_stats")
     outputs_i = p.EngineCoreOutputs.__struct_fields__.index("outputs")
     stats_i = p.EngineCoreOutputs.__struct_fields__.index("scheduler_stats")
+    # Every key of the release's stats, as its engines write them (vLLM's Rust front-end
+    # refuses a SchedulerStats without them): the defaults first, the reported values
+    # over them; keys vLLM does not know follow, as the engine gave them.
+    scheduler_defaults = _stats_defaults(release, "SchedulerStats")
+    prefill_defaults = _stats_defaults(release, "PrefillStats")
+    build_output = _builder(p.EngineCoreOutput, output_type)
+    build_outputs = _builder(p.EngineCoreOutputs, outputs_type)
 
     def output(out: Any) -> Any:
         if type(out) is output_type:
@@ -167,9 +157,9 @@ def _converter(release: Any) -> Callable[[Any], Any]:
             values = list(values)
             if tensors is not None and type(tensors) is not tensors_type:
                 values[tensors_i] = tensors_type(*tensors)
-            if type(stats) is dict and "num_cache_creation_tokens" not in stats:
-                values[prefill_i] = {**stats, "num_cache_creation_tokens": 0}
-        return output_type(*values[:out_at], *out_fill, *values[out_at:])
+            if type(stats) is dict and prefill_defaults is not None:
+                values[prefill_i] = {**prefill_defaults, **stats}
+        return build_output(values)
 
     def convert(message: Any) -> Any:
         weight_version = None
@@ -181,12 +171,39 @@ def _converter(release: Any) -> Callable[[Any], Any]:
         values = list(astuple(message))
         values[outputs_i] = [output(out) for out in values[outputs_i]]
         stats = values[stats_i]
-        if type(stats) is dict:
-            full = _scheduler_stats_0_33_0()
+        if type(stats) is dict and scheduler_defaults is not None:
+            full = copy.deepcopy(scheduler_defaults)
             full.update(stats)
             values[stats_i] = full
-        message = outputs_type(*values[:outs_at], *outs_fill, *values[outs_at:])
-        message.weight_version = weight_version
+        message = build_outputs(values)
+        if weight_version is not None:
+            message.weight_version = weight_version
         return message
 
     return convert
+
+
+def _builder(old: type, new: type) -> Callable[[Any], Any]:
+    """The function that makes a ``new`` struct from ``old``'s field values (in ``old``'s
+    order): positionally where ``new`` takes positions and is ``old`` with fields inserted
+    (about twice as fast as by keyword), else by name (every field ``new`` shares with
+    ``old``; the rest take their defaults: a release's recorded structs are keyword-only)."""
+    if _takes_positions(new):
+        try:
+            at, fill = _splice(old, new)
+        except AssertionError:
+            pass
+        else:
+            return lambda values: new(*values[:at], *fill, *values[at:])
+    shared = [(i, n) for i, n in enumerate(old.__struct_fields__) if n in new.__struct_fields__]
+    return lambda values: new(**{n: values[i] for i, n in shared})
+
+
+def _takes_positions(cls: type) -> bool:
+    """Whether msgspec struct ``cls`` can be made from positional arguments (msgspec
+    does not check values when a struct is made, so Nones are enough to tell)."""
+    try:
+        cls(*([None] * len(cls.__struct_fields__)))  # type: ignore[attr-defined]
+    except TypeError:
+        return False
+    return True

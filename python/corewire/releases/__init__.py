@@ -1,26 +1,37 @@
 """Every vLLM release corewire speaks, and everything that differs between them.
 
-This package is the one home of release differences. Each release is a
-:class:`~corewire.releases.base.Release`: a ``str`` (its version, as the wire names it)
-whose attributes say what its engines and front-end do, and whose methods hold the
-release's own front-end helpers. One small class per release that behaves differently from
-the one before (:mod:`.v0_25_1`, :mod:`.v0_33_0`), registered below in :data:`_CLASSES`;
-callers get the one instance of a release with :func:`get` and read its attributes, never
-compare version strings.
+This package is the one home of release differences:
 
-Adding a release: register its class (a subclass of the previous release's, overriding
-what changed) and the release's struct tables (``corewire.layouts``); see
-docs/protocol.md §11.
+- **The wire** of each release is data: the layout of every struct (positions, names, wire
+  names, types, defaults), read off that vLLM's own classes by :mod:`.derive` and
+  recorded for each release in ``data/vllm-<release>.json`` (``tools/record-vllm-release``
+  writes them, in a venv with that vLLM); :mod:`.records` finds them and :mod:`.structs`
+  turns one into msgspec types (``corewire.layouts.types_for``).
+- **The behaviour** beyond the wire is code: one small :class:`~.base.Release` class per
+  release whose engines or front-end behave differently from the one before
+  (:mod:`.v0_25_1`, :mod:`.v0_33_0`, :mod:`.v0_34_0`), registered in :data:`_CLASSES`.
+
+Each release is one :class:`~.base.Release` object: a ``str`` (its version, as the wire
+names it) whose attributes say what it does. Callers get it with :func:`get` and read its
+attributes; nothing outside this package compares version strings. A recorded release
+with no class of its own behaves as the newest class before it (:attr:`~.base.Release.
+verified` is then False).
+
+Adding a release (docs/protocol.md §11): record it; if its behaviour changed, add its
+class here.
 """
 
 from __future__ import annotations
 
+from corewire.releases import records
 from corewire.releases.base import Launch, Release
 from corewire.releases.v0_25_1 import Release0251
 from corewire.releases.v0_33_0 import Release0330
+from corewire.releases.v0_34_0 import Release0340
 
 __all__ = [
     "DEFAULT",
+    "NEWEST",
     "SUPPORTED",
     "Launch",
     "Release",
@@ -30,17 +41,36 @@ __all__ = [
     "unsupported_protocol",
 ]
 
-#: Every release class, oldest first. Each stands for its release (its ``NAME``).
-_CLASSES: tuple[type[Release], ...] = (Release0251, Release0330)
+#: Every release class, oldest first. Each stands for its release (its ``NAME``) and the
+#: recorded releases after it until the next class.
+_CLASSES: tuple[type[Release], ...] = (Release0251, Release0330, Release0340)
 
-#: The one instance of each supported release, by version.
-_RELEASES: dict[str, Release] = {cls.NAME: cls() for cls in _CLASSES}
 
-#: Every supported release, oldest first (the Rust decoder's
-#: ``_native.wire_versions()``; a test ties the two).
+def _key(name: str) -> tuple[int, ...]:
+    return tuple(int(part) for part in name.split("."))
+
+
+def _class_for(name: str) -> type[Release]:
+    """The class that describes release ``name``: the newest one written for it or for
+    an earlier release."""
+    older = [cls for cls in _CLASSES if _key(cls.NAME) <= _key(name)]
+    if not older:
+        raise ValueError(f"vLLM {name} predates every release corewire describes")
+    return older[-1]
+
+
+#: The one instance of each supported release, by version: every recorded release.
+_RELEASES: dict[str, Release] = {
+    name: _class_for(name)(name)
+    for name in sorted({*records.releases(), *(cls.NAME for cls in _CLASSES)}, key=_key)
+}
+
+#: Every supported release, oldest first.
 SUPPORTED: tuple[Release, ...] = tuple(_RELEASES.values())
 #: The release of anything not told one.
 DEFAULT: Release = _RELEASES["0.25.1"]
+#: The newest release corewire has a record of.
+NEWEST: Release = SUPPORTED[-1]
 
 
 class UnsupportedProtocolError(ValueError):
@@ -76,7 +106,7 @@ def for_vllm(version: str) -> Release:
     """The release of an installed vLLM whose ``vllm.__version__`` is ``version``.
 
     Exact releases only: a patch or development release may change the wire (0.33.0 moved
-    fields that 0.25.1 had), and nothing here has checked any other release, so it is
+    fields that 0.25.1 had), and nothing here has a record of any other release, so it is
     refused with :class:`UnsupportedProtocolError` rather than decoded wrongly. A local
     version label (``0.33.0+cpu``) names the same release and is accepted.
     """

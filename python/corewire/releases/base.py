@@ -4,8 +4,11 @@ behaviour (vLLM 0.25.1's), and the front-end helpers each release overrides."""
 from __future__ import annotations
 
 import contextlib
+import typing
 from dataclasses import dataclass
 from typing import Any, ClassVar
+
+import msgspec
 
 __all__ = ["Launch", "Release"]
 
@@ -59,17 +62,13 @@ class Release(str):
     #: Internal load balancing keeps a streaming-input session on its engine and aborts
     #: an open session on every engine.
     session_affinity: ClassVar[bool] = False
-    #: ``EngineCoreOutput`` has an ``error`` field (a ``RequestError``) that an engine's
-    #: refusals carry; before it, the reason travels in ``stop_reason``.
-    request_errors: ClassVar[bool] = False
-    #: Every message a step produces carries the engine's ``weight_version``.
-    weight_versions: ClassVar[bool] = False
     #: corewire's native output processing (``corewire.vllm.output``) is held to this
     #: release's own ``OutputProcessor`` by the differential tests, so the plugin may
     #: install it.
     native_output: ClassVar[bool] = False
 
     def __new__(cls, name: str | None = None) -> Release:
+        # ``name``: a later release this class describes (see the class docstring).
         return super().__new__(cls, cls.NAME if name is None else name)
 
     def __repr__(self) -> str:
@@ -87,6 +86,42 @@ class Release(str):
         return str.__str__(self)
 
     @property
+    def verified(self) -> bool:
+        """Whether this release's behaviour was checked against the release itself (its
+        class was written for it); else it behaves as the release its class was written
+        for, and only its wire (recorded from the release) is its own."""
+        return self.name == self.NAME
+
+    # -- facts of the wire, read off the struct tables ---------------------------------
+
+    @property
+    def request_errors(self) -> bool:
+        """``EngineCoreOutput`` has an ``error`` field (a ``RequestError``) that an
+        engine's refusals carry; before it, the reason travels in ``stop_reason``."""
+        return "error" in self._fields("EngineCoreOutput")
+
+    @property
+    def weight_versions(self) -> bool:
+        """Every message a step produces carries the engine's ``weight_version``."""
+        return "weight_version" in self._fields("EngineCoreOutputs")
+
+    @property
+    def packs_prompts(self) -> bool:
+        """``EngineCoreRequest.prompt_token_ids`` is an ndarray on the wire (0.34.0 on:
+        its front-end packs each prompt as int32, inline below 256 bytes, an aux frame
+        above), else a list of ints."""
+        import numpy as np
+
+        request = self.types["EngineCoreRequest"]
+        field = next(f for f in msgspec.structs.fields(request) if f.name == "prompt_token_ids")
+        return np.ndarray in typing.get_args(field.type) or field.type is np.ndarray
+
+    def _fields(self, name: str) -> tuple[str, ...]:
+        from corewire.releases.structs import wire_names
+
+        return wire_names(self.types[name]) or ()
+
+    @property
     def speaks_protocol_structs(self) -> bool:
         """Whether this release's wire is the one ``corewire.protocol``'s structs lay out
         (what engines build and clients are given): then nothing is converted on either
@@ -102,6 +137,48 @@ class Release(str):
         from corewire.layouts import types_for
 
         return types_for(self)
+
+    #: The structs whose positions the native decoder reads (``NativeDecoder(layout=)``).
+    NATIVE_STRUCTS: ClassVar[tuple[str, ...]] = (
+        "EngineCoreOutputs",
+        "EngineCoreOutput",
+        "UtilityOutput",
+        "LogprobsLists",
+        "LogprobsTensors",
+        "SamplingMaskLists",
+    )
+
+    @property
+    def native_layout(self) -> dict[str, tuple[str, ...]]:
+        """Where this release puts each field the native decoder reads: each struct's
+        wire names in wire order, read off this release's struct tables (:attr:`types`),
+        so that the decoder follows the release rather than a table of its own."""
+        layout = {}
+        for name in self.NATIVE_STRUCTS:
+            cls = self.types.get(name)
+            if cls is None:
+                continue
+            fields = getattr(cls, "__struct_encode_fields__", None)
+            layout[name] = tuple(fields if fields is not None else cls._fields)
+        return layout
+
+    def native_decoder(self, **kwargs: Any) -> Any:
+        """A ``NativeDecoder`` of this release's outputs (``kwargs``: its other
+        arguments). Raises ``ValueError`` naming the field when the release has one the
+        native decoder cannot read."""
+        from corewire._native import NativeDecoder
+
+        return NativeDecoder(protocol=self.name, layout=self.native_layout, **kwargs)
+
+    def request_writer(self) -> Any:
+        """The function that turns a request into what a client of this release sends,
+        or None when requests go as given (``corewire.client.wire_requests``): a release
+        only recorded, not verified, takes requests in its own layout only."""
+        if self.speaks_protocol_structs:
+            return None
+        from corewire.client import wire_requests
+
+        return wire_requests.as_given(self)
 
     # -- the front-end helpers of vLLM's own code (vLLM imported inside) ----------------
 

@@ -11,7 +11,7 @@ from functools import cache
 from importlib import resources
 from typing import Any
 
-__all__ = ["load", "releases"]
+__all__ = ["MISSING", "defaults", "defaults_or_missing", "load", "releases"]
 
 _PREFIX = "vllm-"
 _SUFFIX = ".json"
@@ -40,3 +40,50 @@ def load(release: str) -> dict[str, Any]:
         raise KeyError(f"no recorded wire for vLLM {release!r}")
     path = resources.files(__package__) / "data" / f"{_PREFIX}{release}{_SUFFIX}"
     return json.loads(path.read_text(encoding="utf-8"))
+
+
+_FACTORIES: dict[str, Any] = {"list": list, "dict": dict, "set": set, "tuple": tuple}
+
+
+#: A field without a default, in :func:`defaults_or_missing`.
+MISSING: Any = type("Missing", (), {"__repr__": lambda self: "MISSING"})()
+
+
+def defaults_or_missing(record: dict[str, Any], name: str) -> dict[str, Any]:
+    """As :func:`defaults`, with :data:`MISSING` for a field that has no default."""
+    entry = record["structs"][name]
+    out: dict[str, Any] = {}
+    for field in entry["fields"]:
+        if "default" not in field:
+            out[field["encode_name"]] = MISSING
+            continue
+        out.update(_default_of(record, field))
+    return out
+
+
+def _default_of(record: dict[str, Any], field: dict[str, Any]) -> dict[str, Any]:
+    value = field["default"]
+    if isinstance(value, dict) and "factory" in value:
+        factory = value["factory"]
+        if factory in _FACTORIES:
+            value = _FACTORIES[factory]()
+        else:
+            value = defaults(record, factory.rpartition(".")[2])
+    elif isinstance(value, (dict, list)):
+        value = json.loads(json.dumps(value))  # a copy, for the caller to change
+    return {field["encode_name"]: value}
+
+
+def defaults(record: dict[str, Any], name: str) -> dict[str, Any]:
+    """A fresh map of every field of recorded struct ``name`` at its default, in the
+    record's order, as the release's own engines write an instance made without
+    arguments (``SchedulerStats()``): a default factory that is a recorded class gives
+    that class's defaults, nested. ``KeyError`` for a struct not recorded, ``ValueError``
+    for one with a field that has no default."""
+    entry = record["structs"][name]
+    out: dict[str, Any] = {}
+    for field in entry["fields"]:
+        if "default" not in field:
+            raise ValueError(f"{name}.{field['name']} has no default")
+        out.update(_default_of(record, field))
+    return out

@@ -63,20 +63,48 @@ _SCALARS: dict[str, Any] = {
 _COLLECTIONS: dict[str, Any] = {"list": list, "set": set, "frozenset": frozenset}
 
 
-def build_structs(record: dict[str, Any], *, as_maps: Collection[str] = ()) -> dict[str, Any]:
+def build_structs(
+    record: dict[str, Any],
+    *,
+    as_maps: Collection[str] = (),
+    given: dict[str, Any] | None = None,
+) -> dict[str, Any]:
     """The record's structs and enums as types, by recorded name (see the module
     docstring). A struct that names itself, directly or through others, is built with
-    that reference as ``Any``."""
-    return _Builder(record, frozenset(as_maps)).run()
+    that reference as ``Any``.
+
+    ``given`` maps struct names to classes of the caller's to use instead of building
+    them, where the class has the recorded fields in the recorded order (its wire names:
+    a msgspec struct's encode names, a named tuple's fields); a class whose fields differ
+    is not used, and the struct is built. So every release's messages decode into the
+    same classes wherever their layout did not change."""
+    return _Builder(record, frozenset(as_maps), given or {}).run()
+
+
+def wire_names(cls: Any) -> tuple[str, ...] | None:
+    """The field names ``cls`` writes, in order: a msgspec struct's encode names, a named
+    tuple's fields; None for any other class."""
+    names = getattr(cls, "__struct_encode_fields__", None)
+    if names is None:
+        names = getattr(cls, "_fields", None)
+    return None if names is None else tuple(names)
 
 
 class _Builder:
-    def __init__(self, record: dict[str, Any], as_maps: frozenset[str]) -> None:
+    def __init__(
+        self, record: dict[str, Any], as_maps: frozenset[str], given: dict[str, Any]
+    ) -> None:
         self.structs: dict[str, Any] = record["structs"]
         self.enums: dict[str, Any] = record["enums"]
         self.as_maps = as_maps
         self.built: dict[str, Any] = {}
         self._building: set[str] = set()
+        self.given = {
+            name: cls
+            for name, cls in given.items()
+            if name in self.structs
+            and wire_names(cls) == tuple(f["encode_name"] for f in self.structs[name]["fields"])
+        }
 
     def run(self) -> dict[str, Any]:
         for name, members in self.enums.items():
@@ -109,6 +137,9 @@ class _Builder:
     def struct(self, name: str) -> Any:
         if name in self.built:
             return self.built[name]
+        if name in self.given:
+            self.built[name] = self.given[name]
+            return self.given[name]
         if name in self._building:
             return Any  # a cycle: the back reference decodes as plain data
         self._building.add(name)
@@ -147,6 +178,8 @@ class _Builder:
         if kind == "enum":
             return self.built[t["name"]]
         if kind == "struct":
+            if t["name"] in self.given:
+                return self.struct(t["name"])
             if self._mapped(t["name"]):
                 return dict[str, Any]
             return self.struct(t["name"])

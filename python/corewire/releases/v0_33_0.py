@@ -29,8 +29,6 @@ class Release0330(Release0251):
     generation_pause_utilities = True
     kv_pressure_routing = True
     session_affinity = True
-    request_errors = True
-    weight_versions = True
     # Not yet reproduced against 0.33.0's OutputProcessor.
     native_output = False
 
@@ -96,6 +94,11 @@ class Release0330(Release0251):
                 raise RuntimeError(f"engines name different {key}s: {known}, {address}")
             setattr(client, key, address)
         return response
+
+    def request_writer(self) -> Any:
+        from corewire.client import wire_requests
+
+        return wire_requests.to_0_33_0 if self.verified else wire_requests.as_given(self)
 
     def vllm_client_classes(self) -> dict[str, type]:
         from corewire.vllm import v0_33_0

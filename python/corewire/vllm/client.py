@@ -159,10 +159,9 @@ def make_output_decoder(protocol: str | None = None) -> NativeDecoder:
     """The native decoder of ``protocol`` (default: the installed vLLM's) as vLLM's
     front-end needs it: stats maps become vLLM's ``PrefillStats`` / ``SchedulerStats``
     (nested stats included), all else as usual."""
-    return NativeDecoder(
+    return get_release(protocol or INSTALLED_PROTOCOL).native_decoder(
         prefill_stats=_stats_converter(PrefillStats),
         scheduler_stats=_stats_converter(SchedulerStats),
-        protocol=protocol or INSTALLED_PROTOCOL,
     )
 
 

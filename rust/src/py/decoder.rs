@@ -31,7 +31,8 @@ pyo3::create_exception!(
 /// structs (`corewire.releases`); any release whose fields the decoder knows can then be
 /// read, a compiled-in walk is used where the positions are one of its own, and a field
 /// it does not know raises `ValueError` naming it. Without `layout`, a version other than
-/// the compiled-in ones raises `corewire.releases.UnsupportedProtocolError`. The decoded
+/// the compiled-in ones is laid out as `corewire.releases` has it (one it does not know
+/// raises `corewire.releases.UnsupportedProtocolError`). The decoded
 /// objects carry every version's fields as attributes (a field the version lacks is
 /// None, or 0 for a count). A frame of another layout with request outputs fails with
 /// `ProtocolError`; one without outputs (a utility reply, stats only) may decode under
@@ -83,7 +84,7 @@ impl NativeDecoder {
             (None, None) => LayoutRef::Builtin(Protocol::DEFAULT),
             (None, Some(n)) => match Protocol::from_name(n) {
                 Some(p) => LayoutRef::Builtin(p),
-                None => return Err(unsupported_protocol(py, n)),
+                None => layout_of_mapping(&name, &release_layout(py, n)?)?,
             },
         };
         let callable = |name: &str, v: Option<Bound<'_, PyAny>>| -> PyResult<Option<Py<PyAny>>> {
@@ -272,18 +273,16 @@ unsafe fn detach<'b>(frame: &Frame<'_>) -> &'b [u8] {
     unsafe { std::slice::from_raw_parts(b.as_ptr(), b.len()) }
 }
 
-/// `corewire.releases.UnsupportedProtocolError` for `name` (the one message that names
-/// the supported versions lives there).
+/// The positions of release `name` as `corewire.releases` has them (read off the
+/// release's recorded structs), for a release this build has no compiled walk for; its
+/// `UnsupportedProtocolError` for a release it does not know (the one message that names
+/// the supported releases lives there).
 #[cold]
-fn unsupported_protocol(py: Python<'_>, name: &str) -> PyErr {
-    let made = py
-        .import("corewire.releases")
-        .and_then(|m| m.getattr("unsupported_protocol"))
-        .and_then(|f| f.call1((name,)));
-    match made {
-        Ok(exc) => PyErr::from_value(exc),
-        Err(e) => e,
-    }
+fn release_layout<'py>(py: Python<'py>, name: &str) -> PyResult<Bound<'py, PyAny>> {
+    py.import("corewire.releases")?
+        .getattr("get")?
+        .call1((name,))?
+        .getattr("native_layout")
 }
 
 #[cold]
