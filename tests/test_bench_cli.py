@@ -47,8 +47,11 @@ from corewire.bench.serve_profile import (
 from corewire.client import AsyncMPClient
 from corewire.codec import NativeDecoder
 from corewire.errors import ProtocolError
-from corewire.releases import UnsupportedProtocolError
+from corewire.releases import SUPPORTED, UnsupportedProtocolError
 from corewire.releases import for_vllm as protocol_for_vllm
+
+#: How a refusal names the releases corewire speaks (every recorded one).
+SUPPORTED_NAMED = ", ".join(repr(r.name) for r in SUPPORTED)
 
 HAVE_VLLM = is_installed("vllm")
 HAVE_MATPLOTLIB = is_installed("matplotlib")
@@ -314,7 +317,7 @@ def test_decode_json_and_plot(tmp_path: Path) -> None:
 def test_benches_measure_the_installed_vllms_wire(installed: str | None, protocol: str) -> None:
     assert common.baseline_protocol(installed) == protocol
     with pytest.raises(UnsupportedProtocolError):
-        common.baseline_protocol("0.30.0")
+        common.baseline_protocol("0.25.2")
 
 
 @pytest.mark.parametrize(
@@ -331,14 +334,14 @@ def test_benches_refuse_an_unsupported_vllm(
     # A distribution of another vLLM release, found first on the path: the bench must stop
     # before measuring it on a wire corewire would decode wrongly (no engine starts).
     (tmp_path / "vllm").mkdir()
-    (tmp_path / "vllm" / "__init__.py").write_text('__version__ = "0.30.0"\n')
-    info = tmp_path / "vllm-0.30.0.dist-info"
+    (tmp_path / "vllm" / "__init__.py").write_text('__version__ = "0.25.2"\n')
+    info = tmp_path / "vllm-0.25.2.dist-info"
     info.mkdir()
-    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: vllm\nVersion: 0.30.0\n")
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: vllm\nVersion: 0.25.2\n")
     proc = bench(*args, path_first=tmp_path)
     assert proc.returncode == 2, proc.stdout + proc.stderr
-    assert f"corewire bench {args[0]}: unsupported vLLM version '0.30.0'" in proc.stderr
-    assert "'0.25.1', '0.33.0'" in proc.stderr
+    assert f"corewire bench {args[0]}: unsupported vLLM version '0.25.2'" in proc.stderr
+    assert SUPPORTED_NAMED in proc.stderr
     assert not_measured not in proc.stdout
 
 
@@ -445,8 +448,8 @@ async def test_client_bench_engine_of_0_33_0_is_not_read_as_0_25_1() -> None:
 
 
 def test_client_refuses_an_unsupported_protocol() -> None:
-    with pytest.raises(UnsupportedProtocolError, match=re.escape("'0.25.1', '0.33.0'")):
-        AsyncMPClient(engine_main=client_bench.run_bench_engine, protocol="0.30.0")
+    with pytest.raises(UnsupportedProtocolError, match=re.escape(SUPPORTED_NAMED)):
+        AsyncMPClient(engine_main=client_bench.run_bench_engine, protocol="0.25.2")
 
 
 @needs_matplotlib

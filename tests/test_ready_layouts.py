@@ -110,5 +110,5 @@ def test_a_0_25_1_ready_response_is_refused_by_the_0_33_0_type() -> None:
 
 
 def test_an_unknown_version_is_refused() -> None:
-    with pytest.raises(ValueError, match=r"0\.26\.0"):
-        ready_response_for("0.26.0", EngineInfo(), engine_index=0)
+    with pytest.raises(ValueError, match=r"0\.25\.2"):
+        ready_response_for("0.25.2", EngineInfo(), engine_index=0)

@@ -54,14 +54,32 @@ def _wire_names(cls: Any) -> tuple[str, ...]:
 
 
 def test_both_languages_name_the_same_versions() -> None:
-    assert _native.wire_versions() == releases.SUPPORTED
+    # The releases with compiled Rust tables are those corewire declares by hand in
+    # Python (corewire.protocol, corewire.layouts); every other release is read off its
+    # record at run time (NativeDecoder(layout=...)).
+    compiled = _native.wire_versions()
+    assert compiled == tuple(DECODED) == ("0.25.1", "0.33.0")
+    assert set(compiled) <= set(releases.SUPPORTED)
     assert _native.wire_version() == releases.DEFAULT == "0.25.1"
 
 
-@pytest.mark.parametrize("version", releases.SUPPORTED)
+@pytest.mark.parametrize("version", tuple(DECODED))
 def test_the_rust_tables_cover_every_decoded_struct(version: str) -> None:
     assert set(_native.wire_structs(version)) == set(DECODED[version])
     assert set(layouts.types_for(version)) >= set(DECODED[version])
+
+
+@pytest.mark.parametrize("version", releases.SUPPORTED)
+def test_every_release_lays_out_what_the_native_decoder_reads(version: str) -> None:
+    # Compiled or not, each release hands the decoder the positions its record gives, and
+    # a compiled release's are its Rust table's.
+    layout = releases.get(version).native_layout
+    assert {"EngineCoreOutputs", "EngineCoreOutput", "UtilityOutput"} <= set(layout)
+    for name, fields in layout.items():
+        assert fields == _wire_names(layouts.types_for(version)[name])
+        if version in DECODED and name in DECODED[version]:
+            assert fields == _native.wire_fields(name, version)
+    assert releases.get(version).native_decoder() is not None
 
 
 @pytest.mark.parametrize(("version", "name"), PAIRS)
@@ -90,7 +108,7 @@ def test_a_struct_without_a_table_is_a_key_error() -> None:
     with pytest.raises(KeyError, match="SamplingMaskLists"):
         _native.wire_fields("SamplingMaskLists", "0.25.1")
     with pytest.raises(ValueError, match=r"0\.26\.0"):
-        _native.wire_fields("EngineCoreOutput", "0.26.0")
+        _native.wire_fields("EngineCoreOutput", "0.26.0")  # no compiled table: run time
 
 
 @pytest.mark.parametrize("name", ["EngineCoreOutputs", "EngineCoreOutput"])
@@ -131,5 +149,5 @@ def test_repr_and_attributes_follow_the_table() -> None:
     positions = [shown.index(f"{field}=") for field in type(got).__struct_fields__]
     assert positions == sorted(positions)
     assert "num_nans_in_logits=2, " in shown
-    assert shown.endswith("error=None)")
+    assert shown.endswith("error=None, watermarking=None)")
     assert repr(decoded).startswith("EngineCoreOutputs(engine_index=1, outputs=[")

@@ -153,8 +153,8 @@ def test_an_encoder_refuses_the_other_versions_structs() -> None:
 
 def test_unsupported_protocols_are_refused_by_name() -> None:
     for make in (NativeDecoder, Encoder):
-        with pytest.raises(releases.UnsupportedProtocolError, match=r"'0\.25\.1', '0\.33\.0'"):
-            make(protocol="0.26.0")
+        with pytest.raises(releases.UnsupportedProtocolError, match=r"'0\.25\.1', '0\.26\.0'"):
+            make(protocol="0.25.2")
     assert NativeDecoder().protocol == "0.25.1" == Encoder().protocol
     assert NativeDecoder(protocol="0.33.0").protocol == "0.33.0"
 
@@ -167,11 +167,12 @@ def test_protocol_for_vllm(installed: str, protocol: str) -> None:
     assert releases.for_vllm(installed) == protocol
 
 
-@pytest.mark.parametrize("installed", ["0.25.2", "0.33.1", "0.33.0rc1", "0.34.0", "1.0", ""])
+@pytest.mark.parametrize("installed", ["0.25.2", "0.33.1", "0.33.0rc1", "0.34.1", "1.0", ""])
 def test_other_vllm_versions_are_refused(installed: str) -> None:
     with pytest.raises(releases.UnsupportedProtocolError) as info:
         releases.for_vllm(installed)
-    assert "vLLM version" in str(info.value) and "'0.33.0'" in str(info.value)
+    assert "vLLM version" in str(info.value)
+    assert all(repr(r.name) in str(info.value) for r in releases.SUPPORTED)
     assert info.value.version == installed
 
 
@@ -195,5 +196,11 @@ def test_every_supported_release_is_one_registered_object() -> None:
     assert all(rows["0.33.0"].values())  # 0.33.0 changed each of them
     assert releases.get("0.25.1").speaks_protocol_structs
     assert not releases.get("0.33.0").speaks_protocol_structs
+    # A release only recorded behaves as the newest class before it, and says so; its
+    # wire facts are its own record's.
+    assert releases.get("0.26.0").verified is False
+    assert rows["0.26.0"]["engine_led_waves"] is rows["0.25.1"]["engine_led_waves"]
+    assert not releases.get("0.26.0").native_output and not releases.get("0.26.0").vllm_client
+    assert all(rows["0.34.0"].values()) and releases.get("0.34.0").verified
     with pytest.raises(releases.UnsupportedProtocolError):
-        releases.get("0.26.0")
+        releases.get("0.25.2")

@@ -62,17 +62,23 @@ class Release(str):
     #: Internal load balancing keeps a streaming-input session on its engine and aborts
     #: an open session on every engine.
     session_affinity: ClassVar[bool] = False
-    #: corewire's native output processing (``corewire.vllm.output``) is held to this
-    #: release's own ``OutputProcessor`` by the differential tests, so the plugin may
-    #: install it.
-    native_output: ClassVar[bool] = False
+    #: corewire's native output processing (``corewire.vllm.output``) is held to the
+    #: ``OutputProcessor`` of the release this class was written for by the differential
+    #: tests (read through :attr:`native_output`).
+    NATIVE_OUTPUT: ClassVar[bool] = False
+    #: corewire's client inside vLLM (``corewire.vllm``) is built and tested for the
+    #: ``AsyncLLM`` of the release this class was written for: :meth:`vllm_client_classes`
+    #: (read through :attr:`vllm_client`).
+    VLLM_CLIENT: ClassVar[bool] = False
 
     def __new__(cls, name: str | None = None) -> Release:
         # ``name``: a later release this class describes (see the class docstring).
         return super().__new__(cls, cls.NAME if name is None else name)
 
     def __repr__(self) -> str:
-        return f"<vLLM release {str.__str__(self)}>"
+        # As the version string it is: messages and logs that show a protocol with !r
+        # read as they always did.
+        return repr(str.__str__(self))
 
     def __reduce__(self) -> tuple[Any, ...]:
         # Pickled (multiprocessing's spawn arguments) as the registered instance.
@@ -91,6 +97,19 @@ class Release(str):
         class was written for it); else it behaves as the release its class was written
         for, and only its wire (recorded from the release) is its own."""
         return self.name == self.NAME
+
+    @property
+    def native_output(self) -> bool:
+        """Whether the plugin may install native output processing under this release:
+        only where it was checked against this very release's ``OutputProcessor``."""
+        return self.verified and self.NATIVE_OUTPUT
+
+    @property
+    def vllm_client(self) -> bool:
+        """Whether the plugin may put corewire's client inside this release's
+        ``AsyncLLM``: only where its client classes were written and tested for this very
+        release (a release only recorded may have moved the front-end code they call)."""
+        return self.verified and self.VLLM_CLIENT
 
     # -- facts of the wire, read off the struct tables ---------------------------------
 

@@ -21,7 +21,8 @@ class Release0251(Release):
     __slots__ = ()
     NAME = "0.25.1"
 
-    native_output = True
+    NATIVE_OUTPUT = True
+    VLLM_CLIENT = True
 
     def planned_addresses(self, vllm_config: Any) -> tuple[str, str]:
         from vllm.v1.engine.utils import get_engine_zmq_addresses

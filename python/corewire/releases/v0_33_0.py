@@ -30,7 +30,7 @@ class Release0330(Release0251):
     kv_pressure_routing = True
     session_affinity = True
     # Not yet reproduced against 0.33.0's OutputProcessor.
-    native_output = False
+    NATIVE_OUTPUT = False
 
     def planned_addresses(self, vllm_config: Any) -> tuple[str, str]:
         from vllm.v1.engine.utils import get_engine_zmq_bind_addresses

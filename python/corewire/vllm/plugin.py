@@ -90,9 +90,9 @@ def output_wanted(vllm_version: str) -> bool:
 
 
 #: The vLLM releases whose ``AsyncLLM`` the plugin's client is built and tested for (each
-#: with its own client classes: ``corewire.vllm.client.client_classes``): every release
-#: corewire speaks.
-PLUGIN_VLLM_VERSIONS = releases.SUPPORTED
+#: with its own client classes: ``corewire.vllm.client.client_classes``); corewire speaks
+#: the wire of more (``corewire.releases.SUPPORTED``).
+PLUGIN_VLLM_VERSIONS = tuple(r for r in releases.SUPPORTED if r.vllm_client)
 
 
 def check_vllm_version(version: str) -> None:
