@@ -1,4 +1,4 @@
-"""corewire's clients with ``protocol="0.33.0"`` against vLLM 0.33.0 itself (runs only there).
+"""corewire's clients with ``protocol=RELEASE`` against vLLM 0.33.0 itself (runs only there).
 
 Real clients, real sockets, a raw engine peer (``client_wire_support``) in the middle:
 
@@ -25,7 +25,7 @@ from typing import Any
 import msgspec
 import pytest
 
-from vllm_0_33_0_gate import require_vllm_0_33_0
+from vllm_0_33_0_gate import RELEASE, as_the_client_sends, require_vllm_0_33_0
 
 vllm = require_vllm_0_33_0()
 
@@ -153,17 +153,17 @@ def _read_back(frames: list[bytes]) -> E.EngineCoreRequest:
 
 
 async def test_async_client_requests_are_vllm_0_33_0s(ipc_dir: Path, sockets: Sockets) -> None:
-    with client_and_peer(ipc_dir, sockets, AsyncMPClient, protocol="0.33.0") as (client, peer):
+    with client_and_peer(ipc_dir, sockets, AsyncMPClient, protocol=RELEASE) as (client, peer):
         for name, build in CASES.items():
             theirs, ours = build()
-            want = vllm_frames(theirs)
+            want = vllm_frames(as_the_client_sends(theirs))
             # corewire's 0.25.1 struct, converted by the client
             await client.add_request_async(ours)
             got = peer.recv_add()
             assert got == want, name
             assert vllm_frames(_read_back(got)) == want, name
             # 0.33.0's struct, as vLLM's decoder on the engine side would hand it over
-            typed = layouts.request_decoder("0.33.0").decode(want)
+            typed = layouts.request_decoder(RELEASE).decode(want)
             await client.add_request_async(typed)
             assert peer.recv_add() == want, name
             # vLLM's own request object, as vLLM's AsyncLLM hands it to the plugin's client
@@ -172,7 +172,7 @@ async def test_async_client_requests_are_vllm_0_33_0s(ipc_dir: Path, sockets: So
 
 
 def test_sync_client_requests_are_vllm_0_33_0s(ipc_dir: Path, sockets: Sockets) -> None:
-    with client_and_peer(ipc_dir, sockets, SyncMPClient, protocol="0.33.0", client_index=2) as (
+    with client_and_peer(ipc_dir, sockets, SyncMPClient, protocol=RELEASE, client_index=2) as (
         client,
         peer,
     ):
@@ -181,12 +181,12 @@ def test_sync_client_requests_are_vllm_0_33_0s(ipc_dir: Path, sockets: Sockets) 
             theirs.client_index = 2  # vLLM's client stamps it too
             client.add_request(ours)
             got = peer.recv_add()
-            assert got == vllm_frames(theirs), name
+            assert got == vllm_frames(as_the_client_sends(theirs)), name
             assert _read_back(got).client_index == 2
 
 
 async def test_add_lora_argument_reads_as_vllm_0_33_0s(ipc_dir: Path, sockets: Sockets) -> None:
-    with client_and_peer(ipc_dir, sockets, AsyncMPClient, protocol="0.33.0") as (client, peer):
+    with client_and_peer(ipc_dir, sockets, AsyncMPClient, protocol=RELEASE) as (client, peer):
         call = asyncio.ensure_future(
             client.add_lora_async(layouts.LoRARequest("a", 2, "/p", "base", None, True))
         )
@@ -246,7 +246,7 @@ async def test_async_clients_keep_engine_status(ipc_dir: Path, sockets: Sockets)
         engine_indices=[0, 1],
         client_addresses=addresses,
         coordinator_addresses=coordinator_addresses(ipc_dir),
-        protocol="0.33.0",
+        protocol=RELEASE,
         ready_timeout=10,
     )
     try:
@@ -270,7 +270,7 @@ async def test_async_clients_keep_engine_status(ipc_dir: Path, sockets: Sockets)
 
 
 def test_sync_client_drops_engine_status(ipc_dir: Path, sockets: Sockets) -> None:
-    with client_and_peer(ipc_dir, sockets, SyncMPClient, protocol="0.33.0") as (client, peer):
+    with client_and_peer(ipc_dir, sockets, SyncMPClient, protocol=RELEASE) as (client, peer):
         peer.send(_status(0, "unhealthy", "ValueError"))
         peer.send(_status(0, "healthy"))
         wait_for(lambda: client.ft_status_dropped == 2, what="dropped statuses")
@@ -291,7 +291,7 @@ async def test_request_error_reaches_the_caller_and_ends_the_request(
         data_parallel_size=2,
         client_addresses=addresses,
         coordinator_addresses=coordinator_addresses(ipc_dir),
-        protocol="0.33.0",
+        protocol=RELEASE,
         ready_timeout=10,
     )
     try:

@@ -26,7 +26,7 @@ from typing import Any
 
 import pytest
 
-from vllm_0_33_0_gate import require_vllm_0_33_0
+from vllm_0_33_0_gate import RELEASE, as_the_client_sends, require_vllm_0_33_0
 
 vllm = require_vllm_0_33_0()
 
@@ -60,7 +60,7 @@ offline_environment()
 
 # The module's shared engine: it outlives single tests (conftest's leak check).
 LEAK_ALLOWED_PIDS: set[int] = set()
-PROTOCOL = "0.33.0"
+PROTOCOL = RELEASE
 
 
 @pytest.fixture(scope="module")
@@ -279,7 +279,9 @@ def raw_front_end(ipc_dir: Path) -> Iterator[FrontEnd]:
 
 
 def _vllm_add(front: FrontEnd, encoder: MsgpackEncoder, request: Any) -> None:
-    front.send_frames([EngineCoreRequestType.ADD.value, *encoder.encode(request)])
+    # As the release's own client writes it (0.34.0 packs the prompt).
+    frames = encoder.encode(as_the_client_sends(request))
+    front.send_frames([EngineCoreRequestType.ADD.value, *frames])
 
 
 def test_every_frame_is_what_vllm_0_33_0_writes(raw_front_end: FrontEnd) -> None:

@@ -23,7 +23,7 @@ from typing import Any
 
 import pytest
 
-from vllm_0_33_0_gate import require_vllm_0_33_0
+from vllm_0_33_0_gate import RELEASE, require_vllm_0_33_0
 
 vllm = require_vllm_0_33_0()
 
@@ -49,7 +49,7 @@ def _make_client(config: Any) -> Any:
 
 
 #: 0.33.0's wire; its step messages carry a weight version, other messages none.
-JOINING = Joining("0.33.0", 90, _make_client, weight_versions=("default", None))
+JOINING = Joining(RELEASE, 90, _make_client, weight_versions=("default", None))
 
 
 @pytest.fixture

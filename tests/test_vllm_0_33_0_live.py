@@ -20,7 +20,7 @@ from typing import Any
 
 import pytest
 
-from vllm_0_33_0_gate import RELEASE, require_vllm_0_33_0
+from vllm_0_33_0_gate import RELEASE, as_the_client_sends, require_vllm_0_33_0
 
 vllm = require_vllm_0_33_0()
 
@@ -146,17 +146,8 @@ def _varied_request(seed: int) -> Any:
     )  # fmt: skip
 
 
-def _as_the_client_sends(request: Any) -> Any:
-    """``request`` as the installed release's own client sends it: vLLM 0.34.0's packs
-    the prompt as an int32 ndarray (``_with_packed_prompt``), which its engines expect."""
-    from vllm.v1.engine import core_client
-
-    pack = getattr(core_client, "_with_packed_prompt", None)
-    return request if pack is None else pack(request)
-
-
 REQUESTS = {
-    name: _as_the_client_sends(request)
+    name: as_the_client_sends(request)
     for name, request in {
         **_load_generator("make_golden_requests").cases(),
         **{f"varied-{s}": _varied_request(s) for s in range(16)},

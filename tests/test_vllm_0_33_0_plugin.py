@@ -27,7 +27,7 @@ from typing import Any
 
 import pytest
 
-from vllm_0_33_0_gate import require_vllm_0_33_0
+from vllm_0_33_0_gate import RELEASE, require_vllm_0_33_0
 
 vllm = require_vllm_0_33_0()
 
@@ -50,15 +50,17 @@ from vllm.v1.engine.exceptions import EngineDeadError  # noqa: E402
 from vllm.v1.executor import Executor  # noqa: E402
 from vllm.v1.serial_utils import MsgpackDecoder, MsgpackEncoder  # noqa: E402
 
+from corewire import releases  # noqa: E402
 from corewire.engine.interface import EngineInfo  # noqa: E402
 from corewire.layouts import FT_STATUS_CALL_ID, RequestError  # noqa: E402
 from corewire.ready_layouts import ReadyFacts, ready_response_for  # noqa: E402
 from corewire.vllm.client import (  # noqa: E402
     HEALTH_INTERVAL_ENV,
     HEALTH_TIMEOUT_ENV,
+    client_classes,
     make_async_mp_client,
 )
-from corewire.vllm.v0_33_0 import FT_UTILITY_METHOD, Vllm0330AsyncMPClient  # noqa: E402
+from corewire.vllm.v0_33_0 import FT_UTILITY_METHOD  # noqa: E402
 from dp_support import free_tcp_port  # noqa: E402
 from vllm_join_support import frontend_only_config, join_args, private_root  # noqa: E402
 from vllm_support import (  # noqa: E402
@@ -74,6 +76,9 @@ from vllm_support import (  # noqa: E402
 offline_environment()
 
 _DEADLINE_S = 90.0
+#: Whether the release under test has vLLM 0.34.0's client calls (the sleep and KV
+#: release flag, process checkpoints, the managed engine's status map).
+NEWER_CALLS = releases.get(RELEASE).process_checkpoints
 
 
 @pytest.fixture
@@ -116,7 +121,7 @@ async def frontend(
     0.33.0`` that joined it; both stopped after the test."""
     port = free_tcp_port()
     engines = EngineProcs(root)
-    engines.start(*join_args(port, 0, protocol="0.33.0"))
+    engines.start(*join_args(port, 0, protocol=RELEASE))
     config = frontend_only_config(root / "model", port)
     llm = None
     try:
@@ -172,7 +177,7 @@ async def test_generation_abort_and_utilities_through_asyncllm(
     tokens and logprobs; an abort ends the request at once; every utility call
     ``AsyncLLM`` makes answers with 0.33.0's semantics."""
     llm, engines = frontend
-    assert type(llm.engine_core) is Vllm0330AsyncMPClient
+    assert type(llm.engine_core) is client_classes(RELEASE)["plain"]
     # The engine's ready response reached vLLM's config (its smaller limit won).
     assert llm.vllm_config.model_config.max_model_len == ENGINE_ARGS["max_model_len"]
 
@@ -315,7 +320,7 @@ class _HandEngine(threading.Thread):
         self.outputs = self.ctx.socket(zmq.PUSH)
         self.outputs.connect(addresses["output_address"])
         info = EngineInfo(max_model_len=512)
-        ready = ready_response_for("0.33.0", info, engine_index=0, facts=facts)
+        ready = ready_response_for(RELEASE, info, engine_index=0, facts=facts)
         self.requests.send(msgspec.msgpack.encode(ready))
 
     def run(self) -> None:
@@ -415,6 +420,8 @@ async def test_0_33_0_utility_calls_on_the_wire(root: Path, corewire_factory: li
         "is_scheduler_paused": True,
         "get_weight_version": "v7",
         "compute_weight_checksums": [{"layer.0": "ab12"}, {"layer.1": "cd34"}],
+        "checkpoint_prepare": "not now",
+        "checkpoint_state": ["failed", "disk full"],
     }
     kv_events = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": "tcp://*:5599"}
     facts = ReadyFacts(kv_events_config=kv_events, effective_attention_block_size=32)
@@ -436,20 +443,34 @@ async def test_0_33_0_utility_calls_on_the_wire(root: Path, corewire_factory: li
         with pytest.raises(NotImplementedError, match="elastic EP"):
             await llm.engine_core.prepare_elastic_ep(2)
         assert await llm.engine_core.get_external_elastic_ep_status() is None
+        if NEWER_CALLS:
+            # 0.34.0's sleep flag and process-checkpoint calls, and their answers.
+            await llm.sleep(1, mode="wait", reset_connector=False)
+            assert await llm.checkpoint_prepare(mode="keep") == "not now"
+            from vllm.v1.engine import CheckpointState
+
+            assert await llm.checkpoint_state() == (CheckpointState.FAILED, "disk full")
         calls = [c for c in hand.calls if c[0] not in ("get_supported_tasks", "reset_mm_cache")]
     # The client started the renderer's warm-up once: engines elsewhere, at once.
     assert corewire_factory == [1]
-    assert calls == [
+    expected = [
         ("pause_generation", ["wait", False]),
         ("is_scheduler_paused", []),
         ("resume_scheduler", []),
         ("wake_up", [["weights"]]),
-        ("release_kv_cache_memory", []),
+        ("release_kv_cache_memory", [True] if NEWER_CALLS else []),
         ("set_weight_version", ["v7"]),
         ("get_weight_version", []),
         ("compute_weight_checksums", []),
         ("profile", [True, "p", 2, 5, {"with_stack": True}]),
     ]
+    if NEWER_CALLS:
+        expected += [
+            ("sleep", [1, "wait", False]),
+            ("checkpoint_prepare", ["keep"]),
+            ("checkpoint_state", []),
+        ]
+    assert calls == expected
 
 
 async def test_fault_tolerance_status_and_handling(root: Path, corewire_factory: list[int]) -> None:
@@ -471,8 +492,10 @@ async def test_fault_tolerance_status_and_handling(root: Path, corewire_factory:
         result = await llm.handle_fault(request)
         assert result == FaultToleranceResult("ft-1", False, "retry failed")
         status = await llm.get_status()
+    # 0.34.0 on also keeps the recovery's progress (failed, here) in the engine's map.
+    progress = {"ft_state": "failed"} if NEWER_CALLS else {}
     assert status["engines"] == [
-        {**unhealthy, "last_ft_request_id": "ft-1", "ft_error": "retry failed"}
+        {**unhealthy, **progress, "last_ft_request_id": "ft-1", "ft_error": "retry failed"}
     ]
     method, args = hand.calls[-1]
     assert method == FT_UTILITY_METHOD

@@ -24,7 +24,7 @@ from typing import Any
 
 import pytest
 
-from vllm_0_33_0_gate import require_vllm_0_33_0
+from vllm_0_33_0_gate import RELEASE, require_vllm_0_33_0
 
 vllm = require_vllm_0_33_0()
 
@@ -38,6 +38,7 @@ if _MISSING is not None:
 
 import httpx  # noqa: E402
 
+from corewire.vllm.client import client_classes  # noqa: E402
 from corewire.vllm.stack import ServeStack  # noqa: E402
 from serve_support import (  # noqa: E402
     HEALTH_ENV,
@@ -85,7 +86,7 @@ def stack(
     with shared_stack(
         workdir, client, _SHARED_PIDS, server_env=env, still_healthy=lambda: client not in _KILLED
     ) as started:
-        assert started.protocol == "0.33.0"
+        assert started.protocol == RELEASE
         yield started
 
 
@@ -180,7 +181,7 @@ def test_two_engines_behind_one_front_end(tmp_path: Path) -> None:
     text does not depend on the engine; vLLM's coordinator is sent nothing it does not
     expect (0.33.0 has no first-request notices). Its own stack (~25 s)."""
     log = check_two_engines_behind_one_front_end(tmp_path, "corewire")
-    assert f"{PLUGIN_LOG_LINE} Vllm0330DPLBAsyncMPClient" in log
+    assert f"{PLUGIN_LOG_LINE} {client_classes(RELEASE)['dplb'].__name__}" in log
     assert "unexpected message" not in log
 
 
@@ -189,4 +190,4 @@ def test_two_api_servers_with_corewire_clients(tmp_path: Path) -> None:
     server's engine sockets itself and hands them over; corewire's client in each server
     adopts them (zmq.USE_FD), and both servers answer on the one port. Its own stack."""
     log = check_two_api_servers_with_corewire_clients(tmp_path)
-    assert "Vllm0330AsyncMPClient" in log
+    assert client_classes(RELEASE)["plain"].__name__ in log

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 from types import ModuleType
+from typing import Any
 
 import pytest
 
@@ -31,3 +32,13 @@ def require_vllm_0_33_0() -> ModuleType:
             raise RuntimeError(f"COREWIRE_REQUIRE_VLLM={required}, found vLLM {vllm.__version__}")
         pytest.skip(f"needs vLLM {RELEASE} (found {vllm.__version__})", allow_module_level=True)
     return vllm
+
+
+def as_the_client_sends(request: Any) -> Any:
+    """vLLM's ``request`` as the installed release's own client sends it: vLLM 0.34.0's
+    packs the prompt as an int32 ndarray (``_with_packed_prompt``), which its engines
+    expect; earlier releases send it as it is."""
+    from vllm.v1.engine import core_client
+
+    pack = getattr(core_client, "_with_packed_prompt", None)
+    return request if pack is None else pack(request)

@@ -429,8 +429,10 @@ def _recorded_types(release: str) -> types.MappingProxyType[str, Any]:
     from corewire.releases.structs import build_structs, wire_names
 
     record = records.load(release)
-    given = {}
+    given = _same_layout_classes(record)
     for name in _SHARED_LEAVES:
+        if name in given:
+            continue
         entry = record["structs"].get(name)
         if entry is None:
             continue
@@ -442,6 +444,54 @@ def _recorded_types(release: str) -> types.MappingProxyType[str, Any]:
                 break
     built = build_structs(record, as_maps=("dataclass", "typeddict"), given=given)
     return types.MappingProxyType(built)
+
+
+def _reachable(record: dict[str, Any], name: str) -> dict[str, Any]:
+    """Struct ``name``'s layout and that of every struct and enum it reaches, from
+    ``record``, by ``"struct:Name"`` / ``"enum:Name"`` (the defining module left out: a
+    class that moved does not change the wire)."""
+    found: dict[str, Any] = {}
+    pending = [("struct", name)]
+    while pending:
+        kind, current = pending.pop()
+        key = f"{kind}:{current}"
+        if key in found:
+            continue
+        table = record["structs" if kind == "struct" else "enums"]
+        entry = table.get(current)
+        found[key] = None if entry is None else {k: v for k, v in entry.items() if k != "module"}
+        if kind == "struct" and entry is not None:
+            stack: list[Any] = [f["type"] for f in entry["fields"]]
+            while stack:
+                node = stack.pop()
+                if isinstance(node, dict):
+                    if node.get("kind") in ("struct", "enum") and "name" in node:
+                        pending.append((node["kind"], node["name"]))
+                    stack.extend(node.values())
+                elif isinstance(node, list):
+                    stack.extend(node)
+    return found
+
+
+def _same_layout_classes(record: dict[str, Any]) -> dict[str, Any]:
+    """corewire's hand-kept class of each struct whose whole layout (its own and that of
+    every struct and enum it reaches) is, in ``record``, what it is in the record of the
+    release the class was written for: engines and callers then read the same class,
+    with corewire's attribute names (``SamplingParams.eos_token_id``,
+    ``PoolingParams.normalize``), in every release that left it alone."""
+    from corewire.releases import records
+
+    given: dict[str, Any] = {}
+    for version, table in _TYPES.items():
+        if version not in records.releases():
+            continue
+        theirs = records.load(version)
+        for name, cls in table.items():
+            if name in given or name not in record["structs"] or name not in theirs["structs"]:
+                continue
+            if _reachable(record, name) == _reachable(theirs, name):
+                given[name] = cls
+    return given
 
 
 _RECORDED: dict[str, types.MappingProxyType[str, Any]] = {}

@@ -209,14 +209,9 @@ class AsyncMPClient(MPClient):
     ) -> None:
         # Before any engine starts: a bad COREWIRE_METRICS value fails here.
         metrics = for_client(kwargs.get("client_index", 0))
-        #: Engine index -> the latest status map that engine pushed (call id -2, vLLM
-        #: 0.33.0 with fault tolerance on): ``{"id": index, "status": "healthy" |
-        #: "unhealthy" | "dead", "fault_info"?: str}``, as the engine sent it. Replaced
-        #: whole by each new one, on the event loop; empty until an engine sends one (an
-        #: engine without fault tolerance never does). vLLM's front-end reads it under
-        #: this name; a caller may add keys to an engine's map (vLLM records a failed
-        #: fault-handling request there).
-        self.engine_status: dict[int, dict[str, Any]] = {}
+        # What engine_status shows (kept under its own name: the clients inside vLLM
+        # 0.34.0 show the managed engine's map under engine_status instead).
+        self._engine_statuses: dict[int, dict[str, Any]] = {}
         super().__init__(asyncio_mode=True, **kwargs)
         self.health_check_interval = health_check_interval
         self.health_check_timeout = health_check_timeout
@@ -264,8 +259,19 @@ class AsyncMPClient(MPClient):
             hook=hook,
             hook_is_async=inspect.iscoroutinefunction(hook),
             notify=None if handler is None else _notification_starter(ref, self.resources, handler),
-            status=StatusKeeper(self.engine_status),
+            status=StatusKeeper(self._engine_statuses),
         )
+
+    @property
+    def engine_status(self) -> dict[int, dict[str, Any]]:
+        """Engine index -> the latest status map that engine pushed (call id -2, vLLM
+        0.33.0 on, with fault tolerance on): ``{"id": index, "status": "healthy" |
+        "unhealthy" | "dead", "fault_info"?: str}``, as the engine sent it. Replaced whole
+        by each new one, on the event loop; empty until an engine sends one (an engine
+        without fault tolerance never does). vLLM 0.33.0's front-end reads it under this
+        name; a caller may add keys to an engine's map (vLLM records a failed
+        fault-handling request there)."""
+        return self._engine_statuses
 
     def _ensure_output_queue_task(self) -> None:
         """Start the output task (and the watchdog) if not started; idempotent."""

@@ -69,7 +69,7 @@ from corewire.engine.logthrottle import ThrottledWarning
 from corewire.engine.ready import engine_info_of
 from corewire.engine.reasons import reason_for, safe_reason
 from corewire.engine.utilities import DEFAULT_UTILITIES, UtilityDefaults
-from corewire.engine.utilities_0_33_0 import PAUSED_ERROR, UTILITIES_0_33_0, Utilities0330
+from corewire.engine.utilities_0_33_0 import PAUSED_ERROR, utility_names
 from corewire.engine.wire import (
     DEFAULT_WEIGHT_VERSION,
     StepOutputs,
@@ -267,9 +267,13 @@ class EngineCoreProc:
         # Read once, before any thread starts: the ready response repeats it.
         self.engine_info = engine_info_of(engine)
         self._utility_defaults = UtilityDefaults(engine)
-        # The utilities a 0.33.0 front-end calls that need this proc's own state.
-        self._protocol_utilities = (
-            Utilities0330(self) if releases.get(self.protocol).generation_pause_utilities else None
+        # The utilities a 0.33.0-on front-end calls that need this proc's own state, and
+        # their names (the release says which: corewire.releases.Release.engine_utilities).
+        self._protocol_utilities = releases.get(self.protocol).engine_utilities(self)
+        self._protocol_utility_names = (
+            frozenset()
+            if self._protocol_utilities is None
+            else utility_names(type(self._protocol_utilities))
         )
         #: Set once the ready response went out on every request link.
         self.ready_event = threading.Event()
@@ -767,7 +771,7 @@ class EngineCoreProc:
     def _resolve_utility(self, method: str) -> Any:
         if method in self.PROC_UTILITIES:
             return getattr(self, method)
-        if self._protocol_utilities is not None and method in UTILITIES_0_33_0:
+        if method in self._protocol_utility_names:
             return getattr(self._protocol_utilities, method)
         return self._engine_utility(method)
 

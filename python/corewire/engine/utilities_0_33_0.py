@@ -36,7 +36,7 @@ from corewire.layouts import RequestError
 if TYPE_CHECKING:
     from corewire.engine.core import EngineCoreProc
 
-__all__ = ["PAUSED_ERROR", "UTILITIES_0_33_0", "Utilities0330"]
+__all__ = ["PAUSED_ERROR", "UTILITIES_0_33_0", "Utilities0330", "utility_names"]
 
 #: What an ADD gets while generation is paused in ``"abort"`` or ``"wait"`` mode (vLLM
 #: 0.33.0's words).
@@ -151,5 +151,11 @@ def _takes_positional(fn: Any, count: int) -> bool:
     return True
 
 
+def utility_names(cls: type) -> frozenset[str]:
+    """The utility names a protocol-utilities class answers: its public methods, those
+    it inherits included."""
+    return frozenset(n for n in dir(cls) if not n.startswith("_") and callable(getattr(cls, n)))
+
+
 #: The utility names :class:`Utilities0330` answers.
-UTILITIES_0_33_0 = frozenset(n for n in vars(Utilities0330) if not n.startswith("_"))
+UTILITIES_0_33_0 = utility_names(Utilities0330)

@@ -81,7 +81,10 @@ def finish_output(
             request_id, [], finish_reason=finish_reason, stop_reason=stop_reason
         )
     out_type = types_for(protocol)["EngineCoreOutput"]
-    return out_type(request_id, [], finish_reason=finish_reason, error=error)
+    # By name: a release's recorded structs may take their fields by keyword only.
+    return out_type(
+        request_id=request_id, new_token_ids=[], finish_reason=finish_reason, error=error
+    )
 
 
 def output_converter(protocol: str | None) -> Callable[[Any], Any] | None:

@@ -62,6 +62,11 @@ class Release(str):
     #: Internal load balancing keeps a streaming-input session on its engine and aborts
     #: an open session on every engine.
     session_affinity: ClassVar[bool] = False
+    #: Front-ends call the process-checkpoint utilities (``checkpoint_prepare`` /
+    #: ``_restore`` / ``_state``), pass ``reset_connector`` to ``sleep`` and
+    #: ``release_kv_cache_memory``, and read the managed engine's status map as the
+    #: client's ``engine_status``.
+    process_checkpoints: ClassVar[bool] = False
     #: corewire's native output processing (``corewire.vllm.output``) is held to the
     #: ``OutputProcessor`` of the release this class was written for by the differential
     #: tests (read through :attr:`native_output`).
@@ -180,6 +185,12 @@ class Release(str):
             fields = getattr(cls, "__struct_encode_fields__", None)
             layout[name] = tuple(fields if fields is not None else cls._fields)
         return layout
+
+    def engine_utilities(self, proc: Any) -> Any:
+        """The utilities a front-end of this release calls that a corewire engine core
+        answers from its own state (``corewire.engine.utilities_0_33_0`` and on), for the
+        engine core ``proc``; None where the engine's own methods answer every call."""
+        return None
 
     def native_decoder(self, **kwargs: Any) -> Any:
         """A ``NativeDecoder`` of this release's outputs (``kwargs``: its other

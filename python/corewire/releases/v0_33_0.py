@@ -95,6 +95,11 @@ class Release0330(Release0251):
             setattr(client, key, address)
         return response
 
+    def engine_utilities(self, proc: Any) -> Any:
+        from corewire.engine.utilities_0_33_0 import Utilities0330
+
+        return Utilities0330(proc)
+
     def request_writer(self) -> Any:
         from corewire.client import wire_requests
 

@@ -14,16 +14,29 @@ class Release0340(Release0330):
     """vLLM 0.34.0. Its wire changes are in its record (its front-end packs every prompt
     as an int32 ndarray: :attr:`~corewire.releases.base.Release.packs_prompts`); its
     front-end's client members differ (``sleep(..., reset_connector)``, checkpoints, the
-    ``engine_status`` property ``AsyncLLM`` reads)."""
+    ``engine_status`` property ``AsyncLLM`` reads: :mod:`corewire.vllm.v0_34_0`), and so
+    do its engines' utilities (:mod:`corewire.engine.utilities_0_34_0`)."""
 
     __slots__ = ()
     NAME = "0.34.0"
 
-    # Its front-end's client members (above) are not written yet: the plugin refuses it
-    # by name rather than fail inside AsyncLLM.
-    VLLM_CLIENT = False
+    process_checkpoints = True
+
+    def engine_utilities(self, proc: Any) -> Any:
+        from corewire.engine.utilities_0_34_0 import Utilities0340
+
+        return Utilities0340(proc)
 
     def request_writer(self) -> Any:
         from corewire.client import wire_requests
 
         return wire_requests.packed_writer(self) if self.verified else wire_requests.as_given(self)
+
+    def vllm_client_classes(self) -> dict[str, type]:
+        from corewire.vllm import v0_34_0
+
+        return {
+            "plain": v0_34_0.Vllm0340AsyncMPClient,
+            "dp": v0_34_0.Vllm0340DPAsyncMPClient,
+            "dplb": v0_34_0.Vllm0340DPLBAsyncMPClient,
+        }

@@ -59,7 +59,7 @@ class Members0330(VllmClientMixin):
 
     # Provided by the corewire client class this is mixed into.
     core_engines: list[bytes]
-    engine_status: dict[int, dict[str, Any]]
+    _engine_statuses: dict[int, dict[str, Any]]
 
     def _vllm_setup(self, args: VllmArgs) -> dict[str, Any]:
         #: Ready-response facts vLLM's client keeps (notes §5.1).
@@ -76,7 +76,7 @@ class Members0330(VllmClientMixin):
         if self._fault_tolerance:
             # vLLM's client starts from "healthy" for every engine it drives.
             for rank in self.engine_indices:
-                self.engine_status.setdefault(rank, {"id": rank, "status": "healthy"})
+                self._engine_statuses.setdefault(rank, {"id": rank, "status": "healthy"})
 
     # -- utility fan-out ---------------------------------------------------------------
 
@@ -170,7 +170,7 @@ class Members0330(VllmClientMixin):
         reply = await self.call_utility_async(FT_UTILITY_METHOD, fault_tolerance_request)
         result = msgspec.convert(reply, FaultToleranceResult)
         if not result.success:
-            status = self.engine_status.get(self.engine_indices[0])
+            status = self._engine_statuses.get(self.engine_indices[0])
             if status is not None:
                 status["last_ft_request_id"] = result.request_id
                 status["ft_error"] = result.reason
@@ -181,7 +181,7 @@ class Members0330(VllmClientMixin):
         return {
             "schema_version": _STATUS_SCHEMA_VERSION,
             "total_engines": len(self.engine_indices),
-            "engines": list(self.engine_status.values()),
+            "engines": list(self._engine_statuses.values()),
         }
 
     # -- elastic EP: not supported -----------------------------------------------------
@@ -189,20 +189,20 @@ class Members0330(VllmClientMixin):
     async def prepare_elastic_ep(self, new_data_parallel_size: int) -> None:
         """Not supported by corewire's client: raises ``NotImplementedError``."""
         raise NotImplementedError(
-            f"corewire's client inside vLLM 0.33.0 does not support elastic EP scaling "
-            f"(to {new_data_parallel_size}); unset COREWIRE_VLLM_CLIENT to use vLLM's"
+            f"corewire's client inside vLLM {self.release.name} does not support elastic EP "
+            f"scaling (to {new_data_parallel_size}); unset COREWIRE_VLLM_CLIENT to use vLLM's"
         )
 
     async def commit_elastic_ep(self) -> None:
         """Not supported by corewire's client: raises ``NotImplementedError``."""
         raise NotImplementedError(
-            "corewire's client inside vLLM 0.33.0 does not support elastic EP scaling"
+            f"corewire's client inside vLLM {self.release.name} does not support elastic EP scaling"
         )
 
     async def abort_external_elastic_ep(self, error: str) -> None:
         """Not supported by corewire's client: raises ``NotImplementedError``."""
         raise NotImplementedError(
-            "corewire's client inside vLLM 0.33.0 does not support elastic EP scaling"
+            f"corewire's client inside vLLM {self.release.name} does not support elastic EP scaling"
         )
 
     async def get_external_elastic_ep_status(self) -> dict[str, Any] | None:
