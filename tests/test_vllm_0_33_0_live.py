@@ -87,6 +87,18 @@ def _varied_batch(seed: int) -> Any:
 MESSAGES = {**_golden_cases(), **{f"varied-{s}": _varied_batch(s) for s in range(8)}}
 
 
+def _as_the_release_has_it(got: dict[str, Any], want: dict[str, Any]) -> dict[str, Any]:
+    """``got`` (a natively decoded message, as data) without the output fields only other
+    releases have: the native objects carry every release's fields, and those this
+    release lacks must be None."""
+    outputs = []
+    for output, wanted in zip(got.get("outputs") or (), want.get("outputs") or (), strict=False):
+        extra = set(output) - set(wanted)
+        assert all(output[f] is None for f in extra), sorted(extra)
+        outputs.append({f: v for f, v in output.items() if f not in extra})
+    return {**got, "outputs": outputs} if "outputs" in got else got
+
+
 @pytest.mark.parametrize("name", sorted(MESSAGES))
 def test_vllm_encodes_corewire_decodes_the_same(name: str) -> None:
     protocol = protocol_for_vllm(vllm.__version__)
@@ -96,7 +108,7 @@ def test_vllm_encodes_corewire_decodes_the_same(name: str) -> None:
         warnings.simplefilter("ignore", UserWarning)
         want = jsonable(MsgpackDecoder(E.EngineCoreOutputs).decode(frames))
     got = NativeDecoder(protocol=protocol).decode(frames)
-    assert jsonable(got) == want
+    assert _as_the_release_has_it(jsonable(got), want) == want
     again = Encoder(protocol=protocol).encode(to_structs(got, protocol))
     assert [bytes(f) for f in again] == frames
 
