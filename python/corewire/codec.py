@@ -28,7 +28,7 @@ import numpy as np
 from corewire import releases
 from corewire._native import NativeDecoder
 from corewire.errors import ProtocolError
-from corewire.layouts import version_of
+from corewire.layouts import types_for, version_of
 from corewire.protocol import UtilityResult, utility_result_wire
 
 try:
@@ -95,9 +95,15 @@ class Encoder:
         return frames
 
     def _check_version(self, obj: Any) -> None:
-        version = version_of(type(obj))
-        if version is not None and version != self.protocol:
-            name = type(obj).__name__
+        cls = type(obj)
+        version = version_of(cls)
+        # A hand-kept class also lays out the releases that left its struct alone.
+        if (
+            version is not None
+            and version != self.protocol
+            and types_for(self.protocol).get(cls.__name__) is not cls
+        ):
+            name = cls.__name__
             raise TypeError(
                 f"a vLLM {version} {name} cannot be sent by a protocol={self.protocol!r} "
                 f"encoder (corewire.layouts.types_for({self.protocol!r})[{name!r}] can)"

@@ -84,8 +84,11 @@ def as_given(release: Any) -> Callable[[Any], Any]:
     own) go as given; corewire's 0.25.1 struct, which that release would misread, is
     refused with a ``TypeError`` naming what to send instead."""
 
+    # A release whose requests are laid out as 0.25.1's takes corewire's struct as it is.
+    own = layouts.types_for(release)["EngineCoreRequest"]
+
     def write(request: Any) -> Any:
-        if type(request) is p.EngineCoreRequest:
+        if type(request) is p.EngineCoreRequest and own is not p.EngineCoreRequest:
             raise TypeError(
                 f"vLLM {release.name}'s engines read its own EngineCoreRequest: build it with "
                 f"corewire.layouts.types_for({release.name!r})['EngineCoreRequest']"

@@ -240,6 +240,9 @@ class EngineCoreProc:
         # Converts each queued message into the protocol's layout on the output thread
         # (None: engines' structs are that layout already, nothing to do).
         self._to_wire = output_converter(self.protocol)
+        # Whether step messages carry a weight version (a release whose EngineCoreOutputs
+        # has the field: 0.33.0 on).
+        self._stamps_weight_version = releases.get(self.protocol).weight_versions
         #: What a step's messages carry as ``weight_version`` (0.33.0 on; set by the
         #: ``set_weight_version`` utility).
         self.weight_version = DEFAULT_WEIGHT_VERSION
@@ -519,7 +522,7 @@ class EngineCoreProc:
         ``step``: one engine step made them; a protocol with ``weight_version`` stamps
         the current one on them (as :class:`~corewire.engine.wire.StepOutputs`).
         """
-        version = self.weight_version if step and self._to_wire is not None else None
+        version = self.weight_version if step and self._stamps_weight_version else None
         if len(self.output_addresses) == 1 or outputs.utility_output is not None:
             if version is not None:
                 self.output_queue.put((client_index, StepOutputs(outputs, version)))
