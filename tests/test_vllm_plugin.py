@@ -52,14 +52,17 @@ def test_unclear_switch_is_an_error(monkeypatch: pytest.MonkeyPatch) -> None:
         plugin.enabled()
 
 
-@pytest.mark.parametrize("version", ["0.25.1", "0.25.1+cpu", "0.33.0", "0.33.0+cpu"])
+@pytest.mark.parametrize(
+    "version", ["0.25.1", "0.25.1+cpu", "0.33.0", "0.33.0+cpu", "0.34.0", "0.34.0+cpu"]
+)
 def test_plugin_accepts_the_vllm_its_client_is_built_for(version: str) -> None:
     plugin.check_vllm_version(version)
 
 
-@pytest.mark.parametrize("version", ["0.25.2", "0.26.0", "0.25.1rc1", "0.33.1", "0.34.0"])
+@pytest.mark.parametrize("version", ["0.25.2", "0.26.0", "0.25.1rc1", "0.33.1", "0.34.1"])
 def test_plugin_refuses_another_vllm_by_name(version: str) -> None:
-    supported = r"0\.25\.1, 0\.33\.0"
+    # Releases only recorded (0.26.0) too: the plugin's client is checked per release.
+    supported = r"0\.25\.1, 0\.33\.0, 0\.34\.0"
     expected = rf"supports vLLM {supported}, not the installed {version}"
     with pytest.raises(RuntimeError, match=expected):
         plugin.check_vllm_version(version)

@@ -38,6 +38,7 @@ __all__ = [
     "output_enabled",
     "output_wanted",
     "register",
+    "self_check_passes",
 ]
 
 # Under vLLM's logger namespace: its handlers (and level) show this in the server's log.
@@ -141,6 +142,26 @@ def _install_output_processor() -> None:
     logger.info("corewire: vLLM's AsyncLLM processes outputs with corewire")
 
 
+def self_check_passes(version: str) -> bool:
+    """Whether corewire's wire for vLLM ``version`` is, checked against the installed
+    vLLM's own classes, encoder and decoder (``corewire.vllm.self_check``), what that vLLM
+    writes and reads; otherwise one warning line names the difference, and vLLM keeps its
+    own client."""
+    from corewire.vllm.self_check import first_difference
+
+    difference = first_difference(releases.for_vllm(version))
+    if difference is None:
+        return True
+    logger.warning(
+        "corewire: %s=1, but corewire's wire does not match the installed vLLM %s (%s); "
+        "vLLM keeps its own engine-core client",
+        ENV_SWITCH,
+        version,
+        difference,
+    )
+    return False
+
+
 def _install_client() -> None:
     import vllm
 
@@ -154,5 +175,7 @@ def _install_client() -> None:
     current: Any = EngineCoreClient.__dict__.get("make_async_mp_client")
     if getattr(current, "__func__", None) is make_async_mp_client:
         return  # vLLM loads plugins more than once per process
+    if not self_check_passes(vllm.__version__):
+        return
     EngineCoreClient.make_async_mp_client = staticmethod(make_async_mp_client)  # type: ignore[method-assign]
     logger.info("corewire: vLLM's AsyncLLM uses corewire's engine-core client")
