@@ -9,6 +9,7 @@ fails. Spec: docs/protocol.md §11.1.
 
 from __future__ import annotations
 
+import json
 import logging
 
 import pytest
@@ -125,3 +126,54 @@ def test_the_plugin_keeps_vllms_client_when_the_check_fails(
     monkeypatch.setattr(self_check, "first_difference", lambda release: None)
     plugin._install_client()
     assert EngineCoreClient.__dict__["make_async_mp_client"] is not vllms
+
+
+# -------------------------------------------------- a release newer than every tested one
+
+
+@pytest.fixture
+def newer_vllm(monkeypatch: pytest.MonkeyPatch) -> str:
+    """The installed vLLM reporting itself as a release newer than every recorded one
+    (what a user upgrading before corewire does sees); what the adoption registers is
+    forgotten after the test."""
+    from corewire.releases import records
+
+    name = "9.0.0"
+    monkeypatch.setattr(vllm, "__version__", name)
+    monkeypatch.setattr(records, "_LIVE", {})
+    monkeypatch.setattr(releases, "_RELEASES", dict(releases._RELEASES))
+    return name
+
+
+def test_a_newer_release_is_adopted_from_its_own_classes(
+    newer_vllm: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    from corewire import layouts
+    from corewire.releases import derive, records
+
+    assert releases.is_newer_than_tested(newer_vllm)
+    assert not releases.is_newer_than_tested("0.25.2")
+    assert not releases.is_newer_than_tested("9.0.0rc1")
+    with caplog.at_level(logging.WARNING, logger="corewire.releases"):
+        adopted = releases.installed(vllm)
+        assert releases.installed(vllm) is adopted  # adopted once
+    assert adopted.name == newer_vllm and adopted.verified is False
+    assert releases.get(newer_vllm) is adopted and adopted not in releases.SUPPORTED
+    # Its wire is the installed classes' own, read live, and its structs are built from it.
+    live = {**derive.derive(vllm), "vllm": newer_vllm}
+    assert records.load(newer_vllm) == json.loads(json.dumps(live))
+    assert layouts.types_for(adopted)["EngineCoreOutput"] is not None
+    untested = [r.getMessage() for r in caplog.records if "untested" in r.getMessage()]
+    assert len(untested) == 1 and newer_vllm in untested[0]
+    # Its wire is what the installed vLLM writes and reads.
+    assert self_check.first_difference(adopted) is None
+    # Other unknown versions stay refused.
+    with pytest.raises(releases.UnsupportedProtocolError):
+        releases.installed(type("Older", (), {"__version__": "0.25.2"}))
+
+
+def test_the_plugin_accepts_a_newer_release_and_checks_it(newer_vllm: str) -> None:
+    plugin.check_vllm_version(newer_vllm)
+    with pytest.raises(RuntimeError, match=r"not the installed 0\.25\.2"):
+        plugin.check_vllm_version("0.25.2")
+    assert plugin.self_check_passes() is True

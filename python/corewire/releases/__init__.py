@@ -23,6 +23,9 @@ class here.
 
 from __future__ import annotations
 
+import logging
+from typing import Any
+
 from corewire.releases import records
 from corewire.releases.base import Launch, Release
 from corewire.releases.v0_25_1 import Release0251
@@ -38,8 +41,12 @@ __all__ = [
     "UnsupportedProtocolError",
     "for_vllm",
     "get",
+    "installed",
+    "is_newer_than_tested",
     "unsupported_protocol",
 ]
+
+logger = logging.getLogger("corewire.releases")
 
 #: Every release class, oldest first. Each stands for its release (its ``NAME``) and the
 #: recorded releases after it until the next class.
@@ -62,7 +69,7 @@ def _class_for(name: str) -> type[Release]:
 #: The one instance of each supported release, by version: every recorded release.
 _RELEASES: dict[str, Release] = {
     name: _class_for(name)(name)
-    for name in sorted({*records.releases(), *(cls.NAME for cls in _CLASSES)}, key=_key)
+    for name in sorted({*records.shipped(), *(cls.NAME for cls in _CLASSES)}, key=_key)
 }
 
 #: Every supported release, oldest first.
@@ -113,4 +120,49 @@ def for_vllm(version: str) -> Release:
     release = _RELEASES.get(version.strip().split("+", 1)[0])
     if release is None:
         raise unsupported_protocol(version, "vLLM version")
+    return release
+
+
+def _is_final_release(name: str) -> bool:
+    parts = name.split(".")
+    return len(parts) == 3 and all(part.isdigit() for part in parts)
+
+
+def is_newer_than_tested(version: str) -> bool:
+    """Whether ``version`` (a local label ignored) names a final release newer than
+    :data:`NEWEST`, which :func:`installed` adopts rather than refuses."""
+    name = version.strip().split("+", 1)[0]
+    return _is_final_release(name) and _key(name) > _key(NEWEST)
+
+
+def installed(vllm_module: Any) -> Release:
+    """The release of the imported ``vllm`` module: a supported one (:func:`for_vllm`),
+    or one newer than :data:`NEWEST`, adopted for this process: its wire read off its own
+    classes (``corewire.releases.derive``), its behaviour the newest class's, and one
+    warning that it is untested (``Release.verified`` is False). Any other version raises
+    :class:`UnsupportedProtocolError`."""
+    version = str(vllm_module.__version__)
+    name = version.strip().split("+", 1)[0]
+    if name in _RELEASES or not is_newer_than_tested(version):
+        return for_vllm(version)
+    from corewire.releases.derive import derive
+
+    try:
+        record = derive(vllm_module)
+    except ImportError as exc:
+        raise UnsupportedProtocolError(
+            f"vLLM {version} is newer than every release corewire knows and its wire "
+            f"classes could not be read ({exc})",
+            version,
+        ) from exc
+    records.add_live({**record, "vllm": name})
+    release = _class_for(name)(name)
+    _RELEASES[name] = release
+    logger.warning(
+        "corewire: vLLM %s is newer than the newest release corewire is tested against "
+        "(%s): its wire is read off its own classes and its behaviour taken as %s's; untested",
+        version,
+        NEWEST.name,
+        type(release).NAME,
+    )
     return release

@@ -11,7 +11,7 @@ from functools import cache
 from importlib import resources
 from typing import Any
 
-__all__ = ["MISSING", "defaults", "defaults_or_missing", "load", "releases"]
+__all__ = ["MISSING", "add_live", "defaults", "defaults_or_missing", "load", "releases", "shipped"]
 
 _PREFIX = "vllm-"
 _SUFFIX = ".json"
@@ -21,9 +21,15 @@ def _key(release: str) -> tuple[int, ...]:
     return tuple(int(part) for part in release.split("."))
 
 
+#: Records read off an installed vLLM newer than every shipped one, by release (JSON
+#: text: each load is a fresh copy), for this process only (:func:`add_live`).
+_LIVE: dict[str, str] = {}
+
+
 @cache
-def releases() -> tuple[str, ...]:
-    """Every recorded release, oldest first (``("0.25.1", ...)``)."""
+def shipped() -> tuple[str, ...]:
+    """Every release whose record ships with corewire, oldest first (``("0.25.1",
+    ...)``)."""
     data = resources.files(__package__) / "data"
     names = [
         p.name[len(_PREFIX) : -len(_SUFFIX)]
@@ -33,10 +39,25 @@ def releases() -> tuple[str, ...]:
     return tuple(sorted(names, key=_key))
 
 
+def releases() -> tuple[str, ...]:
+    """Every release with a record, oldest first: those shipped, then any read live."""
+    return tuple(sorted({*shipped(), *_LIVE}, key=_key))
+
+
+def add_live(record: dict[str, Any]) -> str:
+    """Keep ``record`` (``corewire.releases.derive.derive()`` of the installed vLLM) as
+    the record of its release for this process; returns the release's name."""
+    name = str(record["vllm"]).strip().split("+", 1)[0]
+    _LIVE[name] = json.dumps(record)
+    return name
+
+
 def load(release: str) -> dict[str, Any]:
     """The record of ``release`` (a fresh copy: callers may change it);
     ``KeyError`` for a release not recorded."""
-    if release not in releases():
+    if release in _LIVE:
+        return json.loads(_LIVE[release])
+    if release not in shipped():
         raise KeyError(f"no recorded wire for vLLM {release!r}")
     path = resources.files(__package__) / "data" / f"{_PREFIX}{release}{_SUFFIX}"
     return json.loads(path.read_text(encoding="utf-8"))

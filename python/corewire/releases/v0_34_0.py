@@ -30,7 +30,11 @@ class Release0340(Release0330):
     def request_writer(self) -> Any:
         from corewire.client import wire_requests
 
-        return wire_requests.packed_writer(self) if self.verified else wire_requests.as_given(self)
+        # A later release it stands for packs prompts as its record says (a newer
+        # release adopted live: corewire.releases.installed).
+        if self.verified or self.packs_prompts:
+            return wire_requests.packed_writer(self)
+        return wire_requests.as_given(self)
 
     def vllm_client_classes(self) -> dict[str, type]:
         from corewire.vllm import v0_34_0

@@ -83,7 +83,7 @@ DEFAULT_HEALTH_TIMEOUT_S = 10.0
 
 
 #: The wire of the installed vLLM (refused at import when corewire does not speak it).
-INSTALLED_PROTOCOL = releases.for_vllm(vllm.__version__)
+INSTALLED_PROTOCOL = releases.installed(vllm)
 
 
 class EngineDeadError(corewire.errors.EngineDeadError, _VllmEngineDeadError):
@@ -245,6 +245,12 @@ class VllmClientMixin:
 
     def _vllm_setup(self, args: VllmArgs) -> dict[str, Any]:
         """Record vLLM's arguments; return the corewire client's keyword arguments."""
+        if INSTALLED_PROTOCOL is not self.release and type(INSTALLED_PROTOCOL) is type(
+            self.release
+        ):
+            # A later release this class stands for (one newer than every tested
+            # release, adopted live): its behaviour is the class's, its wire its own.
+            self.release = INSTALLED_PROTOCOL
         vllm_config = self.vllm_config = args.vllm_config
         self.stats_update_address: str | None = None
         #: vLLM's engine manager and DP coordinator, when vLLM launched engines.

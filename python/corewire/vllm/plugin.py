@@ -99,7 +99,10 @@ PLUGIN_VLLM_VERSIONS = tuple(r for r in releases.SUPPORTED if r.vllm_client)
 def check_vllm_version(version: str) -> None:
     """Raise ``RuntimeError`` naming the supported releases unless the plugin's client
     supports vLLM ``version`` (a local label such as ``+cpu`` is ignored)."""
-    if version.split("+", 1)[0] not in PLUGIN_VLLM_VERSIONS:
+    # A release newer than the newest tested one is not refused by name: the self-check
+    # decides (self_check_passes), and corewire.releases.installed warns it is untested.
+    base = version.split("+", 1)[0]
+    if base not in PLUGIN_VLLM_VERSIONS and not releases.is_newer_than_tested(base):
         supported = ", ".join(PLUGIN_VLLM_VERSIONS)
         raise RuntimeError(
             f"{ENV_SWITCH}=1: corewire's client inside vLLM supports vLLM {supported}, "
@@ -142,21 +145,22 @@ def _install_output_processor() -> None:
     logger.info("corewire: vLLM's AsyncLLM processes outputs with corewire")
 
 
-def self_check_passes(version: str) -> bool:
-    """Whether corewire's wire for vLLM ``version`` is, checked against the installed
-    vLLM's own classes, encoder and decoder (``corewire.vllm.self_check``), what that vLLM
-    writes and reads; otherwise one warning line names the difference, and vLLM keeps its
-    own client."""
+def self_check_passes() -> bool:
+    """Whether corewire's wire for the installed vLLM is, checked against that vLLM's own
+    classes, encoder and decoder (``corewire.vllm.self_check``), what it writes and reads;
+    otherwise one warning line names the difference, and vLLM keeps its own client."""
+    import vllm
+
     from corewire.vllm.self_check import first_difference
 
-    difference = first_difference(releases.for_vllm(version))
+    difference = first_difference(releases.installed(vllm))
     if difference is None:
         return True
     logger.warning(
         "corewire: %s=1, but corewire's wire does not match the installed vLLM %s (%s); "
         "vLLM keeps its own engine-core client",
         ENV_SWITCH,
-        version,
+        vllm.__version__,
         difference,
     )
     return False
@@ -175,7 +179,7 @@ def _install_client() -> None:
     current: Any = EngineCoreClient.__dict__.get("make_async_mp_client")
     if getattr(current, "__func__", None) is make_async_mp_client:
         return  # vLLM loads plugins more than once per process
-    if not self_check_passes(vllm.__version__):
+    if not self_check_passes():
         return
     EngineCoreClient.make_async_mp_client = staticmethod(make_async_mp_client)  # type: ignore[method-assign]
     logger.info("corewire: vLLM's AsyncLLM uses corewire's engine-core client")
