@@ -57,7 +57,7 @@ class NativeDecoder:
     an exception they raise rejects the frame as a :class:`ProtocolError`.
 
     ``protocol`` is the vLLM version whose wire the frames follow (``"0.25.1"``, the
-    default, or ``"0.33.0"``; ``corewire.releases``). ``layout`` maps each struct's name
+    default, or any other of ``corewire.releases``). ``layout`` maps each struct's name
     (``EngineCoreOutputs``, ``EngineCoreOutput``, ``UtilityOutput``, ``LogprobsLists``,
     ``LogprobsTensors``, and ``SamplingMaskLists`` where the release has it) to its field
     names in wire order, as the release's own structs give them: any release whose fields
@@ -183,7 +183,8 @@ def wire_version() -> str:
     """The vLLM version whose wire a decoder speaks by default."""
 
 def wire_versions() -> tuple[str, ...]:
-    """Every vLLM version whose wire the decoder speaks, oldest first."""
+    """Every vLLM version the decoder has a compiled walk for, oldest first (it reads the
+    other releases through ``layout``)."""
 
 @final
 class FrameBuffer:

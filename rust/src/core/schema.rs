@@ -17,7 +17,7 @@ use super::msgpack::{check_utf8, Item, Reader, RAW_VIEW_EXT};
 use super::wire::{
     Compiled, Current, EventField, FieldType, LayoutRef, LayoutSource, ListsField, MaskField,
     MessageField, OutputField, Protocol, Runtime, StatsKind, StructLayout, TensorsField,
-    UtilityField, Version, WireStruct, V0_25_1, V0_33_0,
+    UtilityField, Version, WireStruct, V0_25_1, V0_33_0, V0_34_0,
 };
 
 /// Deepest nesting of containers inside a free-form (`Any`) field: the containers a
@@ -225,6 +225,9 @@ pub fn decode_outputs_for<B: Builder>(
         }
         LayoutRef::Builtin(Protocol::V0_33_0) => {
             decode_outputs_as::<V0_33_0, B>(frames, builder, scratch)
+        }
+        LayoutRef::Builtin(Protocol::V0_34_0) => {
+            decode_outputs_as::<V0_34_0, B>(frames, builder, scratch)
         }
         LayoutRef::Dynamic(layout) => decode_outputs_in(Runtime(layout), frames, builder, scratch),
     }

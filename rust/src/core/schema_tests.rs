@@ -10,7 +10,7 @@ use super::tree::{MessageTree, OutputTree, Tree, TreeBuilder};
 use super::wire::{
     layout, layout_from_names, wire_fields, Layout, LayoutError, LayoutNames, LayoutRef,
     MessageField as MF, OutputField, OutputField as OF, Protocol, StructLayout, Version,
-    WireStruct, CURRENT, LAYOUT_0_25_1, LAYOUT_0_33_0, SKIPPED, V0_33_0,
+    WireStruct, CURRENT, LAYOUT_0_25_1, LAYOUT_0_33_0, LAYOUT_0_34_0, SKIPPED, V0_33_0,
 };
 
 /// A msgpack value to write.
@@ -1757,10 +1757,11 @@ fn from_names(version: &str, names: &[(&str, Vec<&str>)]) -> Result<LayoutRef, L
     )
 }
 
-/// vLLM 0.34.0's names: 0.33.0's with `watermarking` appended to `EngineCoreOutput`.
-fn names_0_34_0() -> Vec<(&'static str, Vec<&'static str>)> {
-    let mut names = names_of(&LAYOUT_0_33_0);
-    names[1].1.push("watermarking");
+/// The names of a later release than any compiled one: 0.34.0's with `error` dropped
+/// from `EngineCoreOutput` (so `watermarking` moves up to 18).
+fn names_of_a_later_release() -> Vec<(&'static str, Vec<&'static str>)> {
+    let mut names = names_of(&LAYOUT_0_34_0);
+    names[1].1.retain(|n| *n != "error");
     names
 }
 
@@ -1781,15 +1782,18 @@ fn names_of_a_compiled_layout_give_its_compiled_walk() {
 
 #[test]
 fn a_layout_made_at_run_time_reads_a_later_release() {
-    let made = from_names("0.34.0", &names_0_34_0()).unwrap();
+    let made = from_names("0.35.0", &names_of_a_later_release()).unwrap();
     let LayoutRef::Dynamic(layout) = made else {
         panic!("{made:?}")
     };
-    assert_eq!(layout.version, "0.34.0");
-    assert_eq!(layout.output.fields.len(), 20);
+    assert_eq!(layout.version, "0.35.0");
+    assert_eq!(layout.output.fields.len(), 19);
     // Made once: the same names give the same layout.
-    assert_eq!(from_names("0.34.0", &names_0_34_0()).unwrap(), made);
-    let mut fields = vec![V::Nil; 17];
+    assert_eq!(
+        from_names("0.35.0", &names_of_a_later_release()).unwrap(),
+        made
+    );
+    let mut fields = vec![V::Nil; 16];
     fields[11] = i(3);
     fields.push(V::B(true));
     let frame = V::A(vec![
@@ -1802,13 +1806,15 @@ fn a_layout_made_at_run_time_reads_a_later_release() {
     let o = &m.outputs[0];
     assert_eq!(o[OF::Watermarking], Tree::Bool(true));
     assert_eq!(o[OF::NumNansInLogits], Tree::Int(3));
+    assert_eq!(o[OF::Error], Tree::None);
     // A wrong type is refused by name, as vLLM's own decoder refuses it.
     let mut bad = fields;
     *bad.last_mut().unwrap() = i(1);
     let err = decode_in(made, &V::A(vec![i(1), a(vec![out("r", &[5], bad)])])).unwrap_err();
     assert_eq!(err.path_string(), "outputs[0].watermarking");
-    // 0.33.0's walk reads the appended field past.
-    assert!(decode_0_33_0(&frame).is_ok());
+    // The compiled 0.34.0 walk reads that position as `error`, and refuses the bool.
+    let err = decode_in(LayoutRef::Builtin(Protocol::V0_34_0), &frame).unwrap_err();
+    assert_eq!(err.path_string(), "outputs[0].error");
 }
 
 #[test]
@@ -1862,7 +1868,7 @@ fn the_runtime_walk_reads_what_the_compiled_walk_reads() {
 
 #[test]
 fn names_the_decoder_cannot_read_are_refused_by_name() {
-    let mut names = names_0_34_0();
+    let mut names = names_of(&LAYOUT_0_34_0);
     names[1].1.push("a_field_of_2027");
     let err = from_names("x", &names).unwrap_err();
     assert_eq!(

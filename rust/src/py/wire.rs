@@ -48,7 +48,7 @@ pub fn wire_version() -> &'static str {
     Protocol::DEFAULT.name()
 }
 
-/// Every vLLM version whose wire the decoder speaks, oldest first.
+/// Every vLLM version the decoder has a compiled walk for, oldest first.
 #[pyfunction]
 pub fn wire_versions(py: Python<'_>) -> PyResult<Bound<'_, PyTuple>> {
     PyTuple::new(py, Protocol::ALL.map(Protocol::name))
