@@ -398,30 +398,29 @@ class AsyncMPClient(MPClient):
         """
         self.ensure_alive()
         queue = self.outputs_queue
-        calls = asyncio.gather(
-            *(
-                self._call_utility_async(HEALTH_CHECK_METHOD, engine=engine)
-                for engine in self.core_engines
-            ),
-            return_exceptions=True,
-        )
+        # Plain futures, no tasks or gather: whatever ends the wait (a timeout, the caller
+        # cancelled), each call is withdrawn or its outcome read, so asyncio has nothing
+        # to log as "never retrieved" or "destroyed but pending".
+        calls: list[tuple[asyncio.Future[Any], int]] = []
         try:
+            for engine in self.core_engines:
+                calls.append(self._send_utility(HEALTH_CHECK_METHOD, (), engine))
+            futures = [future for future, _ in calls]
             while True:
                 pauses, started = queue.pauses, time.monotonic()
-                done, _ = await asyncio.wait((calls,), timeout=timeout)
-                if done:
+                _, pending = await asyncio.wait(futures, timeout=timeout)
+                if not pending:
                     break
                 if not queue.paused and queue.pauses == pauses and queue.resumed_at < started:
                     raise self.resources.dead_error(
                         f"engine core did not answer a health check within {timeout:g} s"
                     )
         finally:
-            if not calls.done():
-                calls.cancel()
-        results = calls.result()
-        for result in results:
-            if isinstance(result, BaseException) and not isinstance(result, UtilityError):
-                raise self._format_exception(result)
+            _withdraw(self.resources.registry, calls)
+        for future in futures:
+            exc = future.exception()
+            if exc is not None and not isinstance(exc, UtilityError):
+                raise self._format_exception(exc)
 
     # -- utility wrappers (vLLM's client API) ------------------------------------------
 
@@ -713,6 +712,18 @@ def _notification_starter(
         resources.loop_side.add_task(task)
 
     return notify
+
+
+def _withdraw(registry: Any, calls: list[tuple[asyncio.Future[Any], int]]) -> None:
+    """End utility calls a caller stopped waiting for: unanswered ones leave the registry
+    (a late reply is then dropped) and are cancelled; answered ones have their outcome
+    read, so that a failure nobody will look at is not logged as never retrieved."""
+    for future, call_id in calls:
+        if not future.done():
+            registry.discard(call_id)
+            future.cancel()
+        elif not future.cancelled():
+            future.exception()
 
 
 async def _health_watchdog(
