@@ -27,6 +27,7 @@ from corewire.client._owned import LoopSide, OwnedThreads
 from corewire.client.futures import complete_future
 from corewire.client.processes import TERMINATE_GRACE_S, ProcessGroup
 from corewire.errors import EngineDeadError
+from corewire.logtext import bounded
 
 if TYPE_CHECKING:
     from corewire.metrics import ClientMetrics
@@ -151,7 +152,7 @@ class ClientResources:
     def _process_died(self, reason: str) -> None:
         if self.closed:
             return  # stopped by the shutdown under way, not a death
-        logger.error("%s Shutting down the client.", reason)
+        logger.error("%s Shutting down the client.", bounded(reason))
         self.mark_dead(reason)
         self.close()
 

@@ -78,6 +78,7 @@ from corewire.engine.wire import (
 )
 from corewire.errors import ProtocolError
 from corewire.layouts import RequestError, request_decoder
+from corewire.logtext import Bounded, bounded
 from corewire.protocol import (
     ENGINE_CORE_DEAD,
     REQUEST_ABORT,
@@ -774,14 +775,14 @@ class EngineCoreProc:
     def _engine_utility(self, method: str) -> Any:
         """The engine's own utility ``method``, or the default answer for it."""
         if method.startswith("_") or method in INTERFACE_METHODS:
-            raise AttributeError(f"{method!r} is not a utility method")
+            raise AttributeError(f"{Bounded(method)!r} is not a utility method")
         fn = getattr(self.engine, method, None)
         if fn is None and method in DEFAULT_UTILITIES:
             fn = getattr(self._utility_defaults, method)
         if fn is None:
-            raise AttributeError(f"engine has no utility method {method!r}")
+            raise AttributeError(f"engine has no utility method {Bounded(method)!r}")
         if not callable(fn):
-            raise TypeError(f"{method!r} is not callable")
+            raise TypeError(f"{Bounded(method)!r} is not callable")
         return fn
 
     def _reply_utility(
@@ -824,7 +825,7 @@ class EngineCoreProc:
         self, call_id: int, method: str, failure: BaseException
     ) -> EngineCoreOutputs:
         if not isinstance(failure, concurrent.futures.CancelledError):
-            logger.debug("utility call %s failed: %r", method, failure)
+            logger.debug("utility call %s failed: %r", bounded(method), bounded(failure))
         message = utility_failure_text(method, failure)
         return self._outputs(utility_output=UtilityOutput(call_id, message, None))
 

@@ -53,6 +53,7 @@ from corewire.client.async_client import AsyncMPClient
 from corewire.codec import NativeDecoder
 from corewire.curve import require_curve_for
 from corewire.errors import ProtocolError
+from corewire.logtext import bounded
 from corewire.protocol import FinishReason, finished_outputs
 from corewire.releases import Release
 from corewire.releases import get as get_release
@@ -355,7 +356,7 @@ class VllmClientMixin:
             logger.error(
                 "corewire: dropped an engine frame that breaks the protocol (%s); "
                 "%d request(s) in it finish with an error",
-                exc,
+                bounded(exc),
                 len(request_ids),
             )
         elif now >= self._next_error_summary:
