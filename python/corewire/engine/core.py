@@ -66,6 +66,7 @@ from corewire.engine.inputs import (
 from corewire.engine.interface import INTERFACE_METHODS, NO_MODEL_LEN_LIMIT, Engine
 from corewire.engine.link import Receiver, connect_socket, engine_outputs
 from corewire.engine.logthrottle import ThrottledWarning
+from corewire.engine.peer_watch import PeerWatch
 from corewire.engine.ready import engine_info_of
 from corewire.engine.reasons import reason_for, safe_reason
 from corewire.engine.utilities import DEFAULT_UTILITIES, UtilityDefaults
@@ -925,16 +926,29 @@ class EngineCoreProc:
         sockets: list[zmq.Socket] = []
         linger = self.linger_ms
         hwm = ((zmq.SNDHWM, OUTPUT_SNDHWM),)
+        peers = PeerWatch()
+
+        def configure(sock: zmq.Socket[Any], address: str) -> None:
+            self.configure_socket(sock, address)
+            peers.attach(sock)  # before the connect, so that no connection goes unseen
+
         try:
             for address in self.output_addresses:
                 sockets.append(
-                    self._connect(zmq.PUSH, address, linger_ms=self.linger_ms, options=hwm)
+                    connect_socket(
+                        self._ctx,
+                        zmq.PUSH,
+                        address,
+                        linger_ms=self.linger_ms,
+                        options=hwm,
+                        configure=configure,
+                    )
                 )
             if self.coordinator_output is not None:
                 # No linger: load reports are disposable, and a coordinator that is gone
                 # must not hold this process at exit.
                 sockets.append(self._connect(zmq.PUSH, self.coordinator_output, options=hwm))
-            self._output_loop(sockets)
+            self._output_loop(sockets, peers)
             if time.monotonic() - self._output_blocked_at < 1.0:
                 # The front-end was not reading lately: what ZeroMQ still queues may
                 # never be taken, and must not hold the exit for the whole linger.
@@ -960,14 +974,26 @@ class EngineCoreProc:
             self.input_queue.put(IOFailed(exc))
         finally:
             clients = len(self.output_addresses)
-            for sock in sockets[:clients]:
-                sock.close(linger=min(linger, self.linger_ms))
+            # Lingering delivers what is queued to a front-end still there; for one that
+            # has gone it would only hold the exit (docs/protocol.md §7).
+            gone = [not peers.has_peer(sock) for sock in sockets[:clients]]
+            peers.close()
+            if any(gone) and linger > 0:
+                logger.info(
+                    "engine %d stopping: no front-end connected on %d output link(s); "
+                    "not waiting to deliver what is left there",
+                    self.engine_index,
+                    sum(gone),
+                )
+            for sock, no_peer in zip(sockets[:clients], gone, strict=True):
+                sock.close(linger=0 if no_peer else min(linger, self.linger_ms))
             for sock in sockets[clients:]:
                 # close(linger=) would override the coordinator socket's LINGER of 0.
                 sock.close(linger=0)
 
-    def _output_loop(self, sockets: list[zmq.Socket]) -> None:
-        """Encode and send until the stop sentinel.
+    def _output_loop(self, sockets: list[zmq.Socket], peers: PeerWatch) -> None:
+        """Encode and send until the stop sentinel (``peers``: polled whenever the queue
+        is empty).
 
         Payloads are encoded into reusable bytearrays. ZeroMQ sends large frames without
         copying, so a buffer is reused only once its tracker says ZeroMQ released it;
@@ -992,6 +1018,8 @@ class EngineCoreProc:
             if self._output_paused and qsize() <= OUTPUT_QUEUE_LOW:
                 self._output_paused = False
                 self.input_queue.put(RESUME)
+            if not qsize():
+                peers.poll()
             item = get()
             if item is STOP:
                 return
