@@ -26,6 +26,7 @@ from corewire._native import CallRegistry, SendTracker
 from corewire.client._owned import LoopSide, OwnedThreads
 from corewire.client.futures import complete_future
 from corewire.client.processes import TERMINATE_GRACE_S, ProcessGroup
+from corewire.engine.logthrottle import ThrottledWarning
 from corewire.errors import EngineDeadError
 from corewire.logtext import bounded
 
@@ -80,6 +81,9 @@ class ClientResources:
         self.dead_reason = "Engine core died unexpectedly."
         #: Called on the owning thread with the death error: wakes queue waiters.
         self.fail_queue: Callable[[BaseException], None] | None = None
+        #: Engine frames that broke the protocol (each failed alone: docs/protocol.md
+        #: §9.2), logged at most 10 per 10 s with their text bounded.
+        self.bad_frames = ThrottledWarning(logger, "bad engine frame")
         self._closing = threading.Lock()
         self._closed_event = threading.Event()
 

@@ -263,8 +263,12 @@ class OutputLink:
         return True
 
     def _bad_frame(self, exc: ProtocolError, frames: list[Any]) -> None:
-        # One bad frame fails alone; the requests in other frames go on.
-        if fail_undecodable(exc, frames, self._pop, self._metrics):
+        # One bad frame fails alone; the requests in other frames go on. Only a frame
+        # that names requests reaches the consumer: whoever reads outputs must end them.
+        fate = fail_undecodable(exc, frames, self._pop, self._metrics)
+        request_ids = exc.request_ids  # type: ignore[attr-defined]
+        self._resources.bad_frames.warning("engine frame broke the protocol (%s); %s", exc, fate)
+        if request_ids:
             self._put(exc)
 
     def _route_utility(self, outputs: Any) -> None:
