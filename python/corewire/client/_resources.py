@@ -25,6 +25,7 @@ import zmq
 from corewire._native import CallRegistry, SendTracker
 from corewire.client._owned import LoopSide, OwnedThreads
 from corewire.client.futures import complete_future
+from corewire.client.liveness import Liveness
 from corewire.client.processes import TERMINATE_GRACE_S, ProcessGroup
 from corewire.engine.logthrottle import ThrottledWarning
 from corewire.errors import EngineDeadError
@@ -84,6 +85,8 @@ class ClientResources:
         #: Engine frames that broke the protocol (each failed alone: docs/protocol.md
         #: §9.2), logged at most 10 per 10 s with their text bounded.
         self.bad_frames = ThrottledWarning(logger, "bad engine frame")
+        #: When each engine was last heard from (written by the output link).
+        self.liveness = Liveness()
         self._closing = threading.Lock()
         self._closed_event = threading.Event()
 

@@ -127,6 +127,8 @@ OUTPUT_QUEUE_LOW = 2
 OUTPUT_SNDHWM = 128
 # How often a paused loop looks at the output queue again if no resume note came.
 _PAUSE_POLL_S = 0.05
+# The longest the busy loop applies queued input before it steps again.
+_INPUT_SLICE_S = 0.05
 # Once a stop is requested, how long the output thread waits for a front-end that takes
 # nothing (it is shutting down without reading) before it drops what is left, and the
 # linger of its sockets after it was blocked.
@@ -451,6 +453,11 @@ class EngineCoreProc:
                 break
             if item is not RESUME:
                 self._handle_input(item)
+        # Bounded: behind a burst of input the loop still steps every _INPUT_SLICE_S, so
+        # outputs keep flowing, and a front-end's health check sees an engine at work
+        # (docs/protocol.md §7.1), not one that went silent for as long as the burst.
+        deadline = time.monotonic() + _INPUT_SLICE_S
+        handled = 0
         while not self._stop_requested:
             try:
                 item = get(block=False)
@@ -458,6 +465,9 @@ class EngineCoreProc:
                 return
             if item is not RESUME:
                 self._handle_input(item)
+            handled += 1
+            if not handled % 256 and time.monotonic() > deadline:
+                return
 
     def _output_full(self) -> bool:
         """Pause stepping until the output thread reports room; False when the queue
