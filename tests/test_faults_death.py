@@ -10,6 +10,7 @@ import asyncio
 import contextlib
 import os
 import signal
+import threading
 import time
 from typing import Any
 
@@ -232,10 +233,12 @@ def test_death_during_construction_reaches_the_async_output_queue() -> None:
 # ---------------------------------------------------------------------- bursts
 
 SYNTHETIC = "corewire.engine.synthetic:SyntheticEngine"
-# A burst whose last input the engine reads seconds after it was sent (here: ~1 s of
-# reading on a 2-core machine), against a health timeout well under that.
-BURST = 100_000
-HEALTH = {"health_check_interval": 0.1, "health_check_timeout": 0.3}
+# A burst whose last input the engine reads seconds after it was sent (here: 2-3 s of
+# reading on a 2-core machine), against a health timeout well under that (yet long
+# enough that a loaded machine's scheduling gaps are no silence).
+BURST = 150_000
+TIMEOUT = 1.0
+HEALTH = {"health_check_interval": 0.2, "health_check_timeout": TIMEOUT}
 
 
 async def _finish_all(client: AsyncMPClient, count: int) -> int:
@@ -247,8 +250,8 @@ async def _finish_all(client: AsyncMPClient, count: int) -> int:
 
 
 async def test_a_burst_of_requests_is_no_false_kill() -> None:
-    """100k requests at once: the health check's reply waits behind all of them, much
-    longer than the 0.3 s timeout, yet the engine keeps sending while it works through
+    """150k requests at once: the health check's reply waits behind all of them, much
+    longer than the 1 s timeout, yet the engine keeps sending while it works through
     them, so neither a direct check nor the watchdog declares it dead, and every request
     is answered (docs/protocol.md §7.1)."""
     with no_leaks(grace=15):
@@ -257,10 +260,10 @@ async def test_a_burst_of_requests_is_no_false_kill() -> None:
             for i in range(BURST):
                 await client.add_request_async(request(f"b{i}", max_tokens=2))
             consumer = asyncio.ensure_future(_finish_all(client, BURST))
-            await client.check_health_async(0.3)
+            await client.check_health_async(TIMEOUT)
             assert await asyncio.wait_for(consumer, 120) == BURST
             assert not client.engine_dead
-            await client.check_health_async(0.3)
+            await client.check_health_async(TIMEOUT)
         finally:
             client.shutdown()
 
@@ -309,3 +312,38 @@ async def test_a_loop_stuck_while_streaming_is_found_dead() -> None:
             assert wait_pid_gone(pid, 5)
         finally:
             client.shutdown()
+
+
+def test_a_burst_is_no_false_kill_for_the_sync_client_either() -> None:
+    """The sync client's check follows the same rule: behind 150k requests, with a
+    consumer thread reading, a 1 s check passes; once the engine is SIGSTOPped, one
+    fails within about its timeout."""
+    with no_leaks(grace=15):
+        client = SyncMPClient(engine=SYNTHETIC)
+        (pid,) = client.engine_pids
+        finished = []
+
+        def consume() -> None:
+            while len(finished) < BURST:
+                outputs = client.get_output(timeout=60)
+                finished.extend(o for o in outputs.outputs if o.finish_reason is not None)
+
+        reader = threading.Thread(target=consume, name="burst-consumer")
+        try:
+            for i in range(BURST):
+                client.add_request(request(f"y{i}", max_tokens=2))
+            reader.start()
+            client.check_health(TIMEOUT)
+            reader.join(120)
+            assert len(finished) == BURST
+            os.kill(pid, signal.SIGSTOP)
+            started = time.monotonic()
+            with pytest.raises(EngineDeadError, match="did not answer a health check"):
+                client.check_health(TIMEOUT)
+            assert time.monotonic() - started < 4.0
+        finally:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGCONT)
+            client.shutdown()
+            if reader.is_alive():
+                reader.join(10)
