@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import socket
 import time
 from collections.abc import Callable, Collection
 from pathlib import Path
@@ -216,35 +215,6 @@ def run_keygen(directory: Path, clients: int) -> int:
     parser = argparse.ArgumentParser()
     keygen.add_arguments(parser)
     return keygen.run(parser.parse_args([str(directory), "--clients", str(clients)]))
-
-
-def free_tcp_port() -> int:
-    """A loopback TCP port that was free a moment ago."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
-def free_port_block(count: int = 4) -> int:
-    """A base port such that ``base .. base+count-1`` on 127.0.0.1 were all free."""
-    import random
-
-    rng = random.Random()
-    for _ in range(200):
-        base = rng.randrange(20000, 60000)
-        sockets = []
-        try:
-            for port in range(base, base + count):
-                s = socket.socket()
-                sockets.append(s)
-                s.bind(("127.0.0.1", port))
-            return base
-        except OSError:
-            continue
-        finally:
-            for s in sockets:
-                s.close()
-    raise RuntimeError("no block of free ports found")
 
 
 def netns_front_end() -> int:

@@ -31,9 +31,9 @@ from dp_support import (
     FrontEndPeer,
     Sockets,
     coordinator_addresses,
-    free_tcp_port,
     run_keygen,
 )
+from port_support import retry_port_conflicts, unused_tcp_port
 
 
 @pytest.fixture
@@ -211,9 +211,10 @@ def test_authenticator_stops_on_collection(keys: Path) -> None:
     ctx.term()
 
 
+@retry_port_conflicts
 def test_coordinator_behind_curve(keys: Path, ipc_dir: Path) -> None:
     addresses = coordinator_addresses(ipc_dir).with_remote(
-        f"tcp://127.0.0.1:{free_tcp_port()}", f"tcp://127.0.0.1:{free_tcp_port()}"
+        f"tcp://127.0.0.1:{unused_tcp_port()}", f"tcp://127.0.0.1:{unused_tcp_port()}"
     )
     coord = DPCoordinator(2, addresses, curve_server_dir=keys / "server")
     sockets = Sockets()
@@ -242,11 +243,12 @@ def test_coordinator_behind_curve(keys: Path, ipc_dir: Path) -> None:
         coord.shutdown()
 
 
+@retry_port_conflicts
 def test_remote_listening_needs_keys_unless_loopback(ipc_dir: Path) -> None:
     exposed = coordinator_addresses(ipc_dir).with_remote("tcp://10.1.2.3:1", "tcp://10.1.2.3:2")
     with pytest.raises(ValueError, match="CURVE"):
         DPCoordinator(1, exposed)
     loopback = coordinator_addresses(ipc_dir).with_remote(
-        f"tcp://127.0.0.1:{free_tcp_port()}", f"tcp://127.0.0.1:{free_tcp_port()}"
+        f"tcp://127.0.0.1:{unused_tcp_port()}", f"tcp://127.0.0.1:{unused_tcp_port()}"
     )
     DPCoordinator(1, loopback).shutdown()

@@ -23,7 +23,8 @@ import pytest
 from client_support import request
 from corewire import DPAsyncMPClient, DPLBAsyncMPClient
 from corewire.coordinator import TcpEndpoints
-from dp_support import LIGHT, collect_finished, free_port_block, run_keygen
+from dp_support import LIGHT, collect_finished, run_keygen
+from port_support import retry_port_conflicts, unused_port_block
 
 TESTS_DIR = Path(__file__).resolve().parent
 
@@ -102,8 +103,9 @@ def test_engine_cli_refuses_a_remote_host_without_keys() -> None:
     assert "--curve-keys" in result.stderr
 
 
+@retry_port_conflicts
 async def test_remote_engine_joins_over_loopback_tcp() -> None:
-    address = f"tcp://127.0.0.1:{free_port_block()}"
+    address = f"tcp://127.0.0.1:{unused_port_block()}"
     remote = start_remote_engine(address, index=1, size=2)
     client = None
     try:
@@ -138,10 +140,11 @@ def keys(tmp_path: Path) -> Path:
     return tmp_path / "keys"
 
 
+@retry_port_conflicts
 async def test_wrong_curve_key_is_refused_and_the_right_one_accepted(
     keys: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
-    address = f"tcp://127.0.0.1:{free_port_block()}"
+    address = f"tcp://127.0.0.1:{unused_port_block()}"
     # A well-formed key pair that knows the server's public key but was never authorized.
     assert run_keygen(tmp_path / "intruder", 1) == 0
     intruder = tmp_path / "intruder/client-0"
@@ -296,8 +299,9 @@ class FrontEndInNamespace:
                 pipe.close()
 
 
+@retry_port_conflicts
 def test_engine_on_another_host_and_a_cut_link(two_hosts: TwoHosts, keys: Path) -> None:
-    address = f"tcp://{two_hosts.ip_a}:{free_port_block()}"
+    address = f"tcp://{two_hosts.ip_a}:{unused_port_block()}"
     remote = start_remote_engine(
         address, index=1, size=2, keys=keys / "client-0", netns=two_hosts.b
     )

@@ -15,6 +15,7 @@ prefill stats vLLM reads).
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import re
 import signal
@@ -336,6 +337,57 @@ def test_malformed_frame_flood_logs_a_bounded_summary(tmp_path: Path) -> None:
         if (m := re.search(r"(\d+) more malformed request warning\(s\) not logged", line))
     ]
     assert summarized and len(warnings) - len(summarized) + sum(summarized) == count
+
+
+def test_megabyte_ids_and_names_keep_every_log_line_small(tmp_path: Path) -> None:
+    """Request ids, utility names and error texts of 1 MB, each logged by a real engine
+    (a duplicate ADD, a refused ADD, an unknown utility, a failing one at DEBUG): the
+    whole log stays a few KB, each value shortened with its length shown, and every
+    caller still gets its whole answer (the id it sent, the error it caused)."""
+    fe = FrontEnd(tmp_path, "big")
+    log_path = tmp_path / "engine.log"
+    cmd = [
+        sys.executable, "-m", "corewire.cli", "engine",
+        "--input-address", fe.input_address, "--output-address", fe.output_address,
+        "--engine", "hook_engine:HookEngine",
+        "--engine-args", json.dumps({**LIGHT_REFERENCE, "max_model_len": MAX_MODEL_LEN}),
+    ]  # fmt: skip
+    tests_dir = str(Path(__file__).resolve().parent)
+    env = {**os.environ, "COREWIRE_LOG_LEVEL": "DEBUG", "PYTHONPATH": tests_dir}
+    mb = 1 << 20
+    long_id, refused_id = "L" * mb, "R" * mb
+    with open(log_path, "wb") as log:
+        child = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=log, env=env)
+    try:
+        fe.wait_ready()
+        fe.add(request(long_id, max_tokens=20))
+        fe.add(request(long_id, max_tokens=20))  # a duplicate of a request in flight
+        fe.add(request(refused_id, prompt=[1] * (MAX_MODEL_LEN + 1)))
+        unknown = fe.call("u" * mb)
+        failing = fe.call("raise_error", "e" * mb)
+        done = fe.collect([long_id, refused_id])
+        counters = fe.value("engine_core_counters")
+        child.send_signal(signal.SIGTERM)
+        assert child.wait(20) == 0
+    finally:
+        if child.poll() is None:
+            child.kill()
+            child.wait()
+        fe.close()
+    assert done[refused_id][-1].finish_reason == FinishReason.ERROR
+    assert done[long_id][-1].finish_reason == FinishReason.LENGTH
+    assert sum(len(o.new_token_ids) for o in done[long_id]) == 20  # the duplicate ran not
+    assert counters["duplicate_requests"] == 1 and counters["refused_requests"] == 1
+    assert unknown.failure_message is not None and "no utility method" in unknown.failure_message
+    assert failing.failure_message is not None and "e" * mb in failing.failure_message
+    text = log_path.read_text(errors="replace")
+    assert len(text.encode()) < 20_000, f"{len(text)} bytes of log"
+    assert max(map(len, text.splitlines())) < 1_000
+    # Each value was logged, shortened, with its length.
+    for logged in ("in flight", "refused", "utility call", "raise_error"):
+        assert logged in text, logged
+    assert text.count(f"... ({mb} chars)") == 3  # the ids and the utility's name
+    assert re.search(r"raise_error failed: RuntimeError\('e+\.\.\. \(\d{7} chars\)", text)
 
 
 # ---------------------------------------------------------------------- vLLM metrics

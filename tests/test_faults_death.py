@@ -1,13 +1,16 @@
 """Engine death and hangs, injected with real signals on real engine processes.
 
-Checks ``docs/protocol.md`` §7 (ENGINE_CORE_DEAD and stopping) from the client's side.
+Checks ``docs/protocol.md`` §7 (ENGINE_CORE_DEAD and stopping) and §7.1 (health checks,
+bursts) from the client's side.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import signal
+import threading
 import time
 from typing import Any
 
@@ -225,3 +228,122 @@ def test_death_during_construction_reaches_the_async_output_queue() -> None:
             asyncio.run(first_use())
         finally:
             client.shutdown()
+
+
+# ---------------------------------------------------------------------- bursts
+
+SYNTHETIC = "corewire.engine.synthetic:SyntheticEngine"
+# A burst whose last input the engine reads seconds after it was sent (here: 2-3 s of
+# reading on a 2-core machine), against a health timeout well under that (yet long
+# enough that a loaded machine's scheduling gaps are no silence).
+BURST = 150_000
+TIMEOUT = 1.0
+HEALTH = {"health_check_interval": 0.2, "health_check_timeout": TIMEOUT}
+
+
+async def _finish_all(client: AsyncMPClient, count: int) -> int:
+    finished = 0
+    while finished < count:
+        outputs = await client.get_output_async()
+        finished += sum(1 for o in outputs.outputs if o.finish_reason is not None)
+    return finished
+
+
+async def test_a_burst_of_requests_is_no_false_kill() -> None:
+    """150k requests at once: the health check's reply waits behind all of them, much
+    longer than the 1 s timeout, yet the engine keeps sending while it works through
+    them, so neither a direct check nor the watchdog declares it dead, and every request
+    is answered (docs/protocol.md §7.1)."""
+    with no_leaks(grace=15):
+        client = AsyncMPClient(engine=SYNTHETIC, **HEALTH)
+        try:
+            for i in range(BURST):
+                await client.add_request_async(request(f"b{i}", max_tokens=2))
+            consumer = asyncio.ensure_future(_finish_all(client, BURST))
+            await client.check_health_async(TIMEOUT)
+            assert await asyncio.wait_for(consumer, 120) == BURST
+            assert not client.engine_dead
+            await client.check_health_async(TIMEOUT)
+        finally:
+            client.shutdown()
+
+
+async def test_an_engine_stopped_in_a_burst_is_still_found_dead() -> None:
+    """SIGSTOP while the engine works through a burst: it goes silent, and the watchdog
+    declares it dead, kills it and fails the consumer, about a health timeout after its
+    last message (bound generous for a loaded machine)."""
+    with no_leaks(grace=15):
+        client = AsyncMPClient(engine=SYNTHETIC, **HEALTH)
+        (pid,) = client.engine_pids
+        try:
+            for i in range(BURST):
+                await client.add_request_async(request(f"s{i}", max_tokens=10**6))
+            await client.get_output_async()  # at work
+            os.kill(pid, signal.SIGSTOP)
+            stopped = time.monotonic()
+            error = await asyncio.wait_for(_consume_until_error(client), 30)
+            took = time.monotonic() - stopped
+            assert isinstance(error, EngineDeadError)
+            assert "health check" in str(error)
+            assert took < 5.0, f"{took:.1f} s"
+            assert wait_pid_gone(pid, 5)
+        finally:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGCONT)
+            client.shutdown()
+
+
+async def test_a_loop_stuck_while_streaming_is_found_dead() -> None:
+    """The engine's loop stops returning (a utility that blocks it, as a step that never
+    returns would) while requests stream: their outputs stop, and the watchdog declares
+    it dead within the timeout of the last one."""
+    with no_leaks(grace=15):
+        client = AsyncMPClient(engine_main=SUPPORT, engine_args={"step_delay": 0.001}, **HEALTH)
+        (pid,) = client.engine_pids
+        try:
+            for i in range(8):
+                await client.add_request_async(request(f"h{i}", max_tokens=10**6))
+            await client.get_output_async()
+            stuck = asyncio.ensure_future(client.call_utility_async("block", 60))
+            error = await asyncio.wait_for(_consume_until_error(client), 30)
+            assert isinstance(error, EngineDeadError) and "health check" in str(error)
+            with pytest.raises(EngineDeadError):
+                await stuck
+            assert wait_pid_gone(pid, 5)
+        finally:
+            client.shutdown()
+
+
+def test_a_burst_is_no_false_kill_for_the_sync_client_either() -> None:
+    """The sync client's check follows the same rule: behind 150k requests, with a
+    consumer thread reading, a 1 s check passes; once the engine is SIGSTOPped, one
+    fails within about its timeout."""
+    with no_leaks(grace=15):
+        client = SyncMPClient(engine=SYNTHETIC)
+        (pid,) = client.engine_pids
+        finished = []
+
+        def consume() -> None:
+            while len(finished) < BURST:
+                outputs = client.get_output(timeout=60)
+                finished.extend(o for o in outputs.outputs if o.finish_reason is not None)
+
+        reader = threading.Thread(target=consume, name="burst-consumer")
+        try:
+            for i in range(BURST):
+                client.add_request(request(f"y{i}", max_tokens=2))
+            reader.start()
+            client.check_health(TIMEOUT)
+            reader.join(120)
+            assert len(finished) == BURST
+            os.kill(pid, signal.SIGSTOP)
+            started = time.monotonic()
+            with pytest.raises(EngineDeadError, match="did not answer a health check"):
+                client.check_health(TIMEOUT)
+            assert time.monotonic() - started < 4.0
+        finally:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGCONT)
+            client.shutdown()
+            if reader.is_alive():
+                reader.join(10)

@@ -1,21 +1,28 @@
-"""Lifetimes: a collected client, a killed parent, masses of cancelled calls."""
+"""Lifetimes: a collected client, a killed parent, masses of cancelled calls, an engine
+stopped with its front-end gone or still reading (docs/protocol.md §7)."""
 
 from __future__ import annotations
 
 import asyncio
 import gc
+import json
 import os
+import signal
 import subprocess
 import sys
 import textwrap
 import time
 import weakref
+from pathlib import Path
+from typing import Any
 
 import pytest
 
 from client_support import REPLAY, request
 from corewire import AsyncMPClient
 from corewire.client._resources import TERMINATE_GRACE_S
+from corewire.protocol import FinishReason
+from engine_support import LIGHT_REFERENCE, FrontEnd
 from leak_support import no_leaks, wait_pid_gone
 
 
@@ -171,3 +178,77 @@ def test_next_client_removes_the_ipc_dir_of_a_killed_front_end() -> None:
                 parent.wait(10)
             if parent.stdout is not None:
                 parent.stdout.close()
+
+
+def _engine_command(fe: FrontEnd, engine: str, engine_args: dict[str, Any]) -> list[str]:
+    return [
+        sys.executable, "-m", "corewire.cli", "engine",
+        "--input-address", fe.input_address, "--output-address", fe.output_address,
+        "--engine", engine, "--engine-args", json.dumps(engine_args),
+    ]  # fmt: skip
+
+
+def test_sigterm_after_the_front_end_left_exits_without_the_linger(tmp_path: Path) -> None:
+    """The front-end's output socket closed while the engine generated; SIGTERM then
+    ends the engine in well under its 5 s linger (nobody is there to take what is
+    queued), status 0, saying why in its log."""
+    fe = FrontEnd(tmp_path, "gone")
+    log_path = tmp_path / "engine.log"
+    args = {**LIGHT_REFERENCE, "step_delay": 0.01}
+    with open(log_path, "wb") as log:
+        child = subprocess.Popen(
+            _engine_command(fe, "corewire.engine.reference:ReferenceEngine", args),
+            stdout=subprocess.DEVNULL,
+            stderr=log,
+        )
+    try:
+        fe.wait_ready()
+        for i in range(4):
+            fe.add(request(f"r{i}", max_tokens=10**6))
+        fe.recv()
+        fe.pulls.pop().close(0)  # the front-end goes; the engine generates on into the queue
+        time.sleep(0.5)
+        started = time.monotonic()
+        child.send_signal(signal.SIGTERM)
+        assert child.wait(30) == 0
+        took = time.monotonic() - started
+    finally:
+        if child.poll() is None:
+            child.kill()
+            child.wait()
+        fe.close()
+    # Generous for a loaded machine; lingering alone would take 5 s.
+    assert took < 2.0, f"{took:.2f} s"
+    assert "no front-end connected on 1 output link(s)" in log_path.read_text()
+
+
+def test_sigterm_with_the_front_end_reading_delivers_everything_sent(tmp_path: Path) -> None:
+    """Eight 1 MB messages sit in the engine's socket (the front-end takes one message
+    at a time: rcvhwm 1) when SIGTERM comes: the engine lingers for the connected
+    front-end, which reads every one of them, in order, and the engine exits 0."""
+    fe = FrontEnd(tmp_path, "reading", rcvhwm=1)
+    env = {**os.environ, "PYTHONPATH": os.path.dirname(__file__)}
+    count = 8
+    child = subprocess.Popen(
+        _engine_command(fe, "engine_support:BigPayloadEngine", {"count": count}),
+        stdout=subprocess.DEVNULL,
+        env=env,
+    )
+    try:
+        fe.wait_ready()
+        fe.add(request("big", max_tokens=count))
+        first = fe.recv()
+        # The engine steps the rest into its socket meanwhile (ZeroMQ's queue holds 128).
+        time.sleep(1.5)
+        child.send_signal(signal.SIGTERM)
+        got = [first, *(fe.recv(timeout=10) for _ in range(count - 1))]
+        assert child.wait(30) == 0
+    finally:
+        if child.poll() is None:
+            child.kill()
+            child.wait()
+        fe.close()
+    outputs = [o for msg in got for o in msg.outputs]  # type: ignore[union-attr]
+    assert [o.new_token_ids[0] for o in outputs] == [(i + 1) * 1_000_000 for i in range(count)]
+    assert [int(o.pooling_output[0]) for o in outputs] == list(range(count))
+    assert outputs[-1].finish_reason == FinishReason.LENGTH

@@ -227,10 +227,14 @@ async def test_bad_frame_counts_a_protocol_error() -> None:
         try:
             labels = {"client": str(client.client_index)}
             before = sample("corewire_protocol_errors_total", **labels)
-            assert await client.call_utility_async("garbage", "not_msgpack", "sent") == "sent"
-            with pytest.raises(ProtocolError):
+            assert await client.call_utility_async("garbage", "aux_out_of_range", "sent") == "sent"
+            with pytest.raises(ProtocolError):  # it names a request: the consumer hears
                 await asyncio.wait_for(client.get_output_async(), 10)
             assert sample("corewire_protocol_errors_total", **labels) == before + 1
+            # A frame that names no one is dropped, and counted all the same.
+            assert await client.call_utility_async("garbage", "not_msgpack", "sent") == "sent"
+            await wait_for(lambda: sample("corewire_protocol_errors_total", **labels) == before + 2)
+            assert client.protocol_errors == 2 and client.outputs_queue.empty()
         finally:
             client.shutdown()
 

@@ -61,7 +61,7 @@ from corewire.vllm.client import (  # noqa: E402
     make_async_mp_client,
 )
 from corewire.vllm.v0_33_0 import FT_UTILITY_METHOD  # noqa: E402
-from dp_support import free_tcp_port  # noqa: E402
+from port_support import ATTEMPTS, address_in_use, unused_tcp_port  # noqa: E402
 from vllm_join_support import frontend_only_config, join_args, private_root  # noqa: E402
 from vllm_support import (  # noqa: E402
     ENGINE_ARGS,
@@ -119,22 +119,30 @@ async def frontend(
 ) -> AsyncIterator[tuple[Any, EngineProcs]]:
     """vLLM 0.33.0's ``AsyncLLM`` (front-end only) and one ``corewire engine --protocol
     0.33.0`` that joined it; both stopped after the test."""
-    port = free_tcp_port()
-    engines = EngineProcs(root)
-    engines.start(*join_args(port, 0, protocol=RELEASE))
-    config = frontend_only_config(root / "model", port)
-    llm = None
+    # vLLM binds the handshake port the engine was given: on a port taken meanwhile
+    # (EADDRINUSE), start again on a fresh one.
+    for attempt in range(1, ATTEMPTS + 1):
+        port = unused_tcp_port()
+        engines = EngineProcs(root)
+        engines.start(*join_args(port, 0, protocol=RELEASE))
+        config = frontend_only_config(root / "model", port)
+        try:
+            llm = AsyncLLM(
+                vllm_config=config, executor_class=Executor.get_class(config), log_stats=False
+            )
+            break
+        except Exception as exc:
+            engines.stop()
+            if attempt == ATTEMPTS or not address_in_use(exc):
+                raise
+            corewire_factory.clear()
     try:
-        llm = AsyncLLM(
-            vllm_config=config, executor_class=Executor.get_class(config), log_stats=False
-        )
         # vLLM's launch path: the warm-up started once, after the (no) local engines forked.
         assert corewire_factory == [1]
         yield llm, engines
     finally:
-        if llm is not None:
-            llm.shutdown()
-            await asyncio.sleep(0)
+        llm.shutdown()
+        await asyncio.sleep(0)
         engines.stop()
 
 

@@ -14,6 +14,7 @@ waves) and §7 (a stopped engine aborts its requests and sends ENGINE_CORE_DEAD)
 from __future__ import annotations
 
 import asyncio
+import socket
 import threading
 import time
 from collections.abc import Iterator
@@ -24,7 +25,7 @@ import msgspec
 import pytest
 import zmq
 
-from dp_support import free_tcp_port
+from port_support import retry_port_conflicts, unused_tcp_port
 from vllm_support import (
     EngineProcs,
     offline_environment,
@@ -84,10 +85,9 @@ def test_handshake_refuses_a_coordinated_moe_group(root: Path) -> None:
     # A stand-in front-end (vLLM's handshake messages, hand-made) that answers HELLO
     # with the parallel_config a coordinated (MoE) DP group sends: the engine must
     # refuse and exit instead of joining collectives it cannot run.
-    port = free_tcp_port()
     ctx = zmq.Context()
     router = ctx.socket(zmq.ROUTER)
-    router.bind(f"tcp://127.0.0.1:{port}")
+    port = router.bind_to_random_port("tcp://127.0.0.1")
     engines = EngineProcs(root)
     try:
         proc = engines.start(*JOINING.join_args(port, 0))
@@ -123,13 +123,14 @@ def test_handshake_refuses_a_coordinated_moe_group(root: Path) -> None:
         ctx.term()
 
 
+@retry_port_conflicts
 def test_one_engine_serves_two_api_servers(root: Path) -> None:
     # vLLM's multi-API-server layout (``--api-server-count 2``): the handshake names two
     # request links and two output links; each API server's client has its own
     # client_index, and the engine answers each on its own link.
     from vllm.v1.engine.utils import EngineZmqAddresses, launch_core_engines
 
-    port = free_tcp_port()
+    port = unused_tcp_port()
     engines = EngineProcs(root)
     engines.start(*JOINING.join_args(port, 0))
     model_dir = write_model_dir(root / "model")
@@ -203,14 +204,17 @@ def test_one_engine_serves_two_api_servers(root: Path) -> None:
 
 def test_no_answer_to_hello_ends_the_engine_with_a_clear_error(root: Path) -> None:
     engines = EngineProcs(root)
-    port = free_tcp_port()  # nothing listens there
-    proc = engines.start(
-        "--handshake-address", f"tcp://127.0.0.1:{port}", "--handshake-timeout", "1"
-    )
-    try:
-        assert proc.wait(30) == 1
-    finally:
-        engines.stop()
+    # A port held bound but not listening: connections are refused, nothing answers.
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as held:
+        held.bind(("127.0.0.1", 0))
+        port = held.getsockname()[1]
+        proc = engines.start(
+            "--handshake-address", f"tcp://127.0.0.1:{port}", "--handshake-timeout", "1"
+        )
+        try:
+            assert proc.wait(30) == 1
+        finally:
+            engines.stop()
     assert f"no answer to HELLO from the front-end at tcp://127.0.0.1:{port}" in engines.logs()
 
 
@@ -273,11 +277,10 @@ def test_dp_rank_speaks_vllms_coordinator_protocol(root: Path) -> None:
     from vllm.v1.engine.utils import EngineHandshakeMetadata, EngineZmqAddresses
     from vllm.v1.serial_utils import MsgpackDecoder, MsgpackEncoder
 
-    port = free_tcp_port()
     ctx = zmq.Context()
-    sockets: dict[str, zmq.Socket[bytes]] = {}
+    sockets: dict[str, zmq.Socket[bytes]] = {"handshake": ctx.socket(zmq.ROUTER)}
+    port = sockets["handshake"].bind_to_random_port("tcp://127.0.0.1")
     for name, kind, address in (
-        ("handshake", zmq.ROUTER, f"tcp://127.0.0.1:{port}"),
         ("input", zmq.ROUTER, f"ipc://{root}/in"),
         ("output", zmq.PULL, f"ipc://{root}/out"),
         ("coord_in", zmq.XPUB, f"ipc://{root}/coord-in"),
@@ -385,10 +388,11 @@ def test_dp_rank_speaks_vllms_coordinator_protocol(root: Path) -> None:
     assert codes == [0], engines.logs()
 
 
+@retry_port_conflicts
 def test_a_stopped_engine_aborts_its_requests_and_tells_vllms_client(root: Path) -> None:
     from vllm.v1.engine.exceptions import EngineDeadError
 
-    port = free_tcp_port()
+    port = unused_tcp_port()
     engines = EngineProcs(root)
     proc = engines.start(*JOINING.join_args(port, 0))
     config = frontend_only_config(root / "model", port)

@@ -18,7 +18,9 @@ from __future__ import annotations
 
 import itertools
 import json
+import re
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -31,7 +33,7 @@ import psutil
 import pytest
 
 from corewire.vllm.model_dir import write_model_dir
-from corewire.vllm.stack import ServeStack, StackError, free_port
+from corewire.vllm.stack import ServeStack, StackError
 from serve_support import (
     GREEDY_COMPLETIONS,
     HEALTH_ENV,
@@ -319,24 +321,27 @@ def test_two_api_servers_with_corewire_clients(tmp_path: Path) -> None:
 
 
 def test_serve_command_serves_until_ctrl_c(tmp_path: Path) -> None:
-    """``python -m corewire.vllm.stack`` (the body of scripts/serve): serves on the given
-    port, and Ctrl-C (SIGINT) stops the API server and the engines, status 0."""
-    port = free_port()
+    """``python -m corewire.vllm.stack`` (the body of scripts/serve): serves on the port
+    it chose (``--port 0``) and names it, and Ctrl-C (SIGINT) stops the API server and
+    the engines, status 0."""
     log = tmp_path / "serve.log"
     with open(log, "wb") as out:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "corewire.vllm.stack", "--port", str(port), "--client", "vllm"],
+            [sys.executable, "-m", "corewire.vllm.stack", "--port", "0", "--client", "vllm"],
             stdin=subprocess.DEVNULL,
             stdout=out,
             stderr=subprocess.STDOUT,
         )
     try:
-        url = f"http://127.0.0.1:{port}"
         deadline = time.monotonic() + 90
         while b"Ctrl-C stops" not in log.read_bytes():
             assert proc.poll() is None, log.read_text(errors="replace")[-3000:]
             assert time.monotonic() < deadline, "the stack did not come up"
             time.sleep(0.25)
+        # --port 0: the stack chose the port, and says which.
+        found = re.search(rb"serving .* at (http://127\.0\.0\.1:(\d+)) ", log.read_bytes())
+        assert found is not None and int(found[2]) > 0, log.read_text(errors="replace")
+        url = found[1].decode()
         children = psutil.Process(proc.pid).children()
         assert len(children) == 2  # the API server and one engine
         body = {"model": MODEL, "prompt": "hello world", "max_tokens": 4}
@@ -380,6 +385,32 @@ def test_model_dir_tokenizer_matches_the_engine_vocabulary(tmp_path: Path) -> No
     assert tok.decode(chat_ids) == "user : hi assistant :"
     with pytest.raises(ValueError, match="eos"):
         write_model_dir(tmp_path / "bad", eos_token_id=7)
+
+
+def test_stack_starts_again_when_its_ports_are_taken(tmp_path: Path) -> None:
+    """Another process takes the ports the stack chose before vLLM binds them (the race
+    of two test runs on one machine): the API server exits with "address already in
+    use", and start() starts again on fresh ports and comes up healthy."""
+    model_dir = write_model_dir(tmp_path / "model")
+    stack = ServeStack(model_dir, port=0, client="vllm", log_dir=tmp_path / "logs")
+    taken = (stack.port, stack.rpc_port)
+    squatters = []
+    for port in taken:
+        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        squatters.append(sock)
+        sock.bind(("127.0.0.1", port))
+        sock.listen()
+    try:
+        stack.start(timeout=90)
+        try:
+            assert stack.health() == 200
+            assert stack.port not in taken and stack.rpc_port not in taken
+        finally:
+            stack.stop()
+    finally:
+        for sock in squatters:
+            sock.close()
+    assert stack.server is not None and stack.server.poll() is not None
 
 
 def test_stack_start_fails_fast_when_an_engine_dies(tmp_path: Path) -> None:

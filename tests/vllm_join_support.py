@@ -30,7 +30,7 @@ import msgspec
 import zmq
 
 from corewire.dp_messages import XPUB_SUBSCRIBE
-from dp_support import free_tcp_port
+from port_support import retry_port_conflicts, unused_tcp_port
 from vllm_support import (
     ENGINE_ARGS,
     EngineProcs,
@@ -150,13 +150,14 @@ def assert_same_tokens(got: dict[str, Any], expected: dict[str, Any]) -> None:
     }
 
 
+@retry_port_conflicts
 def assert_one_engine_joins(root: Path, joining: Joining) -> None:
     """One engine joins a front-end-only vLLM client (a plain ``AsyncMPClient``), which
     takes its ready response (the engine's smaller length limit wins) and gets the
     reference engine's tokens from it."""
     from vllm.v1.engine.core_client import AsyncMPClient
 
-    port = free_tcp_port()
+    port = unused_tcp_port()
     engines = EngineProcs(root)
     engines.start(*joining.join_args(port, 0))
     config = frontend_only_config(root / "model", port)
@@ -177,6 +178,7 @@ def assert_one_engine_joins(root: Path, joining: Joining) -> None:
     assert "joined the front-end" in engines.logs()
 
 
+@retry_port_conflicts
 def two_engines_behind_vllms_coordinator(root: Path, joining: Joining) -> list[Any]:
     """Two engines join a DP 2 front-end (vLLM's ``DPLBAsyncMPClient`` and its own DP
     coordinator process); ten requests spread over both (each served by one), with the
@@ -184,7 +186,7 @@ def two_engines_behind_vllms_coordinator(root: Path, joining: Joining) -> list[A
     front-ends meanwhile (for the release's own checks)."""
     from vllm.v1.engine.core_client import DPLBAsyncMPClient
 
-    port = free_tcp_port()
+    port = unused_tcp_port()
     engines = EngineProcs(root)
     for index in (0, 1):
         engines.start(*joining.join_args(port, index, "--data-parallel-size", "2"))

@@ -98,6 +98,7 @@ from corewire.dp_messages import (
 )
 from corewire.ipcdir import make_private_dir
 from corewire.keygen import CurveAuthenticator, CurveServerKeys, apply_server
+from corewire.logtext import bounded
 
 __all__ = [
     "CoordinatorAddresses",
@@ -456,7 +457,7 @@ class _Coordinator:
                     self.state.on_first_request(msg.engine_index, msg.wave, time.monotonic())
                 )
         except ValueError as exc:  # ProtocolError included
-            logger.warning("DP coordinator: ignoring bad front-end message: %s", exc)
+            logger.warning("DP coordinator: ignoring bad front-end message: %s", bounded(exc))
 
     def _drain_stats(self) -> None:
         while True:
@@ -473,7 +474,7 @@ class _Coordinator:
                     report.wave_complete,
                 )
             except (msgspec.DecodeError, msgspec.ValidationError, ValueError, TypeError) as exc:
-                logger.warning("DP coordinator: ignoring bad engine report: %s", exc)
+                logger.warning("DP coordinator: ignoring bad engine report: %s", bounded(exc))
                 continue
             self._broadcast(messages)
 

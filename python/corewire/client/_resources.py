@@ -25,8 +25,11 @@ import zmq
 from corewire._native import CallRegistry, SendTracker
 from corewire.client._owned import LoopSide, OwnedThreads
 from corewire.client.futures import complete_future
+from corewire.client.liveness import Liveness
 from corewire.client.processes import TERMINATE_GRACE_S, ProcessGroup
+from corewire.engine.logthrottle import ThrottledWarning
 from corewire.errors import EngineDeadError
+from corewire.logtext import bounded
 
 if TYPE_CHECKING:
     from corewire.metrics import ClientMetrics
@@ -79,6 +82,11 @@ class ClientResources:
         self.dead_reason = "Engine core died unexpectedly."
         #: Called on the owning thread with the death error: wakes queue waiters.
         self.fail_queue: Callable[[BaseException], None] | None = None
+        #: Engine frames that broke the protocol (each failed alone: docs/protocol.md
+        #: §9.2), logged at most 10 per 10 s with their text bounded.
+        self.bad_frames = ThrottledWarning(logger, "bad engine frame")
+        #: When each engine was last heard from (written by the output link).
+        self.liveness = Liveness()
         self._closing = threading.Lock()
         self._closed_event = threading.Event()
 
@@ -151,7 +159,7 @@ class ClientResources:
     def _process_died(self, reason: str) -> None:
         if self.closed:
             return  # stopped by the shutdown under way, not a death
-        logger.error("%s Shutting down the client.", reason)
+        logger.error("%s Shutting down the client.", bounded(reason))
         self.mark_dead(reason)
         self.close()
 

@@ -39,6 +39,7 @@ from corewire.protocol import (
     EngineCoreOutputs,
     EngineCoreRequest,
     UtilityCall,
+    engine_index_of,
 )
 
 __all__ = [
@@ -389,45 +390,64 @@ class AsyncMPClient(MPClient):
 
     async def check_health_async(self, timeout: float = 5.0) -> None:
         """Raise :class:`EngineDeadError` when the engine is dead or any engine does not
-        answer a cheap utility call within ``timeout`` seconds (hung or stopped).
+        answer a cheap utility call and sends nothing else for ``timeout`` seconds
+        (hung or stopped).
 
         A failure reply still proves the engine alive. The client's state is left
         unchanged: a later check may pass (a stopped engine that was continued).
 
+        Bursts: the reply waits behind every input sent before it, which after a burst
+        of requests may take longer than ``timeout`` to read. An engine counts as hung
+        only once ``timeout`` seconds passed since the check began and since the last
+        message of any kind it sent (:mod:`corewire.client.liveness`); one working
+        through its input keeps sending, one stopped or stuck in a step does not, and is
+        found ``timeout`` seconds after its last message (docs/protocol.md §7.1).
+
         Backpressure: while the output backlog is full, the client reads nothing, and
-        the reply waits behind the outputs the engine sent before it. A window of
-        ``timeout`` seconds in which the backlog was full at any time does not count:
-        the check waits on, and fails only after a whole window in which the client
-        read freely and no reply came (so a slow consumer delays it, and never makes
-        a healthy engine look dead; a hung engine is found ``timeout`` seconds after
-        the consumer caught up).
+        the reply waits behind the outputs the engine sent before it. A window in which
+        the backlog was full at any time does not count: the check starts its window
+        again (so a slow consumer delays it, and never makes a healthy engine look
+        dead; a hung engine is found ``timeout`` seconds after the consumer caught up).
         """
         self.ensure_alive()
         queue = self.outputs_queue
-        calls = asyncio.gather(
-            *(
-                self._call_utility_async(HEALTH_CHECK_METHOD, engine=engine)
-                for engine in self.core_engines
-            ),
-            return_exceptions=True,
-        )
+        liveness = self.resources.liveness
+        # Plain futures, no tasks or gather: whatever ends the wait (a timeout, the caller
+        # cancelled), each call is withdrawn or its outcome read, so asyncio has nothing
+        # to log as "never retrieved" or "destroyed but pending".
+        calls: list[tuple[asyncio.Future[Any], int]] = []
         try:
+            for engine in self.core_engines:
+                calls.append(self._send_utility(HEALTH_CHECK_METHOD, (), engine))
+            futures = [future for future, _ in calls]
+            index_of = {
+                future: engine_index_of(engine)
+                for future, engine in zip(futures, self.core_engines, strict=True)
+            }
+            started = time.monotonic()
             while True:
-                pauses, started = queue.pauses, time.monotonic()
-                done, _ = await asyncio.wait((calls,), timeout=timeout)
-                if done:
+                pauses = queue.pauses
+                waiting = [index_of[f] for f in futures if not f.done()]
+                wait_s = liveness.deadline(waiting, started, timeout) - time.monotonic()
+                _, pending = await asyncio.wait(futures, timeout=max(0.0, wait_s))
+                if not pending:
                     break
-                if not queue.paused and queue.pauses == pauses and queue.resumed_at < started:
+                now = time.monotonic()
+                if queue.paused or queue.pauses != pauses or queue.resumed_at >= started:
+                    started = now  # the backlog was full: this window does not count
+                    continue
+                silent = liveness.silent([index_of[f] for f in pending], started, timeout, now)
+                if silent:
                     raise self.resources.dead_error(
-                        f"engine core did not answer a health check within {timeout:g} s"
+                        f"engine core did not answer a health check within {timeout:g} s "
+                        f"and sent nothing else meanwhile (engine {silent[0]})"
                     )
         finally:
-            if not calls.done():
-                calls.cancel()
-        results = calls.result()
-        for result in results:
-            if isinstance(result, BaseException) and not isinstance(result, UtilityError):
-                raise self._format_exception(result)
+            _withdraw(self.resources.registry, calls)
+        for future in futures:
+            exc = future.exception()
+            if exc is not None and not isinstance(exc, UtilityError):
+                raise self._format_exception(exc)
 
     # -- utility wrappers (vLLM's client API) ------------------------------------------
 
@@ -719,6 +739,18 @@ def _notification_starter(
         resources.loop_side.add_task(task)
 
     return notify
+
+
+def _withdraw(registry: Any, calls: list[tuple[asyncio.Future[Any], int]]) -> None:
+    """End utility calls a caller stopped waiting for: unanswered ones leave the registry
+    (a late reply is then dropped) and are cancelled; answered ones have their outcome
+    read, so that a failure nobody will look at is not logged as never retrieved."""
+    for future, call_id in calls:
+        if not future.done():
+            registry.discard(call_id)
+            future.cancel()
+        elif not future.cancelled():
+            future.exception()
 
 
 async def _health_watchdog(

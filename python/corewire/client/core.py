@@ -315,6 +315,14 @@ class MPClient:
         """Whether the engine died (or the client was shut down)."""
         return self.resources.engine_dead
 
+    @property
+    def protocol_errors(self) -> int:
+        """Engine frames that broke the protocol so far. Each failed alone: a frame that
+        named requests was raised to the output consumer (``ProtocolError.request_ids``),
+        a utility reply to its caller, and one that named neither was dropped (counted
+        here, logged, and in the ``corewire_protocol_errors_total`` metric)."""
+        return self.resources.bad_frames.total
+
     def ensure_alive(self) -> None:
         """Raise :class:`EngineDeadError` if the engine is dead or the client closed."""
         if self.resources.engine_dead:

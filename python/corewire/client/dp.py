@@ -64,6 +64,7 @@ from corewire.dp_messages import XPUB_SUBSCRIBE, FirstRequest, ScaleNotice
 from corewire.errors import ProtocolError
 from corewire.keygen import CurveAuthenticator, CurveServerKeys, apply_server
 from corewire.layouts import types_for
+from corewire.logtext import bounded
 from corewire.protocol import (
     REQUEST_ABORT,
     REQUEST_ADD,
@@ -503,7 +504,7 @@ class DPLBAsyncMPClient(DPAsyncMPClient):
             kind, rank = notification
             entry = (str(kind), int(rank))
         except (TypeError, ValueError):
-            logger.warning("ignoring malformed scaling notification %r", notification)
+            logger.warning("ignoring malformed scaling notification %r", bounded(notification))
             return
         self._notifications.append(entry)
         if self._notification_event is not None:
@@ -668,7 +669,7 @@ async def _stats_update_loop(
             try:
                 counts, wave, running = decode_publication(frame)
             except ProtocolError as exc:
-                logger.warning("ignoring a malformed coordinator publication: %s", exc)
+                logger.warning("ignoring a malformed coordinator publication: %s", bounded(exc))
                 continue
             client = client_ref()
             if client is None:
@@ -676,7 +677,7 @@ async def _stats_update_loop(
             try:
                 client._apply_stats(counts, wave, bool(running))
             except (ValueError, TypeError, OverflowError) as exc:
-                logger.warning("ignoring a malformed coordinator publication: %s", exc)
+                logger.warning("ignoring a malformed coordinator publication: %s", bounded(exc))
             del client
     except asyncio.CancelledError:
         raise

@@ -39,6 +39,7 @@ Wire format: docs/protocol.md §5 (engine to front-end), §7 (ENGINE_CORE_DEAD) 
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, cast
 
@@ -101,6 +102,7 @@ _DEAD_LEN = len(ENGINE_CORE_DEAD)
 # ints, because ``&`` on zmq's flag enums runs Python-level enum code (about 0.5 µs).
 _NOBLOCK, _EVENTS, _POLLIN = int(zmq.NOBLOCK), int(zmq.EVENTS), int(zmq.POLLIN)
 _Again = zmq.Again
+_monotonic = time.monotonic
 _FIRST = DRAIN_BUDGET - 1  # what ``left`` is after a pass's first message
 
 
@@ -127,6 +129,7 @@ class OutputLink:
         "_client_ref",
         "_decode",
         "_events",
+        "_heard",
         "_high",
         "_hook",
         "_left",
@@ -171,6 +174,8 @@ class OutputLink:
         # Metrics on: a decoder that times and counts each message; off: the plain one.
         self._decode = decoder.decode if metrics is None else metrics.wrap_decode(decoder.decode)
         self._pop = resources.registry.pop
+        # Engine index -> when last heard from: the health check's evidence of life.
+        self._heard = resources.liveness.heard
         self._resources = resources
         self._queue = queue
         self._put = queue.put_nowait
@@ -199,7 +204,9 @@ class OutputLink:
             # A resumption scheduled before the client closed: its socket is gone.
             return STOPPED
         recv, decode, put, hook = self._recv, self._decode, self._put, self._hook
-        queue, high = self._queue, self._high
+        queue, high, heard = self._queue, self._high, self._heard
+        # One clock read a pass: the health check needs when, to within a pass.
+        now = _monotonic()
         # A pass starts afresh unless it goes on after an async hook.
         left, work = (DRAIN_BUDGET, 0) if hooked is None else (self._left, self._work)
         outputs = hooked
@@ -224,6 +231,7 @@ class OutputLink:
                     except ProtocolError as exc:
                         self._bad_frame(exc, frames)
                     else:
+                        heard[outputs.engine_index] = now
                         if outputs.utility_output is not None:
                             self._route_utility(outputs)
                             outputs = None
@@ -263,8 +271,12 @@ class OutputLink:
         return True
 
     def _bad_frame(self, exc: ProtocolError, frames: list[Any]) -> None:
-        # One bad frame fails alone; the requests in other frames go on.
-        if fail_undecodable(exc, frames, self._pop, self._metrics):
+        # One bad frame fails alone; the requests in other frames go on. Only a frame
+        # that names requests reaches the consumer: whoever reads outputs must end them.
+        fate = fail_undecodable(exc, frames, self._pop, self._metrics)
+        request_ids = exc.request_ids  # type: ignore[attr-defined]
+        self._resources.bad_frames.warning("engine frame broke the protocol (%s); %s", exc, fate)
+        if request_ids:
             self._put(exc)
 
     def _route_utility(self, outputs: Any) -> None:

@@ -22,6 +22,7 @@ import zmq
 
 from corewire.engine.startup import read_startup_error
 from corewire.errors import ProtocolError
+from corewire.logtext import bounded
 from corewire.protocol import READY_STATUS, engine_index_of
 
 __all__ = ["ReadyWait", "parse_ready"]
@@ -110,7 +111,7 @@ class ReadyWait:
             identity, *rest = sock.recv_multipart()
             self.info[identity] = parse_ready(identity, rest[-1] if rest else b"")
             if identity not in self._missing:
-                logger.warning("ready message from unexpected engine %r", identity)
+                logger.warning("ready message from unexpected engine %r", bounded(identity))
             self._missing.discard(identity)
         if not self._missing:
             return True

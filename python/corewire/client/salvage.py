@@ -52,16 +52,21 @@ def readable_ids(frames: list[Any]) -> tuple[int | None, tuple[str, ...]]:
     return call_id, tuple(request_ids)
 
 
-def fail_undecodable(exc: BaseException, frames: list[Any], pop: Any, metrics: Any = None) -> bool:
+def fail_undecodable(exc: BaseException, frames: list[Any], pop: Any, metrics: Any = None) -> str:
     """Fail the utility caller a bad frame was meant for and note its request ids on
-    ``exc``; returns whether ``exc`` should still reach the output queue (it carried
-    request outputs, or nothing could be attributed). ``metrics`` (the client's
-    :class:`corewire.metrics.ClientMetrics`, if on) counts the frame."""
+    ``exc`` (``exc.request_ids``: the output consumer must end those requests; none:
+    the frame concerns no one else). Returns what became of the frame, for the log.
+    ``metrics`` (the client's :class:`corewire.metrics.ClientMetrics`, if on) counts
+    the frame."""
     if metrics is not None:
         metrics.protocol_error()
     call_id, request_ids = readable_ids(frames)
     exc.request_ids = request_ids  # type: ignore[attr-defined]
     future = pop(call_id) if call_id is not None else None
+    fates = []
     if future is not None:
         complete_future(future, exc=exc)
-    return future is None or bool(request_ids)
+        fates.append(f"utility call {call_id} failed with it")
+    if request_ids:
+        fates.append(f"{len(request_ids)} request(s) in it end with an error")
+    return "; ".join(fates) or "it named no request or call: dropped"

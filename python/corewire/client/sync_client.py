@@ -26,7 +26,7 @@ from corewire.client.ft_status import StatusDrops
 from corewire.client.output_link import PAUSED, STOPPED, OutputLink
 from corewire.errors import EngineDeadError, UtilityError
 from corewire.metrics import for_client
-from corewire.protocol import EngineCoreOutputs, EngineCoreRequest, UtilityCall
+from corewire.protocol import EngineCoreOutputs, EngineCoreRequest, UtilityCall, engine_index_of
 from corewire.protocol import EngineCoreRequestType as RequestType
 
 __all__ = ["SyncMPClient"]
@@ -228,15 +228,19 @@ class SyncMPClient(MPClient):
 
     def check_health(self, timeout: float = 5.0) -> None:
         """Raise :class:`EngineDeadError` when the engine is dead or does not answer a
-        cheap utility call within ``timeout`` seconds; a failure reply counts as alive.
+        cheap utility call and sends nothing else for ``timeout`` seconds; a failure
+        reply counts as alive.
 
-        A window of ``timeout`` seconds in which the output backlog was full at any
-        time (the reply waits behind unread outputs) does not count: the check waits
-        on, as :meth:`AsyncMPClient.check_health_async` does."""
+        As :meth:`AsyncMPClient.check_health_async`: an engine still sending (working
+        through a burst of input ahead of the call) is not hung, and a window in which
+        the output backlog was full at any time (the reply waits behind unread outputs)
+        does not count."""
         self.ensure_alive()
         resources = self.resources
         backlog = self._backlog
+        liveness = resources.liveness
         for engine in self.core_engines:
+            index = engine_index_of(engine)
             future: concurrent.futures.Future[Any] = concurrent.futures.Future()
             call_id = resources.registry.register(future)
             try:
@@ -245,19 +249,26 @@ class SyncMPClient(MPClient):
                     UtilityCall(self.client_index, call_id, HEALTH_CHECK_METHOD, ()),
                     engine,
                 )
+                started = time.monotonic()
                 while True:
-                    pauses, started = backlog.pauses, time.monotonic()
+                    pauses = backlog.pauses
+                    wait_s = liveness.deadline((index,), started, timeout) - time.monotonic()
                     try:
-                        future.result(timeout)
+                        future.result(max(0.0, wait_s))
                         break
                     except concurrent.futures.TimeoutError:
+                        now = time.monotonic()
                         if (
-                            not backlog.paused
-                            and backlog.pauses == pauses
-                            and backlog.resumed_at < started
+                            backlog.paused
+                            or backlog.pauses != pauses
+                            or backlog.resumed_at >= started
                         ):
+                            started = now  # the backlog was full: this window does not count
+                        elif liveness.silent((index,), started, timeout, now):
                             raise resources.dead_error(
-                                f"engine core did not answer a health check within {timeout:g} s"
+                                f"engine core did not answer a health check within "
+                                f"{timeout:g} s and sent nothing else meanwhile "
+                                f"(engine {index})"
                             ) from None
             except UtilityError:
                 pass

@@ -66,6 +66,7 @@ from corewire.engine.inputs import (
 from corewire.engine.interface import INTERFACE_METHODS, NO_MODEL_LEN_LIMIT, Engine
 from corewire.engine.link import Receiver, connect_socket, engine_outputs
 from corewire.engine.logthrottle import ThrottledWarning
+from corewire.engine.peer_watch import PeerWatch
 from corewire.engine.ready import engine_info_of
 from corewire.engine.reasons import reason_for, safe_reason
 from corewire.engine.utilities import DEFAULT_UTILITIES, UtilityDefaults
@@ -78,6 +79,7 @@ from corewire.engine.wire import (
 )
 from corewire.errors import ProtocolError
 from corewire.layouts import RequestError, request_decoder
+from corewire.logtext import Bounded, bounded
 from corewire.protocol import (
     ENGINE_CORE_DEAD,
     REQUEST_ABORT,
@@ -125,6 +127,8 @@ OUTPUT_QUEUE_LOW = 2
 OUTPUT_SNDHWM = 128
 # How often a paused loop looks at the output queue again if no resume note came.
 _PAUSE_POLL_S = 0.05
+# The longest the busy loop applies queued input before it steps again.
+_INPUT_SLICE_S = 0.05
 # Once a stop is requested, how long the output thread waits for a front-end that takes
 # nothing (it is shutting down without reading) before it drops what is left, and the
 # linger of its sockets after it was blocked.
@@ -456,6 +460,11 @@ class EngineCoreProc:
                 break
             if item is not RESUME:
                 self._handle_input(item)
+        # Bounded: behind a burst of input the loop still steps every _INPUT_SLICE_S, so
+        # outputs keep flowing, and a front-end's health check sees an engine at work
+        # (docs/protocol.md §7.1), not one that went silent for as long as the burst.
+        deadline = time.monotonic() + _INPUT_SLICE_S
+        handled = 0
         while not self._stop_requested:
             try:
                 item = get(block=False)
@@ -463,6 +472,9 @@ class EngineCoreProc:
                 return
             if item is not RESUME:
                 self._handle_input(item)
+            handled += 1
+            if not handled % 256 and time.monotonic() > deadline:
+                return
 
     def _output_full(self) -> bool:
         """Pause stepping until the output thread reports room; False when the queue
@@ -781,14 +793,14 @@ class EngineCoreProc:
     def _engine_utility(self, method: str) -> Any:
         """The engine's own utility ``method``, or the default answer for it."""
         if method.startswith("_") or method in INTERFACE_METHODS:
-            raise AttributeError(f"{method!r} is not a utility method")
+            raise AttributeError(f"{Bounded(method)!r} is not a utility method")
         fn = getattr(self.engine, method, None)
         if fn is None and method in DEFAULT_UTILITIES:
             fn = getattr(self._utility_defaults, method)
         if fn is None:
-            raise AttributeError(f"engine has no utility method {method!r}")
+            raise AttributeError(f"engine has no utility method {Bounded(method)!r}")
         if not callable(fn):
-            raise TypeError(f"{method!r} is not callable")
+            raise TypeError(f"{Bounded(method)!r} is not callable")
         return fn
 
     def _reply_utility(
@@ -831,7 +843,7 @@ class EngineCoreProc:
         self, call_id: int, method: str, failure: BaseException
     ) -> EngineCoreOutputs:
         if not isinstance(failure, concurrent.futures.CancelledError):
-            logger.debug("utility call %s failed: %r", method, failure)
+            logger.debug("utility call %s failed: %r", bounded(method), bounded(failure))
         message = utility_failure_text(method, failure)
         return self._outputs(utility_output=UtilityOutput(call_id, message, None))
 
@@ -931,16 +943,29 @@ class EngineCoreProc:
         sockets: list[zmq.Socket] = []
         linger = self.linger_ms
         hwm = ((zmq.SNDHWM, OUTPUT_SNDHWM),)
+        peers = PeerWatch()
+
+        def configure(sock: zmq.Socket[Any], address: str) -> None:
+            self.configure_socket(sock, address)
+            peers.attach(sock)  # before the connect, so that no connection goes unseen
+
         try:
             for address in self.output_addresses:
                 sockets.append(
-                    self._connect(zmq.PUSH, address, linger_ms=self.linger_ms, options=hwm)
+                    connect_socket(
+                        self._ctx,
+                        zmq.PUSH,
+                        address,
+                        linger_ms=self.linger_ms,
+                        options=hwm,
+                        configure=configure,
+                    )
                 )
             if self.coordinator_output is not None:
                 # No linger: load reports are disposable, and a coordinator that is gone
                 # must not hold this process at exit.
                 sockets.append(self._connect(zmq.PUSH, self.coordinator_output, options=hwm))
-            self._output_loop(sockets)
+            self._output_loop(sockets, peers)
             if time.monotonic() - self._output_blocked_at < 1.0:
                 # The front-end was not reading lately: what ZeroMQ still queues may
                 # never be taken, and must not hold the exit for the whole linger.
@@ -966,14 +991,26 @@ class EngineCoreProc:
             self.input_queue.put(IOFailed(exc))
         finally:
             clients = len(self.output_addresses)
-            for sock in sockets[:clients]:
-                sock.close(linger=min(linger, self.linger_ms))
+            # Lingering delivers what is queued to a front-end still there; for one that
+            # has gone it would only hold the exit (docs/protocol.md §7).
+            gone = [not peers.has_peer(sock) for sock in sockets[:clients]]
+            peers.close()
+            if any(gone) and linger > 0:
+                logger.info(
+                    "engine %d stopping: no front-end connected on %d output link(s); "
+                    "not waiting to deliver what is left there",
+                    self.engine_index,
+                    sum(gone),
+                )
+            for sock, no_peer in zip(sockets[:clients], gone, strict=True):
+                sock.close(linger=0 if no_peer else min(linger, self.linger_ms))
             for sock in sockets[clients:]:
                 # close(linger=) would override the coordinator socket's LINGER of 0.
                 sock.close(linger=0)
 
-    def _output_loop(self, sockets: list[zmq.Socket]) -> None:
-        """Encode and send until the stop sentinel.
+    def _output_loop(self, sockets: list[zmq.Socket], peers: PeerWatch) -> None:
+        """Encode and send until the stop sentinel (``peers``: polled whenever the queue
+        is empty).
 
         Payloads are encoded into reusable bytearrays. ZeroMQ sends large frames without
         copying, so a buffer is reused only once its tracker says ZeroMQ released it;
@@ -998,6 +1035,8 @@ class EngineCoreProc:
             if self._output_paused and qsize() <= OUTPUT_QUEUE_LOW:
                 self._output_paused = False
                 self.input_queue.put(RESUME)
+            if not qsize():
+                peers.poll()
             item = get()
             if item is STOP:
                 return

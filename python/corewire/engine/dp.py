@@ -51,6 +51,7 @@ from corewire.dp_messages import CoordinatorLinks, decode_wave_message
 from corewire.engine.core import EngineCoreProc
 from corewire.engine.interface import Engine
 from corewire.keygen import CurveClientKeys, apply_client
+from corewire.logtext import bounded
 from corewire.protocol import (
     EEP_NOTIFICATION_CALL_ID,
     EEPNotificationType,
@@ -136,7 +137,7 @@ class DPEngineCoreProc(EngineCoreProc):
             message = decode_wave_message([f.buffer for f in frames])
         except Exception as exc:  # ProtocolError, and RecursionError of a nested payload
             # The request link shares this thread: a bad wave message must not end it.
-            logger.warning("dropping a malformed coordinator message: %s", exc)
+            logger.warning("dropping a malformed coordinator message: %s", bounded(exc))
             return
         self.input_queue.put(message)
 

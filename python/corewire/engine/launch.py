@@ -19,6 +19,7 @@ from typing import Any
 from corewire.engine.core import EngineCoreProc
 from corewire.engine.interface import Engine
 from corewire.engine.startup import report_startup_error
+from corewire.logtext import LineLimit
 
 __all__ = [
     "ENGINE_ALIASES",
@@ -240,7 +241,8 @@ class _Watcher:
 
 def configure_logging(engine_index: int) -> None:
     """Log to stderr with the engine's name, unless the host configured logging
-    (level from ``COREWIRE_LOG_LEVEL``, default INFO)."""
+    (level from ``COREWIRE_LOG_LEVEL``, default INFO); every line bounded in bytes
+    (:class:`corewire.logtext.LineLimit`)."""
     root = logging.getLogger()
     if root.handlers:
         return
@@ -250,3 +252,5 @@ def configure_logging(engine_index: int) -> None:
         format=f"%(asctime)s %(levelname)s [engine {engine_index} pid %(process)d] "
         "%(name)s: %(message)s",
     )
+    for handler in root.handlers:
+        handler.addFilter(LineLimit())

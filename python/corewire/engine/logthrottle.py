@@ -5,7 +5,8 @@ see it, but a peer that floods bad input must not turn the log into the flood (2
 frames once made 3.2 MB of log). :class:`ThrottledWarning` logs the first ``burst``
 occurrences of each interval, counts the rest, and says how many it left out: in one
 summary line once the interval is over (at the next occurrence, or at :meth:`flush`,
-which the engine calls while idle and when it stops).
+which the engine calls while idle and when it stops). Each line is bounded in bytes too:
+every argument passes through :func:`corewire.logtext.bounded`.
 """
 
 from __future__ import annotations
@@ -14,6 +15,8 @@ import logging
 import threading
 import time
 from typing import Any
+
+from corewire.logtext import bounded
 
 __all__ = ["ThrottledWarning"]
 
@@ -54,7 +57,8 @@ class ThrottledWarning:
                 self.suppressed += 1
                 return
             self._in_window += 1
-        self._logger.warning(msg, *args)
+        # Every argument is the peer's input, or quotes it: bounded (corewire.logtext).
+        self._logger.warning(msg, *map(bounded, args))
 
     def flush(self) -> None:
         """Log the summary of occurrences left out, if the interval is over (or at once

@@ -54,6 +54,7 @@ from corewire import releases
 from corewire.dp_messages import COORDINATOR_READY, XPUB_SUBSCRIBE, StartWave
 from corewire.engine.core import EngineCoreProc
 from corewire.engine.interface import Engine
+from corewire.logtext import bounded
 from corewire.protocol import REQUEST_START_DP_WAVE, EngineCoreRequest
 
 __all__ = ["VllmDPEngineCoreProc"]
@@ -125,7 +126,7 @@ class VllmDPEngineCoreProc(EngineCoreProc):
             payload = msgspec.msgpack.decode(frames[1].buffer)
             wave = StartWave.from_payload(payload, nil_excludes_none=True)
         except (ValueError, msgspec.DecodeError) as exc:  # ProtocolError is a ValueError
-            logger.warning("dropping a malformed DP coordinator message: %s", exc)
+            logger.warning("dropping a malformed DP coordinator message: %s", bounded(exc))
             return
         self.input_queue.put(wave)
 

@@ -35,7 +35,6 @@ from __future__ import annotations
 
 import logging
 import os
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -70,10 +69,6 @@ __all__ = [
 ]
 
 logger = logging.getLogger("vllm.corewire")
-
-#: Protocol errors logged one by one; after that, one summary line per interval.
-_LOGGED_ERRORS = 10
-_ERROR_SUMMARY_INTERVAL_S = 60.0
 
 #: Environment variables of the health watchdog (seconds).
 HEALTH_INTERVAL_ENV = "COREWIRE_HEALTH_CHECK_INTERVAL_S"
@@ -261,9 +256,6 @@ class VllmClientMixin:
         self._vllm_renderer = args.renderer
         #: vLLM's multi-API-server parent waits on this pipe for the endpoints we bind.
         self._vllm_address_pipe: Any = None
-        #: Engine frames that broke the protocol (dropped, their requests ended).
-        self.protocol_errors = 0
-        self._next_error_summary = 0.0
         #: Listening sockets vLLM's multi-API-server parent bound for us (0.33.0), by the
         #: ZeroMQ socket kind that adopts them.
         self._vllm_listeners: dict[int, Any] = {}
@@ -338,8 +330,9 @@ class VllmClientMixin:
 
         vLLM's handler stops on any exception and fails every request with it, so one bad
         frame would take the server down (vLLM's own client does exactly that). Here the
-        requests the frame named finish with ``FinishReason.ERROR``, and a frame that
-        names none is dropped; both are counted (:attr:`protocol_errors`) and logged.
+        requests the frame named finish with ``FinishReason.ERROR`` (a frame that names
+        none never gets here: the output link drops it). Every bad frame is counted
+        (:attr:`protocol_errors`) and logged by the output link.
         """
         while True:
             try:
@@ -351,22 +344,9 @@ class VllmClientMixin:
                     return finished_outputs(request_ids, FinishReason.ERROR)
 
     def _note_protocol_error(self, exc: BaseException, request_ids: tuple[str, ...]) -> None:
-        self.protocol_errors += 1
         metrics = self.resources.metrics
         if metrics is not None:  # the frame itself was counted where it failed to decode
             metrics.protocol_error_requests(len(request_ids))
-        count = self.protocol_errors
-        now = time.monotonic()
-        if count <= _LOGGED_ERRORS:
-            logger.error(
-                "corewire: dropped an engine frame that breaks the protocol (%s); "
-                "%d request(s) in it finish with an error",
-                exc,
-                len(request_ids),
-            )
-        elif now >= self._next_error_summary:
-            self._next_error_summary = now + _ERROR_SUMMARY_INTERVAL_S
-            logger.error("corewire: %d engine frames broke the protocol so far", count)
 
     def _report_bound_endpoints(self, pipe: Any) -> None:
         """Tell vLLM's multi-API-server parent the endpoints this client bound.

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import errno
 import json
 import os
 import signal
@@ -50,7 +51,6 @@ __all__ = [
     "OUTPUTS",
     "ServeStack",
     "StackError",
-    "free_port",
     "installed_protocol",
     "main",
     "offline_env",
@@ -75,11 +75,32 @@ class StackError(RuntimeError):
     """The stack could not start, or one of its processes died while starting."""
 
 
-def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port that was free on ``host`` a moment ago (the OS's pick for port 0)."""
+_START_ATTEMPTS = 4
+"""Starts tried when a port the stack chose was taken before vLLM bound it."""
+
+_IN_USE = b"address already in use"
+
+
+def _unused_port(host: str) -> int:
+    """A TCP port free on ``host`` a moment ago (the OS's pick for port 0).
+
+    Racy by nature: vLLM must be told its ports on its command line, and binds them
+    seconds later. Only :meth:`ServeStack.start` uses it, which starts again on fresh
+    ports when vLLM then finds one taken.
+    """
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind((host, 0))
         return int(sock.getsockname()[1])
+
+
+def _port_taken(host: str, port: int) -> bool:
+    """Whether binding ``host:port`` fails with EADDRINUSE right now."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        try:
+            sock.bind((host, port))
+        except OSError as exc:
+            return exc.errno == errno.EADDRINUSE
+    return False
 
 
 def plugin_installed() -> bool:
@@ -116,9 +137,9 @@ class ServeStack:
     """vLLM's API server (front-end only) and ``engines`` corewire engines, as child processes.
 
     ``model_dir``: a model directory matching the engines (see the module docstring).
-    ``port``: the HTTP port (0: a free one); ``host``: the HTTP host (the engines always
-    join on loopback). ``client``: ``"corewire"`` or ``"vllm"``; ``output``: ``"vllm"``,
-    ``"corewire"`` or None (see the module docstring).
+    ``port``: the HTTP port (0: a free one, see :meth:`start`); ``host``: the HTTP host
+    (the engines always join on loopback). ``client``: ``"corewire"`` or ``"vllm"``;
+    ``output``: ``"vllm"``, ``"corewire"`` or None (see the module docstring).
     ``engine_args``: keyword arguments for each reference engine (JSON-serialisable);
     ``vocab_size`` and ``max_model_len`` should agree with the model directory.
     ``log_dir``: where each process's output goes (``api-server.log``,
@@ -160,11 +181,13 @@ class ServeStack:
             raise ValueError(f"api_servers must be at least 1, got {api_servers}")
         self.model_dir = Path(model_dir)
         self.host = host
-        self.port = port or free_port(host)
+        self._chosen_http_port = port == 0
         # The engines' link stays on loopback whatever the HTTP host: corewire refuses
         # plain (non-CURVE) engine links that other hosts could reach.
         self.engine_host = _LOOPBACK
-        self.rpc_port = free_port(self.engine_host)
+        self.port = port
+        self.rpc_port = 0
+        self._choose_ports()
         self.num_engines = engines
         self.api_servers = api_servers
         self.client = client
@@ -277,6 +300,11 @@ class ServeStack:
         Raises :class:`StackError` (with the end of the failing process's log when there
         is one) if a process exits or the server is not healthy within ``timeout`` seconds;
         the processes already started are stopped first.
+
+        The ports the stack chose (the RPC port, and the HTTP port when ``port`` was 0)
+        are picked before vLLM binds them, so another process can take one in between:
+        when the API server then exits with "address already in use", the stack stops
+        and starts again on fresh ports (up to 4 starts; each gets ``timeout``).
         """
         if self.server is not None:
             raise StackError("the stack is already started")
@@ -287,6 +315,37 @@ class ServeStack:
             )
         if self.log_dir is not None:
             self.log_dir.mkdir(parents=True, exist_ok=True)
+        for attempt in range(1, _START_ATTEMPTS + 1):
+            try:
+                self._start_once(timeout)
+                return
+            except StackError:
+                if attempt == _START_ATTEMPTS or not self._lost_a_port():
+                    raise
+            self.server, self.engines = None, []
+            self._choose_ports()
+
+    def _choose_ports(self) -> None:
+        if self._chosen_http_port:
+            self.port = _unused_port(self.host)
+        self.rpc_port = _unused_port(self.engine_host)
+
+    def _lost_a_port(self) -> bool:
+        """Whether the API server exited because a port the stack chose was taken."""
+        if self.server is None or self.server.poll() is None:
+            return False
+        if not self._chosen_http_port and _port_taken(self.host, self.port):
+            return False  # the caller's own port is taken: a new start would not help
+        if self.log_dir is not None:
+            with contextlib.suppress(OSError):
+                return _IN_USE in (self.log_dir / "api-server.log").read_bytes().lower()
+        # No log to read: the taker most likely still holds the port.
+        ports = [(self.engine_host, self.rpc_port)]
+        if self._chosen_http_port:
+            ports.append((self.host, self.port))
+        return any(_port_taken(host, port) for host, port in ports)
+
+    def _start_once(self, timeout: float) -> None:
         try:
             # Start order does not matter to vLLM; the server first gets its imports going.
             self.server = self._spawn(
@@ -420,7 +479,9 @@ def main(argv: list[str] | None = None) -> int:
         prog="scripts/serve",
         description="vLLM's OpenAI-compatible API server over corewire reference engines.",
     )
-    parser.add_argument("--port", type=int, default=8000, help="HTTP port (default 8000)")
+    parser.add_argument(
+        "--port", type=int, default=8000, help="HTTP port (default 8000; 0: a free one)"
+    )
     parser.add_argument(
         "--host",
         default="127.0.0.1",
