@@ -566,25 +566,13 @@ pub const LAYOUT_0_33_0: Layout = Layout {
 /// because it is the newest release: the compiled walk is about a quarter faster.
 pub const LAYOUT_0_34_0: Layout = Layout {
     version: "0.34.0",
-    message: layout!(MessageField[
-        EngineIndex, Outputs, SchedulerStats, Timestamp, UtilityOutput, FinishedRequests,
-        WaveComplete, StartWave, WeightVersion,
-    ]),
     output: layout!(OutputField[
         RequestId, NewTokenIds, NewLogprobs, NewPromptLogprobsTensors, PoolingOutput,
         FinishReason, StopReason, Events, KvTransferParams, EcTransferParams, TraceHeaders,
         PrefillStats, RoutedExperts, NumNansInLogits, MmCacheMissHashes, NewSamplingMask,
         SpecDecodeMetrics, PromptTokenIdLogprobs, Error, Watermarking,
     ]),
-    utility_output: layout!(UtilityField[CallId, FailureMessage, Result]),
-    logprobs_lists: layout!(ListsField[
-        LogprobTokenIds, Logprobs, SampledTokenRanks, CuNumGeneratedTokens,
-    ]),
-    logprobs_tensors: layout!(TensorsField[
-        LogprobTokenIds, Logprobs, SelectedTokenRanks, CuNumGeneratedTokens,
-        CuNumGeneratedTokensTensor,
-    ]),
-    sampling_mask: Some(layout!(MaskField[TokenIds, Offsets, CuNumGeneratedTokens])),
+    ..LAYOUT_0_33_0
 };
 
 /// A protocol version chosen at run time (a decoder's `protocol=`).
