@@ -50,8 +50,9 @@ class Encoder:
     """Encodes wire structs into a list of frames, arrays as zero-copy aux frames.
 
     ``protocol`` is the vLLM version whose wire it writes (``"0.25.1"``, the default, or
-    ``"0.33.0"``): the structs of that version (``corewire.layouts.types_for``) encode
-    byte for byte as that vLLM's ``MsgpackEncoder`` writes them. A struct whose layout
+    any release of ``corewire.releases.SUPPORTED``): the structs of that version
+    (``corewire.layouts.types_for``) encode byte for byte as that vLLM's
+    ``MsgpackEncoder`` writes them. A struct whose layout
     belongs to the other version is refused (``TypeError``) rather than sent in a layout
     the peer would misread; the check is on the object passed in (not on structs nested
     in it).

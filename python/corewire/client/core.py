@@ -97,7 +97,7 @@ class MPClient:
             Utility replies travel behind the outputs sent before them and wait as they
             do; a health check does not count the time the backlog was full.
         protocol: the vLLM version the engines speak (``"0.25.1"``, the default, or
-            ``"0.33.0"``; ``corewire.releases``), in both directions: it picks the
+            any release of ``corewire.releases.SUPPORTED``), in both directions: it picks the
             decoder of their outputs and the layout of what is sent. A ``"0.33.0"``
             client writes 0.33.0's ``EngineCoreRequest`` whether it is given
             ``corewire.protocol.EngineCoreRequest`` (converted by field name, see

@@ -195,7 +195,8 @@ class EngineCoreProc:
     ENGINE_CORE_DEAD (for front-ends that cannot take a stopped engine back).
 
     ``protocol`` is the vLLM version whose wire the engine speaks (``"0.25.1"``, the
-    default, or ``"0.33.0"``; nothing on the wire names it, so it is told): requests are
+    default, or any release of ``corewire.releases.SUPPORTED``; nothing on the wire names
+    it, so it is told): requests are
     read in its layout (``corewire.layouts.request_decoder``; a 0.33.0 request reaches
     the engine as that version's struct, whose fields are 0.25.1's plus
     ``session_id`` and ``kv_hints``), the ready response has its keys, and outputs,
