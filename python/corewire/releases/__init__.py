@@ -9,13 +9,14 @@ This package is the one home of release differences:
   turns one into msgspec types (``corewire.layouts.types_for``).
 - **The behaviour** beyond the wire is code: one small :class:`~.base.Release` class per
   release whose engines or front-end behave differently from the one before
-  (:mod:`.v0_25_1`, :mod:`.v0_33_0`, :mod:`.v0_34_0`), registered in :data:`_CLASSES`.
+  (:mod:`.v0_25_1`, :mod:`.v0_32_0`, :mod:`.v0_33_0`, :mod:`.v0_34_0`), registered in
+  :data:`_CLASSES`.
 
 Each release is one :class:`~.base.Release` object: a ``str`` (its version, as the wire
 names it) whose attributes say what it does. Callers get it with :func:`get` and read its
 attributes; nothing outside this package compares version strings. A recorded release
-with no class of its own behaves as the newest class before it (:attr:`~.base.Release.
-verified` is then False).
+with no class of its own behaves as the newest class before it; :attr:`~.base.Release.
+verified` is False for any release its class's ``LIVE_CHECKED`` does not name.
 
 Adding a release (docs/protocol.md §11): record it; if its behaviour changed, add its
 class here.
@@ -29,6 +30,7 @@ from typing import Any
 from corewire.releases import records
 from corewire.releases.base import Launch, Release
 from corewire.releases.v0_25_1 import Release0251
+from corewire.releases.v0_32_0 import Release0320
 from corewire.releases.v0_33_0 import Release0330
 from corewire.releases.v0_34_0 import Release0340
 
@@ -50,7 +52,7 @@ logger = logging.getLogger("corewire.releases")
 
 #: Every release class, oldest first. Each stands for its release (its ``NAME``) and the
 #: recorded releases after it until the next class.
-_CLASSES: tuple[type[Release], ...] = (Release0251, Release0330, Release0340)
+_CLASSES: tuple[type[Release], ...] = (Release0251, Release0320, Release0330, Release0340)
 
 
 def _key(name: str) -> tuple[int, ...]:

@@ -71,10 +71,16 @@ class Release(str):
     #: ``OutputProcessor`` of the release this class was written for by the differential
     #: tests (read through :attr:`native_output`).
     NATIVE_OUTPUT: ClassVar[bool] = False
-    #: corewire's client inside vLLM (``corewire.vllm``) is built and tested for the
-    #: ``AsyncLLM`` of the release this class was written for: :meth:`vllm_client_classes`
-    #: (read through :attr:`vllm_client`).
+    #: corewire's client inside vLLM (``corewire.vllm``) is built for the ``AsyncLLM`` of
+    #: the release this class was written for: :meth:`vllm_client_classes` (read through
+    #: :attr:`vllm_client`, for the releases in :attr:`LIVE_CHECKED`).
     VLLM_CLIENT: ClassVar[bool] = False
+    #: The releases this class stands for that were checked live against it: the plugin
+    #: under that release's ``AsyncLLM`` and API server, and corewire engines behind that
+    #: release's own client (the live modules of ``scripts/test``, run in a venv with that
+    #: release). Each class names its own; a release it stands for that is not listed has
+    #: only its wire checked (its record's golden frames) and is not :attr:`verified`.
+    LIVE_CHECKED: ClassVar[tuple[str, ...]] = ()
 
     def __new__(cls, name: str | None = None) -> Release:
         # ``name``: a later release this class describes (see the class docstring).
@@ -99,15 +105,23 @@ class Release(str):
     @property
     def verified(self) -> bool:
         """Whether this release's behaviour was checked against the release itself (its
-        class was written for it); else it behaves as the release its class was written
-        for, and only its wire (recorded from the release) is its own."""
+        class's :attr:`LIVE_CHECKED` names it); else it behaves as the release its class
+        was written for, unchecked, and only its wire (recorded from the release) is known
+        to be its own."""
+        return self.name in self.LIVE_CHECKED
+
+    @property
+    def written_for(self) -> bool:
+        """Whether this release is the one its class was written for (not a later one
+        it stands for): what is held to one release's own code, such as native output
+        processing or a request converter into that release's layout, applies only there."""
         return self.name == self.NAME
 
     @property
     def native_output(self) -> bool:
         """Whether the plugin may install native output processing under this release:
         only where it was checked against this very release's ``OutputProcessor``."""
-        return self.verified and self.NATIVE_OUTPUT
+        return self.written_for and self.verified and self.NATIVE_OUTPUT
 
     @property
     def vllm_client(self) -> bool:

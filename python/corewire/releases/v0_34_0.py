@@ -20,6 +20,8 @@ class Release0340(Release0330):
     __slots__ = ()
     NAME = "0.34.0"
 
+    LIVE_CHECKED = ("0.34.0",)
+
     process_checkpoints = True
 
     def engine_utilities(self, proc: Any) -> Any:
@@ -32,7 +34,7 @@ class Release0340(Release0330):
 
         # A later release it stands for packs prompts as its record says (a newer
         # release adopted live: corewire.releases.installed).
-        if self.verified or self.packs_prompts:
+        if self.written_for or self.packs_prompts:
             return wire_requests.packed_writer(self)
         return wire_requests.as_given(self)
 

@@ -240,11 +240,13 @@ class VllmClientMixin:
 
     def _vllm_setup(self, args: VllmArgs) -> dict[str, Any]:
         """Record vLLM's arguments; return the corewire client's keyword arguments."""
-        if INSTALLED_PROTOCOL is not self.release and type(INSTALLED_PROTOCOL) is type(
-            self.release
+        if (
+            INSTALLED_PROTOCOL is not self.release
+            and type(self) in INSTALLED_PROTOCOL.vllm_client_classes().values()
         ):
-            # A later release this class stands for (one newer than every tested
-            # release, adopted live): its behaviour is the class's, its wire its own.
+            # A later release this class serves (0.26.0 with 0.25.1's classes, 0.32.0 with
+            # 0.33.0's, or one newer than every tested release, adopted live): its
+            # front-end helpers are its release class's, its wire its own.
             self.release = INSTALLED_PROTOCOL
         vllm_config = self.vllm_config = args.vllm_config
         self.stats_update_address: str | None = None
