@@ -198,9 +198,9 @@ def test_every_supported_release_is_one_registered_object() -> None:
     assert not releases.get("0.33.0").speaks_protocol_structs
     # A release only recorded behaves as the newest class before it, and says so; its
     # wire facts are its own record's.
-    assert releases.get("0.26.0").verified is False
-    assert rows["0.26.0"]["engine_led_waves"] is rows["0.25.1"]["engine_led_waves"]
-    assert not releases.get("0.26.0").native_output and not releases.get("0.26.0").vllm_client
+    assert releases.get("0.27.0").verified is False
+    assert rows["0.27.0"]["engine_led_waves"] is rows["0.25.1"]["engine_led_waves"]
+    assert not releases.get("0.27.0").native_output and not releases.get("0.27.0").vllm_client
     assert all(rows["0.34.0"].values()) and releases.get("0.34.0").verified
     with pytest.raises(releases.UnsupportedProtocolError):
         releases.get("0.25.2")

@@ -1,0 +1,78 @@
+"""Which class describes each release between 0.25.1 and 0.34.0, and which releases count
+as checked live (docs/protocol.md §11.3): the registry's logic, without vLLM installed."""
+
+from __future__ import annotations
+
+import pytest
+
+from corewire import releases
+from corewire.releases import _CLASSES, _class_for
+from corewire.releases.v0_25_1 import Release0251
+from corewire.releases.v0_32_0 import Release0320
+from corewire.releases.v0_33_0 import Release0330
+from corewire.releases.v0_34_0 import Release0340
+
+#: Each followed release -> the class that describes it (§11.3's second table).
+CLASS_OF = {
+    "0.25.1": Release0251,
+    "0.26.0": Release0251,
+    "0.27.0": Release0251,
+    "0.27.1": Release0251,
+    "0.28.0": Release0251,
+    "0.29.0": Release0251,
+    "0.30.0": Release0251,
+    "0.31.0": Release0251,
+    "0.32.0": Release0320,
+    "0.33.0": Release0330,
+    "0.34.0": Release0340,
+}
+#: The releases checked live (a venv with that release, the live modules of scripts/test).
+LIVE = {"0.25.1", "0.26.0", "0.32.0", "0.33.0", "0.34.0"}
+
+
+@pytest.mark.parametrize("name", sorted(CLASS_OF))
+def test_each_release_has_its_class(name: str) -> None:
+    release = releases.get(name)
+    assert type(release) is CLASS_OF[name] is _class_for(name)
+    assert release.verified is (name in LIVE)
+    # The plugin takes exactly the releases checked live.
+    assert release.vllm_client is (name in LIVE)
+
+
+def test_live_checked_names_only_releases_the_class_stands_for() -> None:
+    # A class can only vouch for a release it describes; each names its own list.
+    for cls in _CLASSES:
+        assert "LIVE_CHECKED" in vars(cls)
+        assert all(_class_for(name) is cls for name in cls.LIVE_CHECKED)
+    assert {name for cls in _CLASSES for name in cls.LIVE_CHECKED} == LIVE
+
+
+def test_native_output_stays_where_it_was_held_to_the_output_processor() -> None:
+    # 0.26.0 is checked live as 0.25.1's class, but native output processing was held
+    # only to 0.25.1's own OutputProcessor.
+    assert [r.name for r in releases.SUPPORTED if r.native_output] == ["0.25.1"]
+    assert releases.get("0.26.0").verified and not releases.get("0.26.0").native_output
+
+
+def test_0_32_0_is_0_33_0_less_what_0_33_0_added() -> None:
+    r0320, r0330 = releases.get("0.32.0"), releases.get("0.33.0")
+    assert issubclass(Release0330, Release0320) and issubclass(Release0340, Release0330)
+    # From 0.27.0 on: KV-usage counts and the KV-pressure routing rule.
+    assert r0320.counts_carry_kv_usage and r0320.kv_pressure_routing
+    # 0.33.0's own: engine-led waves, pause_generation, session affinity.
+    for flag in ("engine_led_waves", "generation_pause_utilities", "session_affinity"):
+        assert not getattr(r0320, flag) and getattr(r0330, flag), flag
+    # 0.32.0's wire is its record's: no RequestError refusals yet, weight versions yes.
+    assert not r0320.request_errors and r0330.request_errors
+    assert r0320.weight_versions
+    # Its client classes are 0.33.0's (the members its AsyncLLM calls are a subset).
+    assert r0320.vllm_client_classes() == r0330.vllm_client_classes()
+
+
+def test_the_request_writer_follows_the_layout_not_the_class() -> None:
+    from corewire.client import wire_requests
+
+    # Only 0.33.0 itself gets the converter into 0.33.0's layout; 0.32.0 (another
+    # layout) writes its own structs.
+    assert releases.get("0.33.0").request_writer() is wire_requests.to_0_33_0
+    assert releases.get("0.32.0").request_writer() is not wire_requests.to_0_33_0
