@@ -35,6 +35,7 @@ import torch  # noqa: E402
 from vllm.v1.engine import EngineCoreOutputs, EngineCoreReadyResponse, FinishReason  # noqa: E402
 from vllm.v1.serial_utils import MsgpackDecoder, MsgpackEncoder  # noqa: E402
 
+from corewire import releases  # noqa: E402
 from corewire.engine.reference import ReferenceEngine  # noqa: E402
 from corewire.protocol import EngineCoreRequestType  # noqa: E402
 from engine_support import LIGHT_REFERENCE, FrontEnd  # noqa: E402
@@ -61,6 +62,10 @@ offline_environment()
 # The module's shared engine: it outlives single tests (conftest's leak check).
 LEAK_ALLOWED_PIDS: set[int] = set()
 PROTOCOL = RELEASE
+#: Whether the release's front-end has 0.33.0's ``pause_generation`` and its engines
+#: refuse requests with a ``RequestError`` (0.33.0 on; 0.32.0 has neither).
+PAUSE_GENERATION = releases.get(RELEASE).generation_pause_utilities
+REQUEST_ERRORS = releases.get(RELEASE).request_errors
 
 
 @pytest.fixture(scope="module")
@@ -91,7 +96,8 @@ def test_greedy_generation_matches_the_reference_engine(stack: Stack) -> None:
     for rid_outs in outs.values():
         # 0.33.0's fields, read unconditionally by its output processor.
         for out in rid_outs:
-            assert out.error is None and out.ec_transfer_params is None
+            assert out.ec_transfer_params is None
+            assert not REQUEST_ERRORS or out.error is None
             assert out.spec_decode_metrics is None and out.new_sampling_mask is None
 
 
@@ -141,6 +147,7 @@ def test_embedding_request_returns_a_tensor(stack: Stack) -> None:
 # ---------------------------------------------------------------------- utilities
 
 
+@pytest.mark.skipif(not PAUSE_GENERATION, reason=f"vLLM {RELEASE} has no pause_generation")
 def test_pause_generation_refuses_new_requests_with_a_retryable_error(stack: Stack) -> None:
     client = stack.client
 
@@ -198,6 +205,10 @@ def test_a_refused_request_carries_a_validation_error(stack: Stack) -> None:
     refused = vllm_request("refused", [1, 99999], max_tokens=2)
     (bad,) = stack.run(collect_after(stack.client, refused))
     reason = "prompt token id 99999 is outside the vocabulary [0, 4096)"
+    if not REQUEST_ERRORS:
+        # Before 0.33.0 the text travels in stop_reason (there is no error field).
+        assert bad.finish_reason == FinishReason.ERROR and bad.stop_reason == reason
+        return
     # The text travels in the error, stop_reason is nil: vLLM 0.33.0's engine writes it so.
     assert bad.finish_reason == FinishReason.ERROR and bad.stop_reason is None
     assert (bad.error.code, bad.error.message, bad.error.retryable) == (
@@ -236,7 +247,10 @@ def test_every_0_33_0_utility_with_vllms_argument_lists(stack: Stack) -> None:
     # release_kv_cache_memory: only after a pause, as vLLM's engine.
     with pytest.raises(Exception, match="requires a completed pause first"):
         run(client.release_kv_cache_memory_async())
-    run(client.pause_generation_async("abort", True))
+    if PAUSE_GENERATION:
+        run(client.pause_generation_async("abort", True))
+    else:
+        run(client.pause_scheduler_async("abort", True))
     assert run(client.release_kv_cache_memory_async()) is None
     run(client.resume_scheduler_async())
     # profile with 0.33.0's five arguments.
@@ -328,9 +342,12 @@ def test_every_frame_is_what_vllm_0_33_0_writes(raw_front_end: FrontEnd) -> None
     assert frames_seen >= 4
     # A utility reply and a refusal while paused: no weight version (no step made them).
     utility = EngineCoreRequestType.UTILITY.value
-    front.send_frames([utility, *encoder.encode((0, 7, "pause_generation", ("abort", True)))])
+    pause = "pause_generation" if PAUSE_GENERATION else "pause_scheduler"
+    front.send_frames([utility, *encoder.encode((0, 7, pause, ("abort", True)))])
     reply = receive()
     assert reply.utility_output.call_id == 7 and reply.weight_version is None
+    if not PAUSE_GENERATION:
+        return  # before 0.33.0 a paused engine queues new requests: nothing is refused
     _vllm_add(front, encoder, vllm_request("paused", [1], max_tokens=2))
     refusal = receive()
     assert refusal.weight_version is None and refusal.outputs[0].error.code == "engine_paused"

@@ -8,6 +8,7 @@ step, not skip it. Elsewhere (the main environment, vLLM 0.25.1) they skip.
 from __future__ import annotations
 
 import os
+import warnings
 from types import ModuleType
 from typing import Any
 
@@ -31,6 +32,13 @@ def require_vllm_0_33_0() -> ModuleType:
         if required:
             raise RuntimeError(f"COREWIRE_REQUIRE_VLLM={required}, found vLLM {vllm.__version__}")
         pytest.skip(f"needs vLLM {RELEASE} (found {vllm.__version__})", allow_module_level=True)
+    # Some releases (0.32.0, with torch 2.13) reach torch.compile while importing their
+    # outputs and engine modules, and torch warns there about its own deprecated APIs
+    # (torch.jit); not this project's to fix, so imported once here with that ignored.
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)
+        import vllm.outputs
+        import vllm.v1.engine
     return vllm
 
 

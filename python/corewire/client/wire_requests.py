@@ -41,7 +41,7 @@ from corewire import layouts
 from corewire import protocol as p
 from corewire.releases import get as get_release
 
-__all__ = ["request_writer", "utility_args_writer"]
+__all__ = ["converted_writer", "request_writer", "utility_args_writer"]
 
 _asdict = msgspec.structs.asdict
 _T = layouts.types_for("0.33.0")
@@ -94,6 +94,29 @@ def as_given(release: Any) -> Callable[[Any], Any]:
                 f"corewire.layouts.types_for({release.name!r})['EngineCoreRequest']"
             )
         return request
+
+    return write
+
+
+def converted_writer(release: Any) -> Callable[[Any], Any]:
+    """The writer of a release whose requests are 0.33.0's by field name but whose
+    nested structs may lack 0.33.0's later fields (vLLM 0.32.0: ``PoolingParams`` without
+    ``late_chunking_params``): corewire's 0.25.1 struct is converted as for 0.33.0 and
+    rebuilt in the release's own layout (fields 0.33.0 added, which a 0.25.1 struct
+    leaves at their defaults, dropped); anything else goes as given."""
+    types = layouts.types_for(release)
+    target, pooling = types["EngineCoreRequest"], types["PoolingParams"]
+    pooling_fields = set(pooling.__struct_fields__)
+
+    def write(request: Any) -> Any:
+        if type(request) is not p.EngineCoreRequest:
+            return request
+        fields = _asdict(to_0_33_0(request))
+        params = fields["pooling_params"]
+        if params is not None and type(params) is not pooling:
+            kept = {k: v for k, v in _asdict(params).items() if k in pooling_fields}
+            fields["pooling_params"] = pooling(**kept)
+        return target(**fields)
 
     return write
 

@@ -81,6 +81,13 @@ class Release0320(Release0251):
             client.kv_event_sources[response.data_parallel_rank] = response.kv_events_config
         return response
 
+    def request_writer(self) -> Any:
+        from corewire.client import wire_requests
+
+        # corewire's 0.25.1 struct converted into this release's own layout, as for
+        # 0.33.0 (whose requests are this release's with fields appended).
+        return wire_requests.converted_writer(self)
+
     def engine_utilities(self, proc: Any) -> Any:
         # 0.33.0's set: every call 0.32.0's front-end makes beyond the engine's own
         # methods (weight versions, all-engine wake_up, release_kv_cache_memory,
