@@ -44,6 +44,7 @@ from corewire import (  # noqa: E402
     DPLBAsyncMPClient,
     SyncMPClient,
     layouts,
+    releases,
 )
 from corewire import protocol as p  # noqa: E402
 from corewire.protocol import FinishReason  # noqa: E402
@@ -282,6 +283,9 @@ def test_sync_client_drops_engine_status(ipc_dir: Path, sockets: Sockets) -> Non
 # -- the error field -----------------------------------------------------------------
 
 
+@pytest.mark.skipif(
+    not releases.get(RELEASE).request_errors, reason=f"vLLM {RELEASE} has no RequestError"
+)
 async def test_request_error_reaches_the_caller_and_ends_the_request(
     ipc_dir: Path, sockets: Sockets
 ) -> None:

@@ -19,6 +19,7 @@ vLLM 0.33.0's own client.
 from __future__ import annotations
 
 import asyncio
+import inspect
 import warnings
 from collections.abc import Iterator
 from pathlib import Path
@@ -253,14 +254,16 @@ def test_every_0_33_0_utility_with_vllms_argument_lists(stack: Stack) -> None:
         run(client.pause_scheduler_async("abort", True))
     assert run(client.release_kv_cache_memory_async()) is None
     run(client.resume_scheduler_async())
-    # profile with 0.33.0's five arguments.
-    run(client.profile_async(True, "trace33", None, None, None))
+    # profile with the arguments the release's client takes: 0.33.0's five (0.32.0's
+    # four: no profiler_kwargs), read off vLLM's own method.
+    n = len(inspect.signature(client.profile_async).parameters)
+    run(client.profile_async(*(True, "trace33", None, None, None)[:n]))
     run(generate(client, [vllm_request("profiled", [1, 2], temperature=0.0, max_tokens=2)]))
-    run(client.profile_async(False, None, None, None, None))
+    run(client.profile_async(*(False, None, None, None, None)[:n]))
     (trace,) = stack.profile_dir.iterdir()
     assert trace.name.startswith("trace33-") and trace.stat().st_size > 0
     with pytest.raises(Exception, match=r"profile\(max_iterations\) is not supported"):
-        run(client.profile_async(True, None, None, 5, None))
+        run(client.profile_async(*(True, None, None, 5, None)[:n]))
     # Weight checksums of the engine's real weights, keyed as vLLM's workers key them.
     checksums = run(client.compute_weight_checksums_async())
     engine = ReferenceEngine(**{**ENGINE_ARGS, "step_delay": 0.0})

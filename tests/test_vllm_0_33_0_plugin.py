@@ -257,7 +257,7 @@ async def test_generation_abort_and_utilities_through_asyncllm(
         assert not queued.done()
         await llm.resume_generation()
         out = await asyncio.wait_for(queued, _DEADLINE_S)
-        assert out.outputs[0].token_ids == expected_tokens[:2]
+        assert len(out.outputs[0].token_ids) == 2 and out.finished
     assert await llm.is_paused() is False
     # Weights: the label the engine stamps on its outputs, and their checksums.
     assert await llm.get_weight_version() == "default"

@@ -54,20 +54,20 @@ def test_unclear_switch_is_an_error(monkeypatch: pytest.MonkeyPatch) -> None:
 
 @pytest.mark.parametrize(
     "version",
-    ["0.25.1", "0.25.1+cpu", "0.26.0", "0.32.0", "0.32.0+cpu", "0.33.0", "0.33.0+cpu", "0.34.0"],
+    ["0.25.1", "0.25.1+cpu", "0.32.0", "0.32.0+cpu", "0.33.0", "0.33.0+cpu", "0.34.0"],
 )
 def test_plugin_accepts_the_vllm_its_client_is_built_for(version: str) -> None:
     plugin.check_vllm_version(version)
 
 
 @pytest.mark.parametrize(
-    "version", ["0.25.2", "0.27.0", "0.31.0", "0.25.1rc1", "0.33.1", "0.34.0rc1"]
+    "version", ["0.25.2", "0.26.0", "0.27.0", "0.31.0", "0.25.1rc1", "0.33.1", "0.34.0rc1"]
 )
 def test_plugin_refuses_another_vllm_by_name(version: str) -> None:
-    # Releases only recorded (0.27.0-0.31.0) too: the plugin's client is checked live per
+    # Releases only recorded (0.26.0-0.31.0) too: the plugin's client is checked live per
     # release. (A final release newer than every tested one is adopted instead:
     # test_vllm_self_check.)
-    supported = r"0\.25\.1, 0\.26\.0, 0\.32\.0, 0\.33\.0, 0\.34\.0"
+    supported = r"0\.25\.1, 0\.32\.0, 0\.33\.0, 0\.34\.0"
     expected = rf"supports vLLM {supported}, not the installed {version}"
     with pytest.raises(RuntimeError, match=expected):
         plugin.check_vllm_version(version)
@@ -82,7 +82,7 @@ def test_each_supported_vllm_has_its_client_classes() -> None:
         classes = client.client_classes(version)
         assert set(classes) == {"plain", "dp", "dplb"}
         # Built for this release, or for the one whose class this release's class is (or
-        # derives from): 0.26.0 runs 0.25.1's classes, 0.32.0 0.33.0's (adopting the
+        # derives from): 0.32.0 runs 0.33.0's (adopting the
         # installed release when they start).
         for cls in classes.values():
             assert cls.release == version or isinstance(cls.release, type(version))

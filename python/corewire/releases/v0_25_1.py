@@ -21,8 +21,9 @@ class Release0251(Release):
     __slots__ = ()
     NAME = "0.25.1"
     # 0.26.0 changed nothing its front-end helpers, client members, DP coordinator or
-    # ready response do (docs/protocol.md §11.3); its engines' new fields are in its record.
-    LIVE_CHECKED = ("0.25.1", "0.26.0")
+    # ready response do (docs/protocol.md §11.3), but has not been checked live: the
+    # plugin refuses it until it is.
+    LIVE_CHECKED = ("0.25.1",)
 
     NATIVE_OUTPUT = True
     VLLM_CLIENT = True

@@ -5,7 +5,8 @@ its processes. It does nothing unless switched on. ``COREWIRE_VLLM_CLIENT=1`` re
 ``EngineCoreClient.make_async_mp_client``, the factory through which vLLM's ``AsyncLLM``
 builds its engine-core client, with :func:`corewire.vllm.client.make_async_mp_client`.
 vLLM looks the factory up when ``AsyncLLM`` starts, after the plugins ran. The clients
-speak the installed vLLM's release (0.25.1 or 0.33.0; another is refused by name). Engine-core and
+speak the installed vLLM's release (one checked live: :data:`PLUGIN_VLLM_VERSIONS`; another
+is refused by name, except one newer than every tested release). Engine-core and
 worker processes never call that factory, so nothing changes for them, and vLLM's
 synchronous ``LLM`` class keeps its own client.
 
