@@ -49,7 +49,6 @@ import weakref
 from collections.abc import Sequence
 from typing import Any
 
-import msgspec
 import zmq
 import zmq.asyncio
 
@@ -61,9 +60,9 @@ from corewire.client.processes import stop_processes
 from corewire.coordinator import CoordinatorAddresses, DPCoordinator, TcpEndpoints
 from corewire.curve import is_loopback_address
 from corewire.dp_messages import XPUB_SUBSCRIBE, FirstRequest, ScaleNotice
+from corewire.engine.wire import output_converter
 from corewire.errors import ProtocolError
 from corewire.keygen import CurveAuthenticator, CurveServerKeys, apply_server
-from corewire.layouts import types_for
 from corewire.logtext import bounded
 from corewire.protocol import (
     REQUEST_ABORT,
@@ -646,10 +645,10 @@ class DPLBAsyncMPClient(DPAsyncMPClient):
             del self.reqs_in_flight[rid]
         logger.warning("finishing %d request(s) of removed engines as aborted", len(leftovers))
         outputs = finished_outputs(leftovers, FinishReason.ABORT, engine_index=min(removed))
-        if not get_release(self.protocol).speaks_protocol_structs:
-            # The consumer reads this version's fields (weight_version, error...).
-            outputs = _in_version(outputs, self.protocol)
-        self.outputs_queue.put_nowait(outputs)
+        # The consumer reads this release's fields (weight_version, error...): the same
+        # conversion an engine of this release applies to what it sends.
+        to_wire = output_converter(self.protocol)
+        self.outputs_queue.put_nowait(outputs if to_wire is None else to_wire(outputs))
 
 
 async def _stats_update_loop(
@@ -684,13 +683,3 @@ async def _stats_update_loop(
     except Exception:
         if not resources.closed:
             logger.exception("corewire DP stats task failed")
-
-
-def _in_version(outputs: EngineCoreOutputs, protocol: str) -> Any:
-    """``outputs`` (0.25.1's struct, made by this client) as ``protocol``'s, field by
-    field (the fields that version adds take their defaults)."""
-    types = types_for(protocol)
-    output_type, outputs_type = types["EngineCoreOutput"], types["EngineCoreOutputs"]
-    fields = msgspec.structs.asdict(outputs)
-    fields["outputs"] = [output_type(**msgspec.structs.asdict(o)) for o in outputs.outputs]
-    return outputs_type(**fields)
