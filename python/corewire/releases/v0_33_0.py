@@ -105,11 +105,7 @@ class Release0330(Release0251):
 
         return wire_requests.to_0_33_0 if self.verified else wire_requests.as_given(self)
 
-    def vllm_client_classes(self) -> dict[str, type]:
-        from corewire.vllm import v0_33_0
+    def vllm_client_members(self) -> type:
+        from corewire.vllm.v0_33_0 import Members0330
 
-        return {
-            "plain": v0_33_0.Vllm0330AsyncMPClient,
-            "dp": v0_33_0.Vllm0330DPAsyncMPClient,
-            "dplb": v0_33_0.Vllm0330DPLBAsyncMPClient,
-        }
+        return Members0330
