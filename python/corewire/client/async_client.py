@@ -320,11 +320,24 @@ class AsyncMPClient(MPClient):
     async def add_request_async(self, request: EngineCoreRequest) -> None:
         """Send a request to the engine; its outputs come from :meth:`get_output_async`.
 
-        ``request`` is written in the client's protocol (see :class:`MPClient`)."""
+        ``request`` is written in the client's protocol (see :class:`MPClient`). While
+        the engine's input backlog is at ``max_input_backlog`` (or earlier callers wait),
+        this waits for room, first come first sent; it raises :class:`EngineDeadError`
+        at once when the engine dies or the client closes meanwhile, and a caller
+        cancelled while waiting has sent nothing and leaves nothing behind."""
         request.client_index = self.client_index
         if self._write_request is not None:
             request = self._write_request(request)
-        self._send_message(self.core_engine, REQUEST_ADD, self.encoder.encode(request), request)
+        engine = self.core_engine
+        backlog = self.resources.input_backlogs.get(engine) or self._input_backlog(engine)
+        if backlog.must_wait():
+            await backlog.wait_async()
+            try:
+                self._send_message(engine, REQUEST_ADD, self.encoder.encode(request), request)
+            finally:
+                backlog.pass_on()
+        else:
+            self._send_message(engine, REQUEST_ADD, self.encoder.encode(request), request)
         if self.resources.output_task is None:
             self._ensure_output_queue_task()
 
