@@ -19,7 +19,13 @@ from typing import Any
 import pytest
 
 from client_support import request
-from corewire import AsyncMPClient, EngineDeadError, InputBacklogTimeout, SyncMPClient
+from corewire import (
+    AsyncMPClient,
+    DPLBAsyncMPClient,
+    EngineDeadError,
+    InputBacklogTimeout,
+    SyncMPClient,
+)
 from corewire.client.input_backlog import (
     DEFAULT_MAX_INPUT_BACKLOG,
     ENV,
@@ -27,6 +33,7 @@ from corewire.client.input_backlog import (
     resolve_max_input_backlog,
 )
 from corewire.protocol import EngineCoreOutputs
+from dp_support import wait_until
 from leak_support import no_leaks
 
 SYNTHETIC = "corewire.engine.synthetic:SyntheticEngine"
@@ -40,9 +47,9 @@ TOTAL = 1000
 SOON = 10.0
 
 
-def _request(i: int, tag: str = "r") -> Any:
+def _request(i: int, tag: str = "r", rank: int | None = None) -> Any:
     """Request ``tag-i``: one token after a 1,500-token prompt."""
-    return request(f"{tag}-{i}", 1, prompt=PROMPT)
+    return request(f"{tag}-{i}", 1, rank, prompt=PROMPT)
 
 
 def _stop(client: Any) -> int:
@@ -313,5 +320,52 @@ def test_the_bound_is_configurable(monkeypatch: pytest.MonkeyPatch) -> None:
         finally:
             os.kill(pid, signal.SIGCONT)
         assert client._input_backlog(client.core_engine).pauses == 0
+    finally:
+        client.shutdown()
+
+
+def test_dp_bound_is_per_engine_and_a_cancelled_waiter_is_unrouted() -> None:
+    client = DPLBAsyncMPClient(data_parallel_size=2, engine=SYNTHETIC, max_input_backlog=BOUND)
+    pid = client.engine_pids[0]
+    try:
+
+        async def run() -> None:
+            stuck = client._input_backlog(client.core_engines[0])
+            os.kill(pid, signal.SIGSTOP)
+            try:
+                ids: list[str] = []
+
+                async def produce() -> None:
+                    for i in range(100_000):
+                        ids.append(f"on0-{i}")
+                        await client.add_request_async(request(ids[-1], 1, 0, prompt=PROMPT))
+
+                producer = asyncio.get_running_loop().create_task(produce())
+                deadline = time.monotonic() + SOON
+                while not stuck.waiters:
+                    assert time.monotonic() < deadline and not producer.done()
+                    await asyncio.sleep(0.01)
+                # Engine 1 is not held back by engine 0's full backlog: pinned and routed
+                # requests go at once (the router sends the unpinned one to engine 1).
+                await asyncio.wait_for(client.add_request_async(_request(0, "on1", 1)), 2)
+                await asyncio.wait_for(client.add_request_async(request("any", 1)), 2)
+                assert client.reqs_in_flight["any"] == 1
+                # The waiting caller gives up: its request is not in flight anywhere.
+                producer.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await producer
+                assert ids[-1] not in client.reqs_in_flight and not stuck.waiters
+                assert client.router.in_flight()[0] == len(ids) - 1
+            finally:
+                os.kill(pid, signal.SIGCONT)
+            expected = {*ids[:-1], "on1-0", "any"}
+            answered: dict[str, int] = {}
+            while len(answered) < len(expected):
+                _collect(await asyncio.wait_for(client.get_output_async(), SOON), answered)
+            assert set(answered) == expected
+            await wait_until(lambda: not client.reqs_in_flight, what="in-flight to clear")
+            assert client.router.in_flight() == [0, 0]
+
+        asyncio.run(run())
     finally:
         client.shutdown()

@@ -9,11 +9,14 @@ token per request here) over ipc. A producer coroutine adds requests (a 64-token
 consumer task takes the outputs meanwhile. A thread samples the RSS of this process and
 of the engine every 50 ms. Then the run waits (up to :data:`DRAIN_S`) for every request's
 answer. Printed per client: the bound, requests added per second, the peak RSS growth of
-the client (over its RSS before the flood) and of the engine, and the requests answered;
-then the ratios.
+the client (over its RSS before the flood: in the first half of the flood, and in all; a
+flat memory has the two equal) and of the engine, and the requests answered; then the
+ratios. corewire's client also runs with ``max_input_backlog=None`` (``no bound``): what
+the bound saves.
 
-corewire runs first: the heap vLLM's flood grows on starts where corewire's ended, which
-can only understate vLLM's growth.
+Each flood runs in a fresh child process (spawned by this run, one after the other): a
+process keeps the heap an earlier flood grew, and a later flood would grow into it
+without its RSS showing it.
 """
 
 from __future__ import annotations
@@ -64,6 +67,10 @@ class _Peak:
                 except psutil.NoSuchProcess:
                     return
 
+    def client_growth(self) -> int:
+        """The client's peak growth so far, in bytes."""
+        return self.peak[0] - self.base[0]
+
     def stop(self) -> tuple[int, int]:
         """Stop; the peak growth of (client, engine) in bytes."""
         self._stop.set()
@@ -91,9 +98,13 @@ async def _flood(
     sent = 0
     add = client.add_request_async
     start = time.perf_counter()
+    half = start + seconds / 2
     end = start + seconds
+    half_growth = None
     try:
-        while time.perf_counter() < end:
+        while (now := time.perf_counter()) < end:
+            if half_growth is None and now >= half:
+                half_growth = peak.client_growth()
             for _ in range(YIELD_EVERY):
                 await add(make(sent))
                 sent += 1
@@ -113,6 +124,7 @@ async def _flood(
         "answered": answered,
         "drain_s": drained,
         "client_peak_mb": growth[0] / 2**20,
+        "client_half_mb": (half_growth or 0) / 2**20,
         "engine_peak_mb": growth[1] / 2**20,
     }
 
@@ -195,26 +207,69 @@ def _start_synthetic(input_address: str, output_address: str, protocol: str) -> 
 
 def _line(name: str, bound: str, r: dict[str, Any]) -> str:
     return (
-        f"{name:<9} bound {bound:>9}  {r['rate']:>9,.0f} req/s  client peak "
-        f"+{r['client_peak_mb']:7.1f} MB  engine peak +{r['engine_peak_mb']:7.1f} MB  "
+        f"{name:<24} bound {bound:>7}  {r['rate']:>8,.0f} req/s  client peak "
+        f"+{r['client_half_mb']:.1f} MB at half time, +{r['client_peak_mb']:.1f} MB in all  "
+        f"engine peak +{r['engine_peak_mb']:.1f} MB  "
         f"answered {r['answered']:,}/{r['sent']:,} ({r['drain_s']:.1f} s after)"
     )
 
 
+def _variant(name: str, seconds: float, bound: int | None, conn: Any) -> None:
+    """Child process: run one flood, send its results back."""
+    try:
+        result = _vllm(seconds) if name == "vllm" else _corewire(seconds, bound)
+    except BaseException as exc:
+        conn.send({"error": f"{type(exc).__name__}: {exc}"})
+        raise
+    conn.send(result)
+
+
+def _run_variant(name: str, seconds: float, bound: int | None) -> dict[str, Any]:
+    """One flood in a fresh child process: its RSS growth is its own (a process that ran
+    an earlier flood keeps that heap, and a later flood would grow into it unseen)."""
+    ctx = multiprocessing.get_context("spawn")
+    parent, child = ctx.Pipe(duplex=False)
+    proc = ctx.Process(target=_variant, args=(name, seconds, bound, child), name=f"flood-{name}")
+    proc.start()
+    child.close()
+    try:
+        result: dict[str, Any] = parent.recv()
+    except EOFError:
+        result = {"error": f"the {name} flood process died (exit status {proc.exitcode})"}
+    proc.join(30)
+    if "error" in result:
+        raise RuntimeError(f"{name} flood: {result['error']}")
+    return result
+
+
 def flood_both(seconds: float, use_vllm: bool) -> dict[str, Any]:
     """Run the flood with corewire's client (its default bound, or
-    ``COREWIRE_MAX_INPUT_BACKLOG``), then vLLM's; print and return the results."""
+    ``COREWIRE_MAX_INPUT_BACKLOG``), vLLM's, and corewire's without a bound, each in a
+    fresh child process, one after the other; print and return the results."""
     bound = resolve_max_input_backlog(FROM_ENVIRONMENT)
     bound_text = "none" if bound is None else f"{bound / 2**20:g} MiB"
-    print(f"flood: {seconds:g} s into one synthetic engine, prompt {PROMPT_LEN} tokens")
-    results: dict[str, Any] = {"bound": bound, "corewire": _corewire(seconds, bound)}
-    print(_line("corewire", bound_text, results["corewire"]))
+    print(
+        f"flood: {seconds:g} s per client into one synthetic engine, prompt {PROMPT_LEN} "
+        "tokens, max_tokens 1"
+    )
+    results: dict[str, Any] = {"bound": bound}
+    c = results["corewire"] = _run_variant("corewire", seconds, bound)
+    print(_line("corewire", bound_text, c))
     if use_vllm:
-        results["vllm"] = _vllm(seconds)
-        print(_line("vllm", "none", results["vllm"]))
-        c, v = results["corewire"], results["vllm"]
+        v = results["vllm"] = _run_variant("vllm", seconds, None)
+        print(_line("vllm (AsyncMPClient)", "none", v))
+    if bound is not None:
+        u = results["unbounded"] = _run_variant("corewire", seconds, None)
+        print(_line("corewire, no bound", "none", u))
+    growth = max(c["client_peak_mb"], 0.1)
+    if use_vllm:
         print(
-            f"ratios    req/s corewire/vllm {c['rate'] / v['rate']:.2f}x  client peak "
-            f"growth vllm/corewire {v['client_peak_mb'] / max(c['client_peak_mb'], 0.1):.1f}x"
+            f"ratios: req/s corewire/vllm {c['rate'] / v['rate']:.2f}x; client peak growth "
+            f"vllm/corewire {v['client_peak_mb'] / growth:.2f}x"
+            + (
+                f"; corewire unbounded/bounded {u['client_peak_mb'] / growth:.2f}x"
+                if bound is not None
+                else ""
+            )
         )
     return results
