@@ -99,10 +99,11 @@ def test_async_client_waits_at_the_bound_and_resumes_as_the_engine_drains() -> N
                 _stop(client)
                 try:
                     task, ids = await _fill(client, TOTAL)
+                    before = len(ids)
                     await asyncio.sleep(0.5)
-                    # It stays waiting: nothing more went out, the bound holds.
-                    sent = len(ids)
-                    assert not task.done() and len(ids) == sent < TOTAL
+                    # It stays waiting (a marker completing late under load may let one
+                    # more message out, no more): the bound holds.
+                    assert not task.done() and len(ids) - before < 10 and len(ids) < TOTAL
                     # At the bound, not past it by more than one message and the count's
                     # slack (a marker may complete late under load: then a little below).
                     assert BOUND // 2 < backlog.held < BOUND + BOUND // 16 + 8192, backlog.held
