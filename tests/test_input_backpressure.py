@@ -25,6 +25,7 @@ from corewire import (
     EngineDeadError,
     InputBacklogTimeout,
     SyncMPClient,
+    metrics,
 )
 from corewire.client.input_backlog import (
     DEFAULT_MAX_INPUT_BACKLOG,
@@ -107,6 +108,15 @@ def test_async_client_waits_at_the_bound_and_resumes_as_the_engine_drains() -> N
                     # At the bound, not past it by more than one message and the count's
                     # slack (a marker may complete late under load: then a little below).
                     assert BOUND // 2 < backlog.held < BOUND + BOUND // 16 + 8192, backlog.held
+                    if metrics.enabled():  # the gauge reads it too, from another thread
+                        from prometheus_client import REGISTRY
+
+                        gauge = await asyncio.to_thread(
+                            REGISTRY.get_sample_value,
+                            "corewire_input_backlog_bytes",
+                            {"client": "0"},
+                        )
+                        assert BOUND // 2 < gauge < BOUND + BOUND // 16 + 8192, gauge
                 finally:
                     os.kill(pid, signal.SIGCONT)
                 # The engine drains: the producer sends the rest (~10x the bound), and

@@ -21,6 +21,7 @@ from typing import Any
 from corewire.client._resources import ClientResources
 from corewire.client.core import HEALTH_CHECK_METHOD, MPClient
 from corewire.client.ft_status import StatusKeeper
+from corewire.client.input_backlog import total_held
 from corewire.client.output_link import (
     DRAIN_BUDGET,
     EMPTY,
@@ -221,7 +222,11 @@ class AsyncMPClient(MPClient):
         if metrics is not None:
             self.resources.metrics = metrics
             queue = self.outputs_queue
-            metrics.watch(lambda: queue.held, self.resources.registry.__len__)
+            metrics.watch(
+                lambda: queue.held,
+                self.resources.registry.__len__,
+                total_held(self.resources.input_backlogs),
+            )
         try:
             asyncio.get_running_loop()
         except RuntimeError:

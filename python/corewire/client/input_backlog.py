@@ -43,6 +43,7 @@ __all__ = [
     "InputBacklog",
     "message_bytes",
     "resolve_max_input_backlog",
+    "total_held",
 ]
 
 #: Default ``max_input_backlog`` (bytes per engine): 64 MiB holds about 200k small
@@ -173,6 +174,16 @@ class InputBacklog:
         self.reap()
         return self.sent - self.released
 
+    def held_now(self) -> int:
+        """:attr:`held` without changing anything: safe from another thread (a metrics
+        scrape) while the owner sends."""
+        released = self.released
+        for tracker, sent in list(self.markers):  # a copy: the owner may pop meanwhile
+            if not tracker.done:
+                break
+            released = max(released, sent)
+        return self.sent - released
+
     def full(self) -> bool:
         """Whether the bound is reached (a new message must wait)."""
         high = self.high
@@ -284,3 +295,13 @@ class InputBacklog:
                     markers[0][0].wait(wait_s)
             else:  # pragma: no cover - full() implies a marker in flight
                 time.sleep(wait_s)
+
+
+def total_held(backlogs: dict[bytes, InputBacklog]) -> Callable[[], int]:
+    """A reader of the bytes held toward all of ``backlogs``' engines (the metrics gauge;
+    it references the dict, not the client)."""
+
+    def held() -> int:
+        return sum(backlog.held_now() for backlog in list(backlogs.values()))
+
+    return held

@@ -23,6 +23,7 @@ import zmq
 
 from corewire.client.core import HEALTH_CHECK_METHOD, MPClient
 from corewire.client.ft_status import StatusDrops
+from corewire.client.input_backlog import total_held
 from corewire.client.output_link import PAUSED, STOPPED, OutputLink
 from corewire.errors import EngineDeadError, UtilityError
 from corewire.metrics import for_client
@@ -130,7 +131,11 @@ class SyncMPClient(MPClient):
         resources.set_fail_queue(self.outputs_queue.put_nowait)
         if metrics is not None:
             resources.metrics = metrics
-            metrics.watch(lambda: backlog.held, resources.registry.__len__)
+            metrics.watch(
+                lambda: backlog.held,
+                resources.registry.__len__,
+                total_held(resources.input_backlogs),
+            )
         # Made on the thread: a client closed during construction starts no thread, and
         # its socket, closed by then, could not be read.
         make_link = functools.partial(
