@@ -347,12 +347,37 @@ class DPAsyncMPClient(AsyncMPClient):
         # Encoded before routing: a request that cannot be encoded must not count as in
         # flight on an engine (that count would never come down).
         frames = self.encoder.encode(request)
+        held = self._holds(request.request_id)
         engine = self.get_core_engine_for_request(request)
-        self._send_message(engine, REQUEST_ADD, frames, request)
+        # The bound is per engine: a request waits for room on the engine it was routed
+        # to (a stopped engine holds back its own requests, not the group's), and a
+        # caller that gives up un-notes its routing.
+        backlog = self.resources.input_backlogs.get(engine) or self._input_backlog(engine)
+        if backlog.must_wait():
+            try:
+                await backlog.wait_async()
+            except BaseException:
+                if not held:
+                    self._unroute(request, engine)
+                raise
+            try:
+                self._send_message(engine, REQUEST_ADD, frames, request)
+            finally:
+                backlog.pass_on()
+        else:
+            self._send_message(engine, REQUEST_ADD, frames, request)
         if not self.engines_running and self._first_request_notices:
             self._send_first_request_notice(engine_index_of(engine))
         if self.resources.output_task is None:
             self._ensure_output_queue_task()
+
+    def _holds(self, request_id: str) -> bool:
+        """Whether routing already records ``request_id`` on an engine (an open streaming
+        session's next input): a wait given up must not forget it then."""
+        return False
+
+    def _unroute(self, request: EngineCoreRequest, engine: bytes) -> None:
+        """Undo what routing ``request`` to ``engine`` recorded (it was not sent)."""
 
     # -- utilities -----------------------------------------------------------------------
 
@@ -457,6 +482,17 @@ class DPLBAsyncMPClient(DPAsyncMPClient):
         index = self._route(request.data_parallel_rank)
         self.reqs_in_flight[request.request_id] = index
         return self.core_engines[index]
+
+    def _holds(self, request_id: str) -> bool:
+        return request_id in self.reqs_in_flight
+
+    def _unroute(self, request: EngineCoreRequest, engine: bytes) -> None:
+        """Forget a request that waited for room on ``engine`` and was not sent: it is not
+        in flight there (the router's count of it comes down)."""
+        index = self.core_engines.index(engine) if engine in self.core_engines else None
+        if index is not None and self.reqs_in_flight.get(request.request_id) == index:
+            del self.reqs_in_flight[request.request_id]
+            self._note_finished(index)
 
     def process_engine_outputs(self, outputs: EngineCoreOutputs) -> None:
         """Output-task hook: forget finished requests (ids the engines report in
