@@ -364,7 +364,8 @@ async def test_vllm_adapter_counts_the_requests_a_bad_frame_ended(tmp_path) -> N
     import threading
 
     from corewire.protocol import FinishReason
-    from corewire.vllm.client import VllmAsyncMPClient
+    from corewire.vllm.classes import client_classes
+    from corewire.vllm.client import INSTALLED_PROTOCOL
     from test_vllm_client_faults import _HandEngine, _output
     from vllm_support import vllm_config, write_model_dir
 
@@ -376,7 +377,9 @@ async def test_vllm_adapter_counts_the_requests_a_bad_frame_ended(tmp_path) -> N
     engine: list[_HandEngine] = []
     joiner = threading.Timer(0.3, lambda: engine.append(_HandEngine(*addresses.values())))
     joiner.start()
-    client = VllmAsyncMPClient(config, None, False, client_addresses=addresses)
+    client = client_classes(INSTALLED_PROTOCOL)["plain"](
+        config, None, False, client_addresses=addresses
+    )
     joiner.join()
     hand = engine[0]
     try:

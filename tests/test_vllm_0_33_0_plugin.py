@@ -54,10 +54,10 @@ from corewire import releases  # noqa: E402
 from corewire.engine.interface import EngineInfo  # noqa: E402
 from corewire.layouts import FT_STATUS_CALL_ID, RequestError  # noqa: E402
 from corewire.ready_layouts import ReadyFacts, ready_response_for  # noqa: E402
+from corewire.vllm.classes import client_classes  # noqa: E402
 from corewire.vllm.client import (  # noqa: E402
     HEALTH_INTERVAL_ENV,
     HEALTH_TIMEOUT_ENV,
-    client_classes,
     make_async_mp_client,
 )
 from corewire.vllm.v0_33_0 import FT_UTILITY_METHOD  # noqa: E402

@@ -38,7 +38,7 @@ if _MISSING is not None:
 
 import httpx  # noqa: E402
 
-from corewire.vllm.client import client_classes  # noqa: E402
+from corewire.vllm.classes import client_classes  # noqa: E402
 from corewire.vllm.stack import ServeStack  # noqa: E402
 from serve_support import (  # noqa: E402
     HEALTH_ENV,

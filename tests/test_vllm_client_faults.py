@@ -22,7 +22,8 @@ pytest.importorskip("vllm")
 from corewire.engine.interface import EngineInfo
 from corewire.engine.ready import ready_response
 from corewire.protocol import FinishReason
-from corewire.vllm.client import VllmAsyncMPClient
+from corewire.vllm.classes import client_classes
+from corewire.vllm.client import INSTALLED_PROTOCOL
 from vllm_support import vllm_config, write_model_dir
 
 
@@ -66,7 +67,9 @@ async def test_bad_frame_ends_its_requests_and_the_stream_goes_on(tmp_path: Path
         lambda: engine.append(_HandEngine(addresses["input_address"], addresses["output_address"])),
     )
     joiner.start()
-    client = VllmAsyncMPClient(config, None, False, client_addresses=addresses)
+    client = client_classes(INSTALLED_PROTOCOL)["plain"](
+        config, None, False, client_addresses=addresses
+    )
     joiner.join()
     hand = engine[0]
     try:

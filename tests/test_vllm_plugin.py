@@ -76,16 +76,12 @@ def test_plugin_refuses_another_vllm_by_name(version: str) -> None:
 def test_each_supported_vllm_has_its_client_classes() -> None:
     """Every release the plugin accepts has its three client classes (chosen as vLLM
     chooses), and the installed vLLM's are the factory's."""
-    from corewire.vllm import client
+    from corewire.vllm.classes import client_classes
 
     for version in plugin.PLUGIN_VLLM_VERSIONS:
-        classes = client.client_classes(version)
+        classes = client_classes(version)
         assert set(classes) == {"plain", "dp", "dplb"}
-        # Built for this release, or for the one whose class this release's class is (or
-        # derives from): 0.32.0 runs 0.33.0's (adopting the
-        # installed release when they start).
-        for cls in classes.values():
-            assert cls.release == version or isinstance(cls.release, type(version))
+        assert {cls.release for cls in classes.values()} == {version}
 
 
 _OUTPUT_PROBE = """

@@ -11,7 +11,7 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
-from corewire.errors import EngineDeadError, ProtocolError, UtilityError
+from corewire.errors import EngineDeadError, InputBacklogTimeout, ProtocolError, UtilityError
 
 # The version is written once, in Cargo.toml; maturin writes it into the installed
 # distribution's metadata, and __getattr__ reads it from there on first use.
@@ -42,6 +42,7 @@ __all__ = [
     "EngineCoreProc",
     "EngineDeadError",
     "EngineInfo",
+    "InputBacklogTimeout",
     "MPClient",
     "MsgspecDecoder",
     "NativeDecoder",

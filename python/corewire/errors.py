@@ -5,7 +5,7 @@ Wire format: docs/protocol.md §9 (error rules).
 
 from __future__ import annotations
 
-__all__ = ["EngineDeadError", "ProtocolError", "UtilityError"]
+__all__ = ["EngineDeadError", "InputBacklogTimeout", "ProtocolError", "UtilityError"]
 
 try:
     # The Rust decoder raises the very same class, so `except ProtocolError` catches both.
@@ -34,3 +34,16 @@ class UtilityError(RuntimeError):
         super().__init__(message)
         self.message = message
         self.method = method
+
+
+class InputBacklogTimeout(TimeoutError):
+    """A blocking ``add_request`` found no room under the engine's input backlog bound
+    (``max_input_backlog``) within its timeout; nothing of the request was sent.
+
+    The engine reads its input slower than requests come (stopped, or overloaded): the
+    caller may retry, shed the request, or declare the engine dead."""
+
+    def __init__(self, message: str, *, engine_index: int | None = None) -> None:
+        super().__init__(message)
+        #: The engine whose backlog was full.
+        self.engine_index = engine_index

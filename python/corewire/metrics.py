@@ -5,7 +5,7 @@ unless ``COREWIRE_METRICS=0`` (or ``false``, ``no``, ``off``). They live in
 ``prometheus_client``'s default registry, the one vLLM's API server serves at ``/metrics``
 With ``--api-server-count`` > 1, vLLM serves ``prometheus_client``'s multiprocess
 collector (``PROMETHEUS_MULTIPROC_DIR``), which reads what every API server wrote to its
-files: counters and histograms write there as they count; the two gauges, read from the
+files: counters and histograms write there as they count; the gauges, read from the
 clients at scrape time in one process, are copied there once a second by a thread
 (``livesum``: the live API servers' values added up).
 
@@ -28,6 +28,8 @@ corewire_decode_seconds                  histogram  client, engine  decode time 
 corewire_output_backlog                  gauge      client          outputs (+1 per message)
                                                                     waiting for the consumer
 corewire_pending_utility_calls           gauge      client          utility calls in flight
+corewire_input_backlog_bytes             gauge      client          bytes sent toward the
+                                                                    engines, not yet read
 corewire_engine_deaths_total             counter    client          engines found dead
 corewire_protocol_errors_total           counter    client          frames that did not decode
 corewire_protocol_error_requests_total   counter    client          requests ended by a bad
@@ -125,6 +127,13 @@ class _Family:
             ("client",),
             **mode,
         )
+        self.input_backlog = prom.Gauge(
+            "corewire_input_backlog_bytes",
+            "Bytes sent toward the engines that ZeroMQ has not released yet (not yet read "
+            "by the engines; bounded per engine by max_input_backlog).",
+            ("client",),
+            **mode,
+        )
         self.deaths = prom.Counter(
             "corewire_engine_deaths_total",
             "Engine deaths a client saw (process exit, ENGINE_CORE_DEAD, failed health check).",
@@ -153,8 +162,10 @@ class _Family:
             # Read at scrape time: nothing runs between scrapes.
             backlog = functools.partial(_sum_live, self, client, "backlog")
             pending = functools.partial(_sum_live, self, client, "pending")
+            input_backlog = functools.partial(_sum_live, self, client, "input_backlog")
             self.backlog.labels(client).set_function(backlog)
             self.pending.labels(client).set_function(pending)
+            self.input_backlog.labels(client).set_function(input_backlog)
         elif self.refresher is None:
             # The multiprocess collector reads files only: copy the values there.
             self.refresher = threading.Thread(
@@ -176,6 +187,7 @@ class _Family:
             for client in clients:
                 self.backlog.labels(client).set(_sum_live(self, client, "backlog"))
                 self.pending.labels(client).set(_sum_live(self, client, "pending"))
+                self.input_backlog.labels(client).set(_sum_live(self, client, "input_backlog"))
             time.sleep(MULTIPROCESS_REFRESH_S)
 
 
@@ -308,6 +320,7 @@ class ClientMetrics:
         "_watching",
         "backlog",
         "client",
+        "input_backlog",
         "pending",
     )
 
@@ -320,9 +333,11 @@ class ClientMetrics:
         self._error_requests = family.error_requests.labels(client)
         # engine index -> that engine's tally
         self._by_engine: dict[int, _Tally | _Exact] = {}
-        #: Read at scrape time: the output backlog and the pending utility calls.
+        #: Read at scrape time: the output backlog, the pending utility calls, the
+        #: bytes queued toward the engines.
         self.backlog: Callable[[], int] = _zero
         self.pending: Callable[[], int] = _zero
+        self.input_backlog: Callable[[], int] = _zero
         self._watching = False
 
     def _engine(self, index: int) -> _Tally | _Exact:
@@ -368,10 +383,17 @@ class ClientMetrics:
 
         return timed_decode
 
-    def watch(self, backlog: Callable[[], int], pending: Callable[[], int]) -> None:
-        """Export ``backlog()`` and ``pending()`` (read at scrape time) until
-        :meth:`close`; they must not reference the client (it would never be collected)."""
+    def watch(
+        self,
+        backlog: Callable[[], int],
+        pending: Callable[[], int],
+        input_backlog: Callable[[], int] | None = None,
+    ) -> None:
+        """Export ``backlog()``, ``pending()`` and ``input_backlog()`` (read at scrape
+        time, on any thread) until :meth:`close`; they must not reference the client (it
+        would never be collected)."""
         self.backlog, self.pending = backlog, pending
+        self.input_backlog = input_backlog or _zero
         family = self._family
         with family.lock:
             live = family.live.get(self.client, ())
@@ -396,7 +418,7 @@ class ClientMetrics:
         with family.lock:
             live = tuple(m for m in family.live.get(self.client, ()) if m is not self)
             family.live[self.client] = live
-        self.backlog = self.pending = _zero
+        self.backlog = self.pending = self.input_backlog = _zero
 
     def engine_died(self) -> None:
         """Count an engine death."""

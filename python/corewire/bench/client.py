@@ -61,7 +61,7 @@ import sys
 import tempfile
 import time
 import uuid
-from collections.abc import Coroutine
+from collections.abc import Callable, Coroutine
 from typing import Any
 
 import msgspec
@@ -355,12 +355,15 @@ class VllmClient:
     ``protocol`` (the installed vLLM's): built with ``client_addresses`` (as vLLM's API
     server builds it for engines it does not launch) from a real ``VllmConfig`` of a tiny
     local model directory. Create it inside the running loop (its output task belongs to
-    that loop).
+    that loop). ``start_engine(input_address, output_address, protocol)`` starts another
+    engine process than the replay engine (the flood's corewire engine).
 
     The same positional call builds 0.25.1's and 0.33.0's client: 0.33.0 added only
     keywords with defaults (``renderer=None``: no multimodal warm-up to start)."""
 
-    def __init__(self, protocol: str) -> None:
+    def __init__(
+        self, protocol: str, start_engine: Callable[[str, str, str], Any] | None = None
+    ) -> None:
         # vLLM reads these at import: no network, no usage reports.
         for key in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE", "VLLM_NO_USAGE_STATS"):
             os.environ.setdefault(key, "1")
@@ -381,7 +384,8 @@ class VllmClient:
             "input_address": f"ipc://{self.tmp.name}/in",
             "output_address": f"ipc://{self.tmp.name}/out",
         }
-        self.proc = _start_engine(addresses["input_address"], addresses["output_address"], protocol)
+        start = start_engine or _start_engine
+        self.proc = start(addresses["input_address"], addresses["output_address"], protocol)
         model = ModelConfig(
             model=str(write_model_dir(os.path.join(self.tmp.name, "model"))),
             skip_tokenizer_init=True,
@@ -855,6 +859,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--calls", type=int, default=None, help="utility calls per trial (2000; quick 400)"
     )
+    parser.add_argument(
+        "--flood",
+        type=float,
+        default=None,
+        metavar="SECONDS",
+        help="run only the request flood (input backpressure) for SECONDS per client "
+        "(corewire.bench.flood)",
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -868,6 +880,11 @@ def run(args: argparse.Namespace) -> int:
         return 2
     trials = args.trials or (2 if args.quick else 5)
     vllm_version = common.vllm_version()
+    if args.flood is not None:
+        from corewire.bench.flood import flood_both
+
+        flood_both(args.flood, use_vllm=vllm_version is not None)
+        return 0
     try:
         protocol = common.baseline_protocol(vllm_version)
     except releases.UnsupportedProtocolError as e:

@@ -25,6 +25,7 @@ import zmq
 from corewire._native import CallRegistry, SendTracker
 from corewire.client._owned import LoopSide, OwnedThreads
 from corewire.client.futures import complete_future
+from corewire.client.input_backlog import InputBacklog
 from corewire.client.liveness import Liveness
 from corewire.client.processes import TERMINATE_GRACE_S, ProcessGroup
 from corewire.engine.logthrottle import ThrottledWarning
@@ -67,6 +68,8 @@ class ClientResources:
         #: Objects behind zero-copy frames still being sent.
         self.tracker = SendTracker()
         self.loop_side.before_close.append(self.tracker.clear)
+        #: Engine identity -> bytes queued toward it, and the callers waiting for room.
+        self.input_backlogs: dict[bytes, InputBacklog] = {}
         #: The output task of an async client, once started.
         self.output_task: asyncio.Task[Any] | None = None
         #: The event loop the client is bound to (async clients), set on first use.
@@ -110,7 +113,8 @@ class ClientResources:
     def mark_dead(self, reason: str) -> None:
         """Record the engine's death and fail every waiter; may run on any thread.
 
-        Pending utility calls and ``get_output`` waiters get :class:`EngineDeadError`;
+        Pending utility calls, ``get_output`` waiters and callers waiting for room in an
+        input backlog get :class:`EngineDeadError`;
         later calls raise it at once. Resources stay open until :meth:`close`.
         """
         if self.engine_dead:
@@ -128,6 +132,8 @@ class ClientResources:
             complete_future(future, exc=self.dead_error())
         if self.fail_queue is not None:
             self.fail_queue(self.dead_error())
+        for backlog in list(self.input_backlogs.values()):
+            backlog.fail(self.dead_error())
 
     def set_fail_queue(self, fail: Callable[[BaseException], None]) -> None:
         """Make ``fail`` the output queue's death signal (see :attr:`fail_queue`).

@@ -21,6 +21,7 @@ from typing import Any
 from corewire.client._resources import ClientResources
 from corewire.client.core import HEALTH_CHECK_METHOD, MPClient
 from corewire.client.ft_status import StatusKeeper
+from corewire.client.input_backlog import total_held
 from corewire.client.output_link import (
     DRAIN_BUDGET,
     EMPTY,
@@ -221,7 +222,11 @@ class AsyncMPClient(MPClient):
         if metrics is not None:
             self.resources.metrics = metrics
             queue = self.outputs_queue
-            metrics.watch(lambda: queue.held, self.resources.registry.__len__)
+            metrics.watch(
+                lambda: queue.held,
+                self.resources.registry.__len__,
+                total_held(self.resources.input_backlogs),
+            )
         try:
             asyncio.get_running_loop()
         except RuntimeError:
@@ -320,11 +325,24 @@ class AsyncMPClient(MPClient):
     async def add_request_async(self, request: EngineCoreRequest) -> None:
         """Send a request to the engine; its outputs come from :meth:`get_output_async`.
 
-        ``request`` is written in the client's protocol (see :class:`MPClient`)."""
+        ``request`` is written in the client's protocol (see :class:`MPClient`). While
+        the engine's input backlog is at ``max_input_backlog`` (or earlier callers wait),
+        this waits for room, first come first sent; it raises :class:`EngineDeadError`
+        at once when the engine dies or the client closes meanwhile, and a caller
+        cancelled while waiting has sent nothing and leaves nothing behind."""
         request.client_index = self.client_index
         if self._write_request is not None:
             request = self._write_request(request)
-        self._send_message(self.core_engine, REQUEST_ADD, self.encoder.encode(request), request)
+        engine = self.core_engine
+        backlog = self.resources.input_backlogs.get(engine) or self._input_backlog(engine)
+        if backlog.must_wait():
+            await backlog.wait_async()
+            try:
+                self._send_message(engine, REQUEST_ADD, self.encoder.encode(request), request)
+            finally:
+                backlog.pass_on()
+        else:
+            self._send_message(engine, REQUEST_ADD, self.encoder.encode(request), request)
         if self.resources.output_task is None:
             self._ensure_output_queue_task()
 

@@ -19,6 +19,13 @@ import zmq.asyncio
 from corewire import releases
 from corewire.client._resources import ClientResources
 from corewire.client.futures import complete_future
+from corewire.client.input_backlog import (
+    DEFAULT_MAX_INPUT_BACKLOG,
+    FROM_ENVIRONMENT,
+    InputBacklog,
+    message_bytes,
+    resolve_max_input_backlog,
+)
 from corewire.client.ready import ReadyWait
 from corewire.client.wire_requests import request_writer, utility_args_writer
 from corewire.codec import Encoder
@@ -28,7 +35,13 @@ from corewire.errors import EngineDeadError, UtilityError
 from corewire.ipcdir import make_private_dir
 from corewire.protocol import engine_identity, failed_method
 
-__all__ = ["DEFAULT_ENGINE_MAIN", "MPClient", "make_output_decoder", "resolve_utility_output"]
+__all__ = [
+    "DEFAULT_ENGINE_MAIN",
+    "DEFAULT_MAX_INPUT_BACKLOG",
+    "MPClient",
+    "make_output_decoder",
+    "resolve_utility_output",
+]
 
 logger = logging.getLogger("corewire.client")
 
@@ -96,6 +109,14 @@ class MPClient:
             stepping (backpressure: nothing is dropped). None: unbounded, as vLLM.
             Utility replies travel behind the outputs sent before them and wait as they
             do; a health check does not count the time the backlog was full.
+        max_input_backlog: bytes sent toward one engine that ZeroMQ has not released
+            yet (the engine has not read them), past which new requests wait for room:
+            ``add_request_async`` awaits, ``SyncMPClient.add_request`` blocks up to its
+            timeout (:class:`~corewire.errors.InputBacklogTimeout`). Bounded per engine
+            (:mod:`corewire.client.input_backlog` says why these bytes); aborts and
+            utility calls never wait; nothing is dropped. Default: the environment's
+            ``COREWIRE_MAX_INPUT_BACKLOG`` (bytes; ``none`` for unbounded), else
+            ``DEFAULT_MAX_INPUT_BACKLOG`` (64 MiB). None: unbounded, as vLLM.
         protocol: the vLLM version the engines speak (``"0.25.1"``, the default, or
             any release of ``corewire.releases.SUPPORTED``), in both directions: it picks the
             decoder of their outputs and the layout of what is sent. A ``"0.33.0"``
@@ -128,6 +149,7 @@ class MPClient:
         ready_timeout: float = DEFAULT_READY_TIMEOUT_S,
         engine_main: str | Callable[..., Any] = DEFAULT_ENGINE_MAIN,
         max_output_backlog: int | None = DEFAULT_MAX_OUTPUT_BACKLOG,
+        max_input_backlog: Any = FROM_ENVIRONMENT,
         protocol: str = "0.25.1",
         **engine_options: Any,
     ) -> None:
@@ -137,6 +159,9 @@ class MPClient:
             raise ValueError(f"max_output_backlog must be >= 2 or None, got {max_output_backlog}")
         #: The output backlog's high-water mark (None: unbounded); see the class docstring.
         self.max_output_backlog = max_output_backlog
+        #: The input backlog's bound in bytes per engine (None: unbounded); see the class
+        #: docstring.
+        self.max_input_backlog = resolve_max_input_backlog(max_input_backlog)
         self.client_index = client_index
         self.client_count = client_count
         self.engine = engine
@@ -353,6 +378,21 @@ class MPClient:
 
     # -- sending ---------------------------------------------------------------------
 
+    def _input_backlog(self, engine: bytes) -> InputBacklog:
+        """The input backlog of ``engine`` (made on first use: engines come and go)."""
+        backlogs = self.resources.input_backlogs
+        backlog = backlogs.get(engine)
+        if backlog is None:
+            backlog = backlogs[engine] = InputBacklog(self.max_input_backlog)
+            if self.resources.engine_dead:  # its death reached the backlogs made before
+                backlog.fail(self.resources.dead_error())
+        return backlog
+
+    def _engine_dead_error(self) -> EngineDeadError | None:
+        """The death error once the engine is dead or the client closed, else None."""
+        resources = self.resources
+        return resources.dead_error() if resources.engine_dead else None
+
     def _send_message(
         self, engine: bytes, request_type: bytes, frames: list[Any], keep: Any
     ) -> None:
@@ -360,10 +400,15 @@ class MPClient:
 
         With aux frames, ZeroMQ sends views of caller memory: ``keep`` (the objects that
         own it) stays alive in the send tracker until ZeroMQ is done with them.
+
+        The bytes count toward ``engine``'s input backlog; this never waits for room
+        (callers that must, wait before: :class:`InputBacklog`).
         """
         resources = self.resources
         if resources.engine_dead:
             raise resources.dead_error()
+        backlog = resources.input_backlogs.get(engine) or self._input_backlog(engine)
+        mark = backlog.high is not None and backlog.note(message_bytes(frames))
         pending = resources.tracker
         if len(pending):
             pending.reap()  # release finished sends' tensors now, not at the next big send
@@ -373,7 +418,13 @@ class MPClient:
         send(request_type, zmq.SNDMORE)
         last = len(frames) - 1
         if not last:
-            send(frames[0], copy=False)
+            if mark:
+                # A marker (see InputBacklog): explicit zero-copy, or pyzmq would copy a
+                # small frame and its tracker would be done at once.
+                frame = zmq.Frame(frames[0], copy=False, track=True)
+                backlog.marked(send(frame, copy=False, track=True))
+            else:
+                send(frames[0], copy=False)
             return
         for i in range(last):
             send(frames[i], zmq.SNDMORE, copy=False)
@@ -382,6 +433,8 @@ class MPClient:
         # threshold, whose trackers are done at once. An explicit zero-copy Frame is not.
         tracker = send(zmq.Frame(frames[last], copy=False, track=True), copy=False, track=True)
         pending.track(tracker, keep)
+        if mark:
+            backlog.marked(tracker)
 
 
 def resolve_utility_output(future: Any, utility: Any) -> None:

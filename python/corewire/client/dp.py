@@ -49,7 +49,6 @@ import weakref
 from collections.abc import Sequence
 from typing import Any
 
-import msgspec
 import zmq
 import zmq.asyncio
 
@@ -61,9 +60,9 @@ from corewire.client.processes import stop_processes
 from corewire.coordinator import CoordinatorAddresses, DPCoordinator, TcpEndpoints
 from corewire.curve import is_loopback_address
 from corewire.dp_messages import XPUB_SUBSCRIBE, FirstRequest, ScaleNotice
+from corewire.engine.wire import output_converter
 from corewire.errors import ProtocolError
 from corewire.keygen import CurveAuthenticator, CurveServerKeys, apply_server
-from corewire.layouts import types_for
 from corewire.logtext import bounded
 from corewire.protocol import (
     REQUEST_ABORT,
@@ -348,12 +347,37 @@ class DPAsyncMPClient(AsyncMPClient):
         # Encoded before routing: a request that cannot be encoded must not count as in
         # flight on an engine (that count would never come down).
         frames = self.encoder.encode(request)
+        held = self._holds(request.request_id)
         engine = self.get_core_engine_for_request(request)
-        self._send_message(engine, REQUEST_ADD, frames, request)
+        # The bound is per engine: a request waits for room on the engine it was routed
+        # to (a stopped engine holds back its own requests, not the group's), and a
+        # caller that gives up un-notes its routing.
+        backlog = self.resources.input_backlogs.get(engine) or self._input_backlog(engine)
+        if backlog.must_wait():
+            try:
+                await backlog.wait_async()
+            except BaseException:
+                if not held:
+                    self._unroute(request, engine)
+                raise
+            try:
+                self._send_message(engine, REQUEST_ADD, frames, request)
+            finally:
+                backlog.pass_on()
+        else:
+            self._send_message(engine, REQUEST_ADD, frames, request)
         if not self.engines_running and self._first_request_notices:
             self._send_first_request_notice(engine_index_of(engine))
         if self.resources.output_task is None:
             self._ensure_output_queue_task()
+
+    def _holds(self, request_id: str) -> bool:
+        """Whether routing already records ``request_id`` on an engine (an open streaming
+        session's next input): a wait given up must not forget it then."""
+        return False
+
+    def _unroute(self, request: EngineCoreRequest, engine: bytes) -> None:
+        """Undo what routing ``request`` to ``engine`` recorded (it was not sent)."""
 
     # -- utilities -----------------------------------------------------------------------
 
@@ -458,6 +482,17 @@ class DPLBAsyncMPClient(DPAsyncMPClient):
         index = self._route(request.data_parallel_rank)
         self.reqs_in_flight[request.request_id] = index
         return self.core_engines[index]
+
+    def _holds(self, request_id: str) -> bool:
+        return request_id in self.reqs_in_flight
+
+    def _unroute(self, request: EngineCoreRequest, engine: bytes) -> None:
+        """Forget a request that waited for room on ``engine`` and was not sent: it is not
+        in flight there (the router's count of it comes down)."""
+        index = self.core_engines.index(engine) if engine in self.core_engines else None
+        if index is not None and self.reqs_in_flight.get(request.request_id) == index:
+            del self.reqs_in_flight[request.request_id]
+            self._note_finished(index)
 
     def process_engine_outputs(self, outputs: EngineCoreOutputs) -> None:
         """Output-task hook: forget finished requests (ids the engines report in
@@ -646,10 +681,10 @@ class DPLBAsyncMPClient(DPAsyncMPClient):
             del self.reqs_in_flight[rid]
         logger.warning("finishing %d request(s) of removed engines as aborted", len(leftovers))
         outputs = finished_outputs(leftovers, FinishReason.ABORT, engine_index=min(removed))
-        if not get_release(self.protocol).speaks_protocol_structs:
-            # The consumer reads this version's fields (weight_version, error...).
-            outputs = _in_version(outputs, self.protocol)
-        self.outputs_queue.put_nowait(outputs)
+        # The consumer reads this release's fields (weight_version, error...): the same
+        # conversion an engine of this release applies to what it sends.
+        to_wire = output_converter(self.protocol)
+        self.outputs_queue.put_nowait(outputs if to_wire is None else to_wire(outputs))
 
 
 async def _stats_update_loop(
@@ -684,13 +719,3 @@ async def _stats_update_loop(
     except Exception:
         if not resources.closed:
             logger.exception("corewire DP stats task failed")
-
-
-def _in_version(outputs: EngineCoreOutputs, protocol: str) -> Any:
-    """``outputs`` (0.25.1's struct, made by this client) as ``protocol``'s, field by
-    field (the fields that version adds take their defaults)."""
-    types = types_for(protocol)
-    output_type, outputs_type = types["EngineCoreOutput"], types["EngineCoreOutputs"]
-    fields = msgspec.structs.asdict(outputs)
-    fields["outputs"] = [output_type(**msgspec.structs.asdict(o)) for o in outputs.outputs]
-    return outputs_type(**fields)

@@ -23,6 +23,7 @@ import zmq
 
 from corewire.client.core import HEALTH_CHECK_METHOD, MPClient
 from corewire.client.ft_status import StatusDrops
+from corewire.client.input_backlog import total_held
 from corewire.client.output_link import PAUSED, STOPPED, OutputLink
 from corewire.errors import EngineDeadError, UtilityError
 from corewire.metrics import for_client
@@ -35,6 +36,12 @@ logger = logging.getLogger("corewire.client")
 
 #: How often a paused output thread looks whether the consumer made room.
 _PAUSE_POLL_MS = 5
+#: Default ``add_request_timeout``: seconds ``add_request`` blocks on a full input
+#: backlog before it raises ``InputBacklogTimeout`` (an engine that read nothing for this
+#: long is stopped or far behind; a caller that prefers to wait longer says so).
+DEFAULT_ADD_REQUEST_TIMEOUT_S = 30.0
+#: ``add_request``'s ``timeout`` default: the client's ``add_request_timeout``.
+_CLIENT_DEFAULT: Any = object()
 
 
 class _Backlog:
@@ -100,13 +107,19 @@ class SyncMPClient(MPClient):
 
     Backpressure (``max_output_backlog``): past the high-water mark the thread stops
     reading until :meth:`get_output` took the backlog down to half of it; utility
-    replies behind the waiting outputs wait too (see :meth:`check_health`).
+    replies behind the waiting outputs wait too (see :meth:`check_health`). On the input
+    side (``max_input_backlog``), :meth:`add_request` blocks while the engine's backlog
+    is full, up to ``add_request_timeout`` seconds (default 30; None: no limit).
 
     Engine status messages (vLLM 0.33.0's call id -2) have nowhere to go here: they are
     dropped, counted in :attr:`ft_status_dropped`, the first one logged.
     """
 
-    def __init__(self, **kwargs: Any) -> None:
+    def __init__(
+        self, *, add_request_timeout: float | None = DEFAULT_ADD_REQUEST_TIMEOUT_S, **kwargs: Any
+    ) -> None:
+        #: Seconds :meth:`add_request` blocks on a full input backlog (None: no limit).
+        self.add_request_timeout = add_request_timeout
         # Before any engine starts: a bad COREWIRE_METRICS value fails here.
         metrics = for_client(kwargs.get("client_index", 0))
         hook = self._plain_hook()
@@ -118,7 +131,11 @@ class SyncMPClient(MPClient):
         resources.set_fail_queue(self.outputs_queue.put_nowait)
         if metrics is not None:
             resources.metrics = metrics
-            metrics.watch(lambda: backlog.held, resources.registry.__len__)
+            metrics.watch(
+                lambda: backlog.held,
+                resources.registry.__len__,
+                total_held(resources.input_backlogs),
+            )
         # Made on the thread: a client closed during construction starts no thread, and
         # its socket, closed by then, could not be read.
         make_link = functools.partial(
@@ -184,13 +201,29 @@ class SyncMPClient(MPClient):
         with self.resources.loop_side.send_lock:
             self._send_message(engine or self.core_engine, request_type.value, frames, request)
 
-    def add_request(self, request: EngineCoreRequest) -> None:
+    def add_request(self, request: EngineCoreRequest, timeout: Any = _CLIENT_DEFAULT) -> None:
         """Send a request; its outputs come from :meth:`get_output`.
 
-        ``request`` is written in the client's protocol (see :class:`MPClient`)."""
+        ``request`` is written in the client's protocol (see :class:`MPClient`). While
+        the engine's input backlog is at ``max_input_backlog``, this blocks until the
+        engine has read enough; after ``timeout`` seconds (default: the client's
+        ``add_request_timeout``; None: no limit) it raises
+        :class:`~corewire.errors.InputBacklogTimeout`, having sent nothing of the
+        request, and :class:`EngineDeadError` as soon as the engine dies or the client
+        closes meanwhile."""
         request.client_index = self.client_index
         if self._write_request is not None:
             request = self._write_request(request)
+        engine = self.core_engine
+        backlog = self._input_backlog(engine)
+        if backlog.high is not None:
+            # Outside the send lock: shutdown takes it to close the socket, and must not
+            # wait for this wait.
+            backlog.wait_blocking(
+                self.add_request_timeout if timeout is _CLIENT_DEFAULT else timeout,
+                self._engine_dead_error,
+                engine_index_of(engine),
+            )
         self._send_input(RequestType.ADD, request)
 
     def abort_requests(self, request_ids: list[str]) -> None:

@@ -72,7 +72,7 @@ class Release(str):
     #: tests (read through :attr:`native_output`).
     NATIVE_OUTPUT: ClassVar[bool] = False
     #: corewire's client inside vLLM (``corewire.vllm``) is built for the ``AsyncLLM`` of
-    #: the release this class was written for: :meth:`vllm_client_classes` (read through
+    #: the release this class was written for: :meth:`vllm_client_members` (read through
     #: :attr:`vllm_client`, for the releases in :attr:`LIVE_CHECKED`).
     VLLM_CLIENT: ClassVar[bool] = False
     #: The releases this class stands for that were checked live against it: the plugin
@@ -205,6 +205,12 @@ class Release(str):
         answers from its own state (``corewire.engine.utilities_0_33_0`` and on), for the
         engine core ``proc``; None where the engine's own methods answer every call."""
         return None
+
+    def vllm_client_members(self) -> type:
+        """The members corewire's clients have inside this release's ``AsyncLLM`` (what
+        its front-end calls on its engine-core client), mixed in front of each kind of
+        client by :func:`corewire.vllm.classes.client_class`."""
+        raise NotImplementedError
 
     def native_decoder(self, **kwargs: Any) -> Any:
         """A ``NativeDecoder`` of this release's outputs (``kwargs``: its other

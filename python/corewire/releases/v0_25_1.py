@@ -58,14 +58,7 @@ class Release0251(Release):
         apply_common_ready(client.vllm_config, response)
         return response
 
-    def vllm_client_classes(self) -> dict[str, type]:
-        """corewire's client classes for this release's ``AsyncLLM``: ``"plain"``,
-        ``"dp"`` (external load balancing) and ``"dplb"`` (internal)."""
-        from corewire.vllm.client import VllmAsyncMPClient
-        from corewire.vllm.dp_client import VllmDPAsyncMPClient, VllmDPLBAsyncMPClient
+    def vllm_client_members(self) -> type:
+        from corewire.vllm.client import VllmClientMixin
 
-        return {
-            "plain": VllmAsyncMPClient,
-            "dp": VllmDPAsyncMPClient,
-            "dplb": VllmDPLBAsyncMPClient,
-        }
+        return VllmClientMixin

@@ -96,13 +96,9 @@ class Release0320(Release0251):
 
         return Utilities0330(proc)
 
-    def vllm_client_classes(self) -> dict[str, type]:
+    def vllm_client_members(self) -> type:
         # 0.33.0's client members: 0.32.0's AsyncLLM calls a subset of them, with the
         # same arguments (0.33.0 only added profiler_kwargs, a trailing default).
-        from corewire.vllm import v0_33_0
+        from corewire.vllm.v0_33_0 import Members0330
 
-        return {
-            "plain": v0_33_0.Vllm0330AsyncMPClient,
-            "dp": v0_33_0.Vllm0330DPAsyncMPClient,
-            "dplb": v0_33_0.Vllm0330DPLBAsyncMPClient,
-        }
+        return Members0330

@@ -38,11 +38,7 @@ class Release0340(Release0330):
             return wire_requests.packed_writer(self)
         return wire_requests.as_given(self)
 
-    def vllm_client_classes(self) -> dict[str, type]:
-        from corewire.vllm import v0_34_0
+    def vllm_client_members(self) -> type:
+        from corewire.vllm.v0_34_0 import Members0340
 
-        return {
-            "plain": v0_34_0.Vllm0340AsyncMPClient,
-            "dp": v0_34_0.Vllm0340DPAsyncMPClient,
-            "dplb": v0_34_0.Vllm0340DPLBAsyncMPClient,
-        }
+        return Members0340

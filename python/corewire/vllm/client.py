@@ -48,7 +48,6 @@ from vllm.v1.metrics.stats import PrefillStats, SchedulerStats
 
 import corewire.errors
 from corewire import releases
-from corewire.client.async_client import AsyncMPClient
 from corewire.codec import NativeDecoder
 from corewire.curve import require_curve_for
 from corewire.errors import ProtocolError
@@ -60,10 +59,8 @@ __all__ = [
     "INSTALLED_PROTOCOL",
     "EngineDeadError",
     "VllmArgs",
-    "VllmAsyncMPClient",
     "VllmClientMixin",
     "apply_ready_response",
-    "client_classes",
     "make_async_mp_client",
     "make_output_decoder",
 ]
@@ -101,6 +98,8 @@ def make_async_mp_client(
     internal load balancing, anything else the plain client; each of the installed
     vLLM's release (:func:`client_classes`). ``renderer`` is vLLM 0.33.0's (None before).
     """
+    from corewire.vllm.classes import client_classes  # it builds on this module
+
     classes = client_classes(INSTALLED_PROTOCOL)
     parallel_config = vllm_config.parallel_config
     if parallel_config.data_parallel_size > 1:
@@ -124,12 +123,6 @@ def make_async_mp_client(
         INSTALLED_PROTOCOL,
     )
     return client
-
-
-def client_classes(protocol: str) -> dict[str, type]:
-    """corewire's client classes for the ``AsyncLLM`` of vLLM release ``protocol``:
-    ``"plain"``, ``"dp"`` (external load balancing) and ``"dplb"`` (internal)."""
-    return get_release(protocol).vllm_client_classes()
 
 
 def apply_ready_response(vllm_config: Any, info: dict[str, Any]) -> Any:
@@ -203,8 +196,9 @@ class VllmClientMixin:
     the vLLM release whose helpers launch the engines and apply their ready responses.
     """
 
-    #: The vLLM release this class is built for (its wire is the clients' protocol).
-    release: Release = releases.get("0.25.1")
+    #: The vLLM release this class is built for (its wire is the clients' protocol); set
+    #: by :func:`corewire.vllm.classes.client_class`.
+    release: Release
 
     # Provided by the corewire client class this is mixed into.
     resources: Any
@@ -240,14 +234,6 @@ class VllmClientMixin:
 
     def _vllm_setup(self, args: VllmArgs) -> dict[str, Any]:
         """Record vLLM's arguments; return the corewire client's keyword arguments."""
-        if (
-            INSTALLED_PROTOCOL is not self.release
-            and type(self) in INSTALLED_PROTOCOL.vllm_client_classes().values()
-        ):
-            # A later release this class serves (0.26.0 with 0.25.1's classes, 0.32.0 with
-            # 0.33.0's, or one newer than every tested release, adopted live): its
-            # front-end helpers are its release class's, its wire its own.
-            self.release = INSTALLED_PROTOCOL
         vllm_config = self.vllm_config = args.vllm_config
         self.stats_update_address: str | None = None
         #: vLLM's engine manager and DP coordinator, when vLLM launched engines.
@@ -407,11 +393,6 @@ class VllmClientMixin:
             if launched.coordinator is not None:
                 processes.set_coordinator(launched.coordinator.proc)
         self.stats_update_address = launched.addresses.frontend_stats_publish_address
-
-
-class VllmAsyncMPClient(VllmClientMixin, AsyncMPClient):
-    """:class:`corewire.AsyncMPClient` built from vLLM 0.25.1's factory arguments (one
-    engine; 0.33.0's: :class:`corewire.vllm.v0_33_0.Vllm0330AsyncMPClient`)."""
 
 
 def _ranks_managed(parallel_config: Any) -> list[int]:

@@ -1,5 +1,5 @@
-"""corewire's data-parallel clients built from vLLM's client-factory arguments (0.25.1's
-classes here; 0.33.0's in :mod:`corewire.vllm.v0_33_0`).
+"""What corewire's data-parallel clients do differently when built from vLLM's
+client-factory arguments (their classes: :mod:`corewire.vllm.classes`).
 
 Under vLLM the DP coordinator is vLLM's own (started by ``launch_core_engines`` on rank 0,
 or reached through ``client_addresses["stats_update_address"]``): these clients start no
@@ -16,11 +16,10 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from corewire.client.dp import DPAsyncMPClient, DPLBAsyncMPClient
 from corewire.coordinator import CoordinatorAddresses
 from corewire.vllm.client import VllmArgs, VllmClientMixin
 
-__all__ = ["VllmDPAsyncMPClient", "VllmDPLBAsyncMPClient", "VllmDPMixin"]
+__all__ = ["VllmDPMixin"]
 
 # Filled in once vLLM's coordinator is known (after the engines' start-up); the engine
 # endpoints are never used here: vLLM's handshake gives the engines their own.
@@ -49,12 +48,3 @@ class VllmDPMixin(VllmClientMixin):
         self.coordinator_addresses = dataclasses.replace(
             self.coordinator_addresses, front_publish=self.stats_update_address
         )
-
-
-class VllmDPAsyncMPClient(VllmDPMixin, DPAsyncMPClient):
-    """:class:`corewire.DPAsyncMPClient` (external load balancing) from vLLM's arguments."""
-
-
-class VllmDPLBAsyncMPClient(VllmDPMixin, DPLBAsyncMPClient):
-    """:class:`corewire.DPLBAsyncMPClient` (one front-end over N engines) from vLLM's
-    arguments."""

@@ -92,7 +92,7 @@ def output_wanted(vllm_version: str) -> bool:
 
 
 #: The vLLM releases whose ``AsyncLLM`` the plugin's client is built and tested for (each
-#: with its own client classes: ``corewire.vllm.client.client_classes``); corewire speaks
+#: with its own client classes: ``corewire.vllm.classes.client_classes``); corewire speaks
 #: the wire of more (``corewire.releases.SUPPORTED``).
 PLUGIN_VLLM_VERSIONS = tuple(r for r in releases.SUPPORTED if r.vllm_client)
 

@@ -31,18 +31,12 @@ from typing import Any
 
 import msgspec
 
-from corewire import releases
-from corewire.client.async_client import AsyncMPClient
-from corewire.client.dp import DPAsyncMPClient, DPConsensusError, DPLBAsyncMPClient
+from corewire.client.dp import DPConsensusError
 from corewire.vllm.client import VllmArgs, VllmClientMixin
-from corewire.vllm.dp_client import VllmDPMixin
 
 __all__ = [
     "FT_UTILITY_METHOD",
     "Members0330",
-    "Vllm0330AsyncMPClient",
-    "Vllm0330DPAsyncMPClient",
-    "Vllm0330DPLBAsyncMPClient",
 ]
 
 #: The engine utility behind ``handle_fault`` (vLLM 0.33.0's ``FT_UTILITY_METHOD``).
@@ -54,8 +48,6 @@ _STATUS_SCHEMA_VERSION = 1
 class Members0330(VllmClientMixin):
     """The client members of vLLM 0.33.0's ``AsyncMPClient`` (see the module docstring);
     mixed in before the corewire client class."""
-
-    release = releases.get("0.33.0")
 
     # Provided by the corewire client class this is mixed into.
     core_engines: list[bytes]
@@ -208,17 +200,3 @@ class Members0330(VllmClientMixin):
     async def get_external_elastic_ep_status(self) -> dict[str, Any] | None:
         """No external elastic EP scaling runs here: None, as vLLM's base client."""
         return None
-
-
-class Vllm0330AsyncMPClient(Members0330, AsyncMPClient):
-    """:class:`corewire.AsyncMPClient` for vLLM 0.33.0's ``AsyncLLM`` (one engine)."""
-
-
-class Vllm0330DPAsyncMPClient(Members0330, VllmDPMixin, DPAsyncMPClient):
-    """:class:`corewire.DPAsyncMPClient` (external load balancing) for vLLM 0.33.0's
-    ``AsyncLLM``, under vLLM's DP coordinator."""
-
-
-class Vllm0330DPLBAsyncMPClient(Members0330, VllmDPMixin, DPLBAsyncMPClient):
-    """:class:`corewire.DPLBAsyncMPClient` (one front-end over N engines) for vLLM 0.33.0's
-    ``AsyncLLM``, under vLLM's DP coordinator."""

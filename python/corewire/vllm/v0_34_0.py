@@ -24,25 +24,16 @@ from typing import Any
 
 import msgspec
 
-from corewire import releases
-from corewire.client.async_client import AsyncMPClient
-from corewire.client.dp import DPAsyncMPClient, DPLBAsyncMPClient
-from corewire.vllm.dp_client import VllmDPMixin
 from corewire.vllm.v0_33_0 import FT_UTILITY_METHOD, Members0330
 
 __all__ = [
     "Members0340",
-    "Vllm0340AsyncMPClient",
-    "Vllm0340DPAsyncMPClient",
-    "Vllm0340DPLBAsyncMPClient",
 ]
 
 
 class Members0340(Members0330):
     """The client members of vLLM 0.34.0's ``AsyncMPClient`` (see the module docstring);
     mixed in before the corewire client class."""
-
-    release = releases.get("0.34.0")
 
     @property
     def engine_status(self) -> dict[str, Any]:  # type: ignore[override]
@@ -113,17 +104,3 @@ class Members0340(Members0330):
             status["last_ft_request_id"] = result.request_id
             status["ft_error"] = result.reason
         return result
-
-
-class Vllm0340AsyncMPClient(Members0340, AsyncMPClient):
-    """:class:`corewire.AsyncMPClient` for vLLM 0.34.0's ``AsyncLLM`` (one engine)."""
-
-
-class Vllm0340DPAsyncMPClient(Members0340, VllmDPMixin, DPAsyncMPClient):
-    """:class:`corewire.DPAsyncMPClient` (external load balancing) for vLLM 0.34.0's
-    ``AsyncLLM``, under vLLM's DP coordinator."""
-
-
-class Vllm0340DPLBAsyncMPClient(Members0340, VllmDPMixin, DPLBAsyncMPClient):
-    """:class:`corewire.DPLBAsyncMPClient` (one front-end over N engines) for vLLM 0.34.0's
-    ``AsyncLLM``, under vLLM's DP coordinator."""
