@@ -115,6 +115,14 @@ class Figures:
     #: Requests the last client still counted in flight once every caller had ended.
     in_flight_left: int = 0
 
+    def as_dict(self) -> dict[str, Any]:
+        """The figures as plain JSON values (``asdict`` would rebuild the Counters from
+        their items, counting the pairs)."""
+        document = asdict(self)
+        document["failed"] = dict(self.failed)
+        document["faults"] = {kind: self.faults[kind] for kind in FAULTS}
+        return document
+
     def failed_total(self) -> int:
         """Callers that got a typed error."""
         return sum(self.failed.values())
@@ -679,7 +687,7 @@ def run(args: argparse.Namespace) -> int:
     figures.leaks = asdict(leaks)
     ok = report(args, figures, leaks, seconds)
     if args.json:
-        document = asdict(figures)
+        document = figures.as_dict()
         document["seconds"] = seconds
         document["passed"] = ok
         common.write_json(
