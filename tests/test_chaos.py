@@ -49,7 +49,10 @@ def test_short_chaos_run_hangs_nothing_and_leaks_nothing(tmp_path: Path) -> None
     assert figures["failed"].get("EngineDeadError", 0) > 0 or figures["deaths"]
     assert figures["failed"].get("ProtocolError", 0) > 0  # the rogue frame naming a request
     assert figures["refused"] > 0  # the truncated ADD, finished with ERROR by its engine
-    assert figures["protocol_errors"] >= 2 * figures["faults"]["rogue_output"]
+    # The rogue frames were counted by the client they reached (all of them unless its
+    # group died first), and only they: the engines sent none.
+    assert 0 < figures["protocol_errors"] <= figures["rogue_output_frames"]
+    assert figures["bad_input_frames"] > 0
     assert figures["completed"] > 0
     # Nothing hung, nothing leaked, every request accounted for.
     assert figures["hung"] == 0 and figures["hung_operations"] == []

@@ -104,8 +104,10 @@ class Figures:
     errors: list[str] = field(default_factory=list)
     faults: Counter[str] = field(default_factory=Counter)
     rounds: int = 0
-    #: Frames of ``rogue_output`` and ``bad_input``, and the client's count of bad frames.
-    malformed_frames: int = 0
+    #: Frames of ``rogue_output`` (into the clients' output sockets) and of ``bad_input``
+    #: (into engines' inputs), and the clients' count of bad frames (``protocol_errors``).
+    rogue_output_frames: int = 0
+    bad_input_frames: int = 0
     protocol_errors: int = 0
     groups_started: int = 0
     deaths: int = 0
@@ -480,7 +482,7 @@ class Chaos:
                 rogue.send(frame)
         finally:
             rogue.close(linger=2000)
-        self.figures.malformed_frames += len(frames)
+        self.figures.rogue_output_frames += len(frames)
 
     async def _fault_bad_input(self, serving: Serving) -> None:
         client = serving.client
@@ -500,7 +502,7 @@ class Chaos:
                 client._send_message(engine, request_type, frames, None)
         except EngineDeadError:
             return  # the group died meanwhile; its callers were failed
-        self.figures.malformed_frames += len(messages)
+        self.figures.bad_input_frames += len(messages)
 
     async def _fault_rescale(self, serving: Serving) -> None:
         client = serving.client
@@ -591,8 +593,9 @@ def report(args: argparse.Namespace, figures: Figures, leaks: Leaks, seconds: fl
         f"max {max(restarts, default=0.0):.2f} s)"
     )
     print(
-        f"malformed frames sent: {f.malformed_frames}; bad frames counted by the clients: "
-        f"{f.protocol_errors}"
+        f"malformed frames: {f.rogue_output_frames} into the clients' outputs "
+        f"({f.protocol_errors} counted there as protocol errors), {f.bad_input_frames} into "
+        "engines' inputs"
     )
     failed = ", ".join(f"{k} {v}" for k, v in sorted(f.failed.items())) or "none"
     ended = f.completed + f.aborted + f.refused + f.cancelled + f.failed_total() + f.hung
