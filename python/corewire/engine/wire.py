@@ -146,7 +146,8 @@ def _stats_completer(release: Any) -> Callable[[Any], Any] | None:
             for out in outputs.outputs:
                 if type(out.prefill_stats) is dict:
                     out.prefill_stats = _complete(prefill_defaults, out.prefill_stats)
-        return message
+        # A step's message goes out as its structs: the release has no weight version.
+        return outputs
 
     return complete
 
