@@ -245,10 +245,13 @@ def _compare(
 ) -> dict[str, Any]:
     """Interleaved trials of both processors on ``work`` through ``measure``; prints the
     case's line and returns its row (medians under ``unit``)."""
+    import vllm
     from vllm.v1.engine.output_processor import OutputProcessor
 
-    from corewire.vllm.output import NativeOutputProcessor
+    from corewire import releases
 
+    # The installed release's class (a subclass per release that changed vLLM's).
+    NativeOutputProcessor = releases.installed(vllm).native_output_processor()
     ns: dict[str, list[float]] = {"vllm": [], "corewire": []}
     same = True
     for _ in range(trials):
