@@ -83,17 +83,42 @@ __all__ = [
     "write_bpe_tokenizer_dir",
 ]
 
+
 #: What the installed vLLM's classes offer beyond 0.25.1's, read off those classes:
 #: ``weight_version`` (``process_outputs`` takes each step's), ``watermarking`` (requests
-#: ask for it; their first output reports it), ``prompt_logprob_start``,
+#: ask for it), ``watermark_report`` (0.34.0: their first output reports it),
+#: ``prompt_logprob_start`` (0.34.0: the prompt logprobs padded before it),
 #: ``stream_interval`` (per request).
-FEATURES = frozenset(
-    {f.name for f in msgspec.structs.fields(SamplingParams)}
-    & {"watermarking", "prompt_logprob_start", "stream_interval"}
-) | (
-    {"weight_version"}
-    if "weight_version" in {f.name for f in msgspec.structs.fields(EngineCoreOutputs)}
-    else set()
+def _pads_prompt_logprobs() -> bool:
+    # vLLM's own processor asked: do positions before prompt_logprob_start start the
+    # prompt logprobs as None (0.34.0), or does the container start as before (0.33.0
+    # has the parameter, its processor not the padding)?
+    from types import SimpleNamespace
+
+    from vllm.v1.engine.logprobs import LogprobsProcessor
+
+    try:
+        params = SamplingParams(prompt_logprobs=1, prompt_logprob_start=2)
+    except TypeError:
+        return False
+    made = LogprobsProcessor.from_new_request(None, SimpleNamespace(sampling_params=params))
+    return made.prompt_logprobs is not None and len(made.prompt_logprobs) == 3
+
+
+FEATURES = (
+    frozenset(
+        {f.name for f in msgspec.structs.fields(SamplingParams)}
+        & {"watermarking", "stream_interval"}
+    )
+    | ({"prompt_logprob_start"} if _pads_prompt_logprobs() else set())
+    | {
+        feature
+        for feature, struct, field in (
+            ("weight_version", EngineCoreOutputs, "weight_version"),
+            ("watermark_report", EngineCoreOutput, "watermarking"),
+        )
+        if field in {f.name for f in msgspec.structs.fields(struct)}
+    }
 )
 
 KINDS = (RequestOutputKind.DELTA, RequestOutputKind.CUMULATIVE, RequestOutputKind.FINAL_ONLY)
@@ -597,7 +622,7 @@ class EngineSim:
             prompt = len(client.prompt_ids)
             local = rng.randint(0, prompt - 1)
             spec.prefill = (prompt, local, rng.randint(0, prompt - 1 - local))
-            if params.get("watermarking"):
+            if params.get("watermarking") and "watermark_report" in FEATURES:
                 # The engine reports what it applied (greedy rows are skipped).
                 spec.watermarking = rng.random() < 0.7
             if params.get("prompt_logprob_start"):

@@ -29,8 +29,8 @@ class Release0330(Release0251):
     generation_pause_utilities = True
     kv_pressure_routing = True
     session_affinity = True
-    # Not yet held to 0.33.0's OutputProcessor by the differential tests.
-    NATIVE_OUTPUT = False
+    # Held to 0.33.0's OutputProcessor by tests/test_vllm_output_diff.py.
+    NATIVE_OUTPUT = True
 
     def planned_addresses(self, vllm_config: Any) -> tuple[str, str]:
         from vllm.v1.engine.utils import get_engine_zmq_bind_addresses

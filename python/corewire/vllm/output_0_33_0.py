@@ -8,8 +8,9 @@ changed since 0.25.1's (:mod:`corewire.vllm.output`; docs/native-output-processi
   no sample logprobs (``[:0]``). Both are the Rust core's rules, selected by the class
   attributes.
 - The constructor takes ``admission_stats``; adding a request updates them.
-- A request's own ``stream_interval`` (clamped to the engine's), and
-  ``remote_prefill_cached_tokens`` from its KV-transfer parameters.
+- A request's own ``stream_interval`` (clamped to the engine's),
+  ``remote_prefill_cached_tokens`` from its KV-transfer parameters, and its watermark
+  flags in its stats.
 - ``process_outputs`` takes the step's ``weight_version``: native requests track its
   spans natively, and a finished output carries them.
 - ``vllm.v1.engine.detokenizer.uses_fast_detokenizer`` decides the fast detokenizer, and
@@ -50,9 +51,14 @@ class NativeOutputProcessor0330(NativeOutputProcessor):
         return max(params.stream_interval, self.stream_interval)
 
     def _new_state(self, request: Any, params: Any, **fields: Any) -> RequestState:
-        return RequestState(
+        state = RequestState(
             **fields, remote_prefill_cached_tokens=_remote_prefill_cached_tokens(params)
         )
+        if state.stats is not None:
+            # Stats count watermarked requests; the parameters say first.
+            state.stats.is_watermarked = bool(params.watermarking)
+            state.stats.is_watermark_skipped = params._watermarking_skipped
+        return state
 
     def _request_added(self) -> None:
         self._update_admission_stats()

@@ -3,9 +3,9 @@ changed since 0.33.0's (:mod:`corewire.vllm.output_0_33_0`).
 
 - Prompt logprobs start after ``prompt_logprob_start`` unscored positions: the request's
   container is padded with that many more None positions.
-- Stats count watermarking: a request's ``RequestStateStats`` starts with its sampling
-  parameters' watermark flags (``EngineCoreOutput.watermarking``, sent on a first
-  output, goes through vLLM's loop).
+- The engine reports a request's watermarking on its first output
+  (``EngineCoreOutput.watermarking``): that output goes through vLLM's loop, whose stats
+  take the report.
 - ``prompt_token_id_logprobs`` (fixed-id prompt scores) travel with the request's state
   (``RequestText``) and are handed out as vLLM's processor hands them out.
 """
@@ -15,7 +15,6 @@ from __future__ import annotations
 from typing import Any
 
 from vllm.logprobs import create_prompt_logprobs
-from vllm.v1.engine.output_processor import RequestState
 
 from corewire.vllm.output_0_33_0 import NativeOutputProcessor0330
 
@@ -32,10 +31,3 @@ class NativeOutputProcessor0340(NativeOutputProcessor0330):
         for _ in range(params.prompt_logprob_start or 0):
             container.append(None)
         return container
-
-    def _new_state(self, request: Any, params: Any, **fields: Any) -> RequestState:
-        state = super()._new_state(request, params, **fields)
-        if state.stats is not None:
-            state.stats.is_watermarked = bool(params.watermarking)
-            state.stats.is_watermark_skipped = params._watermarking_skipped
-        return state

@@ -16,7 +16,7 @@ corewire: the plugin replaces ``vllm.v1.engine.async_llm.OutputProcessor``, the 
 the installed release's :class:`corewire.vllm.output.NativeOutputProcessor` (a subclass
 per release that changed vLLM's: ``Release.native_output_processor``). Unset, it follows
 the client switch where the differential tests hold the native path to the installed
-vLLM (0.25.1, 0.34.0): corewire's client comes with corewire's output processing; under
+vLLM (0.25.1, 0.33.0, 0.34.0): corewire's client comes with corewire's output processing; under
 another release vLLM's is kept, and one log line says so. ``0`` keeps vLLM's; ``1`` asks
 for it even with vLLM's own client, and is refused by name under another release. vLLM's
 synchronous ``LLMEngine`` keeps vLLM's processor (it imports the class under its own

@@ -239,6 +239,7 @@ impl OutputCore {
     /// (0.33.0 on): the engine's weight version for this step's outputs, tracked per
     /// request as vLLM's `RequestState.track_weight_version` does.
     #[pyo3(signature = (outputs, timestamp, iteration_stats, nans, finish, weight_version = None))]
+    #[allow(clippy::too_many_arguments)]
     fn process<'py>(
         &mut self,
         py: Python<'py>,
