@@ -214,6 +214,7 @@ impl OutputCore {
             num_prompt_logprobs,
             prompt_context,
             prompt_token_id_logprobs: None,
+            weight_version: None,
             prompt_logprobs,
             request_id,
             external_req_id,

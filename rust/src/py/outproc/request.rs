@@ -54,6 +54,10 @@ pub struct RequestText {
     /// vLLM 0.34.0's fixed-id prompt scores (`prompt_token_id_logprobs`, an ndarray) not
     /// handed out yet.
     pub(super) prompt_token_id_logprobs: Option<Py<PyAny>>,
+    /// The weight version this request's last span (vLLM's `weight_version_starts`)
+    /// started with, as tracked on the fast path; None when unknown (vLLM's loop may
+    /// have started one since: `update` forgets it).
+    pub(super) weight_version: Option<String>,
     // What the request's outputs carry, fixed when it was added.
     pub(super) request_id: Py<PyString>,
     pub(super) external_req_id: Py<PyAny>,
@@ -322,6 +326,8 @@ impl RequestText {
         new_token_ids: &Bound<'_, PyAny>,
         stop_terminated: bool,
     ) -> PyResult<Option<String>> {
+        // vLLM's loop (the caller) may have started a weight-version span just before.
+        self.weight_version = None;
         let ids = self.take_ids(py, new_token_ids)?;
         Ok(self
             .detokenize(py, &ids, stop_terminated)?
@@ -454,7 +460,16 @@ impl RequestText {
         // (0.33.0 on) The weight version's span, as `track_weight_version` starts one.
         if let Some(version) = weight_version {
             if !version.is_none() && new_ids.len()? > 0 {
-                self.track_weight_version(py, req_state, version)?;
+                // The same version as the last span's: nothing to start (the common case,
+                // checked without reading vLLM's list).
+                let text = version
+                    .cast::<PyString>()
+                    .ok()
+                    .and_then(|s| s.to_str().ok());
+                if text.is_none() || self.weight_version.as_deref() != text {
+                    self.track_weight_version(py, req_state, version)?;
+                    self.weight_version = text.map(str::to_owned);
+                }
             }
         }
         // 2) Detokenize and check stop strings; 3) sample logprobs.
