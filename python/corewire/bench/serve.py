@@ -175,7 +175,7 @@ CHUNK_SCENARIO = "one token per chunk"
 def native_output_missing() -> str | None:
     """Why the ``corewire+output`` stack cannot run here (None: it can): it needs a vLLM
     release the native output path reproduces (the plugin's ``OUTPUT_VLLM_VERSIONS``:
-    0.25.1) and ``corewire.vllm.output``."""
+    0.25.1, 0.33.0, 0.34.0) and ``corewire.vllm.output``."""
     version = common.vllm_version()
     if version is None:
         return "vLLM is not installed"

@@ -29,8 +29,8 @@ class Release0330(Release0251):
     generation_pause_utilities = True
     kv_pressure_routing = True
     session_affinity = True
-    # Not yet reproduced against 0.33.0's OutputProcessor.
-    NATIVE_OUTPUT = False
+    # Held to 0.33.0's OutputProcessor by tests/test_vllm_output_diff.py.
+    NATIVE_OUTPUT = True
 
     def planned_addresses(self, vllm_config: Any) -> tuple[str, str]:
         from vllm.v1.engine.utils import get_engine_zmq_bind_addresses
@@ -104,6 +104,11 @@ class Release0330(Release0251):
         from corewire.client import wire_requests
 
         return wire_requests.to_0_33_0 if self.verified else wire_requests.as_given(self)
+
+    def native_output_processor(self) -> type:
+        from corewire.vllm.output_0_33_0 import NativeOutputProcessor0330
+
+        return NativeOutputProcessor0330
 
     def vllm_client_members(self) -> type:
         from corewire.vllm.v0_33_0 import Members0330
