@@ -1,4 +1,5 @@
-"""The suite's one leak checker and one pid waiter.
+"""The suite's one leak checker and one pid waiter (on the probe of
+:mod:`corewire.bench.leaks`, which ``corewire bench chaos`` uses too).
 
 :func:`no_leaks` runs after every test (``conftest.py``) and around the client and fault
 tests' bodies; a module that shares an engine across its tests passes that engine's pid as
@@ -8,35 +9,16 @@ tests' bodies; a module that shares an engine across its tests passes that engin
 from __future__ import annotations
 
 import contextlib
-import os
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
 
 import psutil
-import zmq
 
-#: Helper processes that Python's multiprocessing keeps for the whole session by design.
-_SESSION_HELPERS = ("resource_tracker", "forkserver", "semaphore_tracker")
+from corewire.bench.leaks import open_fds, stray_children, warm_up_pyzmq_zero_copy
 
-
-def _warm_up_pyzmq_zero_copy() -> None:
-    """pyzmq frees zero-copy frames through one process-wide helper thread, with its own
-    context and socket, made on the first zero-copy send and kept for the process's
-    life. Make them now, at collection, so that no test sees them appear as leaks."""
-    ctx = zmq.Context()
-    a, b = ctx.socket(zmq.PAIR), ctx.socket(zmq.PAIR)
-    a.bind("inproc://warm-up")
-    b.connect("inproc://warm-up")
-    tracker = a.send(bytearray(1 << 17), copy=False, track=True)
-    b.recv(copy=False)
-    tracker.wait(10)
-    a.close(linger=0)
-    b.close(linger=0)
-    ctx.term()
-
-
-_warm_up_pyzmq_zero_copy()
+# Made before any test runs, so that no test sees pyzmq's helper appear as a leak.
+warm_up_pyzmq_zero_copy()
 
 
 def pid_gone(pid: int, reaped: bool = False) -> bool:
@@ -58,31 +40,6 @@ def wait_pid_gone(pid: int, timeout: float) -> bool:
             return True
         time.sleep(0.05)
     return pid_gone(pid)
-
-
-def _stray_children(allowed: Iterable[int] = ()) -> list[psutil.Process]:
-    """Live child processes of this process (at any depth), except multiprocessing's
-    session helpers and the ``allowed`` pids."""
-    allowed = set(allowed)
-    strays = []
-    for child in psutil.Process().children(recursive=True):
-        try:
-            if child.pid in allowed or child.status() == psutil.STATUS_ZOMBIE:
-                continue
-            cmdline = " ".join(child.cmdline())
-        except psutil.NoSuchProcess:
-            continue
-        if not any(helper in cmdline for helper in _SESSION_HELPERS):
-            strays.append(child)
-    return strays
-
-
-def _fds() -> dict[str, str]:
-    out = {}
-    for fd in os.listdir("/proc/self/fd"):
-        with contextlib.suppress(OSError):
-            out[fd] = os.readlink(f"/proc/self/fd/{fd}")
-    return out
 
 
 def _describe(proc: psutil.Process) -> str:
@@ -111,16 +68,16 @@ def no_leaks(
     from multiprocessing import resource_tracker
 
     resource_tracker.ensure_running()  # a session-wide helper: not a leak
-    fds_before = _fds() if fds else {}
+    fds_before = open_fds() if fds else {}
     threads_before = set(threading.enumerate())
     yield
     deadline = time.monotonic() + grace
     while True:
         keep = set(allowed() if callable(allowed) else allowed)
-        children = _stray_children(keep)
+        children = stray_children(keep)
         threads = [t for t in threading.enumerate() if t not in threads_before]
         new_fds = (
-            {fd: target for fd, target in _fds().items() if fd not in fds_before} if fds else {}
+            {fd: target for fd, target in open_fds().items() if fd not in fds_before} if fds else {}
         )
         if not (children or threads or new_fds):
             return

@@ -1,4 +1,5 @@
-"""Differential testing of an output processor against vLLM 0.25.1's own ``OutputProcessor``.
+"""Differential testing of an output processor against the installed vLLM's own
+``OutputProcessor`` (0.25.1, 0.34.0).
 
 The pieces, each usable alone:
 
@@ -21,6 +22,11 @@ The pieces, each usable alone:
   the ``IterationStats`` (lists as multisets), the LoRA scheduler stats and the
   unfinished counts; :func:`run_workload` runs an :class:`EngineSim` through a pair.
 
+What a later release added is exercised where the installed vLLM has it (read off its own
+classes, as :data:`FEATURES`): each step's ``weight_version`` (changing now and then),
+watermarked requests (their first output's ``watermarking``), ``prompt_logprob_start``,
+and a request's own ``stream_interval``.
+
 Nothing here mocks vLLM: the processors, collectors, stats and output classes are vLLM's.
 """
 
@@ -35,6 +41,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import msgspec
 import numpy as np
 import torch
 from vllm.logprobs import FlatLogprobs
@@ -45,6 +52,7 @@ from vllm.v1.engine import (
     EngineCoreEvent,
     EngineCoreEventType,
     EngineCoreOutput,
+    EngineCoreOutputs,
     EngineCoreRequest,
     FinishReason,
 )
@@ -55,6 +63,7 @@ from vllm.v1.outputs import LogprobsLists, LogprobsTensors
 
 __all__ = [
     "ADDED_TOKENS",
+    "FEATURES",
     "KINDS",
     "SPECIAL_TOKENS",
     "ClientPlan",
@@ -73,6 +82,44 @@ __all__ = [
     "snapshot",
     "write_bpe_tokenizer_dir",
 ]
+
+
+#: What the installed vLLM's classes offer beyond 0.25.1's, read off those classes:
+#: ``weight_version`` (``process_outputs`` takes each step's), ``watermarking`` (requests
+#: ask for it), ``watermark_report`` (0.34.0: their first output reports it),
+#: ``prompt_logprob_start`` (0.34.0: the prompt logprobs padded before it),
+#: ``stream_interval`` (per request).
+def _pads_prompt_logprobs() -> bool:
+    # vLLM's own processor asked: do positions before prompt_logprob_start start the
+    # prompt logprobs as None (0.34.0), or does the container start as before (0.33.0
+    # has the parameter, its processor not the padding)?
+    from types import SimpleNamespace
+
+    from vllm.v1.engine.logprobs import LogprobsProcessor
+
+    try:
+        params = SamplingParams(prompt_logprobs=1, prompt_logprob_start=2)
+    except TypeError:
+        return False
+    made = LogprobsProcessor.from_new_request(None, SimpleNamespace(sampling_params=params))
+    return made.prompt_logprobs is not None and len(made.prompt_logprobs) == 3
+
+
+FEATURES = (
+    frozenset(
+        {f.name for f in msgspec.structs.fields(SamplingParams)}
+        & {"watermarking", "stream_interval"}
+    )
+    | ({"prompt_logprob_start"} if _pads_prompt_logprobs() else set())
+    | {
+        feature
+        for feature, struct, field in (
+            ("weight_version", EngineCoreOutputs, "weight_version"),
+            ("watermark_report", EngineCoreOutput, "watermarking"),
+        )
+        if field in {f.name for f in msgspec.structs.fields(struct)}
+    }
+)
 
 KINDS = (RequestOutputKind.DELTA, RequestOutputKind.CUMULATIVE, RequestOutputKind.FINAL_ONLY)
 
@@ -278,6 +325,7 @@ class OutputSpec:
     kv_transfer_params: dict[str, Any] | None = None
     num_nans: int = 0
     routed_experts: list[list[list[int]]] | None = None  # tokens x layers x top-k
+    watermarking: bool | None = None  # the engine's report (first output; 0.34.0 on)
 
 
 def _logprobs_lists(spec: LogprobsSpec, width: int) -> LogprobsLists:
@@ -310,7 +358,11 @@ def make_output(spec: OutputSpec, width: int) -> EngineCoreOutput:
         prompt, local, external = spec.prefill
         prefill = PrefillStats()
         prefill.set(prompt, local, external)
+    extra = {}
+    if spec.watermarking is not None:
+        extra["watermarking"] = spec.watermarking
     return EngineCoreOutput(
+        **extra,
         request_id=spec.request_id,
         new_token_ids=list(spec.new_token_ids),
         new_logprobs=None if spec.logprobs is None else _logprobs_lists(spec.logprobs, width),
@@ -397,6 +449,9 @@ class EngineSim:
         self.pending: list[tuple[int, ClientPlan]] = []
         self.live: list[EnginePlan] = []
         self.stragglers: list[str] = []  # aborted or stopped ids the engine sends once more
+        #: The engine's weight version, stamped on each step (where vLLM has it); it
+        #: changes now and then, as after a weight update.
+        self.weight_version: str | None = "default" if "weight_version" in FEATURES else None
         self.ghosts = 0
         for i in range(num_requests):
             plan = self._client(i, fallback_share, max_tokens)
@@ -471,6 +526,10 @@ class EngineSim:
         if rng.random() < 0.2:
             # vLLM's FlatLogprobs container: native requests fill it natively.
             params["flat_logprobs"] = True
+        if "watermarking" in FEATURES and rng.random() < 0.2:
+            params["watermarking"] = True
+        if "stream_interval" in FEATURES and rng.random() < 0.15:
+            params["stream_interval"] = rng.randint(1, 4)
         external = f"ext-{index}"
         if index and rng.random() < 0.04:
             # The same user id twice: aborting it by that id aborts both.
@@ -478,6 +537,14 @@ class EngineSim:
         prompt_ids = []
         while len(prompt_ids) < (2 if "prompt_logprobs" in params else 1):
             prompt_ids = info.encode(rng)[: rng.randint(1, 12)]
+        if (
+            "prompt_logprob_start" in FEATURES
+            and "prompt_logprobs" in params
+            and len(prompt_ids) > 2
+            and rng.random() < 0.5
+        ):
+            # Scoring starts later: the positions before are None in the container.
+            params["prompt_logprob_start"] = rng.randint(1, len(prompt_ids) - 2)
         plan = ClientPlan(
             external_id=external,
             request_id=f"{external}-{index:04x}{rng.randrange(1 << 16):04x}",
@@ -517,9 +584,10 @@ class EngineSim:
                 self.live.append(child)
         return now
 
-    def clock(self) -> tuple[float, float]:
-        """This step's engine timestamp (monotonic) and wall-clock iteration timestamp."""
-        return self.engine_ts, self.wall
+    def clock(self) -> tuple[float, float, str | None]:
+        """This step's engine timestamp (monotonic), wall-clock iteration timestamp and
+        weight version (None where vLLM has none)."""
+        return self.engine_ts, self.wall, self.weight_version
 
     def step(self) -> list[OutputSpec]:
         """The next engine step's outputs (advances the clocks)."""
@@ -527,6 +595,8 @@ class EngineSim:
         self.step_index += 1
         self.engine_ts += rng.uniform(0.005, 0.03)
         self.wall += rng.uniform(0.005, 0.03)
+        if self.weight_version is not None and rng.random() < 0.05:
+            self.weight_version = f"v{self.step_index}"
         outputs: list[OutputSpec] = []
         for plan in list(self.live):
             if rng.random() < 0.15:
@@ -552,6 +622,11 @@ class EngineSim:
             prompt = len(client.prompt_ids)
             local = rng.randint(0, prompt - 1)
             spec.prefill = (prompt, local, rng.randint(0, prompt - 1 - local))
+            if params.get("watermarking") and "watermark_report" in FEATURES:
+                # The engine reports what it applied (greedy rows are skipped).
+                spec.watermarking = rng.random() < 0.7
+            if params.get("prompt_logprob_start"):
+                plan.prefilled = max(plan.prefilled, params["prompt_logprob_start"])
         elif rng.random() < 0.03:
             spec.events = [
                 (EngineCoreEventType.PREEMPTED, self.engine_ts - 0.004),
@@ -824,7 +899,13 @@ class Side:
             self.engine_ids[child_id] = (child, params.n)
             self.processor.add_request(child, plan.prompt, parent, index, queue)
 
-    def step(self, specs: list[OutputSpec], engine_ts: float, wall: float) -> dict[str, Any]:
+    def step(
+        self,
+        specs: list[OutputSpec],
+        engine_ts: float,
+        wall: float,
+        weight_version: str | None = None,
+    ) -> dict[str, Any]:
         """Process one engine step; everything observable except the queues."""
         widths = [len(s.logprobs.ids[0]) for s in specs if s.logprobs and s.logprobs.ids]
         width = max(widths, default=1)
@@ -836,8 +917,12 @@ class Side:
         # As the output handler: chunks of one step share its IterationStats.
         size = self.chunk or max(len(outputs), 1)
         request_outputs, reqs_to_abort = [], []
+        # As the output handler passes the step's weight version (0.33.0 on).
+        extra = {} if weight_version is None else {"weight_version": weight_version}
         for start in range(0, max(len(outputs), 1), size):
-            result = self.processor.process_outputs(outputs[start : start + size], engine_ts, stats)
+            result = self.processor.process_outputs(
+                outputs[start : start + size], engine_ts, stats, **extra
+            )
             request_outputs.extend(snapshot(o) for o in result.request_outputs)
             reqs_to_abort.extend(result.reqs_to_abort)
         scheduler = SchedulerStats()
@@ -933,10 +1018,16 @@ class Pair:
             if is_native is not None:
                 assert is_native(engine_id) is expected, f"{self._where()}: {engine_id} native?"
 
-    def step(self, specs: list[OutputSpec], engine_ts: float, wall: float) -> dict[str, Any]:
+    def step(
+        self,
+        specs: list[OutputSpec],
+        engine_ts: float,
+        wall: float,
+        weight_version: str | None = None,
+    ) -> dict[str, Any]:
         """One engine step into both; compares everything but the queues."""
-        expected = self.reference.step(specs, engine_ts, wall)
-        actual = self.candidate.step(specs, engine_ts, wall)
+        expected = self.reference.step(specs, engine_ts, wall, weight_version)
+        actual = self.candidate.step(specs, engine_ts, wall, weight_version)
         for key in expected:
             assert actual[key] == expected[key], f"{self._where()}: {key}"
         self.steps += 1

@@ -588,6 +588,51 @@ def test_serve_tiny_run(tmp_path: Path) -> None:
     check_png(png)
 
 
+def test_serve_rust_stack_is_vllms_rust_front_end_over_the_same_engines() -> None:
+    """``rust`` is vLLM's own client with VLLM_USE_RUST_FRONTEND=1 (vllm-rs serves), on
+    request only, and py-spy has nothing of it to sample."""
+    from corewire.vllm.stack import RUST_FRONTEND_ENV
+
+    client, env = serve_bench.STACKS["rust"]
+    assert client == "vllm" and env == {serve_bench.OUTPUT_SWITCH: "0", **RUST_FRONTEND_ENV}
+    assert "rust" not in serve_bench.DEFAULT_CLIENTS and "rust" in serve_bench.UNPROFILED
+
+
+def test_serve_front_end_cpu_counts_every_process_of_the_front_end() -> None:
+    """The front-end's CPU is its API server's and its descendants' (vllm-rs is a child of
+    vLLM's Python process): a child that burns 0.3 s of CPU (then idles, to be read) is
+    counted."""
+    import psutil
+
+    burn = (
+        "import time\nt = time.process_time()\n"
+        "while time.process_time() - t < 0.3: pass\ntime.sleep(2)"
+    )
+    parent = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            f"import subprocess, sys; subprocess.run([sys.executable, '-c', {burn!r}])",
+        ]
+    )
+    try:
+        server = psutil.Process(parent.pid)
+        before = serve_bench.front_end_cpu(server)
+        assert parent.pid in before
+        # Read again while the child still runs (it is counted from 0: started after).
+        deadline = time.monotonic() + 30
+        while True:
+            after = serve_bench.front_end_cpu(server)
+            child = [pid for pid in after if pid != parent.pid]
+            if child and after[child[0]] >= 0.25:
+                break
+            assert time.monotonic() < deadline, after
+            time.sleep(0.02)
+        assert serve_bench.cpu_between(before, after) >= 0.25
+    finally:
+        parent.wait(30)
+
+
 def test_serve_refuses_an_output_stack_that_cannot_run() -> None:
     """Asked by name, corewire+output without corewire's native output processing stops
     the run before any stack starts (exit status 2), saying why."""

@@ -137,7 +137,8 @@ def test_same_output_rules_as_the_async_client() -> None:
         client = _HookedSyncClient(engine_main=SUPPORT)
         try:
             client.call_utility("stats", 7)
-            assert client.get_output(timeout=10).scheduler_stats == {"num_waiting_reqs": 7}
+            stats = client.get_output(timeout=10).scheduler_stats
+            assert stats["num_waiting_reqs"] == 7 and stats["num_running_reqs"] == 0
             client.add_request(request("h", max_tokens=1))
             finished_only = client.get_output(timeout=10)
             assert finished_only.finished_requests == {"gone"} and not finished_only.outputs

@@ -48,8 +48,14 @@ T33 = types_for(V33)
 
 
 def test_0_25_1_outputs_go_out_as_built() -> None:
-    assert output_converter("0.25.1") is None
-    assert output_converter(None) is None
+    """0.25.1's messages go out as the engine built them, only their stats completed in
+    place (vLLM's Rust front-end needs every key: test_engine_stats_complete.py)."""
+    for protocol in ("0.25.1", None):
+        convert = output_converter(protocol)
+        assert convert is not None
+        message = EngineCoreOutputs(outputs=[EngineCoreOutput("r", [1])])
+        assert convert(message) is message
+        assert message.outputs[0] == EngineCoreOutput("r", [1])
 
 
 def test_0_33_0_conversion_moves_every_field_by_name() -> None:
@@ -225,6 +231,26 @@ def test_a_paused_engine_takes_the_next_input_of_an_open_session(front: FrontEnd
     outs = front.collect(["s"])["s"]
     assert all(o.error is None for o in outs) and outs[-1].finish_reason == FinishReason.LENGTH
     assert sum(len(o.new_token_ids) for o in outs) == 3
+
+
+def test_a_0_34_0_engine_says_whether_it_is_ready_for_inference(ipc_dir: Path) -> None:
+    # vLLM 0.34.0's Rust front-end (vllm-rs) calls is_inference_ready once its engines
+    # are ready and gives up without an answer ("failed to connect to engine core").
+    fe = FrontEnd(ipc_dir)
+    fe.decoder = NativeDecoder(protocol="0.34.0")
+    fe.encoder = Encoder(protocol="0.34.0")
+    try:
+        fe.start_engine(engine_args=LIGHT_REFERENCE, protocol="0.34.0")
+        fe.wait_ready()
+        assert fe.value("is_inference_ready") is True
+        # Paused (refusing new requests, or keeping them waiting): not ready.
+        for mode in ("abort", "keep"):
+            assert fe.value("pause_generation", mode, False) is None
+            assert fe.value("is_inference_ready") is False
+            assert fe.value("resume_scheduler") is None
+            assert fe.value("is_inference_ready") is True
+    finally:
+        fe.close()
 
 
 def test_a_0_25_1_engine_has_none_of_0_33_0s_utilities(ipc_dir: Path) -> None:

@@ -19,7 +19,7 @@ from typing import Any
 import pytest
 
 from client_support import REPLAY, request
-from corewire import AsyncMPClient
+from corewire import AsyncMPClient, DPLBAsyncMPClient, EngineDeadError
 from corewire.client._resources import TERMINATE_GRACE_S
 from corewire.protocol import FinishReason
 from engine_support import LIGHT_REFERENCE, FrontEnd
@@ -49,7 +49,7 @@ async def test_client_collected_while_its_task_runs() -> None:
 PARENT = textwrap.dedent(
     """
     import sys, time
-    from corewire import AsyncMPClient
+    from corewire import AsyncMPClient, DPLBAsyncMPClient, EngineDeadError
     kwargs = {"engine_main": sys.argv[1]} if sys.argv[1] else {}
     client = AsyncMPClient(**kwargs)
     print(client.engine_pids[0], flush=True)
@@ -133,10 +133,37 @@ async def test_shutdown_under_load_is_quick_and_engines_exit_on_sigterm(
         assert took < TERMINATE_GRACE_S - 1.5, f"shutdown under load took {took:.2f} s"
 
 
+async def test_dp_group_engines_and_coordinator_leave_on_sigterm(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A DP group's engines and coordinator (each with torch loaded, which takes seconds
+    to tear down) end on SIGTERM without the interpreter's teardown, inside the grace:
+    none is killed, whether the group is whole or one engine was SIGKILLed (a group
+    being replaced after a death). Found by ``corewire bench chaos``."""
+    for kill_one in (False, True):
+        with no_leaks():
+            client = DPLBAsyncMPClient(
+                data_parallel_size=2, engine="corewire.engine.synthetic:SyntheticEngine"
+            )
+            pids = [*client.engine_pids, client.coordinator_pid]
+            await client.add_request_async(request("one", max_tokens=3))
+            while not any(o.finish_reason for o in (await client.get_output_async()).outputs):
+                pass
+            if kill_one:
+                os.kill(pids[0], signal.SIGKILL)
+                with pytest.raises(EngineDeadError):
+                    await asyncio.wait_for(client.get_output_async(), 10)
+            caplog.clear()
+            caplog.set_level("WARNING", logger="corewire.client")
+            client.shutdown()
+            assert all(wait_pid_gone(pid, 5) for pid in pids)
+            assert not [r for r in caplog.records if "killing it" in r.getMessage()]
+
+
 ORPHAN_PARENT = textwrap.dedent(
     """
     import sys, time
-    from corewire import AsyncMPClient
+    from corewire import AsyncMPClient, DPLBAsyncMPClient, EngineDeadError
     client = AsyncMPClient(engine_main=sys.argv[1])
     print(client.engine_pids[0], client.resources.ipc_dir, flush=True)
     time.sleep(600)

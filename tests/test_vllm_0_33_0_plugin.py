@@ -181,6 +181,47 @@ def test_plugin_switches_vllm_0_33_0s_factory(switch: str | None, factory: str) 
     assert factory_after_plugins(switch) == factory
 
 
+_OUTPUT_PROBE = """
+from vllm.plugins import load_general_plugins
+load_general_plugins()
+load_general_plugins()
+import vllm.v1.engine.async_llm as async_llm
+import vllm.v1.engine.llm_engine as llm_engine
+for cls in (async_llm.OutputProcessor, llm_engine.OutputProcessor):
+    print(cls.__module__ + "." + cls.__qualname__)
+"""
+
+
+@pytest.mark.parametrize("output", [None, "0"], ids=["output-unset", "output-0"])
+def test_client_switch_brings_the_releases_native_output_processor(output: str | None) -> None:
+    """With corewire's client, ``AsyncLLM`` builds the installed release's native output
+    processor (held to that release's by ``test_vllm_output_diff.py``) unless
+    ``COREWIRE_VLLM_OUTPUT=0``; ``LLMEngine`` keeps vLLM's."""
+    import subprocess
+    import sys
+
+    from corewire.vllm import plugin
+
+    env = {k: v for k, v in os.environ.items() if k != plugin.OUTPUT_SWITCH}
+    env[plugin.ENV_SWITCH] = "1"
+    if output is not None:
+        env[plugin.OUTPUT_SWITCH] = output
+    done = subprocess.run(
+        [sys.executable, "-c", _OUTPUT_PROBE],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=90,
+        cwd="/",
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    built = done.stdout.strip().splitlines()[-2:]
+    vllms = "vllm.v1.engine.output_processor.OutputProcessor"
+    native = releases.get(RELEASE).native_output_processor()
+    expected = vllms if output == "0" else f"{native.__module__}.{native.__qualname__}"
+    assert built == [expected, vllms]
+
+
 # ---------------------------------------------------------------------- real engines
 
 

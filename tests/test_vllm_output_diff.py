@@ -1,4 +1,6 @@
-"""corewire's output processor against vLLM 0.25.1's own ``OutputProcessor``, differentially.
+"""corewire's output processor against the installed vLLM's own ``OutputProcessor``,
+differentially (vLLM 0.25.1 in the main venv; 0.34.0 in its own, with
+``COREWIRE_REQUIRE_VLLM=0.34.0``: scripts/test).
 
 Two processors get identical inputs: the same requests (real ``EngineCoreRequest`` and
 ``SamplingParams``; n > 1 through ``ParentRequest`` as ``AsyncLLM`` adds them) and the same
@@ -9,7 +11,8 @@ dicts in key order), ``reqs_to_abort``, the stats (lists as multisets), the LoRA
 scheduler stats, the unfinished-request counts. Spec: docs/native-output-processing-
 notes.md §1, §3.1, §3.2 and §5.2.
 
-The candidate is ``corewire.vllm.output.NativeOutputProcessor``: each request's
+The candidate is the installed release's ``NativeOutputProcessor`` (a subclass per release
+that changed vLLM's: ``Release.native_output_processor``): each request's
 ``is_native`` must match its parameters (``output_diff_support.expected_native``) and the
 native fast path must have run (``native_counts``). Deliberately wrong processors (vLLM's
 with one thing changed) must make the harness fail.
@@ -30,13 +33,16 @@ import pytest
 
 pytest.importorskip("vllm")
 
+import vllm
 from vllm.sampling_params import RequestOutputKind
 from vllm.v1.engine import EngineCoreEventType, FinishReason
+from vllm.v1.engine.detokenizer import check_stop_strings
 from vllm.v1.engine.output_processor import OutputProcessor
 
+from corewire import releases
 from corewire.vllm.model_dir import write_model_dir
-from corewire.vllm.output import NativeOutputProcessor
 from output_diff_support import (
+    FEATURES,
     ClientPlan,
     EngineSim,
     LogprobsSpec,
@@ -70,10 +76,23 @@ def word_level(tmp_path_factory: pytest.TempPathFactory) -> TokenizerInfo:
     return TokenizerInfo.for_word_level(load_tokenizer(path))
 
 
+#: The installed vLLM's stop-string rule, asked of vLLM itself: 0.33.0 on, the stop string
+#: that ends earliest wins; 0.25.1 takes the first listed.
+EARLIEST_STOP = check_stop_strings("abcd", 4, ["cd", "b"], False) == ("b", 1)
+#: Changed in the same release (0.33.0): a ``DELTA`` output without new tokens carries no
+#: sample logprobs (``[:0]``); 0.25.1 slices ``[-0:]``, the whole history.
+EMPTY_DELTA_SLICE = EARLIEST_STOP
+
+
 @pytest.fixture(scope="session")
 def candidate() -> type[OutputProcessor]:
-    """The processor under test."""
-    return NativeOutputProcessor
+    """The processor under test: the installed release's. A release the native path is
+    not verified against (``Release.native_output`` False) is skipped: these tests are
+    what verifies one (set ``NATIVE_OUTPUT`` in its class to run them)."""
+    release = releases.installed(vllm)
+    if not release.native_output:
+        pytest.skip(f"native output processing is not verified against vLLM {release}")
+    return release.native_output_processor()
 
 
 def _check_fast_path_ran(pair: Pair, *, expect_fast: bool = True) -> None:
@@ -259,8 +278,11 @@ def _coverage(outputs: list[tuple[str, Any]], info: TokenizerInfo) -> Counter[st
                 pairs = [[(p[0], p[3]) for p in position] for position in positions]
             if c["finish_reason"] == "abort" and positions:
                 seen["abort output with logprobs"] += 1
-            if c["finish_reason"] is None and not c["token_ids"] and positions:
-                seen["DELTA output without tokens, with logprobs"] += 1
+            if c["finish_reason"] is None and not c["token_ids"]:
+                if positions:
+                    seen["DELTA output without tokens, with logprobs"] += 1
+                else:
+                    seen["DELTA output without tokens, logprobs empty"] += 1
             for position in pairs:
                 for token_id, text in position:
                     if text is not None and decode([token_id]).endswith("\ufffd"):
@@ -277,7 +299,7 @@ def test_workloads_cover_the_edge_cases(
     cls = candidate
     seen: Counter[str] = Counter()
     stopped = 0
-    for seed in range(6):
+    for seed in range(10):
         result = run_workload(EngineSim(seed, bpe, REQUESTS), bpe.tokenizer, cls)
         seen += _coverage(result.outputs, bpe)
         stopped += len(result.reqs_to_abort)
@@ -298,7 +320,8 @@ def test_workloads_cover_the_edge_cases(
         "list logprobs",
         "FlatLogprobs logprobs",
         "abort output with logprobs",
-        "DELTA output without tokens, with logprobs",
+        "DELTA output without tokens, "
+        + ("logprobs empty" if EMPTY_DELTA_SLICE else "with logprobs"),
         "U+FFFD candidate",
         "U+FFFD candidate corrected",
     ):
@@ -334,19 +357,19 @@ class _NoHoldBack(OutputProcessor):
 class _NoEvents(OutputProcessor):
     """vLLM's processor ignoring the engine's request events (queue/schedule times)."""
 
-    def process_outputs(self, engine_core_outputs, engine_core_timestamp=None, stats=None):  # type: ignore[no-untyped-def]
+    def process_outputs(self, engine_core_outputs, engine_core_timestamp=None, stats=None, **kw):  # type: ignore[no-untyped-def]
         for output in engine_core_outputs:
             output.events = None
-        return super().process_outputs(engine_core_outputs, engine_core_timestamp, stats)
+        return super().process_outputs(engine_core_outputs, engine_core_timestamp, stats, **kw)
 
 
 class _NoKvParams(OutputProcessor):
     """vLLM's processor dropping ``kv_transfer_params``."""
 
-    def process_outputs(self, engine_core_outputs, engine_core_timestamp=None, stats=None):  # type: ignore[no-untyped-def]
+    def process_outputs(self, engine_core_outputs, engine_core_timestamp=None, stats=None, **kw):  # type: ignore[no-untyped-def]
         for output in engine_core_outputs:
             output.kv_transfer_params = None
-        return super().process_outputs(engine_core_outputs, engine_core_timestamp, stats)
+        return super().process_outputs(engine_core_outputs, engine_core_timestamp, stats, **kw)
 
 
 class _FlatAsDicts(OutputProcessor):
@@ -460,9 +483,11 @@ class _Script:
         self.outputs: list[tuple[str, Any]] = []
         self.aborts: list[list[str]] = []
 
-    def step(self, specs: list[OutputSpec]) -> dict[str, Any]:
+    def step(self, specs: list[OutputSpec], weight_version: str | None = None) -> dict[str, Any]:
         self.t += 1
-        result = self.pair.step(specs, 5000.0 + 0.01 * self.t, WALL + 0.01 * self.t)
+        if weight_version is None and "weight_version" in FEATURES:
+            weight_version = "default"  # what vLLM's engine stamps on every step
+        result = self.pair.step(specs, 5000.0 + 0.01 * self.t, WALL + 0.01 * self.t, weight_version)
         self.aborts.append(result["reqs_to_abort"])
         self.outputs.extend(self.pair.drain())
         return result
@@ -548,10 +573,10 @@ def test_stop_string_spanning_three_tokens(
     assert final["token_ids"][-1] == ids[i + 2]
 
 
-def test_two_stop_strings_in_one_step_first_in_list_wins(
-    bpe: TokenizerInfo, candidate: type[OutputProcessor]
-) -> None:
-    """0.25.1 takes the first stop string in list order, not the one that ends first."""
+def test_two_stop_strings_in_one_step(bpe: TokenizerInfo, candidate: type[OutputProcessor]) -> None:
+    """0.25.1 takes the first stop string in list order, not the one that ends first;
+    0.33.0 on take the one that ends first, and drop the token after it (its id, and
+    from the output)."""
     for seed in range(500):
         ids, pieces = _text_ids(bpe, seed)
         if len(ids) >= 5 and all(len(p.strip()) >= 2 for p in pieces[2:4]):
@@ -569,9 +594,15 @@ def test_two_stop_strings_in_one_step_first_in_list_wins(
     script.tokens(plan.request_id, ids[:2])
     script.step([OutputSpec(plan.request_id, ids[2:4])])  # both complete in this step
     final = script.final()["outputs"][0]
-    assert final["stop_reason"] == late
     text = "".join(pieces[:4])
-    assert "".join(o["outputs"][0]["text"] for _, o in script.outputs) == text[: text.index(late)]
+    streamed = "".join(o["outputs"][0]["text"] for _, o in script.outputs)
+    if EARLIEST_STOP:
+        assert final["stop_reason"] == early
+        assert streamed == text[: text.index(early)]
+        assert final["token_ids"] == ids[2:3]  # the one after it is dropped
+    else:
+        assert final["stop_reason"] == late
+        assert streamed == text[: text.index(late)]
 
 
 @pytest.mark.parametrize("min_tokens", [0, 3])
@@ -690,10 +721,11 @@ def _logprobs_row(ids: list[int], values: list[float], rank: int) -> LogprobsSpe
 
 
 @pytest.mark.parametrize("internal", [False, True], ids=["external-id", "internal-id"])
-def test_delta_abort_output_carries_the_whole_logprob_history(
+def test_delta_abort_output_logprobs(
     bpe: TokenizerInfo, candidate: type[OutputProcessor], internal: bool
 ) -> None:
-    """0.25.1 slices ``logprobs[-0:]`` for an output without new tokens: everything."""
+    """0.25.1 slices ``logprobs[-0:]`` for an output without new tokens: everything;
+    0.33.0 on slice ``[:0]``: nothing."""
     ids, _ = _text_ids(bpe, 3)
     script = _Script(bpe, candidate)
     plan = _plan("abort", ids[:2], logprobs=2, output_kind=RequestOutputKind.DELTA)
@@ -715,7 +747,7 @@ def test_delta_abort_output_carries_the_whole_logprob_history(
     assert len(final) == 1
     out = final[0][1]["outputs"][0]
     assert out["finish_reason"] == "abort" and out["token_ids"] == []
-    assert len(out["logprobs"][1]) == 3
+    assert len(out["logprobs"][1]) == (0 if EMPTY_DELTA_SLICE else 3)
 
 
 def test_propagate_error_reaches_every_queue(
@@ -877,3 +909,129 @@ def test_nans_in_logits_and_routed_experts(
     assert corrupted == {"nans": True, "experts": False}
     final = {key: out for key, out in script.outputs}[experts.request_id]
     assert final["outputs"][0]["routed_experts"][2] == [[[p, 1], [2, p]] for p in range(5)]
+
+
+# ---------------------------------------------------------------------------------------
+# What later releases added (where the installed vLLM has it)
+
+
+def _needs(feature: str) -> Any:
+    return pytest.mark.skipif(feature not in FEATURES, reason=f"this vLLM has no {feature}")
+
+
+@_needs("watermarking")
+def test_watermarked_requests_are_counted_in_finished_stats(
+    bpe: TokenizerInfo, candidate: type[OutputProcessor]
+) -> None:
+    """0.33.0 on, stats count each finished request as watermarked (from its parameters;
+    0.34.0: the engine's report on its first output wins), watermark-skipped or not
+    watermarked; stop strings finish two of them natively."""
+    ids, stop = _distinct_piece(bpe, 4)
+    script = _Script(bpe, candidate)
+    plans = {
+        "marked": _plan("marked", _ascii_prompt(bpe), watermarking=True, stop=[stop]),
+        "refused": _plan("refused", _ascii_prompt(bpe), watermarking=True),
+        # No report (an engine without a watermark config): the parameters decide.
+        "unreported": _plan("unreported", _ascii_prompt(bpe), watermarking=True),
+        "plain": _plan("plain", _ascii_prompt(bpe), stop=[stop]),
+    }
+    for plan in plans.values():
+        script.pair.add(plan)
+    reports = {"marked": True, "refused": False, "unreported": None, "plain": None}
+    reported = "watermark_report" in FEATURES  # 0.34.0 on
+    first = []
+    for name, plan in plans.items():
+        spec = _first(OutputSpec(plan.request_id, ids[:1]))
+        if reported:
+            spec.watermarking = reports[name]
+        first.append(spec)
+    script.step(first)
+    for step in range(1, len(ids)):
+        finish = FinishReason.LENGTH if step == len(ids) - 1 else None
+        result = script.step(
+            [
+                OutputSpec(p.request_id, ids[step : step + 1], finish_reason=finish)
+                for p in plans.values()
+            ]
+        )
+    stats = result["stats"]
+    assert stats["num_watermarked_reqs"] == (2 if reported else 3)
+    assert stats["num_not_watermarked_reqs"] == (2 if reported else 1)
+    counts = script.pair.native_counts()
+    assert counts is not None and counts["fast"] > 0, counts
+
+
+@_needs("prompt_logprob_start")
+@pytest.mark.parametrize("kind", [RequestOutputKind.DELTA, RequestOutputKind.CUMULATIVE])
+def test_prompt_logprob_start_pads_the_container(
+    bpe: TokenizerInfo, candidate: type[OutputProcessor], kind: RequestOutputKind
+) -> None:
+    """0.34.0: prompt positions before ``prompt_logprob_start`` are None in the prompt
+    logprobs (the first scored position's correction context skips them)."""
+    ids, i = _split_character(bpe)
+    prompt = ids[: i + 1]
+    start = max(1, i - 2)
+    script = _Script(bpe, candidate)
+    plan = _plan("start", prompt, prompt_logprobs=1, prompt_logprob_start=start, output_kind=kind)
+    script.pair.add(plan)
+    positions = range(start + 1, len(prompt))
+    chunk = _first(OutputSpec(plan.request_id, ids[i + 1 : i + 2]))
+    chunk.prompt_logprobs = LogprobsSpec(
+        [[prompt[p], bpe.plain_ids[0]] for p in positions],
+        [[-0.5, -1.5] for _ in positions],
+        [1 for _ in positions],
+    )
+    script.step([chunk])
+    script.step([OutputSpec(plan.request_id, ids[i + 2 : i + 3])])
+    layout, got = script.outputs[0][1]["prompt_logprobs"]
+    assert layout == "list"
+    assert got[: 1 + start] == [None] * (1 + start)
+    assert len(got) == len(prompt)
+
+
+@_needs("weight_version")
+@pytest.mark.parametrize("kind", [RequestOutputKind.DELTA, RequestOutputKind.FINAL_ONLY])
+def test_weight_version_spans_on_finished_outputs(
+    bpe: TokenizerInfo, candidate: type[OutputProcessor], kind: RequestOutputKind
+) -> None:
+    """0.33.0 on: the weight version of every step is tracked per request (natively on
+    the fast path) and a finished output carries its spans, also one a stop string
+    finished natively."""
+    ids, stop = _distinct_piece(bpe, 6)
+    script = _Script(bpe, candidate)
+    stopped = _plan("stopped", _ascii_prompt(bpe), stop=[stop], output_kind=kind)
+    running = _plan("running", _ascii_prompt(bpe), output_kind=kind, max_tokens=len(ids))
+    script.pair.add(stopped)
+    script.pair.add(running)
+    versions = ["v1", "v1", "v2", "v2", "v3", "v3", "v3"]
+    for step in range(len(ids)):
+        finish = FinishReason.LENGTH if step == len(ids) - 1 else None
+        specs = [
+            OutputSpec(stopped.request_id, ids[step : step + 1]),
+            OutputSpec(running.request_id, ids[step : step + 1], finish_reason=finish),
+        ]
+        if step == 0:
+            specs = [_first(s) for s in specs]
+        script.step(specs, weight_version=versions[step])
+    finals = {key: out for key, out in script.outputs}
+    spans = [
+        (s.version, s.start, s.end)
+        for s in finals[stopped.request_id]["outputs"][0]["weight_versions"]
+    ]
+    assert spans == [("v1", 0, 2), ("v2", 2, 4), ("v3", 4, 7)]
+    counts = script.pair.native_counts()
+    assert counts is not None and counts["fast"] > 0, counts
+
+
+@_needs("stream_interval")
+@pytest.mark.parametrize("seed", range(4))
+def test_random_workload_request_stream_interval(
+    bpe: TokenizerInfo, candidate: type[OutputProcessor], seed: int
+) -> None:
+    """0.33.0 on: a request's own ``stream_interval`` (never below the engine's 2 here)
+    holds its ``DELTA`` outputs back natively as the engine's would."""
+    sim = EngineSim(6000 + seed, bpe, REQUESTS)
+    for plan in sim.clients:
+        plan.params["stream_interval"] = 1 + (seed + len(plan.prompt_ids)) % 4
+    result = run_workload(sim, bpe.tokenizer, candidate, stream_interval=2, label=f"seed {seed}")
+    _check_fast_path_ran(result.pair)

@@ -141,8 +141,11 @@ def test_unset_output_switch_follows_the_client_only_where_reproduced(
     monkeypatch.delenv(plugin.OUTPUT_SWITCH, raising=False)
     monkeypatch.setenv(plugin.ENV_SWITCH, "1")
     assert plugin.output_wanted("0.25.1+cpu")
-    # Under 0.33.0 the client alone does not bring it (and nothing is refused).
-    assert not plugin.output_wanted("0.33.0")
+    assert plugin.output_wanted("0.33.0")
+    assert plugin.output_wanted("0.34.0")
+    # Under a release only recorded (not verified) the client alone does not bring it
+    # (and nothing is refused).
+    assert not plugin.output_wanted("0.32.0")
     monkeypatch.setenv(plugin.ENV_SWITCH, "0")
     assert not plugin.output_wanted("0.25.1")
     monkeypatch.setenv(plugin.OUTPUT_SWITCH, "1")
@@ -157,13 +160,31 @@ def test_unclear_output_switch_is_an_error(monkeypatch: pytest.MonkeyPatch) -> N
     assert not plugin.output_enabled()
 
 
-@pytest.mark.parametrize("version", ["0.33.0", "0.25.2", "0.26.0"])
+@pytest.mark.parametrize("version", ["0.32.0", "0.25.2", "0.26.0"])
 def test_output_switch_refuses_a_vllm_it_does_not_reproduce(version: str) -> None:
     plugin.check_output_version("0.25.1+cpu")
+    plugin.check_output_version("0.33.0")
+    plugin.check_output_version("0.34.0")
     with pytest.raises(
-        RuntimeError, match=rf"reproduces vLLM 0\.25\.1, not the installed {version}"
+        RuntimeError,
+        match=rf"reproduces vLLM 0\.25\.1, 0\.33\.0, 0\.34\.0, not the installed {version}",
     ):
         plugin.check_output_version(version)
+
+
+def test_output_kept_under_an_unverified_release_is_said_once(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """With the client switch alone, a release the native path was not verified against
+    keeps vLLM's output processing, and one log line (not one per plugin load) says so."""
+    monkeypatch.setattr(plugin, "_told_output_kept", False)
+    with caplog.at_level("INFO", logger="vllm.corewire"):
+        plugin._tell_output_kept("0.32.0")
+        plugin._tell_output_kept("0.32.0")
+    lines = [r.getMessage() for r in caplog.records if "output processing" in r.getMessage()]
+    assert len(lines) == 1
+    assert "0.25.1, 0.33.0, 0.34.0, not the installed 0.32.0" in lines[0]
+    assert "vLLM's output processing is kept" in lines[0]
 
 
 def test_serve_stack_sets_exactly_the_switches_asked_for(

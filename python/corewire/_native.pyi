@@ -299,7 +299,7 @@ class RequestText:
         """The output text so far."""
     def update_from_output(self, output: Any) -> None:
         """Takes an output's sample logprobs (``new_logprobs``), then its prompt logprobs
-        (``new_prompt_logprobs_tensors``)."""
+        (``new_prompt_logprobs_tensors``) and (0.34.0) fixed-id prompt scores."""
     @property
     def logprobs(self) -> list[dict[int, Any]] | None:
         """Sample logprobs so far (vLLM's ``Logprob`` objects), or None."""
@@ -313,6 +313,11 @@ class RequestText:
     def pop_prompt_logprobs(self) -> Any | None:
         """The prompt logprobs not handed out yet, forgotten once they have positions
         (vLLM's ``pop_prompt_logprobs``); None when the request asked for none."""
+    @property
+    def prompt_token_id_logprobs(self) -> Any | None:
+        """vLLM 0.34.0's fixed-id prompt scores (an ndarray) not handed out yet."""
+    def pop_prompt_token_id_logprobs(self) -> Any | None:
+        """The fixed-id prompt scores not handed out yet, forgotten."""
 
 @final
 class OutputCore:
@@ -327,6 +332,10 @@ class OutputCore:
         warn: Any,
         classes: tuple[Any, Any, Any, Any],
         request_states: dict[str, Any],
+        layouts: tuple[Sequence[str], Sequence[str]],
+        slow_fields: Sequence[str],
+        earliest_stop: bool = False,
+        empty_delta_slice: bool = False,
     ) -> OutputCore: ...
     def request(
         self,
@@ -361,6 +370,7 @@ class OutputCore:
         iteration_stats: Any,
         nans: bool,
         finish: Callable[[str], None],
+        weight_version: str | None = None,
     ) -> list[Any]:
         """Handles the plain outputs of native requests; returns the outputs left for
         vLLM's loop. ``finish(req_id)`` is called for a request a stop string finished

@@ -20,6 +20,7 @@ INSTALL: dict[str, str] = {
     "torch": "pip install 'corewire[torch]'",
     "vllm": "pip install vllm==0.25.1",
     "matplotlib": "pip install 'corewire[bench]'",
+    "psutil": "pip install 'corewire[bench]'",
     "prometheus_client": "pip install 'corewire[metrics]'",
 }
 

@@ -17,7 +17,10 @@ _COMMANDS: dict[str, tuple[str, str]] = {
     "demo": ("corewire.demo", "run streaming requests against the built-in reference engine"),
     "engine": ("corewire.engine.cli", "start an engine that connects to a listening front-end"),
     "keygen": ("corewire.keygen", "write a ZeroMQ CURVE key pair for engines on other hosts"),
-    "bench": ("corewire.bench", "measure corewire against vLLM 0.25.1 (decode, client, dp, serve)"),
+    "bench": (
+        "corewire.bench",
+        "measure corewire against vLLM 0.25.1 (decode, client, dp, serve); a chaos run",
+    ),
 }
 
 

@@ -96,6 +96,7 @@ from corewire.dp_messages import (
     WaveMessage,
     decode_front_message,
 )
+from corewire.fast_exit import exit_now
 from corewire.ipcdir import make_private_dir
 from corewire.keygen import CurveAuthenticator, CurveServerKeys, apply_server
 from corewire.logtext import bounded
@@ -719,4 +720,5 @@ def _read_line(stream: Any, timeout: float) -> str:
 
 
 if __name__ == "__main__":
-    sys.exit(_child_main())
+    # Without the interpreter's teardown (corewire.fast_exit): the process is done.
+    exit_now(_child_main())

@@ -1,12 +1,15 @@
-"""``corewire bench output``: vLLM 0.25.1's ``OutputProcessor`` vs corewire's
-``NativeOutputProcessor``, side by side in one process.
+"""``corewire bench output``: the installed vLLM's ``OutputProcessor`` vs corewire's
+``NativeOutputProcessor`` for that release, side by side in one process (any release the
+native path is verified against: 0.25.1, 0.33.0, 0.34.0).
 
 Both processors get the same tokenizer (a byte-level BPE trained at run time, wrapped in
 vLLM's tokenizer thread pool as vLLM's renderer wraps it), the same requests (DELTA
 outputs, stats on, as ``vllm serve`` streams) and the same engine outputs: one token per
 request per step, in chunks of 128 as ``AsyncLLM``'s output handler cuts them. Each step
 gets a fresh ``IterationStats`` and every collector is drained after it, as the serving
-tasks would. The first (prefill) step is not timed. Reported: CPU ns per output, median of
+tasks would; releases that stamp each step with the engine's weight version (0.33.0 on) get
+vLLM's default one, as ``AsyncLLM``'s output handler passes it. The first (prefill) step
+is not timed. Reported: CPU ns per output, median of
 interleaved trials, and the ratio. The texts both processors produced are compared.
 
 The scoring case (``prompt logprobs 5``) brings a new batch of one-token requests every
@@ -166,6 +169,16 @@ def _scoring_workload(
     return work
 
 
+def _step_kwargs() -> dict[str, Any]:
+    # What AsyncLLM's output handler passes beyond 0.25.1's arguments: the step's weight
+    # version (vLLM's engine stamps "default" on every step until weights are updated).
+    import vllm
+
+    from corewire import releases
+
+    return {"weight_version": "default"} if releases.installed(vllm).weight_versions else {}
+
+
 def _measure_scoring(
     processor_cls: type, tok: Any, work: list[Workload]
 ) -> tuple[float, list[Any]]:
@@ -176,6 +189,7 @@ def _measure_scoring(
 
     processor = processor_cls(tok, log_stats=True)
     got: list[Any] = []
+    extra = _step_kwargs()
 
     def step(batch: Workload) -> None:
         queues = []
@@ -186,7 +200,7 @@ def _measure_scoring(
         (outputs,) = batch.steps
         stats = IterationStats()
         for start in range(0, len(outputs), CHUNK):
-            processor.process_outputs(outputs[start : start + CHUNK], time.time(), stats)
+            processor.process_outputs(outputs[start : start + CHUNK], time.time(), stats, **extra)
         for queue in queues:
             out = queue.get_nowait()
             got.append((out.outputs[0].text, _prompt_logprobs(out.prompt_logprobs)))
@@ -213,6 +227,7 @@ def _measure(processor_cls: type, tok: Any, work: Workload) -> tuple[float, list
     from vllm.v1.metrics.stats import IterationStats
 
     processor = processor_cls(tok, log_stats=True)
+    extra = _step_kwargs()
     queues = []
     texts: list[list[str]] = []
     for request in work.requests:
@@ -224,7 +239,7 @@ def _measure(processor_cls: type, tok: Any, work: Workload) -> tuple[float, list
     def step(outputs: list[Any]) -> None:
         stats = IterationStats()
         for start in range(0, len(outputs), CHUNK):
-            processor.process_outputs(outputs[start : start + CHUNK], time.time(), stats)
+            processor.process_outputs(outputs[start : start + CHUNK], time.time(), stats, **extra)
         for i, queue in enumerate(queues):
             out = queue.get_nowait()
             if out is not None:
@@ -245,10 +260,13 @@ def _compare(
 ) -> dict[str, Any]:
     """Interleaved trials of both processors on ``work`` through ``measure``; prints the
     case's line and returns its row (medians under ``unit``)."""
+    import vllm
     from vllm.v1.engine.output_processor import OutputProcessor
 
-    from corewire.vllm.output import NativeOutputProcessor
+    from corewire import releases
 
+    # The installed release's class (a subclass per release that changed vLLM's).
+    NativeOutputProcessor = releases.installed(vllm).native_output_processor()
     ns: dict[str, list[float]] = {"vllm": [], "corewire": []}
     same = True
     for _ in range(trials):
@@ -283,10 +301,13 @@ def run(args: argparse.Namespace) -> int:
     """Run every case; print the table and the ratios."""
     if not common.check_plot_possible("corewire bench output", args):
         return 2
-    installed = common.vllm_version()
-    if installed is None or installed.split("+")[0] != common.VLLM_VERSION:
-        print(f"corewire bench output: needs vLLM {common.VLLM_VERSION} (installed: {installed})")
+    from corewire.bench.serve import native_output_missing
+
+    missing = native_output_missing()
+    if missing is not None:
+        print(f"corewire bench output: {missing}")
         return 2
+    baseline = f"vLLM {common.vllm_version()}"
     from vllm.tokenizers.hf import maybe_make_thread_pool
 
     steps, trials = (8, 3) if args.quick else (args.steps, args.trials)
@@ -297,7 +318,7 @@ def run(args: argparse.Namespace) -> int:
         f"output processing, {args.batch} requests x {steps} steps, one token each, "
         f"DELTA, stats on; CPU ns per output, median of {trials} interleaved trials"
     )
-    print(f"{'case':<16} {'vLLM 0.25.1':>12} {'corewire':>10} {'ratio':>7}  texts")
+    print(f"{'case':<16} {baseline:>12} {'corewire':>10} {'ratio':>7}  texts")
     rows = []
     for case in CASES:
         work = _workload(tok, vocabulary, case, args.batch, steps, seed=1)
@@ -314,7 +335,7 @@ def run(args: argparse.Namespace) -> int:
             [i - 0.2 for i in x],
             [_ns(r)["vllm"] for r in rows],
             0.4,
-            label="vLLM 0.25.1",
+            label=baseline,
         )
         ax.bar(
             [i + 0.2 for i in x],
@@ -331,7 +352,7 @@ def run(args: argparse.Namespace) -> int:
         common.write_json(
             args.json,
             "output",
-            baseline=f"vLLM {common.VLLM_VERSION} OutputProcessor",
+            baseline=f"{baseline} OutputProcessor",
             options={"batch": args.batch, "steps": steps, "trials": trials},
             cases=rows,
             goals=[],

@@ -12,7 +12,7 @@ The engine takes a fixed step (``--step-delay``, 5 ms) in which every running re
 a token, as a real engine batches: up to 51k tokens/s at 256 streams, more than the API
 server streams on this machine, and 12.8k at 64 streams (where the server is then measured
 by its CPU per token rather than by its ceiling). Only the API server's own code differs
-between the stacks (``--clients``, all three by default):
+between the stacks (``--clients``, the first three by default):
 
 - ``vllm``: vLLM's own engine-core client and output processing;
 - ``corewire``: corewire's engine-core client through its vLLM plugin
@@ -20,7 +20,13 @@ between the stacks (``--clients``, all three by default):
 - ``corewire+output``: corewire's client and corewire's native output processing
   (``COREWIRE_VLLM_CLIENT=1`` and ``COREWIRE_VLLM_OUTPUT=1``: detokenization, stop
   strings, logprobs and stats in Rust). Left out of the default, with a note, where the
-  installed corewire or vLLM cannot run it (:func:`native_output_missing`).
+  installed corewire or vLLM cannot run it (:func:`native_output_missing`);
+- ``rust`` (on request only): vLLM's own Rust front-end, ``vllm-rs``
+  (``VLLM_USE_RUST_FRONTEND=1``), over the same engines with their stats on; no profile
+  (nothing in it is Python), no goal: the reference the Python stacks are read against.
+
+The front-end's CPU is counted over all its processes: the API server and its
+descendants (``vllm-rs`` under the Rust front-end, vLLM's DP coordinator with DP > 1).
 
 Scenarios: every ``--streams`` x ``--logprobs`` pair at ``--step-delay`` (saturation), and
 a named one-token-per-chunk scenario (``--chunk-streams`` streams, no logprobs, engine
@@ -140,10 +146,16 @@ STACKS: dict[str, tuple[str, dict[str, str]]] = {
     "vllm": ("vllm", {OUTPUT_SWITCH: "0"}),
     "corewire": ("corewire", {OUTPUT_SWITCH: "0"}),
     "corewire+output": ("corewire", {OUTPUT_SWITCH: "1"}),
+    # vLLM's own Rust front-end (vllm-rs, VLLM_USE_RUST_FRONTEND=1) over the same
+    # corewire engines, their stats on: the reference the Python stacks are read against.
+    "rust": ("vllm", {OUTPUT_SWITCH: "0", "VLLM_USE_RUST_FRONTEND": "1"}),
 }
-DEFAULT_CLIENTS = list(STACKS)
+#: The stacks run without ``--clients``: the Python server's (``rust`` on request).
+DEFAULT_CLIENTS = ["vllm", "corewire", "corewire+output"]
+#: Stacks whose HTTP serving is not Python: py-spy has nothing of theirs to sample.
+UNPROFILED = frozenset({"rust"})
 #: Short names for the columns of the layer tables.
-_SHORT = {"vllm": "vllm", "corewire": "cw", "corewire+output": "cw+out"}
+_SHORT = {"vllm": "vllm", "corewire": "cw", "corewire+output": "cw+out", "rust": "rust"}
 
 #: The native-output-processing issue's goals: output tokens per API-server CPU second,
 #: corewire+output over vllm, by (streams, logprobs) of the saturation scenarios. Other
@@ -163,7 +175,7 @@ CHUNK_SCENARIO = "one token per chunk"
 def native_output_missing() -> str | None:
     """Why the ``corewire+output`` stack cannot run here (None: it can): it needs a vLLM
     release the native output path reproduces (the plugin's ``OUTPUT_VLLM_VERSIONS``:
-    0.25.1) and ``corewire.vllm.output``."""
+    0.25.1, 0.33.0, 0.34.0) and ``corewire.vllm.output``."""
     version = common.vllm_version()
     if version is None:
         return "vLLM is not installed"
@@ -497,6 +509,25 @@ def requests_at_least(args: argparse.Namespace, streams: int) -> int:
     return max(streams * args.rounds, 32)
 
 
+def front_end_cpu(server: Any) -> dict[int, float]:
+    """User + system CPU seconds so far of every process of the front-end: the API
+    server (a ``psutil.Process``) and its descendants (``vllm-rs`` under the Rust
+    front-end; vLLM's DP coordinator with DP > 1), by pid."""
+    import psutil
+
+    seconds = {}
+    for proc in [server, *server.children(recursive=True)]:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            seconds[proc.pid] = sum(proc.cpu_times()[:2])
+    return seconds
+
+
+def cpu_between(before: dict[int, float], after: dict[int, float]) -> float:
+    """The front-end's CPU seconds between two :func:`front_end_cpu` readings (a process
+    started in between counts from 0)."""
+    return sum(value - before.get(pid, 0.0) for pid, value in after.items())
+
+
 def _measure(
     args: argparse.Namespace, work: Path, stack: Any, server: Any, result: Result, round_: int = 0
 ) -> Result:
@@ -504,14 +535,15 @@ def _measure(
     # The collector's totals are taken just outside the CPU window: the server is idle
     # there, so no collection falls between the two.
     gc0 = _gc_snapshot(work, server.pid)
-    cpu0 = sum(server.cpu_times()[:2])
+    cpu0 = front_end_cpu(server)
     t0 = time.perf_counter()
     profile_dir = Path(args.profile_dir) if args.profile_dir else work
     kind = "chunks-" if result.one_token_chunks else ""
     suffix = f"-round{round_ + 1}" if args.repeat > 1 else ""
     name = f"profile-{_slug(result.client)}-{kind}{result.streams}-{result.logprobs}{suffix}.txt"
     profile = profile_dir / name
-    with profiled(server.pid, profile, args.profile, native=args.native_profile):
+    sampled = args.profile and result.client not in UNPROFILED
+    with profiled(server.pid, profile, sampled, native=args.native_profile):
         asyncio.run(
             _load(
                 stack.base_url,
@@ -523,7 +555,7 @@ def _measure(
             )
         )
     result.seconds = time.perf_counter() - t0
-    result.cpu_seconds = sum(server.cpu_times()[:2]) - cpu0
+    result.cpu_seconds = cpu_between(cpu0, front_end_cpu(server))
     gc1 = _gc_snapshot(work, server.pid)
     result.gc = gc1 - gc0 if gc0 is not None and gc1 is not None else None
     result.profile = read_profile(profile, native=args.native_profile)
@@ -626,6 +658,12 @@ def report(results: list[Result], *, goals: bool = True) -> list[common.Goal]:
                 f"tokens per CPU s {per_core_ratio(r, base):.2f}x, "
                 f"tokens/s {_ratio(r.tokens_per_s, base.tokens_per_s):.2f}x (no goal: the "
                 "goals are set for the default server options)"
+            ]
+        elif r.client == "rust":
+            parts = [
+                f"tokens per CPU s {per_core_ratio(r, base):.2f}x, "
+                f"tokens/s {_ratio(r.tokens_per_s, base.tokens_per_s):.2f}x (no goal: vLLM's "
+                "own Rust front-end, for reference)"
             ]
         elif r.client == "corewire+output":
             parts = _output_goals(r, base, by_key.get(("corewire", r.scenario)), found)
@@ -938,7 +976,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help=f"the stacks ({','.join(DEFAULT_CLIENTS)}): vllm: vLLM's client and output "
         "processing; corewire: corewire's client (COREWIRE_VLLM_CLIENT=1); corewire+output: "
         f"corewire's client and native output processing (and {OUTPUT_SWITCH}=1), left out "
-        "of the default with a note where it cannot run",
+        "of the default with a note where it cannot run; rust (not in the default): vLLM's "
+        "own Rust front-end, vllm-rs (VLLM_USE_RUST_FRONTEND=1), over the same engines",
     )
     parser.add_argument("--engines", type=int, default=1, help="engine processes (1)")
     # A model-free engine without a step time steps each request alone as soon as it
@@ -1039,6 +1078,12 @@ def run(args: argparse.Namespace) -> int:
     elif "corewire+output" in args.clients and missing is not None:
         print(f"{prog}: --clients corewire+output: {missing}", file=sys.stderr)
         return 2
+    if "rust" in args.clients:
+        from corewire.vllm.stack import rust_frontend_binary
+
+        if rust_frontend_binary() is None:
+            print(f"{prog}: --clients rust: the installed vLLM has no vllm-rs", file=sys.stderr)
+            return 2
     if args.profile_dir:
         Path(args.profile_dir).mkdir(parents=True, exist_ok=True)
     from corewire.vllm.model_dir import write_model_dir

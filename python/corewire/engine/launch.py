@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import importlib
 import logging
+import multiprocessing
 import os
 import select
 import signal
@@ -19,6 +20,7 @@ from typing import Any
 from corewire.engine.core import EngineCoreProc
 from corewire.engine.interface import Engine
 from corewire.engine.startup import report_startup_error
+from corewire.fast_exit import exit_now
 from corewire.logtext import LineLimit
 
 __all__ = [
@@ -168,6 +170,10 @@ def run_engine_core(
         protocol=protocol,
         **dp_options,
     )
+    if multiprocessing.parent_process() is not None:
+        # A child started for this engine alone: skip the interpreter's teardown, which
+        # with torch loaded outlasts the client's SIGTERM grace (corewire.fast_exit).
+        exit_now(status)
     if status:
         sys.exit(status)
 

@@ -13,6 +13,9 @@ On top of :class:`~corewire.engine.utilities_0_33_0.Utilities0330`:
   ``"running"`` with no error, and ``checkpoint_restore`` of a running engine is the
   no-op vLLM's is. ``sleep`` and ``wake_up`` need no checkpoint guard, as the state never
   leaves ``"running"``.
+- ``is_inference_ready()``: whether the engine takes and runs new requests (not asleep,
+  not paused). vLLM's own Rust front-end (``vllm-rs``) calls it once its engines are
+  ready and stops ("failed to connect to engine core") unless it is answered.
 """
 
 from __future__ import annotations
@@ -49,6 +52,14 @@ class Utilities0340(Utilities0330):
         the engine's own method checks whatever else it keeps, such as being asleep)."""
         _check_flag("reset_connector", reset_connector)
         return super().release_kv_cache_memory()
+
+    def is_inference_ready(self) -> bool:
+        """Whether new requests would run now: the engine is neither asleep nor paused
+        (vLLM's engines also wait out an incomplete weight update; corewire engines take
+        no weight updates)."""
+        if self.refuse_new_requests:
+            return False
+        return not (self._engine("is_sleeping")() or self._engine("is_scheduler_paused")())
 
     def checkpoint_prepare(self, mode: str = "wait") -> str | None:
         """Refuse, with nothing changed: the reason (see the module docstring)."""

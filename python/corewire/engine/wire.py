@@ -3,9 +3,10 @@
 Engines build ``corewire.protocol`` structs (vLLM 0.25.1's layout) whatever the release
 their engine core speaks. A core speaking another release converts each message once,
 on its output thread, right before encoding it: :func:`output_converter` gives that
-conversion (None for 0.25.1, whose messages go out as built, at no cost). The conversion
-copies every field by name into ``corewire.layouts.types_for(release)``'s structs, so a
-field both releases share can never land at the other release's position.
+conversion. The conversion copies every field by name into
+``corewire.layouts.types_for(release)``'s structs, so a field both releases share can
+never land at the other release's position. Under 0.25.1 the structs go out as built,
+and only their stats are completed, in place (below).
 
 What a later release adds that an engine cannot know is filled in here, from the
 release's record (``corewire.releases``), not from a table of this module's:
@@ -14,10 +15,11 @@ release's record (``corewire.releases``), not from a table of this module's:
   every message a step produces, and nil on everything else (utility replies, refusals,
   abort notices, counts for a coordinator). A step's message is queued as
   :class:`StepOutputs` (the version it was made under); anything else converts with nil.
-- ``scheduler_stats`` is written as the release's own ``SchedulerStats`` is: every one
-  of its keys, in its order, those the engine did not report at their defaults (vLLM's
-  Python front-end fills them in the same way, its Rust front-end refuses a map without
-  them, its engine writes them all). Keys vLLM does not know follow, as the engine gave
+- ``scheduler_stats`` is written as the release's own ``SchedulerStats`` is, under
+  every release 0.25.1 included: every one of its keys, in its order, those the engine
+  did not report at their defaults (vLLM's Python front-end fills them in the same way,
+  its Rust front-end, ``vllm-rs``, refuses a map without them: ``missing field
+  step_counter``; its engines write them all). Keys vLLM does not know follow, as the engine gave
   them (vLLM's decoder drops them).
 - ``prefill_stats`` likewise gains the release's keys the engine did not report
   (``num_cache_creation_tokens``, 0: corewire's engines create no cache entries a
@@ -32,7 +34,6 @@ Wire format: docs/protocol.md §11 (versions), docs/vllm-0.33.0-notes.md §2.2-�
 
 from __future__ import annotations
 
-import copy
 from collections.abc import Callable
 from typing import Any
 
@@ -89,10 +90,13 @@ def finish_output(
 
 def output_converter(protocol: str | None) -> Callable[[Any], Any] | None:
     """The conversion of a queued message (``EngineCoreOutputs`` or :class:`StepOutputs`)
-    into ``protocol``'s layout; None when engines' structs are that layout already."""
+    into ``protocol``'s layout: for a release whose layout engines' structs are already
+    (0.25.1), only the stats completed in place (:func:`_stats_completer`), for the
+    others every struct too; None where there is nothing to do (no record of the
+    release's stats)."""
     release = get_release(protocol)
     if release.speaks_protocol_structs:
-        return None
+        return _stats_completer(release)
     return _converter(release)
 
 
@@ -109,6 +113,43 @@ def _stats_defaults(release: Any, name: str) -> dict[str, Any] | None:
     if name not in record["structs"]:
         return None
     return records.defaults(record, name)
+
+
+def _complete(defaults: dict[str, Any], stats: dict[str, Any]) -> dict[str, Any]:
+    """``stats`` with every key of ``defaults`` (a release's stats dataclass), in its
+    order, the engine's values over them; keys the release does not know follow.
+
+    The nested default values (``prefix_cache_stats``'s map, empty lists and maps) are
+    ``defaults``' own objects, shared by every message: a queued message is only
+    encoded, never changed, so no copy is made per step."""
+    if len(stats) >= len(defaults) and all(key in stats for key in defaults):
+        return stats
+    return {**defaults, **stats}
+
+
+def _stats_completer(release: Any) -> Callable[[Any], Any] | None:
+    """The completion of the stats in a message of a release whose structs engines
+    build as they are (in place: ``scheduler_stats``, and each output's
+    ``prefill_stats``, with every key of the release's ``SchedulerStats`` /
+    ``PrefillStats``); None for a release without a record of either."""
+    scheduler_defaults = _stats_defaults(release, "SchedulerStats")
+    prefill_defaults = _stats_defaults(release, "PrefillStats")
+    if scheduler_defaults is None and prefill_defaults is None:
+        return None
+
+    def complete(message: Any) -> Any:
+        outputs = message.outputs if type(message) is StepOutputs else message
+        stats = outputs.scheduler_stats
+        if type(stats) is dict and scheduler_defaults is not None:
+            outputs.scheduler_stats = _complete(scheduler_defaults, stats)
+        if prefill_defaults is not None:
+            for out in outputs.outputs:
+                if type(out.prefill_stats) is dict:
+                    out.prefill_stats = _complete(prefill_defaults, out.prefill_stats)
+        # A step's message goes out as its structs: the release has no weight version.
+        return outputs
+
+    return complete
 
 
 def _splice(old: type, new: type) -> tuple[int, tuple[Any, ...]]:
@@ -161,7 +202,7 @@ def _converter(release: Any) -> Callable[[Any], Any]:
             if tensors is not None and type(tensors) is not tensors_type:
                 values[tensors_i] = tensors_type(*tensors)
             if type(stats) is dict and prefill_defaults is not None:
-                values[prefill_i] = {**prefill_defaults, **stats}
+                values[prefill_i] = _complete(prefill_defaults, stats)
         return build_output(values)
 
     def convert(message: Any) -> Any:
@@ -175,9 +216,7 @@ def _converter(release: Any) -> Callable[[Any], Any]:
         values[outputs_i] = [output(out) for out in values[outputs_i]]
         stats = values[stats_i]
         if type(stats) is dict and scheduler_defaults is not None:
-            full = copy.deepcopy(scheduler_defaults)
-            full.update(stats)
-            values[stats_i] = full
+            values[stats_i] = _complete(scheduler_defaults, stats)
         message = build_outputs(values)
         if weight_version is not None:
             message.weight_version = weight_version

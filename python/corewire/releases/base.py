@@ -123,6 +123,14 @@ class Release(str):
         only where it was checked against this very release's ``OutputProcessor``."""
         return self.written_for and self.verified and self.NATIVE_OUTPUT
 
+    def native_output_processor(self) -> type:
+        """corewire's ``OutputProcessor`` for this release's ``AsyncLLM`` (vLLM imported
+        inside): vLLM's own class with plain outputs processed natively, as this
+        release's ``OutputProcessor`` processes them."""
+        from corewire.vllm.output import NativeOutputProcessor
+
+        return NativeOutputProcessor
+
     @property
     def vllm_client(self) -> bool:
         """Whether the plugin may put corewire's client inside this release's

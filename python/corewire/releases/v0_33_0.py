@@ -22,8 +22,8 @@ class Release0330(Release0320):
     engine_led_waves = True
     generation_pause_utilities = True
     session_affinity = True
-    # Not yet reproduced against 0.33.0's OutputProcessor.
-    NATIVE_OUTPUT = False
+    # Held to 0.33.0's OutputProcessor by tests/test_vllm_output_diff.py.
+    NATIVE_OUTPUT = True
 
     def apply_ready(self, client: Any, info: dict[str, Any]) -> Any:
         response = super().apply_ready(client, info)
@@ -52,3 +52,8 @@ class Release0330(Release0320):
         from corewire.client import wire_requests
 
         return wire_requests.to_0_33_0 if self.written_for else wire_requests.as_given(self)
+
+    def native_output_processor(self) -> type:
+        from corewire.vllm.output_0_33_0 import NativeOutputProcessor0330
+
+        return NativeOutputProcessor0330

@@ -15,7 +15,8 @@ class Release0340(Release0330):
     as an int32 ndarray: :attr:`~corewire.releases.base.Release.packs_prompts`); its
     front-end's client members differ (``sleep(..., reset_connector)``, checkpoints, the
     ``engine_status`` property ``AsyncLLM`` reads: :mod:`corewire.vllm.v0_34_0`), and so
-    do its engines' utilities (:mod:`corewire.engine.utilities_0_34_0`)."""
+    do its engines' utilities (:mod:`corewire.engine.utilities_0_34_0`), and its
+    ``OutputProcessor`` (:mod:`corewire.vllm.output_0_34_0`)."""
 
     __slots__ = ()
     NAME = "0.34.0"
@@ -23,6 +24,8 @@ class Release0340(Release0330):
     LIVE_CHECKED = ("0.34.0",)
 
     process_checkpoints = True
+    # Held to 0.34.0's OutputProcessor by tests/test_vllm_output_diff.py.
+    NATIVE_OUTPUT = True
 
     def engine_utilities(self, proc: Any) -> Any:
         from corewire.engine.utilities_0_34_0 import Utilities0340
@@ -37,6 +40,11 @@ class Release0340(Release0330):
         if self.written_for or self.packs_prompts:
             return wire_requests.packed_writer(self)
         return wire_requests.as_given(self)
+
+    def native_output_processor(self) -> type:
+        from corewire.vllm.output_0_34_0 import NativeOutputProcessor0340
+
+        return NativeOutputProcessor0340
 
     def vllm_client_members(self) -> type:
         from corewire.vllm.v0_34_0 import Members0340

@@ -1,4 +1,6 @@
-"""Native output processing inside vLLM 0.25.1's ``AsyncLLM``.
+"""Native output processing inside vLLM's ``AsyncLLM`` (0.25.1's here; later releases'
+differences in the subclasses their release objects name:
+``corewire.releases.Release.native_output_processor``).
 
 :class:`NativeOutputProcessor` is vLLM's ``OutputProcessor`` with the common case done in
 Rust: for each request that qualifies (:func:`native_refusal`), detokenization, stop
@@ -12,7 +14,8 @@ native requests that loop drives the same ``RequestText`` (it stands in for the 
 detokenizer and logprobs processor), so each request has one state whichever path its
 outputs take.
 
-The plugin installs the class when ``COREWIRE_VLLM_OUTPUT=1``
+The plugin installs the installed release's class when ``COREWIRE_VLLM_OUTPUT=1``, or
+with corewire's client where the differential tests hold it to that release
 (:mod:`corewire.vllm.plugin`). A processor whose tokenizer or settings the native path
 does not cover (:func:`processor_refusal`) behaves exactly as vLLM's.
 """
@@ -22,14 +25,14 @@ from __future__ import annotations
 import logging
 from typing import Any
 
+import msgspec
 import tokenizers
 import tokenizers.decoders
 import vllm.envs as envs
 from vllm.logprobs import FlatLogprobs, Logprob, create_prompt_logprobs, create_sample_logprobs
 from vllm.outputs import CompletionOutput, RequestOutput
 from vllm.tokenizers.detokenizer_utils import convert_ids_list_to_tokens
-from vllm.v1.engine import FinishReason
-from vllm.v1.engine.detokenizer import USE_FAST_DETOKENIZER
+from vllm.v1.engine import EngineCoreOutput, FinishReason
 from vllm.v1.engine.output_processor import (
     OutputProcessor,
     OutputProcessorOutput,
@@ -39,7 +42,13 @@ from vllm.v1.engine.output_processor import (
 
 from corewire._native import TOKENIZERS_VERSION, OutputCore, RequestText
 
-__all__ = ["NativeOutputProcessor", "native_refusal", "processor_refusal"]
+__all__ = [
+    "NativeOutputProcessor",
+    "native_refusal",
+    "output_layouts",
+    "processor_refusal",
+    "slow_fields",
+]
 
 logger = logging.getLogger("vllm.corewire")
 
@@ -47,35 +56,11 @@ logger = logging.getLogger("vllm.corewire")
 # one) would decode differently from the crate, so the native path only runs under this.
 _DECODE_STREAM = tokenizers.decoders.DecodeStream
 
-#: The instance attributes, in order, that the native path gives each vLLM class (the
-#: order their ``__init__`` assigns them; checked at start-up, since a vLLM build that
-#: adds a field must not get objects without it).
+#: The instance attributes, in order, of the vLLM classes the native path fills without
+#: their ``__init__`` beyond the output classes (whose layouts ``OutputCore`` reads off
+#: the installed vLLM's own objects, refusing a field it does not know: a vLLM build that
+#: adds one must not get objects without it).
 _LAYOUTS: dict[type, tuple[str, ...]] = {
-    RequestOutput: (
-        "request_id",
-        "prompt",
-        "prompt_token_ids",
-        "prompt_logprobs",
-        "outputs",
-        "finished",
-        "metrics",
-        "lora_request",
-        "encoder_prompt",
-        "encoder_prompt_token_ids",
-        "num_cached_tokens",
-        "kv_transfer_params",
-    ),
-    CompletionOutput: (
-        "index",
-        "text",
-        "token_ids",
-        "cumulative_logprob",
-        "logprobs",
-        "routed_experts",
-        "finish_reason",
-        "stop_reason",
-        "lora_request",
-    ),
     Logprob: ("logprob", "rank", "decoded_token"),
     FlatLogprobs: (
         "start_indices",
@@ -87,29 +72,69 @@ _LAYOUTS: dict[type, tuple[str, ...]] = {
     ),
 }
 
-
-def _layouts_match() -> bool:
-    samples = {
-        RequestOutput: RequestOutput("r", None, [], None, [], False),
-        CompletionOutput: CompletionOutput(0, "", [], None, None),
-        Logprob: Logprob(0.0),
-        FlatLogprobs: FlatLogprobs(),
+#: ``EngineCoreOutput`` fields the native fast path handles itself; any other field
+#: (that defaults to None) sends an output that sets it through vLLM's loop.
+_FAST_FIELDS = frozenset(
+    {
+        "request_id",
+        "new_token_ids",
+        "new_logprobs",
+        "stop_reason",
+        "trace_headers",
+        # Only on a request's first output, which vLLM's loop handles.
+        "prefill_stats",
+        "num_nans_in_logits",
+        # Read by vLLM's loop only for pooling requests' errors.
+        "mm_cache_miss_hashes",
     }
-    return all(tuple(vars(obj)) == _LAYOUTS[cls] for cls, obj in samples.items())
+)
 
 
-def processor_refusal(tokenizer: Any, tracing_enabled: bool) -> str | None:
+def output_layouts() -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """The installed vLLM's ``RequestOutput`` and ``CompletionOutput`` attributes, in the
+    order their ``__init__`` assigns them."""
+    request = RequestOutput("r", None, [], None, [], False)
+    completion = CompletionOutput(0, "", [], None, None)
+    return tuple(vars(request)), tuple(vars(completion))
+
+
+def slow_fields() -> tuple[str, ...] | None:
+    """The installed vLLM's ``EngineCoreOutput`` fields that send an output through
+    vLLM's loop when set, or None when it has a field the native path cannot judge (one
+    without a None default)."""
+    slow = []
+    for field in msgspec.structs.fields(EngineCoreOutput):
+        if field.name in _FAST_FIELDS:
+            continue
+        if field.default is not None:
+            return None
+        slow.append(field.name)
+    return tuple(slow)
+
+
+def _fast_detokenizer_0_25_1(tokenizer: Any) -> bool:
+    # vLLM 0.25.1's choice of FastIncrementalDetokenizer.
+    from transformers import PreTrainedTokenizerFast
+    from vllm.v1.engine.detokenizer import USE_FAST_DETOKENIZER
+
+    return USE_FAST_DETOKENIZER and isinstance(tokenizer, PreTrainedTokenizerFast)
+
+
+def processor_refusal(
+    tokenizer: Any,
+    tracing_enabled: bool,
+    uses_fast_detokenizer: Any = _fast_detokenizer_0_25_1,
+) -> str | None:
     """Why a whole processor must stay on vLLM's path, or None when it can go native.
 
     The native path decodes with the ``tokenizers`` crate what vLLM decodes with the
-    ``tokenizers`` package's ``DecodeStream``: only fast tokenizers qualify. Tracing
-    keeps vLLM's code (not covered yet).
+    ``tokenizers`` package's ``DecodeStream``: only tokenizers for which
+    ``uses_fast_detokenizer`` (the release's own test) holds qualify. Tracing keeps
+    vLLM's code (not covered yet).
     """
-    from transformers import PreTrainedTokenizerFast
-
     if tokenizer is None:
         return "no tokenizer (skip_tokenizer_init)"
-    if not (USE_FAST_DETOKENIZER and isinstance(tokenizer, PreTrainedTokenizerFast)):
+    if not uses_fast_detokenizer(tokenizer):
         return f"not a fast tokenizer ({type(tokenizer).__name__})"
     if tokenizers.decoders.DecodeStream is not _DECODE_STREAM:
         return "tokenizers.decoders.DecodeStream is replaced by a shim"
@@ -121,8 +146,11 @@ def processor_refusal(tokenizer: Any, tracing_enabled: bool) -> str | None:
         )
     if tracing_enabled:
         return "tracing is enabled"
-    if not _layouts_match():
-        return "vLLM's output classes have fields the native path does not know"
+    samples = {Logprob: Logprob(0.0), FlatLogprobs: FlatLogprobs()}
+    if any(tuple(vars(obj)) != _LAYOUTS[cls] for cls, obj in samples.items()):
+        return "vLLM's logprob classes have fields the native path does not know"
+    if slow_fields() is None:
+        return "vLLM's EngineCoreOutput has a field the native path does not know"
     return None
 
 
@@ -146,7 +174,20 @@ def native_refusal(request: Any, parent_req: Any, queue: Any) -> str | None:
 
 class NativeOutputProcessor(OutputProcessor):
     """vLLM 0.25.1's ``OutputProcessor`` with plain outputs processed natively (see the
-    module doc). Same constructor and methods as vLLM's."""
+    module doc). Same constructor and methods as vLLM's.
+
+    A later release's subclass changes what its release changed through the hooks
+    (``_uses_fast_detokenizer``, ``_refusal``, ``_stream_interval_of``,
+    ``_prompt_container``, ``_new_state``, ``_request_added``, ``_nans``) and the
+    class attributes ``EARLIEST_STOP`` and ``EMPTY_DELTA_SLICE`` (the Rust core's
+    rules)."""
+
+    #: vLLM 0.33.0's stop-string rule (the earliest-ending stop string; the ids after the
+    #: one that completed it dropped); 0.25.1: the first listed.
+    EARLIEST_STOP = False
+    #: vLLM 0.33.0's ``logprobs[:0]`` for a ``DELTA`` output without new ids; 0.25.1
+    #: slices ``[-0:]`` (the whole list).
+    EMPTY_DELTA_SLICE = False
 
     def __init__(
         self,
@@ -155,31 +196,50 @@ class NativeOutputProcessor(OutputProcessor):
         log_stats: bool,
         stream_interval: int = 1,
         tracing_enabled: bool = False,
+        **kwargs: Any,
     ) -> None:
+        # kwargs: what a later release's constructor adds (0.33.0: admission_stats).
         super().__init__(
             tokenizer,
             log_stats=log_stats,
             stream_interval=stream_interval,
             tracing_enabled=tracing_enabled,
+            **kwargs,
         )
         #: Why this processor stays on vLLM's path (None when it does not).
-        self.refusal = processor_refusal(tokenizer, tracing_enabled)
+        self.refusal = processor_refusal(tokenizer, tracing_enabled, self._uses_fast_detokenizer)
         self._core: OutputCore | None = None
+        if self.refusal is None:
+            raw = tokenizer._tokenizer
+            added = {tid: tok.content for tid, tok in raw.get_added_tokens_decoder().items()}
+            try:
+                self._core = OutputCore(
+                    raw.to_str(),
+                    added,
+                    self._candidate_string,
+                    # transformers may clean up spaces after decoding; the crate never does.
+                    tokenizer.decode
+                    if getattr(tokenizer, "clean_up_tokenization_spaces", False)
+                    else None,
+                    logger.warning,
+                    (RequestOutput, CompletionOutput, Logprob, FlatLogprobs),
+                    self.request_states,
+                    output_layouts(),
+                    slow_fields(),
+                    self.EARLIEST_STOP,
+                    self.EMPTY_DELTA_SLICE,
+                )
+            except ValueError as e:
+                # An output class with a field the native path does not know.
+                self.refusal = str(e)
         if self.refusal is not None:
             logger.info("corewire: vLLM's output processing kept: %s", self.refusal)
-            return
-        raw = tokenizer._tokenizer
-        added = {tid: tok.content for tid, tok in raw.get_added_tokens_decoder().items()}
-        self._core = OutputCore(
-            raw.to_str(),
-            added,
-            self._candidate_string,
-            # transformers may clean up spaces after decoding; the crate never does.
-            tokenizer.decode if getattr(tokenizer, "clean_up_tokenization_spaces", False) else None,
-            logger.warning,
-            (RequestOutput, CompletionOutput, Logprob, FlatLogprobs),
-            self.request_states,
-        )
+
+    @staticmethod
+    def _uses_fast_detokenizer(tokenizer: Any) -> bool:
+        """Whether this release's vLLM detokenizes with ``FastIncrementalDetokenizer``
+        (the ``DecodeStream`` the native path reproduces)."""
+        return _fast_detokenizer_0_25_1(tokenizer)
 
     def _candidate_string(self, token_id: int) -> str:
         # vLLM's own function, so that the strings are exactly vLLM's (once per id).
@@ -198,6 +258,34 @@ class NativeOutputProcessor(OutputProcessor):
         state = self.request_states.get(request_id)
         return state is not None and isinstance(state.detokenizer, RequestText)
 
+    # -- what later releases change --------------------------------------------------
+
+    def _refusal(self, request: Any, parent_req: Any, queue: Any) -> str | None:
+        """Why ``request`` stays on vLLM's path (:func:`native_refusal`)."""
+        return native_refusal(request, parent_req, queue)
+
+    def _stream_interval_of(self, params: Any) -> int:
+        """The request's stream interval (0.25.1: the processor's)."""
+        return self.stream_interval
+
+    def _prompt_container(self, params: Any) -> Any:
+        """vLLM's new prompt-logprobs container for a request that asked for them."""
+        return create_prompt_logprobs(params.flat_logprobs)
+
+    def _new_state(self, request: Any, params: Any, **fields: Any) -> RequestState:
+        """The request's vLLM ``RequestState`` from ``fields`` (0.25.1's arguments)."""
+        return RequestState(**fields)
+
+    def _request_added(self) -> None:
+        """After a native request was added (0.25.1: nothing more)."""
+
+    def _nans(self, iteration_stats: Any) -> bool:
+        """Whether NaN counts mark requests corrupted in this chunk's stats."""
+        # vLLM 0.25.1 reads this setting per output; once per chunk gives the same answer.
+        return iteration_stats is not None and bool(envs.VLLM_COMPUTE_NANS_IN_LOGITS)
+
+    # -- vLLM's methods -------------------------------------------------------------
+
     def add_request(
         self,
         request: Any,
@@ -211,7 +299,7 @@ class NativeOutputProcessor(OutputProcessor):
         if (
             core is None
             or request.request_id in self.request_states
-            or native_refusal(request, parent_req, queue) is not None
+            or self._refusal(request, parent_req, queue) is not None
         ):
             super().add_request(request, prompt, parent_req, request_index, queue)
             return
@@ -223,7 +311,10 @@ class NativeOutputProcessor(OutputProcessor):
             stop = [params.stop]
         else:
             stop = list(params.stop)
-        stats_state = RequestState(
+        stream_interval = self._stream_interval_of(params)
+        stats_state = self._new_state(
+            request,
+            params,
             request_id=request.request_id,
             external_req_id=request.external_req_id,
             parent_req=parent_req,
@@ -239,7 +330,7 @@ class NativeOutputProcessor(OutputProcessor):
             arrival_time=request.arrival_time,
             queue=queue,
             log_stats=self.log_stats,
-            stream_interval=self.stream_interval,
+            stream_interval=stream_interval,
             top_p=params.top_p,
             n=params.n,
             temperature=params.temperature,
@@ -253,7 +344,7 @@ class NativeOutputProcessor(OutputProcessor):
             request.lora_request,
             request_index,
             params.output_kind.value,
-            self.stream_interval,
+            stream_interval,
             queue,
             type(queue) is RequestOutputCollector,
             stats_state.stats,
@@ -268,9 +359,7 @@ class NativeOutputProcessor(OutputProcessor):
             create_sample_logprobs(True) if params.flat_logprobs else None,
             params.prompt_logprobs,
             # vLLM's new prompt container (its first position None), filled natively.
-            None
-            if params.prompt_logprobs is None
-            else create_prompt_logprobs(params.flat_logprobs),
+            None if params.prompt_logprobs is None else self._prompt_container(params),
             # An n > 1 child's outputs go through vLLM's ParentRequest, as in vLLM.
             parent_req,
         )
@@ -281,6 +370,7 @@ class NativeOutputProcessor(OutputProcessor):
         if parent_req is not None:
             self.parent_requests[parent_req.request_id] = parent_req
         self.external_req_ids[stats_state.external_req_id].append(request.request_id)
+        self._request_added()
 
     def process_outputs(
         self,
@@ -290,13 +380,24 @@ class NativeOutputProcessor(OutputProcessor):
     ) -> OutputProcessorOutput:
         """vLLM's ``process_outputs``: plain outputs of native requests natively, the
         rest through vLLM's loop."""
+        return self._process(engine_core_outputs, engine_core_timestamp, iteration_stats)
+
+    def _process(
+        self,
+        engine_core_outputs: list[Any],
+        engine_core_timestamp: float | None,
+        iteration_stats: Any,
+        weight_version: str | None = None,
+        loop_kwargs: dict[str, Any] | None = None,
+    ) -> OutputProcessorOutput:
+        # loop_kwargs: what a later release's process_outputs takes beyond 0.25.1's,
+        # passed on to vLLM's loop.
+        loop_kwargs = loop_kwargs or {}
         core = self._core
         if core is None:
             return super().process_outputs(
-                engine_core_outputs, engine_core_timestamp, iteration_stats
+                engine_core_outputs, engine_core_timestamp, iteration_stats, **loop_kwargs
             )
-        # vLLM reads this setting per output; once per chunk gives the same answer.
-        nans = iteration_stats is not None and bool(envs.VLLM_COMPUTE_NANS_IN_LOGITS)
         aborted: list[str] = []
 
         def finish(req_id: str) -> None:
@@ -308,10 +409,17 @@ class NativeOutputProcessor(OutputProcessor):
             self._update_stats_from_finished(req_state, FinishReason.STOP, iteration_stats)
 
         rest = core.process(
-            engine_core_outputs, engine_core_timestamp, iteration_stats, nans, finish
+            engine_core_outputs,
+            engine_core_timestamp,
+            iteration_stats,
+            self._nans(iteration_stats),
+            finish,
+            weight_version,
         )
         if rest:
-            result = super().process_outputs(rest, engine_core_timestamp, iteration_stats)
+            result = super().process_outputs(
+                rest, engine_core_timestamp, iteration_stats, **loop_kwargs
+            )
         else:
             result = OutputProcessorOutput(request_outputs=[], reqs_to_abort=[])
         result.reqs_to_abort.extend(aborted)

@@ -5,19 +5,22 @@ its processes. It does nothing unless switched on. ``COREWIRE_VLLM_CLIENT=1`` re
 ``EngineCoreClient.make_async_mp_client``, the factory through which vLLM's ``AsyncLLM``
 builds its engine-core client, with :func:`corewire.vllm.client.make_async_mp_client`.
 vLLM looks the factory up when ``AsyncLLM`` starts, after the plugins ran. The clients
-speak the installed vLLM's release (one checked live: :data:`PLUGIN_VLLM_VERSIONS`; another
-is refused by name, except one newer than every tested release). Engine-core and
+speak the installed vLLM's release (one checked live: :data:`PLUGIN_VLLM_VERSIONS`; a newer
+final release runs if the self-check passes; another is refused by name). Engine-core and
 worker processes never call that factory, so nothing changes for them, and vLLM's
 synchronous ``LLM`` class keeps its own client.
 
 ``COREWIRE_VLLM_OUTPUT`` (a switch of its own) hands ``AsyncLLM``'s output processing to
 corewire: the plugin replaces ``vllm.v1.engine.async_llm.OutputProcessor``, the name
 ``AsyncLLM.__init__`` builds its processor from, with
-:class:`corewire.vllm.output.NativeOutputProcessor`. Unset, it follows the client switch
-where the native path reproduces the installed vLLM (0.25.1): corewire's client comes with
-corewire's output processing; ``0`` keeps vLLM's; ``1`` asks for it even with vLLM's own
-client, and is refused by name under another release. vLLM's synchronous ``LLMEngine``
-keeps vLLM's processor (it imports the class under its own name).
+the installed release's :class:`corewire.vllm.output.NativeOutputProcessor` (a subclass
+per release that changed vLLM's: ``Release.native_output_processor``). Unset, it follows
+the client switch where the differential tests hold the native path to the installed
+vLLM (0.25.1, 0.33.0, 0.34.0): corewire's client comes with corewire's output processing; under
+another release vLLM's is kept, and one log line says so. ``0`` keeps vLLM's; ``1`` asks
+for it even with vLLM's own client, and is refused by name under another release. vLLM's
+synchronous ``LLMEngine`` keeps vLLM's processor (it imports the class under its own
+name).
 """
 
 from __future__ import annotations
@@ -121,6 +124,9 @@ def check_output_version(version: str) -> None:
         )
 
 
+_told_output_kept = False
+
+
 def register() -> None:
     """Entry point run by vLLM: install what the switches ask for."""
     if os.environ.get(OUTPUT_SWITCH, "").strip() or enabled():
@@ -128,8 +134,27 @@ def register() -> None:
 
         if output_wanted(vllm.__version__):
             _install_output_processor()
+        elif not os.environ.get(OUTPUT_SWITCH, "").strip():
+            _tell_output_kept(vllm.__version__)
     if enabled():
         _install_client()
+
+
+def _tell_output_kept(version: str) -> None:
+    # Once per process (vLLM loads plugins more than once): the client switch alone does
+    # not bring native output processing under a release it was not verified against.
+    global _told_output_kept
+    if _told_output_kept:
+        return
+    _told_output_kept = True
+    logger.info(
+        "corewire: native output processing is verified against vLLM %s, not the "
+        "installed %s; vLLM's output processing is kept (%s=1 asks for it anyway only "
+        "under a verified release)",
+        ", ".join(OUTPUT_VLLM_VERSIONS),
+        version,
+        OUTPUT_SWITCH,
+    )
 
 
 def _install_output_processor() -> None:
@@ -138,11 +163,10 @@ def _install_output_processor() -> None:
     check_output_version(vllm.__version__)
     import vllm.v1.engine.async_llm as async_llm
 
-    from corewire.vllm.output import NativeOutputProcessor
-
-    if async_llm.OutputProcessor is NativeOutputProcessor:
+    native = releases.installed(vllm).native_output_processor()
+    if async_llm.OutputProcessor is native:
         return  # vLLM loads plugins more than once per process
-    async_llm.OutputProcessor = NativeOutputProcessor  # type: ignore[misc]
+    async_llm.OutputProcessor = native  # type: ignore[misc]
     logger.info("corewire: vLLM's AsyncLLM processes outputs with corewire")
 
 

@@ -49,12 +49,14 @@ from typing import IO, Any, Literal
 __all__ = [
     "CLIENTS",
     "OUTPUTS",
+    "RUST_FRONTEND_ENV",
     "ServeStack",
     "StackError",
     "installed_protocol",
     "main",
     "offline_env",
     "plugin_installed",
+    "rust_frontend_binary",
 ]
 
 CLIENTS = ("corewire", "vllm")
@@ -109,6 +111,29 @@ def plugin_installed() -> bool:
         ep.value.startswith("corewire.vllm.plugin")
         for ep in entry_points(group="vllm.general_plugins")
     )
+
+
+#: What makes ``vllm serve`` hand HTTP to vLLM's own Rust front-end (``vllm-rs``, in
+#: vLLM's wheel): added to the API server's environment (``server_env``) of a stack with
+#: vLLM's client, it starts ``vllm-rs frontend`` as its child, which reads the engines'
+#: ready responses and outputs itself (vLLM's Python process only does the handshake).
+RUST_FRONTEND_ENV = {"VLLM_USE_RUST_FRONTEND": "1"}
+
+
+def rust_frontend_binary() -> Path | None:
+    """The ``vllm-rs`` binary of the installed vLLM (where ``VLLM_USE_RUST_FRONTEND=1``
+    finds it), or None: vLLM is not installed, or its wheel has no Rust front-end (a
+    source build without it, or a platform it is not built for). vLLM is not imported."""
+    import importlib.util
+
+    spec = importlib.util.find_spec("vllm")
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    for location in spec.submodule_search_locations:
+        binary = Path(location) / "vllm-rs"
+        if binary.is_file() and os.access(binary, os.X_OK):
+            return binary
+    return None
 
 
 def installed_protocol() -> str:

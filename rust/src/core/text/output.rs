@@ -1,6 +1,6 @@
 //! A request's output text: decoded pieces appended, stop strings checked, and the text
-//! handed out whole or as deltas with the stop-string hold-back, as vLLM 0.25.1's
-//! `BaseIncrementalDetokenizer` does.
+//! handed out whole or as deltas with the stop-string hold-back, as vLLM's
+//! `BaseIncrementalDetokenizer` does (0.25.1's stop rule, or 0.33.0's: [`StopRules::earliest`]).
 
 use super::chars;
 use super::stops::{self, Cut, StopString};
@@ -11,6 +11,11 @@ pub struct StopRules {
     pub stops: Vec<StopString>,
     pub min_tokens: usize,
     pub include_in_output: bool,
+    /// vLLM 0.33.0's rule (and later releases'): the stop string that ends earliest wins,
+    /// `min_tokens` counts per token offset, and the ids taken after the one that
+    /// completed the stop string are dropped ([`OutputText::dropped`]). Otherwise
+    /// 0.25.1's: the first stop string in the order given, every id kept.
+    pub earliest: bool,
 }
 
 /// The growing output text of one request.
@@ -27,6 +32,8 @@ pub struct OutputText {
     sent: usize,
     /// Token ids seen so far (also the ones not decoded: a skipped stop token).
     tokens: usize,
+    /// Ids of the last update dropped after a stop string (0.33.0's rule).
+    dropped: usize,
 }
 
 impl OutputText {
@@ -50,6 +57,7 @@ impl OutputText {
             hold_back,
             sent: 0,
             tokens: 0,
+            dropped: 0,
         }
     }
 
@@ -63,6 +71,13 @@ impl OutputText {
         self.tokens
     }
 
+    /// How many of the last update's ids a stop string dropped (they came after the id
+    /// that completed it; only under [`StopRules::earliest`]): they are not counted, and
+    /// the caller drops them from its own lists.
+    pub fn dropped(&self) -> usize {
+        self.dropped
+    }
+
     /// Takes `new_ids`, decoding each with `decode` (a stop-terminated last id is counted
     /// but not decoded unless stop strings stay in the output), then checks the stop
     /// strings. Returns the index of the stop string that ended the text, if one did.
@@ -72,8 +87,12 @@ impl OutputText {
         stop_terminated: bool,
         mut decode: impl FnMut(i64) -> Result<String, E>,
     ) -> Result<Option<usize>, E> {
+        self.dropped = 0;
         if new_ids.is_empty() {
             return Ok(None);
+        }
+        if self.rules.earliest {
+            return self.update_earliest(new_ids, stop_terminated, decode);
         }
         let skip_last = stop_terminated && !self.rules.include_in_output;
         let decoded = if skip_last {
@@ -106,12 +125,82 @@ impl OutputText {
             self.rules.include_in_output,
         );
         Ok(found.map(|(index, cut)| {
-            if let Cut::At(keep) = cut {
-                self.text.truncate(chars::byte_at(&self.text, keep));
-                self.chars = keep;
-            }
+            self.cut(cut);
             index
         }))
+    }
+
+    /// `update` under 0.33.0's rule: the text's length after each new id decides where
+    /// `min_tokens` ends and which ids a stop string keeps.
+    fn update_earliest<E>(
+        &mut self,
+        new_ids: &[i64],
+        stop_terminated: bool,
+        mut decode: impl FnMut(i64) -> Result<String, E>,
+    ) -> Result<Option<usize>, E> {
+        let skip_last = stop_terminated && !self.rules.include_in_output;
+        let decoded = if skip_last {
+            &new_ids[..new_ids.len() - 1]
+        } else {
+            new_ids
+        };
+        let before = self.tokens;
+        let checks = !self.rules.stops.is_empty();
+        // The text's length (code points) after 0, 1, .. of the new ids.
+        let mut offsets = Vec::with_capacity(if checks { new_ids.len() + 1 } else { 0 });
+        if checks {
+            offsets.push(self.chars);
+        }
+        for &id in decoded {
+            self.tokens += 1;
+            let piece = decode(id)?;
+            self.chars += piece.chars().count();
+            self.text.push_str(&piece);
+            if checks {
+                offsets.push(self.chars);
+            }
+        }
+        if skip_last {
+            self.tokens += 1;
+            if checks {
+                offsets.push(self.chars);
+            }
+        }
+        if !checks || self.tokens <= self.rules.min_tokens {
+            return Ok(None);
+        }
+        // No stop string may end inside the first min_tokens tokens.
+        let check_from = offsets[self.rules.min_tokens.saturating_sub(before)];
+        let Some((index, cut)) = stops::earliest_end(
+            &self.text,
+            self.chars,
+            self.chars - check_from,
+            &self.rules.stops,
+            self.rules.include_in_output,
+        ) else {
+            return Ok(None);
+        };
+        let mut stop_end = match cut {
+            Cut::None => self.chars,
+            Cut::At(at) => at,
+        };
+        if !self.rules.include_in_output {
+            stop_end += self.rules.stops[index].chars;
+        }
+        // The ids up to the first whose text reaches the stop string's end stay.
+        let kept = 1 + offsets[1..].partition_point(|&end| end < stop_end);
+        let kept = kept.min(new_ids.len());
+        self.dropped = new_ids.len() - kept;
+        self.tokens = before + kept;
+        self.cut(cut);
+        Ok(Some(index))
+    }
+
+    fn cut(&mut self, cut: Cut) {
+        if let Cut::At(keep) = cut {
+            self.text.truncate(chars::byte_at(&self.text, keep));
+            self.chars = keep;
+        }
     }
 
     /// The stop string at `index` of the rules.

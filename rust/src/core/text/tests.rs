@@ -10,7 +10,7 @@ use super::candidates;
 use super::chars;
 use super::decoder::TextDecoder;
 use super::output::{OutputText, StopRules};
-use super::stops::{first_in_order, Cut, StopString};
+use super::stops::{earliest_end, first_in_order, Cut, StopString};
 use super::stream::{DecodeStream, StepNote};
 
 fn stops(list: &[&str]) -> Vec<StopString> {
@@ -59,6 +59,7 @@ fn stop_spanning_tokens_truncates_and_releases_hold_back() {
         stops: stops(&["o wor"]),
         min_tokens: 0,
         include_in_output: false,
+        earliest: false,
     };
     let mut text = OutputText::new(rules);
     assert_eq!(pieces(&mut text, &[0, 1], &table), None);
@@ -79,6 +80,7 @@ fn min_tokens_suppresses_early_stops() {
         stops: stops(&["ab"]),
         min_tokens: 2,
         include_in_output: true,
+        earliest: false,
     };
     let mut text = OutputText::new(rules);
     assert_eq!(pieces(&mut text, &[0, 1], &table), None);
@@ -98,6 +100,7 @@ fn stop_terminated_last_token_is_counted_not_decoded() {
         stops: vec![],
         min_tokens: 0,
         include_in_output: true,
+        earliest: false,
     };
     let mut kept = OutputText::new(rules);
     kept.update::<Infallible>(&[0, 1], true, |id| Ok(table[id as usize].to_owned()))
@@ -111,6 +114,7 @@ fn cumulative_output_holds_back_by_code_points() {
         stops: stops(&["ééé"]),
         min_tokens: 0,
         include_in_output: false,
+        earliest: false,
     };
     let mut text = OutputText::new(rules);
     pieces(&mut text, &[0], &["añbçd"]);
@@ -257,4 +261,50 @@ fn byte_table_decodes_as_the_crate_and_streams_the_same_text() {
         let head = tok.decode(&ids[..2], skip).unwrap();
         assert_eq!(format!("{head}{streamed}"), whole);
     }
+}
+
+#[test]
+fn earliest_ending_stop_wins_under_the_0_33_0_rule() {
+    let text = "ab STOP cd END";
+    let n = text.chars().count();
+    // Both in the window: the one that ends first wins, whatever the list order.
+    let found = earliest_end(text, n, n, &stops(&["END", "STOP"]), false);
+    assert_eq!(found, Some((1, Cut::At(3))));
+    let kept = earliest_end(text, n, n, &stops(&["END", "STOP"]), true);
+    assert_eq!(kept, Some((1, Cut::At(7))));
+    // Ties go to the list order; a kept stop string that ends the text cuts nothing.
+    assert_eq!(
+        earliest_end("xEND", 4, 4, &stops(&["ND", "END"]), true),
+        Some((0, Cut::None))
+    );
+    assert_eq!(earliest_end(text, n, 1, &stops(&["STOP"]), false), None);
+}
+
+#[test]
+fn earliest_rule_drops_the_ids_after_the_stop() {
+    let table = ["ab", "S", "TOP", "cd", "EF"];
+    let rules = StopRules {
+        stops: stops(&["STOP", "cdE"]),
+        min_tokens: 0,
+        include_in_output: false,
+        earliest: true,
+    };
+    let mut text = OutputText::new(rules);
+    // Five ids in one step: the stop completes with the third; the last two go.
+    assert_eq!(pieces(&mut text, &[0, 1, 2, 3, 4], &table), Some(0));
+    assert_eq!((text.text(), text.tokens(), text.dropped()), ("ab", 3, 2));
+    // min_tokens counts ids: no stop may end within the first 4.
+    let rules = StopRules {
+        stops: stops(&["STOP"]),
+        min_tokens: 4,
+        include_in_output: true,
+        earliest: true,
+    };
+    let mut late = OutputText::new(rules);
+    assert_eq!(pieces(&mut late, &[0, 1, 2], &table), None);
+    assert_eq!(pieces(&mut late, &[3, 1, 2], &table), Some(0));
+    assert_eq!(
+        (late.text(), late.tokens(), late.dropped()),
+        ("abSTOPcdSTOP", 6, 0)
+    );
 }

@@ -17,7 +17,7 @@ use crate::core::text::stream::DecodeStream;
 use super::names::Names;
 use super::request::{ChunkStats, RequestText, FINAL_ONLY};
 use super::samples::SampleLogprobs;
-use super::shared::Shared;
+use super::shared::{Layout, Shared, COMPLETION_FIELDS, REQUEST_OUTPUT_FIELDS};
 
 /// The processor's native half (see the module doc).
 #[pyclass(module = "corewire._native", name = "OutputCore")]
@@ -30,6 +30,8 @@ pub struct OutputCore {
     fast: u64,
     slow: u64,
     fallback: u64,
+    /// vLLM 0.33.0's stop-string rule for every request (`StopRules::earliest`).
+    earliest_stop: bool,
 }
 
 #[pymethods]
@@ -39,9 +41,17 @@ impl OutputCore {
     /// `single_string(id)` gives a logprob candidate's string as vLLM makes it;
     /// `python_decode(ids)`, when given, decodes candidate corrections in Python (for
     /// tokenizers whose Python decode differs from the crate's); `warn(msg)` logs;
-    /// `classes` are vLLM's `(RequestOutput, CompletionOutput, Logprob, FlatLogprobs)`.
+    /// `classes` are vLLM's `(RequestOutput, CompletionOutput, Logprob, FlatLogprobs)`,
+    /// `layouts` the attributes of its `RequestOutput` and `CompletionOutput` in
+    /// `__init__`'s order (a name the native path does not know is a `ValueError`),
+    /// `slow_fields` the `EngineCoreOutput` fields that send an output to vLLM's loop when
+    /// set. The release's rules: `earliest_stop` (0.33.0's stop strings, see
+    /// `StopRules::earliest`), `empty_delta_slice` (0.33.0's `logprobs[:0]` for a `DELTA`
+    /// output without new ids).
     #[new]
     #[allow(clippy::too_many_arguments)]
+    #[pyo3(signature = (tokenizer_json, added, single_string, python_decode, warn, classes,
+        request_states, layouts, slow_fields, earliest_stop = false, empty_delta_slice = false))]
     fn new(
         py: Python<'_>,
         tokenizer_json: &str,
@@ -51,7 +61,15 @@ impl OutputCore {
         warn: Py<PyAny>,
         classes: (Py<PyAny>, Py<PyAny>, Py<PyAny>, Py<PyAny>),
         request_states: Py<PyDict>,
+        layouts: (Vec<String>, Vec<String>),
+        slow_fields: Vec<String>,
+        earliest_stop: bool,
+        empty_delta_slice: bool,
     ) -> PyResult<Self> {
+        let request_output_layout =
+            Layout::new(py, "RequestOutput", &layouts.0, &REQUEST_OUTPUT_FIELDS)?;
+        let completion_layout =
+            Layout::new(py, "CompletionOutput", &layouts.1, &COMPLETION_FIELDS)?;
         let tokenizer: Tokenizer = tokenizer_json
             .parse()
             .map_err(|e| PyValueError::new_err(format!("tokenizer JSON: {e}")))?;
@@ -86,7 +104,15 @@ impl OutputCore {
                 completion_output: classes.1,
                 logprob: classes.2,
                 flat_logprobs: classes.3,
+                request_output_layout,
+                completion_layout,
+                slow_fields: slow_fields
+                    .iter()
+                    .map(|f| PyString::intern(py, f).unbind())
+                    .collect(),
+                empty_delta_slice,
             }),
+            earliest_stop,
             request_states,
             fast: 0,
             slow: 0,
@@ -165,7 +191,13 @@ impl OutputCore {
             stops: stop.into_iter().map(StopString::new).collect(),
             min_tokens,
             include_in_output: include_stop_str_in_output,
+            earliest: self.earliest_stop,
         };
+        // The container's first positions are None (the first prompt token's, and from
+        // 0.34.0 those before `prompt_logprob_start`): the corrections' context sees them.
+        let prompt_context = prompt_logprobs.as_ref().map_or(Vec::new(), |c| {
+            vec![None; c.len(py).min(crate::core::text::candidates::MAX_CONTEXT)]
+        });
         Ok(RequestText {
             shared: Arc::clone(&self.shared),
             stream,
@@ -180,8 +212,9 @@ impl OutputCore {
             cumulative: 0.0,
             sampled: Vec::new(),
             num_prompt_logprobs,
-            // vLLM's new container holds the first prompt token's None position.
-            prompt_context: prompt_logprobs.as_ref().map_or(Vec::new(), |_| vec![None]),
+            prompt_context,
+            prompt_token_id_logprobs: None,
+            weight_version: None,
             prompt_logprobs,
             request_id,
             external_req_id,
@@ -203,8 +236,11 @@ impl OutputCore {
     /// request that a stop string finished here, right after its output went to its
     /// collector (where vLLM's loop finishes it: the caller does what vLLM does then,
     /// in the engine's order, which an n > 1 parent's stats depend on). `nans` is
-    /// vLLM's `VLLM_COMPUTE_NANS_IN_LOGITS`, read once per chunk.
-    #[pyo3(signature = (outputs, timestamp, iteration_stats, nans, finish))]
+    /// vLLM's `VLLM_COMPUTE_NANS_IN_LOGITS`, read once per chunk. `weight_version`
+    /// (0.33.0 on): the engine's weight version for this step's outputs, tracked per
+    /// request as vLLM's `RequestState.track_weight_version` does.
+    #[pyo3(signature = (outputs, timestamp, iteration_stats, nans, finish, weight_version = None))]
+    #[allow(clippy::too_many_arguments)]
     fn process<'py>(
         &mut self,
         py: Python<'py>,
@@ -213,6 +249,7 @@ impl OutputCore {
         iteration_stats: Option<Bound<'py, PyAny>>,
         nans: bool,
         finish: &Bound<'py, PyAny>,
+        weight_version: Option<Bound<'py, PyAny>>,
     ) -> PyResult<Bound<'py, PyList>> {
         let names = Names::get(py);
         let rest = PyList::empty(py);
@@ -252,7 +289,7 @@ impl OutputCore {
                 continue;
             };
             let parent = text.borrow().parent.as_ref().map(|p| p.as_ptr());
-            if !plain(&output, &req_state, names)? {
+            if !plain(&output, &req_state, names, &self.shared)? {
                 parents_in_loop.extend(parent);
                 routes.push(Route::Slow(output));
                 continue;
@@ -290,9 +327,13 @@ impl OutputCore {
                     text,
                     ..
                 } => {
-                    let stopped =
-                        text.borrow_mut()
-                            .fast_output(py, &output, &req_state, chunk.as_mut())?;
+                    let stopped = text.borrow_mut().fast_output(
+                        py,
+                        &output,
+                        &req_state,
+                        chunk.as_mut(),
+                        weight_version.as_ref(),
+                    )?;
                     self.fast += 1;
                     if stopped {
                         finish.call1((req_id,))?;
@@ -348,20 +389,24 @@ enum Route<'py> {
 }
 
 /// Whether an output is a plain step of a request past its first output: nothing in it
-/// needs vLLM's bookkeeping (finish, events, prefill, pooling, KV transfer, experts).
-fn plain(output: &Bound<'_, PyAny>, req_state: &Bound<'_, PyAny>, n: &Names) -> PyResult<bool> {
+/// needs vLLM's bookkeeping (none of `slow`, the release's fields such as the finish,
+/// events, pooling, KV transfer, experts, prompt logprobs, is set).
+fn plain(
+    output: &Bound<'_, PyAny>,
+    req_state: &Bound<'_, PyAny>,
+    n: &Names,
+    shared: &Shared,
+) -> PyResult<bool> {
     let py = output.py();
-    for name in [
-        &n.finish_reason,
-        &n.events,
-        &n.pooling_output,
-        &n.kv_transfer_params,
-        &n.routed_experts,
-        &n.new_prompt_logprobs_tensors,
-    ] {
+    for name in &shared.slow_fields {
         if !output.getattr(name.bind(py))?.is_none() {
             return Ok(false);
         }
+    }
+    // 0.33.0 on: a request with sampling masks gathered makes its next output carry
+    // them (vLLM's loop builds them).
+    if shared.completion_layout.has(9) && req_state.getattr(&n.sampling_mask_chunks)?.len()? > 0 {
+        return Ok(false);
     }
     Ok(!req_state.getattr(&n.is_prefilling)?.is_truthy()?)
 }

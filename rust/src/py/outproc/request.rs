@@ -4,7 +4,7 @@ use std::sync::Arc;
 
 use pyo3::exceptions::{PyRuntimeError, PyValueError};
 use pyo3::prelude::*;
-use pyo3::types::{PyFloat, PyList, PyString, PyTuple};
+use pyo3::types::{PyFloat, PyList, PySlice, PyString, PyTuple};
 use pyo3::IntoPyObjectExt;
 
 use crate::core::text::candidates;
@@ -13,7 +13,7 @@ use crate::core::text::stream::{DecodeStream, StepNote};
 
 use super::names::Names;
 use super::samples::{Candidate, SampleLogprobs};
-use super::shared::Shared;
+use super::shared::{Shared, COMPLETION_FIELDS, REQUEST_OUTPUT_FIELDS};
 use crate::py::arrays::{self, Block};
 
 /// Output kinds, as vLLM's `RequestOutputKind` numbers them (0 is `CUMULATIVE`).
@@ -51,6 +51,13 @@ pub struct RequestText {
     /// prompt token's), the context of the prompt candidates' corrections: vLLM reads
     /// it from the container, so it restarts when the container is handed out.
     pub(super) prompt_context: Vec<Option<u32>>,
+    /// vLLM 0.34.0's fixed-id prompt scores (`prompt_token_id_logprobs`, an ndarray) not
+    /// handed out yet.
+    pub(super) prompt_token_id_logprobs: Option<Py<PyAny>>,
+    /// The weight version this request's last span (vLLM's `weight_version_starts`)
+    /// started with, as tracked on the fast path; None when unknown (vLLM's loop may
+    /// have started one since: `update` forgets it).
+    pub(super) weight_version: Option<String>,
     // What the request's outputs carry, fixed when it was added.
     pub(super) request_id: Py<PyString>,
     pub(super) external_req_id: Py<PyAny>,
@@ -97,6 +104,23 @@ impl RequestText {
     /// Detokenizes `ids` and checks stop strings: the stop string's index, if one ended
     /// the text.
     fn detokenize(
+        &mut self,
+        py: Python<'_>,
+        ids: &[i64],
+        stop_terminated: bool,
+    ) -> PyResult<Option<usize>> {
+        let found = self.detokenize_text(py, ids, stop_terminated)?;
+        let dropped = self.text.dropped();
+        if dropped > 0 {
+            // 0.33.0's rule: the ids after the one that completed the stop string go.
+            let list = self.token_ids.bind(py);
+            let len = list.len();
+            list.del_slice(len - dropped, len)?;
+        }
+        Ok(found)
+    }
+
+    fn detokenize_text(
         &mut self,
         py: Python<'_>,
         ids: &[i64],
@@ -302,6 +326,8 @@ impl RequestText {
         new_token_ids: &Bound<'_, PyAny>,
         stop_terminated: bool,
     ) -> PyResult<Option<String>> {
+        // vLLM's loop (the caller) may have started a weight-version span just before.
+        self.weight_version = None;
         let ids = self.take_ids(py, new_token_ids)?;
         Ok(self
             .detokenize(py, &ids, stop_terminated)?
@@ -341,7 +367,26 @@ impl RequestText {
         if !tensors.is_none() {
             self.add_prompt_logprobs(py, &tensors)?;
         }
+        // 0.34.0 on: the fixed-id prompt scores, kept as vLLM keeps them (a numpy view).
+        if let Some(scores) = output.getattr_opt(&names.prompt_token_id_logprobs)? {
+            if !scores.is_none() {
+                self.prompt_token_id_logprobs = Some(scores.call_method0(&names.numpy)?.unbind());
+            }
+        }
         Ok(())
+    }
+
+    /// Logprobs processor (0.34.0 on): the fixed-id prompt scores not handed out yet.
+    #[getter]
+    fn prompt_token_id_logprobs(&self, py: Python<'_>) -> Option<Py<PyAny>> {
+        self.prompt_token_id_logprobs
+            .as_ref()
+            .map(|s| s.clone_ref(py))
+    }
+
+    /// Logprobs processor (0.34.0 on): the fixed-id prompt scores, forgotten.
+    fn pop_prompt_token_id_logprobs(&mut self) -> Option<Py<PyAny>> {
+        self.prompt_token_id_logprobs.take()
     }
 
     /// Logprobs processor: the sample logprobs so far (a list of dicts, or vLLM's
@@ -381,6 +426,7 @@ impl RequestText {
         output: &Bound<'py, PyAny>,
         req_state: &Bound<'py, PyAny>,
         chunk: Option<&mut ChunkStats<'py>>,
+        weight_version: Option<&Bound<'py, PyAny>>,
     ) -> PyResult<bool> {
         let names = Names::get(py);
         let new_ids = output.getattr(&names.new_token_ids)?;
@@ -411,10 +457,34 @@ impl RequestText {
             c.latencies.append(c.timestamp - last)?;
             stats.setattr(&names.last_token_ts, c.timestamp)?;
         }
+        // (0.33.0 on) The weight version's span, as `track_weight_version` starts one.
+        if let Some(version) = weight_version {
+            if !version.is_none() && new_ids.len()? > 0 {
+                // The same version as the last span's: nothing to start (the common case,
+                // checked without reading vLLM's list).
+                let text = version
+                    .cast::<PyString>()
+                    .ok()
+                    .and_then(|s| s.to_str().ok());
+                if text.is_none() || self.weight_version.as_deref() != text {
+                    self.track_weight_version(py, req_state, version)?;
+                    self.weight_version = text.map(str::to_owned);
+                }
+            }
+        }
         // 2) Detokenize and check stop strings; 3) sample logprobs.
         let ids = self.take_ids(py, &new_ids)?;
         let stop = self.detokenize(py, &ids, false)?;
-        let lists = output.getattr(&names.new_logprobs)?;
+        let mut lists = output.getattr(&names.new_logprobs)?;
+        let dropped = self.text.dropped();
+        if dropped > 0 {
+            // vLLM's `_trim_surplus_tokens`: the output keeps only the ids up to the stop.
+            let kept = ids.len() - dropped;
+            new_ids.cast::<PyList>()?.del_slice(kept, ids.len())?;
+            if !lists.is_none() {
+                lists = lists.call_method1(&names.slice_request, (0, kept))?;
+            }
+        }
         if !lists.is_none() {
             self.add_logprobs(py, &lists)?;
         }
@@ -428,6 +498,56 @@ impl RequestText {
             }
         }
         Ok(finished)
+    }
+
+    /// vLLM's `RequestState.track_weight_version`: a new span (version, output tokens so
+    /// far) when the version differs from the last span's.
+    fn track_weight_version<'py>(
+        &self,
+        py: Python<'py>,
+        req_state: &Bound<'py, PyAny>,
+        version: &Bound<'py, PyAny>,
+    ) -> PyResult<()> {
+        let names = Names::get(py);
+        let starts = req_state
+            .getattr(&names.weight_version_starts)?
+            .cast_into::<PyList>()?;
+        let n = starts.len();
+        if n == 0 || starts.get_item(n - 1)?.get_item(0)?.ne(version)? {
+            starts.append((version, self.text.tokens()))?;
+        }
+        Ok(())
+    }
+
+    /// vLLM's `RequestState._weight_version_spans` (which asks the detokenizer, this
+    /// object, for the token count: not callable from here): the spans from the tracked
+    /// starts to the output's token count, or None when no version was reported for the
+    /// tokens there are.
+    fn weight_version_spans<'py>(
+        &self,
+        py: Python<'py>,
+        req_state: &Bound<'py, PyAny>,
+    ) -> PyResult<Bound<'py, PyAny>> {
+        let names = Names::get(py);
+        let starts = req_state
+            .getattr(&names.weight_version_starts)?
+            .cast_into::<PyList>()?;
+        let tokens = self.text.tokens();
+        if starts.is_empty() && tokens > 0 {
+            return Ok(py.None().into_bound(py));
+        }
+        let span = py.import("vllm.outputs")?.getattr("WeightVersionSpan")?;
+        let spans = PyList::empty(py);
+        for i in 0..starts.len() {
+            let start = starts.get_item(i)?;
+            let end = if i + 1 < starts.len() {
+                starts.get_item(i + 1)?.get_item(1)?
+            } else {
+                tokens.into_bound_py_any(py)?
+            };
+            spans.append(span.call1((start.get_item(0)?, start.get_item(1)?, end))?)?;
+        }
+        Ok(spans.into_any())
     }
 
     /// The token ids of this output's `RequestOutput` under the stream interval, as
@@ -498,36 +618,45 @@ impl RequestText {
         };
         let logprobs = match &self.logprobs {
             None => py.None().into_bound(py),
+            // 0.33.0 on: an output without new ids carries no positions (`[:0]`).
+            Some(all) if delta && self.shared.empty_delta_slice && token_ids.len()? == 0 => {
+                all.object(py).get_item(PySlice::new(py, 0, 0, 1))?
+            }
             // vLLM slices a non-empty container to the output's new positions.
             Some(all) if delta && all.len(py) > 0 => {
                 all.tail(py, &self.shared, token_ids.len()?)?
             }
             Some(all) => all.object(py),
         };
-        let none = || py.None().into_bound(py);
         let (reason, stop_reason) = match stop {
             Some(i) => (
-                PyString::new(py, "stop").into_any(),
-                PyString::new(py, self.text.stop(i)).into_any(),
+                Some(PyString::new(py, "stop").into_any()),
+                Some(PyString::new(py, self.text.stop(i)).into_any()),
             ),
-            None => (none(), none()),
+            None => (None, None),
         };
         let shared = Arc::clone(&self.shared);
-        let completion = shared.instance(
-            py,
-            &shared.completion_output,
-            &[
-                (&n.index, self.request_index.bind(py).clone()),
-                (&n.text, text),
-                (&n.token_ids, token_ids),
-                (&n.cumulative_logprob, self.cumulative_value(py)),
-                (&n.logprobs, logprobs),
-                (&n.routed_experts, none()),
-                (&n.finish_reason, reason),
-                (&n.stop_reason, stop_reason),
-                (&n.lora_request, none()),
-            ],
-        )?;
+        let layout = &shared.completion_layout;
+        // Indexed as COMPLETION_FIELDS.
+        let mut values: [Option<Bound<'py, PyAny>>; COMPLETION_FIELDS.len()] =
+            std::array::from_fn(|_| None);
+        values[0] = Some(self.request_index.bind(py).clone());
+        values[1] = Some(text);
+        values[2] = Some(token_ids);
+        values[3] = Some(self.cumulative_value(py));
+        values[4] = Some(logprobs);
+        values[6] = reason;
+        values[7] = stop_reason;
+        if finished {
+            // 0.33.0 on: what a finished output carries of the request's state.
+            if layout.has(10) {
+                values[10] = Some(req_state.getattr(&n.spec_decode_metrics)?);
+            }
+            if layout.has(11) {
+                values[11] = Some(self.weight_version_spans(py, req_state)?);
+            }
+        }
+        let completion = shared.instance_in(py, &shared.completion_output, layout, &mut values)?;
         let (request_id, outputs, finished) = match &self.parent {
             None => (
                 self.external_req_id.bind(py).clone(),
@@ -547,35 +676,35 @@ impl RequestText {
                 (parent.getattr(&n.external_req_id)?, outputs, finished)
             }
         };
+        let layout = &shared.request_output_layout;
+        let mut values: [Option<Bound<'py, PyAny>>; REQUEST_OUTPUT_FIELDS.len()] =
+            std::array::from_fn(|_| None);
+        values[0] = Some(request_id);
+        values[1] = Some(self.prompt.bind(py).clone());
+        values[2] = Some(self.prompt_token_ids.bind(py).clone());
         // Only an output that goes out hands the prompt logprobs out (vLLM pops them in
         // `_new_request_output`).
-        let prompt_logprobs = self.prompt_logprobs_for_output(py).unwrap_or_else(none);
-        let metrics = match &self.stats {
-            Some(s) => s.bind(py).clone(),
-            None => none(),
-        };
+        values[3] = self.prompt_logprobs_for_output(py);
+        if layout.has(4) {
+            values[4] = if delta {
+                self.prompt_token_id_logprobs.take()
+            } else {
+                self.prompt_token_id_logprobs
+                    .as_ref()
+                    .map(|s| s.clone_ref(py))
+            }
+            .map(|s| s.into_bound(py));
+        }
+        values[5] = Some(outputs);
+        values[6] = Some(finished.into_bound_py_any(py)?);
+        values[7] = self.stats.as_ref().map(|s| s.bind(py).clone());
+        values[8] = Some(self.lora_request.bind(py).clone());
+        values[11] = Some(req_state.getattr(&n.num_cached_tokens)?);
+        if layout.has(12) {
+            values[12] = Some(req_state.getattr(&n.num_cache_creation_tokens)?);
+        }
         shared
-            .instance(
-                py,
-                &shared.request_output,
-                &[
-                    (&n.request_id, request_id),
-                    (&n.prompt, self.prompt.bind(py).clone()),
-                    (&n.prompt_token_ids, self.prompt_token_ids.bind(py).clone()),
-                    (&n.prompt_logprobs, prompt_logprobs),
-                    (&n.outputs, outputs),
-                    (&n.finished, finished.into_bound_py_any(py)?),
-                    (&n.metrics, metrics),
-                    (&n.lora_request, self.lora_request.bind(py).clone()),
-                    (&n.encoder_prompt, none()),
-                    (&n.encoder_prompt_token_ids, none()),
-                    (
-                        &n.num_cached_tokens,
-                        req_state.getattr(&n.num_cached_tokens)?,
-                    ),
-                    (&n.kv_transfer_params, none()),
-                ],
-            )
+            .instance_in(py, &shared.request_output, layout, &mut values)
             .map(Some)
     }
 }

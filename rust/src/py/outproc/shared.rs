@@ -33,6 +33,88 @@ pub(super) struct Shared {
     pub(super) completion_output: Py<PyAny>,
     pub(super) logprob: Py<PyAny>,
     pub(super) flat_logprobs: Py<PyAny>,
+    /// The installed vLLM's `RequestOutput` and `CompletionOutput` attributes, in the
+    /// order their `__init__` assigns them (read off its own objects).
+    pub(super) request_output_layout: Layout,
+    pub(super) completion_layout: Layout,
+    /// `EngineCoreOutput` fields that send an output to vLLM's loop when set.
+    pub(super) slow_fields: Vec<Py<PyString>>,
+    /// vLLM 0.33.0's rule for a `DELTA` output without new ids: no sample logprobs
+    /// (`logprobs[:0]`), where 0.25.1 slices `[-0:]`, the whole list.
+    pub(super) empty_delta_slice: bool,
+}
+
+/// The attributes of RequestOutput the native path knows how to fill, by index.
+pub(super) const REQUEST_OUTPUT_FIELDS: [&str; 15] = [
+    "request_id",
+    "prompt",
+    "prompt_token_ids",
+    "prompt_logprobs",
+    "prompt_token_id_logprobs",
+    "outputs",
+    "finished",
+    "metrics",
+    "lora_request",
+    "encoder_prompt",
+    "encoder_prompt_token_ids",
+    "num_cached_tokens",
+    "num_cache_creation_tokens",
+    "kv_transfer_params",
+    "ec_transfer_params",
+];
+
+/// The attributes of CompletionOutput the native path knows how to fill, by index.
+pub(super) const COMPLETION_FIELDS: [&str; 12] = [
+    "index",
+    "text",
+    "token_ids",
+    "cumulative_logprob",
+    "logprobs",
+    "routed_experts",
+    "finish_reason",
+    "stop_reason",
+    "lora_request",
+    "sampling_mask",
+    "spec_decode_metrics",
+    "weight_versions",
+];
+
+/// One class's attributes in the installed vLLM's order: each name (interned) with its
+/// index in the known list (`REQUEST_OUTPUT_FIELDS` or `COMPLETION_FIELDS`).
+pub(super) struct Layout {
+    names: Vec<Py<PyString>>,
+    known: Vec<usize>,
+}
+
+impl Layout {
+    /// The layout of `names` over `known`; an error names a field the native path does
+    /// not know (a vLLM release that added one must not get objects without it).
+    pub(super) fn new(
+        py: Python<'_>,
+        class: &str,
+        names: &[String],
+        known: &[&str],
+    ) -> PyResult<Self> {
+        let mut layout = Layout {
+            names: Vec::with_capacity(names.len()),
+            known: Vec::with_capacity(names.len()),
+        };
+        for name in names {
+            let Some(index) = known.iter().position(|k| k == name) else {
+                return Err(pyo3::exceptions::PyValueError::new_err(format!(
+                    "{class} has a field the native path does not know: {name}"
+                )));
+            };
+            layout.names.push(PyString::intern(py, name).unbind());
+            layout.known.push(index);
+        }
+        Ok(layout)
+    }
+
+    /// Whether the class has the known field at `index`.
+    pub(super) fn has(&self, index: usize) -> bool {
+        self.known.contains(&index)
+    }
 }
 
 impl Shared {
@@ -75,6 +157,25 @@ impl Shared {
         }
     }
 
+    /// `cls` made without its `__init__`, its instance dict filled in `layout`'s order
+    /// from `values` (indexed as the layout's known list; a missing value is None).
+    pub(super) fn instance_in<'py>(
+        &self,
+        py: Python<'py>,
+        cls: &Py<PyAny>,
+        layout: &Layout,
+        values: &mut [Option<Bound<'py, PyAny>>],
+    ) -> PyResult<Bound<'py, PyAny>> {
+        let obj = self.bare(py, cls)?;
+        for (name, &index) in layout.names.iter().zip(&layout.known) {
+            let value = values[index]
+                .take()
+                .unwrap_or_else(|| py.None().into_bound(py));
+            obj.setattr(name.bind(py), value)?;
+        }
+        Ok(obj)
+    }
+
     /// `cls` made without its `__init__`, its instance dict filled in `items`' order (the
     /// order its `__init__` assigns them, which the Python side checked at start-up).
     pub(super) fn instance<'py>(
@@ -83,6 +184,15 @@ impl Shared {
         cls: &Py<PyAny>,
         items: &[(&Py<PyString>, Bound<'py, PyAny>)],
     ) -> PyResult<Bound<'py, PyAny>> {
+        let obj = self.bare(py, cls)?;
+        for (k, v) in items {
+            obj.setattr(k.bind(py), v)?;
+        }
+        Ok(obj)
+    }
+
+    /// A new `cls` with an empty instance dict.
+    fn bare<'py>(&self, py: Python<'py>, cls: &Py<PyAny>) -> PyResult<Bound<'py, PyAny>> {
         // SAFETY: `cls` is a class whose `__new__` is `object.__new__` (checked when the
         // processor was made); the call takes no arguments.
         let obj = unsafe {
@@ -95,9 +205,6 @@ impl Shared {
                 ),
             )?
         };
-        for (k, v) in items {
-            obj.setattr(k.bind(py), v)?;
-        }
         Ok(obj)
     }
 }

@@ -1,0 +1,710 @@
+"""``corewire bench chaos``: a data-parallel group serving a steady stream while its
+engines are killed, stopped and replaced, its callers cancelled and its links fed
+malformed frames; at the end, what became of every request and what leaked.
+
+Run: ``corewire bench chaos --seconds 600`` (``--engines``, ``--rate``, ``--seed``...).
+
+A :class:`~corewire.DPLBAsyncMPClient` drives ``--engines`` synthetic engines (or the
+reference engine) with its health watchdog on. Callers arrive at ``--rate`` per second,
+each sends one request and waits for its end. A front-end task reads the client's
+outputs and ends each caller's stream, as a serving front-end does. Meanwhile, on a
+schedule drawn from ``--seed`` (a fault every ``--fault-interval`` seconds on average;
+the kinds in a shuffled order, every kind once per round), the run injects:
+
+- ``kill``: SIGKILL one engine. The group dies as a whole (as in vLLM): every waiter
+  gets ``EngineDeadError``.
+- ``stop_hang``: SIGSTOP one engine and leave it stopped: the health watchdog must
+  declare it dead within its timeout.
+- ``stop_cont``: SIGSTOP one engine for a third of the health timeout, then SIGCONT:
+  the group must live on.
+- ``cancel``: cancel up to five waiting callers; each aborts its request, as a
+  front-end does when its client hangs up.
+- ``rogue_output``: a rogue PUSH socket connects to the client's output endpoint and
+  sends three malformed frames: one that is not msgpack, one truncated, and one that
+  names a live request (whose caller must get ``ProtocolError``).
+- ``bad_input``: three malformed messages into one engine's input: an unknown request
+  type, an ADD that is not msgpack, and a truncated ADD naming a caller's request
+  (which the engine must finish with ERROR).
+- ``rescale``: ``scale_elastic_ep(N - 1)`` then ``scale_elastic_ep(N)`` while
+  serving: the last engine is replaced by a fresh one (its requests end ABORT).
+
+Restarts: a DP group dies as a whole, so after a death the run does what an operator's
+supervisor does with a crashed front-end: it shuts the dead client down and builds a new
+one (new coordinator, new engines), and callers arriving meanwhile wait for it.
+Replacing an engine of a live group is ``rescale``.
+
+Every request must end within ``--deadline`` seconds, completed or failed with a typed
+error; one that does not is counted as hung. So is a fault whose effect does not come
+(a death not seen, a scaling step that does not return). Leaks are measured in this
+process before (after a warm-up group) and after the run: file descriptors, threads,
+child processes (live or unreaped), private ``ipc://`` directories, and resident memory.
+The exit status is 1 when anything hung or leaked (or memory grew past
+``--max-growth-mb``), else 0; ``--json`` writes the figures.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import gc
+import logging
+import os
+import random
+import signal
+import time
+from collections import Counter
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import msgspec
+import zmq
+
+from corewire.bench import common
+from corewire.bench.leaks import Leaks, leaked, snapshot, warm_up_pyzmq_zero_copy
+from corewire.errors import EngineDeadError, ProtocolError
+from corewire.protocol import REQUEST_ADD, EngineCoreRequest, FinishReason, SamplingParams
+
+__all__ = ["FAULTS", "add_arguments", "run"]
+
+logger = logging.getLogger("corewire.bench.chaos")
+
+#: Every kind of fault the run injects (each once per round, in a shuffled order).
+FAULTS = ("kill", "stop_hang", "stop_cont", "cancel", "rogue_output", "bad_input", "rescale")
+
+SYNTHETIC = "corewire.engine.synthetic:SyntheticEngine"
+#: How long a client may take to start or to shut down, and a scaling step to return.
+OPERATION_DEADLINE_S = 120.0
+#: Seconds the run waits for what it counted on, past the health timeout (load).
+SLACK_S = 10.0
+
+
+@dataclass
+class Figures:
+    """What the run counts; printed at the end and written by ``--json``."""
+
+    sent: int = 0
+    #: Finished with LENGTH or STOP.
+    completed: int = 0
+    #: Finished with ABORT: requests on an engine that scale-down removed.
+    aborted: int = 0
+    #: Finished with ERROR by an engine: the malformed ADDs of ``bad_input``.
+    refused: int = 0
+    #: Callers cancelled by ``cancel`` (their requests aborted).
+    cancelled: int = 0
+    #: Exceptions callers got, by type.
+    failed: Counter[str] = field(default_factory=Counter)
+    #: Requests not ended within the deadline (must be 0).
+    hung: int = 0
+    #: Faults whose effect never came, or operations that did not return (must be empty).
+    hung_operations: list[str] = field(default_factory=list)
+    #: Operations that failed though the group was alive (must be empty).
+    errors: list[str] = field(default_factory=list)
+    faults: Counter[str] = field(default_factory=Counter)
+    rounds: int = 0
+    #: Frames of ``rogue_output`` (into the clients' output sockets) and of ``bad_input``
+    #: (into engines' inputs), and the clients' count of bad frames (``protocol_errors``).
+    rogue_output_frames: int = 0
+    bad_input_frames: int = 0
+    protocol_errors: int = 0
+    groups_started: int = 0
+    deaths: int = 0
+    unexpected_deaths: int = 0
+    restart_seconds: list[float] = field(default_factory=list)
+    leaks: dict[str, Any] = field(default_factory=dict)
+    #: Requests the last client still counted in flight once every caller had ended.
+    in_flight_left: int = 0
+
+    def as_dict(self) -> dict[str, Any]:
+        """The figures as plain JSON values (``asdict`` would rebuild the Counters from
+        their items, counting the pairs)."""
+        document = asdict(self)
+        document["failed"] = dict(self.failed)
+        document["faults"] = {kind: self.faults[kind] for kind in FAULTS}
+        return document
+
+    def failed_total(self) -> int:
+        """Callers that got a typed error."""
+        return sum(self.failed.values())
+
+
+class Serving:
+    """One client's life: the client, its callers' streams, its front-end task."""
+
+    def __init__(self, client: Any) -> None:
+        self.client = client
+        #: request id -> the future the front-end task resolves with the outcome's name.
+        self.streams: dict[str, asyncio.Future[str]] = {}
+        #: request id -> its caller's task.
+        self.callers: dict[str, asyncio.Task[None]] = {}
+        self.dead = asyncio.Event()
+        #: Set by the fault that is meant to kill the group, before it strikes.
+        self.death_expected = False
+        self.front_end: asyncio.Task[None] | None = None
+
+
+def _outcome(reason: FinishReason) -> str:
+    if reason == FinishReason.ABORT:
+        return "aborted"
+    if reason == FinishReason.ERROR:
+        return "refused"
+    return "completed"
+
+
+def _settle(future: asyncio.Future[str] | None, outcome: str) -> None:
+    if future is not None and not future.done():
+        future.set_result(outcome)
+
+
+async def front_end(serving: Serving, figures: Figures) -> None:
+    """Read the client's outputs and end each caller's stream (a serving front-end's
+    output handler): finished -> its finish reason; a bad frame naming requests ->
+    ``ProtocolError`` for them (and an abort); the group dead -> ``EngineDeadError``."""
+    client = serving.client
+    streams = serving.streams
+    try:
+        while True:
+            try:
+                outputs = await client.get_output_async()
+            except ProtocolError as exc:
+                ids = list(getattr(exc, "request_ids", ()) or ())
+                for rid in ids:
+                    _settle(streams.get(rid), "ProtocolError")
+                if ids:
+                    with contextlib.suppress(EngineDeadError):
+                        await client.abort_requests_async(ids)
+                continue
+            for out in outputs.outputs:
+                if out.finish_reason is not None:
+                    _settle(streams.get(out.request_id), _outcome(out.finish_reason))
+    except EngineDeadError:
+        failure = "EngineDeadError"
+    except Exception as exc:  # anything else is a bug of the client: counted, never hidden
+        logger.exception("the front-end task failed")
+        failure = f"front-end {type(exc).__name__}"
+    for future in list(streams.values()):
+        _settle(future, failure)
+    serving.dead.set()
+
+
+async def caller(
+    serving: Serving, rid: str, request: EngineCoreRequest | None, deadline: float, figures: Figures
+) -> None:
+    """One caller: send ``request`` (None: it is sent by someone else) and wait for its
+    end; whatever happens is counted once."""
+    future: asyncio.Future[str] = asyncio.get_running_loop().create_future()
+    serving.streams[rid] = future
+    client = serving.client
+    try:
+        if request is not None:
+            await client.add_request_async(request)
+        outcome = await asyncio.wait_for(future, deadline)
+    except asyncio.CancelledError:
+        figures.cancelled += 1
+        # The caller hung up: a front-end aborts its request (the group may be dead).
+        with contextlib.suppress(EngineDeadError):
+            await client.abort_requests_async([rid])
+        return
+    except asyncio.TimeoutError:
+        figures.hung += 1
+        logger.error("request %s did not end within %g s", rid, deadline)
+        return
+    except (EngineDeadError, ProtocolError) as exc:
+        outcome = type(exc).__name__
+    finally:
+        serving.streams.pop(rid, None)
+    if outcome == "completed":
+        figures.completed += 1
+    elif outcome == "aborted":
+        figures.aborted += 1
+    elif outcome == "refused":
+        figures.refused += 1
+    else:
+        figures.failed[outcome] += 1
+
+
+def make_request(rid: str, rng: random.Random) -> EngineCoreRequest:
+    """A short generation request (1..64 tokens)."""
+    return EngineCoreRequest(
+        request_id=rid,
+        prompt_token_ids=[rng.randrange(4, 1000) for _ in range(rng.randint(1, 16))],
+        sampling_params=SamplingParams(
+            max_tokens=rng.randint(1, 64), ignore_eos=True, temperature=0.0
+        ),
+        arrival_time=time.time(),
+    )
+
+
+class Chaos:
+    """The run: a supervisor that keeps a group serving, a stream of callers, and the
+    fault schedule (see the module docstring)."""
+
+    def __init__(self, args: argparse.Namespace, figures: Figures) -> None:
+        self.args = args
+        self.figures = figures
+        self.rng = random.Random(args.seed)  # the fault schedule
+        self.request_rng = random.Random(args.seed + 1)  # request shapes
+        self.serving: Serving | None = None
+        self.live = asyncio.Event()  # a group is serving
+        self.stop = asyncio.Event()  # the run's time is over: stop sending
+        self.executor = ThreadPoolExecutor(1, thread_name_prefix="corewire-chaos-ops")
+        self.zmq_ctx: zmq.Context[Any] = zmq.Context()
+        self.next_id = 0
+        self.supervisor: asyncio.Future[None] | None = None
+
+    # -- the group's life ----------------------------------------------------------------
+
+    def _build_client(self) -> Any:
+        from corewire import DPLBAsyncMPClient
+
+        args = self.args
+        if args.engine == "synthetic":
+            engine: str | None = SYNTHETIC
+            engine_args: dict[str, Any] = {"step_delay": args.step_delay, "max_batch": 256}
+        else:
+            engine, engine_args = None, {"num_threads": 1, "device": "cpu"}
+        return DPLBAsyncMPClient(
+            data_parallel_size=args.engines,
+            engine=engine,
+            engine_args=engine_args,
+            health_check_interval=args.health_interval,
+            health_check_timeout=args.health_timeout,
+            ready_timeout=OPERATION_DEADLINE_S,
+        )
+
+    async def _in_thread(self, what: str, fn: Callable[[], Any]) -> Any:
+        """``fn()`` on the run's own thread (starting or stopping a group blocks), within
+        :data:`OPERATION_DEADLINE_S`; one that does not return is a hung operation."""
+        loop = asyncio.get_running_loop()
+        try:
+            return await asyncio.wait_for(
+                loop.run_in_executor(self.executor, fn), OPERATION_DEADLINE_S
+            )
+        except asyncio.TimeoutError:
+            self.figures.hung_operations.append(f"{what} did not return")
+            raise
+
+    async def start_group(self) -> Serving:
+        """A new client and its engines, with its front-end task."""
+        serving = Serving(await self._in_thread("starting a group", self._build_client))
+        self.figures.groups_started += 1
+        serving.front_end = asyncio.get_running_loop().create_task(
+            front_end(serving, self.figures), name="corewire-chaos-front-end"
+        )
+        return serving
+
+    async def stop_group(self, serving: Serving) -> None:
+        """Shut the client down; wait for its front-end task and callers to end."""
+        client = serving.client
+        self.figures.protocol_errors += client.protocol_errors
+        await self._in_thread("shutting a group down", client.shutdown)
+        if serving.front_end is not None:
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(serving.front_end, SLACK_S)
+            if not serving.front_end.done():
+                self.figures.hung_operations.append("a front-end task outlived shutdown")
+                serving.front_end.cancel()
+        serving.client = None
+
+    async def supervise(self) -> None:
+        """Keep a group serving until the run's time is over; rebuild it after a death."""
+        died_at: float | None = None
+        while not self.stop.is_set():
+            serving = await self.start_group()
+            if died_at is not None:
+                self.figures.restart_seconds.append(time.monotonic() - died_at)
+            self.serving = serving
+            self.live.set()
+            dead = asyncio.ensure_future(serving.dead.wait())
+            stop = asyncio.ensure_future(self.stop.wait())
+            await asyncio.wait((dead, stop), return_when=asyncio.FIRST_COMPLETED)
+            dead.cancel()
+            stop.cancel()
+            if not serving.dead.is_set():
+                return  # the run is over; run() ends the last group
+            died_at = time.monotonic()
+            self.live.clear()
+            self.figures.deaths += 1
+            if not serving.death_expected:
+                self.figures.unexpected_deaths += 1
+                logger.warning("the group died without a fault meant to kill it")
+            await self._drain(serving)
+            await self.stop_group(serving)
+
+    async def _drain(self, serving: Serving) -> None:
+        """Wait for the callers of ``serving`` to end (each within its deadline)."""
+        if serving.callers:
+            await asyncio.wait(list(serving.callers.values()))
+
+    # -- traffic -------------------------------------------------------------------------
+
+    def _spawn(self, serving: Serving, rid: str, request: EngineCoreRequest | None) -> None:
+        task = asyncio.get_running_loop().create_task(
+            caller(serving, rid, request, self.args.deadline, self.figures)
+        )
+        serving.callers[rid] = task
+        task.add_done_callback(lambda _t: serving.callers.pop(rid, None))
+
+    def _new_id(self) -> str:
+        self.next_id += 1
+        return f"chaos-{self.next_id}"
+
+    async def produce(self) -> None:
+        """Callers at ``--rate`` per second (Poisson arrivals) while a group serves."""
+        rate = self.args.rate
+        rng = self.request_rng
+        while not self.stop.is_set():
+            await asyncio.sleep(rng.expovariate(rate))
+            if not self.live.is_set():
+                await self.live.wait()
+            serving = self.serving
+            if serving is None or serving.dead.is_set() or self.stop.is_set():
+                continue
+            rid = self._new_id()
+            self.figures.sent += 1
+            self._spawn(serving, rid, make_request(rid, rng))
+
+    # -- faults --------------------------------------------------------------------------
+
+    async def inject_faults(self) -> None:
+        """Faults on the seeded schedule until the time is over and a round is complete."""
+        rng = self.rng
+        start = time.monotonic()
+        kinds: list[str] = []
+        while True:
+            if not kinds:
+                if time.monotonic() - start >= self.args.seconds:
+                    return
+                kinds = list(FAULTS)
+                rng.shuffle(kinds)
+            await asyncio.sleep(rng.expovariate(1 / self.args.fault_interval))
+            serving = await self._live_group()
+            kind = kinds.pop()
+            try:
+                await getattr(self, f"_fault_{kind}")(serving)
+            except EngineDeadError:
+                if not serving.dead.is_set():
+                    # Not the fault's own doing: the group died under it, seen late.
+                    await self._await_death(serving, SLACK_S, f"{kind} saw the group dead")
+            except Exception as exc:
+                logger.exception("fault %s failed", kind)
+                self.figures.errors.append(f"{kind}: {type(exc).__name__}: {exc}"[:500])
+            self.figures.faults[kind] += 1
+            if not kinds:
+                self.figures.rounds += 1
+
+    async def _live_group(self) -> Serving:
+        """The group serving now (waits for one: a restart may be under way)."""
+        while True:
+            supervisor = self.supervisor
+            if supervisor is not None and supervisor.done():
+                supervisor.result()  # raises what stopped it
+                raise RuntimeError("the supervisor ended before the run")
+            serving = self.serving
+            if self.live.is_set() and serving is not None and not serving.dead.is_set():
+                return serving
+            await asyncio.sleep(0.05)
+
+    def _engine_pid(self, serving: Serving) -> int:
+        return self.rng.choice(serving.client.engine_pids)
+
+    async def _await_death(self, serving: Serving, within: float, what: str) -> None:
+        try:
+            await asyncio.wait_for(serving.dead.wait(), within)
+        except asyncio.TimeoutError:
+            self.figures.hung_operations.append(f"{what}: the group did not die in {within:g} s")
+
+    async def _fault_kill(self, serving: Serving) -> None:
+        pid = self._engine_pid(serving)
+        serving.death_expected = True
+        with contextlib.suppress(ProcessLookupError):  # died already: the same end
+            os.kill(pid, signal.SIGKILL)
+        await self._await_death(serving, SLACK_S, f"SIGKILL of engine {pid}")
+
+    async def _fault_stop_hang(self, serving: Serving) -> None:
+        pid = self._engine_pid(serving)
+        serving.death_expected = True
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGSTOP)
+        args = self.args
+        try:
+            within = args.health_interval + 2 * args.health_timeout + SLACK_S
+            await self._await_death(serving, within, f"SIGSTOP of engine {pid}")
+        finally:
+            # The watchdog killed it; if it did not, let it go (shutdown kills it).
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGCONT)
+
+    async def _fault_stop_cont(self, serving: Serving) -> None:
+        pid = self._engine_pid(serving)
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGSTOP)
+        try:
+            await asyncio.sleep(self.args.health_timeout / 3)
+        finally:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGCONT)
+
+    async def _some_callers(self, serving: Serving, count: int) -> list[str]:
+        """Up to ``count`` request ids of callers waiting on ``serving`` (waits a little
+        for one to arrive)."""
+        deadline = time.monotonic() + SLACK_S
+        while not serving.streams and time.monotonic() < deadline and not serving.dead.is_set():
+            await asyncio.sleep(0.01)
+        ids = sorted(serving.streams)
+        return self.rng.sample(ids, min(count, len(ids)))
+
+    async def _fault_cancel(self, serving: Serving) -> None:
+        for rid in await self._some_callers(serving, self.rng.randint(1, 5)):
+            task = serving.callers.get(rid)
+            if task is not None:
+                task.cancel()
+
+    async def _fault_rogue_output(self, serving: Serving) -> None:
+        named = await self._some_callers(serving, 1)
+        frames = [
+            b"\xc1\xc1 not msgpack at all",
+            msgspec.msgpack.encode([0, [["chaos-nobody", [1, 2, 3]]]])[:-3],
+        ]
+        if named:
+            # A live request with an array whose aux frame does not exist.
+            frames.append(
+                msgspec.msgpack.encode(
+                    [0, [[named[0], [1], None, None, ["float32", [4], 5]]], None, 0.0, None, None]
+                )
+            )
+        rogue = self.zmq_ctx.socket(zmq.PUSH)
+        try:
+            rogue.connect(serving.client.output_address)
+            for frame in frames:
+                rogue.send(frame)
+        finally:
+            rogue.close(linger=2000)
+        self.figures.rogue_output_frames += len(frames)
+
+    async def _fault_bad_input(self, serving: Serving) -> None:
+        client = serving.client
+        engine = self.rng.choice(client.core_engines)
+        rid = self._new_id()
+        truncated = bytes(client.encoder.encode(make_request(rid, self.request_rng))[0])[:-3]
+        # The engine must finish this one with ERROR: a caller waits for it.
+        self.figures.sent += 1
+        self._spawn(serving, rid, None)
+        messages = [
+            (b"\xee", [b"an unknown request type"]),
+            (REQUEST_ADD, [b"\xc1 not msgpack"]),
+            (REQUEST_ADD, [truncated]),
+        ]
+        try:
+            for request_type, frames in messages:
+                client._send_message(engine, request_type, frames, None)
+        except EngineDeadError:
+            return  # the group died meanwhile; its callers were failed
+        self.figures.bad_input_frames += len(messages)
+
+    async def _fault_rescale(self, serving: Serving) -> None:
+        client = serving.client
+        size = len(client.core_engines)
+        if size < 2:
+            return
+        for new_size in (size - 1, size):
+            try:
+                await asyncio.wait_for(client.scale_elastic_ep(new_size), OPERATION_DEADLINE_S)
+            except asyncio.TimeoutError:
+                self.figures.hung_operations.append(f"scale_elastic_ep({new_size}) hung")
+                return
+
+    # -- the run -------------------------------------------------------------------------
+
+    async def run(self) -> None:
+        """Serve with faults; then end every caller and the last group."""
+        self.supervisor = supervisor = asyncio.ensure_future(self.supervise())
+        producer = asyncio.ensure_future(self.produce())
+        try:
+            await self.inject_faults()
+        finally:
+            self.stop.set()
+            producer.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await producer
+            await supervisor
+            serving = self.serving
+            if serving is not None and serving.client is not None:
+                await self._drain(serving)
+                await self._count_in_flight(serving)
+                await self.stop_group(serving)
+            self.executor.shutdown(wait=True)
+            self.zmq_ctx.term()
+
+    async def _count_in_flight(self, serving: Serving) -> None:
+        """Requests the client still counts in flight after every caller ended: aborts
+        and finishes must clear them (a few ms for the last ones to be reported)."""
+        client = serving.client
+        if serving.dead.is_set():
+            return
+        deadline = time.monotonic() + SLACK_S
+        while client.reqs_in_flight and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        self.figures.in_flight_left = len(client.reqs_in_flight)
+
+
+async def _warm_up(args: argparse.Namespace) -> None:
+    """One short group without faults: what a first group loads for good (modules,
+    pyzmq's helpers) is loaded before the leak baseline."""
+    chaos = Chaos(args, Figures())
+    supervisor = asyncio.ensure_future(chaos.supervise())
+    await chaos.live.wait()
+    serving = chaos.serving
+    assert serving is not None
+    for i in range(8):
+        chaos._spawn(serving, f"warm-{i}", make_request(f"warm-{i}", chaos.request_rng))
+    await chaos._drain(serving)
+    await chaos._fault_rescale(serving)
+    chaos.stop.set()
+    await supervisor
+    await chaos.stop_group(serving)
+    chaos.executor.shutdown(wait=True)
+    chaos.zmq_ctx.term()
+
+
+def _settle_leaks(before: Any, grace: float) -> Leaks:
+    """What is still held ``grace`` seconds after the run, at most (things end late)."""
+    deadline = time.monotonic() + grace
+    while True:
+        gc.collect()
+        found = leaked(before, snapshot())
+        if not found.any_held() or time.monotonic() > deadline:
+            return found
+        time.sleep(0.1)
+
+
+def report(args: argparse.Namespace, figures: Figures, leaks: Leaks, seconds: float) -> bool:
+    """Print the figures; return whether the run passed (nothing hung or leaked)."""
+    f = figures
+    faults = ", ".join(f"{k} {f.faults[k]}" for k in FAULTS)
+    print(f"faults injected: {faults} ({f.rounds} rounds)")
+    restarts = f.restart_seconds
+    mean = sum(restarts) / len(restarts) if restarts else 0.0
+    print(
+        f"groups: {f.groups_started} started, {f.deaths} died ({f.unexpected_deaths} "
+        f"without a fault meant to kill), {len(restarts)} restarted (mean {mean:.2f} s, "
+        f"max {max(restarts, default=0.0):.2f} s)"
+    )
+    print(
+        f"malformed frames: {f.rogue_output_frames} into the clients' outputs "
+        f"({f.protocol_errors} counted there as protocol errors), {f.bad_input_frames} into "
+        "engines' inputs"
+    )
+    failed = ", ".join(f"{k} {v}" for k, v in sorted(f.failed.items())) or "none"
+    ended = f.completed + f.aborted + f.refused + f.cancelled + f.failed_total() + f.hung
+    print(
+        f"requests: {f.sent} sent in {seconds:.0f} s, {f.completed} completed, "
+        f"{f.aborted} aborted by scale-down, {f.refused} refused by an engine (ERROR), "
+        f"{f.cancelled} cancelled, {f.failed_total()} failed with a typed error ({failed})"
+    )
+    print(
+        f"hung: {f.hung} (deadline {args.deadline:g} s); hung operations: {len(f.hung_operations)}"
+    )
+    for what in f.hung_operations:
+        print(f"  hung: {what}")
+    for what in f.errors:
+        print(f"  failed: {what}")
+    growth_mb = leaks.memory_growth / 2**20
+    print(
+        f"leaked: {len(leaks.fds)} fds, {len(leaks.threads)} threads, "
+        f"{len(leaks.processes)} processes, {len(leaks.zombies)} unreaped, "
+        f"{len(leaks.ipc_dirs)} ipc dirs, {f.in_flight_left} requests left in flight, "
+        f"memory {growth_mb:+.1f} MB (limit {args.max_growth_mb:g} MB)"
+    )
+    if leaks.any_held():
+        print(
+            f"  fds {leaks.fds}, threads {leaks.threads}, processes {leaks.processes}, "
+            f"unreaped {leaks.zombies}, ipc dirs {leaks.ipc_dirs}"
+        )
+    unaccounted = f.sent - ended
+    if unaccounted:
+        print(f"requests unaccounted for: {unaccounted}")
+    ok = (
+        not f.hung
+        and not f.hung_operations
+        and not f.errors
+        and not leaks.any_held()
+        and not f.in_flight_left
+        and not unaccounted
+        and growth_mb <= args.max_growth_mb
+    )
+    print(f"result: {'PASS' if ok else 'FAIL'}")
+    return ok
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Register ``corewire bench chaos``'s flags."""
+    parser.add_argument("--seconds", type=float, default=60.0, help="serving time (default 60)")
+    parser.add_argument("--engines", type=int, default=3, help="DP engines (default 3)")
+    parser.add_argument(
+        "--engine",
+        choices=("synthetic", "reference"),
+        default="synthetic",
+        help="engine to run (default synthetic: no model, no torch)",
+    )
+    parser.add_argument("--rate", type=float, default=100.0, help="requests per second")
+    parser.add_argument(
+        "--fault-interval", type=float, default=2.0, help="mean seconds between faults"
+    )
+    parser.add_argument("--seed", type=int, default=0, help="seed of the fault schedule")
+    parser.add_argument(
+        "--deadline", type=float, default=30.0, help="seconds a request may take to end"
+    )
+    parser.add_argument("--health-interval", type=float, default=0.5)
+    parser.add_argument("--health-timeout", type=float, default=2.0)
+    parser.add_argument(
+        "--step-delay", type=float, default=0.005, help="synthetic engine seconds per step"
+    )
+    parser.add_argument(
+        "--max-growth-mb", type=float, default=64.0, help="resident memory growth allowed"
+    )
+    parser.add_argument("--json", metavar="FILE", default=None, help="write the figures as JSON")
+
+
+def run(args: argparse.Namespace) -> int:
+    """The chaos run; exit status 1 when anything hung or leaked."""
+    if args.engines < 1 or args.rate <= 0 or args.fault_interval <= 0:
+        raise SystemExit("--engines >= 1, --rate > 0 and --fault-interval > 0 required")
+    print(
+        f"corewire bench chaos: {args.engines} {args.engine} engines, {args.seconds:g} s, "
+        f"{args.rate:g} requests/s, a fault every {args.fault_interval:g} s on average, "
+        f"seed {args.seed}, health check every {args.health_interval:g} s "
+        f"(timeout {args.health_timeout:g} s)"
+    )
+    warm_up_pyzmq_zero_copy()
+    asyncio.run(_warm_up(args))
+    gc.collect()
+    before = snapshot()
+    figures = Figures()
+    started = time.monotonic()
+    asyncio.run(Chaos(args, figures).run())
+    seconds = time.monotonic() - started
+    leaks = _settle_leaks(before, SLACK_S)
+    figures.leaks = asdict(leaks)
+    ok = report(args, figures, leaks, seconds)
+    if args.json:
+        document = figures.as_dict()
+        document["seconds"] = seconds
+        document["passed"] = ok
+        common.write_json(
+            args.json,
+            "chaos",
+            baseline="none",
+            options={k: v for k, v in vars(args).items() if not k.startswith("_")},
+            cases=[document],
+            goals=[
+                common.Goal("requests hung", figures.hung, 0, lower_is_better=True),
+                common.Goal(
+                    "memory growth, MB", leaks.memory_growth / 2**20, args.max_growth_mb, True
+                ),
+            ],
+        )
+        print(f"results written to {args.json}")
+    return 0 if ok else 1
