@@ -475,11 +475,12 @@ async def test_dplb_streaming_session_affinity(
 
 def test_outputs_the_dp_client_makes_are_in_its_version() -> None:
     """A scale-down finishes a removed engine's requests client-side: under 0.33.0 the
-    consumer gets 0.33.0's structs (it reads weight_version, error...)."""
-    from corewire.client.dp import _in_version
+    consumer gets 0.33.0's structs (it reads weight_version, error...), converted as the
+    DP client converts them, by the engines' own output converter."""
+    from corewire.engine.wire import output_converter
 
     made = p.finished_outputs(["a", "b"], FinishReason.ABORT, engine_index=2)
-    converted = _in_version(made, "0.33.0")
+    converted = output_converter("0.33.0")(made)
     assert type(converted) is V33["EngineCoreOutputs"]
     assert converted.weight_version is None
     assert [type(o) for o in converted.outputs] == [V33["EngineCoreOutput"]] * 2
