@@ -393,3 +393,28 @@ def test_dp_bound_is_per_engine_and_a_cancelled_waiter_is_unrouted() -> None:
         asyncio.run(run())
     finally:
         client.shutdown()
+
+
+def test_the_engine_decodes_at_most_a_bounded_queue_ahead_of_its_loop() -> None:
+    """Engine side: while the busy loop sleeps in a step, its input thread stops at
+    INPUT_QUEUE_HIGH decoded requests (the rest waits in ZeroMQ, where the client's
+    backlog counts it) instead of queueing the whole burst; every request is answered."""
+    from corewire.engine.core import INPUT_QUEUE_HIGH
+
+    burst = 3 * INPUT_QUEUE_HIGH
+    with no_leaks():
+        client = SyncMPClient(
+            engine=SYNTHETIC, engine_args={"max_batch": 2 * burst, "step_delay": 0.5}
+        )
+        try:
+            client.add_request(_request(0, "first"))
+            client.get_output(timeout=30)  # the loop steps: each step now sleeps 0.5 s
+            for i in range(burst):
+                client.add_request(_request(i, "burst"))
+            answered: dict[str, int] = {}
+            while sum(key.startswith("burst-") for key in answered) < burst:
+                _collect(client.get_output(timeout=30), answered)
+            counters = client.call_utility("engine_core_counters")
+            assert counters["input_pauses"] > 0, counters
+        finally:
+            client.shutdown()

@@ -39,6 +39,7 @@ from __future__ import annotations
 import collections
 import concurrent.futures
 import contextlib
+import gc
 import logging
 import queue
 import threading
@@ -127,6 +128,15 @@ OUTPUT_QUEUE_LOW = 2
 OUTPUT_SNDHWM = 128
 # How often a paused loop looks at the output queue again if no resume note came.
 _PAUSE_POLL_S = 0.05
+# Decoded input the input thread may queue ahead of the busy loop; past the high mark it
+# waits (sleeping, so without the GIL) until the loop took the queue down to the low
+# one. Unbounded, a burst let the input thread decode tens of thousands of requests
+# ahead while the busy loop waited for the GIL: on a loaded machine the engine sent
+# nothing for seconds and a healthy engine failed its health check. Bounded, unread
+# input waits in ZeroMQ, where the front-end's input backlog counts it.
+INPUT_QUEUE_HIGH = 2048
+INPUT_QUEUE_LOW = 1024
+_INPUT_WAIT_S = 0.001
 # The longest the busy loop applies queued input before it steps again.
 _INPUT_SLICE_S = 0.05
 # Once a stop is requested, how long the output thread waits for a front-end that takes
@@ -304,6 +314,8 @@ class EngineCoreProc:
         self._output_blocked_at = 0.0
         #: Times the busy loop paused stepping because the output queue was full.
         self.output_pauses = 0
+        #: Times the input thread waited for the busy loop (INPUT_QUEUE_HIGH reached).
+        self.input_pauses = 0
         # A plain bool, not an Event: request_stop() runs inside signal handlers, where
         # taking the Event's lock could deadlock against the interrupted main thread.
         self._stop_requested = False
@@ -333,6 +345,13 @@ class EngineCoreProc:
         calling thread, then stops everything (the engine's ``shutdown()`` included).
         """
         self._loop_thread_id = threading.get_ident()
+        # Everything alive now (torch's modules, the model) lives as long as the process:
+        # frozen, the collector's full passes skip it. Unfrozen, each full pass walked
+        # ~170k objects of torch alone (0.3 s idle, seconds on a loaded machine), in
+        # whichever thread allocated, and an engine working through a burst sent nothing
+        # meanwhile. No collection first: what garbage startup left is bounded, and a
+        # full pass here would add its 0.3 s to every engine start.
+        gc.freeze()
         self._start_io_threads()
         try:
             self.run_busy_loop()
@@ -782,6 +801,7 @@ class EngineCoreProc:
             "refused_requests": self._refused_log.total,
             "log_lines_suppressed": sum(log.suppressed for log in logs),
             "output_pauses": self.output_pauses,
+            "input_pauses": self.input_pauses,
         }
 
     def _resolve_utility(self, method: str) -> Any:
@@ -1106,13 +1126,25 @@ class _InputDecoder:
 
     def __init__(self, proc: EngineCoreProc) -> None:
         self._proc = proc
-        self._put = proc.input_queue.put
+        self._queue_put = proc.input_queue.put
+        self._qsize = proc.input_queue.qsize
         # The protocol's request layout (0.33.0 appends fields, and its LoRA differs).
         self._add_decoder = request_decoder(proc.protocol, for_engine=True)
         self._any_decoder = MsgspecDecoder()
         self._log = proc._malformed_log
         self._max_model_len = proc.engine_info.max_model_len
         self._single_client = len(proc.output_addresses) == 1
+
+    def _put(self, item: InputItem) -> None:
+        """Queue ``item`` for the busy loop; past :data:`INPUT_QUEUE_HIGH` queued, wait
+        until it took the queue down to :data:`INPUT_QUEUE_LOW` (or a stop)."""
+        self._queue_put(item)
+        if self._qsize() >= INPUT_QUEUE_HIGH:
+            proc = self._proc
+            proc.input_pauses += 1
+            stopping = proc._input_stop.is_set
+            while self._qsize() > INPUT_QUEUE_LOW and not stopping():
+                time.sleep(_INPUT_WAIT_S)
 
     def decode(self, frames: list[zmq.Frame]) -> None:
         """Decode one request message and queue it (or answer / drop it if broken)."""
