@@ -22,6 +22,7 @@ from corewire.client._resources import ClientResources
 from corewire.client.core import HEALTH_CHECK_METHOD, MPClient
 from corewire.client.ft_status import StatusKeeper
 from corewire.client.input_backlog import total_held
+from corewire.client.liveness import SilenceJudge
 from corewire.client.output_link import (
     DRAIN_BUDGET,
     EMPTY,
@@ -442,19 +443,20 @@ class AsyncMPClient(MPClient):
                 future: engine_index_of(engine)
                 for future, engine in zip(futures, self.core_engines, strict=True)
             }
-            started = time.monotonic()
+            judge = SilenceJudge(liveness, timeout, time.monotonic())
+            wake_at = liveness.deadline(index_of.values(), judge.started, timeout)
             while True:
                 pauses = queue.pauses
-                waiting = [index_of[f] for f in futures if not f.done()]
-                wait_s = liveness.deadline(waiting, started, timeout) - time.monotonic()
+                wait_s = wake_at - time.monotonic()
                 _, pending = await asyncio.wait(futures, timeout=max(0.0, wait_s))
                 if not pending:
                     break
                 now = time.monotonic()
-                if queue.paused or queue.pauses != pauses or queue.resumed_at >= started:
-                    started = now  # the backlog was full: this window does not count
+                if queue.paused or queue.pauses != pauses or queue.resumed_at >= judge.started:
+                    judge.restart(now)  # the backlog was full: this window does not count
+                    wake_at = now + timeout
                     continue
-                silent = liveness.silent([index_of[f] for f in pending], started, timeout, now)
+                silent, wake_at = judge.judge([index_of[f] for f in pending], now)
                 if silent:
                     raise self.resources.dead_error(
                         f"engine core did not answer a health check within {timeout:g} s "

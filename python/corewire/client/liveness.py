@@ -11,26 +11,48 @@ least every few tens of milliseconds however much input is queued); a stopped on
 (SIGSTOP) or one stuck in a step sends nothing, and is found ``timeout`` seconds after
 its last message.
 
-The output link writes the time of the pass that received a message into
-:attr:`Liveness.heard` under the message's ``engine_index`` (one dictionary store per
-message); the clients' health checks read it.
+Silence is judged on evidence the output link gathered, not on the clock alone: the
+client's own process can stall (a full garbage collection over a large heap takes
+seconds on a loaded machine), and after a stall the health check may run before the
+link has read what the engine sent meanwhile. So an engine is silent only when a pass
+of the link that began after the engine's deadline ended without a word from it, or the
+link sat idle (the socket drained) while the checker looked twice, :data:`LOOK_GRACE_S`
+apart (see :class:`SilenceJudge`).
+
+The output link writes, per pass: :attr:`Liveness.heard` under each message's
+``engine_index`` (one dictionary store per message), and when the pass ends,
+:attr:`~Liveness.looked`, :attr:`~Liveness.idle` and :attr:`~Liveness.passes`. The
+clients' health checks read them through a :class:`SilenceJudge`.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable
 
-__all__ = ["Liveness"]
+__all__ = ["LOOK_GRACE_S", "Liveness", "SilenceJudge"]
+
+#: How long an idle link (nothing to read) must stay idle, as the health check watches,
+#: before an engine past its deadline counts as silent: ample for the link's thread to
+#: take a turn once something is readable (Python switches threads every 5 ms).
+LOOK_GRACE_S = 0.05
 
 
 class Liveness:
-    """Last-heard times (``time.monotonic()``) by engine index."""
+    """What the output link saw: last-heard times by engine index, and its passes."""
 
-    __slots__ = ("heard",)
+    __slots__ = ("heard", "idle", "looked", "passes")
 
     def __init__(self) -> None:
-        #: Engine index -> when the output link last received a message from it.
+        #: Engine index -> when the output link last received a message from it
+        #: (``time.monotonic()`` at the start of the pass that read it).
         self.heard: dict[int, float] = {}
+        #: When the link's last completed pass began (``time.monotonic()``).
+        self.looked = 0.0
+        #: Whether that pass left the socket empty and no pass is under way (the link
+        #: waits for the socket); false from the start of a pass to its end.
+        self.idle = True
+        #: Completed passes.
+        self.passes = 0
 
     def deadline(self, indices: Iterable[int], started: float, timeout: float) -> float:
         """When the first of the engines ``indices`` (those yet to answer) counts as hung:
@@ -41,7 +63,66 @@ class Liveness:
     def silent(
         self, indices: Iterable[int], started: float, timeout: float, now: float
     ) -> list[int]:
-        """The engines among ``indices`` silent for ``timeout`` seconds as of ``now``
-        (nothing heard since ``started``, or since their last message)."""
+        """The engines among ``indices`` silent for ``timeout`` seconds as of ``now`` by
+        the clock alone (nothing heard since ``started``, or since their last message);
+        :class:`SilenceJudge` adds the link's evidence."""
         heard = self.heard
         return [i for i in indices if now - max(started, heard.get(i, started)) >= timeout]
+
+
+class SilenceJudge:
+    """One health check's verdicts: which engines are silent, or when to ask again.
+
+    ``started`` (monotonic) begins the window; :meth:`restart` begins it again (the
+    output backlog was full, so silence proves nothing).
+
+    Past an engine's deadline with no proof yet, the judge watches the link: each call
+    adds the time since the previous one, but at most :data:`LOOK_GRACE_S` (the pause it
+    asks for), so that a stall of the whole process counts as one short look, not as
+    seconds of silence. An idle link must stay so for two such looks; a link busy in a
+    pass that began before the deadline gets a whole ``timeout`` (after that it is the
+    client that is stuck, and waiting longer helps nobody). A pass that ends meanwhile
+    begins the watch again; the next one began after the deadline, and decides.
+    """
+
+    __slots__ = ("_last", "_liveness", "_passes", "_timeout", "_watched", "started")
+
+    def __init__(self, liveness: Liveness, timeout: float, started: float) -> None:
+        self._liveness = liveness
+        self._timeout = timeout
+        #: When the window began.
+        self.started = started
+        self._last: float | None = None  # the previous call while an engine was due
+        self._passes = -1  # the link's pass count the watch began at
+        self._watched = 0.0
+
+    def restart(self, now: float) -> None:
+        """Begin the window again at ``now``."""
+        self.started = now
+        self._last = None
+
+    def judge(self, indices: list[int], now: float) -> tuple[list[int], float]:
+        """``(silent, wake_at)``: the engines among ``indices`` (those yet to answer)
+        proven silent as of ``now``, and, when none is, when to judge again."""
+        liveness, timeout, started = self._liveness, self._timeout, self.started
+        heard = liveness.heard
+        refs = {i: max(started, heard.get(i, started)) for i in indices}
+        due = [i for i, ref in refs.items() if now - ref >= timeout]
+        if not due:
+            self._last = None
+            return [], min(refs.values()) + timeout
+        # A pass that began after the deadline ended without a word from them.
+        looked = liveness.looked
+        proven = [i for i in due if looked >= refs[i] + timeout]
+        if proven:
+            return proven, now
+        last, self._last = self._last, now
+        if last is None or self._passes != liveness.passes:
+            self._passes = liveness.passes
+            self._watched = 0.0
+        else:
+            self._watched += min(now - last, LOOK_GRACE_S)
+        needed = 2 * LOOK_GRACE_S if liveness.idle else timeout
+        if self._watched >= needed - 1e-9:
+            return due, now
+        return [], now + LOOK_GRACE_S

@@ -53,6 +53,7 @@ from corewire.protocol import EEP_NOTIFICATION_CALL_ID, ENGINE_CORE_DEAD
 
 if TYPE_CHECKING:
     from corewire.client._resources import ClientResources
+    from corewire.client.liveness import Liveness
 
 __all__ = [
     "DRAIN_BUDGET",
@@ -106,6 +107,15 @@ _monotonic = time.monotonic
 _FIRST = DRAIN_BUDGET - 1  # what ``left`` is after a pass's first message
 
 
+def _ended(liveness: Liveness, began: float, status: Any) -> Any:
+    """Note a pass that began at ``began`` and ended with ``status`` (EMPTY: the socket
+    is drained, the link idles) for the health check; return ``status``."""
+    liveness.looked = began
+    liveness.idle = status is EMPTY
+    liveness.passes += 1
+    return status
+
+
 class OutputLink:
     """Reads one client's output socket into its output queue (see the module docstring).
 
@@ -133,6 +143,7 @@ class OutputLink:
         "_high",
         "_hook",
         "_left",
+        "_liveness",
         "_metrics",
         "_name",
         "_notify",
@@ -174,7 +185,9 @@ class OutputLink:
         # Metrics on: a decoder that times and counts each message; off: the plain one.
         self._decode = decoder.decode if metrics is None else metrics.wrap_decode(decoder.decode)
         self._pop = resources.registry.pop
-        # Engine index -> when last heard from: the health check's evidence of life.
+        # Engine index -> when last heard from, and the link's passes: the health
+        # check's evidence of life (corewire.client.liveness).
+        self._liveness = resources.liveness
         self._heard = resources.liveness.heard
         self._resources = resources
         self._queue = queue
@@ -207,6 +220,8 @@ class OutputLink:
         queue, high, heard = self._queue, self._high, self._heard
         # One clock read a pass: the health check needs when, to within a pass.
         now = _monotonic()
+        liveness = self._liveness
+        liveness.idle = False
         # A pass starts afresh unless it goes on after an async hook.
         left, work = (DRAIN_BUDGET, 0) if hooked is None else (self._left, self._work)
         outputs = hooked
@@ -219,7 +234,7 @@ class OutputLink:
                     try:
                         first = recv(_NOBLOCK, copy=False)
                     except _Again:
-                        return EMPTY
+                        return _ended(liveness, now, EMPTY)
                     frames = [first]
                     while first.more:
                         first = recv(copy=False)
@@ -253,8 +268,8 @@ class OutputLink:
                 # At low load one message comes per wake-up: asking whether more are
                 # queued costs less than a receive that raises Again.
                 if left == _FIRST and not self._events(_EVENTS) & _POLLIN:
-                    return EMPTY
-            return STOPPED if self._resources.closed else MORE
+                    return _ended(liveness, now, EMPTY)
+            return STOPPED if self._resources.closed else _ended(liveness, now, MORE)
         except Exception as exc:
             self.fail(exc)
             return STOPPED

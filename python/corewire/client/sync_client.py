@@ -24,6 +24,7 @@ import zmq
 from corewire.client.core import HEALTH_CHECK_METHOD, MPClient
 from corewire.client.ft_status import StatusDrops
 from corewire.client.input_backlog import total_held
+from corewire.client.liveness import SilenceJudge
 from corewire.client.output_link import PAUSED, STOPPED, OutputLink
 from corewire.errors import EngineDeadError, UtilityError
 from corewire.metrics import for_client
@@ -282,22 +283,25 @@ class SyncMPClient(MPClient):
                     UtilityCall(self.client_index, call_id, HEALTH_CHECK_METHOD, ()),
                     engine,
                 )
-                started = time.monotonic()
+                judge = SilenceJudge(liveness, timeout, time.monotonic())
+                wake_at = liveness.deadline((index,), judge.started, timeout)
                 while True:
                     pauses = backlog.pauses
-                    wait_s = liveness.deadline((index,), started, timeout) - time.monotonic()
                     try:
-                        future.result(max(0.0, wait_s))
+                        future.result(max(0.0, wake_at - time.monotonic()))
                         break
                     except concurrent.futures.TimeoutError:
                         now = time.monotonic()
                         if (
                             backlog.paused
                             or backlog.pauses != pauses
-                            or backlog.resumed_at >= started
+                            or backlog.resumed_at >= judge.started
                         ):
-                            started = now  # the backlog was full: this window does not count
-                        elif liveness.silent((index,), started, timeout, now):
+                            judge.restart(now)  # the backlog was full: this window does not count
+                            wake_at = now + timeout
+                            continue
+                        silent, wake_at = judge.judge([index], now)
+                        if silent:
                             raise resources.dead_error(
                                 f"engine core did not answer a health check within "
                                 f"{timeout:g} s and sent nothing else meanwhile "
