@@ -128,3 +128,40 @@ def test_vllm_adapters_without_vllm_name_the_version_to_install() -> None:
         "installed: pip install vllm==0.25.1"
     )
     assert result.stdout.splitlines() == [line] * 3
+
+
+def test_the_client_and_engines_import_torch_only_for_a_tensor() -> None:
+    """Importing corewire, its clients and the synthetic engine, and encoding, leave
+    torch unimported (it took 1.7 s of every process start); the first tensor to decode
+    imports it and comes out a real ``torch.Tensor``, which its struct field accepts."""
+    result = run_without(
+        [],
+        """
+        import sys
+        import corewire, corewire.client, corewire.engine.core, corewire.engine.synthetic
+        from corewire.codec import RAW_VIEW_EXT, Encoder, MsgspecDecoder
+        import msgspec
+        from client_support import request
+        from corewire.protocol import EngineCoreRequest, Tensor
+        print("torch" in sys.modules)
+        import numpy as np
+        plain = request("t")
+        Encoder().encode(plain)
+        assert "torch" not in sys.modules
+        # A tensor on the wire, [dtype, shape, raw bytes], written by hand so that the
+        # decoder is the first to need torch.
+        raw = msgspec.msgpack.Ext(RAW_VIEW_EXT, np.arange(6, dtype=np.float32).tobytes())
+        embeds = ["float32", [2, 3], raw]
+        frames = Encoder().encode(msgspec.structs.replace(plain, prompt_embeds=embeds))
+        assert "torch" not in sys.modules
+        got = MsgspecDecoder(EngineCoreRequest).decode(frames)
+        print(type(got.prompt_embeds).__module__, got.prompt_embeds.tolist())
+        print(isinstance(got.prompt_embeds, Tensor), isinstance(np.zeros(1), Tensor))
+        """,
+    )
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.splitlines() == [
+        "False",
+        "torch [[0.0, 1.0, 2.0], [3.0, 4.0, 5.0]]",
+        "True False",
+    ]

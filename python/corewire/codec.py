@@ -18,6 +18,7 @@ Wire format: docs/protocol.md §4-§6 (frames, array and tensor layout, inline o
 
 from __future__ import annotations
 
+import sys
 import warnings
 from collections.abc import Sequence
 from typing import Any
@@ -29,12 +30,24 @@ from corewire import releases
 from corewire._native import NativeDecoder
 from corewire.errors import ProtocolError
 from corewire.layouts import types_for, version_of
-from corewire.protocol import UtilityResult, utility_result_wire
+from corewire.protocol import Tensor, UtilityResult, utility_result_wire
 
-try:
-    import torch
-except ImportError:  # pragma: no cover - exercised only without torch
-    torch = None  # type: ignore[assignment]
+
+def _torch_if_imported() -> Any:
+    """torch where something imported it already, else None: a tensor can exist only
+    then, so encoding never imports it (corewire.protocol.Tensor)."""
+    return sys.modules.get("torch")
+
+
+def _torch_for_a_tensor() -> Any:
+    """torch, imported on the first tensor to decode; a clear error where it is not
+    installed."""
+    try:
+        import torch
+    except ImportError as exc:
+        raise ProtocolError("a tensor arrived, but torch is not installed") from exc
+    return torch
+
 
 __all__ = ["INLINE_THRESHOLD", "RAW_VIEW_EXT", "Encoder", "MsgspecDecoder", "NativeDecoder"]
 
@@ -113,6 +126,7 @@ class Encoder:
     def _enc_hook(self, obj: Any) -> Any:
         if isinstance(obj, np.ndarray):
             return self._encode_ndarray(obj)
+        torch = _torch_if_imported()
         if torch is not None and isinstance(obj, torch.Tensor):
             return self._encode_tensor(obj)
         if isinstance(obj, UtilityResult):
@@ -141,7 +155,7 @@ class Encoder:
             tensor = tensor.cpu()
         dtype = str(tensor.dtype).removeprefix("torch.")
         # View as bytes: numpy has no bfloat16, and this never copies a contiguous tensor.
-        raw = tensor.contiguous().reshape(-1).view(torch.uint8).numpy()
+        raw = tensor.contiguous().reshape(-1).view(_torch_if_imported().uint8).numpy()
         inline = on_cpu and raw.nbytes < self._inline_threshold
         return [dtype, list(tensor.shape), self._data_ref(raw.data, inline)]
 
@@ -193,7 +207,8 @@ class MsgspecDecoder:
     def _dec_hook(self, t: type, obj: Any) -> Any:
         if t is np.ndarray:
             return self._decode_ndarray(obj)
-        if torch is not None and t is torch.Tensor:
+        # corewire's structs name Tensor; vLLM's (the plugin's) name torch.Tensor itself.
+        if t is Tensor or t is getattr(_torch_if_imported(), "Tensor", None):
             return self._decode_tensor(obj)
         if t is UtilityResult:
             return self._decode_utility_result(obj)
@@ -235,6 +250,7 @@ class MsgspecDecoder:
 
     def _decode_tensor(self, obj: Any) -> Any:
         dtype_str, shape, data = self._array_bytes(obj)
+        torch = _torch_for_a_tensor()
         torch_dtype = getattr(torch, dtype_str, None)
         if not isinstance(torch_dtype, torch.dtype):
             raise ProtocolError(f"unknown tensor dtype {dtype_str!r}")
