@@ -30,6 +30,7 @@ vllm = require_vllm_0_33_0()
 from vllm.v1.engine.core_client import EngineCoreClient  # noqa: E402
 from vllm.v1.executor.abstract import Executor  # noqa: E402
 
+from corewire import releases  # noqa: E402
 from vllm_join_support import (  # noqa: E402
     Joining,
     assert_one_engine_joins,
@@ -48,8 +49,17 @@ def _make_client(config: Any) -> Any:
     )
 
 
-#: 0.33.0's wire; its step messages carry a weight version, other messages none.
-JOINING = Joining(RELEASE, 90, _make_client, weight_versions=("default", None))
+#: What the release under test does (its class, read as the modules around read it).
+RELEASE_FACTS = releases.get(RELEASE)
+#: The release's wire: from 0.27.0 step messages carry a weight version, others none.
+JOINING = Joining(
+    RELEASE,
+    90,
+    _make_client,
+    weight_versions=("default", None) if RELEASE_FACTS.weight_versions else None,
+)
+#: Load counts per engine: [waiting, running], and the KV cache's usage from 0.27.0.
+COUNT_LEN = 3 if RELEASE_FACTS.counts_carry_kv_usage else 2
 
 
 @pytest.fixture
@@ -68,7 +78,7 @@ def test_two_engines_join_behind_vllm_0_33_0s_dp_coordinator(root: Path) -> None
     # The engines' counts reached 0.33.0's coordinator, which published them as
     # [waiting, running, kv_cache_usage] (both engines busy at some point, all idle at
     # the end; these engines have no KV cache).
-    idle = [0, 0, 0.0]
+    idle = [0, 0, 0.0][:COUNT_LEN]
     assert any(c[0] != idle for c in counts) and any(c[1] != idle for c in counts), counts
-    assert all(len(e) == 3 and e[2] == 0.0 for c in counts for e in c), counts
+    assert all(len(e) == COUNT_LEN and e[2:] in ([], [0.0]) for c in counts for e in c), counts
     assert counts[-1] == [idle, idle]
