@@ -31,9 +31,10 @@ from collections.abc import Iterable
 
 __all__ = ["LOOK_GRACE_S", "Liveness", "SilenceJudge"]
 
-#: How long an idle link (nothing to read) must stay idle, as the health check watches,
-#: before an engine past its deadline counts as silent: ample for the link's thread to
-#: take a turn once something is readable (Python switches threads every 5 ms).
+#: The pause between the health check's looks at a link with no proof yet, and the most
+#: one look counts for: an idle link (nothing to read) must stay so for two looks before
+#: an engine past its deadline counts as silent, ample for the link's thread to take a
+#: turn once something is readable (Python switches threads every 5 ms).
 LOOK_GRACE_S = 0.05
 
 
@@ -59,15 +60,6 @@ class Liveness:
         ``timeout`` after the later of ``started`` and its last message."""
         heard = self.heard
         return min(max(started, heard.get(i, started)) for i in indices) + timeout
-
-    def silent(
-        self, indices: Iterable[int], started: float, timeout: float, now: float
-    ) -> list[int]:
-        """The engines among ``indices`` silent for ``timeout`` seconds as of ``now`` by
-        the clock alone (nothing heard since ``started``, or since their last message);
-        :class:`SilenceJudge` adds the link's evidence."""
-        heard = self.heard
-        return [i for i in indices if now - max(started, heard.get(i, started)) >= timeout]
 
 
 class SilenceJudge:
