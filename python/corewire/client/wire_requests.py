@@ -1,7 +1,7 @@
 """What a client sends, in its engines' wire version: requests and versioned utility arguments.
 
-A client with ``protocol="0.25.1"`` (the default) sends what it is given, unchanged: this
-module is not on its path. A client with ``protocol="0.33.0"`` takes either a
+A client with ``protocol="0.25.1"`` sends what it is given, unchanged: this module is not
+on its path. A client with ``protocol="0.33.0"`` takes either a
 ``corewire.protocol.EngineCoreRequest`` (0.25.1's struct, what existing callers build),
 which it converts, or a request already in 0.33.0's layout, which it sends as given:
 ``corewire.layouts.types_for("0.33.0")["EngineCoreRequest"]``, or vLLM 0.33.0's own
@@ -25,7 +25,8 @@ A LoRA is the one layout that does not decode across versions (0.33.0 removed
 or the 7-element list a 0.25.1 request decoder leaves, is converted; one that carries a
 ``tensorizer_config_dict`` is refused (0.33.0 has no place for it); any other LoRA
 (0.33.0's struct, vLLM's own) is sent as given. The same holds for the ``add_lora``
-utility's argument (:func:`utility_args_writer`).
+utility's argument (:func:`utility_args_writer`). Releases before 0.32.0 keep 0.25.1's
+LoRA: there it goes as it is.
 
 Wire format: docs/protocol.md §11 and docs/vllm-0.33.0-notes.md §2.1, §2.9-§2.11.
 """
@@ -73,9 +74,17 @@ def utility_args_writer(
     """The function that turns a utility call's arguments into what a ``protocol`` client
     sends (only ``add_lora``'s LoRA differs between versions), or None when they are sent
     as given (0.25.1)."""
-    if get_release(protocol).speaks_protocol_structs:
+    release = get_release(protocol)
+    if release.speaks_protocol_structs or _keeps_tensorizer(release):
         return None
     return _utility_args_0_33_0
+
+
+def _keeps_tensorizer(release: Any) -> bool:
+    """Whether ``release``'s ``LoRARequest`` is 0.25.1's (with ``tensorizer_config_dict``
+    at index 4: every release before 0.32.0), so that a 0.25.1 LoRA goes as it is."""
+    lora = layouts.types_for(release).get("LoRARequest")
+    return lora is not None and "tensorizer_config_dict" in lora.__struct_fields__
 
 
 def as_given(release: Any) -> Callable[[Any], Any]:
@@ -100,23 +109,52 @@ def as_given(release: Any) -> Callable[[Any], Any]:
 
 def converted_writer(release: Any) -> Callable[[Any], Any]:
     """The writer of a release whose requests are 0.33.0's by field name but whose
-    nested structs may lack 0.33.0's later fields (vLLM 0.32.0: ``PoolingParams`` without
-    ``late_chunking_params``): corewire's 0.25.1 struct is converted as for 0.33.0 and
-    rebuilt in the release's own layout (fields 0.33.0 added, which a 0.25.1 struct
-    leaves at their defaults, dropped); anything else goes as given."""
+    nested structs may lack 0.33.0's later fields (vLLM 0.27.0-0.32.0: ``PoolingParams``
+    without ``late_chunking_params``; before 0.32.0, 0.25.1's ``LoRARequest``): corewire's
+    0.25.1 struct is converted as for 0.33.0 and rebuilt in the release's own layout
+    (fields 0.33.0 added, which a 0.25.1 struct leaves at their defaults, dropped; the
+    LoRA left as it is where the release's is 0.25.1's); anything else goes as given."""
     types = layouts.types_for(release)
     target, pooling = types["EngineCoreRequest"], types["PoolingParams"]
     pooling_fields = set(pooling.__struct_fields__)
+    # Before 0.32.0 a request lacks 0.33.0's session_id and kv_hints (a 0.25.1 struct
+    # leaves them at their defaults).
+    request_fields = set(target.__struct_fields__)
+    keeps_tensorizer = _keeps_tensorizer(release)
+    # Where the release writes routed_experts_prompt_start: 0.25.1's place (before
+    # bad_words) until 0.28.0, 0.33.0's (last but one) from 0.29.0 on. Every release
+    # that moved it also drops repeated stops, as 0.33.0's rebuild does.
+    own_order = types["SamplingParams"].__struct_fields__
+    moved = own_order.index("routed_experts_prompt_start") > own_order.index("bad_words")
+    drops_repeats = release.drops_repeated_stops
+
+    def own_sampling(sampling: Any) -> Any:
+        if type(sampling) is not p.SamplingParams:
+            return sampling
+        if moved:
+            return sampling_0_33_0(sampling)
+        if drops_repeats and not _no_repeats(sampling):
+            # 0.28.0: 0.25.1's order, each stop once.
+            return msgspec.structs.replace(
+                sampling,
+                stop_token_ids=_once(sampling.stop_token_ids),
+                bad_words=_once(sampling.bad_words),
+            )
+        return sampling
 
     def write(request: Any) -> Any:
         if type(request) is not p.EngineCoreRequest:
             return request
         fields = _asdict(to_0_33_0(request))
+        if keeps_tensorizer:
+            # Before 0.32.0 the LoRA is 0.25.1's: it goes as it is.
+            fields["lora_request"] = request.lora_request
+        fields["sampling_params"] = own_sampling(request.sampling_params)
         params = fields["pooling_params"]
         if params is not None and type(params) is not pooling:
             kept = {k: v for k, v in _asdict(params).items() if k in pooling_fields}
             fields["pooling_params"] = pooling(**kept)
-        return target(**fields)
+        return target(**{k: v for k, v in fields.items() if k in request_fields})
 
     return write
 
@@ -191,6 +229,14 @@ def sampling_0_33_0(sampling: Any) -> Any:
     ):
         return sampling
     return _SAMPLING(**_asdict(sampling))
+
+
+def _once(values: Any) -> Any:
+    return values if values is None else list(dict.fromkeys(values))
+
+
+def _no_repeats(sampling: Any) -> bool:
+    return _unique(sampling.stop_token_ids) and _unique(sampling.bad_words)
 
 
 def _unique(values: Any) -> bool:
