@@ -3,11 +3,17 @@ as checked live (docs/protocol.md §11.3): the registry's logic, without vLLM in
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 
 from corewire import releases
 from corewire.releases import _CLASSES, _class_for
 from corewire.releases.v0_25_1 import Release0251
+from corewire.releases.v0_27_0 import Release0270
+from corewire.releases.v0_28_0 import Release0280
+from corewire.releases.v0_29_0 import Release0290
+from corewire.releases.v0_31_0 import Release0310
 from corewire.releases.v0_32_0 import Release0320
 from corewire.releases.v0_33_0 import Release0330
 from corewire.releases.v0_34_0 import Release0340
@@ -16,18 +22,18 @@ from corewire.releases.v0_34_0 import Release0340
 CLASS_OF = {
     "0.25.1": Release0251,
     "0.26.0": Release0251,
-    "0.27.0": Release0251,
-    "0.27.1": Release0251,
-    "0.28.0": Release0251,
-    "0.29.0": Release0251,
-    "0.30.0": Release0251,
-    "0.31.0": Release0251,
+    "0.27.0": Release0270,
+    "0.27.1": Release0270,
+    "0.28.0": Release0280,
+    "0.29.0": Release0290,
+    "0.30.0": Release0290,
+    "0.31.0": Release0310,
     "0.32.0": Release0320,
     "0.33.0": Release0330,
     "0.34.0": Release0340,
 }
 #: The releases checked live (a venv with that release, the live modules of scripts/test).
-LIVE = {"0.25.1", "0.32.0", "0.33.0", "0.34.0"}
+LIVE = set(CLASS_OF)
 
 
 @pytest.mark.parametrize("name", sorted(CLASS_OF))
@@ -49,7 +55,7 @@ def test_live_checked_names_only_releases_the_class_stands_for() -> None:
 
 def test_native_output_stays_where_it_was_held_to_the_output_processor() -> None:
     # Held to the OutputProcessor of 0.25.1, 0.33.0 and 0.34.0 only: a release checked
-    # live (0.32.0) or standing with 0.25.1's class (0.26.0) does not get it.
+    # live otherwise (0.32.0) or standing with 0.25.1's class (0.26.0) does not get it.
     assert [r.name for r in releases.SUPPORTED if r.native_output] == [
         "0.25.1",
         "0.33.0",
@@ -57,6 +63,43 @@ def test_native_output_stays_where_it_was_held_to_the_output_processor() -> None
     ]
     assert releases.get("0.32.0").verified and not releases.get("0.32.0").native_output
     assert releases.get("0.26.0").written_for is False
+
+
+def test_each_class_is_the_one_before_and_what_its_release_changed() -> None:
+    # One chain, oldest first: each class adds its release's changes to the previous.
+    for older, newer in itertools.pairwise(_CLASSES):
+        assert newer.__mro__[1] is older, newer
+    r0251, r0270 = releases.get("0.25.1"), releases.get("0.27.0")
+    # 0.27.0: KV-usage counts and the KV-pressure routing rule, fault tolerance and
+    # weight versions (0.33.0's client members answer what its AsyncLLM calls).
+    assert not r0251.counts_carry_kv_usage and r0270.counts_carry_kv_usage
+    assert r0270.kv_pressure_routing and not r0270.engine_led_waves
+    assert r0270.vllm_client_members() is releases.get("0.33.0").vllm_client_members()
+    # ...and its engines answer weight versions (0.33.0's utilities, a superset).
+    assert Release0270.engine_utilities is not Release0251.engine_utilities
+    # 0.28.0's launch object, 0.29.0's mamba block size, 0.31.0's attention block size
+    # and KV-event sources, 0.32.0's bound addresses and listeners: one override each.
+    assert "launch" in vars(Release0280) and "apply_ready" in vars(Release0290)
+    assert "apply_ready" in vars(Release0310) and "listeners" in vars(Release0320)
+
+
+@pytest.mark.parametrize(
+    ("installed", "default"),
+    [
+        (None, "0.34.0"),
+        ("0.25.1", "0.25.1"),
+        ("0.27.1", "0.27.1"),
+        ("0.33.0+cpu", "0.33.0"),
+        ("0.25.2", "0.34.0"),
+        ("0.35.0", "0.34.0"),
+    ],
+)
+def test_the_default_is_the_installed_vllms_release_else_the_newest(
+    monkeypatch: pytest.MonkeyPatch, installed: str | None, default: str
+) -> None:
+    monkeypatch.setattr(releases, "_installed_vllm_version", lambda: installed)
+    assert releases._default_release() is releases.get(default)
+    assert releases.NEWEST == "0.34.0"
 
 
 def test_0_32_0_is_0_33_0_less_what_0_33_0_added() -> None:

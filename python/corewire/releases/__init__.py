@@ -9,7 +9,8 @@ This package is the one home of release differences:
   turns one into msgspec types (``corewire.layouts.types_for``).
 - **The behaviour** beyond the wire is code: one small :class:`~.base.Release` class per
   release whose engines or front-end behave differently from the one before
-  (:mod:`.v0_25_1`, :mod:`.v0_32_0`, :mod:`.v0_33_0`, :mod:`.v0_34_0`), registered in
+  (:mod:`.v0_25_1`, :mod:`.v0_27_0`, :mod:`.v0_28_0`, :mod:`.v0_29_0`, :mod:`.v0_31_0`,
+  :mod:`.v0_32_0`, :mod:`.v0_33_0`, :mod:`.v0_34_0`), registered in
   :data:`_CLASSES`.
 
 Each release is one :class:`~.base.Release` object: a ``str`` (its version, as the wire
@@ -24,12 +25,17 @@ class here.
 
 from __future__ import annotations
 
+import importlib.metadata
 import logging
 from typing import Any
 
 from corewire.releases import records
 from corewire.releases.base import Launch, Release
 from corewire.releases.v0_25_1 import Release0251
+from corewire.releases.v0_27_0 import Release0270
+from corewire.releases.v0_28_0 import Release0280
+from corewire.releases.v0_29_0 import Release0290
+from corewire.releases.v0_31_0 import Release0310
 from corewire.releases.v0_32_0 import Release0320
 from corewire.releases.v0_33_0 import Release0330
 from corewire.releases.v0_34_0 import Release0340
@@ -52,7 +58,16 @@ logger = logging.getLogger("corewire.releases")
 
 #: Every release class, oldest first. Each stands for its release (its ``NAME``) and the
 #: recorded releases after it until the next class.
-_CLASSES: tuple[type[Release], ...] = (Release0251, Release0320, Release0330, Release0340)
+_CLASSES: tuple[type[Release], ...] = (
+    Release0251,
+    Release0270,
+    Release0280,
+    Release0290,
+    Release0310,
+    Release0320,
+    Release0330,
+    Release0340,
+)
 
 
 def _key(name: str) -> tuple[int, ...]:
@@ -76,10 +91,35 @@ _RELEASES: dict[str, Release] = {
 
 #: Every supported release, oldest first.
 SUPPORTED: tuple[Release, ...] = tuple(_RELEASES.values())
-#: The release of anything not told one.
-DEFAULT: Release = _RELEASES["0.25.1"]
 #: The newest release corewire has a record of.
 NEWEST: Release = SUPPORTED[-1]
+
+
+def _installed_vllm_version() -> str | None:
+    """The version of the vLLM distribution installed here, read off its metadata (vLLM
+    itself is not imported: that takes seconds), or None."""
+    try:
+        return importlib.metadata.version("vllm")
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def _default_release() -> Release:
+    """The release of anything not told one: the installed vLLM's, where corewire has a
+    record of it (its front-end and corewire's engines then agree without being told);
+    else the newest release (no vLLM, or one corewire does not speak by name)."""
+    version = _installed_vllm_version()
+    if version is not None:
+        release = _RELEASES.get(version.strip().split("+", 1)[0])
+        if release is not None:
+            return release
+    return NEWEST
+
+
+#: The release of anything not told one (a client, an engine, an encoder or decoder,
+#: ``corewire engine``): the installed vLLM's if it is a supported release, else the
+#: newest (docs/protocol.md §11).
+DEFAULT: Release = _default_release()
 
 
 class UnsupportedProtocolError(ValueError):

@@ -62,6 +62,9 @@ class Release(str):
     #: Internal load balancing keeps a streaming-input session on its engine and aborts
     #: an open session on every engine.
     session_affinity: ClassVar[bool] = False
+    #: ``SamplingParams`` drops repeated ``stop_token_ids`` and ``bad_words`` when built,
+    #: so a front-end writes each once (0.28.0 on).
+    drops_repeated_stops: ClassVar[bool] = False
     #: Front-ends call the process-checkpoint utilities (``checkpoint_prepare`` /
     #: ``_restore`` / ``_state``), pass ``reset_connector`` to ``sleep`` and
     #: ``release_kv_cache_memory``, and read the managed engine's status map as the

@@ -21,9 +21,8 @@ class Release0251(Release):
     __slots__ = ()
     NAME = "0.25.1"
     # 0.26.0 changed nothing its front-end helpers, client members, DP coordinator or
-    # ready response do (docs/protocol.md §11.3), but has not been checked live: the
-    # plugin refuses it until it is.
-    LIVE_CHECKED = ("0.25.1",)
+    # ready response do (docs/protocol.md §11.3); checked live against this class.
+    LIVE_CHECKED = ("0.25.1", "0.26.0")
 
     NATIVE_OUTPUT = True
     VLLM_CLIENT = True
