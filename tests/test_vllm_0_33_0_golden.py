@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import msgspec
 import pytest
 
 from corewire import ProtocolError, layouts, releases
@@ -140,12 +141,16 @@ def test_0_25_1_messages_without_outputs_decode_under_both() -> None:
     assert jsonable(old) == jsonable(new)
 
 
-def test_an_encoder_refuses_the_other_versions_structs() -> None:
+def test_an_encoder_refuses_newer_structs_and_converts_0_25_1s() -> None:
     new = layouts.types_for("0.33.0")["EngineCoreOutputs"]()
     with pytest.raises(TypeError, match=r"vLLM 0\.33\.0"):
-        Encoder().encode(new)
-    with pytest.raises(TypeError, match=r"0\.25\.1"):
-        Encoder(protocol="0.33.0").encode(p.EngineCoreOutputs())
+        Encoder(protocol="0.25.1").encode(new)
+    # corewire.protocol's message (what engines build) goes out in 0.33.0's layout, as
+    # a 0.33.0 engine converts it.
+    old = p.EngineCoreOutputs(outputs=[p.EngineCoreOutput("r", [1, 2])])
+    frames = Encoder(protocol="0.33.0").encode(old)
+    assert msgspec.msgpack.decode(frames[0])[1][0][:2] == ["r", [1, 2]]
+    assert NativeDecoder(protocol="0.33.0").decode(frames).outputs[0].new_token_ids == [1, 2]
     # the structs both versions share pass either
     reply = p.UtilityOutput(1, None, p.UtilityResult(2))
     assert Encoder().encode(reply) == Encoder(protocol="0.33.0").encode(reply)
@@ -190,17 +195,16 @@ def test_every_supported_release_is_one_registered_object() -> None:
         "weight_versions",
     )
     rows = {r.name: {f: getattr(r, f) for f in flags} for r in releases.SUPPORTED}
-    assert releases.get(None) is releases.DEFAULT is releases.get("0.25.1")
+    assert releases.get(None) is releases.DEFAULT
     assert all(releases.get(r.name) is r for r in releases.SUPPORTED)
     assert not any(rows["0.25.1"].values())  # 0.25.1 is the baseline
     assert all(rows["0.33.0"].values())  # 0.33.0 changed each of them
     assert releases.get("0.25.1").speaks_protocol_structs
     assert not releases.get("0.33.0").speaks_protocol_structs
-    # A release only recorded behaves as the newest class before it, and says so; its
-    # wire facts are its own record's.
-    assert releases.get("0.27.0").verified is False
-    assert rows["0.27.0"]["engine_led_waves"] is rows["0.25.1"]["engine_led_waves"]
-    assert not releases.get("0.27.0").native_output and not releases.get("0.27.0").vllm_client
+    # A release without a class of its own behaves as the newest class before it (0.30.0
+    # as 0.29.0); its wire facts are its own record's.
+    assert rows["0.30.0"] == rows["0.29.0"] and type(releases.get("0.30.0")).NAME == "0.29.0"
+    assert not releases.get("0.30.0").native_output and releases.get("0.30.0").vllm_client
     assert all(rows["0.34.0"].values()) and releases.get("0.34.0").verified
     with pytest.raises(releases.UnsupportedProtocolError):
         releases.get("0.25.2")

@@ -114,15 +114,19 @@ def test_0_33_0_layouts_are_vllm_0_33_0s() -> None:
 def test_the_request_header_tells_the_version() -> None:
     new = layouts.types_for("0.33.0")["EngineCoreRequest"](request_id="r")
     assert Encoder(protocol="0.33.0").encode(new)[0][:3] == b"\xdc\x00\x16"
-    assert Encoder().encode(p.EngineCoreRequest(request_id="r"))[0][:3] == b"\xdc\x00\x14"
+    old = p.EngineCoreRequest(request_id="r")
+    assert Encoder(protocol="0.25.1").encode(old)[0][:3] == b"\xdc\x00\x14"
 
 
-def test_an_encoder_refuses_the_other_versions_request() -> None:
+def test_an_encoder_refuses_a_newer_request_and_converts_0_25_1s() -> None:
     new = layouts.types_for("0.33.0")["EngineCoreRequest"](request_id="r")
     with pytest.raises(TypeError, match=r"0\.33\.0 EngineCoreRequest"):
         Encoder(protocol="0.25.1").encode(new)
-    with pytest.raises(TypeError, match=r"0\.25\.1 EngineCoreRequest"):
-        Encoder(protocol="0.33.0").encode(p.EngineCoreRequest(request_id="r"))
+    # corewire.protocol's request (what callers build) goes out in 0.33.0's layout, as
+    # a 0.33.0 client converts it.
+    frames = Encoder(protocol="0.33.0").encode(p.EngineCoreRequest(request_id="r"))
+    assert frames[0][:3] == b"\xdc\x00\x16"
+    assert layouts.request_decoder("0.33.0").decode(frames).request_id == "r"
 
 
 def test_a_lora_does_not_decode_across_versions() -> None:

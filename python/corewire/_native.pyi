@@ -56,8 +56,9 @@ class NativeDecoder:
     stats map and their result takes its place (vLLM's front-end reads stats by attribute);
     an exception they raise rejects the frame as a :class:`ProtocolError`.
 
-    ``protocol`` is the vLLM version whose wire the frames follow (``"0.25.1"``, the
-    default, or any other of ``corewire.releases``). ``layout`` maps each struct's name
+    ``protocol`` is the vLLM version whose wire the frames follow: any release of
+    ``corewire.releases`` (default: ``corewire.releases.DEFAULT``, the installed vLLM's
+    release, else the newest). ``layout`` maps each struct's name
     (``EngineCoreOutputs``, ``EngineCoreOutput``, ``UtilityOutput``, ``LogprobsLists``,
     ``LogprobsTensors``, and ``SamplingMaskLists`` where the release has it) to its field
     names in wire order, as the release's own structs give them: any release whose fields
@@ -170,7 +171,8 @@ class EngineCoreOutput:
 
 def wire_fields(name: str, protocol: str | None = None) -> tuple[str, ...]:
     """The field names of struct ``name`` in the wire order the decoder reads for
-    ``protocol`` (default: the default protocol; the map keys of ``EngineCoreEvent``).
+    ``protocol`` (default: 0.25.1, whose wire ``corewire.protocol`` declares; the map
+    keys of ``EngineCoreEvent``).
 
     Raises ``KeyError`` for a struct the decoder has no table for in that version;
     ``wire_structs(protocol)`` names those it has.
@@ -180,7 +182,8 @@ def wire_structs(protocol: str | None = None) -> tuple[str, ...]:
     """The names of the structs ``wire_fields`` knows for ``protocol``."""
 
 def wire_version() -> str:
-    """The vLLM version whose wire a decoder speaks by default."""
+    """The vLLM version whose wire ``corewire.protocol``'s structs declare (the decoder's
+    first compiled walk; a decoder's own default is ``corewire.releases.DEFAULT``)."""
 
 def wire_versions() -> tuple[str, ...]:
     """Every vLLM version the decoder has a compiled walk for, oldest first (it reads the

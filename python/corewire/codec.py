@@ -30,7 +30,7 @@ from corewire import releases
 from corewire._native import NativeDecoder
 from corewire.errors import ProtocolError
 from corewire.layouts import types_for, version_of
-from corewire.protocol import Tensor, UtilityResult, utility_result_wire
+from corewire.protocol import EngineCoreOutputs, Tensor, UtilityResult, utility_result_wire
 
 
 def _torch_if_imported() -> Any:
@@ -62,13 +62,16 @@ Buffer = bytes | bytearray | memoryview
 class Encoder:
     """Encodes wire structs into a list of frames, arrays as zero-copy aux frames.
 
-    ``protocol`` is the vLLM version whose wire it writes (``"0.25.1"``, the default, or
-    any release of ``corewire.releases.SUPPORTED``): the structs of that version
+    ``protocol`` is the vLLM version whose wire it writes (any release of
+    ``corewire.releases.SUPPORTED``; default ``corewire.releases.DEFAULT``, the installed
+    vLLM's release, else the newest): the structs of that version
     (``corewire.layouts.types_for``) encode byte for byte as that vLLM's
-    ``MsgpackEncoder`` writes them. A struct whose layout
-    belongs to the other version is refused (``TypeError``) rather than sent in a layout
-    the peer would misread; the check is on the object passed in (not on structs nested
-    in it).
+    ``MsgpackEncoder`` writes them. ``corewire.protocol``'s ``EngineCoreOutputs`` and
+    ``EngineCoreRequest`` (0.25.1's layout, what engines and callers build) are converted
+    into the release's layout first, as corewire's engines and clients convert them. Any
+    other struct whose layout belongs to another version is refused (``TypeError``) rather
+    than sent in a layout the peer would misread; the check is on the object passed in
+    (not on structs nested in it).
 
     The returned aux frames are views of the caller's arrays: they must stay alive and
     unmodified until ZeroMQ has sent them (send with ``copy=False, track=True``).
@@ -82,10 +85,12 @@ class Encoder:
         self._encoder = msgspec.msgpack.Encoder(enc_hook=self._enc_hook)
         # Set for the duration of one encode() call; the hook appends to it.
         self._aux: list[Buffer] | None = None
+        # The converters of 0.25.1 structs into this release's layout, once needed.
+        self._convert: tuple[Any, Any] | None = None
 
     def encode(self, obj: Any) -> list[Buffer]:
         """Encode ``obj``; returns ``[payload, aux_1, aux_2, ...]``."""
-        self._check_version(obj)
+        obj = self._in_layout(obj)
         frames: list[Buffer] = [b""]
         self._aux = frames
         try:
@@ -99,7 +104,7 @@ class Encoder:
 
         The caller must not reuse ``buf`` until ZeroMQ is done with the previous send.
         """
-        self._check_version(obj)
+        obj = self._in_layout(obj)
         frames: list[Buffer] = [buf]
         self._aux = frames
         try:
@@ -108,7 +113,9 @@ class Encoder:
             self._aux = None
         return frames
 
-    def _check_version(self, obj: Any) -> None:
+    def _in_layout(self, obj: Any) -> Any:
+        """``obj`` in this encoder's release layout: as it is, converted (a 0.25.1
+        message or request), or refused."""
         cls = type(obj)
         version = version_of(cls)
         # A hand-kept class also lays out the releases that left its struct alone.
@@ -118,10 +125,25 @@ class Encoder:
             and types_for(self.protocol).get(cls.__name__) is not cls
         ):
             name = cls.__name__
+            if version == "0.25.1" and name in ("EngineCoreOutputs", "EngineCoreRequest"):
+                return self._converted(obj)
             raise TypeError(
                 f"a vLLM {version} {name} cannot be sent by a protocol={self.protocol!r} "
                 f"encoder (corewire.layouts.types_for({self.protocol!r})[{name!r}] can)"
             )
+        return obj
+
+    def _converted(self, obj: Any) -> Any:
+        # Made once per encoder, on the first 0.25.1 struct it is handed.
+        if self._convert is None:
+            from corewire.engine.wire import output_converter
+
+            to_outputs = output_converter(self.protocol)
+            to_request = self.protocol.request_writer()
+            self._convert = (to_outputs, to_request)
+        to_outputs, to_request = self._convert
+        convert = to_outputs if isinstance(obj, EngineCoreOutputs) else to_request
+        return obj if convert is None else convert(obj)
 
     def _enc_hook(self, obj: Any) -> Any:
         if isinstance(obj, np.ndarray):

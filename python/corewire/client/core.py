@@ -117,8 +117,9 @@ class MPClient:
             utility calls never wait; nothing is dropped. Default: the environment's
             ``COREWIRE_MAX_INPUT_BACKLOG`` (bytes; ``none`` for unbounded), else
             ``DEFAULT_MAX_INPUT_BACKLOG`` (64 MiB). None: unbounded, as vLLM.
-        protocol: the vLLM version the engines speak (``"0.25.1"``, the default, or
-            any release of ``corewire.releases.SUPPORTED``), in both directions: it picks the
+        protocol: the vLLM version the engines speak (any release of
+            ``corewire.releases.SUPPORTED``; default ``corewire.releases.DEFAULT``, the
+            installed vLLM's release, else the newest), in both directions: it picks the
             decoder of their outputs and the layout of what is sent. A ``"0.33.0"``
             client writes 0.33.0's ``EngineCoreRequest`` whether it is given
             ``corewire.protocol.EngineCoreRequest`` (converted by field name, see
@@ -150,7 +151,7 @@ class MPClient:
         engine_main: str | Callable[..., Any] = DEFAULT_ENGINE_MAIN,
         max_output_backlog: int | None = DEFAULT_MAX_OUTPUT_BACKLOG,
         max_input_backlog: Any = FROM_ENVIRONMENT,
-        protocol: str = "0.25.1",
+        protocol: str | None = None,
         **engine_options: Any,
     ) -> None:
         #: The vLLM wire version of the engines' outputs (checked before anything starts).

@@ -204,8 +204,9 @@ class EngineCoreProc:
     a requested stop first finishes the requests in flight with ABORT and then sends
     ENGINE_CORE_DEAD (for front-ends that cannot take a stopped engine back).
 
-    ``protocol`` is the vLLM version whose wire the engine speaks (``"0.25.1"``, the
-    default, or any release of ``corewire.releases.SUPPORTED``; nothing on the wire names
+    ``protocol`` is the vLLM version whose wire the engine speaks (any release of
+    ``corewire.releases.SUPPORTED``, default ``corewire.releases.DEFAULT``: the installed
+    vLLM's release, else the newest; nothing on the wire names
     it, so it is told): requests are
     read in its layout (``corewire.layouts.request_decoder``; a 0.33.0 request reaches
     the engine as that version's struct, whose fields are 0.25.1's plus

@@ -586,7 +586,8 @@ pub enum Protocol {
 impl Protocol {
     /// Every version with a compiled walk, oldest first.
     pub const ALL: [Protocol; 3] = [Protocol::V0_25_1, Protocol::V0_33_0, Protocol::V0_34_0];
-    /// The version of a decoder that is not told one.
+    /// The version `corewire.protocol`'s structs declare: the core's default table
+    /// (the Python decoder's own default is `corewire.releases.DEFAULT`).
     pub const DEFAULT: Protocol = Protocol::V0_25_1;
 
     /// This version's wire positions.

@@ -23,8 +23,8 @@ pyo3::create_exception!(
 
 /// Decodes `EngineCoreOutputs` frames (`[payload, aux_1, ...]`) into Python objects.
 ///
-/// `protocol` is the vLLM version whose wire the frames follow (`"0.25.1"`, the default,
-/// or `"0.33.0"`). `layout`, when given, says where that version puts each field: a
+/// `protocol` is the vLLM version whose wire the frames follow (default:
+/// `corewire.releases.DEFAULT`, the installed vLLM's release, else the newest). `layout`, when given, says where that version puts each field: a
 /// mapping from each struct's name (`EngineCoreOutputs`, `EngineCoreOutput`,
 /// `UtilityOutput`, `LogprobsLists`, `LogprobsTensors`, and `SamplingMaskLists` where the
 /// version has it) to its field names in wire order, derived from that release's own
@@ -78,13 +78,17 @@ impl NativeDecoder {
         protocol: Option<&str>,
         layout: Option<Bound<'_, PyAny>>,
     ) -> PyResult<Self> {
-        let name = protocol.unwrap_or(Protocol::DEFAULT.name()).to_owned();
-        let layout = match (layout, protocol) {
-            (Some(map), _) => layout_of_mapping(&name, &map)?,
-            (None, None) => LayoutRef::Builtin(Protocol::DEFAULT),
-            (None, Some(n)) => match Protocol::from_name(n) {
+        // Without a protocol, the one every other part of corewire defaults to (it
+        // depends on the installed vLLM, which only the Python side knows).
+        let name = match protocol {
+            Some(n) => n.to_owned(),
+            None => default_release(py)?,
+        };
+        let layout = match layout {
+            Some(map) => layout_of_mapping(&name, &map)?,
+            None => match Protocol::from_name(&name) {
                 Some(p) => LayoutRef::Builtin(p),
-                None => layout_of_mapping(&name, &release_layout(py, n)?)?,
+                None => layout_of_mapping(&name, &release_layout(py, &name)?)?,
             },
         };
         let callable = |name: &str, v: Option<Bound<'_, PyAny>>| -> PyResult<Option<Py<PyAny>>> {
@@ -278,6 +282,14 @@ unsafe fn detach<'b>(frame: &Frame<'_>) -> &'b [u8] {
 /// `UnsupportedProtocolError` for a release it does not know (the one message that names
 /// the supported releases lives there).
 #[cold]
+/// `corewire.releases.DEFAULT`'s version string.
+fn default_release(py: Python<'_>) -> PyResult<String> {
+    py.import("corewire.releases")?
+        .getattr("DEFAULT")?
+        .getattr("name")?
+        .extract()
+}
+
 fn release_layout<'py>(py: Python<'py>, name: &str) -> PyResult<Bound<'py, PyAny>> {
     py.import("corewire.releases")?
         .getattr("get")?

@@ -7,7 +7,7 @@ use pyo3::types::PyTuple;
 
 use crate::core::wire::{self, Layout, Protocol};
 
-/// The layout of `protocol` (the default one when None).
+/// The layout of `protocol` (when None, 0.25.1's: the wire `corewire.protocol` declares).
 fn layout_of(protocol: Option<&str>) -> PyResult<&'static Layout> {
     match protocol {
         None => Ok(Protocol::DEFAULT.layout()),
@@ -18,7 +18,8 @@ fn layout_of(protocol: Option<&str>) -> PyResult<&'static Layout> {
 }
 
 /// The field names of struct ``name`` in the wire order the decoder reads for
-/// ``protocol`` (default: the default protocol; the map keys of ``EngineCoreEvent``).
+/// ``protocol`` (default: 0.25.1, whose wire ``corewire.protocol`` declares; the map
+/// keys of ``EngineCoreEvent``).
 ///
 /// Raises ``KeyError`` for a struct the decoder has no table for in that version;
 /// ``wire_structs(protocol)`` names those it has.
@@ -42,7 +43,8 @@ pub fn wire_structs<'py>(py: Python<'py>, protocol: Option<&str>) -> PyResult<Bo
     PyTuple::new(py, wire::structs(layout_of(protocol)?))
 }
 
-/// The vLLM version whose wire a decoder speaks by default.
+/// The vLLM version whose wire ``corewire.protocol``'s structs declare (the decoder's
+/// first compiled walk; a decoder's own default is ``corewire.releases.DEFAULT``).
 #[pyfunction]
 pub fn wire_version() -> &'static str {
     Protocol::DEFAULT.name()
