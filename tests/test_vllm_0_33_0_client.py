@@ -31,7 +31,6 @@ vllm = require_vllm_0_33_0()
 
 import torch  # noqa: E402
 from vllm.lora.request import LoRARequest  # noqa: E402
-from vllm.outputs import RequestError  # noqa: E402
 from vllm.pooling_params import PoolingParams  # noqa: E402
 from vllm.sampling_params import SamplingParams  # noqa: E402
 from vllm.v1 import engine as E  # noqa: E402
@@ -305,10 +304,10 @@ async def test_request_error_reaches_the_caller_and_ends_the_request(
             peer.recv_add()
         assert client.router.in_flight() == [1, 1]
         errors = {
-            "paused": RequestError(
+            "paused": vllm.outputs.RequestError(
                 "engine_paused", "Generation is paused. Please retry after it resumes.", True
             ),
-            "invalid": RequestError("validation_error", "bad structured output"),
+            "invalid": vllm.outputs.RequestError("validation_error", "bad structured output"),
         }
         for index, (rid, error) in enumerate(errors.items()):
             # As vLLM 0.33.0's engine refuses an ADD: ERROR, the error, the id finished.

@@ -24,7 +24,13 @@ from corewire.engine.ready import ready_response
 from corewire.protocol import FinishReason
 from corewire.vllm.classes import client_classes
 from corewire.vllm.client import INSTALLED_PROTOCOL
-from vllm_support import vllm_config, write_model_dir
+from vllm_support import (
+    require_vllm_0_25_1,
+    vllm_config,
+    write_model_dir,
+)
+
+require_vllm_0_25_1()
 
 
 class _HandEngine:

@@ -30,6 +30,9 @@ from vllm.v1.outputs import LogprobsLists, LogprobsTensors
 from vllm.v1.serial_utils import MsgpackDecoder, MsgpackEncoder
 
 from corewire.codec import NativeDecoder
+from vllm_support import require_vllm_0_25_1
+
+require_vllm_0_25_1()
 
 VOCAB = 151_000
 

@@ -1,4 +1,5 @@
-"""The ready response against vLLM 0.25.1's own ``EngineCoreReadyResponse`` type.
+"""The ready response against the installed vLLM's own ``EngineCoreReadyResponse`` type
+(0.25.1 in the main venv; engines speak the installed release by default).
 
 Each engine sends it once on each request link; vLLM's front-end decodes it strictly
 with its own type. These tests build the map the way the engine process does and decode
@@ -15,12 +16,15 @@ from typing import Any
 import msgspec
 import pytest
 
+from corewire import releases
 from corewire.engine import EngineCoreProc
 from corewire.engine.dp import DPEngineCoreProc
 from corewire.engine.interface import NO_MODEL_LEN_LIMIT, EngineInfo
-from corewire.engine.ready import VLLM_PROTOCOL_VERSION, engine_info_of, ready_response
+from corewire.engine.ready import engine_info_of
 from corewire.engine.reference import ReferenceEngine
 from corewire.engine.utilities import DEFAULT_UTILITIES, UnsupportedUtility, UtilityDefaults
+from corewire.engine.utilities_0_33_0 import utility_names
+from corewire.ready_layouts import ready_response_for
 from vllm_support import offline_environment
 
 offline_environment()
@@ -61,13 +65,28 @@ class _DuckEngine:
         return False
 
 
+#: The ready response's keys in vLLM 0.25.1.
+_KEYS_0_25_1 = (
+    "max_model_len",
+    "num_gpu_blocks",
+    "block_size",
+    "dp_stats_address",
+    "dtype",
+    "vllm_version",
+    "world_size",
+    "data_parallel_size",
+    "kv_cache_size_tokens",
+    "kv_cache_max_concurrency",
+)
+
+
 def _decoded(message: dict[str, Any]) -> Any:
     # Exactly what vLLM's client does with the bytes (strict msgspec decode).
     return msgspec.msgpack.decode(msgspec.msgpack.encode(message), type=EngineCoreReadyResponse)
 
 
-def test_version_is_the_installed_vllm() -> None:
-    assert vllm.__version__ == VLLM_PROTOCOL_VERSION == "0.25.1"
+def test_engines_speak_the_installed_vllm_by_default() -> None:
+    assert vllm.__version__.split("+")[0] == releases.DEFAULT
 
 
 def test_reference_engine_ready_map_decodes_as_vllms_type(tmp_path: Any) -> None:
@@ -83,18 +102,20 @@ def test_reference_engine_ready_map_decodes_as_vllms_type(tmp_path: Any) -> None
     assert list(message)[: len(fields)] == fields  # every key, in vLLM's order
     assert set(message) - set(fields) == {"status", "engine_index", "pid"}
     response = _decoded(message)
-    assert response == EngineCoreReadyResponse(
-        max_model_len=777,
-        num_gpu_blocks=0,
-        block_size=16,
-        dp_stats_address=None,
-        dtype="float32",
-        vllm_version="0.25.1",
-        world_size=1,
-        data_parallel_size=1,
-        kv_cache_size_tokens=None,
-        kv_cache_max_concurrency=None,
-    )
+    # 0.25.1's keys, as every release has them (later releases add theirs: their
+    # records, and test_ready_layouts.py).
+    assert {key: getattr(response, key) for key in _KEYS_0_25_1} == {
+        "max_model_len": 777,
+        "num_gpu_blocks": 0,
+        "block_size": 16,
+        "dp_stats_address": None,
+        "dtype": "float32",
+        "vllm_version": releases.DEFAULT.name,
+        "world_size": 1,
+        "data_parallel_size": 1,
+        "kv_cache_size_tokens": None,
+        "kv_cache_max_concurrency": None,
+    }
     assert message["status"] == "READY" and message["engine_index"] == 5
 
 
@@ -120,7 +141,7 @@ def test_engine_info_figures_travel_and_dp_proc_reports_its_group(tmp_path: Any)
 def test_duck_typed_engine_gets_the_defaults() -> None:
     info = engine_info_of(_DuckEngine())
     assert info == EngineInfo() and info.max_model_len == NO_MODEL_LEN_LIMIT
-    response = _decoded(ready_response(info, engine_index=0))
+    response = _decoded(ready_response_for(releases.DEFAULT, info, engine_index=0))
     assert response.max_model_len == NO_MODEL_LEN_LIMIT and response.num_gpu_blocks == 0
 
     class _Wrong(_DuckEngine):
@@ -149,7 +170,7 @@ def test_engine_info_is_checked(kwargs: dict[str, Any], message: str) -> None:
         EngineInfo(**kwargs)
 
 
-def test_utility_defaults_cover_what_vllms_client_calls() -> None:
+def test_utility_defaults_cover_what_vllms_client_calls(tmp_path: Any) -> None:
     from vllm.v1.engine.core_client import AsyncMPClient
 
     # Every utility vLLM's AsyncMPClient has a wrapper for: an engine that lacks one
@@ -167,7 +188,18 @@ def test_utility_defaults_cover_what_vllms_client_calls() -> None:
             "_call_utility_async",
         }
     }
-    assert names <= DEFAULT_UTILITIES, names - DEFAULT_UTILITIES
+    # ...or the release's own utilities do (weight versions from vLLM 0.27.0 on).
+    answered = set(DEFAULT_UTILITIES)
+    proc = EngineCoreProc(
+        ReferenceEngine(device="cpu"),
+        input_address=f"ipc://{tmp_path}/in",
+        output_address=f"ipc://{tmp_path}/out",
+    )
+    proc._ctx.term()  # never started: only its utilities are needed
+    own = releases.DEFAULT.engine_utilities(proc)
+    if own is not None:
+        answered |= utility_names(type(own))
+    assert names <= answered, names - answered
     defaults = UtilityDefaults(_DuckEngine())
     assert defaults.get_supported_tasks() == ["generate"]
     assert defaults.reset_prefix_cache(True, True) is True

@@ -44,6 +44,9 @@ from vllm.v1.outputs import LogprobsLists
 from vllm.v1.serial_utils import MsgpackDecoder, MsgpackEncoder
 
 from corewire.vllm.client import make_output_decoder
+from vllm_support import require_vllm_0_25_1
+
+require_vllm_0_25_1()
 
 # Measured against the wall clock when the output is processed, so never equal twice.
 _WALL_CLOCK = re.compile(r"first_token_latency=[-0-9.e]+")

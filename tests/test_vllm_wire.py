@@ -61,6 +61,9 @@ from vllm.v1.spec_decode.metrics import SpecDecodingStats
 from codec_support import check_types, normalize
 from corewire import protocol as p
 from corewire.codec import INLINE_THRESHOLD, Encoder, MsgspecDecoder, NativeDecoder
+from vllm_support import require_vllm_0_25_1
+
+require_vllm_0_25_1()
 
 Pair = tuple[Any, Any]  # (corewire value, vLLM value)
 

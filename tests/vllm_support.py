@@ -248,3 +248,22 @@ def factory_after_plugins(switch: str | None, loads: int = 1) -> str:
     )
     assert done.returncode == 0, done.stderr[-2000:]
     return done.stdout.strip().splitlines()[-1]
+
+
+def require_vllm_0_25_1() -> None:
+    """Skip the calling module (at module level) unless the installed vLLM is 0.25.1.
+
+    For the modules that hold corewire to vLLM 0.25.1's wire itself (its structs
+    compared with corewire's, frames written by hand in its layout): under another
+    release the installed vLLM's encoder writes that release's layout. Every other
+    release's wire is held to frames recorded from it (``tests/test_releases.py``) and,
+    for the releases with a live venv, to its own encoder (``test_vllm_0_33_0_live.py``).
+    """
+    import pytest
+
+    vllm = pytest.importorskip("vllm")
+    if vllm.__version__.split("+")[0] != "0.25.1":
+        pytest.skip(
+            f"holds corewire to vLLM 0.25.1's wire (found {vllm.__version__})",
+            allow_module_level=True,
+        )
