@@ -186,6 +186,9 @@ def test_utility_defaults_cover_what_vllms_client_calls(tmp_path: Any) -> None:
             "abort_requests_async",
             "call_utility_async",
             "_call_utility_async",
+            # 0.32.0 on: fan-out helpers over call_utility, not utilities.
+            "call_utility_all_async",
+            "call_utility_consensus_async",
         }
     }
     # ...or the release's own utilities do (weight versions from vLLM 0.27.0 on).
