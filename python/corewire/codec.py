@@ -30,7 +30,13 @@ from corewire import releases
 from corewire._native import NativeDecoder
 from corewire.errors import ProtocolError
 from corewire.layouts import types_for, version_of
-from corewire.protocol import EngineCoreOutputs, Tensor, UtilityResult, utility_result_wire
+from corewire.protocol import (
+    EngineCoreOutputs,
+    EngineCoreRequest,
+    Tensor,
+    UtilityResult,
+    utility_result_wire,
+)
 
 
 def _torch_if_imported() -> Any:
@@ -125,7 +131,8 @@ class Encoder:
             and types_for(self.protocol).get(cls.__name__) is not cls
         ):
             name = cls.__name__
-            if version == "0.25.1" and name in ("EngineCoreOutputs", "EngineCoreRequest"):
+            if cls is EngineCoreOutputs or cls is EngineCoreRequest:
+                # corewire.protocol's own, what engines and callers build.
                 return self._converted(obj)
             raise TypeError(
                 f"a vLLM {version} {name} cannot be sent by a protocol={self.protocol!r} "
