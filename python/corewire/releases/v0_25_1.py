@@ -37,11 +37,9 @@ class Release0251(Release):
     def launch(
         self, vllm_config: Any, executor_class: Any, log_stats: bool, inputs: str, outputs: str
     ) -> Iterator[Launch]:
-        from vllm.v1.engine.utils import get_engine_zmq_addresses, launch_core_engines
+        from vllm.v1.engine.utils import launch_core_engines
 
-        addresses = get_engine_zmq_addresses(vllm_config)
-        addresses.inputs[0] = inputs
-        addresses.outputs[0] = outputs
+        addresses = self.launch_addresses(vllm_config, inputs, outputs)
         with launch_core_engines(vllm_config, executor_class, log_stats, addresses) as (
             engine_manager,
             coordinator,
@@ -49,6 +47,16 @@ class Release0251(Release):
             _tensor_queue,
         ):
             yield Launch(engine_manager, coordinator, launched)
+
+    def launch_addresses(self, vllm_config: Any, inputs: str, outputs: str) -> Any:
+        """vLLM's planned engine addresses with the client's bound endpoints in place of
+        its own request and output sockets (before 0.32.0)."""
+        from vllm.v1.engine.utils import get_engine_zmq_addresses
+
+        addresses = get_engine_zmq_addresses(vllm_config)
+        addresses.inputs[0] = inputs
+        addresses.outputs[0] = outputs
+        return addresses
 
     def apply_ready(self, client: Any, info: dict[str, Any]) -> Any:
         from vllm.v1.engine import EngineCoreReadyResponse

@@ -30,10 +30,8 @@ class Release0280(Release0270):
     def launch(
         self, vllm_config: Any, executor_class: Any, log_stats: bool, inputs: str, outputs: str
     ) -> Iterator[Launch]:
-        from vllm.v1.engine.utils import get_engine_zmq_addresses, launch_core_engines
+        from vllm.v1.engine.utils import launch_core_engines
 
-        addresses = get_engine_zmq_addresses(vllm_config)
-        addresses.inputs[0] = inputs
-        addresses.outputs[0] = outputs
+        addresses = self.launch_addresses(vllm_config, inputs, outputs)
         with launch_core_engines(vllm_config, executor_class, log_stats, addresses) as launched:
             yield Launch(launched.engine_manager, launched.coordinator, launched.addresses)
