@@ -21,13 +21,14 @@ __all__ = ["make_private_dir", "remove_orphaned_dirs"]
 
 logger = logging.getLogger("corewire")
 
-_NAME = re.compile(r"^corewire-(?:ipc|dp)-(\d+)-")
+_NAME = re.compile(r"^corewire-(?:ipc|dp|keys)-(\d+)-")
 
 
 def make_private_dir(kind: str) -> str:
-    """A new 0700 directory ``corewire-<kind>-<pid>-...`` (``kind``: "ipc" or "dp"), after
-    removing the directories of owners that died."""
-    if kind not in ("ipc", "dp"):
+    """A new 0700 directory ``corewire-<kind>-<pid>-...`` (``kind``: "ipc", "dp", or
+    "keys" for CURVE keys a client made for its own engines), after removing the
+    directories of owners that died."""
+    if kind not in ("ipc", "dp", "keys"):
         raise ValueError(f"unknown private directory kind {kind!r}")
     remove_orphaned_dirs()
     return tempfile.mkdtemp(prefix=f"corewire-{kind}-{os.getpid()}-")  # mode 0700

@@ -55,6 +55,7 @@ __all__ = [
     "apply_client",
     "apply_server",
     "run",
+    "write_key_layout",
     "write_keypair",
 ]
 
@@ -264,19 +265,27 @@ def run(args: argparse.Namespace) -> int:
         print("corewire keygen: --clients must be >= 0")
         return 2
     root = Path(args.directory)
-    server_dir = root / "server"
-    if server_dir.exists():
-        print(f"corewire keygen: {server_dir} exists; refusing to overwrite keys")
+    if (root / "server").exists():
+        print(f"corewire keygen: {root / 'server'} exists; refusing to overwrite keys")
         return 1
+    write_key_layout(root, args.clients)
+    print(f"wrote {root}/server (front-end host) and {args.clients} client dir(s) {root}/client-K")
+    return 0
+
+
+def write_key_layout(root: str | os.PathLike[str], clients: int) -> None:
+    """Writes the layout of the module docstring under ``root``: ``server/`` with its
+    authorized client keys, and ``client-0`` .. ``client-{clients-1}`` (each 0700).
+    Refuses to overwrite an existing key (``FileExistsError``)."""
+    root = Path(root)
+    server_dir = root / "server"
     server_public, _ = write_keypair(server_dir, _SERVER_NAME)
     server_dir.chmod(0o700)
     authorized = server_dir / _AUTHORIZED_DIR
     authorized.mkdir()
-    for k in range(args.clients):
+    for k in range(clients):
         client_dir = root / f"client-{k}"
         client_public, _ = write_keypair(client_dir, _CLIENT_NAME)
         client_dir.chmod(0o700)
         _write_key_file(client_dir / f"{_SERVER_NAME}.key", _load_public(server_public), None)
         _write_key_file(authorized / f"client-{k}.key", _load_public(client_public), None)
-    print(f"wrote {root}/server (front-end host) and {args.clients} client dir(s) {root}/client-K")
-    return 0

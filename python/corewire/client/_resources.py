@@ -78,6 +78,9 @@ class ClientResources:
         self.ipc_dir: str | None = None
         #: This client's metrics (:mod:`corewire.metrics`); None when they are off.
         self.metrics: ClientMetrics | None = None
+        #: Called once the processes are stopped, in order (e.g. a Ray placement group
+        #: released after its engines ended).
+        self.after_processes: list[Callable[[], None]] = []
         # Lifecycle: dead (calls raise), then closed (everything released).
         #: Set when the engine died or the client was shut down; calls then raise.
         self.engine_dead = False
@@ -208,6 +211,12 @@ class ClientResources:
         # and exits at once while this side's sockets are open (ZeroMQ queues on our side
         # without a reader); with them closed first it would wait out its linger.
         self.processes.stop()
+        for release in self.after_processes:
+            try:
+                release()
+            except Exception:  # one failed release must not keep the others
+                logger.exception("releasing %r failed", release)
+        self.after_processes.clear()
         self.run_on_owner(self._close_loop_side)
         if self.ipc_dir is not None:
             shutil.rmtree(self.ipc_dir, ignore_errors=True)

@@ -232,5 +232,8 @@ class _Monitor:
                 f"Engine core process {proc.name} (pid {proc.pid}) died unexpectedly "
                 f"(exit code {proc.exitcode})."
             )
+            detail = getattr(proc, "death_detail", None)  # a Ray actor's: Ray's notice
+            if detail:
+                reason = f"{reason[:-1]}: {detail}"
             self._on_death(reason)
             return

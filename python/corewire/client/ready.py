@@ -117,7 +117,10 @@ class ReadyWait:
             return True
         for proc in self._processes:
             if not proc.is_alive():
-                cause = read_startup_error(self._report_path(proc.name))
+                # A Ray actor's handle carries its error; a local process wrote a file.
+                cause = getattr(proc, "startup_error", None) or read_startup_error(
+                    self._report_path(proc.name)
+                )
                 raise RuntimeError(
                     f"engine process {proc.name} exited with code {proc.exitcode} before it "
                     + (f"was ready: {cause}" if cause else "was ready; its error is logged above")

@@ -48,6 +48,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import threading
+from collections.abc import Callable
 from typing import Any
 
 import msgspec
@@ -240,13 +241,15 @@ def join_frontend(
     data_parallel_size: int = 1,
     handshake_timeout_s: float = DEFAULT_HANDSHAKE_TIMEOUT_S,
     protocol: str | None = None,
+    on_built: Callable[[Any], None] | None = None,
 ) -> int:
     """Join the vLLM front-end whose handshake ROUTER is at ``handshake_address`` and
     serve until stopped; return the exit status (0 clean stop, 1 failure).
 
     ``data_parallel_size`` is only reported in the ready response; ``protocol`` is the
-    front-end's vLLM wire version (the handshake does not tell it). See the module
-    docstring for the steps and their order.
+    front-end's vLLM wire version (the handshake does not tell it). ``on_built`` is
+    given the engine core once it is built, before it runs (to stop it from another
+    thread: a Ray actor's). See the module docstring for the steps and their order.
     """
     from corewire.engine.launch import configure_logging, load_engine, run_proc
 
@@ -266,6 +269,8 @@ def join_frontend(
                 "front-ends of other models only"
             )
         proc = _build_proc(built, meta, engine_index, data_parallel_size, protocol)
+        if on_built is not None:
+            on_built(proc)
     except Exception:
         logger.exception(
             "engine %d could not join the front-end at %s", engine_index, handshake_address

@@ -25,6 +25,7 @@ from corewire.logtext import LineLimit
 
 __all__ = [
     "ENGINE_ALIASES",
+    "build_proc",
     "configure_logging",
     "load_engine",
     "run_engine_core",
@@ -100,12 +101,12 @@ def serve_engine(
     """
     configure_logging(engine_index)
     try:
-        built = load_engine(engine, engine_args)
-        proc = _proc_class(dp_options)(
-            built,
+        proc = build_proc(
             engine_index=engine_index,
             input_address=input_address,
             output_address=output_address,
+            engine=engine,
+            engine_args=engine_args,
             protocol=protocol,
             **dp_options,
         )
@@ -114,6 +115,30 @@ def serve_engine(
         report_startup_error(exc)  # to the client that started this process, if one did
         return 1
     return run_proc(proc, parent_pid)
+
+
+def build_proc(
+    *,
+    engine_index: int,
+    input_address: str | list[str],
+    output_address: str | list[str],
+    engine: str | None = None,
+    engine_args: dict[str, Any] | None = None,
+    protocol: str | None = None,
+    **dp_options: Any,
+) -> EngineCoreProc:
+    """Build the engine named by ``engine`` and the engine core around it (the DP one
+    when ``dp_options`` are given), connected and ready to :func:`run_proc`; raises
+    what building raised."""
+    built = load_engine(engine, engine_args)
+    return _proc_class(dp_options)(
+        built,
+        engine_index=engine_index,
+        input_address=input_address,
+        output_address=output_address,
+        protocol=protocol,
+        **dp_options,
+    )
 
 
 def run_proc(proc: EngineCoreProc, parent_pid: int | None = None) -> int:
