@@ -31,6 +31,7 @@ _LAZY = {
     "Engine": "corewire.engine",
     "EngineCoreProc": "corewire.engine",
     "EngineInfo": "corewire.engine",
+    "RayPlacement": "corewire.client.ray_engines",
 }
 
 __all__ = [
@@ -47,6 +48,7 @@ __all__ = [
     "MsgspecDecoder",
     "NativeDecoder",
     "ProtocolError",
+    "RayPlacement",
     "SyncMPClient",
     "UtilityError",
     "__version__",
@@ -60,6 +62,7 @@ if TYPE_CHECKING:
         MPClient,
         SyncMPClient,
     )
+    from corewire.client.ray_engines import RayPlacement
     from corewire.codec import Encoder, MsgspecDecoder, NativeDecoder
     from corewire.engine import Engine, EngineCoreProc, EngineInfo
 

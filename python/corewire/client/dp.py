@@ -47,7 +47,7 @@ import asyncio
 import logging
 import weakref
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import zmq
 import zmq.asyncio
@@ -60,6 +60,7 @@ from corewire.client.processes import stop_processes
 from corewire.coordinator import CoordinatorAddresses, DPCoordinator, TcpEndpoints
 from corewire.curve import is_loopback_address
 from corewire.dp_messages import XPUB_SUBSCRIBE, FirstRequest, ScaleNotice
+from corewire.engine.startup import check_engine_spec
 from corewire.engine.wire import output_converter
 from corewire.errors import ProtocolError
 from corewire.keygen import CurveAuthenticator, CurveServerKeys, apply_server
@@ -76,6 +77,9 @@ from corewire.protocol import (
     finished_outputs,
 )
 from corewire.releases import get as get_release
+
+if TYPE_CHECKING:
+    from corewire.client.ray_engines import RayBackend, RayPlacement
 
 __all__ = ["DPAsyncMPClient", "DPConsensusError", "DPLBAsyncMPClient"]
 
@@ -114,8 +118,16 @@ class DPAsyncMPClient(AsyncMPClient):
         data_parallel_address: str | None = None,
         coordinator_addresses: CoordinatorAddresses | None = None,
         curve_keys: str | None = None,
+        data_parallel_backend: str = "mp",
+        ray_placement: RayPlacement | None = None,
         **kwargs: Any,
     ) -> None:
+        if data_parallel_backend not in ("mp", "ray"):
+            raise ValueError(
+                f"data_parallel_backend must be 'mp' or 'ray', got {data_parallel_backend!r}"
+            )
+        if ray_placement is not None and data_parallel_backend != "ray":
+            raise ValueError("ray_placement needs data_parallel_backend='ray'")
         if data_parallel_size < 1:
             raise ValueError(f"data_parallel_size must be >= 1, got {data_parallel_size}")
         if engine_indices is None:
@@ -129,6 +141,45 @@ class DPAsyncMPClient(AsyncMPClient):
         #: Engines of the group, and those this front-end starts (the first ``local``).
         self.data_parallel_size = data_parallel_size
         self._local_indices = set(engine_indices[:local])
+        #: The Ray side of the engines (``data_parallel_backend="ray"``), else None.
+        self.ray_backend: RayBackend | None = None
+        if data_parallel_backend == "ray":
+            if local != len(engine_indices):
+                raise ValueError(
+                    "with data_parallel_backend='ray' Ray places every engine this "
+                    "front-end drives: leave data_parallel_size_local unset"
+                )
+            from corewire.client.ray_engines import RayBackend
+
+            self.ray_backend = RayBackend.prepare(
+                ray_placement, data_parallel_address, curve_keys, len(engine_indices)
+            )
+            data_parallel_address = self.ray_backend.data_parallel_address
+            curve_keys = self.ray_backend.server_keys_dir
+        try:
+            self._set_up_group(
+                data_parallel_size,
+                engine_indices,
+                data_parallel_address,
+                coordinator_addresses,
+                curve_keys,
+                kwargs,
+            )
+        except BaseException:
+            if self.ray_backend is not None:
+                self.ray_backend.close()
+            raise
+
+    def _set_up_group(
+        self,
+        data_parallel_size: int,
+        engine_indices: list[int],
+        data_parallel_address: str | None,
+        coordinator_addresses: CoordinatorAddresses | None,
+        curve_keys: str | None,
+        kwargs: dict[str, Any],
+    ) -> None:
+        """The rest of ``__init__``: the TCP endpoints, the coordinator, the client."""
         self._tcp: TcpEndpoints | None = None
         self._server_keys: CurveServerKeys | None = None
         if data_parallel_address is not None:
@@ -237,8 +288,74 @@ class DPAsyncMPClient(AsyncMPClient):
     def _start_engine_processes(
         self, indices: Sequence[int], *, joining: bool = False
     ) -> list[Any]:
+        if self.ray_backend is not None:
+            return self._start_ray_engines(indices, joining=joining)
         local = [i for i in indices if i in self._local_indices]
         return super()._start_engine_processes(local, joining=joining)
+
+    def _ray_engine_options(self, indices: Sequence[int]) -> dict[int, dict[str, Any]]:
+        """What each Ray actor's engine is built with: a local engine's options, but the
+        TCP endpoints, the coordinator's remote links and the CURVE client keys."""
+        backend = self.ray_backend
+        assert backend is not None and self._tcp is not None
+        if self._check_engine:
+            check_engine_spec(self.engine, self.engine_args)
+        links = list(self.coordinator_addresses.for_engine(remote=True))
+        options = {}
+        for index in indices:
+            kwargs = self._engine_process_kwargs(index)
+            kwargs.pop("parent_pid", None)  # Ray ends an actor whose owner exits
+            kwargs.update(
+                input_address=self._tcp.input,
+                output_address=self._tcp.output,
+                coordinator_addresses=links,
+                curve_keys=backend.client_keys,
+            )
+            options[index] = kwargs
+        return options
+
+    def _start_ray_engines(self, indices: Sequence[int], *, joining: bool) -> list[Any]:
+        """Place the engines at ``indices`` as Ray actors (one placement group), which
+        connect to this front-end's TCP endpoints; their handles join the process group
+        as local processes would."""
+        backend = self.ray_backend
+        assert backend is not None
+        if not indices:
+            return []
+        options = self._ray_engine_options(indices)
+        # Released with the client, after its engines stopped (a start that fails
+        # half-way included).
+        if backend.close not in self.resources.after_processes:
+            self.resources.after_processes.append(backend.close)
+        return self._admit_ray_engines(
+            backend.engines.start(options, timeout=self.ready_timeout), joining
+        )
+
+    def _admit_ray_engines(self, handles: list[Any], joining: bool) -> list[Any]:
+        """Own the started actors' handles (client thread: the process group's rule)."""
+        resources = self.resources
+        for handle in handles:
+            resources.processes.add_engine(handle.index, handle, joining=joining)
+        return handles
+
+    async def _start_joining_engines(self, indices: list[int]) -> list[Any]:
+        """Start the engines a scale-up adds. On Ray, placing them (waiting for the
+        cluster's resources) runs off the event loop, which keeps serving."""
+        backend = self.ray_backend
+        if backend is None:
+            return self._start_engine_processes(indices, joining=True)
+        options = self._ray_engine_options(indices)
+        handles = await asyncio.get_running_loop().run_in_executor(
+            None, lambda: backend.engines.start(options, timeout=self.ready_timeout)
+        )
+        return self._admit_ray_engines(handles, joining=True)
+
+    async def _stop_retired(self, procs: list[Any], indices: Sequence[int]) -> None:
+        """Stop engines retired from the group (off the loop), then release what Ray
+        reserved for them."""
+        await asyncio.get_running_loop().run_in_executor(None, stop_processes, procs)
+        if self.ray_backend is not None:
+            self.ray_backend.engines.release(indices)
 
     def _engine_process_kwargs(self, index: int) -> dict[str, Any]:
         kwargs = super()._engine_process_kwargs(index)
@@ -593,7 +710,7 @@ class DPLBAsyncMPClient(DPAsyncMPClient):
         self._local_indices.update(new_indices)
         # Not watched while they join: a new engine that fails to start fails this
         # scale-up (the ready wait watches it), not the client.
-        procs = self._start_engine_processes(new_indices, joining=True)
+        procs = await self._start_joining_engines(new_indices)
         identities = [engine_identity(i) for i in new_indices]
         try:
             # On this loop: the ROUTER is used only from this thread.
@@ -603,7 +720,7 @@ class DPLBAsyncMPClient(DPAsyncMPClient):
         except BaseException:
             # The group stays as it was: the new engines never joined it.
             retired = self.resources.processes.retire_engines(new_indices)
-            await asyncio.get_running_loop().run_in_executor(None, stop_processes, retired)
+            await self._stop_retired(retired, new_indices)
             self.data_parallel_size = old_size
             self._local_indices.difference_update(new_indices)
             raise
@@ -647,7 +764,7 @@ class DPLBAsyncMPClient(DPAsyncMPClient):
         finally:
             # Whatever happened, nothing may still wait on a removed engine's request.
             self._abort_leftovers(set(removed))
-            await asyncio.get_running_loop().run_in_executor(None, stop_processes, procs)
+            await self._stop_retired(procs, removed)
             self._local_indices.difference_update(removed)
         await self._reconfigure(range(new_size), new_size)
         await self._tell_coordinator_size(new_size)
