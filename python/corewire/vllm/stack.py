@@ -10,6 +10,11 @@ The stack is three kinds of processes on loopback:
   the wire of the installed vLLM (``V`` is 0.25.1 or 0.33.0, from its version);
 - with N > 1, vLLM's own DP coordinator, a child of the API server.
 
+With ``ray_placement`` the engines are Ray actors instead (one placement group, one
+bundle per engine, :mod:`corewire.client.ray_engines`) that do the same handshake; they
+join on ``engine_host`` (loopback unless given: vLLM's engine link has no encryption,
+so an address other hosts reach is the caller's explicit choice).
+
 ``client="corewire"`` sets ``COREWIRE_VLLM_CLIENT=1`` for the API server, so that
 corewire's vLLM plugin makes vLLM's ``AsyncLLM`` use corewire's client; ``client="vllm"``
 leaves vLLM's own client in place. ``output`` sets ``COREWIRE_VLLM_OUTPUT``: ``"corewire"``
@@ -44,7 +49,10 @@ from collections.abc import Mapping
 from importlib.metadata import entry_points
 from pathlib import Path
 from types import TracebackType
-from typing import IO, Any, Literal
+from typing import IO, TYPE_CHECKING, Any, Literal
+
+if TYPE_CHECKING:
+    from corewire.client.ray_engines import RayEngineHandle, RayEngines, RayPlacement
 
 __all__ = [
     "CLIENTS",
@@ -163,7 +171,9 @@ class ServeStack:
 
     ``model_dir``: a model directory matching the engines (see the module docstring).
     ``port``: the HTTP port (0: a free one, see :meth:`start`); ``host``: the HTTP host
-    (the engines always join on loopback). ``client``: ``"corewire"`` or ``"vllm"``;
+    (the engines join on ``engine_host``, loopback unless given). ``ray_placement``:
+    place the engines as Ray actors (see the module docstring). ``client``:
+    ``"corewire"`` or ``"vllm"``;
     ``output``: ``"vllm"``, ``"corewire"`` or None (see the module docstring).
     ``engine_args``: keyword arguments for each reference engine (JSON-serialisable);
     ``vocab_size`` and ``max_model_len`` should agree with the model directory.
@@ -195,6 +205,8 @@ class ServeStack:
         api_servers: int = 1,
         protocol: str | None = None,
         output: Literal["vllm", "corewire"] | None = None,
+        ray_placement: RayPlacement | None = None,
+        engine_host: str = _LOOPBACK,
     ) -> None:
         if client not in CLIENTS:
             raise ValueError(f"client must be one of {CLIENTS}, got {client!r}")
@@ -207,9 +219,9 @@ class ServeStack:
         self.model_dir = Path(model_dir)
         self.host = host
         self._chosen_http_port = port == 0
-        # The engines' link stays on loopback whatever the HTTP host: corewire refuses
-        # plain (non-CURVE) engine links that other hosts could reach.
-        self.engine_host = _LOOPBACK
+        # The engines' link stays on loopback whatever the HTTP host, unless the caller
+        # names another (Ray engines on other machines): vLLM's engine link is plain TCP.
+        self.engine_host = engine_host
         self.port = port
         self.rpc_port = 0
         self._choose_ports()
@@ -226,6 +238,10 @@ class ServeStack:
         self._protocol = protocol
         self.server: subprocess.Popen[bytes] | None = None
         self.engines: list[subprocess.Popen[bytes]] = []
+        #: With ``ray_placement``: where the engines are placed, and their actors.
+        self.ray_placement = ray_placement
+        self.ray_engines: list[RayEngineHandle] = []
+        self._ray: RayEngines | None = None
         self._logs: list[IO[bytes]] = []
         self._healthy = False
 
@@ -379,14 +395,37 @@ class ServeStack:
             engine_env = offline_env()
             for switch in _SWITCHES:
                 engine_env.pop(switch, None)
-            for i in range(self.num_engines):
-                self.engines.append(
-                    self._spawn(self.engine_command(i), engine_env, f"engine-{i}.log")
-                )
+            if self.ray_placement is not None:
+                self._place_ray_engines(timeout)
+            else:
+                for i in range(self.num_engines):
+                    self.engines.append(
+                        self._spawn(self.engine_command(i), engine_env, f"engine-{i}.log")
+                    )
             self.wait_healthy(timeout)
         except BaseException:
             self.stop()
             raise
+
+    def _place_ray_engines(self, timeout: float) -> None:
+        """Start the engines as Ray actors that join the API server's handshake."""
+        from corewire.client.ray_engines import RayEngines
+
+        if self._ray is None:
+            assert self.ray_placement is not None
+            self._ray = RayEngines(self.ray_placement)
+        engine_args = {"max_model_len": self.max_model_len, **self.engine_args}
+        options = {
+            i: {
+                "handshake_address": self.handshake_address,
+                "engine_index": i,
+                "engine_args": engine_args,
+                "data_parallel_size": self.num_engines,
+                "protocol": self.protocol,
+            }
+            for i in range(self.num_engines)
+        }
+        self.ray_engines = self._ray.start(options, timeout, join=True)
 
     def wait_healthy(self, timeout: float) -> None:
         """Poll ``/health`` until it answers 200; raise :class:`StackError` on a dead process."""
@@ -422,6 +461,13 @@ class ServeStack:
                 raise StackError(
                     f"the {name} exited with status {proc.returncode}" + self._log_tail(log)
                 )
+        for handle in self.ray_engines:
+            if not handle.is_alive():
+                why = handle.death_detail or handle.startup_error or "its log is Ray's"
+                raise StackError(
+                    f"engine {handle.index} (Ray actor on node {handle.node_id[:12]}) exited "
+                    f"with status {handle.exitcode}: {why}"
+                )
 
     def stop(self, timeout: float = 15.0) -> None:
         """Stop the API server, then the engines: SIGTERM, then SIGKILL after ``timeout``.
@@ -446,9 +492,20 @@ class ServeStack:
                 with contextlib.suppress(ProcessLookupError, PermissionError):
                     os.killpg(proc.pid, signal.SIGKILL)
                 proc.wait()
+        self._stop_ray_engines(timeout)
         for log in self._logs:
             log.close()
         self._logs.clear()
+
+    def _stop_ray_engines(self, timeout: float) -> None:
+        """Stop the Ray engines (stop, then ``ray.kill`` after ``timeout``) and release
+        their placement group."""
+        from corewire.client.processes import stop_processes
+
+        handles, self.ray_engines = self.ray_engines, []
+        stop_processes(handles, timeout)
+        if self._ray is not None:
+            self._ray.close()
 
     def __enter__(self) -> ServeStack:
         self.start()
@@ -535,6 +592,31 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--max-model-len", type=int, default=2048, help="context length")
     parser.add_argument(
+        "--ray",
+        action="store_true",
+        help="run the engines as Ray actors in one placement group (needs corewire[ray]); "
+        "Ray joins --ray-address, else RAY_ADDRESS, else starts a local cluster",
+    )
+    parser.add_argument("--ray-address", default=None, help="with --ray: the cluster to join")
+    parser.add_argument(
+        "--ray-strategy",
+        default="PACK",
+        help="with --ray: PACK, STRICT_PACK, SPREAD or STRICT_SPREAD (default PACK)",
+    )
+    parser.add_argument(
+        "--ray-bundle",
+        type=json.loads,
+        default=None,
+        help='with --ray: each engine\'s resources, e.g. {"CPU": 2, "GPU": 1} (default {"CPU": 1})',
+    )
+    parser.add_argument(
+        "--engine-host",
+        default=_LOOPBACK,
+        help="the address the engines join the API server on (default 127.0.0.1; with "
+        "--ray on several machines: this machine's address, which vLLM's plain-TCP "
+        "engine link then exposes to them)",
+    )
+    parser.add_argument(
         "--engine-args",
         type=json.loads,
         default=None,
@@ -546,6 +628,19 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.engine_args is not None and not isinstance(args.engine_args, dict):
         parser.error("--engine-args must be a JSON object")
+    placement = None
+    if args.ray:
+        from corewire.client.ray_engines import RayPlacement, import_ray
+
+        try:
+            import_ray()
+            placement = RayPlacement(
+                address=args.ray_address,
+                strategy=args.ray_strategy,
+                **({"bundle": args.ray_bundle} if args.ray_bundle is not None else {}),
+            )
+        except (ImportError, ValueError, TypeError) as exc:
+            parser.error(f"--ray: {exc}")
 
     from corewire.vllm.model_dir import write_model_dir
 
@@ -565,12 +660,15 @@ def main(argv: list[str] | None = None) -> int:
             max_model_len=args.max_model_len,
             engine_args=args.engine_args,
             api_servers=args.api_servers,
+            ray_placement=placement,
+            engine_host=args.engine_host,
         )
         try:
             stack.start(timeout=args.startup_timeout)
             print(
                 f"\ncorewire: serving {stack.served_model_name!r} at {stack.base_url} "
-                f"({args.engines} engine(s) speaking vLLM {stack.protocol}, {args.client} "
+                f"({args.engines} engine(s){' on Ray' if placement else ''} speaking vLLM "
+                f"{stack.protocol}, {args.client} "
                 f"client, {args.output or 'default'} output processing); Ctrl-C stops.\n"
                 f"  curl {stack.base_url}/v1/completions -H 'Content-Type: application/json' "
                 f'-d \'{{"model": "{stack.served_model_name}", '
