@@ -1,7 +1,9 @@
 """``corewire bench dp``: data-parallel routing, decision cost and load spread, corewire's
 Router vs vLLM 0.25.1's rule and other alternatives.
 
-Run: ``corewire bench dp`` (about 10 s; ``--quick`` for a short run).
+Run: ``corewire bench dp`` (about 10 s; ``--quick`` for a short run). ``--backend ray``
+adds part 3 (:mod:`corewire.bench.dp_backends`): the same DP group on local processes and
+on Ray actors, start-up, a burst through the router and shutdown side by side.
 
 1. Decision cost per request, measured from Python for N = 2, 16 and 64 engines, side by
    side in one process: ``corewire._native.Router.choose()`` (one native call), the same
@@ -29,6 +31,7 @@ from __future__ import annotations
 import argparse
 import itertools
 import random
+import sys
 import time
 import types
 from collections.abc import Callable
@@ -364,6 +367,22 @@ def plot(rows: list[dict[str, Any]], path: str) -> None:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Register ``corewire bench dp``'s flags."""
     common.add_common_arguments(parser)
+    parser.add_argument(
+        "--backend",
+        choices=("local", "ray"),
+        default="local",
+        help="ray: also run a DP group on local processes and on Ray actors side by side "
+        "(start-up, a burst through the router, shutdown; needs corewire[ray])",
+    )
+    parser.add_argument(
+        "--ray-address",
+        default=None,
+        help="with --backend ray: the Ray cluster to join (default: RAY_ADDRESS, else a "
+        "local one started for the run)",
+    )
+    parser.add_argument(
+        "--engines", type=int, default=2, help="with --backend ray: engines in the group"
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -379,8 +398,27 @@ def run(args: argparse.Namespace) -> int:
         )
     else:
         print(f"baseline: vLLM {vllm_version}'s DPLBAsyncMPClient.get_core_engine_for_request")
+    backends = None
+    if args.backend == "ray":
+        from corewire.client.ray_engines import import_ray
+
+        try:
+            import_ray()
+        except ImportError as exc:
+            print(f"corewire bench dp --backend ray: {exc}", file=sys.stderr)
+            return 2
+        if args.engines < 1:
+            print("corewire bench dp: --engines must be >= 1", file=sys.stderr)
+            return 2
     rows = bench_decision_cost(200_000 if args.quick else 2_000_000, vllm_version is not None)
     rows += bench_spread(0.2 if args.quick else 1.0, vllm_version is not None)
+    if args.backend == "ray":
+        from corewire.bench.dp_backends import bench_backends, print_backends
+
+        backends = bench_backends(
+            args.engines, 500 if args.quick else 5_000, 1 if args.quick else 3, args.ray_address
+        )
+        print_backends(backends)
     goal_ns = next(r for r in rows if r["engines"] == 16)["ns_per_decision"]["router"]
     found = [common.Goal("native decision at 16 engines, ns", goal_ns, 300.0, True)]
     if args.json:
@@ -388,7 +426,7 @@ def run(args: argparse.Namespace) -> int:
             args.json,
             "dp",
             baseline="vllm" if vllm_version is not None else "python",
-            options={"quick": args.quick},
+            options={"quick": args.quick, "backend": args.backend, "engines": args.engines},
             cases=rows,
             goals=found,
             units={
@@ -397,6 +435,7 @@ def run(args: argparse.Namespace) -> int:
                 "mean_wait_ms": "mean time a request waits for a batch slot",
                 "load_spread": "outstanding requests, max/min across engines, time-averaged",
             },
+            **({"backends": backends} if backends is not None else {}),
         )
         print(f"results written to {args.json}")
     if args.plot:
