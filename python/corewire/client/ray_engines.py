@@ -232,8 +232,12 @@ class RayEngineHandle:
         self._thread.join(timeout)
 
     def close(self) -> None:
-        """Release the sentinel; the actor must have ended (the group stopped it)."""
+        """End the actor's process (its engine has stopped: the group stopped it) and
+        release the sentinel."""
         if self._read_fd >= 0 and not self._thread.is_alive():
+            # Now, rather than when its placement group goes: Ray would SIGTERM an idle
+            # worker then, whose handler raises in the middle of whatever it collects.
+            self.kill()
             os.close(self._read_fd)
             self._read_fd = -1
 
