@@ -352,6 +352,34 @@ async def test_elastic_scaling_adds_and_removes_actors_while_serving(
     await _assert_nothing_left(sorted(all_pids), None)
 
 
+async def test_a_scale_up_given_up_while_ray_places_it_leaves_nothing(
+    cluster: RayCluster,
+) -> None:
+    """A scale-up waiting for resources the cluster does not have, cancelled by its
+    caller: the group stays as it was and serves, and the pending placement is gone."""
+    client = DPLBAsyncMPClient(
+        data_parallel_size=2,
+        data_parallel_backend="ray",
+        ray_placement=RayPlacement(strategy="SPREAD", bundle=ONE_CPU, placement_timeout=60),
+        engine=SYNTHETIC,
+        ready_timeout=60,
+    )
+    pids = client.engine_pids
+    try:
+        # Two more engines of one CPU each: the cluster has one CPU left.
+        with pytest.raises(asyncio.TimeoutError):
+            await asyncio.wait_for(client.scale_elastic_ep(4), 2.0)
+        await wait_until(
+            lambda: len(_placement_groups_alive()) == 1, 10.0, "the pending group gone"
+        )
+        assert client.data_parallel_size == 2 and client.engine_pids == pids
+        await client.add_request_async(request("after", max_tokens=2))
+        assert (await collect_finished(client, ["after"]))["after"].num_tokens == 2
+    finally:
+        client.shutdown()
+    await _assert_nothing_left(pids, None)
+
+
 async def test_a_node_leaving_mid_stream_is_that_engines_death_at_once(
     cluster: RayCluster,
 ) -> None:
@@ -455,6 +483,13 @@ def test_options_that_do_not_fit_the_ray_backend_are_refused() -> None:
     with pytest.raises(ValueError, match="leave data_parallel_size_local unset"):
         DPLBAsyncMPClient(
             data_parallel_size=2, data_parallel_size_local=1, data_parallel_backend="ray"
+        )
+    with pytest.raises(ValueError, match="leave coordinator_addresses unset"):
+        DPAsyncMPClient(
+            data_parallel_size=2,
+            data_parallel_rank=1,
+            data_parallel_backend="ray",
+            coordinator_addresses=object(),  # type: ignore[arg-type]
         )
     with pytest.raises(ValueError, match="leave curve_keys unset"):
         DPLBAsyncMPClient(data_parallel_size=2, data_parallel_backend="ray", curve_keys="k")

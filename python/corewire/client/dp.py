@@ -45,6 +45,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import threading
 import weakref
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
@@ -148,6 +149,18 @@ class DPAsyncMPClient(AsyncMPClient):
                 raise ValueError(
                     "with data_parallel_backend='ray' Ray places every engine this "
                     "front-end drives: leave data_parallel_size_local unset"
+                )
+            if coordinator_addresses is not None:
+                # Another front-end's coordinator would not know the keys this client
+                # makes for its engines (nor listen where they could reach it).
+                raise ValueError(
+                    "with data_parallel_backend='ray' the client starts its group's own "
+                    "coordinator: leave coordinator_addresses unset"
+                )
+            if kwargs.get("client_addresses") is not None:
+                raise ValueError(
+                    "with data_parallel_backend='ray' the client binds its own endpoints "
+                    "(data_parallel_address names the TCP ones): leave client_addresses unset"
                 )
             from corewire.client.ray_engines import RayBackend
 
@@ -345,10 +358,34 @@ class DPAsyncMPClient(AsyncMPClient):
         if backend is None:
             return self._start_engine_processes(indices, joining=True)
         options = self._ray_engine_options(indices)
-        handles = await asyncio.get_running_loop().run_in_executor(
-            None, lambda: backend.engines.start(options, timeout=self.ready_timeout)
+        loop = asyncio.get_running_loop()
+        cancel = threading.Event()
+        placing = loop.run_in_executor(
+            None,
+            lambda: backend.engines.start(options, timeout=self.ready_timeout, cancel=cancel),
         )
+        try:
+            handles = await asyncio.shield(placing)
+        except asyncio.CancelledError:
+            # The placement runs on in its thread until it sees ``cancel``; what it started
+            # by then is owned (stopped with the client) and retired at once.
+            cancel.set()
+            placing.add_done_callback(self._retire_abandoned)
+            raise
         return self._admit_ray_engines(handles, joining=True)
+
+    def _retire_abandoned(self, placing: asyncio.Future[list[Any]]) -> None:
+        """A cancelled scale-up's Ray engines arrived after all: own, then stop them."""
+        if placing.cancelled() or placing.exception() is not None:
+            return  # nothing started (a failed start leaves nothing behind)
+        handles = self._admit_ray_engines(placing.result(), joining=True)
+        if self.resources.closed:
+            self.resources.processes.stop()  # the client is gone: stop them here
+            return
+        indices = [h.index for h in handles]
+        retired = self.resources.processes.retire_engines(indices)
+        task = asyncio.get_running_loop().create_task(self._stop_retired(retired, indices))
+        self.resources.loop_side.add_task(task)
 
     async def _stop_retired(self, procs: list[Any], indices: Sequence[int]) -> None:
         """Stop engines retired from the group (off the loop), then release what Ray
@@ -710,9 +747,9 @@ class DPLBAsyncMPClient(DPAsyncMPClient):
         self._local_indices.update(new_indices)
         # Not watched while they join: a new engine that fails to start fails this
         # scale-up (the ready wait watches it), not the client.
-        procs = await self._start_joining_engines(new_indices)
         identities = [engine_identity(i) for i in new_indices]
         try:
+            procs = await self._start_joining_engines(new_indices)
             # On this loop: the ROUTER is used only from this thread.
             ready = self._ready_wait(identities, procs, self.ready_timeout)
             self.ready_info.update(await ready.wait_async(self.ensure_alive))

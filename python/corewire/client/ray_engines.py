@@ -26,6 +26,7 @@ import os
 import shutil
 import socket
 import threading
+import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -48,6 +49,8 @@ logger = logging.getLogger("corewire.client")
 PLACEMENT_STRATEGIES = ("PACK", "STRICT_PACK", "SPREAD", "STRICT_SPREAD")
 #: How an engine's actor is told apart in Ray's own listings (``ray list actors``).
 ACTOR_NAME_PREFIX = "corewire-engine"
+#: How often a wait for placement looks whether it was given up.
+_PLACEMENT_POLL_S = 0.25
 #: Exit code a handle reports for an actor Ray declared dead (killed, or its node gone):
 #: the code a SIGKILLed process would have.
 ACTOR_DIED_EXITCODE = -9
@@ -127,15 +130,16 @@ def unused_port_block(host: str, count: int = 4, attempts: int = 50) -> int:
     one before the front-end binds it: pass ``data_parallel_address`` to choose."""
     for _ in range(attempts):
         held: list[socket.socket] = []
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
         try:
-            first = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            first = socket.socket(family, socket.SOCK_STREAM)
             held.append(first)
             first.bind((host, 0))
             port = first.getsockname()[1]
             if port + count - 1 > 65535:
                 continue
             for offset in range(1, count):
-                sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+                sock = socket.socket(family, socket.SOCK_STREAM)
                 held.append(sock)
                 sock.bind((host, port + offset))
             return port
@@ -151,7 +155,7 @@ class RayEngineHandle:
     """One engine's Ray actor, seen as a process (:class:`~corewire.client.processes.
     ProcessHandle`) by the client's process group.
 
-    A thread (``corewire-ray-engine-K-watch``) waits for the actor's ``serve`` call and
+    A thread (``corewire-engine-K-ray-watch``) waits for the actor's ``serve`` call and
     records how it ended: the engine's exit status, 1 when ``serve`` raised (the error
     is :attr:`startup_error`), or :data:`ACTOR_DIED_EXITCODE` when Ray declared the
     actor dead (:attr:`death_detail` says why, from Ray's notice); then the sentinel
@@ -172,6 +176,8 @@ class RayEngineHandle:
         self._actor = actor
         self._exitcode: int | None = None
         self._read_fd, self._write_fd = os.pipe()
+        self._fd_lock = threading.Lock()
+        self._closing = False
         self._thread = threading.Thread(
             target=self._wait, args=(serve_ref,), name=f"{self.name}-ray-watch", daemon=True
         )
@@ -192,6 +198,9 @@ class RayEngineHandle:
             self.death_detail = _first_line(exc)
         self._exitcode = code
         os.close(self._write_fd)  # EOF on the read end: the sentinel is readable
+        with self._fd_lock:
+            if self._closing:  # close() came first: the sentinel is this thread's to free
+                self._close_read_fd()
 
     @property
     def node_id(self) -> str:
@@ -232,12 +241,19 @@ class RayEngineHandle:
         self._thread.join(timeout)
 
     def close(self) -> None:
-        """End the actor's process (its engine has stopped: the group stopped it) and
-        release the sentinel."""
-        if self._read_fd >= 0 and not self._thread.is_alive():
-            # Now, rather than when its placement group goes: Ray would SIGTERM an idle
-            # worker then, whose handler raises in the middle of whatever it collects.
-            self.kill()
+        """End the actor's process (its engine has stopped, or the group gave up on it)
+        and release the sentinel, now or, while Ray has not declared the actor ended
+        yet, when it does."""
+        # Now, rather than when its placement group goes: Ray would SIGTERM an idle
+        # worker then, whose handler raises in the middle of whatever it collects.
+        self.kill()
+        with self._fd_lock:
+            self._closing = True
+            if self._exitcode is not None:
+                self._close_read_fd()
+
+    def _close_read_fd(self) -> None:
+        if self._read_fd >= 0:
             os.close(self._read_fd)
             self._read_fd = -1
 
@@ -266,9 +282,15 @@ class RayEngines:
         #: Each placement group reserved, with the engine indices still placed in it.
         self._groups: list[tuple[Any, set[int]]] = []
         self._groups_lock = threading.Lock()  # start() may run off the client's thread
+        self._closed = False
 
     def start(
-        self, options_of: Mapping[int, dict[str, Any]], timeout: float, *, join: bool = False
+        self,
+        options_of: Mapping[int, dict[str, Any]],
+        timeout: float,
+        *,
+        join: bool = False,
+        cancel: threading.Event | None = None,
     ) -> list[RayEngineHandle]:
         """Reserve one bundle per engine in a new placement group, start the engines of
         ``options_of`` (index -> options of :meth:`EngineActor.serve`, or of
@@ -277,25 +299,71 @@ class RayEngines:
 
         Raises ``TimeoutError`` when the cluster cannot place every bundle within
         ``placement.placement_timeout`` seconds, or an actor does not start within
-        ``timeout``; nothing is left reserved then."""
+        ``timeout``, and ``RuntimeError`` once ``cancel`` is set or the client closed
+        while the cluster was still placing; nothing is left reserved then."""
         ray = self._ray
         from ray.util.placement_group import placement_group, remove_placement_group
-        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
         indices = sorted(options_of)
         bundle = {k: float(v) for k, v in self.placement.bundle.items()}
         group = placement_group([dict(bundle) for _ in indices], strategy=self.placement.strategy)
+        actors: list[Any] = []
         try:
-            ray.get(group.ready(), timeout=self.placement.placement_timeout)
-        except ray.exceptions.GetTimeoutError:
-            remove_placement_group(group)
-            raise TimeoutError(
-                f"Ray could not place {len(indices)} engine bundle(s) {bundle} with strategy "
-                f"{self.placement.strategy} within {self.placement.placement_timeout:g} s "
-                f"(free in the cluster: {ray.available_resources()})"
-            ) from None
-        with self._groups_lock:
-            self._groups.append((group, set(indices)))
+            self._wait_placed(group, len(indices), bundle, cancel)
+            actors = self._create_actors(group, indices, bundle)
+            wheres = ray.get([a.where.remote() for a in actors], timeout=timeout)
+            with self._groups_lock:
+                if self._closed:  # the client shut down while this start ran (off its thread)
+                    raise RuntimeError("the client was shut down while its engines started")
+                self._groups.append((group, set(indices)))
+        except BaseException:
+            # Nothing of a failed start stays reserved or running.
+            for actor in actors:
+                with contextlib.suppress(Exception):
+                    ray.kill(actor, no_restart=True)
+            with contextlib.suppress(Exception):
+                remove_placement_group(group)
+            raise
+        handles = []
+        for index, actor, where in zip(indices, actors, wheres, strict=True):
+            method = actor.join if join else actor.serve
+            serve_ref = method.remote(options_of[index])
+            handles.append(RayEngineHandle(ray, actor, serve_ref, index, where))
+            logger.info(
+                "engine %d: Ray actor pid %s on node %s (%s)",
+                index,
+                where["pid"],
+                where["node_id"][:12],
+                where["node_ip"],
+            )
+        return handles
+
+    def _wait_placed(
+        self, group: Any, count: int, bundle: Mapping[str, float], cancel: threading.Event | None
+    ) -> None:
+        """Wait until ``group`` is placed, looking every quarter second whether the wait
+        was given up (a cancelled scale-up, a client shut down meanwhile)."""
+        ray = self._ray
+        ready = group.ready()
+        deadline = time.monotonic() + self.placement.placement_timeout
+        while not ray.wait([ready], timeout=_PLACEMENT_POLL_S)[0]:
+            if self._closed or (cancel is not None and cancel.is_set()):
+                raise RuntimeError("the engines' start was given up while Ray placed them")
+            if time.monotonic() >= deadline:
+                raise TimeoutError(
+                    f"Ray could not place {count} engine bundle(s) {dict(bundle)} with "
+                    f"strategy {self.placement.strategy} within "
+                    f"{self.placement.placement_timeout:g} s (free in the cluster: "
+                    f"{ray.available_resources()})"
+                )
+        ray.get(ready)  # raises what placing raised
+
+    def _create_actors(
+        self, group: Any, indices: Sequence[int], bundle: Mapping[str, float]
+    ) -> list[Any]:
+        """One engine actor per bundle of ``group``, in ``indices`` order."""
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
         actors = []
         for position, index in enumerate(indices):
             strategy = PlacementGroupSchedulingStrategy(
@@ -311,27 +379,7 @@ class RayEngines:
                     **actor_options(bundle),
                 ).remote()
             )
-        try:
-            wheres = ray.get([a.where.remote() for a in actors], timeout=timeout)
-        except Exception:
-            for actor in actors:
-                with contextlib.suppress(Exception):
-                    ray.kill(actor, no_restart=True)
-            self.release(indices)
-            raise
-        handles = []
-        for index, actor, where in zip(indices, actors, wheres, strict=True):
-            method = actor.join if join else actor.serve
-            serve_ref = method.remote(options_of[index])
-            handles.append(RayEngineHandle(ray, actor, serve_ref, index, where))
-            logger.info(
-                "engine %d: Ray actor pid %s on node %s (%s)",
-                index,
-                where["pid"],
-                where["node_id"][:12],
-                where["node_ip"],
-            )
-        return handles
+        return actors
 
     @property
     def placement_groups(self) -> Sequence[Any]:
@@ -356,6 +404,7 @@ class RayEngines:
         """Remove the placement groups (their actors, already stopped, end with them);
         the Ray connection stays (it is the process's, not this client's)."""
         with self._groups_lock:
+            self._closed = True
             groups, self._groups = [group for group, _ in self._groups], []
         self._remove(groups)
 
@@ -418,7 +467,9 @@ class RayBackend:
         engines = RayEngines(placement or RayPlacement())
         if data_parallel_address is None:
             host = engines.node_ip
-            data_parallel_address = f"tcp://{host}:{unused_port_block(host)}"
+            # An IPv6 address goes in brackets in a ZeroMQ endpoint.
+            shown = f"[{host}]" if ":" in host else host
+            data_parallel_address = f"tcp://{shown}:{unused_port_block(host)}"
         keys_dir = client_keys = None
         if not is_loopback_address(data_parallel_address):
             keys_dir = make_private_dir("keys")

@@ -118,8 +118,10 @@ class ReadyWait:
         for proc in self._processes:
             if not proc.is_alive():
                 # A Ray actor's handle carries its error; a local process wrote a file.
-                cause = getattr(proc, "startup_error", None) or read_startup_error(
-                    self._report_path(proc.name)
+                cause = (
+                    getattr(proc, "startup_error", None)
+                    or getattr(proc, "death_detail", None)
+                    or read_startup_error(self._report_path(proc.name))
                 )
                 raise RuntimeError(
                     f"engine process {proc.name} exited with code {proc.exitcode} before it "

@@ -628,6 +628,11 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.engine_args is not None and not isinstance(args.engine_args, dict):
         parser.error("--engine-args must be a JSON object")
+    if args.engine_host != _LOOPBACK and args.client == "corewire":
+        parser.error(
+            "--engine-host: corewire's client inside vLLM refuses an engine link other "
+            "hosts can reach (vLLM's has no encryption); use --client vllm for that"
+        )
     placement = None
     if args.ray:
         from corewire.client.ray_engines import RayPlacement, import_ray
