@@ -253,15 +253,20 @@ async def test_an_actor_killed_is_that_engines_death_at_once(cluster: RayCluster
     await _assert_nothing_left(pids, None)
 
 
-async def test_external_lb_client_places_its_own_engine(cluster: RayCluster) -> None:
+async def test_external_lb_client_places_its_own_engine(
+    cluster: RayCluster, caplog: pytest.LogCaptureFixture
+) -> None:
     client = DPAsyncMPClient(
         data_parallel_size=2,
         data_parallel_rank=1,
         data_parallel_backend="ray",
+        # Another cluster than the one this process joined: said, and not used.
+        ray_placement=RayPlacement(address="10.9.9.9:6379"),
         engine=SYNTHETIC,
         ready_timeout=60,
     )
     try:
+        assert "RayPlacement(address='10.9.9.9:6379') not used" in caplog.text
         (handle,) = _engine_handles(client)
         assert client.engine_indices == [1] and handle.where["node_id"] in cluster.worker_ids()
         await client.add_request_async(request("x", max_tokens=2))

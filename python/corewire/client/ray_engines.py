@@ -75,8 +75,10 @@ class RayPlacement:
 
     Parameters:
         address: the cluster to join (``ray.init(address=...)``: ``"auto"``, a GCS
-            address ``HOST:PORT``); None: the Ray this process already joined, else
-            the cluster ``RAY_ADDRESS`` names, else a local one Ray starts.
+            address ``HOST:PORT``) when this process has not joined one yet (a process
+            holds one Ray connection: another address is then logged and not used);
+            None: the Ray this process already joined, else the cluster
+            ``RAY_ADDRESS`` names, else a local one Ray starts.
         strategy: one of :data:`PLACEMENT_STRATEGIES` (default ``"PACK"``, Ray's).
         bundle: the resources of each engine's bundle, as Ray names them (``"CPU"``,
             ``"GPU"``, ``"memory"`` in bytes, or any custom resource). An engine with
@@ -274,6 +276,16 @@ class RayEngines:
         if not ray.is_initialized():
             # Ray's defaults otherwise: no dashboard (a web server nobody asked for).
             ray.init(address=placement.address, include_dashboard=False, log_to_driver=True)
+        elif placement.address not in (None, "auto"):
+            joined = getattr(ray.get_runtime_context(), "gcs_address", None)
+            if joined != placement.address:
+                # One Ray connection per process: the one made first is the one used.
+                logger.warning(
+                    "RayPlacement(address=%r) not used: this process already joined the Ray "
+                    "cluster at %s",
+                    placement.address,
+                    joined,
+                )
         #: The address engines connect back to (this node's, unless given).
         self.node_ip = placement.node_ip or ray.util.get_node_ip_address()
         from corewire.engine.ray_actor import EngineActor
