@@ -191,13 +191,20 @@ async def test_strict_pack_puts_every_engine_on_one_node(cluster: RayCluster) ->
     client = DPLBAsyncMPClient(
         data_parallel_size=2,
         data_parallel_backend="ray",
-        ray_placement=RayPlacement(strategy="STRICT_PACK", bundle={"CPU": 0.5}),
+        ray_placement=RayPlacement(
+            strategy="STRICT_PACK",
+            bundle={"CPU": 0.5},
+            runtime_env={"env_vars": {"COREWIRE_LOG_LEVEL": "WARNING"}},
+        ),
         engine=SYNTHETIC,
         ready_timeout=60,
     )
     try:
-        nodes = {h.where["node_id"] for h in _engine_handles(client)}
+        wheres = [h.where for h in _engine_handles(client)]
+        nodes = {w["node_id"] for w in wheres}
         assert len(nodes) == 1 and nodes <= cluster.worker_ids()
+        # The runtime environment reached each engine's process.
+        assert [w["env_vars"] for w in wheres] == [{"COREWIRE_LOG_LEVEL": "WARNING"}] * 2
         ids = [f"p{i}" for i in range(4)]
         for rid in ids:
             await client.add_request_async(request(rid, max_tokens=2))

@@ -87,6 +87,9 @@ class RayPlacement:
             before giving up (the error names what was asked and what is free).
         node_ip: the address the engines connect back to; None: this node's address as
             Ray sees it. Give it when that address is not reachable from the others.
+        runtime_env: Ray's runtime environment for the engine actors (``env_vars``,
+            ``pip``, ``working_dir``...: how the engine's own package and settings reach
+            nodes that lack them); None: the job's.
     """
 
     address: str | None = None
@@ -94,6 +97,7 @@ class RayPlacement:
     bundle: Mapping[str, float] = field(default_factory=lambda: {"CPU": 1.0})
     placement_timeout: float = 120.0
     node_ip: str | None = None
+    runtime_env: Mapping[str, Any] | None = None
 
     def __post_init__(self) -> None:
         if self.strategy not in PLACEMENT_STRATEGIES:
@@ -376,6 +380,8 @@ class RayEngines:
         """One engine actor per bundle of ``group``, in ``indices`` order."""
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+        env = self.placement.runtime_env
+        runtime = {"runtime_env": dict(env)} if env is not None else {}
         actors = []
         for position, index in enumerate(indices):
             strategy = PlacementGroupSchedulingStrategy(
@@ -389,6 +395,7 @@ class RayEngines:
                     max_concurrency=2,  # serve() runs the loop; where() and stop() answer
                     scheduling_strategy=strategy,
                     **actor_options(bundle),
+                    **runtime,
                 ).remote()
             )
         return actors

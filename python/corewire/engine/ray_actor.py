@@ -36,15 +36,18 @@ class EngineActor:
 
     def where(self) -> dict[str, Any]:
         """Where this engine runs, read inside it: Ray's node id and address, the process
-        id, and the GPUs Ray gave it (``CUDA_VISIBLE_DEVICES``, None without GPUs)."""
+        id, the GPUs Ray gave it (``CUDA_VISIBLE_DEVICES``, None without GPUs), and the
+        values of its runtime environment's ``env_vars`` as this process sees them."""
         ray = sys.modules["ray"]  # loaded: this is a Ray worker
         context = ray.get_runtime_context()
+        env_vars = (context.runtime_env or {}).get("env_vars") or {}
         return {
             "node_id": context.get_node_id(),
             "node_ip": ray.util.get_node_ip_address(),
             "pid": os.getpid(),
             "gpu_ids": [str(g) for g in ray.get_gpu_ids()],
             "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"),
+            "env_vars": {name: os.environ.get(name) for name in env_vars},
         }
 
     def serve(self, options: dict[str, Any]) -> int:
