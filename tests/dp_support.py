@@ -195,6 +195,59 @@ async def collect_finished(
     return done
 
 
+class SteadyStream:
+    """Requests sent through a DP client at a steady pace while a test reshapes the
+    group (``async with``): one every 10 ms of ``max_tokens`` tokens, ids
+    ``PREFIX-N``; :attr:`done` maps each finished id to ``(finish_reason,
+    engine_index)`` (a second finish of one id fails the consumer)."""
+
+    def __init__(self, client: Any, prefix: str, max_tokens: int) -> None:
+        self.client = client
+        self.prefix = prefix
+        self.max_tokens = max_tokens
+        #: Ids sent so far (a test adds the ones it sends itself).
+        self.sent: list[str] = []
+        #: Id -> (finish reason, engine index), as the client saw them end.
+        self.done: dict[str, tuple[FinishReason, int]] = {}
+        self._stop = asyncio.Event()
+        self._tasks: list[asyncio.Future[None]] = []
+
+    async def __aenter__(self) -> SteadyStream:
+        self._producer = asyncio.ensure_future(self._produce())
+        self._tasks = [self._producer, asyncio.ensure_future(self._consume())]
+        return self
+
+    async def __aexit__(self, *exc_info: Any) -> None:
+        self._stop.set()
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+
+    async def stop_sending(self) -> None:
+        """No more requests from here on (the consumer keeps reading)."""
+        self._stop.set()
+        await self._producer
+
+    async def _produce(self) -> None:
+        from client_support import request
+
+        i = 0
+        while not self._stop.is_set():
+            rid = f"{self.prefix}-{i}"
+            i += 1
+            await self.client.add_request_async(request(rid, max_tokens=self.max_tokens))
+            self.sent.append(rid)
+            await asyncio.sleep(0.01)
+
+    async def _consume(self) -> None:
+        while True:
+            outputs = await self.client.get_output_async()
+            for out in outputs.outputs:
+                if out.finish_reason is not None:
+                    assert out.request_id not in self.done, "finished twice"
+                    self.done[out.request_id] = (out.finish_reason, outputs.engine_index)
+
+
 async def wait_until(
     predicate: Callable[[], Any], timeout: float = 10.0, what: str = "condition"
 ) -> None:

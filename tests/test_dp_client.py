@@ -19,7 +19,7 @@ from client_support import request
 from corewire import DPAsyncMPClient, DPLBAsyncMPClient, EngineDeadError, UtilityError
 from corewire.client.dp import DPConsensusError
 from corewire.protocol import FinishReason
-from dp_support import LIGHT, EnginePeer, Sockets, collect_finished, wait_until
+from dp_support import LIGHT, EnginePeer, Sockets, SteadyStream, collect_finished, wait_until
 from leak_support import pid_gone
 
 
@@ -284,62 +284,38 @@ async def test_stats_task_survives_a_notice_sent_while_a_publication_waits() -> 
 
 async def test_scale_2_to_3_to_1_under_load_loses_no_request() -> None:
     client = DPLBAsyncMPClient(data_parallel_size=2, engine_args={**LIGHT, "step_delay": 0.005})
-    sent: list[str] = []
-    done: dict[str, tuple[FinishReason, int]] = {}
-    stop = asyncio.Event()
-
-    async def produce() -> None:
-        i = 0
-        while not stop.is_set():
-            rid = f"s-{i}"
-            i += 1
-            await client.add_request_async(request(rid, max_tokens=30))
-            sent.append(rid)
-            await asyncio.sleep(0.01)
-
-    async def consume() -> None:
-        while True:
-            outputs = await client.get_output_async()
-            for out in outputs.outputs:
-                if out.finish_reason is not None:
-                    assert out.request_id not in done, "finished twice"
-                    done[out.request_id] = (out.finish_reason, outputs.engine_index)
-
-    producer = asyncio.ensure_future(produce())
-    consumer = asyncio.ensure_future(consume())
     try:
-        await wait_until(lambda: len(done) >= 10, timeout=30, what="first completions")
-        await client.scale_elastic_ep(3)
-        assert len(client.core_engines) == 3 and len(client.engine_pids) == 3
-        assert len(client.lb_engines) == 3
-        assert [s["data_parallel_size"] for s in await engine_states(client)] == [3, 3, 3]
-        await wait_until(
-            lambda: any(engine == 2 for _, engine in done.values()),
-            timeout=30,
-            what="a request served by the new engine",
-        )
-        # Long requests held by the engines about to go: they must end as ABORT.
-        doomed = [f"doomed-{i}" for i in range(4)]
-        for i, rid in enumerate(doomed):
-            await client.add_request_async(request(rid, max_tokens=100_000, rank=1 + i % 2))
-        sent += doomed
-        await client.scale_elastic_ep(1)
-        assert len(client.core_engines) == 1 and len(client.engine_pids) == 1
-        assert len(client.lb_engines) == 1 and client.router.num_engines == 1
-        assert [s["data_parallel_size"] for s in await engine_states(client)] == [1]
-        stop.set()
-        await producer
-        await wait_until(lambda: set(sent) <= done.keys(), timeout=60, what="every request")
-        reasons = Counter(reason for reason, _ in done.values())
-        assert set(reasons) <= {FinishReason.LENGTH, FinishReason.ABORT}
-        assert reasons[FinishReason.LENGTH] > 0
-        assert all(done[rid][0] == FinishReason.ABORT for rid in doomed)
-        assert not client.reqs_in_flight
+        async with SteadyStream(client, "s", max_tokens=30) as stream:
+            done = stream.done
+            await wait_until(lambda: len(done) >= 10, timeout=30, what="first completions")
+            await client.scale_elastic_ep(3)
+            assert len(client.core_engines) == 3 and len(client.engine_pids) == 3
+            assert len(client.lb_engines) == 3
+            assert [s["data_parallel_size"] for s in await engine_states(client)] == [3, 3, 3]
+            await wait_until(
+                lambda: any(engine == 2 for _, engine in done.values()),
+                timeout=30,
+                what="a request served by the new engine",
+            )
+            # Long requests held by the engines about to go: they must end as ABORT.
+            doomed = [f"doomed-{i}" for i in range(4)]
+            for i, rid in enumerate(doomed):
+                await client.add_request_async(request(rid, max_tokens=100_000, rank=1 + i % 2))
+            stream.sent += doomed
+            await client.scale_elastic_ep(1)
+            assert len(client.core_engines) == 1 and len(client.engine_pids) == 1
+            assert len(client.lb_engines) == 1 and client.router.num_engines == 1
+            assert [s["data_parallel_size"] for s in await engine_states(client)] == [1]
+            await stream.stop_sending()
+            await wait_until(
+                lambda: set(stream.sent) <= done.keys(), timeout=60, what="every request"
+            )
+            reasons = Counter(reason for reason, _ in done.values())
+            assert set(reasons) <= {FinishReason.LENGTH, FinishReason.ABORT}
+            assert reasons[FinishReason.LENGTH] > 0
+            assert all(done[rid][0] == FinishReason.ABORT for rid in doomed)
+            assert not client.reqs_in_flight
     finally:
-        stop.set()
-        producer.cancel()
-        consumer.cancel()
-        await asyncio.gather(producer, consumer, return_exceptions=True)
         client.shutdown()
 
 

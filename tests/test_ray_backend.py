@@ -28,7 +28,7 @@ import pytest
 from client_support import request
 from corewire import DPAsyncMPClient, DPLBAsyncMPClient, EngineDeadError
 from corewire.protocol import FinishReason
-from dp_support import collect_finished, wait_until
+from dp_support import SteadyStream, collect_finished, wait_until
 from leak_support import wait_pid_gone
 
 ray = pytest.importorskip("ray", reason="the Ray backend's tests need corewire[ray]")
@@ -301,65 +301,41 @@ async def test_elastic_scaling_adds_and_removes_actors_while_serving(
     )
     backend = client.ray_backend
     assert backend is not None
-    sent: list[str] = []
-    done: dict[str, tuple[FinishReason, int]] = {}
-    stop = asyncio.Event()
-
-    async def produce() -> None:
-        i = 0
-        while not stop.is_set():
-            rid = f"e-{i}"
-            i += 1
-            await client.add_request_async(request(rid, max_tokens=20))
-            sent.append(rid)
-            await asyncio.sleep(0.01)
-
-    async def consume() -> None:
-        while True:
-            outputs = await client.get_output_async()
-            for out in outputs.outputs:
-                if out.finish_reason is not None:
-                    assert out.request_id not in done, "finished twice"
-                    done[out.request_id] = (out.finish_reason, outputs.engine_index)
-
-    producer = asyncio.ensure_future(produce())
-    consumer = asyncio.ensure_future(consume())
     all_pids: set[int] = set(client.engine_pids)
     try:
-        await wait_until(lambda: len(done) >= 10, 30.0, "first completions")
-        await client.scale_elastic_ep(3)
-        all_pids.update(client.engine_pids)
-        assert len(client.engine_pids) == 3 and len(backend.engines.placement_groups) == 2
-        new_engine = _engine_handles(client)[2]
-        assert new_engine.where["node_id"] in cluster.worker_ids()
-        states = await client._call_all_engines("dp_state")
-        assert [s["data_parallel_size"] for s in states] == [3, 3, 3]
-        await wait_until(
-            lambda: any(engine == 2 for _, engine in done.values()), 30.0, "the new engine serving"
-        )
-        doomed = [f"doomed-{i}" for i in range(4)]
-        for i, rid in enumerate(doomed):
-            await client.add_request_async(request(rid, max_tokens=100_000, rank=1 + i % 2))
-        sent += doomed
-        await client.scale_elastic_ep(1)
-        assert len(client.engine_pids) == 1
-        # Engine 2's group held nothing else: gone; engine 0 keeps the first one.
-        assert len(backend.engines.placement_groups) == 1
-        assert len(_placement_groups_alive()) == 1
-        stop.set()
-        await producer
-        await wait_until(lambda: set(sent) <= done.keys(), 60.0, "every request")
-        reasons = Counter(reason for reason, _ in done.values())
-        assert set(reasons) <= {FinishReason.LENGTH, FinishReason.ABORT}
-        assert all(done[rid][0] == FinishReason.ABORT for rid in doomed)
-        assert not client.reqs_in_flight
-        for pid in all_pids - set(client.engine_pids):
-            assert wait_pid_gone(pid, 15.0), f"removed engine actor {pid} still runs"
+        async with SteadyStream(client, "e", max_tokens=20) as stream:
+            done = stream.done
+            await wait_until(lambda: len(done) >= 10, 30.0, "first completions")
+            await client.scale_elastic_ep(3)
+            all_pids.update(client.engine_pids)
+            assert len(client.engine_pids) == 3 and len(backend.engines.placement_groups) == 2
+            new_engine = _engine_handles(client)[2]
+            assert new_engine.where["node_id"] in cluster.worker_ids()
+            states = await client._call_all_engines("dp_state")
+            assert [s["data_parallel_size"] for s in states] == [3, 3, 3]
+            await wait_until(
+                lambda: any(engine == 2 for _, engine in done.values()),
+                30.0,
+                "the new engine serving",
+            )
+            doomed = [f"doomed-{i}" for i in range(4)]
+            for i, rid in enumerate(doomed):
+                await client.add_request_async(request(rid, max_tokens=100_000, rank=1 + i % 2))
+            stream.sent += doomed
+            await client.scale_elastic_ep(1)
+            assert len(client.engine_pids) == 1
+            # Engine 2's group held nothing else: gone; engine 0 keeps the first one.
+            assert len(backend.engines.placement_groups) == 1
+            assert len(_placement_groups_alive()) == 1
+            await stream.stop_sending()
+            await wait_until(lambda: set(stream.sent) <= done.keys(), 60.0, "every request")
+            reasons = Counter(reason for reason, _ in done.values())
+            assert set(reasons) <= {FinishReason.LENGTH, FinishReason.ABORT}
+            assert all(done[rid][0] == FinishReason.ABORT for rid in doomed)
+            assert not client.reqs_in_flight
+            for pid in all_pids - set(client.engine_pids):
+                assert wait_pid_gone(pid, 15.0), f"removed engine actor {pid} still runs"
     finally:
-        stop.set()
-        producer.cancel()
-        consumer.cancel()
-        await asyncio.gather(producer, consumer, return_exceptions=True)
         client.shutdown()
     await _assert_nothing_left(sorted(all_pids), None)
 
