@@ -37,6 +37,13 @@ holding an authorized key can connect. ``data_parallel_size_local`` engines (ind
 ``0 .. local-1``) start here; the others join with
 ``corewire engine --connect tcp://HOST:PORT --engine-index K --curve-keys DIR``.
 
+Engines on a Ray cluster: ``data_parallel_backend="ray"`` (with ``ray_placement=
+corewire.RayPlacement(...)``) places every engine this front-end drives as a Ray actor in
+a placement group instead of starting processes; they connect back to the TCP endpoints
+of ``data_parallel_address`` (chosen on this node's address unless given), behind CURVE
+with keys the client makes (:mod:`corewire.client.ray_engines`). The loss of an actor or
+of its node is the group's death, as any engine's.
+
 Wire format: docs/protocol.md §8 (data-parallel coordination) and §5.6 (elastic-scaling
 notifications).
 """
@@ -105,8 +112,11 @@ class DPAsyncMPClient(AsyncMPClient):
     Drives the engine ``data_parallel_rank`` of a group of ``data_parallel_size`` (or the
     ``engine_indices`` given), sharing the group's coordinator with the other
     front-ends: the first front-end starts it (``coordinator_addresses`` None) and the
-    others pass its :attr:`coordinator_addresses`. Other parameters as
-    :class:`~corewire.AsyncMPClient`; see the module docstring for the DP behaviour.
+    others pass its :attr:`coordinator_addresses`. ``data_parallel_backend``: ``"mp"``
+    (engines as child processes, the default) or ``"ray"`` (Ray actors placed by
+    ``ray_placement``, a :class:`~corewire.RayPlacement`; see the module docstring).
+    Other parameters as :class:`~corewire.AsyncMPClient`; see the module docstring for
+    the DP behaviour.
     """
 
     def __init__(
