@@ -16,12 +16,13 @@ from __future__ import annotations
 import errno
 import functools
 import inspect
-import random
-import socket
 from collections.abc import Callable
 from typing import Any, TypeVar
 
 import zmq
+
+from corewire import ports
+from corewire.ports import unused_port
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -33,30 +34,13 @@ _IN_USE_TEXT = "address already in use"
 
 def unused_tcp_port(host: str = "127.0.0.1") -> int:
     """A TCP port free on ``host`` a moment ago (racy: see the module docstring)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind((host, 0))
-        return int(sock.getsockname()[1])
+    return unused_port(host)
 
 
 def unused_port_block(count: int = 4, host: str = "127.0.0.1") -> int:
     """A base port such that ``base .. base+count-1`` on ``host`` were all free a moment
     ago (racy: see the module docstring)."""
-    rng = random.Random()
-    for _ in range(200):
-        base = rng.randrange(20000, 60000)
-        sockets = []
-        try:
-            for port in range(base, base + count):
-                s = socket.socket()
-                sockets.append(s)
-                s.bind((host, port))
-            return base
-        except OSError:
-            continue
-        finally:
-            for s in sockets:
-                s.close()
-    raise RuntimeError("no block of free ports found")
+    return ports.unused_port_block(host, count)
 
 
 def address_in_use(exc: BaseException | None) -> bool:

@@ -24,7 +24,6 @@ import contextlib
 import logging
 import os
 import shutil
-import socket
 import threading
 import time
 from collections.abc import Mapping, Sequence
@@ -38,7 +37,6 @@ __all__ = [
     "RayEngines",
     "RayPlacement",
     "import_ray",
-    "unused_port_block",
 ]
 
 logger = logging.getLogger("corewire.client")
@@ -128,33 +126,6 @@ def actor_options(bundle: Mapping[str, float]) -> dict[str, Any]:
     if custom:
         options["resources"] = custom
     return options
-
-
-def unused_port_block(host: str, count: int = 4, attempts: int = 50) -> int:
-    """A port P such that P .. P+count-1 were free on ``host`` a moment ago (the four
-    consecutive ports of a ``data_parallel_address``). Another process may still take
-    one before the front-end binds it: pass ``data_parallel_address`` to choose."""
-    for _ in range(attempts):
-        held: list[socket.socket] = []
-        family = socket.AF_INET6 if ":" in host else socket.AF_INET
-        try:
-            first = socket.socket(family, socket.SOCK_STREAM)
-            held.append(first)
-            first.bind((host, 0))
-            port = first.getsockname()[1]
-            if port + count - 1 > 65535:
-                continue
-            for offset in range(1, count):
-                sock = socket.socket(family, socket.SOCK_STREAM)
-                held.append(sock)
-                sock.bind((host, port + offset))
-            return port
-        except OSError:
-            continue
-        finally:
-            for sock in held:
-                sock.close()
-    raise OSError(f"found no {count} consecutive free ports on {host}")
 
 
 class RayEngineHandle:
@@ -477,6 +448,7 @@ class RayBackend:
         from corewire.curve import is_loopback_address
         from corewire.ipcdir import make_private_dir
         from corewire.keygen import CurveClientKeys, write_key_layout
+        from corewire.ports import unused_port_block
 
         if curve_keys is not None:
             raise ValueError(

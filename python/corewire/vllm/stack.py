@@ -51,6 +51,8 @@ from pathlib import Path
 from types import TracebackType
 from typing import IO, TYPE_CHECKING, Any, Literal
 
+from corewire.ports import unused_port
+
 if TYPE_CHECKING:
     from corewire.client.ray_engines import RayEngineHandle, RayEngines, RayPlacement
 
@@ -89,18 +91,6 @@ _START_ATTEMPTS = 4
 """Starts tried when a port the stack chose was taken before vLLM bound it."""
 
 _IN_USE = b"address already in use"
-
-
-def _unused_port(host: str) -> int:
-    """A TCP port free on ``host`` a moment ago (the OS's pick for port 0).
-
-    Racy by nature: vLLM must be told its ports on its command line, and binds them
-    seconds later. Only :meth:`ServeStack.start` uses it, which starts again on fresh
-    ports when vLLM then finds one taken.
-    """
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind((host, 0))
-        return int(sock.getsockname()[1])
 
 
 def _port_taken(host: str, port: int) -> bool:
@@ -368,8 +358,10 @@ class ServeStack:
 
     def _choose_ports(self) -> None:
         if self._chosen_http_port:
-            self.port = _unused_port(self.host)
-        self.rpc_port = _unused_port(self.engine_host)
+            # Racy: vLLM binds them seconds later; start() starts again on fresh ports
+            # when vLLM finds one taken.
+            self.port = unused_port(self.host)
+        self.rpc_port = unused_port(self.engine_host)
 
     def _lost_a_port(self) -> bool:
         """Whether the API server exited because a port the stack chose was taken."""
