@@ -27,24 +27,10 @@ from corewire.codec import Encoder, MsgspecDecoder
 from corewire.releases import records
 from corewire.releases.structs import build_structs
 from golden_support import jsonable
+from release_support import FOLLOWED
 
 DATA = Path(__file__).resolve().parent / "data"
 RELEASES = records.releases()
-
-#: The releases corewire follows (issue 23), each of which must be recorded.
-FOLLOWED = (
-    "0.25.1",
-    "0.26.0",
-    "0.27.0",
-    "0.27.1",
-    "0.28.0",
-    "0.29.0",
-    "0.30.0",
-    "0.31.0",
-    "0.32.0",
-    "0.33.0",
-    "0.34.0",
-)
 
 
 @cache

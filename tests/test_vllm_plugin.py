@@ -19,6 +19,7 @@ import vllm
 
 from corewire import releases
 from corewire.vllm import plugin
+from release_support import FOLLOWED
 from vllm_support import factory_after_plugins
 
 
@@ -57,23 +58,7 @@ def test_unclear_switch_is_an_error(monkeypatch: pytest.MonkeyPatch) -> None:
         plugin.enabled()
 
 
-#: Every release from 0.25.1 to 0.34.0 (docs/protocol.md §11.3), as the plugin must take it.
-EVERY_RELEASE = (
-    "0.25.1",
-    "0.26.0",
-    "0.27.0",
-    "0.27.1",
-    "0.28.0",
-    "0.29.0",
-    "0.30.0",
-    "0.31.0",
-    "0.32.0",
-    "0.33.0",
-    "0.34.0",
-)
-
-
-@pytest.mark.parametrize("version", [*EVERY_RELEASE, "0.25.1+cpu", "0.33.0+cpu"])
+@pytest.mark.parametrize("version", [*FOLLOWED, "0.25.1+cpu", "0.33.0+cpu"])
 def test_plugin_accepts_every_release_from_0_25_1_to_0_34_0(version: str) -> None:
     plugin.check_vllm_version(version)
 
@@ -82,7 +67,7 @@ def test_plugin_accepts_every_release_from_0_25_1_to_0_34_0(version: str) -> Non
 def test_plugin_refuses_another_vllm_by_name(version: str) -> None:
     # A patch or pre-release corewire has no record of may move fields. (A final release
     # newer than every tested one is adopted instead: test_vllm_self_check.)
-    supported = ", ".join(re.escape(name) for name in EVERY_RELEASE)
+    supported = ", ".join(re.escape(name) for name in FOLLOWED)
     expected = rf"supports vLLM {supported}, not the installed {re.escape(version)}"
     with pytest.raises(RuntimeError, match=expected):
         plugin.check_vllm_version(version)
