@@ -90,7 +90,7 @@ def output_missing() -> str | None:
 #: server's extra environment). "corewire+output" is corewire's client with corewire's
 #: native output processing (the bench's stacks of the same names).
 SETTINGS: dict[str, tuple[str, dict[str, str]]] = STACKS
-assert SETTINGS["corewire+output"] == ("corewire", {OUTPUT_SWITCH: "1"})
+assert SETTINGS["corewire+output"][1][OUTPUT_SWITCH] == "1"
 
 
 def engine_args(**overrides: Any) -> dict[str, Any]:
@@ -318,13 +318,16 @@ def shared_stack(
     shared: SharedPids,
     *,
     server_env: Mapping[str, str] | None = None,
+    engine_overrides: Mapping[str, Any] | None = None,
     still_healthy: Callable[[], bool] = lambda: True,
 ) -> Iterator[ServeStack]:
     """The stack a module shares across its tests (one engine, ``client`` in the API
     server), its processes in ``shared`` while it runs. On leaving, unless
     ``still_healthy()`` says a test broke it on purpose, every test must have left it
     healthy: nothing crashed under the requests."""
-    with running_stack(workdir, client=client, server_env=server_env) as started:
+    with running_stack(
+        workdir, client=client, server_env=server_env, engine_overrides=engine_overrides
+    ) as started:
         pids = {started.server.pid, *(p.pid for p in started.engines)}  # type: ignore[union-attr]
         shared.update(pids)
         try:

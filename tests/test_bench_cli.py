@@ -642,10 +642,13 @@ def test_serve_refuses_an_output_stack_that_cannot_run() -> None:
 
     # The bench names the plugin's switch without importing the plugin (it needs vLLM).
     assert serve_bench.OUTPUT_SWITCH == plugin.OUTPUT_SWITCH
-    assert serve_bench.STACKS["corewire+output"] == ("corewire", {plugin.OUTPUT_SWITCH: "1"})
+    assert serve_bench.FAST_PATH_SWITCH == plugin.FAST_PATH_SWITCH
+    output, fast = plugin.OUTPUT_SWITCH, plugin.FAST_PATH_SWITCH
+    assert serve_bench.STACKS["corewire+output"] == ("corewire", {output: "1", fast: "0"})
+    assert serve_bench.STACKS["corewire+fast"] == ("corewire", {output: "1", fast: "1"})
     # Off said explicitly: a switch left on in the caller's environment stays out.
-    assert serve_bench.STACKS["corewire"] == ("corewire", {plugin.OUTPUT_SWITCH: "0"})
-    assert serve_bench.STACKS["vllm"] == ("vllm", {plugin.OUTPUT_SWITCH: "0"})
+    assert serve_bench.STACKS["corewire"] == ("corewire", {output: "0", fast: "0"})
+    assert serve_bench.STACKS["vllm"] == ("vllm", {output: "0", fast: "0"})
     proc = bench("serve", "--clients", "vllm,corewire+output", block=("corewire.vllm.output",))
     assert proc.returncode == 2, proc.stdout + proc.stderr
     assert proc.stderr.strip().splitlines() == [

@@ -287,6 +287,19 @@ class RequestText:
     its detokenizer and logprobs processor for vLLM's own loop
     (``corewire.vllm.output``)."""
 
+    def attach_stream(self, cycle: Any, head: bytes, tail: bytes) -> None:
+        """Puts the request on ``vllm serve``'s fast path: its plain outputs are written to
+        ``cycle`` (uvicorn's request-response cycle of its streaming response) as SSE frames
+        of text between ``head`` and ``tail``, not sent to its collector. ``ValueError``
+        for a request whose chunks carry more than text (not ``DELTA``, logprobs, n > 1)."""
+    def detach_stream(self) -> None:
+        """Takes the request off the fast path without writing what waits."""
+    @property
+    def stream_attached(self) -> bool:
+        """Whether the request's plain outputs go to its connection."""
+    @property
+    def streamed_tokens(self) -> int:
+        """The output token ids carried by the fast path's frames, over the request's life."""
     def update(self, new_token_ids: Sequence[int], stop_terminated: bool) -> str | None:
         """Takes new token ids; returns the stop string that ended the text, if any."""
     def get_next_output_text(self, finished: bool, delta: bool) -> str:

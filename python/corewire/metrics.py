@@ -34,7 +34,15 @@ corewire_engine_deaths_total             counter    client          engines foun
 corewire_protocol_errors_total           counter    client          frames that did not decode
 corewire_protocol_error_requests_total   counter    client          requests ended by a bad
                                                                     frame (vLLM adapter)
+corewire_fast_path_requests_total        counter    path            streaming completions of
+                                                                    ``vllm serve``: ``fast``
+                                                                    or ``vllm`` (its own path)
+corewire_fast_path_tokens_total          counter                    their tokens whose chunks
+                                                                    were written natively
 =======================================  =========  ==============  ========================
+
+The fast path's two counters (:func:`count_fast_path`) are counted once per request, in
+the API server that served it.
 
 ``client`` is the client's index (vLLM's API-server index); clients of one process with
 the same index share their series (the gauges add up). ``engine`` is the engine index
@@ -54,7 +62,7 @@ from typing import Any
 
 from corewire._optional import import_optional, is_installed
 
-__all__ = ["ENV_SWITCH", "ClientMetrics", "enabled", "for_client"]
+__all__ = ["ENV_SWITCH", "ClientMetrics", "count_fast_path", "enabled", "for_client"]
 
 #: The switch: "0" (or "false", "no", "off") turns metrics off.
 ENV_SWITCH = "COREWIRE_METRICS"
@@ -149,6 +157,16 @@ class _Family:
             "Requests finished with an error because a frame carrying their outputs broke "
             "the protocol (vLLM adapter).",
             ("client",),
+        )
+        self.fast_requests = prom.Counter(
+            "corewire_fast_path_requests_total",
+            "Streaming completions of vllm serve by path: fast (chunks after the first "
+            "written natively) or vllm (vLLM's own serving code).",
+            ("path",),
+        )
+        self.fast_tokens = prom.Counter(
+            "corewire_fast_path_tokens_total",
+            "Output tokens of fast-path streams whose chunks were written natively.",
         )
         # Clients alive per client label, read by the gauges at scrape time: a tuple
         # replaced under the lock, so a scrape reads one without it.
@@ -299,6 +317,18 @@ def _get_family() -> _Family:
         if _family is None:
             _family = _Family()
         return _family
+
+
+def count_fast_path(path: str, tokens: int = 0) -> None:
+    """Counts one streaming completion of ``vllm serve`` that took ``path`` ("fast" or
+    "vllm"), ``tokens`` of whose tokens were written natively (nothing when metrics are
+    off)."""
+    if not enabled():
+        return
+    family = _get_family()
+    family.fast_requests.labels(path).inc()
+    if tokens:
+        family.fast_tokens.inc(tokens)
 
 
 def for_client(client_index: int) -> ClientMetrics | None:

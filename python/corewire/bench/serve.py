@@ -139,23 +139,35 @@ GC_PROBE_DIR = "gc-probe"
 #: The plugin's switch for corewire's native output processing in vLLM's ``AsyncLLM``
 #: (``corewire.vllm.plugin.OUTPUT_SWITCH``, which cannot be imported without vLLM).
 OUTPUT_SWITCH = "COREWIRE_VLLM_OUTPUT"
+#: The plugin's switch for the per-token fast path of ``vllm serve``
+#: (``corewire.vllm.plugin.FAST_PATH_SWITCH``).
+FAST_PATH_SWITCH = "COREWIRE_VLLM_FAST_PATH"
 #: The stacks: name -> (the API server's engine-core client for ``ServeStack``, the
 #: environment added to the API server's). The output switch is set either way: a
 #: ``COREWIRE_VLLM_OUTPUT=1`` in the caller's environment must not reach the baselines.
 STACKS: dict[str, tuple[str, dict[str, str]]] = {
-    "vllm": ("vllm", {OUTPUT_SWITCH: "0"}),
-    "corewire": ("corewire", {OUTPUT_SWITCH: "0"}),
-    "corewire+output": ("corewire", {OUTPUT_SWITCH: "1"}),
+    "vllm": ("vllm", {OUTPUT_SWITCH: "0", FAST_PATH_SWITCH: "0"}),
+    "corewire": ("corewire", {OUTPUT_SWITCH: "0", FAST_PATH_SWITCH: "0"}),
+    "corewire+output": ("corewire", {OUTPUT_SWITCH: "1", FAST_PATH_SWITCH: "0"}),
+    # The above with the per-token fast path (corewire.vllm.fast_path): streaming
+    # completions' chunks after the first written from the native output state.
+    "corewire+fast": ("corewire", {OUTPUT_SWITCH: "1", FAST_PATH_SWITCH: "1"}),
     # vLLM's own Rust front-end (vllm-rs, VLLM_USE_RUST_FRONTEND=1) over the same
     # corewire engines, their stats on: the reference the Python stacks are read against.
-    "rust": ("vllm", {OUTPUT_SWITCH: "0", "VLLM_USE_RUST_FRONTEND": "1"}),
+    "rust": ("vllm", {OUTPUT_SWITCH: "0", FAST_PATH_SWITCH: "0", "VLLM_USE_RUST_FRONTEND": "1"}),
 }
 #: The stacks run without ``--clients``: the Python server's (``rust`` on request).
 DEFAULT_CLIENTS = ["vllm", "corewire", "corewire+output"]
 #: Stacks whose HTTP serving is not Python: py-spy has nothing of theirs to sample.
 UNPROFILED = frozenset({"rust"})
 #: Short names for the columns of the layer tables.
-_SHORT = {"vllm": "vllm", "corewire": "cw", "corewire+output": "cw+out", "rust": "rust"}
+_SHORT = {
+    "vllm": "vllm",
+    "corewire": "cw",
+    "corewire+output": "cw+out",
+    "corewire+fast": "cw+fast",
+    "rust": "rust",
+}
 
 #: The native-output-processing issue's goals: output tokens per API-server CPU second,
 #: corewire+output over vllm, by (streams, logprobs) of the saturation scenarios. Other
@@ -187,6 +199,25 @@ def native_output_missing() -> str | None:
         return (
             f"corewire's native output processing runs under vLLM "
             f"{', '.join(OUTPUT_VLLM_VERSIONS)}, not the installed {version}"
+        )
+    return None
+
+
+def fast_path_missing() -> str | None:
+    """Why the ``corewire+fast`` stack cannot run here (None: it can): it needs native
+    output processing (:func:`native_output_missing`) under a vLLM release whose server
+    the fast path is held to (0.34.0)."""
+    missing = native_output_missing()
+    if missing is not None:
+        return missing
+    version = common.vllm_version()
+    assert version is not None
+    from corewire.vllm.plugin import FAST_PATH_VLLM_VERSIONS
+
+    if version.split("+", 1)[0] not in FAST_PATH_VLLM_VERSIONS:
+        return (
+            f"corewire's fast path runs under vLLM {', '.join(FAST_PATH_VLLM_VERSIONS)}, "
+            f"not the installed {version}"
         )
     return None
 

@@ -74,6 +74,10 @@ class Release(str):
     #: ``OutputProcessor`` of the release this class was written for by the differential
     #: tests (read through :attr:`native_output`).
     NATIVE_OUTPUT: ClassVar[bool] = False
+    #: The per-token fast path of ``vllm serve`` (``corewire.vllm.fast_path``) is held to
+    #: the OpenAI server of the release this class was written for by the differential HTTP
+    #: tests (read through :attr:`fast_path`; installed by :meth:`install_fast_path`).
+    FAST_PATH: ClassVar[bool] = False
     #: corewire's client inside vLLM (``corewire.vllm``) is built for the ``AsyncLLM`` of
     #: the release this class was written for: :meth:`vllm_client_members` (read through
     #: :attr:`vllm_client`, for the releases in :attr:`LIVE_CHECKED`).
@@ -125,6 +129,18 @@ class Release(str):
         """Whether the plugin may install native output processing under this release:
         only where it was checked against this very release's ``OutputProcessor``."""
         return self.written_for and self.verified and self.NATIVE_OUTPUT
+
+    @property
+    def fast_path(self) -> bool:
+        """Whether the plugin may install ``vllm serve``'s fast path under this release:
+        only where it was checked against this very release's OpenAI server, with native
+        output processing (which it writes from)."""
+        return self.native_output and self.FAST_PATH
+
+    def install_fast_path(self) -> None:
+        """Installs the fast path into this release's OpenAI server (vLLM imported
+        inside; only for a release whose :attr:`fast_path` holds)."""
+        raise NotImplementedError(f"vLLM {self.name} has no fast path")
 
     def native_output_processor(self) -> type:
         """corewire's ``OutputProcessor`` for this release's ``AsyncLLM`` (vLLM imported

@@ -16,7 +16,8 @@ class Release0340(Release0330):
     front-end's client members differ (``sleep(..., reset_connector)``, checkpoints, the
     ``engine_status`` property ``AsyncLLM`` reads: :mod:`corewire.vllm.v0_34_0`), and so
     do its engines' utilities (:mod:`corewire.engine.utilities_0_34_0`), and its
-    ``OutputProcessor`` (:mod:`corewire.vllm.output_0_34_0`)."""
+    ``OutputProcessor`` (:mod:`corewire.vllm.output_0_34_0`). Its OpenAI server has the
+    per-token fast path (:mod:`corewire.vllm.fast_path`)."""
 
     __slots__ = ()
     NAME = "0.34.0"
@@ -26,6 +27,8 @@ class Release0340(Release0330):
     process_checkpoints = True
     # Held to 0.34.0's OutputProcessor by tests/test_vllm_output_diff.py.
     NATIVE_OUTPUT = True
+    # Held to 0.34.0's OpenAI server by tests/test_vllm_fast_path.py.
+    FAST_PATH = True
 
     def engine_utilities(self, proc: Any) -> Any:
         from corewire.engine.utilities_0_34_0 import Utilities0340
@@ -40,6 +43,13 @@ class Release0340(Release0330):
         if self.written_for or self.packs_prompts:
             return wire_requests.packed_writer(self)
         return wire_requests.as_given(self)
+
+    def install_fast_path(self) -> None:
+        from vllm.entrypoints.openai.completion.serving import OpenAIServingCompletion
+
+        from corewire.vllm import fast_path
+
+        fast_path.install(OpenAIServingCompletion)
 
     def native_output_processor(self) -> type:
         from corewire.vllm.output_0_34_0 import NativeOutputProcessor0340

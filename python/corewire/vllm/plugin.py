@@ -21,24 +21,36 @@ another release vLLM's is kept, and one log line says so. ``0`` keeps vLLM's; ``
 for it even with vLLM's own client, and is refused by name under another release. vLLM's
 synchronous ``LLMEngine`` keeps vLLM's processor (it imports the class under its own
 name).
+
+``COREWIRE_VLLM_FAST_PATH`` (a switch of its own) governs the per-token fast path of
+``vllm serve`` (:mod:`corewire.vllm.fast_path`): streaming completions whose chunks after
+the first are written from the native output state. Unset, it is on wherever native output
+processing is and the differential HTTP tests hold the fast path to the installed release's
+server (0.34.0); ``0`` keeps vLLM's serving code; ``1`` asks for it, and is refused by name
+under another release or without native output processing. It is installed only in the
+API server's process.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import sys
 from typing import Any
 
 from corewire import releases
 
 __all__ = [
     "ENV_SWITCH",
+    "FAST_PATH_SWITCH",
+    "FAST_PATH_VLLM_VERSIONS",
     "OUTPUT_SWITCH",
     "OUTPUT_VLLM_VERSIONS",
     "PLUGIN_VLLM_VERSIONS",
     "check_output_version",
     "check_vllm_version",
     "enabled",
+    "fast_path_wanted",
     "output_enabled",
     "output_wanted",
     "register",
@@ -59,6 +71,14 @@ OUTPUT_SWITCH = "COREWIRE_VLLM_OUTPUT"
 
 #: The vLLM releases whose output processing corewire's native path reproduces.
 OUTPUT_VLLM_VERSIONS = tuple(r for r in releases.SUPPORTED if r.native_output)
+
+
+#: The vLLM releases whose OpenAI server corewire's fast path is held to.
+FAST_PATH_VLLM_VERSIONS = tuple(r for r in releases.SUPPORTED if r.fast_path)
+
+#: The fast-path switch: "0" keeps vLLM's serving code, "1" asks for the fast path;
+#: unset, it follows native output processing (see :func:`fast_path_wanted`).
+FAST_PATH_SWITCH = "COREWIRE_VLLM_FAST_PATH"
 
 
 def _switch(name: str) -> bool:
@@ -92,6 +112,30 @@ def output_wanted(vllm_version: str) -> bool:
     if os.environ.get(OUTPUT_SWITCH, "").strip():
         return output_enabled()
     return enabled() and vllm_version.split("+", 1)[0] in OUTPUT_VLLM_VERSIONS
+
+
+def fast_path_wanted(vllm_version: str, output_installed: bool) -> bool:
+    """Whether the plugin installs ``vllm serve``'s fast path under vLLM ``vllm_version``
+    with native output processing installed or not: as ``COREWIRE_VLLM_FAST_PATH`` says
+    (``1`` raises ``RuntimeError`` where the fast path cannot run), or, unset, wherever
+    native output processing runs under a release the fast path is held to."""
+    covered = _fast_path_release(vllm_version) is not None
+    if not os.environ.get(FAST_PATH_SWITCH, "").strip():
+        return covered and output_installed
+    if not _switch(FAST_PATH_SWITCH):
+        return False
+    if not covered:
+        supported = ", ".join(FAST_PATH_VLLM_VERSIONS)
+        raise RuntimeError(
+            f"{FAST_PATH_SWITCH}=1: corewire's fast path reproduces the OpenAI server of "
+            f"vLLM {supported}, not the installed {vllm_version}; unset {FAST_PATH_SWITCH}"
+        )
+    if not output_installed:
+        raise RuntimeError(
+            f"{FAST_PATH_SWITCH}=1: the fast path writes from native output processing, "
+            f"which is off ({OUTPUT_SWITCH}, {ENV_SWITCH})"
+        )
+    return True
 
 
 #: The vLLM releases whose ``AsyncLLM`` the plugin's client is built and tested for (each
@@ -129,15 +173,40 @@ _told_output_kept = False
 
 def register() -> None:
     """Entry point run by vLLM: install what the switches ask for."""
+    output_installed = False
     if os.environ.get(OUTPUT_SWITCH, "").strip() or enabled():
         import vllm
 
         if output_wanted(vllm.__version__):
             _install_output_processor()
+            output_installed = True
         elif not os.environ.get(OUTPUT_SWITCH, "").strip():
             _tell_output_kept(vllm.__version__)
+    if output_installed or os.environ.get(FAST_PATH_SWITCH, "").strip():
+        import vllm
+
+        if fast_path_wanted(vllm.__version__, output_installed) and _in_api_server():
+            release = _fast_path_release(vllm.__version__)
+            assert release is not None
+            release.install_fast_path()
     if enabled():
         _install_client()
+
+
+def _fast_path_release(vllm_version: str) -> releases.Release | None:
+    # The supported release of that version whose server the fast path is held to.
+    base = vllm_version.split("+", 1)[0]
+    return next((r for r in releases.SUPPORTED if r.name == base and r.fast_path), None)
+
+
+#: Modules only an API server's process has loaded by the time vLLM loads plugins there
+#: (0.25.1's server module; 0.34.0's app builder).
+_API_SERVER_MODULES = ("vllm.entrypoints.openai.api_server", "vllm.entrypoints.launchers.app")
+
+
+def _in_api_server() -> bool:
+    # An engine or worker process has no server to patch (and importing one costs).
+    return any(name in sys.modules for name in _API_SERVER_MODULES)
 
 
 def _tell_output_kept(version: str) -> None:

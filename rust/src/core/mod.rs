@@ -9,6 +9,7 @@ pub mod error;
 pub mod intern;
 pub mod msgpack;
 pub mod schema;
+pub mod sse;
 pub mod tree;
 pub mod wire;
 

@@ -228,6 +228,8 @@ impl OutputCore {
             queue,
             plain_collector,
             stats,
+            sink: None,
+            streamed_tokens: 0,
         })
     }
 
@@ -290,6 +292,9 @@ impl OutputCore {
             };
             let parent = text.borrow().parent.as_ref().map(|p| p.as_ptr());
             if !plain(&output, &req_state, names, &self.shared)? {
+                // vLLM's loop makes this output, for Python to render: the frames of the
+                // request's fast path go out before it.
+                text.borrow_mut().release_stream(py)?;
                 parents_in_loop.extend(parent);
                 routes.push(Route::Slow(output));
                 continue;
@@ -302,6 +307,8 @@ impl OutputCore {
                 parent,
             });
         }
+        // The requests on the fast path with frames to write once the chunk is done.
+        let mut streams: Vec<Bound<'py, RequestText>> = Vec::new();
         for route in routes {
             match route {
                 Route::Fallback(output) => {
@@ -335,11 +342,18 @@ impl OutputCore {
                         weight_version.as_ref(),
                     )?;
                     self.fast += 1;
+                    if text.borrow().stream_pending() {
+                        streams.push(text);
+                    }
                     if stopped {
                         finish.call1((req_id,))?;
                     }
                 }
             }
+        }
+        // One write per stream for the whole chunk.
+        for text in streams {
+            text.borrow_mut().flush_stream(py)?;
         }
         if let Some(c) = chunk {
             if c.generated > 0 {

@@ -11,13 +11,15 @@
 //! Modules: `shared` (the tokenizer, vLLM's classes and the candidate cache every request
 //! of a processor shares), `names` (interned attribute names), `request` (`RequestText`
 //! and the per-output work), `samples` (the sample logprobs container: position dicts or
-//! vLLM's `FlatLogprobs`), `core` (`OutputCore`: the chunk loop).
+//! vLLM's `FlatLogprobs`), `sink` (the SSE frames of a request on `vllm serve`'s fast path,
+//! written to its connection), `core` (`OutputCore`: the chunk loop).
 
 mod core;
 mod names;
 mod request;
 mod samples;
 mod shared;
+mod sink;
 
 pub use self::core::OutputCore;
 pub use request::RequestText;

@@ -45,6 +45,12 @@ pub(super) struct Names {
     pub(super) num_cache_creation_tokens: Py<PyString>,
     pub(super) prompt_token_id_logprobs: Py<PyString>,
     pub(super) sampling_mask_chunks: Py<PyString>,
+    // uvicorn's request-response cycle (the fast path's sink).
+    pub(super) transport: Py<PyString>,
+    pub(super) write: Py<PyString>,
+    pub(super) disconnected: Py<PyString>,
+    pub(super) flow: Py<PyString>,
+    pub(super) write_paused: Py<PyString>,
 }
 
 static NAMES: pyo3::sync::PyOnceLock<Names> = pyo3::sync::PyOnceLock::new();
@@ -90,6 +96,11 @@ impl Names {
                 num_cache_creation_tokens: n("num_cache_creation_tokens"),
                 prompt_token_id_logprobs: n("prompt_token_id_logprobs"),
                 sampling_mask_chunks: n("sampling_mask_chunks"),
+                transport: n("transport"),
+                write: n("write"),
+                disconnected: n("disconnected"),
+                flow: n("flow"),
+                write_paused: n("write_paused"),
             }
         })
     }

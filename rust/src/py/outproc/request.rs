@@ -14,6 +14,7 @@ use crate::core::text::stream::{DecodeStream, StepNote};
 use super::names::Names;
 use super::samples::{Candidate, SampleLogprobs};
 use super::shared::{Shared, COMPLETION_FIELDS, REQUEST_OUTPUT_FIELDS};
+use super::sink::StreamSink;
 use crate::py::arrays::{self, Block};
 
 /// Output kinds, as vLLM's `RequestOutputKind` numbers them (0 is `CUMULATIVE`).
@@ -77,9 +78,52 @@ pub struct RequestText {
     /// done here for the common case, see `hand_off`).
     pub(super) plain_collector: bool,
     pub(super) stats: Option<Py<PyAny>>,
+    /// Where the request's plain outputs go as SSE frames while it is on `vllm serve`'s
+    /// fast path (`attach_stream`), instead of `RequestOutput`s to its collector.
+    pub(super) sink: Option<StreamSink>,
+    /// The output token ids the sink has carried (every attachment's).
+    pub(super) streamed_tokens: usize,
 }
 
 impl RequestText {
+    /// Writes the sink's waiting frames; a sink that cannot go on (the client is gone or
+    /// reads slower than the stream comes, or the write failed: said once in the log) is
+    /// released, and the request's next outputs go to its collector again.
+    pub(super) fn flush_stream(&mut self, py: Python<'_>) -> PyResult<()> {
+        let Some(sink) = self.sink.as_mut() else {
+            return Ok(());
+        };
+        match sink.flush(py) {
+            Ok(true) => {}
+            Ok(false) => self.sink = None,
+            Err(e) => {
+                self.sink = None;
+                let msg = format!(
+                    "corewire: writing request {}'s stream failed ({e}); its outputs go \
+                     through vLLM's server again",
+                    self.request_id.bind(py)
+                );
+                self.shared.warn.bind(py).call1((msg,))?;
+            }
+        }
+        Ok(())
+    }
+
+    /// Whether the sink holds frames to write.
+    pub(super) fn stream_pending(&self) -> bool {
+        self.sink.as_ref().is_some_and(StreamSink::has_pending)
+    }
+
+    /// Hands the stream back to Python before an output that Python renders: the frames
+    /// written so far go out first, so the connection sees every chunk in order.
+    pub(super) fn release_stream(&mut self, py: Python<'_>) -> PyResult<()> {
+        if self.sink.is_some() {
+            self.flush_stream(py)?;
+            self.sink = None;
+        }
+        Ok(())
+    }
+
     fn take_ids(&mut self, py: Python<'_>, new_ids: &Bound<'_, PyAny>) -> PyResult<Vec<i64>> {
         let list = self.token_ids.bind(py);
         let mut ids = Vec::new();
@@ -319,6 +363,56 @@ impl RequestText {
 
 #[pymethods]
 impl RequestText {
+    /// Puts the request on `vllm serve`'s fast path: its plain outputs from now on are
+    /// written to `cycle` (uvicorn's request-response cycle of its streaming response,
+    /// whose every earlier chunk has been written) as SSE frames of text between `head`
+    /// and `tail`, instead of going to its collector. Only a streamed (`DELTA`) request
+    /// without logprobs, prompt logprobs or an n > 1 parent: those chunks carry more than
+    /// the text (`ValueError`).
+    fn attach_stream(
+        &mut self,
+        py: Python<'_>,
+        cycle: Py<PyAny>,
+        head: Vec<u8>,
+        tail: Vec<u8>,
+    ) -> PyResult<()> {
+        let refusal = if self.output_kind != DELTA {
+            Some("its outputs are not deltas")
+        } else if self.num_logprobs.is_some() || self.num_prompt_logprobs.is_some() {
+            Some("it asked for logprobs")
+        } else if self.parent.is_some() {
+            Some("it is one of n > 1 samples")
+        } else {
+            None
+        };
+        if let Some(why) = refusal {
+            return Err(PyValueError::new_err(format!(
+                "request {} cannot stream natively: {why}",
+                self.request_id.bind(py)
+            )));
+        }
+        self.sink = Some(StreamSink::new(py, cycle, head, tail)?);
+        Ok(())
+    }
+
+    /// Takes the request off the fast path without writing what waits (its response is
+    /// over: finished, failed or cancelled). Its outputs go to its collector again.
+    fn detach_stream(&mut self) {
+        self.sink = None;
+    }
+
+    /// Whether the request's plain outputs go to its connection (see `attach_stream`).
+    #[getter]
+    fn stream_attached(&self) -> bool {
+        self.sink.is_some()
+    }
+
+    /// The output token ids carried by the fast path's frames, over the request's life.
+    #[getter]
+    fn streamed_tokens(&self) -> usize {
+        self.streamed_tokens
+    }
+
     /// Detokenizer: takes new token ids; returns the stop string that ended the text.
     fn update(
         &mut self,
@@ -488,10 +582,18 @@ impl RequestText {
         if !lists.is_none() {
             self.add_logprobs(py, &lists)?;
         }
-        // 4) The RequestOutput, to the request's collector.
+        // 4) The RequestOutput, to the request's collector (or, on the fast path, the
+        //    output's frame to its sink).
         let finished = stop.is_some();
         if finished || self.output_kind != FINAL_ONLY {
             if let Some(token_ids) = self.interval_ids(py, req_state, new_ids, finished)? {
+                if let (Some(sink), false) = (self.sink.as_mut(), finished) {
+                    sink.push(self.text.next_output(false, true));
+                    self.streamed_tokens += token_ids.len()?;
+                    return Ok(false);
+                }
+                // A finish is Python's to render.
+                self.release_stream(py)?;
                 if let Some(out) = self.request_output(py, req_state, &token_ids, stop)? {
                     self.hand_off(py, out)?;
                 }

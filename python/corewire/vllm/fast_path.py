@@ -1,0 +1,342 @@
+"""The per-token fast path of ``vllm serve`` (vLLM 0.34.0's OpenAI server): streaming
+completions whose chunks between the first and the last are written without Python.
+
+vLLM's server spends Python on every token of every stream: the waiting task's wake-up,
+the ``RequestOutput``, the serving generator, the chunk's JSON, Starlette's and uvicorn's
+``send``. For a streaming ``/v1/completions`` request whose options the fast path covers
+(:func:`refusal`), :func:`completion_stream` keeps Python for what happens once per
+request (vLLM's admission and rendering ran before it; here the first chunk, the finish,
+the usage chunk, errors and ``[DONE]``, rendered as vLLM renders them), and, once the
+first chunk is on the wire, attaches the request's native output state
+(``corewire._native.RequestText.attach_stream``) to the connection: from then on each
+plain output becomes its SSE frame in Rust, and the frames of every stream in a batch of
+engine outputs are written to their connections by the batch's one call into the native
+output processor, with no Python per stream or token. An output that needs Python (the
+engine's finish, an event) takes the stream back first, so the chunks stay in order.
+
+A request the fast path does not cover stays on vLLM's own generator, with one log line per
+reason. ``COREWIRE_VLLM_FAST_PATH=0`` turns the whole path off (:mod:`corewire.vllm.plugin`).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import AsyncGenerator, AsyncIterator
+from typing import Any
+
+from vllm.entrypoints.generate.base.protocol import PerRequestMetrics
+from vllm.entrypoints.generate.base.serving import (
+    build_per_request_timing_metrics,
+    build_spec_decoding_metrics,
+)
+from vllm.entrypoints.openai.completion.protocol import (
+    CompletionResponseStreamChoice,
+    CompletionStreamResponse,
+)
+from vllm.entrypoints.serve.engine.protocol import PromptTokenUsageInfo, UsageInfo
+from vllm.entrypoints.serve.utils.api_utils import should_include_usage
+from vllm.exceptions import GenerationError
+
+from corewire import metrics
+from corewire._native import RequestText
+from corewire.vllm import asgi_cycle
+
+__all__ = ["completion_stream", "frame_template", "install", "refusal"]
+
+logger = logging.getLogger("vllm.corewire")
+
+# A text no model name or id contains, marking where a frame's text goes.
+_TEXT_PROBE = "\x00corewire-text-probe\x00"
+
+_told: set[str] = set()
+
+
+def _tell_once(reason: str) -> None:
+    # Once per reason and process: a server at high QPS would say it per request.
+    if reason in _told:
+        return
+    _told.add(reason)
+    logger.info("corewire: a streaming completion stays on vLLM's path: %s", reason)
+
+
+def frame_template(request_id: str, created: int, model: str) -> tuple[bytes, bytes] | None:
+    """The bytes of a plain chunk of the stream around its text's JSON literal (what vLLM
+    0.34.0's server writes for an unfinished output of a request without logprobs, echo,
+    token ids or continuous usage: the chunk's model dumped with ``exclude_unset``), or
+    None when the probe is ambiguous."""
+    probe = CompletionStreamResponse(
+        id=request_id,
+        object="text_completion",
+        created=created,
+        model=model,
+        choices=[
+            CompletionResponseStreamChoice(
+                index=0,
+                text=_TEXT_PROBE,
+                logprobs=None,
+                finish_reason=None,
+                stop_reason=None,
+                prompt_token_ids=None,
+                token_ids=None,
+                weight_versions=None,
+            )
+        ],
+        kv_transfer_params=None,
+    )
+    frame = f"data: {probe.model_dump_json(exclude_unset=True)}\n\n".encode()
+    literal = b'"\\u0000corewire-text-probe\\u0000"'
+    if frame.count(literal) != 1:
+        return None
+    head, tail = frame.split(literal)
+    return head, tail
+
+
+def refusal(serving: Any, request: Any, num_prompts: int, cycle: Any) -> str | None:
+    """Why a streaming completion stays on vLLM's generator (None: it takes the fast
+    path). The fast path renders only the text of a chunk between the first and the last;
+    requests whose chunks carry more, and servers whose settings change the chunks or the
+    connection, keep vLLM's code."""
+    _, continuous = should_include_usage(request.stream_options, serving.enable_force_include_usage)
+    if cycle is None:
+        return "the connection is not uvicorn's httptools protocol"
+    app = cycle.scope.get("app")
+    args = getattr(getattr(app, "state", None), "args", None)
+    if getattr(args, "sse_keep_alive_interval", 0):
+        return "--sse-keep-alive-interval is set"
+    processor = getattr(serving.engine_client, "output_processor", None)
+    if getattr(processor, "_core", None) is None:
+        return "the engine client has no native output processing"
+    if serving.enable_log_outputs and serving.request_logger:
+        return "--enable-log-outputs is set"
+    checks = (
+        (num_prompts != 1, "more than one prompt"),
+        ((request.n or 1) != 1, "n > 1"),
+        (request.use_beam_search, "beam search"),
+        (request.echo, "echo"),
+        (request.logprobs is not None, "logprobs"),
+        (request.prompt_logprobs is not None, "prompt_logprobs"),
+        (request.return_token_ids, "return_token_ids"),
+        (request.return_weight_versions, "return_weight_versions"),
+        (continuous, "continuous_usage_stats"),
+    )
+    for refused, why in checks:
+        if refused:
+            return why
+    return None
+
+
+def install(serving_class: Any) -> None:
+    """Routes ``serving_class.completion_stream_generator`` (vLLM's
+    ``OpenAIServingCompletion``) through :func:`completion_stream`, and makes vLLM's app
+    builder wrap each app in :class:`corewire.vllm.asgi_cycle.CycleCapture`."""
+    original = serving_class.completion_stream_generator
+    if getattr(original, "corewire_fast_path", False):
+        return  # vLLM loads plugins more than once per process
+    import vllm.entrypoints.launchers.app as launcher
+
+    init_middleware = launcher.init_entrypoints_middleware
+
+    def init_entrypoints_middleware(args: Any, app: Any, *rest: Any, **kw: Any) -> Any:
+        result = init_middleware(args, app, *rest, **kw)
+        asgi_cycle.install(app)
+        return result
+
+    launcher.init_entrypoints_middleware = init_entrypoints_middleware
+
+    def completion_stream_generator(
+        self: Any,
+        request: Any,
+        engine_inputs: Any,
+        result_generator: AsyncIterator[tuple[int, Any]],
+        request_id: str,
+        created_time: int,
+        model_name: str,
+        num_prompts: int,
+        tokenizer: Any,
+        request_metadata: Any,
+    ) -> AsyncGenerator[str, None]:
+        cycle = asgi_cycle.current_cycle()
+        why = refusal(self, request, num_prompts, cycle)
+        template = None
+        if why is None:
+            template = frame_template(request_id, created_time, model_name)
+            if template is None:
+                why = "the chunk's template is ambiguous"
+        if why is not None:
+            _tell_once(why)
+            metrics.count_fast_path("vllm")
+            return original(
+                self,
+                request,
+                engine_inputs,
+                result_generator,
+                request_id,
+                created_time,
+                model_name,
+                num_prompts=num_prompts,
+                tokenizer=tokenizer,
+                request_metadata=request_metadata,
+            )
+        assert template is not None
+        return completion_stream(
+            self,
+            request,
+            engine_inputs,
+            result_generator,
+            request_id,
+            created_time,
+            model_name,
+            request_metadata,
+            cycle,
+            template,
+        )
+
+    completion_stream_generator.corewire_fast_path = True  # type: ignore[attr-defined]
+    completion_stream_generator.__doc__ = original.__doc__
+    serving_class.completion_stream_generator = completion_stream_generator
+    logger.info("corewire: streaming completions take the fast path where they qualify")
+
+
+def _attachable(processor: Any, external_id: str, cycle: Any) -> RequestText | None:
+    """The request's native state, if its next plain outputs can go straight to the
+    connection: it is native, nothing of it waits in its collector (every output so far
+    went out: Starlette wrote our last chunk before asking for the next), and the
+    connection is neither gone nor paused."""
+    if cycle.disconnected or cycle.flow.write_paused:
+        return None
+    internal = processor.external_req_ids.get(external_id)
+    if not internal or len(internal) != 1:
+        return None
+    state = processor.request_states.get(internal[0])
+    if state is None or state.queue is None or state.queue.output is not None:
+        return None
+    text = state.detokenizer
+    return text if isinstance(text, RequestText) else None
+
+
+async def completion_stream(
+    serving: Any,
+    request: Any,
+    engine_inputs: Any,
+    result_generator: AsyncIterator[tuple[int, Any]],
+    request_id: str,
+    created_time: int,
+    model_name: str,
+    request_metadata: Any,
+    cycle: Any,
+    template: tuple[bytes, bytes],
+) -> AsyncGenerator[str, None]:
+    """vLLM 0.34.0's ``completion_stream_generator`` for one prompt, one sample, and
+    chunks of text alone (see :func:`refusal`), with the plain chunks after the first
+    written natively (see the module doc). Same chunks, same usage, same errors."""
+    include_usage, _ = should_include_usage(
+        request.stream_options, serving.enable_force_include_usage
+    )
+    processor = serving.engine_client.output_processor
+    # The first chunk, rendered here, uses the template the native frames use.
+    head, tail = template[0].decode(), template[1].decode()
+    external_id = f"{request_id}-0"
+    # Output token ids of the chunks rendered here; the attached state counts its own.
+    rendered = 0
+    num_prompt_tokens = 0
+    num_cached_tokens = None
+    first_output = True
+    last_res = None
+    text: RequestText | None = None
+    try:
+        async for _, res in result_generator:
+            last_res = res
+            if first_output:
+                num_cached_tokens = res.num_cached_tokens
+                first_output = False
+            if res.prompt_token_ids is not None:
+                num_prompt_tokens = len(res.prompt_token_ids)
+            output = res.outputs[0]
+            finish_reason = output.finish_reason
+            serving._raise_if_error(finish_reason, request_id)
+            streamed = text.streamed_tokens if text is not None else 0
+            if (
+                not output.text
+                and not output.token_ids
+                and not (rendered + streamed)
+                and finish_reason is None
+            ):
+                continue  # chunked prefill: vLLM sends no empty chunk
+            rendered += len(output.token_ids)
+            if finish_reason is None:
+                yield f"{head}{json.dumps(output.text, ensure_ascii=False)}{tail}"
+                # Starlette wrote that chunk before asking for the next one: the plain
+                # outputs after it can go straight to the connection.
+                if text is None or not text.stream_attached:
+                    attachable = _attachable(processor, external_id, cycle)
+                    if attachable is not None:
+                        attachable.attach_stream(cycle, *template)
+                        text = attachable
+                continue
+            chunk = CompletionStreamResponse(
+                id=request_id,
+                object="text_completion",
+                created=created_time,
+                model=model_name,
+                choices=[
+                    CompletionResponseStreamChoice(
+                        index=0,
+                        text=output.text,
+                        logprobs=None,
+                        finish_reason=finish_reason,
+                        stop_reason=output.stop_reason,
+                        prompt_token_ids=None,
+                        token_ids=None,
+                        weight_versions=None,
+                    )
+                ],
+                kv_transfer_params=res.kv_transfer_params,
+            )
+            # The finish carries the fingerprint unless a usage chunk comes after it.
+            if not include_usage and serving.system_fingerprint is not None:
+                chunk.system_fingerprint = serving.system_fingerprint
+            yield f"data: {chunk.model_dump_json(exclude_unset=True)}\n\n"
+
+        completion_tokens = rendered + (text.streamed_tokens if text is not None else 0)
+        usage = UsageInfo(
+            prompt_tokens=num_prompt_tokens,
+            completion_tokens=completion_tokens,
+            total_tokens=num_prompt_tokens + completion_tokens,
+        )
+        if serving.enable_prompt_tokens_details and num_cached_tokens is not None:
+            usage.prompt_tokens_details = PromptTokenUsageInfo(cached_tokens=num_cached_tokens)
+        if include_usage:
+            per_request: PerRequestMetrics | None = None
+            if serving.enable_per_request_metrics:
+                per_request = build_per_request_timing_metrics(
+                    last_res.metrics if last_res is not None else None, completion_tokens
+                )
+            spec_stats = build_spec_decoding_metrics(last_res)
+            if spec_stats is not None:
+                if per_request is None:
+                    per_request = PerRequestMetrics()
+                per_request.speculative_decoding = spec_stats
+            usage_chunk = CompletionStreamResponse(
+                id=request_id,
+                created=created_time,
+                model=model_name,
+                choices=[],
+                usage=usage,
+                system_fingerprint=serving.system_fingerprint,
+                metrics=per_request,
+            )
+            yield f"data: {usage_chunk.model_dump_json(exclude_unset=False, exclude_none=True)}\n\n"
+        # What vLLM's middleware reports as the request's usage.
+        request_metadata.final_usage_info = usage
+    except GenerationError as e:
+        yield f"data: {serving._convert_generation_error_to_streaming_response(e)}\n\n"
+    except Exception as e:
+        logger.exception("Error in completion stream generator.")
+        yield f"data: {serving.create_streaming_error_response(e)}\n\n"
+    finally:
+        # The response is over (or cancelled): nothing more goes to the connection.
+        if text is not None:
+            text.detach_stream()
+        metrics.count_fast_path("fast", text.streamed_tokens if text is not None else 0)
+    yield "data: [DONE]\n\n"

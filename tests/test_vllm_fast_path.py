@@ -1,0 +1,296 @@
+"""The per-token fast path of ``vllm serve`` (``corewire.vllm.fast_path``) against vLLM's
+own server, over real HTTP.
+
+Two stacks of the serve tests (``vllm serve`` front-end only, one reference engine): vLLM's
+own (its client, its output processing, its serving code) and corewire's with the fast
+path (``corewire+fast``: corewire's client, native output processing, and the chunks of
+streaming completions after the first written natively). Both get the same seeded random
+workloads of streaming completions, one request at a time, and every SSE event must be the
+same text, byte for byte, but for the request id, the creation time and the server's
+fingerprint: the options the fast path covers (stop strings and stop token ids, usage,
+min_tokens, seeded sampling...) and those that stay on vLLM's path (echo, logprobs, n > 1,
+continuous usage, token ids). Directed tests cover the edges: a client that hangs up
+mid-stream, a fallback said in the log, and the counters that show which path ran.
+
+The engine steps every 30 ms, so that neither server falls a step behind on this 2-core
+machine (a server that falls behind merges two steps into one chunk, in either stack).
+
+Runs where the installed vLLM is one the fast path is held to (0.34.0: ``scripts/test``
+runs it in that release's venv, where anything missing fails instead of skipping).
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import re
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from corewire.bench.serve import fast_path_missing
+from serve_support import missing_prerequisite, plugin_missing
+
+
+def _missing() -> str | None:
+    return missing_prerequisite() or plugin_missing() or fast_path_missing()
+
+
+_MISSING = _missing()
+if _MISSING is not None:
+    if _REQUIRED := os.environ.get("COREWIRE_REQUIRE_VLLM"):
+        from corewire.vllm.plugin import FAST_PATH_VLLM_VERSIONS
+
+        if _REQUIRED in FAST_PATH_VLLM_VERSIONS:
+            raise RuntimeError(f"COREWIRE_REQUIRE_VLLM={_REQUIRED}: {_MISSING}")
+    pytest.skip(_MISSING, allow_module_level=True)
+
+import httpx  # noqa: E402
+
+from corewire.vllm.stack import ServeStack  # noqa: E402
+from serve_support import (  # noqa: E402
+    MODEL,
+    SETTINGS,
+    SharedPids,
+    check_client_disconnect_aborts_in_engine,
+    completion,
+    http_client,
+    metric_values,
+    server_log,
+    shared_stack,
+)
+
+_SHARED_PIDS = SharedPids()
+LEAK_ALLOWED_PIDS = _SHARED_PIDS.tree
+
+#: The engine's step for this module (see the module doc).
+STEP_DELAY = 0.03
+#: Words of the model directory's tokenizer, for random prompts.
+WORDS = [
+    "the",
+    "old",
+    "house",
+    "on",
+    "hill",
+    "blue",
+    "sea",
+    "tell",
+    "me",
+    "a",
+    "story",
+    "about",
+    "red",
+    "fox",
+    "count",
+    "to",
+    "ten",
+]
+
+
+@pytest.fixture(scope="module")
+def stacks(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, ServeStack]]:
+    """vLLM's own stack and corewire's with the fast path, both running."""
+    started: dict[str, ServeStack] = {}
+    with (
+        _stack("vllm", tmp_path_factory) as started["vllm"],
+        _stack("corewire+fast", tmp_path_factory) as started["corewire+fast"],
+    ):
+        yield started
+
+
+def _stack(setting: str, factory: pytest.TempPathFactory) -> Any:
+    client, env = SETTINGS[setting]
+    workdir = factory.mktemp(f"fast-{setting.replace('+', '-')}")
+    return shared_stack(
+        workdir,
+        client,
+        _SHARED_PIDS,
+        server_env=env,
+        engine_overrides={"step_delay": STEP_DELAY},
+    )
+
+
+_ID = re.compile(r'"id":"[^"]*"')
+_CREATED = re.compile(r'"created":\d+')
+_FINGERPRINT = re.compile(r'"system_fingerprint":"[^"]*"')
+
+
+def normalized(data: str) -> str:
+    """An event's JSON text with the request id, the creation time and the fingerprint
+    (what differs between identical requests, or servers) replaced."""
+    data = _ID.sub('"id":"-"', data)
+    data = _CREATED.sub('"created":0', data)
+    return _FINGERPRINT.sub('"system_fingerprint":"-"', data)
+
+
+def raw_events(http: httpx.Client, body: dict[str, Any]) -> list[str]:
+    """Every ``data:`` payload of a streamed completion, as the server wrote it
+    (:func:`normalized`), ``[DONE]`` included."""
+    events = []
+    with http.stream("POST", "/v1/completions", json={"model": MODEL, **body}) as resp:
+        assert resp.status_code == 200, resp.read().decode()
+        for line in resp.iter_lines():
+            if line.startswith("data: "):
+                events.append(normalized(line[len("data: ") :]))
+    assert events and events[-1] == "[DONE]", events[-3:]
+    return events
+
+
+#: Options that keep a request on vLLM's path, each with what it asks.
+FALLBACKS: list[dict[str, Any]] = [
+    {"echo": True},
+    {"logprobs": 2},
+    {"n": 2, "temperature": 0.8, "seed": 7},
+    {"stream_options": {"include_usage": True, "continuous_usage_stats": True}},
+    {"return_token_ids": True},
+]
+
+
+def random_requests(seed: int, http: httpx.Client, count: int) -> Iterator[dict[str, Any]]:
+    """``count`` streaming completions drawn from ``seed``. Stop strings and stop token ids
+    are cut from the request's own answer without them (asked of ``http`` first: the same on
+    both servers, as the comparison of the streams then shows); the draws do not depend on
+    the answers, so both servers get the same requests exactly when they gave the same
+    answers."""
+    rng = random.Random(seed)
+    for _ in range(count):
+        body: dict[str, Any] = {
+            "prompt": " ".join(rng.choices(WORDS, k=rng.randint(1, 10))),
+            "max_tokens": rng.randint(1, 20),
+            "temperature": 0.0,
+            "ignore_eos": rng.random() < 0.7,
+            "stream": True,
+        }
+        if rng.random() < 0.3:
+            body |= {"temperature": 0.9, "seed": rng.randint(0, 2**31)}
+        if rng.random() < 0.5:
+            body["stream_options"] = {"include_usage": True}
+        if rng.random() < 0.2:
+            body["min_tokens"] = rng.randint(0, body["max_tokens"])
+        cut, kind, include = rng.random(), rng.random(), rng.random() < 0.5
+        fallback = FALLBACKS[rng.randrange(len(FALLBACKS))] if rng.random() < 0.25 else {}
+        if cut < 0.4:
+            plain = {k: v for k, v in body.items() if k not in ("stream", "stream_options")}
+            answer = completion(http, **plain, return_token_ids=True)["choices"][0]
+            ids, text = answer["token_ids"], answer["text"]
+            at = int(cut / 0.4 * len(ids))
+            if kind < 0.5 and len(text) > 2:
+                start = min(int(kind * 2 * len(text)), len(text) - 2)
+                body["stop"] = ["never in the text", text[start : start + 2]]
+                body["include_stop_str_in_output"] = include
+            elif ids:
+                body["stop_token_ids"] = [ids[min(at, len(ids) - 1)]]
+        yield body | fallback
+
+
+def _run(http: httpx.Client, seed: int, count: int) -> list[tuple[dict[str, Any], list[str]]]:
+    return [(body, raw_events(http, body)) for body in random_requests(seed, http, count)]
+
+
+def fast_path_counts(http: httpx.Client) -> dict[str, float]:
+    """The fast path's counters in ``/metrics``: requests per path, and tokens."""
+    text = http.get("/metrics").text
+    counts = {
+        labels["path"]: value
+        for labels, value in metric_values(text, "corewire_fast_path_requests_total")
+    }
+    tokens = metric_values(text, "corewire_fast_path_tokens_total")
+    counts["tokens"] = tokens[0][1] if tokens else 0.0
+    return counts
+
+
+@pytest.mark.parametrize("seed", [1, 2, 3])
+def test_random_workload_same_events_as_vllms_server(
+    stacks: dict[str, ServeStack], seed: int
+) -> None:
+    """Seeded random streaming completions: every event the same text as vLLM's own
+    server wrote, and the fast path taken by every request it covers."""
+    with http_client(stacks["vllm"]) as theirs, http_client(stacks["corewire+fast"]) as mine:
+        before = fast_path_counts(mine)
+        expected = _run(theirs, seed, 12)
+        got = _run(mine, seed, 12)
+        after = fast_path_counts(mine)
+    for i, ((body, events), (my_body, my_events)) in enumerate(zip(expected, got, strict=True)):
+        assert body == my_body, f"request {i}: the answers without streaming differ"
+        assert my_events == events, f"request {i} {body}: {_first_difference(my_events, events)}"
+    fallbacks = sum(_falls_back(body) for body, _ in got)
+    covered = len(got) - fallbacks
+    assert after.get("fast", 0) - before.get("fast", 0) == covered, (before, after)
+    assert after.get("vllm", 0) - before.get("vllm", 0) == fallbacks, (before, after)
+
+
+def _falls_back(body: dict[str, Any]) -> bool:
+    options = body.get("stream_options") or {}
+    return bool(
+        body.get("echo")
+        or body.get("logprobs") is not None
+        or body.get("n", 1) != 1
+        or body.get("return_token_ids")
+        or options.get("continuous_usage_stats")
+    )
+
+
+def _first_difference(mine: list[str], theirs: list[str]) -> str:
+    for i, (a, b) in enumerate(zip(mine, theirs, strict=False)):
+        if a != b:
+            return f"event {i}:\n  fast path {a}\n  vLLM      {b}"
+    return f"{len(mine)} events against {len(theirs)}"
+
+
+def test_long_stream_is_written_natively(stacks: dict[str, ServeStack]) -> None:
+    """A long plain stream: the same events as vLLM's server, and all its tokens after the
+    first chunk counted as written natively."""
+    body = {"prompt": "the old house", "max_tokens": 60, "temperature": 0.0}
+    body |= {"ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
+    with http_client(stacks["vllm"]) as theirs, http_client(stacks["corewire+fast"]) as mine:
+        before = fast_path_counts(mine)
+        expected = raw_events(theirs, body)
+        got = raw_events(mine, body)
+        after = fast_path_counts(mine)
+    assert got == expected, _first_difference(got, expected)
+    # 60 tokens: the first and the last chunk are Python's, the 58 between are native.
+    assert after["tokens"] - before["tokens"] == 58
+    assert after["fast"] - before["fast"] == 1
+
+
+def test_fallback_is_said_once_in_the_log(stacks: dict[str, ServeStack]) -> None:
+    """A request the fast path does not cover (logprobs) is served by vLLM's code, and the
+    server's log says why, once however many such requests come."""
+    body = {"prompt": "count to ten", "max_tokens": 3, "temperature": 0.0, "stream": True}
+    with http_client(stacks["corewire+fast"]) as mine:
+        for _ in range(3):
+            raw_events(mine, {**body, "logprobs": 1})
+    said = [
+        line
+        for line in server_log(stacks["corewire+fast"]).splitlines()
+        if "stays on vLLM's path: logprobs" in line
+    ]
+    assert len(said) == 1, said
+
+
+def test_client_disconnect_mid_stream_aborts_in_the_engine(
+    stacks: dict[str, ServeStack],
+) -> None:
+    """A client that hangs up while its chunks are written natively: the engine drops the
+    request, and the server serves on."""
+    stack = stacks["corewire+fast"]
+    with http_client(stack) as mine:
+        before = fast_path_counts(mine)
+        check_client_disconnect_aborts_in_engine(stack, mine)
+        after = fast_path_counts(mine)
+        assert after["tokens"] > before["tokens"]
+        assert raw_events(mine, {"prompt": "hi", "max_tokens": 3, "stream": True})[-1] == "[DONE]"
+
+
+def test_fast_path_off_by_switch(tmp_path: Path) -> None:
+    """``COREWIRE_VLLM_FAST_PATH=0`` on corewire's stack: every streaming completion goes
+    through vLLM's serving code (no request counted on either path)."""
+    client, env = SETTINGS["corewire+output"]
+    with (
+        shared_stack(tmp_path, client, _SHARED_PIDS, server_env=env) as stack,
+        http_client(stack) as http,
+    ):
+        raw_events(http, {"prompt": "the old house", "max_tokens": 5, "stream": True})
+        assert fast_path_counts(http) == {"tokens": 0.0}
