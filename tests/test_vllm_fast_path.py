@@ -7,10 +7,11 @@ path (``corewire+fast``: corewire's client, native output processing, and the ch
 streaming completions after the first written natively). Both get the same seeded random
 workloads of streaming completions, one request at a time, and every SSE event must be the
 same text, byte for byte, but for the request id, the creation time and the server's
-fingerprint: the options the fast path covers (stop strings and stop token ids, usage,
-min_tokens, seeded sampling...) and those that stay on vLLM's path (echo, logprobs, n > 1,
-continuous usage, token ids). Directed tests cover the edges: a client that hangs up
-mid-stream, a fallback said in the log, and the counters that show which path ran.
+fingerprint: the options the fast path covers (sample logprobs, stop strings and stop token
+ids, usage, min_tokens, seeded sampling, per-request stream intervals...) and those that stay
+on vLLM's path (echo, logprob_token_ids, n > 1, continuous usage, token ids). Directed tests
+cover the edges: a client that hangs up mid-stream, a fallback said in the log, and the
+counters that show which path ran.
 
 The engine steps every 30 ms, so that neither server falls a step behind on this 2-core
 machine (a server that falls behind merges two steps into one chunk, in either stack).
@@ -141,7 +142,7 @@ def raw_events(http: httpx.Client, body: dict[str, Any]) -> list[str]:
 #: Options that keep a request on vLLM's path, each with what it asks.
 FALLBACKS: list[dict[str, Any]] = [
     {"echo": True},
-    {"logprobs": 2},
+    {"logprobs": 1, "logprob_token_ids": [5, 6]},
     {"n": 2, "temperature": 0.8, "seed": 7},
     {"stream_options": {"include_usage": True, "continuous_usage_stats": True}},
     {"return_token_ids": True},
@@ -169,6 +170,11 @@ def random_requests(seed: int, http: httpx.Client, count: int) -> Iterator[dict[
             body["stream_options"] = {"include_usage": True}
         if rng.random() < 0.2:
             body["min_tokens"] = rng.randint(0, body["max_tokens"])
+        if rng.random() < 0.4:
+            body["logprobs"] = rng.randint(0, 5)
+        if rng.random() < 0.2:
+            # vLLM 0.34.0's per-request stream interval: chunks of several tokens.
+            body["stream_interval"] = rng.randint(2, 4)
         cut, kind, include = rng.random(), rng.random(), rng.random() < 0.5
         fallback = FALLBACKS[rng.randrange(len(FALLBACKS))] if rng.random() < 0.25 else {}
         if cut < 0.4:
@@ -225,7 +231,7 @@ def _falls_back(body: dict[str, Any]) -> bool:
     options = body.get("stream_options") or {}
     return bool(
         body.get("echo")
-        or body.get("logprobs") is not None
+        or body.get("logprob_token_ids")
         or body.get("n", 1) != 1
         or body.get("return_token_ids")
         or options.get("continuous_usage_stats")
@@ -239,10 +245,13 @@ def _first_difference(mine: list[str], theirs: list[str]) -> str:
     return f"{len(mine)} events against {len(theirs)}"
 
 
-def test_long_stream_is_written_natively(stacks: dict[str, ServeStack]) -> None:
-    """A long plain stream: the same events as vLLM's server, and all its tokens after the
-    first chunk counted as written natively."""
-    body = {"prompt": "the old house", "max_tokens": 60, "temperature": 0.0}
+@pytest.mark.parametrize("logprobs", [None, 5])
+def test_long_stream_is_written_natively(
+    stacks: dict[str, ServeStack], logprobs: int | None
+) -> None:
+    """A long stream, with and without logprobs: the same events as vLLM's server, and
+    all its tokens after the first chunk counted as written natively."""
+    body = {"prompt": "the old house", "max_tokens": 60, "temperature": 0.0, "logprobs": logprobs}
     body |= {"ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
     with http_client(stacks["vllm"]) as theirs, http_client(stacks["corewire+fast"]) as mine:
         before = fast_path_counts(mine)
@@ -256,16 +265,16 @@ def test_long_stream_is_written_natively(stacks: dict[str, ServeStack]) -> None:
 
 
 def test_fallback_is_said_once_in_the_log(stacks: dict[str, ServeStack]) -> None:
-    """A request the fast path does not cover (logprobs) is served by vLLM's code, and the
+    """A request the fast path does not cover (echo) is served by vLLM's code, and the
     server's log says why, once however many such requests come."""
     body = {"prompt": "count to ten", "max_tokens": 3, "temperature": 0.0, "stream": True}
     with http_client(stacks["corewire+fast"]) as mine:
         for _ in range(3):
-            raw_events(mine, {**body, "logprobs": 1})
+            raw_events(mine, {**body, "echo": True})
     said = [
         line
         for line in server_log(stacks["corewire+fast"]).splitlines()
-        if "stays on vLLM's path: logprobs" in line
+        if "stays on vLLM's path: echo" in line
     ]
     assert len(said) == 1, said
 

@@ -287,11 +287,22 @@ class RequestText:
     its detokenizer and logprobs processor for vLLM's own loop
     (``corewire.vllm.output``)."""
 
-    def attach_stream(self, cycle: Any, head: bytes, tail: bytes) -> None:
+    def attach_stream(
+        self,
+        cycle: Any,
+        head: bytes,
+        mid: bytes,
+        tail: bytes,
+        logprobs_limit: int | None = None,
+        text_offset: int = 0,
+    ) -> None:
         """Puts the request on ``vllm serve``'s fast path: its plain outputs are written to
         ``cycle`` (uvicorn's request-response cycle of its streaming response) as SSE frames
-        of text between ``head`` and ``tail``, not sent to its collector. ``ValueError``
-        for a request whose chunks carry more than text (not ``DELTA``, logprobs, n > 1)."""
+        (``head``, the text's literal, ``mid``, the logprobs object or ``null``, ``tail``),
+        not sent to its collector. ``logprobs_limit``: with, and only with, sample
+        logprobs, the candidates a chunk shows per position (-1: all); ``text_offset``:
+        where the next chunk's first token starts. ``ValueError`` for a request whose
+        chunks carry more (not ``DELTA``, prompt logprobs, n > 1)."""
     def detach_stream(self) -> None:
         """Takes the request off the fast path without writing what waits."""
     @property
@@ -300,6 +311,12 @@ class RequestText:
     @property
     def streamed_tokens(self) -> int:
         """The output token ids carried by the fast path's frames, over the request's life."""
+    @property
+    def stream_text_offset(self) -> int:
+        """Where the next chunk's first token starts in the stream's text (completions
+        logprobs' ``text_offset``), shared by the fast path's chunks and Python's."""
+    @stream_text_offset.setter
+    def stream_text_offset(self, offset: int) -> None: ...
     def update(self, new_token_ids: Sequence[int], stop_terminated: bool) -> str | None:
         """Takes new token ids; returns the stop string that ended the text, if any."""
     def get_next_output_text(self, finished: bool, delta: bool) -> str:

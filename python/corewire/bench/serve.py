@@ -175,6 +175,11 @@ _SHORT = {
 TOKENS_PER_CORE_GOALS: dict[tuple[int, int], float] = {(256, 0): 1.5, (256, 5): 2.0}
 #: The same goal in the one-token-per-chunk scenario.
 CHUNK_GOAL = 1.2
+#: The fast-path issue's goals: output tokens per front-end CPU second, corewire+fast over
+#: vllm, by (streams, logprobs); and its moonshot: corewire+fast's CPU per token at most
+#: this many times the Rust front-end's (reported where the rust stack ran).
+FAST_GOALS: dict[tuple[int, int], float] = {(256, 0): 2.5, (256, 5): 5.0}
+RUST_MOONSHOT = 1.3
 #: "TTFT and ITL p99 no worse": corewire+output's p99 over vllm's, at most this (p99s of
 #: a few thousand samples move by a few percent between identical runs).
 LATENCY_SLACK = 1.05
@@ -698,6 +703,8 @@ def report(results: list[Result], *, goals: bool = True) -> list[common.Goal]:
             ]
         elif r.client == "corewire+output":
             parts = _output_goals(r, base, by_key.get(("corewire", r.scenario)), found)
+        elif r.client == "corewire+fast":
+            parts = _fast_goals(r, base, by_key, found)
         elif not r.one_token_chunks:
             parts = _client_goals(r, base, found)
         else:
@@ -801,6 +808,64 @@ def _output_goals(
             "output tokens per API-server CPU second "
             f"{per_core_ratio(r, client_only):.2f}x the corewire "
             "stack's (its client, vLLM's output processing)"
+        )
+    return parts
+
+
+def _fast_goals(
+    r: Result, base: Result, by_key: dict[tuple[str, str], Result], found: list[common.Goal]
+) -> list[str]:
+    """The fast-path issue's goals for the corewire+fast stack where it sets them (appended
+    to ``found``): tokens per CPU second over vllm's, TTFT and ITL p99 no worse; and, where
+    the rust stack ran, the moonshot (CPU per token within :data:`RUST_MOONSHOT` of vLLM's
+    Rust front-end's). The lines that report them."""
+    per_core = per_core_ratio(r, base)
+    target = None if r.one_token_chunks else FAST_GOALS.get((r.streams, r.logprobs))
+    parts = []
+    if target is None:
+        parts.append(f"output tokens per front-end CPU second {per_core:.2f}x vLLM's (no goal)")
+    else:
+        goal = common.Goal(f"{r.scenario}: {r.client} tokens per CPU s x vllm", per_core, target)
+        found.append(goal)
+        parts.append(
+            f"output tokens per front-end CPU second {per_core:.2f}x vLLM's: "
+            f"{'met' if goal.met else 'MISS'} (>= {target}x)"
+        )
+        for attr, what in (("ttft", "TTFT"), ("itl", "ITL")):
+            ratio = _ratio(percentile(getattr(r, attr), 99), percentile(getattr(base, attr), 99))
+            goal = common.Goal(
+                f"{r.scenario}: {r.client} {what} p99 x vllm (no worse)",
+                ratio,
+                LATENCY_SLACK,
+                lower_is_better=True,
+            )
+            found.append(goal)
+            parts.append(
+                f"{what} p99 {ratio:.2f}x vLLM's: {'met' if goal.met else 'MISS'} "
+                f"(no worse: <= {LATENCY_SLACK}x)"
+            )
+    rust = by_key.get(("rust", r.scenario))
+    if rust is not None:
+        # CPU per token over the Rust front-end's: its tokens per CPU s over ours.
+        vs_rust = per_core_ratio(r, rust)
+        over_rust = 1 / vs_rust if vs_rust else float("inf")
+        goal = common.Goal(
+            f"{r.scenario}: {r.client} CPU per token x rust (moonshot)",
+            over_rust,
+            RUST_MOONSHOT,
+            lower_is_better=True,
+        )
+        parts.append(
+            f"CPU per token {over_rust:.2f}x vLLM's Rust front-end's: "
+            f"{'met' if goal.met else 'not met'} (moonshot: <= {RUST_MOONSHOT}x; reported, "
+            "the run's status does not depend on it)"
+        )
+    output = by_key.get(("corewire+output", r.scenario))
+    if output is not None:
+        parts.append(
+            "output tokens per front-end CPU second "
+            f"{per_core_ratio(r, output):.2f}x the corewire+output stack's (the same without "
+            "the fast path)"
         )
     return parts
 
@@ -1108,6 +1173,9 @@ def run(args: argparse.Namespace) -> int:
             print(f"no corewire+output stack: {missing}")
     elif "corewire+output" in args.clients and missing is not None:
         print(f"{prog}: --clients corewire+output: {missing}", file=sys.stderr)
+        return 2
+    if "corewire+fast" in args.clients and (no_fast := fast_path_missing()) is not None:
+        print(f"{prog}: --clients corewire+fast: {no_fast}", file=sys.stderr)
         return 2
     if "rust" in args.clients:
         from corewire.vllm.stack import rust_frontend_binary

@@ -29,6 +29,7 @@ from vllm.entrypoints.generate.base.protocol import PerRequestMetrics
 from vllm.entrypoints.generate.base.serving import (
     build_per_request_timing_metrics,
     build_spec_decoding_metrics,
+    completion_top_logprobs_limit,
 )
 from vllm.entrypoints.openai.completion.protocol import (
     CompletionResponseStreamChoice,
@@ -49,6 +50,9 @@ logger = logging.getLogger("vllm.corewire")
 # A text no model name or id contains, marking where a frame's text goes.
 _TEXT_PROBE = "\x00corewire-text-probe\x00"
 
+#: A chunk's bytes around its text and around its logprobs (see :func:`frame_template`).
+Template = tuple[bytes, bytes, bytes]
+
 _told: set[str] = set()
 
 
@@ -60,11 +64,11 @@ def _tell_once(reason: str) -> None:
     logger.info("corewire: a streaming completion stays on vLLM's path: %s", reason)
 
 
-def frame_template(request_id: str, created: int, model: str) -> tuple[bytes, bytes] | None:
-    """The bytes of a plain chunk of the stream around its text's JSON literal (what vLLM
-    0.34.0's server writes for an unfinished output of a request without logprobs, echo,
-    token ids or continuous usage: the chunk's model dumped with ``exclude_unset``), or
-    None when the probe is ambiguous."""
+def frame_template(request_id: str, created: int, model: str) -> Template | None:
+    """The bytes of an unfinished chunk of the stream around its two holes (the text's
+    JSON literal; the logprobs object, ``null`` without), as vLLM 0.34.0's server writes
+    the chunk (its model dumped with ``exclude_unset``); None when the probe is
+    ambiguous."""
     probe = CompletionStreamResponse(
         id=request_id,
         object="text_completion",
@@ -88,8 +92,12 @@ def frame_template(request_id: str, created: int, model: str) -> tuple[bytes, by
     literal = b'"\\u0000corewire-text-probe\\u0000"'
     if frame.count(literal) != 1:
         return None
-    head, tail = frame.split(literal)
-    return head, tail
+    head, after = frame.split(literal)
+    hole = b'"logprobs":null'
+    if after.count(hole) != 1:
+        return None
+    mid, tail = after.split(hole)
+    return head, mid + hole[: -len(b"null")], tail
 
 
 def refusal(serving: Any, request: Any, num_prompts: int, cycle: Any) -> str | None:
@@ -114,8 +122,12 @@ def refusal(serving: Any, request: Any, num_prompts: int, cycle: Any) -> str | N
         ((request.n or 1) != 1, "n > 1"),
         (request.use_beam_search, "beam search"),
         (request.echo, "echo"),
-        (request.logprobs is not None, "logprobs"),
         (request.prompt_logprobs is not None, "prompt_logprobs"),
+        (bool(request.logprob_token_ids), "logprob_token_ids"),
+        (
+            bool(request.return_tokens_as_token_ids or serving.return_tokens_as_token_ids),
+            "return_tokens_as_token_ids",
+        ),
         (request.return_token_ids, "return_token_ids"),
         (request.return_weight_versions, "return_weight_versions"),
         (continuous, "continuous_usage_stats"),
@@ -182,11 +194,11 @@ def install(serving_class: Any) -> None:
         return completion_stream(
             self,
             request,
-            engine_inputs,
             result_generator,
             request_id,
             created_time,
             model_name,
+            tokenizer,
             request_metadata,
             cycle,
             template,
@@ -196,6 +208,41 @@ def install(serving_class: Any) -> None:
     completion_stream_generator.__doc__ = original.__doc__
     serving_class.completion_stream_generator = completion_stream_generator
     logger.info("corewire: streaming completions take the fast path where they qualify")
+
+
+def _chunk(
+    names: tuple[str, int, str],
+    output: Any,
+    logprobs: Any,
+    res: Any = None,
+    fingerprint: str | None = None,
+) -> str:
+    """A chunk's JSON as vLLM's server renders one of a request the fast path covers:
+    ``names`` (the request's id, creation time and model name), and ``res`` (the
+    ``RequestOutput``) for a finish, whose KV transfer parameters it carries."""
+    request_id, created, model = names
+    chunk = CompletionStreamResponse(
+        id=request_id,
+        object="text_completion",
+        created=created,
+        model=model,
+        choices=[
+            CompletionResponseStreamChoice(
+                index=0,
+                text=output.text,
+                logprobs=logprobs,
+                finish_reason=output.finish_reason,
+                stop_reason=output.stop_reason,
+                prompt_token_ids=None,
+                token_ids=None,
+                weight_versions=None,
+            )
+        ],
+        kv_transfer_params=res.kv_transfer_params if res is not None else None,
+    )
+    if fingerprint is not None:
+        chunk.system_fingerprint = fingerprint
+    return chunk.model_dump_json(exclude_unset=True)
 
 
 def _attachable(processor: Any, external_id: str, cycle: Any) -> RequestText | None:
@@ -218,25 +265,35 @@ def _attachable(processor: Any, external_id: str, cycle: Any) -> RequestText | N
 async def completion_stream(
     serving: Any,
     request: Any,
-    engine_inputs: Any,
     result_generator: AsyncIterator[tuple[int, Any]],
     request_id: str,
     created_time: int,
     model_name: str,
+    tokenizer: Any,
     request_metadata: Any,
     cycle: Any,
-    template: tuple[bytes, bytes],
+    template: Template,
 ) -> AsyncGenerator[str, None]:
-    """vLLM 0.34.0's ``completion_stream_generator`` for one prompt, one sample, and
-    chunks of text alone (see :func:`refusal`), with the plain chunks after the first
-    written natively (see the module doc). Same chunks, same usage, same errors."""
+    """vLLM 0.34.0's ``completion_stream_generator`` for one prompt and one sample whose
+    chunks carry text and sample logprobs only (see :func:`refusal`), with the unfinished
+    chunks after the first written natively (see the module doc). Same chunks, same usage,
+    same errors."""
     include_usage, _ = should_include_usage(
         request.stream_options, serving.enable_force_include_usage
     )
     processor = serving.engine_client.output_processor
-    # The first chunk, rendered here, uses the template the native frames use.
-    head, tail = template[0].decode(), template[1].decode()
+    # Plain chunks rendered here use the template the native frames use.
+    head, mid, tail = (part.decode() for part in template)
+    # How many candidates a chunk shows per position (-1: all), for the native frames.
+    limit = None
+    if request.logprobs is not None:
+        shown = completion_top_logprobs_limit(request.logprobs)
+        limit = -1 if shown is None else shown
+    # Where the next chunk's first token starts (logprobs' text_offset): here until the
+    # request's state is attached, then in it (its frames move it too).
+    text_offset = 0
     external_id = f"{request_id}-0"
+    names = (request_id, created_time, model_name)
     # Output token ids of the chunks rendered here; the attached state counts its own.
     rendered = 0
     num_prompt_tokens = 0
@@ -264,39 +321,38 @@ async def completion_stream(
             ):
                 continue  # chunked prefill: vLLM sends no empty chunk
             rendered += len(output.token_ids)
+            logprobs = None
+            if request.logprobs is not None:
+                if text is not None:
+                    text_offset = text.stream_text_offset
+                logprobs = serving._create_completion_logprobs(
+                    token_ids=output.token_ids,
+                    top_logprobs=output.logprobs,
+                    num_output_top_logprobs=request.logprobs,
+                    tokenizer=tokenizer,
+                    initial_text_offset=text_offset,
+                    return_as_token_id=request.return_tokens_as_token_ids,
+                )
+                if logprobs.tokens:
+                    text_offset = logprobs.text_offset[-1] + len(logprobs.tokens[-1])
+                if text is not None:
+                    text.stream_text_offset = text_offset
             if finish_reason is None:
-                yield f"{head}{json.dumps(output.text, ensure_ascii=False)}{tail}"
+                if logprobs is None:
+                    yield f"{head}{json.dumps(output.text, ensure_ascii=False)}{mid}null{tail}"
+                else:
+                    yield f"data: {_chunk(names, output, logprobs)}\n\n"
                 # Starlette wrote that chunk before asking for the next one: the plain
                 # outputs after it can go straight to the connection.
                 if text is None or not text.stream_attached:
                     attachable = _attachable(processor, external_id, cycle)
                     if attachable is not None:
-                        attachable.attach_stream(cycle, *template)
+                        attachable.attach_stream(cycle, *template, limit, text_offset)
                         text = attachable
                 continue
-            chunk = CompletionStreamResponse(
-                id=request_id,
-                object="text_completion",
-                created=created_time,
-                model=model_name,
-                choices=[
-                    CompletionResponseStreamChoice(
-                        index=0,
-                        text=output.text,
-                        logprobs=None,
-                        finish_reason=finish_reason,
-                        stop_reason=output.stop_reason,
-                        prompt_token_ids=None,
-                        token_ids=None,
-                        weight_versions=None,
-                    )
-                ],
-                kv_transfer_params=res.kv_transfer_params,
-            )
             # The finish carries the fingerprint unless a usage chunk comes after it.
-            if not include_usage and serving.system_fingerprint is not None:
-                chunk.system_fingerprint = serving.system_fingerprint
-            yield f"data: {chunk.model_dump_json(exclude_unset=True)}\n\n"
+            fingerprint = None if include_usage else serving.system_fingerprint
+            yield f"data: {_chunk(names, output, logprobs, res, fingerprint)}\n\n"
 
         completion_tokens = rendered + (text.streamed_tokens if text is not None else 0)
         usage = UsageInfo(

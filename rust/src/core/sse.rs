@@ -3,25 +3,140 @@
 //! string literal written as Python's `json.dumps(s, ensure_ascii=False)` writes it), and
 //! the HTTP/1.1 chunk that carries a stream's frames to its connection.
 
-/// A plain-delta frame of one stream: everything before the text's literal (`head`) and
-/// after it (`tail`), fixed for the stream's life (ids, model, index are in them).
+/// A chunk of one stream with two holes: the text's literal, between `head` and `mid`, and
+/// the chunk's logprobs (a JSON value: `null` without), between `mid` and `tail`. The rest
+/// is fixed for the stream's life (ids, model, index).
 pub struct FrameTemplate {
     head: Vec<u8>,
+    mid: Vec<u8>,
     tail: Vec<u8>,
 }
 
 impl FrameTemplate {
-    /// A template from the bytes around the text.
-    pub fn new(head: Vec<u8>, tail: Vec<u8>) -> Self {
-        FrameTemplate { head, tail }
+    /// A template from the bytes around the holes.
+    pub fn new(head: Vec<u8>, mid: Vec<u8>, tail: Vec<u8>) -> Self {
+        FrameTemplate { head, mid, tail }
     }
 
-    /// Appends the frame carrying `text` to `out`.
-    pub fn render(&self, out: &mut Vec<u8>, text: &str) {
+    /// Appends the frame carrying `text` and, as JSON, `logprobs` (None: `null`) to `out`.
+    pub fn render(&self, out: &mut Vec<u8>, text: &str, logprobs: Option<&[u8]>) {
         out.extend_from_slice(&self.head);
         push_str_literal(out, text);
+        out.extend_from_slice(&self.mid);
+        out.extend_from_slice(logprobs.unwrap_or(b"null"));
         out.extend_from_slice(&self.tail);
     }
+}
+
+/// Appends `v` as pydantic writes a float in JSON: Ryu's shortest round-trip digits
+/// (a tie between two shortest candidates goes to the even one, where Rust's own
+/// formatting rounds up), in positional notation while the decimal exponent is from -5 to
+/// 15 (`0.000012`, `9999.0`, always with a fraction), otherwise in scientific notation
+/// with a signed exponent (`1e-7`, `1.5e+16`); NaN and infinities as `null`.
+pub fn push_float(out: &mut Vec<u8>, v: f64) {
+    if !v.is_finite() {
+        out.extend_from_slice(b"null");
+        return;
+    }
+    let mut buffer = ryu::Buffer::new();
+    let text = buffer.format_finite(v).as_bytes();
+    match text.iter().position(|&b| b == b'e') {
+        // Ryu writes a positive exponent without its sign.
+        Some(e) if text.get(e + 1) != Some(&b'-') => {
+            out.extend_from_slice(&text[..=e]);
+            out.push(b'+');
+            out.extend_from_slice(&text[e + 1..]);
+        }
+        _ => out.extend_from_slice(text),
+    }
+}
+
+/// One logprob candidate of a position as the completions API shows it: its token's
+/// string and its logprob.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Candidate<'a> {
+    pub token: &'a str,
+    pub logprob: f64,
+}
+
+/// One sampled position: the sampled token, and the candidates shown (in order; the
+/// position's dict, so the sampled token is among them).
+#[derive(Clone, Debug, PartialEq)]
+pub struct Position<'a> {
+    pub sampled: Candidate<'a>,
+    pub top: Vec<Candidate<'a>>,
+}
+
+/// A logprob as the completions API clamps it (`max(lp, -9999.0)`: NaN stays NaN, as
+/// Python's `max` keeps its first argument when nothing compares greater).
+fn clamped(logprob: f64) -> f64 {
+    if logprob.is_nan() {
+        logprob
+    } else {
+        logprob.max(-9999.0)
+    }
+}
+
+/// Appends the `logprobs` object of a completions chunk over `positions` (vLLM 0.34.0's
+/// `CompletionLogProbs`: `text_offset`, `token_logprobs`, `tokens`, `top_logprobs`, in that
+/// order). `text_offset` is where the first token's text starts in the stream's text (in
+/// code points); it is left where the next chunk's first token starts.
+pub fn push_completion_logprobs(
+    out: &mut Vec<u8>,
+    positions: &[Position<'_>],
+    text_offset: &mut usize,
+) {
+    out.extend_from_slice(b"{\"text_offset\":[");
+    let mut offset = *text_offset;
+    for (i, p) in positions.iter().enumerate() {
+        if i > 0 {
+            out.push(b',');
+        }
+        out.extend_from_slice(offset.to_string().as_bytes());
+        offset += p.sampled.token.chars().count();
+    }
+    if !positions.is_empty() {
+        *text_offset = offset;
+    }
+    out.extend_from_slice(b"],\"token_logprobs\":[");
+    for (i, p) in positions.iter().enumerate() {
+        if i > 0 {
+            out.push(b',');
+        }
+        push_float(out, clamped(p.sampled.logprob));
+    }
+    out.extend_from_slice(b"],\"tokens\":[");
+    for (i, p) in positions.iter().enumerate() {
+        if i > 0 {
+            out.push(b',');
+        }
+        push_str_literal(out, p.sampled.token);
+    }
+    out.extend_from_slice(b"],\"top_logprobs\":[");
+    for (i, p) in positions.iter().enumerate() {
+        if i > 0 {
+            out.push(b',');
+        }
+        // A dict by token string: a string seen again keeps its place, takes the value.
+        let mut shown: Vec<(&str, f64)> = Vec::with_capacity(p.top.len());
+        for c in &p.top {
+            match shown.iter_mut().find(|(t, _)| *t == c.token) {
+                Some(entry) => entry.1 = c.logprob,
+                None => shown.push((c.token, c.logprob)),
+            }
+        }
+        out.push(b'{');
+        for (j, (token, logprob)) in shown.into_iter().enumerate() {
+            if j > 0 {
+                out.push(b',');
+            }
+            push_str_literal(out, token);
+            out.push(b':');
+            push_float(out, clamped(logprob));
+        }
+        out.push(b'}');
+    }
+    out.extend_from_slice(b"]}");
 }
 
 /// `body` as one chunk of HTTP/1.1 chunked transfer encoding (lower-case hex size, as
@@ -76,15 +191,99 @@ pub fn push_str_literal(out: &mut Vec<u8>, s: &str) {
 
 #[cfg(test)]
 mod tests {
-    use super::{http_chunk, push_str_literal, FrameTemplate};
+    use super::{
+        http_chunk, push_completion_logprobs, push_float, push_str_literal, Candidate,
+        FrameTemplate, Position,
+    };
 
     #[test]
-    fn a_frame_is_head_literal_tail() {
-        let t = FrameTemplate::new(b"data: {\"t\":".to_vec(), b"}\n\n".to_vec());
+    fn a_frame_is_head_literal_mid_logprobs_tail() {
+        let t = FrameTemplate::new(
+            b"data: {\"t\":".to_vec(),
+            b",\"l\":".to_vec(),
+            b"}\n\n".to_vec(),
+        );
         let mut out = Vec::new();
-        t.render(&mut out, "a\"b");
-        t.render(&mut out, "");
-        assert_eq!(out, b"data: {\"t\":\"a\\\"b\"}\n\ndata: {\"t\":\"\"}\n\n");
+        t.render(&mut out, "a\"b", None);
+        t.render(&mut out, "", Some(b"[1]"));
+        assert_eq!(
+            out,
+            b"data: {\"t\":\"a\\\"b\",\"l\":null}\n\ndata: {\"t\":\"\",\"l\":[1]}\n\n"
+        );
+    }
+
+    fn float(v: f64) -> String {
+        let mut out = Vec::new();
+        push_float(&mut out, v);
+        String::from_utf8(out).unwrap()
+    }
+
+    #[test]
+    fn floats_as_pydantic_writes_them() {
+        // Each pair as pydantic 2 (vLLM 0.34.0's) dumps the float to JSON.
+        let cases: &[(f64, &str)] = &[
+            (-1.2e-05, "-0.000012"),
+            (-0.0001, "-0.0001"),
+            (-0.001, "-0.001"),
+            (-9999.0, "-9999.0"),
+            (-0.0, "-0.0"),
+            (0.0, "0.0"),
+            (-3.0, "-3.0"),
+            (-1e-7, "-1e-7"),
+            (-123456789.0, "-123456789.0"),
+            (-1.5e16, "-1.5e+16"),
+            (-1e16, "-1e+16"),
+            (-9.999e15, "-9999000000000000.0"),
+            (-0.1, "-0.1"),
+            (-2.5, "-2.5"),
+            (-1e-5, "-0.00001"),
+            (-0.00012, "-0.00012"),
+            (-1.0000000000000002e-06, "-1.0000000000000002e-6"),
+            // Exactly between two 17-digit candidates (an f32 logprob): the even one.
+            (-2.77494049072265625, "-2.7749404907226562"),
+            (f64::NAN, "null"),
+            (f64::NEG_INFINITY, "null"),
+        ];
+        for &(v, want) in cases {
+            assert_eq!(float(v), want, "{v:e}");
+        }
+    }
+
+    #[test]
+    fn completion_logprobs_object() {
+        let c = |token, logprob| Candidate { token, logprob };
+        let positions = [
+            Position {
+                sampled: c(" héllo", -0.5),
+                // " a" twice: the dict keeps its first place and its last value.
+                top: vec![
+                    c(" héllo", -0.5),
+                    c(" a", -1.0),
+                    c(" a", -2.0),
+                    c("\n", f64::NEG_INFINITY),
+                ],
+            },
+            Position {
+                sampled: c("!", -1e-7),
+                top: vec![c("!", -1e-7)],
+            },
+        ];
+        let mut out = Vec::new();
+        let mut offset = 3;
+        push_completion_logprobs(&mut out, &positions, &mut offset);
+        assert_eq!(
+            String::from_utf8(out).unwrap(),
+            "{\"text_offset\":[3,9],\"token_logprobs\":[-0.5,-1e-7],\"tokens\":[\" héllo\",\"!\"],\
+             \"top_logprobs\":[{\" héllo\":-0.5,\" a\":-2.0,\"\\n\":-9999.0},{\"!\":-1e-7}]}"
+        );
+        assert_eq!(offset, 10);
+        let mut empty = Vec::new();
+        push_completion_logprobs(&mut empty, &[], &mut offset);
+        assert_eq!(
+            empty,
+            b"{\"text_offset\":[],\"token_logprobs\":[],\"tokens\":[],\"top_logprobs\":[]}"
+        );
+        assert_eq!(offset, 10);
     }
 
     #[test]

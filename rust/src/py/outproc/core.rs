@@ -230,6 +230,7 @@ impl OutputCore {
             stats,
             sink: None,
             streamed_tokens: 0,
+            stream_text_offset: 0,
         })
     }
 

@@ -14,7 +14,8 @@ use crate::core::text::stream::{DecodeStream, StepNote};
 use super::names::Names;
 use super::samples::{Candidate, SampleLogprobs};
 use super::shared::{Shared, COMPLETION_FIELDS, REQUEST_OUTPUT_FIELDS};
-use super::sink::StreamSink;
+use super::sink::{PositionEntries, StreamSink};
+use crate::core::sse::FrameTemplate;
 use crate::py::arrays::{self, Block};
 
 /// Output kinds, as vLLM's `RequestOutputKind` numbers them (0 is `CUMULATIVE`).
@@ -83,6 +84,9 @@ pub struct RequestText {
     pub(super) sink: Option<StreamSink>,
     /// The output token ids the sink has carried (every attachment's).
     pub(super) streamed_tokens: usize,
+    /// Where the next chunk's first token starts in the stream's text, as the completions
+    /// API's logprobs count it (code points): the fast path's and Python's chunks share it.
+    pub(super) stream_text_offset: usize,
 }
 
 impl RequestText {
@@ -268,6 +272,8 @@ impl RequestText {
                 held += 1;
             }
             let context = &context[..held];
+            let keep = matches!(kind, Positions::Sampled)
+                && self.sink.as_ref().is_some_and(StreamSink::wants_logprobs);
             let entries = (0..count).map(|i| {
                 let decoded = if self.stream.is_some() {
                     self.candidate(py, &shared, ids[i], context)?.into_any()
@@ -281,7 +287,25 @@ impl RequestText {
                     decoded,
                 })
             });
-            store.push(py, &shared, entries)?;
+            if keep {
+                // The fast path's frame shows this position: its candidates as the
+                // position's dict holds them, their strings kept.
+                let made = entries.collect::<PyResult<Vec<_>>>()?;
+                let mut kept: PositionEntries = Vec::with_capacity(made.len());
+                for c in &made {
+                    let token = c.decoded.cast::<PyString>()?.to_str()?.to_owned();
+                    match kept.iter_mut().find(|e| e.0 == c.id) {
+                        Some(e) => *e = (c.id, c.logprob, token),
+                        None => kept.push((c.id, c.logprob, token)),
+                    }
+                }
+                store.push(py, &shared, made.into_iter().map(Ok))?;
+                if let Some(sink) = self.sink.as_mut() {
+                    sink.keep_position(kept);
+                }
+            } else {
+                store.push(py, &shared, entries)?;
+            }
             let first = ids.first().map(|&id| u32::try_from(id).unwrap_or(u32::MAX));
             match kind {
                 Positions::Sampled => {
@@ -369,17 +393,26 @@ impl RequestText {
     /// and `tail`, instead of going to its collector. Only a streamed (`DELTA`) request
     /// without logprobs, prompt logprobs or an n > 1 parent: those chunks carry more than
     /// the text (`ValueError`).
+    #[pyo3(signature = (cycle, head, mid, tail, logprobs_limit = None, text_offset = 0))]
+    #[allow(clippy::too_many_arguments)]
     fn attach_stream(
         &mut self,
         py: Python<'_>,
         cycle: Py<PyAny>,
         head: Vec<u8>,
+        mid: Vec<u8>,
         tail: Vec<u8>,
+        logprobs_limit: Option<i64>,
+        text_offset: usize,
     ) -> PyResult<()> {
         let refusal = if self.output_kind != DELTA {
             Some("its outputs are not deltas")
-        } else if self.num_logprobs.is_some() || self.num_prompt_logprobs.is_some() {
-            Some("it asked for logprobs")
+        } else if self.num_logprobs.is_some() != logprobs_limit.is_some() {
+            Some("a logprobs limit goes with, and only with, a request for logprobs")
+        } else if self.num_logprobs.is_some() && self.stream.is_none() {
+            Some("its logprobs have no token strings (no detokenization)")
+        } else if self.num_prompt_logprobs.is_some() {
+            Some("it asked for prompt logprobs")
         } else if self.parent.is_some() {
             Some("it is one of n > 1 samples")
         } else {
@@ -391,8 +424,24 @@ impl RequestText {
                 self.request_id.bind(py)
             )));
         }
-        self.sink = Some(StreamSink::new(py, cycle, head, tail)?);
+        // -1: every candidate (the API's `logprobs=-1`).
+        let limit = logprobs_limit.map(|l| usize::try_from(l).ok());
+        let template = FrameTemplate::new(head, mid, tail);
+        self.sink = Some(StreamSink::new(py, cycle, template, limit)?);
+        self.stream_text_offset = text_offset;
         Ok(())
+    }
+
+    /// Where the next chunk's first token starts in the stream's text (completions
+    /// logprobs' `text_offset`), shared by the fast path's chunks and Python's.
+    #[getter]
+    fn get_stream_text_offset(&self) -> usize {
+        self.stream_text_offset
+    }
+
+    #[setter]
+    fn set_stream_text_offset(&mut self, offset: usize) {
+        self.stream_text_offset = offset;
     }
 
     /// Takes the request off the fast path without writing what waits (its response is
@@ -588,7 +637,13 @@ impl RequestText {
         if finished || self.output_kind != FINAL_ONLY {
             if let Some(token_ids) = self.interval_ids(py, req_state, new_ids, finished)? {
                 if let (Some(sink), false) = (self.sink.as_mut(), finished) {
-                    sink.push(self.text.next_output(false, true));
+                    let ids: Vec<i64> = if sink.wants_logprobs() {
+                        token_ids.extract()?
+                    } else {
+                        Vec::new()
+                    };
+                    let text = self.text.next_output(false, true);
+                    sink.push(text, &ids, &mut self.stream_text_offset);
                     self.streamed_tokens += token_ids.len()?;
                     return Ok(false);
                 }

@@ -13,13 +13,30 @@
 use pyo3::prelude::*;
 use pyo3::types::PyBytes;
 
-use crate::core::sse::{http_chunk, FrameTemplate};
+use crate::core::sse::{http_chunk, push_completion_logprobs, Candidate, FrameTemplate, Position};
 
 use super::names::Names;
+
+/// One sampled position's candidates as the position's dict holds them (by token id: a
+/// repeated id keeps its first place and takes the later value): id, logprob, string.
+pub(super) type PositionEntries = Vec<(i64, f64, String)>;
+
+/// A kept entry as the API shows it.
+fn candidate(e: &(i64, f64, String)) -> Candidate<'_> {
+    Candidate {
+        token: e.2.as_str(),
+        logprob: e.1,
+    }
+}
 
 /// One stream's frames not yet written, and its connection.
 pub(super) struct StreamSink {
     template: FrameTemplate,
+    /// For a request with logprobs: how many of a position's candidates a chunk shows
+    /// (None: all), as the completions API limits them.
+    logprobs_limit: Option<Option<usize>>,
+    /// The sampled positions not yet in a frame (a request with logprobs).
+    positions: Vec<PositionEntries>,
     /// uvicorn's request-response cycle of the connection: its `disconnected` and
     /// `flow.write_paused` say whether writing on is right.
     cycle: Py<PyAny>,
@@ -29,25 +46,67 @@ pub(super) struct StreamSink {
 }
 
 impl StreamSink {
-    /// A sink writing to `cycle`'s transport, with the stream's frame template.
+    /// A sink writing to `cycle`'s transport, with the stream's frame template; for a
+    /// request with logprobs, `logprobs_limit` is `Some(limit)` (see the field).
     pub(super) fn new(
         py: Python<'_>,
         cycle: Py<PyAny>,
-        head: Vec<u8>,
-        tail: Vec<u8>,
+        template: FrameTemplate,
+        logprobs_limit: Option<Option<usize>>,
     ) -> PyResult<Self> {
         let transport = cycle.bind(py).getattr(&Names::get(py).transport)?.unbind();
         Ok(StreamSink {
-            template: FrameTemplate::new(head, tail),
+            template,
+            logprobs_limit,
+            positions: Vec::new(),
             cycle,
             transport,
             pending: Vec::new(),
         })
     }
 
-    /// Adds the frame of an output whose new text is `text`.
-    pub(super) fn push(&mut self, text: &str) {
-        self.template.render(&mut self.pending, text);
+    /// Whether the stream's chunks carry logprobs (its positions are to be kept).
+    pub(super) fn wants_logprobs(&self) -> bool {
+        self.logprobs_limit.is_some()
+    }
+
+    /// Keeps a sampled position for the next frame.
+    pub(super) fn keep_position(&mut self, entries: PositionEntries) {
+        self.positions.push(entries);
+    }
+
+    /// Adds the frame of an output whose new text is `text` and new token ids `ids` (the
+    /// logprobs of the kept positions, one per id; `text_offset` as the completions API
+    /// counts it, moved past them).
+    pub(super) fn push(&mut self, text: &str, ids: &[i64], text_offset: &mut usize) {
+        let Some(limit) = self.logprobs_limit else {
+            self.template.render(&mut self.pending, text, None);
+            return;
+        };
+        let kept = std::mem::take(&mut self.positions);
+        let positions: Vec<Position<'_>> = ids
+            .iter()
+            .zip(&kept)
+            .map(|(&id, entries)| {
+                // The sampled id's own entry, as the API reads `position[token_id]`.
+                let sampled = entries.iter().find(|e| e.0 == id).map_or(
+                    Candidate {
+                        token: "",
+                        logprob: f64::NAN,
+                    },
+                    candidate,
+                );
+                let shown = limit.unwrap_or(entries.len()).min(entries.len());
+                Position {
+                    sampled,
+                    top: entries[..shown].iter().map(candidate).collect(),
+                }
+            })
+            .collect();
+        let mut logprobs = Vec::with_capacity(64 * positions.len().max(1));
+        push_completion_logprobs(&mut logprobs, &positions, text_offset);
+        self.template
+            .render(&mut self.pending, text, Some(&logprobs));
     }
 
     /// Whether frames wait to be written.
