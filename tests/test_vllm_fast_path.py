@@ -245,22 +245,30 @@ def _first_difference(mine: list[str], theirs: list[str]) -> str:
     return f"{len(mine)} events against {len(theirs)}"
 
 
-@pytest.mark.parametrize("logprobs", [None, 5])
+@pytest.mark.parametrize(
+    ("logprobs", "interval", "tokens"),
+    [(None, 1, 60), (5, 1, 60), (3, 4, 31)],
+    ids=["plain", "logprobs", "logprobs-interval"],
+)
 def test_long_stream_is_written_natively(
-    stacks: dict[str, ServeStack], logprobs: int | None
+    stacks: dict[str, ServeStack], logprobs: int | None, interval: int, tokens: int
 ) -> None:
-    """A long stream, with and without logprobs: the same events as vLLM's server, and
-    all its tokens after the first chunk counted as written natively."""
-    body = {"prompt": "the old house", "max_tokens": 60, "temperature": 0.0, "logprobs": logprobs}
-    body |= {"ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
+    """A long stream, with and without logprobs, and with a stream interval whose last
+    wait ends in the engine's finish (the positions kept for the waiting frame go to
+    vLLM's finish): the same events as vLLM's server, and the tokens between the first
+    chunk and the finish's counted as written natively."""
+    body = {"prompt": "the old house", "max_tokens": tokens, "temperature": 0.0}
+    body |= {"logprobs": logprobs, "stream_interval": interval, "ignore_eos": True}
+    body |= {"stream": True, "stream_options": {"include_usage": True}}
     with http_client(stacks["vllm"]) as theirs, http_client(stacks["corewire+fast"]) as mine:
         before = fast_path_counts(mine)
         expected = raw_events(theirs, body)
         got = raw_events(mine, body)
         after = fast_path_counts(mine)
     assert got == expected, _first_difference(got, expected)
-    # 60 tokens: the first and the last chunk are Python's, the 58 between are native.
-    assert after["tokens"] - before["tokens"] == 58
+    # The first token's chunk is Python's; frames of `interval` tokens follow while a
+    # whole one fits before the last token, whose chunk (the finish) is Python's too.
+    assert after["tokens"] - before["tokens"] == interval * ((tokens - 2) // interval)
     assert after["fast"] - before["fast"] == 1
 
 

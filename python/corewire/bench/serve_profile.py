@@ -28,6 +28,7 @@ from pathlib import Path
 __all__ = [
     "CLIENT_LAYER",
     "COLLECTOR",
+    "FAST_PATH_LAYER",
     "LAYERS",
     "NATIVE_OUTPUT_LAYER",
     "NATIVE_RATE",
@@ -44,6 +45,9 @@ __all__ = [
 #: The layer of corewire's native output processing (``corewire/vllm/output.py`` and
 #: ``corewire/vllm/output_*.py``), apart from vLLM's "output processing".
 NATIVE_OUTPUT_LAYER = "output processing (corewire)"
+
+#: The layer of the fast path's Python (``corewire/vllm/fast_path.py``, ``asgi_cycle.py``).
+FAST_PATH_LAYER = "fast path (corewire)"
 
 #: Layers of the API server's CPU, and the file-path fragments of each. A sample belongs to
 #: the layer of its innermost frame that matches (generic modules such as asyncio match
@@ -83,6 +87,9 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
         NATIVE_OUTPUT_LAYER,
         ("corewire/vllm/output.py", "corewire/vllm/output_"),
     ),
+    # corewire's fast path of vllm serve: its Python, once per request (the first and
+    # last chunks); the frames it writes per token are native, inside the layer above.
+    (FAST_PATH_LAYER, ("corewire/vllm/fast_path.py", "corewire/vllm/asgi_cycle.py")),
     ("OpenAI serving", ("vllm/entrypoints/", "pydantic/", "pydantic_core/")),
     ("HTTP", ("uvicorn/", "starlette/", "fastapi/", "h11/", "httptools/", "anyio/")),
 )

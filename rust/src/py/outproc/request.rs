@@ -99,9 +99,9 @@ impl RequestText {
         };
         match sink.flush(py) {
             Ok(true) => {}
-            Ok(false) => self.sink = None,
+            Ok(false) => self.drop_stream(py)?,
             Err(e) => {
-                self.sink = None;
+                self.drop_stream(py)?;
                 let msg = format!(
                     "corewire: writing request {}'s stream failed ({e}); its outputs go \
                      through vLLM's server again",
@@ -123,7 +123,35 @@ impl RequestText {
     pub(super) fn release_stream(&mut self, py: Python<'_>) -> PyResult<()> {
         if self.sink.is_some() {
             self.flush_stream(py)?;
-            self.sink = None;
+            self.drop_stream(py)?;
+        }
+        Ok(())
+    }
+
+    /// Takes the request off the fast path. Sampled positions kept for a frame that was
+    /// not made yet (a stream interval's wait) go into vLLM's container, where the output
+    /// that carries them will read them.
+    fn drop_stream(&mut self, py: Python<'_>) -> PyResult<()> {
+        let Some(mut sink) = self.sink.take() else {
+            return Ok(());
+        };
+        let kept = sink.take_positions();
+        if kept.is_empty() {
+            return Ok(());
+        }
+        let Some(store) = self.logprobs.as_ref() else {
+            return Ok(());
+        };
+        for position in kept {
+            let candidates = position.into_iter().map(|(id, logprob, rank, decoded)| {
+                Ok(Candidate {
+                    id,
+                    logprob,
+                    rank,
+                    decoded: decoded.into_bound(py).into_any(),
+                })
+            });
+            store.push(py, &self.shared, candidates)?;
         }
         Ok(())
     }
@@ -288,18 +316,15 @@ impl RequestText {
                 })
             });
             if keep {
-                // The fast path's frame shows this position: its candidates as the
-                // position's dict holds them, their strings kept.
-                let made = entries.collect::<PyResult<Vec<_>>>()?;
-                let mut kept: PositionEntries = Vec::with_capacity(made.len());
-                for c in &made {
-                    let token = c.decoded.cast::<PyString>()?.to_str()?.to_owned();
-                    match kept.iter_mut().find(|e| e.0 == c.id) {
-                        Some(e) => *e = (c.id, c.logprob, token),
-                        None => kept.push((c.id, c.logprob, token)),
-                    }
+                // The fast path's frame shows this position, and nothing else will: vLLM's
+                // container is left without it (a DELTA output reads only its own last
+                // positions; one the frame did not show goes back: `drop_stream`).
+                let mut kept: PositionEntries = Vec::with_capacity(count);
+                for i in 0..count {
+                    let token = self.candidate(py, &shared, ids[i], context)?;
+                    let rank = if i == 0 { rank } else { i as i64 };
+                    kept.push((ids[i], lps[i], rank, token.unbind()));
                 }
-                store.push(py, &shared, made.into_iter().map(Ok))?;
                 if let Some(sink) = self.sink.as_mut() {
                     sink.keep_position(kept);
                 }
@@ -446,8 +471,8 @@ impl RequestText {
 
     /// Takes the request off the fast path without writing what waits (its response is
     /// over: finished, failed or cancelled). Its outputs go to its collector again.
-    fn detach_stream(&mut self) {
-        self.sink = None;
+    fn detach_stream(&mut self, py: Python<'_>) -> PyResult<()> {
+        self.drop_stream(py)
     }
 
     /// Whether the request's plain outputs go to its connection (see `attach_stream`).
@@ -643,7 +668,7 @@ impl RequestText {
                         Vec::new()
                     };
                     let text = self.text.next_output(false, true);
-                    sink.push(text, &ids, &mut self.stream_text_offset);
+                    sink.push(py, text, &ids, &mut self.stream_text_offset)?;
                     self.streamed_tokens += token_ids.len()?;
                     return Ok(false);
                 }

@@ -11,23 +11,14 @@
 //! in order).
 
 use pyo3::prelude::*;
-use pyo3::types::PyBytes;
+use pyo3::types::{PyBytes, PyString};
 
 use crate::core::sse::{http_chunk, push_completion_logprobs, Candidate, FrameTemplate, Position};
 
 use super::names::Names;
 
-/// One sampled position's candidates as the position's dict holds them (by token id: a
-/// repeated id keeps its first place and takes the later value): id, logprob, string.
-pub(super) type PositionEntries = Vec<(i64, f64, String)>;
-
-/// A kept entry as the API shows it.
-fn candidate(e: &(i64, f64, String)) -> Candidate<'_> {
-    Candidate {
-        token: e.2.as_str(),
-        logprob: e.1,
-    }
-}
+/// One sampled position's candidates in the engine's order: id, logprob, rank, string.
+pub(super) type PositionEntries = Vec<(i64, f64, i64, Py<PyString>)>;
 
 /// One stream's frames not yet written, and its connection.
 pub(super) struct StreamSink {
@@ -75,38 +66,59 @@ impl StreamSink {
         self.positions.push(entries);
     }
 
+    /// The kept positions, taken (the sink is going: see `RequestText::drop_stream`).
+    pub(super) fn take_positions(&mut self) -> Vec<PositionEntries> {
+        std::mem::take(&mut self.positions)
+    }
+
     /// Adds the frame of an output whose new text is `text` and new token ids `ids` (the
     /// logprobs of the kept positions, one per id; `text_offset` as the completions API
     /// counts it, moved past them).
-    pub(super) fn push(&mut self, text: &str, ids: &[i64], text_offset: &mut usize) {
+    pub(super) fn push(
+        &mut self,
+        py: Python<'_>,
+        text: &str,
+        ids: &[i64],
+        text_offset: &mut usize,
+    ) -> PyResult<()> {
         let Some(limit) = self.logprobs_limit else {
             self.template.render(&mut self.pending, text, None);
-            return;
+            return Ok(());
         };
         let kept = std::mem::take(&mut self.positions);
-        let positions: Vec<Position<'_>> = ids
-            .iter()
-            .zip(&kept)
-            .map(|(&id, entries)| {
-                // The sampled id's own entry, as the API reads `position[token_id]`.
-                let sampled = entries.iter().find(|e| e.0 == id).map_or(
-                    Candidate {
-                        token: "",
-                        logprob: f64::NAN,
-                    },
-                    candidate,
-                );
-                let shown = limit.unwrap_or(entries.len()).min(entries.len());
-                Position {
-                    sampled,
-                    top: entries[..shown].iter().map(candidate).collect(),
+        let mut positions = Vec::with_capacity(kept.len());
+        for (&id, entries) in ids.iter().zip(&kept) {
+            // The position's dict: a repeated id keeps its first place, takes the value.
+            let mut dict: Vec<(i64, Candidate<'_>)> = Vec::with_capacity(entries.len());
+            for (entry_id, logprob, _, token) in entries {
+                let candidate = Candidate {
+                    token: token.bind(py).to_str()?,
+                    logprob: *logprob,
+                };
+                match dict.iter_mut().find(|(i, _)| i == entry_id) {
+                    Some(slot) => slot.1 = candidate,
+                    None => dict.push((*entry_id, candidate)),
                 }
-            })
-            .collect();
+            }
+            // The sampled id's own entry, as the API reads `position[token_id]`.
+            let sampled = dict.iter().find(|(i, _)| *i == id).map_or(
+                Candidate {
+                    token: "",
+                    logprob: f64::NAN,
+                },
+                |(_, c)| c.clone(),
+            );
+            let shown = limit.unwrap_or(dict.len()).min(dict.len());
+            positions.push(Position {
+                sampled,
+                top: dict.into_iter().take(shown).map(|(_, c)| c).collect(),
+            });
+        }
         let mut logprobs = Vec::with_capacity(64 * positions.len().max(1));
         push_completion_logprobs(&mut logprobs, &positions, text_offset);
         self.template
             .render(&mut self.pending, text, Some(&logprobs));
+        Ok(())
     }
 
     /// Whether frames wait to be written.
