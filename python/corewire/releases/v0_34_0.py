@@ -45,11 +45,12 @@ class Release0340(Release0330):
         return wire_requests.as_given(self)
 
     def install_fast_path(self) -> None:
+        from vllm.entrypoints.openai.chat_completion.serving import OpenAIServingChat
         from vllm.entrypoints.openai.completion.serving import OpenAIServingCompletion
 
         from corewire.vllm import fast_path
 
-        fast_path.install(OpenAIServingCompletion)
+        fast_path.install(OpenAIServingCompletion, OpenAIServingChat)
 
     def native_output_processor(self) -> type:
         from corewire.vllm.output_0_34_0 import NativeOutputProcessor0340

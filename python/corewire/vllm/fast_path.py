@@ -1,98 +1,77 @@
 """The per-token fast path of ``vllm serve`` (vLLM 0.34.0's OpenAI server): streaming
-completions whose chunks between the first and the last are written without Python.
+completions and chat completions whose chunks between the first and the last are written
+without Python.
 
 vLLM's server spends Python on every token of every stream: the waiting task's wake-up,
 the ``RequestOutput``, the serving generator, the chunk's JSON, Starlette's and uvicorn's
-``send``. For a streaming ``/v1/completions`` request whose options the fast path covers
-(:func:`refusal`), :func:`completion_stream` keeps Python for what happens once per
-request (vLLM's admission and rendering ran before it; here the first chunk, the finish,
-the usage chunk, errors and ``[DONE]``, rendered as vLLM renders them), and, once the
-first chunk is on the wire, attaches the request's native output state
-(``corewire._native.RequestText.attach_stream``) to the connection: from then on each
-plain output becomes its SSE frame in Rust, and the frames of every stream in a batch of
-engine outputs are written to their connections by the batch's one call into the native
-output processor, with no Python per stream or token. An output that needs Python (the
-engine's finish, an event) takes the stream back first, so the chunks stay in order.
+``send``. For a streaming request whose options the fast path covers, the endpoint's
+generator (:mod:`corewire.vllm.fast_completions`, :mod:`corewire.vllm.fast_chat`) keeps
+Python for what happens once per request (vLLM's admission and rendering ran before it;
+there the first chunk, the finish, the usage chunk, errors and ``[DONE]``, rendered as
+vLLM renders them), and, once a chunk is on the wire with nothing of the request waiting,
+attaches the request's native output state (``corewire._native.RequestText.
+attach_stream``) to the connection: from then on each plain output becomes its SSE frame
+in Rust, and the frames of every stream in a batch of engine outputs are written to their
+connections by the batch's one call into the native output processor, with no Python per
+stream or token. An output that needs Python (the engine's finish, an event) takes the
+stream back first, so the chunks stay in order.
 
-A request the fast path does not cover stays on vLLM's own generator, with one log line per
-reason. ``COREWIRE_VLLM_FAST_PATH=0`` turns the whole path off (:mod:`corewire.vllm.plugin`).
+This module holds what both endpoints share: :func:`install`, the server-wide conditions
+(:func:`server_refusal`), the frame templates (:func:`split_template`), attaching
+(:func:`attachable`) and the log line of a request that stays on vLLM's path
+(:func:`keep_vllms`). ``COREWIRE_VLLM_FAST_PATH=0`` turns it all off
+(:mod:`corewire.vllm.plugin`).
 """
 
 from __future__ import annotations
 
-import json
 import logging
-from collections.abc import AsyncGenerator, AsyncIterator
 from typing import Any
-
-from vllm.entrypoints.generate.base.protocol import PerRequestMetrics
-from vllm.entrypoints.generate.base.serving import (
-    build_per_request_timing_metrics,
-    build_spec_decoding_metrics,
-    completion_top_logprobs_limit,
-)
-from vllm.entrypoints.openai.completion.protocol import (
-    CompletionResponseStreamChoice,
-    CompletionStreamResponse,
-)
-from vllm.entrypoints.serve.engine.protocol import PromptTokenUsageInfo, UsageInfo
-from vllm.entrypoints.serve.utils.api_utils import should_include_usage
-from vllm.exceptions import GenerationError
 
 from corewire import metrics
 from corewire._native import RequestText
 from corewire.vllm import asgi_cycle
 
-__all__ = ["completion_stream", "frame_template", "install", "refusal"]
+__all__ = [
+    "TEXT_PROBE",
+    "Template",
+    "attachable",
+    "install",
+    "keep_vllms",
+    "server_refusal",
+    "split_template",
+]
 
 logger = logging.getLogger("vllm.corewire")
 
-# A text no model name or id contains, marking where a frame's text goes.
-_TEXT_PROBE = "\x00corewire-text-probe\x00"
+#: A text no model name or id contains, marking where a probe chunk's text goes.
+TEXT_PROBE = "\x00corewire-text-probe\x00"
+_PROBE_LITERAL = b'"\\u0000corewire-text-probe\\u0000"'
 
-#: A chunk's bytes around its text and around its logprobs (see :func:`frame_template`).
+#: A chunk's bytes around its text and around its logprobs (see :func:`split_template`).
 Template = tuple[bytes, bytes, bytes]
 
-_told: set[str] = set()
+_told: set[tuple[str, str]] = set()
 
 
-def _tell_once(reason: str) -> None:
-    # Once per reason and process: a server at high QPS would say it per request.
-    if reason in _told:
+def keep_vllms(endpoint: str, reason: str) -> None:
+    """Counts a streaming request of ``endpoint`` that stays on vLLM's path, and says why
+    in the log once per endpoint and reason (a server at high QPS would say it per
+    request)."""
+    metrics.count_fast_path("vllm")
+    if (endpoint, reason) in _told:
         return
-    _told.add(reason)
-    logger.info("corewire: a streaming completion stays on vLLM's path: %s", reason)
+    _told.add((endpoint, reason))
+    logger.info("corewire: a streaming %s stays on vLLM's path: %s", endpoint, reason)
 
 
-def frame_template(request_id: str, created: int, model: str) -> Template | None:
-    """The bytes of an unfinished chunk of the stream around its two holes (the text's
-    JSON literal; the logprobs object, ``null`` without), as vLLM 0.34.0's server writes
-    the chunk (its model dumped with ``exclude_unset``); None when the probe is
-    ambiguous."""
-    probe = CompletionStreamResponse(
-        id=request_id,
-        object="text_completion",
-        created=created,
-        model=model,
-        choices=[
-            CompletionResponseStreamChoice(
-                index=0,
-                text=_TEXT_PROBE,
-                logprobs=None,
-                finish_reason=None,
-                stop_reason=None,
-                prompt_token_ids=None,
-                token_ids=None,
-                weight_versions=None,
-            )
-        ],
-        kv_transfer_params=None,
-    )
-    frame = f"data: {probe.model_dump_json(exclude_unset=True)}\n\n".encode()
-    literal = b'"\\u0000corewire-text-probe\\u0000"'
-    if frame.count(literal) != 1:
+def split_template(frame: bytes) -> Template | None:
+    """A probe frame (its text :data:`TEXT_PROBE`, its logprobs ``null``) cut around its
+    two holes: the text's JSON literal, and the logprobs value; None when either is
+    ambiguous (a model name that contains the probe's bytes)."""
+    if frame.count(_PROBE_LITERAL) != 1:
         return None
-    head, after = frame.split(literal)
+    head, after = frame.split(_PROBE_LITERAL)
     hole = b'"logprobs":null'
     if after.count(hole) != 1:
         return None
@@ -100,12 +79,11 @@ def frame_template(request_id: str, created: int, model: str) -> Template | None
     return head, mid + hole[: -len(b"null")], tail
 
 
-def refusal(serving: Any, request: Any, num_prompts: int, cycle: Any) -> str | None:
-    """Why a streaming completion stays on vLLM's generator (None: it takes the fast
-    path). The fast path renders only the text of a chunk between the first and the last;
-    requests whose chunks carry more, and servers whose settings change the chunks or the
-    connection, keep vLLM's code."""
-    _, continuous = should_include_usage(request.stream_options, serving.enable_force_include_usage)
+def server_refusal(serving: Any, cycle: Any) -> str | None:
+    """Why no streaming request of this server and connection can take the fast path
+    (None: they can, as far as the server goes): the connection is not uvicorn's
+    ``httptools`` protocol, keep-alive comments are on, the engine client has no native
+    output processing, or outputs are logged per delta."""
     if cycle is None:
         return "the connection is not uvicorn's httptools protocol"
     app = cycle.scope.get("app")
@@ -117,138 +95,13 @@ def refusal(serving: Any, request: Any, num_prompts: int, cycle: Any) -> str | N
         return "the engine client has no native output processing"
     if serving.enable_log_outputs and serving.request_logger:
         return "--enable-log-outputs is set"
-    checks = (
-        (num_prompts != 1, "more than one prompt"),
-        ((request.n or 1) != 1, "n > 1"),
-        (request.use_beam_search, "beam search"),
-        (request.echo, "echo"),
-        (request.prompt_logprobs is not None, "prompt_logprobs"),
-        (bool(request.logprob_token_ids), "logprob_token_ids"),
-        (
-            bool(request.return_tokens_as_token_ids or serving.return_tokens_as_token_ids),
-            "return_tokens_as_token_ids",
-        ),
-        (request.return_token_ids, "return_token_ids"),
-        (request.return_weight_versions, "return_weight_versions"),
-        (continuous, "continuous_usage_stats"),
-    )
-    for refused, why in checks:
-        if refused:
-            return why
     return None
 
 
-def install(serving_class: Any) -> None:
-    """Routes ``serving_class.completion_stream_generator`` (vLLM's
-    ``OpenAIServingCompletion``) through :func:`completion_stream`, and makes vLLM's app
-    builder wrap each app in :class:`corewire.vllm.asgi_cycle.CycleCapture`."""
-    original = serving_class.completion_stream_generator
-    if getattr(original, "corewire_fast_path", False):
-        return  # vLLM loads plugins more than once per process
-    import vllm.entrypoints.launchers.app as launcher
-
-    init_middleware = launcher.init_entrypoints_middleware
-
-    def init_entrypoints_middleware(args: Any, app: Any, *rest: Any, **kw: Any) -> Any:
-        result = init_middleware(args, app, *rest, **kw)
-        asgi_cycle.install(app)
-        return result
-
-    launcher.init_entrypoints_middleware = init_entrypoints_middleware
-
-    def completion_stream_generator(
-        self: Any,
-        request: Any,
-        engine_inputs: Any,
-        result_generator: AsyncIterator[tuple[int, Any]],
-        request_id: str,
-        created_time: int,
-        model_name: str,
-        num_prompts: int,
-        tokenizer: Any,
-        request_metadata: Any,
-    ) -> AsyncGenerator[str, None]:
-        cycle = asgi_cycle.current_cycle()
-        why = refusal(self, request, num_prompts, cycle)
-        template = None
-        if why is None:
-            template = frame_template(request_id, created_time, model_name)
-            if template is None:
-                why = "the chunk's template is ambiguous"
-        if why is not None:
-            _tell_once(why)
-            metrics.count_fast_path("vllm")
-            return original(
-                self,
-                request,
-                engine_inputs,
-                result_generator,
-                request_id,
-                created_time,
-                model_name,
-                num_prompts=num_prompts,
-                tokenizer=tokenizer,
-                request_metadata=request_metadata,
-            )
-        assert template is not None
-        return completion_stream(
-            self,
-            request,
-            result_generator,
-            request_id,
-            created_time,
-            model_name,
-            tokenizer,
-            request_metadata,
-            cycle,
-            template,
-        )
-
-    completion_stream_generator.corewire_fast_path = True  # type: ignore[attr-defined]
-    completion_stream_generator.__doc__ = original.__doc__
-    serving_class.completion_stream_generator = completion_stream_generator
-    logger.info("corewire: streaming completions take the fast path where they qualify")
-
-
-def _chunk(
-    names: tuple[str, int, str],
-    output: Any,
-    logprobs: Any,
-    res: Any = None,
-    fingerprint: str | None = None,
-) -> str:
-    """A chunk's JSON as vLLM's server renders one of a request the fast path covers:
-    ``names`` (the request's id, creation time and model name), and ``res`` (the
-    ``RequestOutput``) for a finish, whose KV transfer parameters it carries."""
-    request_id, created, model = names
-    chunk = CompletionStreamResponse(
-        id=request_id,
-        object="text_completion",
-        created=created,
-        model=model,
-        choices=[
-            CompletionResponseStreamChoice(
-                index=0,
-                text=output.text,
-                logprobs=logprobs,
-                finish_reason=output.finish_reason,
-                stop_reason=output.stop_reason,
-                prompt_token_ids=None,
-                token_ids=None,
-                weight_versions=None,
-            )
-        ],
-        kv_transfer_params=res.kv_transfer_params if res is not None else None,
-    )
-    if fingerprint is not None:
-        chunk.system_fingerprint = fingerprint
-    return chunk.model_dump_json(exclude_unset=True)
-
-
-def _attachable(processor: Any, external_id: str, cycle: Any) -> RequestText | None:
+def attachable(processor: Any, external_id: str, cycle: Any) -> RequestText | None:
     """The request's native state, if its next plain outputs can go straight to the
     connection: it is native, nothing of it waits in its collector (every output so far
-    went out: Starlette wrote our last chunk before asking for the next), and the
+    went out: Starlette wrote the last chunk before asking for the next), and the
     connection is neither gone nor paused."""
     if cycle.disconnected or cycle.flow.write_paused:
         return None
@@ -262,137 +115,26 @@ def _attachable(processor: Any, external_id: str, cycle: Any) -> RequestText | N
     return text if isinstance(text, RequestText) else None
 
 
-async def completion_stream(
-    serving: Any,
-    request: Any,
-    result_generator: AsyncIterator[tuple[int, Any]],
-    request_id: str,
-    created_time: int,
-    model_name: str,
-    tokenizer: Any,
-    request_metadata: Any,
-    cycle: Any,
-    template: Template,
-) -> AsyncGenerator[str, None]:
-    """vLLM 0.34.0's ``completion_stream_generator`` for one prompt and one sample whose
-    chunks carry text and sample logprobs only (see :func:`refusal`), with the unfinished
-    chunks after the first written natively (see the module doc). Same chunks, same usage,
-    same errors."""
-    include_usage, _ = should_include_usage(
-        request.stream_options, serving.enable_force_include_usage
-    )
-    processor = serving.engine_client.output_processor
-    # Plain chunks rendered here use the template the native frames use.
-    head, mid, tail = (part.decode() for part in template)
-    # How many candidates a chunk shows per position (-1: all), for the native frames.
-    limit = None
-    if request.logprobs is not None:
-        shown = completion_top_logprobs_limit(request.logprobs)
-        limit = -1 if shown is None else shown
-    # Where the next chunk's first token starts (logprobs' text_offset): here until the
-    # request's state is attached, then in it (its frames move it too).
-    text_offset = 0
-    external_id = f"{request_id}-0"
-    names = (request_id, created_time, model_name)
-    # Output token ids of the chunks rendered here; the attached state counts its own.
-    rendered = 0
-    num_prompt_tokens = 0
-    num_cached_tokens = None
-    first_output = True
-    last_res = None
-    text: RequestText | None = None
-    try:
-        async for _, res in result_generator:
-            last_res = res
-            if first_output:
-                num_cached_tokens = res.num_cached_tokens
-                first_output = False
-            if res.prompt_token_ids is not None:
-                num_prompt_tokens = len(res.prompt_token_ids)
-            output = res.outputs[0]
-            finish_reason = output.finish_reason
-            serving._raise_if_error(finish_reason, request_id)
-            streamed = text.streamed_tokens if text is not None else 0
-            if (
-                not output.text
-                and not output.token_ids
-                and not (rendered + streamed)
-                and finish_reason is None
-            ):
-                continue  # chunked prefill: vLLM sends no empty chunk
-            rendered += len(output.token_ids)
-            logprobs = None
-            if request.logprobs is not None:
-                if text is not None:
-                    text_offset = text.stream_text_offset
-                logprobs = serving._create_completion_logprobs(
-                    token_ids=output.token_ids,
-                    top_logprobs=output.logprobs,
-                    num_output_top_logprobs=request.logprobs,
-                    tokenizer=tokenizer,
-                    initial_text_offset=text_offset,
-                    return_as_token_id=request.return_tokens_as_token_ids,
-                )
-                if logprobs.tokens:
-                    text_offset = logprobs.text_offset[-1] + len(logprobs.tokens[-1])
-                if text is not None:
-                    text.stream_text_offset = text_offset
-            if finish_reason is None:
-                if logprobs is None:
-                    yield f"{head}{json.dumps(output.text, ensure_ascii=False)}{mid}null{tail}"
-                else:
-                    yield f"data: {_chunk(names, output, logprobs)}\n\n"
-                # Starlette wrote that chunk before asking for the next one: the plain
-                # outputs after it can go straight to the connection.
-                if text is None or not text.stream_attached:
-                    attachable = _attachable(processor, external_id, cycle)
-                    if attachable is not None:
-                        attachable.attach_stream(cycle, *template, limit, text_offset)
-                        text = attachable
-                continue
-            # The finish carries the fingerprint unless a usage chunk comes after it.
-            fingerprint = None if include_usage else serving.system_fingerprint
-            yield f"data: {_chunk(names, output, logprobs, res, fingerprint)}\n\n"
+def install(completion_class: Any, chat_class: Any) -> None:
+    """Routes the streaming generators of vLLM's ``OpenAIServingCompletion`` and
+    ``OpenAIServingChat`` through the fast path's, and makes vLLM's app builder wrap each
+    app in :class:`corewire.vllm.asgi_cycle.CycleCapture`."""
+    from corewire.vllm import fast_chat, fast_completions
 
-        completion_tokens = rendered + (text.streamed_tokens if text is not None else 0)
-        usage = UsageInfo(
-            prompt_tokens=num_prompt_tokens,
-            completion_tokens=completion_tokens,
-            total_tokens=num_prompt_tokens + completion_tokens,
-        )
-        if serving.enable_prompt_tokens_details and num_cached_tokens is not None:
-            usage.prompt_tokens_details = PromptTokenUsageInfo(cached_tokens=num_cached_tokens)
-        if include_usage:
-            per_request: PerRequestMetrics | None = None
-            if serving.enable_per_request_metrics:
-                per_request = build_per_request_timing_metrics(
-                    last_res.metrics if last_res is not None else None, completion_tokens
-                )
-            spec_stats = build_spec_decoding_metrics(last_res)
-            if spec_stats is not None:
-                if per_request is None:
-                    per_request = PerRequestMetrics()
-                per_request.speculative_decoding = spec_stats
-            usage_chunk = CompletionStreamResponse(
-                id=request_id,
-                created=created_time,
-                model=model_name,
-                choices=[],
-                usage=usage,
-                system_fingerprint=serving.system_fingerprint,
-                metrics=per_request,
-            )
-            yield f"data: {usage_chunk.model_dump_json(exclude_unset=False, exclude_none=True)}\n\n"
-        # What vLLM's middleware reports as the request's usage.
-        request_metadata.final_usage_info = usage
-    except GenerationError as e:
-        yield f"data: {serving._convert_generation_error_to_streaming_response(e)}\n\n"
-    except Exception as e:
-        logger.exception("Error in completion stream generator.")
-        yield f"data: {serving.create_streaming_error_response(e)}\n\n"
-    finally:
-        # The response is over (or cancelled): nothing more goes to the connection.
-        if text is not None:
-            text.detach_stream()
-        metrics.count_fast_path("fast", text.streamed_tokens if text is not None else 0)
-    yield "data: [DONE]\n\n"
+    if getattr(completion_class.completion_stream_generator, "corewire_fast_path", False):
+        return  # vLLM loads plugins more than once per process
+    import vllm.entrypoints.launchers.app as launcher
+
+    init_middleware = launcher.init_entrypoints_middleware
+
+    def init_entrypoints_middleware(args: Any, app: Any, *rest: Any, **kw: Any) -> Any:
+        result = init_middleware(args, app, *rest, **kw)
+        asgi_cycle.install(app)
+        return result
+
+    launcher.init_entrypoints_middleware = init_entrypoints_middleware
+    fast_completions.install(completion_class)
+    fast_chat.install(chat_class)
+    logger.info(
+        "corewire: streaming completions and chat completions take the fast path where they qualify"
+    )
