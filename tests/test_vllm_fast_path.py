@@ -10,8 +10,8 @@ same text, byte for byte, but for the request id, the creation time and the serv
 fingerprint: the options the fast path covers (sample logprobs, stop strings and stop token
 ids, usage, min_tokens, seeded sampling, per-request stream intervals...) and those that stay
 on vLLM's path (echo, logprob_token_ids, n > 1, continuous usage, token ids). Directed tests
-cover the edges: a client that hangs up mid-stream, a fallback said in the log, and the
-counters that show which path ran.
+cover the edges: a client that hangs up mid-stream, an engine that dies mid-stream, a
+fallback said in the log, and the counters that show which path ran.
 
 The engine steps every 30 ms, so that neither server falls a step behind on this 2-core
 machine (a server that falls behind merges two steps into one chunk, in either stack).
@@ -22,9 +22,11 @@ runs it in that release's venv, where anything missing fails instead of skipping
 
 from __future__ import annotations
 
+import json
 import os
 import random
 import re
+import signal
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -52,6 +54,8 @@ import httpx  # noqa: E402
 
 from corewire.vllm.stack import ServeStack  # noqa: E402
 from serve_support import (  # noqa: E402
+    HEALTH_ENV,
+    LONG_TOKENS,
     MODEL,
     SETTINGS,
     SharedPids,
@@ -407,3 +411,51 @@ def test_fast_path_off_by_switch(tmp_path: Path) -> None:
     ):
         raw_events(http, {"prompt": "the old house", "max_tokens": 5, "stream": True})
         assert fast_path_counts(http) == {"tokens": 0.0}
+
+
+def _events_until_engine_killed(stack: ServeStack) -> list[str]:
+    """A long streaming completion whose engine is SIGKILLed after its tenth chunk: every
+    event the client then sees, as written."""
+    body = {"model": MODEL, "prompt": "write a long poem", "max_tokens": LONG_TOKENS}
+    body |= {"temperature": 0.0, "ignore_eos": True, "stream": True}
+    events: list[str] = []
+    with (
+        http_client(stack) as http,
+        http.stream("POST", "/v1/completions", json=body) as resp,
+    ):
+        assert resp.status_code == 200
+        for line in resp.iter_lines():
+            if not line.startswith("data: "):
+                continue
+            events.append(normalized(line[len("data: ") :]))
+            if len(events) == 10:
+                os.kill(stack.engines[0].pid, signal.SIGKILL)
+    return events
+
+
+def test_engine_death_mid_stream_ends_the_stream_as_vllms_path_does(tmp_path: Path) -> None:
+    """The engine dies (SIGKILL) while a stream's chunks are written natively: the client
+    gets the same error event and ``[DONE]`` as from vLLM's serving code over the same
+    client (corewire+output), after the chunks written so far, all of them whole."""
+    ends = {}
+    for setting in ("corewire+output", "corewire+fast"):
+        client, env = SETTINGS[setting]
+        workdir = tmp_path / setting.replace("+", "-")
+        with shared_stack(
+            workdir,
+            client,
+            _SHARED_PIDS,
+            server_env={**env, **HEALTH_ENV},
+            engine_overrides={"step_delay": STEP_DELAY},
+            still_healthy=lambda: False,
+        ) as stack:
+            events = _events_until_engine_killed(stack)
+        assert events[-1] == "[DONE]", events[-3:]
+        error = json.loads(events[-2])
+        assert "error" in error, events[-2]
+        # Every chunk before the error is a whole token chunk, none lost or cut.
+        chunks = [json.loads(e) for e in events[:-2]]
+        assert len(chunks) >= 10
+        assert all(c["choices"][0]["finish_reason"] is None for c in chunks)
+        ends[setting] = events[-2:]
+    assert ends["corewire+fast"] == ends["corewire+output"]
