@@ -1,0 +1,137 @@
+"""The parts of ``vllm serve``'s fast path that run without a vLLM server: the plugin's
+switch (``COREWIRE_VLLM_FAST_PATH``) by release, the frame templates' split, and the
+capture of uvicorn's request-response cycle, under a real uvicorn server on loopback.
+
+The fast path itself, against vLLM's own server, is ``test_vllm_fast_path.py``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import socket
+import threading
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+from corewire import releases
+from corewire.vllm import asgi_cycle
+from corewire.vllm.fast_path import TEXT_PROBE, split_template
+from corewire.vllm.plugin import FAST_PATH_SWITCH, FAST_PATH_VLLM_VERSIONS, fast_path_wanted
+
+
+def test_only_releases_checked_against_their_server_have_the_fast_path() -> None:
+    assert FAST_PATH_VLLM_VERSIONS == ("0.34.0",)
+    assert [r for r in releases.SUPPORTED if r.fast_path] == ["0.34.0"]
+    with pytest.raises(NotImplementedError):
+        releases.get("0.25.1").install_fast_path()
+
+
+@pytest.mark.parametrize(
+    ("switch", "version", "output", "wanted"),
+    [
+        ("", "0.34.0", True, True),
+        ("", "0.34.0+cpu", True, True),
+        ("", "0.34.0", False, False),
+        ("", "0.25.1", True, False),
+        ("", "0.33.0", True, False),
+        ("0", "0.34.0", True, False),
+        ("1", "0.34.0", True, True),
+    ],
+)
+def test_switch(
+    monkeypatch: pytest.MonkeyPatch, switch: str, version: str, output: bool, wanted: bool
+) -> None:
+    """Unset, the fast path follows native output processing under a release it is held
+    to; ``0`` keeps vLLM's serving code everywhere."""
+    monkeypatch.setenv(FAST_PATH_SWITCH, switch)
+    assert fast_path_wanted(version, output) is wanted
+
+
+def test_switch_on_where_it_cannot_run_is_refused_by_name(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(FAST_PATH_SWITCH, "1")
+    with pytest.raises(RuntimeError, match=r"vLLM 0\.34\.0, not the installed 0\.25\.1"):
+        fast_path_wanted("0.25.1", True)
+    with pytest.raises(RuntimeError, match="native output processing, which is off"):
+        fast_path_wanted("0.34.0", False)
+    monkeypatch.setenv(FAST_PATH_SWITCH, "maybe")
+    with pytest.raises(ValueError, match="must be 1 or 0"):
+        fast_path_wanted("0.34.0", True)
+
+
+def test_template_splits_around_the_text_and_the_logprobs() -> None:
+    literal = '"\\u0000corewire-text-probe\\u0000"'
+    assert TEXT_PROBE == "\x00corewire-text-probe\x00"
+    frame = f'data: {{"a":1,"text":{literal},"logprobs":null,"z":2}}\n\n'.encode()
+    assert split_template(frame) == (
+        b'data: {"a":1,"text":',
+        b',"logprobs":',
+        b',"z":2}\n\n',
+    )
+
+
+@pytest.mark.parametrize(
+    "frame",
+    [
+        b'data: {"text":"x","logprobs":null}',  # no text probe
+        b'data: {"m":"\\u0000corewire-text-probe\\u0000","text":"\\u0000corewire-text-probe'
+        b'\\u0000","logprobs":null}',  # the probe twice (a model name holding it)
+        b'data: {"text":"\\u0000corewire-text-probe\\u0000","logprobs":[]}',  # no null hole
+    ],
+)
+def test_ambiguous_templates_are_refused(frame: bytes) -> None:
+    assert split_template(frame) is None
+
+
+async def _report_cycle(scope: Any, receive: Any, send: Any) -> None:
+    # The app behind the capture: answers with the type of the cycle it sees.
+    cycle = asgi_cycle.current_cycle()
+    body = f"{type(cycle).__module__}.{type(cycle).__name__}".encode()
+    await send({"type": "http.response.start", "status": 200, "headers": []})
+    await send({"type": "http.response.body", "body": body})
+
+
+@contextlib.contextmanager
+def _uvicorn(http: str) -> Iterator[int]:
+    """A uvicorn server on loopback (protocol ``http``) serving the capture around
+    :func:`_report_cycle`; its port."""
+    import uvicorn
+
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    config = uvicorn.Config(
+        asgi_cycle.CycleCapture(_report_cycle), http=http, log_level="warning", lifespan="off"
+    )
+    server = uvicorn.Server(config)
+    thread = threading.Thread(target=lambda: asyncio.run(server.serve(sockets=[sock])))
+    thread.start()
+    try:
+        while not server.started:
+            threading.Event().wait(0.02)
+        yield sock.getsockname()[1]
+    finally:
+        server.should_exit = True
+        thread.join(10)
+        sock.close()
+
+
+@pytest.mark.parametrize(
+    ("http", "seen"),
+    [
+        ("httptools", "uvicorn.protocols.http.httptools_impl.RequestResponseCycle"),
+        # h11 keeps per-connection state the fast path's writes would bypass: no cycle.
+        ("h11", "builtins.NoneType"),
+    ],
+)
+def test_capture_sees_uvicorns_httptools_cycle_only(http: str, seen: str) -> None:
+    pytest.importorskip(http)
+    import httpx
+
+    with _uvicorn(http) as port:
+        answer = httpx.get(f"http://127.0.0.1:{port}/", timeout=10)
+    assert answer.status_code == 200
+    assert answer.text == seen
+    # Outside a request, nothing is captured.
+    assert asgi_cycle.current_cycle() is None
