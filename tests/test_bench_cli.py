@@ -594,7 +594,8 @@ def test_serve_rust_stack_is_vllms_rust_front_end_over_the_same_engines() -> Non
     from corewire.vllm.stack import RUST_FRONTEND_ENV
 
     client, env = serve_bench.STACKS["rust"]
-    assert client == "vllm" and env == {serve_bench.OUTPUT_SWITCH: "0", **RUST_FRONTEND_ENV}
+    switches = {serve_bench.OUTPUT_SWITCH: "0", serve_bench.FAST_PATH_SWITCH: "0"}
+    assert client == "vllm" and env == {**switches, **RUST_FRONTEND_ENV}
     assert "rust" not in serve_bench.DEFAULT_CLIENTS and "rust" in serve_bench.UNPROFILED
 
 

@@ -12,6 +12,7 @@ import contextlib
 import socket
 import threading
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -20,6 +21,7 @@ from corewire import releases
 from corewire.vllm import asgi_cycle
 from corewire.vllm.fast_path import TEXT_PROBE, split_template
 from corewire.vllm.plugin import FAST_PATH_SWITCH, FAST_PATH_VLLM_VERSIONS, fast_path_wanted
+from fast_path_features import FEATURES, readme_rows, table_row
 
 
 def test_only_releases_checked_against_their_server_have_the_fast_path() -> None:
@@ -59,6 +61,14 @@ def test_switch_on_where_it_cannot_run_is_refused_by_name(monkeypatch: pytest.Mo
     monkeypatch.setenv(FAST_PATH_SWITCH, "maybe")
     with pytest.raises(ValueError, match="must be 1 or 0"):
         fast_path_wanted("0.34.0", True)
+
+
+def test_readme_feature_table_is_the_checked_one() -> None:
+    """README's feature table is the list the live tests check (its fast-path column in
+    test_vllm_fast_path.py, its Rust front-end column in test_vllm_rust_frontend.py), row
+    for row."""
+    readme = (Path(__file__).parent.parent / "README.md").read_text()
+    assert readme_rows(readme) == [table_row(f) for f in FEATURES]
 
 
 def test_template_splits_around_the_text_and_the_logprobs() -> None:

@@ -53,6 +53,7 @@ if _MISSING is not None:
 import httpx  # noqa: E402
 
 from corewire.vllm.stack import ServeStack  # noqa: E402
+from fast_path_features import FEATURES, Feature  # noqa: E402
 from serve_support import (  # noqa: E402
     HEALTH_ENV,
     LONG_TOKENS,
@@ -65,6 +66,7 @@ from serve_support import (  # noqa: E402
     metric_values,
     server_log,
     shared_stack,
+    without_ids,
 )
 
 _SHARED_PIDS = SharedPids()
@@ -459,3 +461,32 @@ def test_engine_death_mid_stream_ends_the_stream_as_vllms_path_does(tmp_path: Pa
         assert all(c["choices"][0]["finish_reason"] is None for c in chunks)
         ends[setting] = events[-2:]
     assert ends["corewire+fast"] == ends["corewire+output"]
+
+
+@pytest.mark.parametrize("feature", FEATURES, ids=[f.name for f in FEATURES])
+def test_feature_table_fast_column(stacks: dict[str, ServeStack], feature: Feature) -> None:
+    """README's feature table, the fast path's column: each option's request gets the
+    same answer from the fast path's stack as from vLLM's own server (streams event for
+    event, the text as written), and takes the fast path exactly where the table says."""
+    with http_client(stacks["vllm"]) as theirs, http_client(stacks["corewire+fast"]) as mine:
+        before = fast_path_counts(mine)
+        expected = _table_answer(theirs, feature)
+        got = _table_answer(mine, feature)
+        after = fast_path_counts(mine)
+    assert got == expected, _first_difference(got, expected)
+    took_fast = after.get("fast", 0) - before.get("fast", 0)
+    took_vllm = after.get("vllm", 0) - before.get("vllm", 0)
+    if feature.stream and feature.path in ("/v1/completions", "/v1/chat/completions"):
+        assert (took_fast, took_vllm) == ((1, 0) if feature.fast else (0, 1))
+    else:
+        assert (took_fast, took_vllm) == (0, 0)
+
+
+def _table_answer(http: httpx.Client, feature: Feature) -> Any:
+    # A stream's events as written (normalized), n > 1 per choice; else the JSON without
+    # ids and times.
+    body = feature.request()
+    if body.get("stream"):
+        return per_choice(body, raw_events(http, body, path=feature.path))
+    resp = http.post(feature.path, json=body)
+    return resp.status_code, without_ids(resp.json())

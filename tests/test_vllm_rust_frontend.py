@@ -46,6 +46,7 @@ if _MISSING is not None:
 import httpx  # noqa: E402
 
 from corewire.vllm.stack import ServeStack, installed_protocol  # noqa: E402
+from fast_path_features import FEATURES, answer, rust_verdict  # noqa: E402
 from serve_support import (  # noqa: E402
     GREEDY_CHATS,
     GREEDY_COMPLETIONS,
@@ -240,6 +241,28 @@ def test_chat_completions_plain_and_streamed(http: httpx.Client) -> None:
     streamed = [c for d in deltas if d.get("logprobs") for c in d["logprobs"]["content"]]
     assert [c["logprob"] for c in streamed] == [c["logprob"] for c in content]
     assert deltas[-1]["finish_reason"] == choice["finish_reason"] == "length"
+
+
+def test_feature_table_rust_column(stack: ServeStack, tmp_path: Path) -> None:
+    """README's feature table, the Rust front-end's column, against the installed
+    vllm-rs: each option's request sent to it and to vLLM's Python server over the same
+    kind of engine, and what it answers (the same answer, a different one, an error:
+    ``fast_path_features.rust_verdict``) is what the table says. The table is vLLM
+    0.34.0's (its per-request stream interval, its chat options)."""
+    if installed_protocol() != "0.34.0":
+        pytest.skip(f"the feature table is vLLM 0.34.0's, not {installed_protocol()}'s")
+    with http_client(stack) as http:
+        rust = [answer(http, f) for f in FEATURES]
+    with running_stack(tmp_path, client="vllm") as python_server:
+        pids = {p.pid for p in (python_server.server, *python_server.engines) if p}
+        _SHARED_PIDS.update(pids)
+        try:
+            with http_client(python_server) as other:
+                python = [answer(other, f) for f in FEATURES]
+        finally:
+            _SHARED_PIDS.difference_update(pids)
+    verdicts = {f.name: rust_verdict(r, p) for f, r, p in zip(FEATURES, rust, python, strict=True)}
+    assert verdicts == {f.name: f.rust for f in FEATURES}
 
 
 def test_engine_stats_reach_the_rust_front_end(stack: ServeStack, http: httpx.Client) -> None:

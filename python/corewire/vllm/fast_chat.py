@@ -37,6 +37,7 @@ from corewire.vllm import asgi_cycle
 from corewire.vllm.fast_path import (
     TEXT_PROBE,
     Template,
+    attach,
     attachable,
     keep_vllms,
     logger,
@@ -257,8 +258,11 @@ async def chat_stream(
                     # outputs after it can go straight to the connection.
                     if template is not None and (text is None or not text.stream_attached):
                         ready = attachable(processor, request_id, cycle)
-                        if ready is not None and step.num_output_tokens:
-                            ready.attach_stream(cycle, *template)
+                        if (
+                            ready is not None
+                            and step.num_output_tokens
+                            and attach(ENDPOINT, ready, cycle, template)
+                        ):
                             text = ready
                             counted = text.streamed_tokens
                     continue

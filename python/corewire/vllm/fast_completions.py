@@ -28,6 +28,7 @@ from corewire.vllm import asgi_cycle
 from corewire.vllm.fast_path import (
     TEXT_PROBE,
     Template,
+    attach,
     attachable,
     keep_vllms,
     logger,
@@ -274,8 +275,9 @@ async def completion_stream(
                 # outputs after it can go straight to the connection.
                 if text is None or not text.stream_attached:
                     ready = attachable(processor, external_id, cycle)
-                    if ready is not None:
-                        ready.attach_stream(cycle, *template, limit, text_offset)
+                    if ready is not None and attach(
+                        ENDPOINT, ready, cycle, template, limit, text_offset
+                    ):
                         text = ready
                 continue
             # The finish carries the fingerprint unless a usage chunk comes after it.

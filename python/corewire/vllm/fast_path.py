@@ -35,6 +35,7 @@ from corewire.vllm import asgi_cycle
 __all__ = [
     "TEXT_PROBE",
     "Template",
+    "attach",
     "attachable",
     "install",
     "keep_vllms",
@@ -113,6 +114,29 @@ def attachable(processor: Any, external_id: str, cycle: Any) -> RequestText | No
         return None
     text = state.detokenizer
     return text if isinstance(text, RequestText) else None
+
+
+def attach(
+    endpoint: str,
+    text: RequestText,
+    cycle: Any,
+    template: Template,
+    logprobs_limit: int | None = None,
+    text_offset: int = 0,
+) -> bool:
+    """Attaches ``text`` to the connection (``RequestText.attach_stream``); False, said
+    once, when the native state refuses (a request the endpoint's checks let through but
+    whose chunks carry more than it writes: the stream stays Python's, unharmed)."""
+    try:
+        text.attach_stream(cycle, *template, logprobs_limit, text_offset)
+    except ValueError as e:
+        # Once per reason (the message names the request first).
+        reason = str(e).rsplit(": ", 1)[-1]
+        if (endpoint, reason) not in _told:
+            _told.add((endpoint, reason))
+            logger.warning("corewire: a streaming %s stays Python's: %s", endpoint, e)
+        return False
+    return True
 
 
 def install(completion_class: Any, chat_class: Any) -> None:
