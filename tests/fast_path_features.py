@@ -97,7 +97,11 @@ FEATURES: tuple[Feature, ...] = (
     Feature("chat `return_token_ids`", CHAT, {"return_token_ids": True}),
     Feature("`/tokenize`", "/tokenize", {"prompt": "the old house"}),
     Feature("`/detokenize`", "/detokenize", {"tokens": [42, 148, 273]}),
-    Feature("`/v1/responses`", "/v1/responses", {"input": "hi", "max_output_tokens": 4}),
+    Feature(
+        "`/v1/responses`",
+        "/v1/responses",
+        {"input": "hi", "max_output_tokens": 4, "temperature": 0.0},
+    ),
 )
 
 
@@ -122,19 +126,19 @@ def answer(http: httpx.Client, feature: Feature) -> tuple[int, Any]:
     return 200, events
 
 
-def _semantic(value: Any) -> Any:
+def semantic(value: Any) -> Any:
     """A JSON value without what differs between identical answers (ids, times, the
     fingerprint) or between renderings of one answer (null fields)."""
     if isinstance(value, dict):
         return {
-            k: _semantic(v)
+            k: semantic(v)
             for k, v in value.items()
             if v is not None
             and k not in ("id", "created", "created_at", "system_fingerprint")
             and not re.fullmatch(r"(msg|resp|rs)_.*", str(v))
         }
     if isinstance(value, list):
-        return [_semantic(v) for v in value]
+        return [semantic(v) for v in value]
     return value
 
 
@@ -163,8 +167,8 @@ def joined(events: list[dict[str, Any]]) -> dict[str, Any]:
                 out["prompt_token_ids"] = choice["prompt_token_ids"]
             c["token_ids"] += choice.get("token_ids") or []
             if choice.get("logprobs"):
-                c["logprobs"].append(_semantic(choice["logprobs"]))
-    return _semantic(out)
+                c["logprobs"].append(semantic(choice["logprobs"]))
+    return semantic(out)
 
 
 def close(a: Any, b: Any) -> bool:
@@ -189,7 +193,7 @@ def rust_verdict(rust: tuple[int, Any], python: tuple[int, Any]) -> str:
         return ERROR
     if isinstance(body, list):
         return SAME if close(joined(body), joined(python[1])) else DIFFERS
-    return SAME if close(_semantic(body), _semantic(python[1])) else DIFFERS
+    return SAME if close(semantic(body), semantic(python[1])) else DIFFERS
 
 
 def readme_rows(readme: str) -> list[tuple[str, str, str]]:

@@ -53,7 +53,7 @@ if _MISSING is not None:
 import httpx  # noqa: E402
 
 from corewire.vllm.stack import ServeStack  # noqa: E402
-from fast_path_features import FEATURES, Feature  # noqa: E402
+from fast_path_features import FEATURES, Feature, semantic  # noqa: E402
 from serve_support import (  # noqa: E402
     HEALTH_ENV,
     LONG_TOKENS,
@@ -66,7 +66,6 @@ from serve_support import (  # noqa: E402
     metric_values,
     server_log,
     shared_stack,
-    without_ids,
 )
 
 _SHARED_PIDS = SharedPids()
@@ -484,9 +483,9 @@ def test_feature_table_fast_column(stacks: dict[str, ServeStack], feature: Featu
 
 def _table_answer(http: httpx.Client, feature: Feature) -> Any:
     # A stream's events as written (normalized), n > 1 per choice; else the JSON without
-    # ids and times.
+    # ids, times and null fields.
     body = feature.request()
     if body.get("stream"):
         return per_choice(body, raw_events(http, body, path=feature.path))
     resp = http.post(feature.path, json=body)
-    return resp.status_code, without_ids(resp.json())
+    return resp.status_code, semantic(resp.json())
