@@ -21,6 +21,11 @@ between the stacks (``--clients``, the first three by default):
   (``COREWIRE_VLLM_CLIENT=1`` and ``COREWIRE_VLLM_OUTPUT=1``: detokenization, stop
   strings, logprobs and stats in Rust). Left out of the default, with a note, where the
   installed corewire or vLLM cannot run it (:func:`native_output_missing`);
+- ``corewire+fast`` (on request only, vLLM 0.34.0): ``corewire+output`` with the per-token
+  fast path (``COREWIRE_VLLM_FAST_PATH=1``: each stream's chunks after the first written
+  from the native output state, :mod:`corewire.vllm.fast_path`), against the fast-path
+  issue's goals (:data:`FAST_GOALS`; the moonshot :data:`RUST_MOONSHOT` reported beside
+  the ``rust`` stack);
 - ``rust`` (on request only): vLLM's own Rust front-end, ``vllm-rs``
   (``VLLM_USE_RUST_FRONTEND=1``), over the same engines with their stats on; no profile
   (nothing in it is Python), no goal: the reference the Python stacks are read against.
@@ -1072,8 +1077,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help=f"the stacks ({','.join(DEFAULT_CLIENTS)}): vllm: vLLM's client and output "
         "processing; corewire: corewire's client (COREWIRE_VLLM_CLIENT=1); corewire+output: "
         f"corewire's client and native output processing (and {OUTPUT_SWITCH}=1), left out "
-        "of the default with a note where it cannot run; rust (not in the default): vLLM's "
-        "own Rust front-end, vllm-rs (VLLM_USE_RUST_FRONTEND=1), over the same engines",
+        "of the default with a note where it cannot run; corewire+fast (not in the default, "
+        f"vLLM 0.34.0): corewire+output with the per-token fast path ({FAST_PATH_SWITCH}=1); "
+        "rust (not in the default): vLLM's own Rust front-end, vllm-rs "
+        "(VLLM_USE_RUST_FRONTEND=1), over the same engines",
     )
     parser.add_argument("--engines", type=int, default=1, help="engine processes (1)")
     # A model-free engine without a step time steps each request alone as soon as it
