@@ -319,6 +319,7 @@ def shared_stack(
     *,
     server_env: Mapping[str, str] | None = None,
     engine_overrides: Mapping[str, Any] | None = None,
+    extra_server_args: tuple[str, ...] = (),
     still_healthy: Callable[[], bool] = lambda: True,
 ) -> Iterator[ServeStack]:
     """The stack a module shares across its tests (one engine, ``client`` in the API
@@ -326,7 +327,11 @@ def shared_stack(
     ``still_healthy()`` says a test broke it on purpose, every test must have left it
     healthy: nothing crashed under the requests."""
     with running_stack(
-        workdir, client=client, server_env=server_env, engine_overrides=engine_overrides
+        workdir,
+        client=client,
+        server_env=server_env,
+        engine_overrides=engine_overrides,
+        extra_server_args=extra_server_args,
     ) as started:
         pids = {started.server.pid, *(p.pid for p in started.engines)}  # type: ignore[union-attr]
         shared.update(pids)

@@ -106,7 +106,7 @@ def stacks(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Serve
         yield started
 
 
-def _stack(setting: str, factory: pytest.TempPathFactory) -> Any:
+def _stack(setting: str, factory: Any, extra_server_args: tuple[str, ...] = ()) -> Any:
     client, env = SETTINGS[setting]
     workdir = factory.mktemp(f"fast-{setting.replace('+', '-')}")
     return shared_stack(
@@ -115,6 +115,7 @@ def _stack(setting: str, factory: pytest.TempPathFactory) -> Any:
         _SHARED_PIDS,
         server_env=env,
         engine_overrides={"step_delay": STEP_DELAY},
+        extra_server_args=extra_server_args,
     )
 
 
@@ -307,6 +308,30 @@ def test_random_chat_workload_same_events_as_vllms_server(
     )
     assert after.get("fast", 0) - before.get("fast", 0) == len(got) - fallbacks, (before, after)
     assert after.get("vllm", 0) - before.get("vllm", 0) == fallbacks, (before, after)
+    assert after["tokens"] > before["tokens"]
+
+
+def test_server_stream_interval_same_events_as_vllms_server(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> None:
+    """Both servers started with ``--stream-interval 3``: seeded random completions and
+    chat completions, every event the same text (chunks of three tokens, written natively
+    after the first)."""
+    args = ("--stream-interval", "3")
+    with (
+        _stack("vllm", tmp_path_factory, args) as vllm_stack,
+        _stack("corewire+fast", tmp_path_factory, args) as fast_stack,
+        http_client(vllm_stack) as theirs,
+        http_client(fast_stack) as mine,
+    ):
+        before = fast_path_counts(mine)
+        expected = _run(theirs, 21, 8) + _run_chats(theirs, 22, 4)
+        got = _run(mine, 21, 8) + _run_chats(mine, 22, 4)
+        after = fast_path_counts(mine)
+    for i, ((body, events), (my_body, my_events)) in enumerate(zip(expected, got, strict=True)):
+        assert body == my_body, f"request {i}: the answers without streaming differ"
+        mine_, theirs_ = per_choice(body, my_events), per_choice(body, events)
+        assert mine_ == theirs_, f"request {i} {body}: {_first_difference(mine_, theirs_)}"
     assert after["tokens"] > before["tokens"]
 
 
