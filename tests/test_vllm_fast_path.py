@@ -71,6 +71,8 @@ from serve_support import (  # noqa: E402
 _SHARED_PIDS = SharedPids()
 LEAK_ALLOWED_PIDS = _SHARED_PIDS.tree
 
+#: A workload's run on one server: each request, and the events it got.
+Run = list[tuple[dict[str, Any], list[str]]]
 #: The engine's step for this module (see the module doc).
 STEP_DELAY = 0.03
 #: Words of the model directory's tokenizer, for random prompts.
@@ -199,7 +201,7 @@ def random_requests(seed: int, http: httpx.Client, count: int) -> Iterator[dict[
         yield body | fallback
 
 
-def _run(http: httpx.Client, seed: int, count: int) -> list[tuple[dict[str, Any], list[str]]]:
+def _run(http: httpx.Client, seed: int, count: int) -> Run:
     return [(body, raw_events(http, body)) for body in random_requests(seed, http, count)]
 
 
@@ -248,7 +250,7 @@ def random_chats(seed: int, http: httpx.Client, count: int) -> Iterator[dict[str
         yield body | fallback
 
 
-def _run_chats(http: httpx.Client, seed: int, count: int) -> list[tuple[dict[str, Any], list[str]]]:
+def _run_chats(http: httpx.Client, seed: int, count: int) -> Run:
     return [
         (body, raw_events(http, body, path="/v1/chat/completions"))
         for body in random_chats(seed, http, count)
@@ -278,10 +280,7 @@ def test_random_workload_same_events_as_vllms_server(
         expected = _run(theirs, seed, 12)
         got = _run(mine, seed, 12)
         after = fast_path_counts(mine)
-    for i, ((body, events), (my_body, my_events)) in enumerate(zip(expected, got, strict=True)):
-        assert body == my_body, f"request {i}: the answers without streaming differ"
-        mine, theirs = per_choice(body, my_events), per_choice(body, events)
-        assert mine == theirs, f"request {i} {body}: {_first_difference(mine, theirs)}"
+    assert_same_runs(got, expected)
     fallbacks = sum(_falls_back(body) for body, _ in got)
     covered = len(got) - fallbacks
     assert after.get("fast", 0) - before.get("fast", 0) == covered, (before, after)
@@ -299,10 +298,7 @@ def test_random_chat_workload_same_events_as_vllms_server(
         expected = _run_chats(theirs, seed, 10)
         got = _run_chats(mine, seed, 10)
         after = fast_path_counts(mine)
-    for i, ((body, events), (my_body, my_events)) in enumerate(zip(expected, got, strict=True)):
-        assert body == my_body, f"chat {i}: the answers without streaming differ"
-        mine, theirs = per_choice(body, my_events), per_choice(body, events)
-        assert mine == theirs, f"chat {i} {body}: {_first_difference(mine, theirs)}"
+    assert_same_runs(got, expected)
     fallbacks = sum(
         any(all(body.get(k) == v for k, v in f.items()) for f in CHAT_FALLBACKS) for body, _ in got
     )
@@ -328,10 +324,7 @@ def test_server_stream_interval_same_events_as_vllms_server(
         expected = _run(theirs, 21, 8) + _run_chats(theirs, 22, 4)
         got = _run(mine, 21, 8) + _run_chats(mine, 22, 4)
         after = fast_path_counts(mine)
-    for i, ((body, events), (my_body, my_events)) in enumerate(zip(expected, got, strict=True)):
-        assert body == my_body, f"request {i}: the answers without streaming differ"
-        mine_, theirs_ = per_choice(body, my_events), per_choice(body, events)
-        assert mine_ == theirs_, f"request {i} {body}: {_first_difference(mine_, theirs_)}"
+    assert_same_runs(got, expected)
     assert after["tokens"] > before["tokens"]
 
 
@@ -344,6 +337,15 @@ def _falls_back(body: dict[str, Any]) -> bool:
         or body.get("return_token_ids")
         or options.get("continuous_usage_stats")
     )
+
+
+def assert_same_runs(mine: Run, theirs: Run) -> None:
+    """Two servers' runs of one workload: the same requests (drawn from the same answers)
+    and, request by request, the same events (:func:`per_choice`)."""
+    for i, ((body, events), (my_body, my_events)) in enumerate(zip(theirs, mine, strict=True)):
+        assert body == my_body, f"request {i}: the answers without streaming differ"
+        got, expected = per_choice(body, my_events), per_choice(body, events)
+        assert got == expected, f"request {i} {body}: {_first_difference(got, expected)}"
 
 
 _INDEX = re.compile(r'"choices":\[\{"index":(\d+)')

@@ -793,19 +793,7 @@ def _output_goals(
             f"output tokens per API-server CPU second {per_core:.2f}x vLLM's: "
             f"{'met' if goal.met else 'MISS'} (>= {target}x)"
         )
-        for attr, what in (("ttft", "TTFT"), ("itl", "ITL")):
-            ratio = _ratio(percentile(getattr(r, attr), 99), percentile(getattr(base, attr), 99))
-            goal = common.Goal(
-                f"{r.scenario}: {r.client} {what} p99 x vllm (no worse)",
-                ratio,
-                LATENCY_SLACK,
-                lower_is_better=True,
-            )
-            found.append(goal)
-            parts.append(
-                f"{what} p99 {ratio:.2f}x vLLM's: {'met' if goal.met else 'MISS'} "
-                f"(no worse: <= {LATENCY_SLACK}x)"
-            )
+        parts += _latency_goals(r, base, found)
     tok_ratio = _ratio(r.tokens_per_s, base.tokens_per_s)
     parts.append(f"tokens/s {tok_ratio:.2f}x vLLM's")
     if client_only is not None:
@@ -813,6 +801,26 @@ def _output_goals(
             "output tokens per API-server CPU second "
             f"{per_core_ratio(r, client_only):.2f}x the corewire "
             "stack's (its client, vLLM's output processing)"
+        )
+    return parts
+
+
+def _latency_goals(r: Result, base: Result, found: list[common.Goal]) -> list[str]:
+    """ "TTFT and ITL p99 no worse" than ``base``'s (appended to ``found``); the lines
+    that report them."""
+    parts = []
+    for attr, what in (("ttft", "TTFT"), ("itl", "ITL")):
+        ratio = _ratio(percentile(getattr(r, attr), 99), percentile(getattr(base, attr), 99))
+        goal = common.Goal(
+            f"{r.scenario}: {r.client} {what} p99 x vllm (no worse)",
+            ratio,
+            LATENCY_SLACK,
+            lower_is_better=True,
+        )
+        found.append(goal)
+        parts.append(
+            f"{what} p99 {ratio:.2f}x vLLM's: {'met' if goal.met else 'MISS'} "
+            f"(no worse: <= {LATENCY_SLACK}x)"
         )
     return parts
 
@@ -836,19 +844,7 @@ def _fast_goals(
             f"output tokens per front-end CPU second {per_core:.2f}x vLLM's: "
             f"{'met' if goal.met else 'MISS'} (>= {target}x)"
         )
-        for attr, what in (("ttft", "TTFT"), ("itl", "ITL")):
-            ratio = _ratio(percentile(getattr(r, attr), 99), percentile(getattr(base, attr), 99))
-            goal = common.Goal(
-                f"{r.scenario}: {r.client} {what} p99 x vllm (no worse)",
-                ratio,
-                LATENCY_SLACK,
-                lower_is_better=True,
-            )
-            found.append(goal)
-            parts.append(
-                f"{what} p99 {ratio:.2f}x vLLM's: {'met' if goal.met else 'MISS'} "
-                f"(no worse: <= {LATENCY_SLACK}x)"
-            )
+        parts += _latency_goals(r, base, found)
     rust = by_key.get(("rust", r.scenario))
     if rust is not None:
         # CPU per token over the Rust front-end's: its tokens per CPU s over ours.

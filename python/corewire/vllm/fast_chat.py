@@ -15,11 +15,7 @@ import time
 from collections.abc import AsyncGenerator, AsyncIterator
 from typing import Any
 
-from vllm.entrypoints.generate.base.protocol import DeltaMessage, PerRequestMetrics
-from vllm.entrypoints.generate.base.serving import (
-    build_per_request_timing_metrics,
-    build_spec_decoding_metrics,
-)
+from vllm.entrypoints.generate.base.protocol import DeltaMessage
 from vllm.entrypoints.openai.chat_completion.protocol import (
     ChatCompletionResponseStreamChoice,
     ChatCompletionStreamResponse,
@@ -41,6 +37,7 @@ from corewire.vllm.fast_path import (
     attachable,
     keep_vllms,
     logger,
+    request_metrics,
     server_refusal,
     split_template,
 )
@@ -298,16 +295,7 @@ async def chat_stream(
                     num_cache_creation_tokens,
                     mm_token_counts,
                 )
-                per_request: PerRequestMetrics | None = None
-                if serving.enable_per_request_metrics:
-                    per_request = build_per_request_timing_metrics(
-                        last_res.metrics if last_res is not None else None, completion_tokens
-                    )
-                spec_stats = build_spec_decoding_metrics(last_res)
-                if spec_stats is not None:
-                    if per_request is None:
-                        per_request = PerRequestMetrics()
-                    per_request.speculative_decoding = spec_stats
+                per_request = request_metrics(serving, last_res, completion_tokens)
                 usage_chunk = ChatCompletionStreamResponse(
                     id=request_id,
                     object=CHUNK_OBJECT,

@@ -8,12 +8,7 @@ import json
 from collections.abc import AsyncGenerator, AsyncIterator
 from typing import Any
 
-from vllm.entrypoints.generate.base.protocol import PerRequestMetrics
-from vllm.entrypoints.generate.base.serving import (
-    build_per_request_timing_metrics,
-    build_spec_decoding_metrics,
-    completion_top_logprobs_limit,
-)
+from vllm.entrypoints.generate.base.serving import completion_top_logprobs_limit
 from vllm.entrypoints.openai.completion.protocol import (
     CompletionResponseStreamChoice,
     CompletionStreamResponse,
@@ -32,6 +27,7 @@ from corewire.vllm.fast_path import (
     attachable,
     keep_vllms,
     logger,
+    request_metrics,
     server_refusal,
     split_template,
 )
@@ -293,16 +289,7 @@ async def completion_stream(
         if serving.enable_prompt_tokens_details and num_cached_tokens is not None:
             usage.prompt_tokens_details = PromptTokenUsageInfo(cached_tokens=num_cached_tokens)
         if include_usage:
-            per_request: PerRequestMetrics | None = None
-            if serving.enable_per_request_metrics:
-                per_request = build_per_request_timing_metrics(
-                    last_res.metrics if last_res is not None else None, completion_tokens
-                )
-            spec_stats = build_spec_decoding_metrics(last_res)
-            if spec_stats is not None:
-                if per_request is None:
-                    per_request = PerRequestMetrics()
-                per_request.speculative_decoding = spec_stats
+            per_request = request_metrics(serving, last_res, completion_tokens)
             usage_chunk = CompletionStreamResponse(
                 id=request_id,
                 created=created_time,

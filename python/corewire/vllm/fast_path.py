@@ -39,6 +39,7 @@ __all__ = [
     "attachable",
     "install",
     "keep_vllms",
+    "request_metrics",
     "server_refusal",
     "split_template",
 ]
@@ -137,6 +138,30 @@ def attach(
             logger.warning("corewire: a streaming %s stays Python's: %s", endpoint, e)
         return False
     return True
+
+
+def request_metrics(serving: Any, last_res: Any, completion_tokens: int) -> Any:
+    """The per-request metrics a stream's usage chunk carries, as vLLM 0.34.0's server
+    makes them for one prompt and one sample: timings when the server reports them
+    (``--enable-per-request-metrics``), speculative decoding's counts when the request
+    had any; None when neither."""
+    from vllm.entrypoints.generate.base.protocol import PerRequestMetrics
+    from vllm.entrypoints.generate.base.serving import (
+        build_per_request_timing_metrics,
+        build_spec_decoding_metrics,
+    )
+
+    metrics: Any = None
+    if serving.enable_per_request_metrics:
+        metrics = build_per_request_timing_metrics(
+            last_res.metrics if last_res is not None else None, completion_tokens
+        )
+    spec_stats = build_spec_decoding_metrics(last_res)
+    if spec_stats is not None:
+        if metrics is None:
+            metrics = PerRequestMetrics()
+        metrics.speculative_decoding = spec_stats
+    return metrics
 
 
 def install(completion_class: Any, chat_class: Any) -> None:

@@ -239,8 +239,12 @@ mod tests {
             (-1e-5, "-0.00001"),
             (-0.00012, "-0.00012"),
             (-1.0000000000000002e-06, "-1.0000000000000002e-6"),
-            // Exactly between two 17-digit candidates (an f32 logprob): the even one.
-            (-2.77494049072265625, "-2.7749404907226562"),
+            // An f32 logprob (-2.77494049072265625 exactly), between two 17-digit
+            // candidates: the even one.
+            (
+                f64::from(f32::from_bits(0xc031_98a0)),
+                "-2.7749404907226562",
+            ),
             (f64::NAN, "null"),
             (f64::NEG_INFINITY, "null"),
         ];
