@@ -96,23 +96,51 @@ def test_ambiguous_templates_are_refused(frame: bytes) -> None:
 
 
 async def _report_cycle(scope: Any, receive: Any, send: Any) -> None:
-    # The app behind the capture: answers with the type of the cycle it sees.
-    cycle = asgi_cycle.current_cycle()
-    body = f"{type(cycle).__module__}.{type(cycle).__name__}".encode()
+    # The app behind the capture: streams two chunks, then answers with the type of the
+    # cycle it saw and whether the connection was caught up with each chunk it produced.
+    connection = asgi_cycle.current_cycle()
+    seen = []
     await send({"type": "http.response.start", "status": 200, "headers": []})
-    await send({"type": "http.response.body", "body": body})
+    if connection is not None:
+        seen.append(connection.caught_up(0))
+    await send({"type": "http.response.body", "body": b"a", "more_body": True})
+    if connection is not None:
+        seen += [connection.caught_up(1), connection.caught_up(2)]
+    cycle = connection.cycle if connection is not None else None
+    report = f"|{type(cycle).__module__}.{type(cycle).__name__} {seen}"
+    await send({"type": "http.response.body", "body": report.encode()})
+
+
+def _holding(app: Any) -> Any:
+    # A middleware that holds the body back until the response ends (as vLLM's response
+    # logging does): the app's chunks are not on the wire when it produces them.
+    async def held(scope: Any, receive: Any, send: Any) -> None:
+        messages: list[Any] = []
+
+        async def keep(message: Any) -> None:
+            messages.append(message)
+            if message["type"] == "http.response.body" and not message.get("more_body"):
+                for m in messages:
+                    await send(m)
+
+        await app(scope, receive, keep)
+
+    return held
 
 
 @contextlib.contextmanager
-def _uvicorn(http: str) -> Iterator[int]:
+def _uvicorn(http: str, hold: bool = False) -> Iterator[int]:
     """A uvicorn server on loopback (protocol ``http``) serving the capture around
-    :func:`_report_cycle`; its port."""
+    :func:`_report_cycle` (``hold``: behind :func:`_holding`); its port."""
     import uvicorn
 
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))
     config = uvicorn.Config(
-        asgi_cycle.CycleCapture(_report_cycle), http=http, log_level="warning", lifespan="off"
+        asgi_cycle.CycleCapture(_holding(_report_cycle) if hold else _report_cycle),
+        http=http,
+        log_level="warning",
+        lifespan="off",
     )
     server = uvicorn.Server(config)
     thread = threading.Thread(target=lambda: asyncio.run(server.serve(sockets=[sock])))
@@ -128,20 +156,27 @@ def _uvicorn(http: str) -> Iterator[int]:
 
 
 @pytest.mark.parametrize(
-    ("http", "seen"),
+    ("http", "hold", "seen"),
     [
-        ("httptools", "uvicorn.protocols.http.httptools_impl.RequestResponseCycle"),
+        # Each chunk on the wire as the app produced it; not caught up with one to come.
+        ("httptools", False, "httptools_impl.RequestResponseCycle [True, True, False]"),
+        # Held back by a middleware: the app's first chunk is not on the wire yet.
+        ("httptools", True, "httptools_impl.RequestResponseCycle [False, False, False]"),
         # h11 keeps per-connection state the fast path's writes would bypass: no cycle.
-        ("h11", "builtins.NoneType"),
+        ("h11", False, "builtins.NoneType []"),
     ],
 )
-def test_capture_sees_uvicorns_httptools_cycle_only(http: str, seen: str) -> None:
+def test_capture_sees_uvicorns_httptools_cycle_and_what_reached_it(
+    http: str, hold: bool, seen: str
+) -> None:
+    """The capture finds uvicorn's httptools cycle (no other protocol's), and says the
+    connection is caught up only when every chunk the app produced reached it."""
     pytest.importorskip(http)
     import httpx
 
-    with _uvicorn(http) as port:
+    with _uvicorn(http, hold) as port:
         answer = httpx.get(f"http://127.0.0.1:{port}/", timeout=10)
     assert answer.status_code == 200
-    assert answer.text == seen
+    assert answer.text.split("|", 1)[1].endswith(seen), answer.text
     # Outside a request, nothing is captured.
     assert asgi_cycle.current_cycle() is None

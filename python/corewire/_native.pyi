@@ -303,8 +303,9 @@ class RequestText:
         logprobs, the candidates a chunk shows per position (-1: all); ``text_offset``:
         where the next chunk's first token starts. ``ValueError`` for a request whose
         chunks carry more (not ``DELTA``, prompt logprobs, n > 1)."""
-    def detach_stream(self) -> None:
-        """Takes the request off the fast path without writing what waits."""
+    def detach_stream(self, flush: bool = False) -> None:
+        """Takes the request off the fast path: what waits written first with ``flush``,
+        dropped without (its response is over)."""
     @property
     def stream_attached(self) -> bool:
         """Whether the request's plain outputs go to its connection."""

@@ -70,12 +70,12 @@ def frame_template(request_id: str, created: int, model: str) -> Template | None
     return split_template(f"data: {_dump(probe)}\n\n".encode())
 
 
-def refusal(serving: Any, request: Any, cycle: Any) -> str | None:
+def refusal(serving: Any, request: Any, connection: Any) -> str | None:
     """Why a streaming chat completion stays on vLLM's generator (None: it takes the fast
     path): its chunks would carry more than content, or the server's settings change them
     or the connection."""
     _, continuous = should_include_usage(request.stream_options, serving.enable_force_include_usage)
-    server = server_refusal(serving, cycle)
+    server = server_refusal(serving, connection)
     if server is not None:
         return server
     checks = (
@@ -113,8 +113,8 @@ def install(serving_class: Any) -> None:
         chat_template_kwargs: dict[str, Any] | None = None,
         mm_token_counts: dict[str, int] | None = None,
     ) -> AsyncGenerator[str, None]:
-        cycle = asgi_cycle.current_cycle()
-        why = refusal(self, request, cycle)
+        connection = asgi_cycle.current_cycle()
+        why = refusal(self, request, connection)
         if why is not None:
             keep_vllms(ENDPOINT, why)
             return original(
@@ -136,7 +136,7 @@ def install(serving_class: Any) -> None:
             request_id,
             model_name,
             request_metadata,
-            cycle,
+            connection,
             mm_token_counts,
         )
 
@@ -160,7 +160,7 @@ async def chat_stream(
     request_id: str,
     model_name: str,
     request_metadata: Any,
-    cycle: Any,
+    connection: Any,
     mm_token_counts: dict[str, int] | None,
 ) -> AsyncGenerator[str, None]:
     """vLLM 0.34.0's ``chat_completion_stream_generator`` for a request :func:`refusal`
@@ -183,6 +183,8 @@ async def chat_stream(
     text: RequestText | None = None
     # The native frames' tokens the step processor has been told of.
     counted = 0
+    # The chunks yielded so far (before the finish): all on the wire before an attach.
+    chunks = 0
 
     def chunk(choice: Any, res: Any = None) -> ChatCompletionStreamResponse:
         return ChatCompletionStreamResponse(
@@ -221,6 +223,7 @@ async def chat_stream(
                         prompt_token_ids=None,
                         prompt_text=None,
                     )
+                    chunks += 1
                     yield f"data: {_dump(first)}\n\n"
                 output = res.outputs[0]
                 if finished:
@@ -250,15 +253,16 @@ async def chat_stream(
                     choice = ChatCompletionResponseStreamChoice(
                         index=0, delta=delta, logprobs=None, finish_reason=None, token_ids=None
                     )
+                    chunks += 1
                     yield f"data: {_dump(chunk(choice))}\n\n"
-                    # Starlette wrote that chunk before asking for the next one: the plain
-                    # outputs after it can go straight to the connection.
+                    # Starlette passed that chunk on before asking for the next one: once
+                    # it is on the wire, the plain outputs after it can go straight there.
                     if template is not None and (text is None or not text.stream_attached):
-                        ready = attachable(processor, request_id, cycle)
+                        ready = attachable(processor, request_id, connection, chunks)
                         if (
                             ready is not None
                             and step.num_output_tokens
-                            and attach(ENDPOINT, ready, cycle, template)
+                            and attach(ENDPOINT, ready, connection, template)
                         ):
                             text = ready
                             counted = text.streamed_tokens

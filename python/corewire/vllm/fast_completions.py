@@ -64,13 +64,13 @@ def frame_template(request_id: str, created: int, model: str) -> Template | None
     return split_template(f"data: {probe.model_dump_json(exclude_unset=True)}\n\n".encode())
 
 
-def refusal(serving: Any, request: Any, num_prompts: int, cycle: Any) -> str | None:
+def refusal(serving: Any, request: Any, num_prompts: int, connection: Any) -> str | None:
     """Why a streaming completion stays on vLLM's generator (None: it takes the fast
     path). The fast path renders the text and sample logprobs of a chunk between the first
     and the last; requests whose chunks carry more, and servers whose settings change the
     chunks or the connection, keep vLLM's code."""
     _, continuous = should_include_usage(request.stream_options, serving.enable_force_include_usage)
-    server = server_refusal(serving, cycle)
+    server = server_refusal(serving, connection)
     if server is not None:
         return server
     checks = (
@@ -112,8 +112,8 @@ def install(serving_class: Any) -> None:
         tokenizer: Any,
         request_metadata: Any,
     ) -> AsyncGenerator[str, None]:
-        cycle = asgi_cycle.current_cycle()
-        why = refusal(self, request, num_prompts, cycle)
+        connection = asgi_cycle.current_cycle()
+        why = refusal(self, request, num_prompts, connection)
         template = None
         if why is None:
             template = frame_template(request_id, created_time, model_name)
@@ -143,7 +143,7 @@ def install(serving_class: Any) -> None:
             model_name,
             tokenizer,
             request_metadata,
-            cycle,
+            connection,
             template,
         )
 
@@ -196,7 +196,7 @@ async def completion_stream(
     model_name: str,
     tokenizer: Any,
     request_metadata: Any,
-    cycle: Any,
+    connection: Any,
     template: Template,
 ) -> AsyncGenerator[str, None]:
     """vLLM 0.34.0's ``completion_stream_generator`` for one prompt and one sample whose
@@ -219,6 +219,8 @@ async def completion_stream(
     text_offset = 0
     external_id = f"{request_id}-0"
     names = (request_id, created_time, model_name)
+    # The chunks yielded so far (before the finish): all on the wire before an attach.
+    chunks = 0
     # Output token ids of the chunks rendered here; the attached state counts its own.
     rendered = 0
     num_prompt_tokens = 0
@@ -263,16 +265,17 @@ async def completion_stream(
                 if text is not None:
                     text.stream_text_offset = text_offset
             if finish_reason is None:
+                chunks += 1
                 if logprobs is None:
                     yield f"{head}{json.dumps(output.text, ensure_ascii=False)}{mid}null{tail}"
                 else:
                     yield f"data: {_chunk(names, output, logprobs)}\n\n"
-                # Starlette wrote that chunk before asking for the next one: the plain
-                # outputs after it can go straight to the connection.
+                # Starlette passed that chunk on before asking for the next one: once it
+                # is on the wire, the plain outputs after it can go straight there.
                 if text is None or not text.stream_attached:
-                    ready = attachable(processor, external_id, cycle)
+                    ready = attachable(processor, external_id, connection, chunks)
                     if ready is not None and attach(
-                        ENDPOINT, ready, cycle, template, limit, text_offset
+                        ENDPOINT, ready, connection, template, limit, text_offset
                     ):
                         text = ready
                 continue

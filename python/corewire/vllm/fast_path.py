@@ -26,6 +26,7 @@ This module holds what both endpoints share: :func:`install`, the server-wide co
 from __future__ import annotations
 
 import logging
+import os
 from typing import Any
 
 from corewire import metrics
@@ -54,6 +55,7 @@ _PROBE_LITERAL = b'"\\u0000corewire-text-probe\\u0000"'
 Template = tuple[bytes, bytes, bytes]
 
 _told: set[tuple[str, str]] = set()
+_ON = frozenset({"1", "true", "yes", "on"})
 
 
 def keep_vllms(endpoint: str, reason: str) -> None:
@@ -81,17 +83,23 @@ def split_template(frame: bytes) -> Template | None:
     return head, mid + hole[: -len(b"null")], tail
 
 
-def server_refusal(serving: Any, cycle: Any) -> str | None:
+def server_refusal(serving: Any, connection: asgi_cycle.Connection | None) -> str | None:
     """Why no streaming request of this server and connection can take the fast path
     (None: they can, as far as the server goes): the connection is not uvicorn's
-    ``httptools`` protocol, keep-alive comments are on, the engine client has no native
-    output processing, or outputs are logged per delta."""
-    if cycle is None:
+    ``httptools`` protocol, keep-alive comments are on, middleware of the user's or vLLM's
+    response logging could hold the body back (writing beside it would also be safe, see
+    ``Connection.caught_up``, but never happen), the engine client has no native output
+    processing, or outputs are logged per delta."""
+    if connection is None:
         return "the connection is not uvicorn's httptools protocol"
-    app = cycle.scope.get("app")
+    app = connection.cycle.scope.get("app")
     args = getattr(getattr(app, "state", None), "args", None)
     if getattr(args, "sse_keep_alive_interval", 0):
         return "--sse-keep-alive-interval is set"
+    if getattr(args, "middleware", None):
+        return "--middleware is set"
+    if os.environ.get("VLLM_DEBUG_LOG_API_SERVER_RESPONSE", "").strip().lower() in _ON:
+        return "VLLM_DEBUG_LOG_API_SERVER_RESPONSE is set"
     processor = getattr(serving.engine_client, "output_processor", None)
     if getattr(processor, "_core", None) is None:
         return "the engine client has no native output processing"
@@ -100,12 +108,13 @@ def server_refusal(serving: Any, cycle: Any) -> str | None:
     return None
 
 
-def attachable(processor: Any, external_id: str, cycle: Any) -> RequestText | None:
+def attachable(
+    processor: Any, external_id: str, connection: asgi_cycle.Connection, chunks: int
+) -> RequestText | None:
     """The request's native state, if its next plain outputs can go straight to the
-    connection: it is native, nothing of it waits in its collector (every output so far
-    went out: Starlette wrote the last chunk before asking for the next), and the
-    connection is neither gone nor paused."""
-    if cycle.disconnected or cycle.flow.write_paused:
+    connection: it is native, nothing of it waits in its collector, and the ``chunks``
+    chunks the generator produced are all on the wire (``Connection.caught_up``)."""
+    if not connection.caught_up(chunks):
         return None
     internal = processor.external_req_ids.get(external_id)
     if not internal or len(internal) != 1:
@@ -120,17 +129,18 @@ def attachable(processor: Any, external_id: str, cycle: Any) -> RequestText | No
 def attach(
     endpoint: str,
     text: RequestText,
-    cycle: Any,
+    connection: asgi_cycle.Connection,
     template: Template,
     logprobs_limit: int | None = None,
     text_offset: int = 0,
 ) -> bool:
     """Attaches ``text`` to the connection (``RequestText.attach_stream``); False, said
-    once, when the native state refuses (a request the endpoint's checks let through but
-    whose chunks carry more than it writes: the stream stays Python's, unharmed)."""
+    once, when that fails (the native state refuses a request the endpoint's checks let
+    through, or the cycle is not what it should be): the stream stays Python's,
+    unharmed."""
     try:
-        text.attach_stream(cycle, *template, logprobs_limit, text_offset)
-    except ValueError as e:
+        text.attach_stream(connection.cycle, *template, logprobs_limit, text_offset)
+    except Exception as e:
         # Once per reason (the message names the request first).
         reason = str(e).rsplit(": ", 1)[-1]
         if (endpoint, reason) not in _told:

@@ -372,6 +372,20 @@ class NativeOutputProcessor(OutputProcessor):
         self.external_req_ids[stats_state.external_req_id].append(request.request_id)
         self._request_added()
 
+    def abort_requests(self, request_ids: Any, internal: bool) -> list[str]:
+        """vLLM's ``abort_requests``; a request on ``vllm serve``'s fast path is handed
+        back to Python first (its waiting frames written, its kept logprobs back in vLLM's
+        container), as its aborted output is rendered there."""
+        request_ids = list(request_ids)
+        for request_id in request_ids:
+            internal_ids = [request_id] if internal else self.external_req_ids.get(request_id)
+            for internal_id in internal_ids or [request_id]:
+                state = self.request_states.get(internal_id)
+                text = getattr(state, "detokenizer", None)
+                if isinstance(text, RequestText) and text.stream_attached:
+                    text.detach_stream(True)
+        return super().abort_requests(request_ids, internal)
+
     def process_outputs(
         self,
         engine_core_outputs: list[Any],

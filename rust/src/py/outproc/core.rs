@@ -295,7 +295,7 @@ impl OutputCore {
             if !plain(&output, &req_state, names, &self.shared)? {
                 // vLLM's loop makes this output, for Python to render: the frames of the
                 // request's fast path go out before it.
-                text.borrow_mut().release_stream(py)?;
+                text.borrow_mut().release_stream(py);
                 parents_in_loop.extend(parent);
                 routes.push(Route::Slow(output));
                 continue;
@@ -354,7 +354,7 @@ impl OutputCore {
         }
         // One write per stream for the whole chunk.
         for text in streams {
-            text.borrow_mut().flush_stream(py)?;
+            text.borrow_mut().flush_stream(py);
         }
         if let Some(c) = chunk {
             if c.generated > 0 {

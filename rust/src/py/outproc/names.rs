@@ -51,6 +51,9 @@ pub(super) struct Names {
     pub(super) disconnected: Py<PyString>,
     pub(super) flow: Py<PyString>,
     pub(super) write_paused: Py<PyString>,
+    pub(super) response_complete: Py<PyString>,
+    pub(super) is_closing: Py<PyString>,
+    pub(super) abort: Py<PyString>,
 }
 
 static NAMES: pyo3::sync::PyOnceLock<Names> = pyo3::sync::PyOnceLock::new();
@@ -101,6 +104,9 @@ impl Names {
                 disconnected: n("disconnected"),
                 flow: n("flow"),
                 write_paused: n("write_paused"),
+                response_complete: n("response_complete"),
+                is_closing: n("is_closing"),
+                abort: n("abort"),
             }
         })
     }

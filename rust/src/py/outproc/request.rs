@@ -1,5 +1,6 @@
 //! `RequestText`: one request's native state, and vLLM's per-output work on it.
 
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 
 use pyo3::exceptions::{PyRuntimeError, PyValueError};
@@ -14,9 +15,13 @@ use crate::core::text::stream::{DecodeStream, StepNote};
 use super::names::Names;
 use super::samples::{Candidate, SampleLogprobs};
 use super::shared::{Shared, COMPLETION_FIELDS, REQUEST_OUTPUT_FIELDS};
-use super::sink::{PositionEntries, StreamSink};
+use super::sink::{Flushed, PositionEntries, StreamSink};
 use crate::core::sse::FrameTemplate;
 use crate::py::arrays::{self, Block};
+
+/// Whether the fast path's failures were said in the log (once per process each).
+static WRITE_FAILED: AtomicBool = AtomicBool::new(false);
+static DROP_FAILED: AtomicBool = AtomicBool::new(false);
 
 /// Output kinds, as vLLM's `RequestOutputKind` numbers them (0 is `CUMULATIVE`).
 const DELTA: u8 = 1;
@@ -90,27 +95,34 @@ pub struct RequestText {
 }
 
 impl RequestText {
-    /// Writes the sink's waiting frames; a sink that cannot go on (the client is gone or
-    /// reads slower than the stream comes, or the write failed: said once in the log) is
-    /// released, and the request's next outputs go to its collector again.
-    pub(super) fn flush_stream(&mut self, py: Python<'_>) -> PyResult<()> {
+    /// Writes the sink's waiting frames (their tokens counted as streamed). A sink that
+    /// cannot go on is dropped, and the request's next outputs go to its collector again:
+    /// the client reads slower than the stream comes, or is gone; a write that failed
+    /// aborts the connection (the client must not read on with text missing), said once
+    /// in the log. Never fails: a stream's trouble stays that stream's.
+    pub(super) fn flush_stream(&mut self, py: Python<'_>) {
         let Some(sink) = self.sink.as_mut() else {
-            return Ok(());
+            return;
         };
         match sink.flush(py) {
-            Ok(true) => {}
-            Ok(false) => self.drop_stream(py)?,
+            Ok(Flushed::Written(tokens, go_on)) => {
+                self.streamed_tokens += tokens;
+                if !go_on {
+                    self.drop_quietly(py);
+                }
+            }
+            Ok(Flushed::Gone) => self.drop_quietly(py),
             Err(e) => {
-                self.drop_stream(py)?;
-                let msg = format!(
-                    "corewire: writing request {}'s stream failed ({e}); its outputs go \
-                     through vLLM's server again",
-                    self.request_id.bind(py)
-                );
-                self.shared.warn.bind(py).call1((msg,))?;
+                sink.abort(py);
+                self.drop_quietly(py);
+                self.warn_once(py, &WRITE_FAILED, || {
+                    format!(
+                        "corewire: writing a stream to its connection failed ({e}); the \
+                         connection was aborted (said once)"
+                    )
+                });
             }
         }
-        Ok(())
     }
 
     /// Whether the sink holds frames to write.
@@ -119,13 +131,30 @@ impl RequestText {
     }
 
     /// Hands the stream back to Python before an output that Python renders: the frames
-    /// written so far go out first, so the connection sees every chunk in order.
-    pub(super) fn release_stream(&mut self, py: Python<'_>) -> PyResult<()> {
+    /// made so far go out first, so the connection sees every chunk in order. Never
+    /// fails (see `flush_stream`).
+    pub(super) fn release_stream(&mut self, py: Python<'_>) {
         if self.sink.is_some() {
-            self.flush_stream(py)?;
-            self.drop_stream(py)?;
+            self.flush_stream(py);
+            self.drop_quietly(py);
         }
-        Ok(())
+    }
+
+    /// `drop_stream`, its failure (vLLM's container refusing the kept positions) said once
+    /// in the log instead of failing the batch.
+    fn drop_quietly(&mut self, py: Python<'_>) {
+        if let Err(e) = self.drop_stream(py) {
+            self.warn_once(py, &DROP_FAILED, || {
+                format!("corewire: a stream's kept logprobs were lost ({e}) (said once)")
+            });
+        }
+    }
+
+    fn warn_once(&self, py: Python<'_>, told: &AtomicBool, msg: impl FnOnce() -> String) {
+        if !told.swap(true, Ordering::Relaxed) {
+            // A logger that fails has nothing better to be told.
+            let _ = self.shared.warn.bind(py).call1((msg(),));
+        }
     }
 
     /// Takes the request off the fast path. Sampled positions kept for a frame that was
@@ -414,10 +443,12 @@ impl RequestText {
 impl RequestText {
     /// Puts the request on `vllm serve`'s fast path: its plain outputs from now on are
     /// written to `cycle` (uvicorn's request-response cycle of its streaming response,
-    /// whose every earlier chunk has been written) as SSE frames of text between `head`
-    /// and `tail`, instead of going to its collector. Only a streamed (`DELTA`) request
-    /// without logprobs, prompt logprobs or an n > 1 parent: those chunks carry more than
-    /// the text (`ValueError`).
+    /// whose every earlier chunk has been written) as SSE frames (`head`, the text's
+    /// literal, `mid`, the logprobs or `null`, `tail`), instead of going to its
+    /// collector. `logprobs_limit`: with, and only with, sample logprobs, the candidates
+    /// a chunk shows per position (-1: all); `text_offset`: where the next chunk's first
+    /// token starts. Only a streamed (`DELTA`) request without prompt logprobs or an
+    /// n > 1 parent (`ValueError`: those chunks carry more).
     #[pyo3(signature = (cycle, head, mid, tail, logprobs_limit = None, text_offset = 0))]
     #[allow(clippy::too_many_arguments)]
     fn attach_stream(
@@ -449,6 +480,8 @@ impl RequestText {
                 self.request_id.bind(py)
             )));
         }
+        // Attached again: the old sink's kept positions go back first.
+        self.drop_quietly(py);
         // -1: every candidate (the API's `logprobs=-1`).
         let limit = logprobs_limit.map(|l| usize::try_from(l).ok());
         let template = FrameTemplate::new(head, mid, tail);
@@ -469,10 +502,17 @@ impl RequestText {
         self.stream_text_offset = offset;
     }
 
-    /// Takes the request off the fast path without writing what waits (its response is
-    /// over: finished, failed or cancelled). Its outputs go to its collector again.
-    fn detach_stream(&mut self, py: Python<'_>) -> PyResult<()> {
-        self.drop_stream(py)
+    /// Takes the request off the fast path; its outputs go to its collector again. What
+    /// waits is written first with `flush` (an output of the request that Python will
+    /// render comes next), dropped without (its response is over: finished, failed or
+    /// cancelled).
+    #[pyo3(signature = (flush = false))]
+    fn detach_stream(&mut self, py: Python<'_>, flush: bool) {
+        if flush {
+            self.release_stream(py);
+        } else {
+            self.drop_quietly(py);
+        }
     }
 
     /// Whether the request's plain outputs go to its connection (see `attach_stream`).
@@ -667,13 +707,23 @@ impl RequestText {
                     } else {
                         Vec::new()
                     };
-                    let text = self.text.next_output(false, true);
-                    sink.push(py, text, &ids, &mut self.stream_text_offset)?;
-                    self.streamed_tokens += token_ids.len()?;
-                    return Ok(false);
+                    if sink.can_render(py, &ids) {
+                        let tokens = token_ids.len()?;
+                        let text = self.text.next_output(false, true);
+                        match sink.push(py, text, &ids, tokens, &mut self.stream_text_offset) {
+                            Ok(()) => return Ok(false),
+                            // The text went to a frame that is not: the connection must
+                            // not go on without it.
+                            Err(_) => {
+                                sink.abort(py);
+                                self.drop_quietly(py);
+                                return Ok(false);
+                            }
+                        }
+                    }
                 }
-                // A finish is Python's to render.
-                self.release_stream(py)?;
+                // A finish (or an output the sink cannot show) is Python's to render.
+                self.release_stream(py);
                 if let Some(out) = self.request_output(py, req_state, &token_ids, stop)? {
                     self.hand_off(py, out)?;
                 }

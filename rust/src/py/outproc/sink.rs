@@ -10,6 +10,7 @@
 //! that needs Python (the sink is released first, so that the connection sees the chunks
 //! in order).
 
+use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyString};
 
@@ -34,6 +35,18 @@ pub(super) struct StreamSink {
     /// The cycle's asyncio transport (its `write`).
     transport: Py<PyAny>,
     pending: Vec<u8>,
+    /// The output token ids the waiting frames carry.
+    pending_tokens: usize,
+}
+
+/// What writing a sink's waiting frames came to.
+pub(super) enum Flushed {
+    /// Written (this many output token ids); the bool: whether the stream may go on
+    /// natively (false: the transport paused writing, the client reads slower than the
+    /// stream comes, and vLLM's path waits for it to drain).
+    Written(usize, bool),
+    /// The connection is gone or its response over: nothing was written.
+    Gone,
 }
 
 impl StreamSink {
@@ -53,6 +66,7 @@ impl StreamSink {
             cycle,
             transport,
             pending: Vec::new(),
+            pending_tokens: 0,
         })
     }
 
@@ -71,16 +85,33 @@ impl StreamSink {
         std::mem::take(&mut self.positions)
     }
 
-    /// Adds the frame of an output whose new text is `text` and new token ids `ids` (the
-    /// logprobs of the kept positions, one per id; `text_offset` as the completions API
-    /// counts it, moved past them).
+    /// Whether the frame of an output with new token ids `ids` can be made: without
+    /// logprobs always; with them, when a kept position stands for each id, holding that
+    /// id, its strings readable (else the output is Python's to render, the positions
+    /// going back to vLLM's container: see `RequestText::drop_stream`).
+    pub(super) fn can_render(&self, py: Python<'_>, ids: &[i64]) -> bool {
+        if self.logprobs_limit.is_none() {
+            return true;
+        }
+        ids.len() == self.positions.len()
+            && ids.iter().zip(&self.positions).all(|(&id, entries)| {
+                entries.iter().any(|e| e.0 == id)
+                    && entries.iter().all(|e| e.3.bind(py).to_str().is_ok())
+            })
+    }
+
+    /// Adds the frame of an output whose new text is `text` and new token ids `ids`
+    /// (`tokens` of them; the logprobs of the kept positions, one per id, `text_offset`
+    /// as the completions API counts it, moved past them). Call after `can_render`.
     pub(super) fn push(
         &mut self,
         py: Python<'_>,
         text: &str,
         ids: &[i64],
+        tokens: usize,
         text_offset: &mut usize,
     ) -> PyResult<()> {
+        self.pending_tokens += tokens;
         let Some(limit) = self.logprobs_limit else {
             self.template.render(&mut self.pending, text, None);
             return Ok(());
@@ -100,14 +131,13 @@ impl StreamSink {
                     None => dict.push((*entry_id, candidate)),
                 }
             }
-            // The sampled id's own entry, as the API reads `position[token_id]`.
-            let sampled = dict.iter().find(|(i, _)| *i == id).map_or(
-                Candidate {
-                    token: "",
-                    logprob: f64::NAN,
-                },
-                |(_, c)| c.clone(),
-            );
+            // The sampled id's own entry, as the API reads `position[token_id]`
+            // (`can_render` saw it there).
+            let sampled = dict
+                .iter()
+                .find(|(i, _)| *i == id)
+                .map(|(_, c)| c.clone())
+                .ok_or_else(|| PyValueError::new_err("a sampled id without its position"))?;
             let shown = limit.unwrap_or(dict.len()).min(dict.len());
             positions.push(Position {
                 sampled,
@@ -126,27 +156,37 @@ impl StreamSink {
         !self.pending.is_empty()
     }
 
-    /// Writes the waiting frames as one HTTP chunk. False when the stream must go back to
-    /// Python: the client is gone (nothing written), or it reads slower than the stream
-    /// comes (the transport paused writing: vLLM's path waits for it to drain).
-    pub(super) fn flush(&mut self, py: Python<'_>) -> PyResult<bool> {
+    /// Writes the waiting frames as one HTTP chunk, unless the connection is gone or its
+    /// response over (uvicorn's `disconnected`, `response_complete`, or a closing
+    /// transport: a late write would land in the connection's next response).
+    pub(super) fn flush(&mut self, py: Python<'_>) -> PyResult<Flushed> {
         if self.pending.is_empty() {
-            return Ok(true);
+            return Ok(Flushed::Written(0, true));
         }
         let body = std::mem::take(&mut self.pending);
+        let tokens = std::mem::take(&mut self.pending_tokens);
         let names = Names::get(py);
         let cycle = self.cycle.bind(py);
-        if cycle.getattr(&names.disconnected)?.is_truthy()? {
-            return Ok(false);
+        let transport = self.transport.bind(py);
+        if cycle.getattr(&names.disconnected)?.is_truthy()?
+            || cycle.getattr(&names.response_complete)?.is_truthy()?
+            || transport.call_method0(&names.is_closing)?.is_truthy()?
+        {
+            return Ok(Flushed::Gone);
         }
         let chunk = PyBytes::new(py, &http_chunk(&body));
-        self.transport
-            .bind(py)
-            .call_method1(&names.write, (chunk,))?;
+        transport.call_method1(&names.write, (chunk,))?;
         let paused = cycle
             .getattr(&names.flow)?
             .getattr(&names.write_paused)?
             .is_truthy()?;
-        Ok(!paused)
+        Ok(Flushed::Written(tokens, !paused))
+    }
+
+    /// Aborts the connection (a write failed: the client must not read on as if nothing
+    /// were missing).
+    pub(super) fn abort(&self, py: Python<'_>) {
+        // Nothing more to do if even that fails: the connection is broken already.
+        let _ = self.transport.bind(py).call_method0(&Names::get(py).abort);
     }
 }
