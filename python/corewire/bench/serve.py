@@ -780,20 +780,7 @@ def _output_goals(
     target = (
         CHUNK_GOAL if r.one_token_chunks else TOKENS_PER_CORE_GOALS.get((r.streams, r.logprobs))
     )
-    parts = []
-    if target is None:
-        parts.append(
-            f"output tokens per API-server CPU second {per_core:.2f}x vLLM's "
-            "(no goal in this scenario)"
-        )
-    else:
-        goal = common.Goal(f"{r.scenario}: {r.client} tokens per CPU s x vllm", per_core, target)
-        found.append(goal)
-        parts.append(
-            f"output tokens per API-server CPU second {per_core:.2f}x vLLM's: "
-            f"{'met' if goal.met else 'MISS'} (>= {target}x)"
-        )
-        parts += _latency_goals(r, base, found)
+    parts = _per_core_goals(r, base, per_core, target, found)
     tok_ratio = _ratio(r.tokens_per_s, base.tokens_per_s)
     parts.append(f"tokens/s {tok_ratio:.2f}x vLLM's")
     if client_only is not None:
@@ -803,6 +790,23 @@ def _output_goals(
             "stack's (its client, vLLM's output processing)"
         )
     return parts
+
+
+def _per_core_goals(
+    r: Result, base: Result, per_core: float, target: float | None, found: list[common.Goal]
+) -> list[str]:
+    """Output tokens per front-end CPU second ``per_core`` times ``base``'s against
+    ``target`` (None: no goal in this scenario), and then TTFT and ITL p99 no worse
+    (appended to ``found``); the lines that report them."""
+    if target is None:
+        return [f"output tokens per front-end CPU second {per_core:.2f}x vLLM's (no goal)"]
+    goal = common.Goal(f"{r.scenario}: {r.client} tokens per CPU s x vllm", per_core, target)
+    found.append(goal)
+    return [
+        f"output tokens per front-end CPU second {per_core:.2f}x vLLM's: "
+        f"{'met' if goal.met else 'MISS'} (>= {target}x)",
+        *_latency_goals(r, base, found),
+    ]
 
 
 def _latency_goals(r: Result, base: Result, found: list[common.Goal]) -> list[str]:
@@ -834,17 +838,7 @@ def _fast_goals(
     Rust front-end's). The lines that report them."""
     per_core = per_core_ratio(r, base)
     target = None if r.one_token_chunks else FAST_GOALS.get((r.streams, r.logprobs))
-    parts = []
-    if target is None:
-        parts.append(f"output tokens per front-end CPU second {per_core:.2f}x vLLM's (no goal)")
-    else:
-        goal = common.Goal(f"{r.scenario}: {r.client} tokens per CPU s x vllm", per_core, target)
-        found.append(goal)
-        parts.append(
-            f"output tokens per front-end CPU second {per_core:.2f}x vLLM's: "
-            f"{'met' if goal.met else 'MISS'} (>= {target}x)"
-        )
-        parts += _latency_goals(r, base, found)
+    parts = _per_core_goals(r, base, per_core, target, found)
     rust = by_key.get(("rust", r.scenario))
     if rust is not None:
         # CPU per token over the Rust front-end's: its tokens per CPU s over ours.

@@ -35,6 +35,7 @@ from corewire.vllm.fast_path import (
     Template,
     attach,
     attachable,
+    first_refusal,
     keep_vllms,
     logger,
     request_metrics,
@@ -90,10 +91,7 @@ def refusal(serving: Any, request: Any, connection: Any) -> str | None:
         (request.return_weight_versions, "return_weight_versions"),
         (continuous, "continuous_usage_stats"),
     )
-    for refused, why in checks:
-        if refused:
-            return why
-    return None
+    return first_refusal(checks)
 
 
 def install(serving_class: Any) -> None:

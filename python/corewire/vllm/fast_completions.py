@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import AsyncGenerator, AsyncIterator
+from types import SimpleNamespace
 from typing import Any
 
 from vllm.entrypoints.generate.base.serving import completion_top_logprobs_limit
@@ -25,6 +26,7 @@ from corewire.vllm.fast_path import (
     Template,
     attach,
     attachable,
+    first_refusal,
     keep_vllms,
     logger,
     request_metrics,
@@ -39,29 +41,11 @@ ENDPOINT = "completion"
 
 def frame_template(request_id: str, created: int, model: str) -> Template | None:
     """The bytes of an unfinished chunk of the stream around its two holes (the text's
-    JSON literal; the logprobs object, ``null`` without), as vLLM 0.34.0's server writes
-    the chunk (its model dumped with ``exclude_unset``); None when the probe is
+    JSON literal; the logprobs object, ``null`` without), as :func:`_chunk` renders it
+    (vLLM 0.34.0's model dumped with ``exclude_unset``); None when the probe is
     ambiguous."""
-    probe = CompletionStreamResponse(
-        id=request_id,
-        object="text_completion",
-        created=created,
-        model=model,
-        choices=[
-            CompletionResponseStreamChoice(
-                index=0,
-                text=TEXT_PROBE,
-                logprobs=None,
-                finish_reason=None,
-                stop_reason=None,
-                prompt_token_ids=None,
-                token_ids=None,
-                weight_versions=None,
-            )
-        ],
-        kv_transfer_params=None,
-    )
-    return split_template(f"data: {probe.model_dump_json(exclude_unset=True)}\n\n".encode())
+    probe = SimpleNamespace(text=TEXT_PROBE, finish_reason=None, stop_reason=None)
+    return split_template(f"data: {_chunk((request_id, created, model), probe, None)}\n\n".encode())
 
 
 def refusal(serving: Any, request: Any, num_prompts: int, connection: Any) -> str | None:
@@ -88,10 +72,7 @@ def refusal(serving: Any, request: Any, num_prompts: int, connection: Any) -> st
         (request.return_weight_versions, "return_weight_versions"),
         (continuous, "continuous_usage_stats"),
     )
-    for refused, why in checks:
-        if refused:
-            return why
-    return None
+    return first_refusal(checks)
 
 
 def install(serving_class: Any) -> None:

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Iterable
 from typing import Any
 
 from corewire import metrics
@@ -38,6 +39,7 @@ __all__ = [
     "Template",
     "attach",
     "attachable",
+    "first_refusal",
     "install",
     "keep_vllms",
     "request_metrics",
@@ -106,6 +108,11 @@ def server_refusal(serving: Any, connection: asgi_cycle.Connection | None) -> st
     if serving.enable_log_outputs and serving.request_logger:
         return "--enable-log-outputs is set"
     return None
+
+
+def first_refusal(checks: Iterable[tuple[object, str]]) -> str | None:
+    """The reason of the first ``(refused, reason)`` check that refuses, or None."""
+    return next((why for refused, why in checks if refused), None)
 
 
 def attachable(
