@@ -29,7 +29,7 @@ import pytest
 from corewire import cli
 from corewire._optional import is_installed
 from corewire.bench import client as client_bench
-from corewire.bench import common, gc_times
+from corewire.bench import common, gc_times, serve_split
 from corewire.bench import serve as serve_bench
 from corewire.bench.serve_profile import (
     CLIENT_LAYER,
@@ -229,6 +229,60 @@ def test_serve_rounds_pool_and_read_the_median_ratio() -> None:
     case = serve_bench.as_case(ours, base)
     assert case["tokens_per_api_server_cpu_s_by_round"] == [1000.0, 500.0, 2000.0]
     assert case["vs_vllm"]["tokens_per_api_server_cpu_s"] == pytest.approx(1.0)
+
+
+def _at_length(
+    client: str, tokens_per_request: int, per_request_s: float, per_token_s: float
+) -> serve_bench.Result:
+    """A result whose CPU follows the per-request + per-token model exactly."""
+    requests = 12800 // tokens_per_request
+    short = None if tokens_per_request == 128 else tokens_per_request
+    r = serve_bench.Result(client, 256, 0, requests=requests, tokens=12800, max_tokens=short)
+    r.seconds, r.chunks = 1.0, 12800
+    r.cpu_seconds = requests * (per_request_s + tokens_per_request * per_token_s)
+    return r
+
+
+def test_serve_split_fits_cpu_per_request_and_per_token(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """``--split-tokens``: each saturation scenario runs again with shorter requests (no
+    goal read there), and each stack's CPU is split into a part per request and a part per
+    token; the ceiling is what the per-request part alone allows over vllm's."""
+    parser = cli.build_parser()
+    args = parser.parse_args(
+        ["bench", "serve", "--streams", "256", "--logprobs", "0", "--split-tokens", "32"]
+    )
+    assert [(s.label, s.max_tokens) for s in serve_bench.scenarios(args)] == [
+        ("256 streams, logprobs 0", None),
+        ("256 streams, logprobs 0, 32 tokens", 32),
+        ("one token per chunk: 256 streams, 20 ms steps, logprobs 0", None),
+    ]
+    stacks = {"vllm": (1.4e-3, 22e-6), "corewire+fast": (1.4e-3, 7e-6), "rust": (1e-4, 9e-6)}
+    long = [_at_length(c, 128, *parts) for c, parts in stacks.items()]
+    short = [_at_length(c, 32, *parts) for c, parts in stacks.items()]
+    splits = serve_bench.cost_splits(long, short)
+    assert [s.client for s in splits] == list(stacks)
+    for split, (per_request, per_token) in zip(splits, stacks.values(), strict=True):
+        assert split.per_request_s == pytest.approx(per_request)
+        assert split.per_token_s == pytest.approx(per_token)
+        assert (split.short_tokens, split.long_tokens) == (32, 128)
+    vllm, fast, _ = splits
+    # With free tokens, the fast stack's 1.4 ms per request caps it at vllm's 1.4 ms +
+    # 128 x 22 us over 1.4 ms.
+    assert fast.ceiling(vllm) == pytest.approx((1.4e-3 + 128 * 22e-6) / 1.4e-3)
+    with pytest.raises(ValueError, match="tokens per request"):
+        serve_split.fit(long[0], long[0])
+    capsys.readouterr()
+    found = serve_bench.report(long + short)
+    out = capsys.readouterr().out
+    # The short runs are in the split only: no goal, no row of the main table.
+    assert not any("32 tokens" in g.name for g in found)
+    assert "front-end CPU per request and per token" in out
+    row = next(line for line in out.splitlines() if line.startswith("corewire+fast   ") and
+               line.split()[-2:] == [f"{fast.ceiling(vllm):.2f}", "1.00/1.00"])  # fmt: skip
+    assert row.split()[3:5] == ["1400", "1.00"]  # us per request, x vllm
+    assert row.split()[6:9] == ["7.00", "0.32", "0.78"]  # us per token, x vllm, x rust
 
 
 def test_bad_arguments_stop_before_any_run(capsys: pytest.CaptureFixture[str]) -> None:

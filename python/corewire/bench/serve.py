@@ -92,6 +92,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import dataclasses
 import json
 import math
 import os
@@ -101,12 +102,12 @@ import statistics
 import sys
 import tempfile
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 from corewire._optional import import_optional, is_installed
-from corewire.bench import common, gc_times
+from corewire.bench import common, gc_times, serve_split
 from corewire.bench.serve_profile import (
     CLIENT_LAYER,
     COLLECTOR,
@@ -242,6 +243,9 @@ class Scenario:
     logprobs: int
     step_delay: float
     one_token_chunks: bool = False
+    #: Tokens per request: None, the run's ``--max-tokens``; a number, the shorter
+    #: requests of ``--split-tokens`` (no goal is read on them).
+    max_tokens: int | None = None
 
     @property
     def label(self) -> str:
@@ -251,7 +255,8 @@ class Scenario:
                 f"{CHUNK_SCENARIO}: {self.streams} streams, "
                 f"{1e3 * self.step_delay:g} ms steps, logprobs {self.logprobs}"
             )
-        return f"{self.streams} streams, logprobs {self.logprobs}"
+        label = f"{self.streams} streams, logprobs {self.logprobs}"
+        return label if self.max_tokens is None else f"{label}, {self.max_tokens} tokens"
 
 
 @dataclass
@@ -281,6 +286,8 @@ class Result:
     #: Tokens per API-server CPU second of each round (``--repeat``), in order (not
     #: ``--rounds``, which is requests per stream).
     per_round: list[float] = field(default_factory=list)
+    #: Tokens per request asked (:attr:`Scenario.max_tokens`): None, the run's own.
+    max_tokens: int | None = None
 
     def add_round(self, other: Result) -> None:
         """Pools another round of the same client and scenario into this one."""
@@ -444,6 +451,8 @@ def _bench_stack(**kwargs: Any) -> Any:
 def scenarios(args: argparse.Namespace) -> list[Scenario]:
     """The run's scenarios, in order: the saturation grid, then one token per chunk."""
     found = [Scenario(n, lp, args.step_delay) for n in args.streams for lp in args.logprobs]
+    if args.split_tokens:
+        found += [replace(s, max_tokens=args.split_tokens) for s in found]
     if args.chunk_streams:
         found.append(Scenario(args.chunk_streams, 0, args.chunk_step_delay, one_token_chunks=True))
     return found
@@ -490,6 +499,7 @@ def run_clients(args: argparse.Namespace, model_dir: Path, work: Path) -> list[R
                             scenario.label,
                             scenario.step_delay,
                             scenario.one_token_chunks,
+                            max_tokens=scenario.max_tokens,
                         )
                         _measure(args, work, stack, server, result, round_)
                         if client in pooled:
@@ -590,7 +600,7 @@ def _measure(
                 stack.base_url,
                 stack.served_model_name,
                 result,
-                args.max_tokens,
+                args.max_tokens if result.max_tokens is None else result.max_tokens,
                 total,
                 args.seconds,
             )
@@ -634,6 +644,8 @@ def report(results: list[Result], *, goals: bool = True) -> list[common.Goal]:
     """Prints the results, the collector, the layers and the goals; returns the goals.
     Without ``goals`` (a server option the goals were not set for) the ratios are
     printed without one."""
+    short = [r for r in results if r.max_tokens is not None]
+    results = [r for r in results if r.max_tokens is None]
     by_key = {(r.client, r.scenario): r for r in results}
     native = any(r.profile.native for r in results)
     print()
@@ -688,6 +700,7 @@ def report(results: list[Result], *, goals: bool = True) -> list[common.Goal]:
             "transformers/ and vllm/tokenizers/, so that work shows as 'detokenization', not "
             f"'logprobs'; corewire's native path does it inside '{NATIVE_OUTPUT_LAYER}')"
         )
+    serve_split.report(cost_splits(results, short))
     print()
     found: list[common.Goal] = []
     for r in results:
@@ -737,6 +750,22 @@ def report(results: list[Result], *, goals: bool = True) -> list[common.Goal]:
             "latencies and CPU per token of this run are below an unprofiled run's)"
         )
     return found
+
+
+def cost_splits(results: list[Result], short: list[Result]) -> list[serve_split.CostSplit]:
+    """Each stack's CPU per request and per token in each scenario that ran at both
+    lengths (``--split-tokens``): ``short`` the shorter requests' results."""
+    long_by_key = {(r.client, r.streams, r.logprobs): r for r in results if not r.one_token_chunks}
+    splits = []
+    for r in short:
+        long = long_by_key.get((r.client, r.streams, r.logprobs))
+        if long is None:
+            continue
+        try:
+            splits.append(serve_split.fit(long, r))
+        except ValueError as exc:
+            print(f"no CPU split: {exc}")
+    return splits
 
 
 def _client_goals(r: Result, base: Result, found: list[common.Goal]) -> list[str]:
@@ -940,6 +969,7 @@ def as_case(r: Result, base: Result | None = None) -> dict[str, Any]:
         "one_token_per_chunk_scenario": r.one_token_chunks,
         "streams": r.streams,
         "logprobs": r.logprobs,
+        "max_tokens": r.max_tokens,
         "step_delay_s": r.step_delay,
         "requests": r.requests,
         "tokens": r.tokens,
@@ -1026,7 +1056,8 @@ def plot(results: list[Result], path: str) -> None:
 def _tick_label(r: Result) -> str:
     if r.one_token_chunks:
         return f"1 token/chunk\n{r.streams} streams, {1e3 * r.step_delay:g} ms"
-    return f"{r.streams} streams\nlogprobs {r.logprobs}"
+    label = f"{r.streams} streams\nlogprobs {r.logprobs}"
+    return label if r.max_tokens is None else f"{label}\n{r.max_tokens} tokens"
 
 
 def _ints(text: str) -> list[int]:
@@ -1054,6 +1085,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--logprobs", type=_ints, default=[0, 5], help="logprobs per token (0,5)")
     parser.add_argument("--max-tokens", type=int, default=128, help="tokens per request (128)")
+    parser.add_argument(
+        "--split-tokens",
+        type=int,
+        default=0,
+        metavar="N",
+        help="also run each saturation scenario with N-token requests (no goal read there), "
+        "and split each stack's front-end CPU into a part per request and a part per token, "
+        "fitted from the two lengths (0: no split)",
+    )
     parser.add_argument(
         "--rounds", type=int, default=4, help="at least this many requests per stream (4)"
     )
@@ -1146,6 +1186,12 @@ def run(args: argparse.Namespace) -> int:
     if args.max_tokens < 1 or args.rounds < 1 or args.engines < 1:
         print(f"{prog}: --max-tokens, --rounds and --engines must be at least 1", file=sys.stderr)
         return 2
+    if args.split_tokens < 0 or args.split_tokens == args.max_tokens:
+        print(
+            f"{prog}: --split-tokens must be at least 0 and differ from --max-tokens",
+            file=sys.stderr,
+        )
+        return 2
     if args.repeat < 1:
         print(f"{prog}: --repeat must be at least 1", file=sys.stderr)
         return 2
@@ -1196,6 +1242,7 @@ def run(args: argparse.Namespace) -> int:
     print(
         f"serve benchmark  {time.strftime('%Y-%m-%d')}  {os.cpu_count()} cores  "
         f"python {platform.python_version()}  max_tokens {args.max_tokens}"
+        + (f" (and {args.split_tokens} for the CPU split)" if args.split_tokens else "")
     )
     if args.native_profile:
         print(
@@ -1219,6 +1266,7 @@ def run(args: argparse.Namespace) -> int:
                 "streams": args.streams,
                 "logprobs": args.logprobs,
                 "max_tokens": args.max_tokens,
+                "split_tokens": args.split_tokens,
                 "rounds": args.rounds,
                 "seconds": args.seconds,
                 "clients": args.clients,
@@ -1234,6 +1282,13 @@ def run(args: argparse.Namespace) -> int:
             },
             cases=[as_case(r, _vllm_result(results, r)) for r in results],
             goals=found,
+            cost_splits=[
+                dataclasses.asdict(s)
+                for s in cost_splits(
+                    [r for r in results if r.max_tokens is None],
+                    [r for r in results if r.max_tokens is not None],
+                )
+            ],
         )
         print(f"results written to {args.json}")
     if args.plot:
