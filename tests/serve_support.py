@@ -671,14 +671,19 @@ OUTPUT_COUNTERS = (
     "vllm:request_success_total",
 )
 OUTPUT_HISTOGRAMS = ("vllm:request_generation_tokens", "vllm:request_prompt_tokens")
+# Timing histograms whose observation counts do not depend on timing: one inter-token
+# latency per output after a request's first (native output processing folds a step's
+# latencies into the histogram at once: corewire.vllm.latency_histogram).
+OUTPUT_OBSERVATION_COUNTS = ("vllm:inter_token_latency_seconds_count",)
 
 
 def output_metrics(http: httpx.Client) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
-    """The :data:`OUTPUT_COUNTERS` and :data:`OUTPUT_HISTOGRAMS` samples of /metrics, once
+    """The :data:`OUTPUT_COUNTERS`, :data:`OUTPUT_HISTOGRAMS` and
+    :data:`OUTPUT_OBSERVATION_COUNTS` samples of /metrics, once
     two reads 0.2 s apart agree: a request's stats are recorded by vLLM's output handler
     after its last output went to the HTTP handler (a stop string's abort is awaited in
     between), so a read right after the response may come a step early."""
-    names = [*OUTPUT_COUNTERS]
+    names = [*OUTPUT_COUNTERS, *OUTPUT_OBSERVATION_COUNTS]
     names += [f"{h}{suffix}" for h in OUTPUT_HISTOGRAMS for suffix in ("_bucket", "_count", "_sum")]
 
     def read() -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
@@ -896,6 +901,8 @@ def check_output_processing_identical(
         if name == "vllm:request_success_total"
     }
     assert finished == {"length": 7, "stop": 5}, run["metrics"]
+    # Every output after a request's first is one inter-token latency, whoever counts it.
+    assert any(name in OUTPUT_OBSERVATION_COUNTS for name, _ in run["metrics"]), run["metrics"]
     runs[setting] = run
     baseline = OUTPUT_BASELINES.get(setting)
     if baseline is None:

@@ -169,6 +169,16 @@ class EngineCoreOutput:
     def finished(self) -> bool:
         """Whether this is the request's last output (``finish_reason is not None``)."""
 
+def fold_observations(
+    values: list[float], sum: float, bounds: list[float]
+) -> tuple[float, list[int]]:
+    """What observing each of ``values`` in order with ``prometheus_client``'s
+    ``Histogram.observe`` does to a histogram whose sum is ``sum`` and whose buckets have
+    the upper bounds ``bounds``: the new sum (the same additions in order, so the same
+    bits) and how many values each bucket gained. ``TypeError`` for a value that is not a
+    number, with nothing computed.
+    """
+
 def wire_fields(name: str, protocol: str | None = None) -> tuple[str, ...]:
     """The field names of struct ``name`` in the wire order the decoder reads for
     ``protocol`` (default: 0.25.1, whose wire ``corewire.protocol`` declares; the map

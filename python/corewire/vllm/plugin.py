@@ -236,6 +236,12 @@ def _install_output_processor() -> None:
     if async_llm.OutputProcessor is native:
         return  # vLLM loads plugins more than once per process
     async_llm.OutputProcessor = native  # type: ignore[misc]
+    from vllm.v1.metrics.loggers import PrometheusStatLogger
+
+    from corewire.vllm import latency_histogram
+
+    # The last per-token Python of the output path: one histogram call per token.
+    latency_histogram.install(PrometheusStatLogger)
     logger.info("corewire: vLLM's AsyncLLM processes outputs with corewire")
 
 

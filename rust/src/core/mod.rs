@@ -6,6 +6,7 @@ pub mod router;
 pub mod tracker;
 
 pub mod error;
+pub mod histogram;
 pub mod intern;
 pub mod msgpack;
 pub mod schema;

@@ -2,7 +2,7 @@
 //!
 //! Modules depend on each other in one direction only:
 //! `decoder -> builder -> objects / frames / consts / torch -> ffi / list / refcnt`; `registry`,
-//! `tracker`, `router` and `wire` stand alone over the core. [`register`] is the one
+//! `tracker`, `router`, `histogram` and `wire` stand alone over the core. [`register`] is the one
 //! place that puts names on the extension module.
 
 use pyo3::prelude::*;
@@ -17,6 +17,7 @@ mod consts;
 mod decoder;
 mod ffi;
 mod frames;
+mod histogram;
 mod list;
 mod objects;
 mod outproc;
@@ -39,6 +40,7 @@ pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<outproc::OutputCore>()?;
     m.add_class::<outproc::RequestText>()?;
     m.add("TOKENIZERS_VERSION", outproc::TOKENIZERS_VERSION)?;
+    m.add_function(wrap_pyfunction!(histogram::fold_observations, m)?)?;
     m.add_function(wrap_pyfunction!(wire::wire_fields, m)?)?;
     m.add_function(wrap_pyfunction!(wire::wire_structs, m)?)?;
     m.add_function(wrap_pyfunction!(wire::wire_version, m)?)?;
