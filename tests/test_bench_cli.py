@@ -251,17 +251,21 @@ def test_serve_split_fits_cpu_per_request_and_per_token(
     token; the ceiling is what the per-request part alone allows over vllm's."""
     parser = cli.build_parser()
     args = parser.parse_args(
-        ["bench", "serve", "--streams", "256", "--logprobs", "0", "--split-tokens", "32"]
+        ["bench", "serve", "--streams", "256", "--logprobs", "0,5", "--split-tokens", "32"]
     )
+    # Each shorter twin right after its scenario.
     assert [(s.label, s.max_tokens) for s in serve_bench.scenarios(args)] == [
         ("256 streams, logprobs 0", None),
         ("256 streams, logprobs 0, 32 tokens", 32),
+        ("256 streams, logprobs 5", None),
+        ("256 streams, logprobs 5, 32 tokens", 32),
         ("one token per chunk: 256 streams, 20 ms steps, logprobs 0", None),
     ]
     stacks = {"vllm": (1.4e-3, 22e-6), "corewire+fast": (1.4e-3, 7e-6), "rust": (1e-4, 9e-6)}
     long = [_at_length(c, 128, *parts) for c, parts in stacks.items()]
     short = [_at_length(c, 32, *parts) for c, parts in stacks.items()]
-    splits = serve_bench.cost_splits(long, short)
+    splits, problems = serve_bench.cost_splits(long, short)
+    assert problems == []
     assert [s.client for s in splits] == list(stacks)
     for split, (per_request, per_token) in zip(splits, stacks.values(), strict=True):
         assert split.per_request_s == pytest.approx(per_request)
@@ -273,6 +277,11 @@ def test_serve_split_fits_cpu_per_request_and_per_token(
     assert fast.ceiling(vllm) == pytest.approx((1.4e-3 + 128 * 22e-6) / 1.4e-3)
     with pytest.raises(ValueError, match="tokens per request"):
         serve_split.fit(long[0], long[0])
+    # A pair that cannot be split is said, and the others still are.
+    idle = _at_length("vllm", 32, 1e-3, 1e-5)
+    idle.requests = 0
+    _, problems = serve_bench.cost_splits(long, [idle])
+    assert len(problems) == 1 and "without finished requests" in problems[0]
     capsys.readouterr()
     found = serve_bench.report(long + short)
     out = capsys.readouterr().out
@@ -305,6 +314,9 @@ def test_bad_arguments_stop_before_any_run(capsys: pytest.CaptureFixture[str]) -
         assert expected in capsys.readouterr().err
     assert cli.main(["bench", "serve", "--repeat", "0"]) == 2
     expected = "--repeat must be at least 1" if HAVE_VLLM else "vLLM is not installed"
+    assert expected in capsys.readouterr().err
+    assert cli.main(["bench", "serve", "--split-tokens", "128"]) == 2
+    expected = "below --max-tokens" if HAVE_VLLM else "vLLM is not installed"
     assert expected in capsys.readouterr().err
     assert cli.main(["bench", "serve", "--stream-interval", "0"]) == 2
     expected = "--stream-interval must be at least 1" if HAVE_VLLM else "vLLM is not installed"

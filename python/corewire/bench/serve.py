@@ -450,9 +450,14 @@ def _bench_stack(**kwargs: Any) -> Any:
 
 def scenarios(args: argparse.Namespace) -> list[Scenario]:
     """The run's scenarios, in order: the saturation grid, then one token per chunk."""
-    found = [Scenario(n, lp, args.step_delay) for n in args.streams for lp in args.logprobs]
-    if args.split_tokens:
-        found += [replace(s, max_tokens=args.split_tokens) for s in found]
+    found = []
+    for streams in args.streams:
+        for logprobs in args.logprobs:
+            found.append(Scenario(streams, logprobs, args.step_delay))
+            # Right after its longer twin, on the same warm servers: the machine's drift
+            # falls on both points of the split alike.
+            if args.split_tokens:
+                found.append(replace(found[-1], max_tokens=args.split_tokens))
     if args.chunk_streams:
         found.append(Scenario(args.chunk_streams, 0, args.chunk_step_delay, one_token_chunks=True))
     return found
@@ -591,7 +596,11 @@ def _measure(
     profile_dir = Path(args.profile_dir) if args.profile_dir else work
     kind = "chunks-" if result.one_token_chunks else ""
     suffix = f"-round{round_ + 1}" if args.repeat > 1 else ""
-    name = f"profile-{_slug(result.client)}-{kind}{result.streams}-{result.logprobs}{suffix}.txt"
+    length = "" if result.max_tokens is None else f"-{result.max_tokens}t"
+    name = (
+        f"profile-{_slug(result.client)}-{kind}{result.streams}-{result.logprobs}"
+        f"{length}{suffix}.txt"
+    )
     profile = profile_dir / name
     sampled = args.profile and result.client not in UNPROFILED
     with profiled(server.pid, profile, sampled, native=args.native_profile):
@@ -700,7 +709,10 @@ def report(results: list[Result], *, goals: bool = True) -> list[common.Goal]:
             "transformers/ and vllm/tokenizers/, so that work shows as 'detokenization', not "
             f"'logprobs'; corewire's native path does it inside '{NATIVE_OUTPUT_LAYER}')"
         )
-    serve_split.report(cost_splits(results, short))
+    splits, unsplit = cost_splits(results, short)
+    for problem in unsplit:
+        print(f"no CPU split: {problem}")
+    serve_split.report(splits)
     print()
     found: list[common.Goal] = []
     for r in results:
@@ -752,11 +764,14 @@ def report(results: list[Result], *, goals: bool = True) -> list[common.Goal]:
     return found
 
 
-def cost_splits(results: list[Result], short: list[Result]) -> list[serve_split.CostSplit]:
+def cost_splits(
+    results: list[Result], short: list[Result]
+) -> tuple[list[serve_split.CostSplit], list[str]]:
     """Each stack's CPU per request and per token in each scenario that ran at both
-    lengths (``--split-tokens``): ``short`` the shorter requests' results."""
+    lengths (``--split-tokens``): ``short`` the shorter requests' results. Also why a
+    pair could not be split, one line each."""
     long_by_key = {(r.client, r.streams, r.logprobs): r for r in results if not r.one_token_chunks}
-    splits = []
+    splits, problems = [], []
     for r in short:
         long = long_by_key.get((r.client, r.streams, r.logprobs))
         if long is None:
@@ -764,8 +779,8 @@ def cost_splits(results: list[Result], short: list[Result]) -> list[serve_split.
         try:
             splits.append(serve_split.fit(long, r))
         except ValueError as exc:
-            print(f"no CPU split: {exc}")
-    return splits
+            problems.append(f"{r.scenario}: {exc}")
+    return splits, problems
 
 
 def _client_goals(r: Result, base: Result, found: list[common.Goal]) -> list[str]:
@@ -1186,9 +1201,10 @@ def run(args: argparse.Namespace) -> int:
     if args.max_tokens < 1 or args.rounds < 1 or args.engines < 1:
         print(f"{prog}: --max-tokens, --rounds and --engines must be at least 1", file=sys.stderr)
         return 2
-    if args.split_tokens < 0 or args.split_tokens == args.max_tokens:
+    if args.split_tokens < 0 or args.split_tokens >= args.max_tokens:
         print(
-            f"{prog}: --split-tokens must be at least 0 and differ from --max-tokens",
+            f"{prog}: --split-tokens must be at least 0 and below --max-tokens (the shorter "
+            "of the split's two lengths)",
             file=sys.stderr,
         )
         return 2
@@ -1287,7 +1303,7 @@ def run(args: argparse.Namespace) -> int:
                 for s in cost_splits(
                     [r for r in results if r.max_tokens is None],
                     [r for r in results if r.max_tokens is not None],
-                )
+                )[0]
             ],
         )
         print(f"results written to {args.json}")
