@@ -42,6 +42,8 @@ PLUGIN_LOG_LINE = "uses corewire's engine-core client"
 # What it logs when it hands AsyncLLM's output processing to corewire, and what the native
 # processor logs when it keeps vLLM's path for the whole server.
 OUTPUT_LOG_LINE = "processes outputs with corewire"
+# ... and feeds vLLM's inter-token latency histogram once per step (the same line).
+FOLDED_LOG_LINE = "inter-token latencies folded into vLLM's histogram once per step"
 OUTPUT_KEPT_LOG_LINE = "vLLM's output processing kept"
 # A long request: all the room the context leaves, at STEP_DELAY per token (~10 s).
 LONG_TOKENS = MAX_MODEL_LEN - 16

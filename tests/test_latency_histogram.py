@@ -40,6 +40,8 @@ def _latencies(rng: random.Random, n: int) -> list[float]:
 def test_observe_all_leaves_what_one_observe_per_value_leaves() -> None:
     rng = random.Random(26)
     one_by_one, folded = _child("each"), _child("folded")
+    # Folded, not observed one by one (which would leave the same state).
+    folded.observe = _must_not_observe
     for step in range(50):
         values = _latencies(rng, rng.randrange(0, 300))
         for value in values:
@@ -48,6 +50,10 @@ def test_observe_all_leaves_what_one_observe_per_value_leaves() -> None:
         assert _state(folded) == _state(one_by_one), f"step {step}"
     total, counts = _state(folded)
     assert sum(counts) > 5000 and total > 0
+
+
+def _must_not_observe(*_: Any) -> None:
+    raise AssertionError("observed one by one")
 
 
 def test_fold_observations_is_the_histograms_arithmetic() -> None:
@@ -82,11 +88,26 @@ def test_only_prometheus_clients_own_histogram_is_folded() -> None:
     assert latency_histogram.foldable(_child("plain"))
     assert not latency_histogram.foldable(custom.labels("0"))
     assert not latency_histogram.foldable(object())
+    # The installed prometheus_client folds as it observes (checked before wrapping).
+    assert latency_histogram.folds_as_observe_does()
+
+
+def test_a_record_without_the_arguments_it_reads_is_not_wrapped() -> None:
+    """A ``record`` whose engine index is named otherwise (a later vLLM) keeps vLLM's loop:
+    wrapping it could put every engine's latencies in engine 0's series."""
+
+    class Renamed:
+        def record(self, scheduler_stats: Any, iteration_stats: Any, engine: int = 0) -> None:
+            pass
+
+    before = Renamed.record
+    assert latency_histogram.install(Renamed) is False
+    assert Renamed.record is before
 
 
 def _stats(rng: random.Random, stats_cls: type) -> Any:
     stats = stats_cls()
-    stats.num_generation_tokens = rng.randrange(1, 300)
+    stats.num_generation_tokens = rng.choice([rng.randrange(1, 8), rng.randrange(8, 300)])
     stats.inter_token_latencies_iter = _latencies(rng, stats.num_generation_tokens)
     stats.time_to_first_tokens_iter = [rng.uniform(0, 1) for _ in range(rng.randrange(3))]
     return stats
@@ -102,7 +123,7 @@ def _histograms(logger: Any) -> dict[str, tuple[float, list[float]]]:
 
 
 def test_vllms_prometheus_logger_records_the_same_with_latencies_folded(
-    tmp_path: Path,
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """vLLM's own ``PrometheusStatLogger``: the wrapped ``record`` leaves every histogram
     as vLLM's ``record`` does, step after step, and the stats keep their latencies for
@@ -123,8 +144,15 @@ def test_vllms_prometheus_logger_records_the_same_with_latencies_folded(
     class Folding(PrometheusStatLogger):  # type: ignore[misc]
         record = original
 
-    latency_histogram.install(Folding)
-    latency_histogram.install(Folding)  # a second load of the plugin wraps nothing more
+    assert latency_histogram.install(Folding)
+    assert latency_histogram.install(Folding)  # a second load of the plugin: no more
+    folds = []
+
+    def counted(*args: Any) -> Any:
+        folds.append(len(args[0]))
+        return fold_observations(*args)
+
+    monkeypatch.setattr(latency_histogram, "fold_observations", counted)
     assert Folding.record.__wrapped__ is original  # type: ignore[attr-defined]
     # Each logger unregisters vLLM's metrics from the default registry before registering
     # its own: the first one's objects still count, outside the registry.
@@ -142,6 +170,8 @@ def test_vllms_prometheus_logger_records_the_same_with_latencies_folded(
         assert _histograms(folding) == _histograms(vllms), f"step {step}"
     count = sum(_state(folding.histogram_inter_token_latency[0])[1])
     assert count > 1000
+    # Steps with fewer than MIN_TO_FOLD latencies took vLLM's loop, the others were folded.
+    assert folds and min(folds) >= latency_histogram.MIN_TO_FOLD
     # Without iteration stats (a scheduler-stats-only record), nothing is folded.
     folding.record(scheduler_stats=None, iteration_stats=None, engine_idx=0)
     assert sum(_state(folding.histogram_inter_token_latency[0])[1]) == count

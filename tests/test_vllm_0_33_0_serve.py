@@ -41,7 +41,9 @@ import httpx  # noqa: E402
 from corewire.vllm.classes import client_classes  # noqa: E402
 from corewire.vllm.stack import ServeStack  # noqa: E402
 from serve_support import (  # noqa: E402
+    FOLDED_LOG_LINE,
     HEALTH_ENV,
+    OUTPUT_LOG_LINE,
     PLUGIN_LOG_LINE,
     SharedPids,
     check_chat_top_logprobs_plain_and_streamed,
@@ -117,6 +119,10 @@ def test_api_server_runs_the_requested_client(stack: ServeStack) -> None:
     log = server_log(stack)
     assert (PLUGIN_LOG_LINE in log) == (stack.client == "corewire")
     assert "supports vLLM" not in log
+    # With corewire's client, native output processing (on by default here) says so once
+    # vLLM's logging is up (0.34.0 drops what plugins say at INFO while they load).
+    assert (OUTPUT_LOG_LINE in log) == (stack.client == "corewire"), log[-3000:]
+    assert (FOLDED_LOG_LINE in log) == (stack.client == "corewire")
 
 
 def test_health_and_models(stack: ServeStack, http: httpx.Client) -> None:

@@ -35,6 +35,7 @@ import pytest
 from corewire.vllm.model_dir import write_model_dir
 from corewire.vllm.stack import ServeStack, StackError
 from serve_support import (
+    FOLDED_LOG_LINE,
     GREEDY_COMPLETIONS,
     HEALTH_ENV,
     HTTP_TIMEOUT,
@@ -168,6 +169,7 @@ def test_api_server_runs_the_requested_client(setting: str, stack: ServeStack) -
     log = server_log(stack)
     assert (PLUGIN_LOG_LINE in log) == (stack.client == "corewire")
     assert (OUTPUT_LOG_LINE in log) == (setting == "corewire+output")
+    assert (FOLDED_LOG_LINE in log) == (setting == "corewire+output")
     assert OUTPUT_KEPT_LOG_LINE not in log
 
 

@@ -52,6 +52,28 @@ __all__ = [
 
 logger = logging.getLogger("vllm.corewire")
 
+# Whether the log has said that corewire processes this process's outputs.
+_said_processing = False
+
+
+def _say_processing() -> None:
+    # Said when vLLM builds the processor, once per process: by then vLLM's logging is
+    # configured (0.34.0 configures it after loading plugins, which install this class).
+    global _said_processing
+    if _said_processing:
+        return
+    _said_processing = True
+    from vllm.v1.metrics.loggers import PrometheusStatLogger
+
+    from corewire.vllm import latency_histogram
+
+    if latency_histogram.installed(PrometheusStatLogger):
+        how = latency_histogram.FOLDED_LOG_LINE
+    else:
+        how = "inter-token latencies observed one by one, as vLLM does"
+    logger.info("corewire: vLLM's AsyncLLM processes outputs with corewire (%s)", how)
+
+
 # The Python class vLLM's fast detokenizer steps; a shim that replaces it (vLLM honours
 # one) would decode differently from the crate, so the native path only runs under this.
 _DECODE_STREAM = tokenizers.decoders.DecodeStream
@@ -234,6 +256,8 @@ class NativeOutputProcessor(OutputProcessor):
                 self.refusal = str(e)
         if self.refusal is not None:
             logger.info("corewire: vLLM's output processing kept: %s", self.refusal)
+        else:
+            _say_processing()
 
     @staticmethod
     def _uses_fast_detokenizer(tokenizer: Any) -> bool:

@@ -240,9 +240,10 @@ def _install_output_processor() -> None:
 
     from corewire.vllm import latency_histogram
 
-    # The last per-token Python of the output path: one histogram call per token.
+    # The last per-token Python of the output path: one histogram call per token. Both
+    # are said in the log by the processor when vLLM builds it: vLLM 0.34.0 configures
+    # its logging after loading plugins, and drops what they say at INFO before that.
     latency_histogram.install(PrometheusStatLogger)
-    logger.info("corewire: vLLM's AsyncLLM processes outputs with corewire")
 
 
 def self_check_passes() -> bool:
