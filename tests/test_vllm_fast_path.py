@@ -54,6 +54,7 @@ if _MISSING is not None:
 
 import httpx  # noqa: E402
 
+from corewire.vllm.fast_path import INSTALLED_LOG_LINE  # noqa: E402
 from corewire.vllm.stack import ServeStack  # noqa: E402
 from fast_path_features import FEATURES, Feature, semantic  # noqa: E402
 from serve_support import (  # noqa: E402
@@ -425,12 +426,11 @@ def test_fallback_is_said_once_in_the_log(stacks: dict[str, ServeStack]) -> None
     with http_client(stacks["corewire+fast"]) as mine:
         for _ in range(3):
             raw_events(mine, {**body, "echo": True})
-    said = [
-        line
-        for line in server_log(stacks["corewire+fast"]).splitlines()
-        if "streaming completion stays on vLLM's path: echo" in line
-    ]
+    log = server_log(stacks["corewire+fast"])
+    said = [line for line in log.splitlines() if "completion stays on vLLM's path: echo" in line]
     assert len(said) == 1, said
+    # And that the fast path is on at all, once vLLM's logging is up.
+    assert log.count(INSTALLED_LOG_LINE) == 1, log[-3000:]
 
 
 def test_client_disconnect_mid_stream_aborts_in_the_engine(
@@ -457,6 +457,7 @@ def test_fast_path_off_by_switch(tmp_path: Path) -> None:
     ):
         raw_events(http, {"prompt": "the old house", "max_tokens": 5, "stream": True})
         assert fast_path_counts(http) == {"tokens": 0.0}
+        assert INSTALLED_LOG_LINE not in server_log(stack)
 
 
 def _events_until_engine_killed(stack: ServeStack) -> list[str]:

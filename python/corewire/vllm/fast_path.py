@@ -35,6 +35,7 @@ from corewire._native import RequestText
 from corewire.vllm import asgi_cycle
 
 __all__ = [
+    "INSTALLED_LOG_LINE",
     "TEXT_PROBE",
     "Template",
     "attach",
@@ -48,6 +49,11 @@ __all__ = [
 ]
 
 logger = logging.getLogger("vllm.corewire")
+
+#: Said in the API server's log once the fast path is in its app.
+INSTALLED_LOG_LINE = (
+    "streaming completions and chat completions take the fast path where they qualify"
+)
 
 #: A text no model name or id contains, marking where a probe chunk's text goes.
 TEXT_PROBE = "\x00corewire-text-probe\x00"
@@ -196,11 +202,11 @@ def install(completion_class: Any, chat_class: Any) -> None:
     def init_entrypoints_middleware(args: Any, app: Any, *rest: Any, **kw: Any) -> Any:
         result = init_middleware(args, app, *rest, **kw)
         asgi_cycle.install(app)
+        # Said here, as the app is built, not when the plugin loads: vLLM 0.34.0 sets up
+        # its logging after loading plugins and drops what they say at INFO before that.
+        logger.info("corewire: %s", INSTALLED_LOG_LINE)
         return result
 
     launcher.init_entrypoints_middleware = init_entrypoints_middleware
     fast_completions.install(completion_class)
     fast_chat.install(chat_class)
-    logger.info(
-        "corewire: streaming completions and chat completions take the fast path where they qualify"
-    )
