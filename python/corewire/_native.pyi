@@ -29,6 +29,7 @@ __all__ = [
     "RequestText",
     "Router",
     "SendTracker",
+    "fold_observations",
     "wire_fields",
     "wire_structs",
     "wire_version",
