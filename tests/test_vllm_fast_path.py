@@ -427,7 +427,8 @@ def test_fallback_is_said_once_in_the_log(stacks: dict[str, ServeStack]) -> None
         for _ in range(3):
             raw_events(mine, {**body, "echo": True})
     log = server_log(stacks["corewire+fast"])
-    said = [line for line in log.splitlines() if "completion stays on vLLM's path: echo" in line]
+    reason = "streaming completion stays on vLLM's path: echo"
+    said = [line for line in log.splitlines() if reason in line]
     assert len(said) == 1, said
     # And that the fast path is on at all, once vLLM's logging is up.
     assert log.count(INSTALLED_LOG_LINE) == 1, log[-3000:]
