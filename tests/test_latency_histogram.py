@@ -107,7 +107,8 @@ def test_a_record_without_the_arguments_it_reads_is_not_wrapped() -> None:
 
 def _stats(rng: random.Random, stats_cls: type) -> Any:
     stats = stats_cls()
-    stats.num_generation_tokens = rng.choice([rng.randrange(1, 8), rng.randrange(8, 300)])
+    low = latency_histogram.MIN_TO_FOLD
+    stats.num_generation_tokens = rng.choice([rng.randrange(1, low), rng.randrange(low, 300)])
     stats.inter_token_latencies_iter = _latencies(rng, stats.num_generation_tokens)
     stats.time_to_first_tokens_iter = [rng.uniform(0, 1) for _ in range(rng.randrange(3))]
     return stats

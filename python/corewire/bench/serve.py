@@ -653,8 +653,7 @@ def report(results: list[Result], *, goals: bool = True) -> list[common.Goal]:
     """Prints the results, the collector, the layers and the goals; returns the goals.
     Without ``goals`` (a server option the goals were not set for) the ratios are
     printed without one."""
-    short = [r for r in results if r.max_tokens is not None]
-    results = [r for r in results if r.max_tokens is None]
+    results, short = by_length(results)
     by_key = {(r.client, r.scenario): r for r in results}
     native = any(r.profile.native for r in results)
     print()
@@ -762,6 +761,14 @@ def report(results: list[Result], *, goals: bool = True) -> list[common.Goal]:
             "latencies and CPU per token of this run are below an unprofiled run's)"
         )
     return found
+
+
+def by_length(results: list[Result]) -> tuple[list[Result], list[Result]]:
+    """``results`` at the run's ``--max-tokens``, and the shorter ``--split-tokens`` ones."""
+    return (
+        [r for r in results if r.max_tokens is None],
+        [r for r in results if r.max_tokens is not None],
+    )
 
 
 def cost_splits(
@@ -1298,13 +1305,7 @@ def run(args: argparse.Namespace) -> int:
             },
             cases=[as_case(r, _vllm_result(results, r)) for r in results],
             goals=found,
-            cost_splits=[
-                dataclasses.asdict(s)
-                for s in cost_splits(
-                    [r for r in results if r.max_tokens is None],
-                    [r for r in results if r.max_tokens is not None],
-                )[0]
-            ],
+            cost_splits=[dataclasses.asdict(s) for s in cost_splits(*by_length(results))[0]],
         )
         print(f"results written to {args.json}")
     if args.plot:

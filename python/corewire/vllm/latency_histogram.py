@@ -75,9 +75,11 @@ def observe_all(histogram: Any, values: list[float]) -> None:
             bucket.inc(count)
 
 
-#: Fewer latencies than this in a step go through vLLM's own loop: folding costs a few
-#: calls per step whatever the count, one ``observe`` per value costs about a microsecond.
-MIN_TO_FOLD = 8
+#: Fewer latencies than this in a step go through vLLM's own loop. Measured with vLLM
+#: 0.34.0's buckets (prometheus_client 0.26, CPython 3.11): one ``observe`` per value
+#: 0.65 us each; a fold 2.3 us plus 0.01 us per value (even at about 4 values; 256 values:
+#: 166 us one by one, 4.4 us folded).
+MIN_TO_FOLD = 4
 
 
 def folds_as_observe_does() -> bool:
@@ -121,14 +123,15 @@ def install(logger_cls: type) -> bool:
     # Where each argument is passed positionally (after self), for reading it cheaply
     # once per step: vLLM's StatLoggerManager passes the stats by position and the
     # engine index by name.
-    parameters = list(inspect.signature(original).parameters)[1:]
+    signature = inspect.signature(original).parameters
+    parameters = list(signature)[1:]
     if "iteration_stats" not in parameters or "engine_idx" not in parameters:
         return False  # a renamed argument: wrapping could feed the wrong engine's series
     if not folds_as_observe_does():
         return False
     stats_at = parameters.index("iteration_stats")
     engine_at = parameters.index("engine_idx")
-    default_engine = inspect.signature(original).parameters["engine_idx"].default
+    default_engine = signature["engine_idx"].default
 
     def argument(args: tuple[Any, ...], kwargs: dict[str, Any], name: str, at: int) -> Any:
         if name in kwargs:
