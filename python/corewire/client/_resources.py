@@ -86,6 +86,9 @@ class ClientResources:
         self.engine_dead = False
         #: What killed the engine, for the error message of later calls.
         self.dead_reason = "Engine core died unexpectedly."
+        #: Whether the owner shut the client down while its engines were alive (no
+        #: death: the calls still raise, but an embedding front-end may stay quiet).
+        self.shut_down = False
         #: Called on the owning thread with the death error: wakes queue waiters.
         self.fail_queue: Callable[[BaseException], None] | None = None
         #: Engine frames that broke the protocol (each failed alone: docs/protocol.md
@@ -201,6 +204,7 @@ class ClientResources:
     def _close(self) -> None:
         if not self.engine_dead:
             self.dead_reason = "The client was shut down."
+            self.shut_down = True
         self.engine_dead = True
         if self.metrics is not None:
             self.metrics.close()

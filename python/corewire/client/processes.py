@@ -73,11 +73,19 @@ class ProcessGroup:
         self.coordinator: ProcessHandle | None = None
         #: Seconds processes get between SIGTERM and SIGKILL when the group stops.
         self.terminate_grace = TERMINATE_GRACE_S
+        #: ``id()`` of the handles another owner releases (vLLM's launcher: its finalizer
+        #: still reads them after corewire stopped them), stopped here but left open.
+        self._borrowed: set[int] = set()
         self._monitor: _Monitor | None = None
 
-    def add_engine(self, index: int, proc: ProcessHandle, *, joining: bool = False) -> None:
+    def add_engine(
+        self, index: int, proc: ProcessHandle, *, joining: bool = False, borrowed: bool = False
+    ) -> None:
         """Own engine ``index``'s process: watched from now on, or, ``joining``, from
-        :meth:`admit` on."""
+        :meth:`admit` on. ``borrowed``: stopped with the group but never closed (the
+        handle's maker closes it)."""
+        if borrowed:
+            self._borrowed.add(id(proc))
         if joining:
             self.joining[index] = proc
             return
@@ -92,8 +100,11 @@ class ProcessGroup:
                 self.engines[index] = proc
         self._changed()
 
-    def set_coordinator(self, proc: ProcessHandle) -> None:
-        """Own the coordinator process (watched from now on)."""
+    def set_coordinator(self, proc: ProcessHandle, *, borrowed: bool = False) -> None:
+        """Own the coordinator process (watched from now on); ``borrowed`` as in
+        :meth:`add_engine`."""
+        if borrowed:
+            self._borrowed.add(id(proc))
         self.coordinator = proc
         self._changed()
 
@@ -147,17 +158,23 @@ class ProcessGroup:
         self.engines.clear()
         self.joining.clear()
         self.coordinator = None
-        stop_processes(procs, self.terminate_grace)
+        borrowed = [proc for proc in procs if id(proc) in self._borrowed]
+        self._borrowed.clear()
+        stop_processes(procs, self.terminate_grace, keep_open=borrowed)
 
     def _changed(self) -> None:
         if self._monitor is not None:
             self._monitor.rescan()
 
 
-def stop_processes(processes: Iterable[Any], grace: float = TERMINATE_GRACE_S) -> None:
+def stop_processes(
+    processes: Iterable[Any], grace: float = TERMINATE_GRACE_S, keep_open: Iterable[Any] = ()
+) -> None:
     """The one stop routine: SIGTERM the live processes, SIGKILL those still alive after
-    ``grace`` seconds, reap them all and release their handles."""
+    ``grace`` seconds, reap them all and release their handles, except those in
+    ``keep_open`` (another owner still reads them: closing would make it raise)."""
     processes = list(processes)
+    leave_open = {id(proc) for proc in keep_open}
     for proc in processes:
         if proc.is_alive():
             with contextlib.suppress(Exception):
@@ -172,6 +189,8 @@ def stop_processes(processes: Iterable[Any], grace: float = TERMINATE_GRACE_S) -
                 proc.kill()
             proc.join(5.0)
     for proc in processes:
+        if id(proc) in leave_open:
+            continue
         with contextlib.suppress(Exception):
             proc.close()  # frees the sentinel fd now, not at garbage collection
 

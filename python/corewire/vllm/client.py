@@ -33,6 +33,7 @@ calls its client: docs/vllm-0.33.0-notes.md §6.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
 from collections.abc import Callable
@@ -321,6 +322,9 @@ class VllmClientMixin:
         requests the frame named finish with ``FinishReason.ERROR`` (a frame that names
         none never gets here: the output link drops it). Every bad frame is counted
         (:attr:`protocol_errors`) and logged by the output link.
+
+        Once vLLM shut the client down (engines alive), the call waits to be cancelled, as
+        under vLLM's own client, rather than raise an engine death into vLLM's log.
         """
         while True:
             try:
@@ -330,6 +334,13 @@ class VllmClientMixin:
                 self._note_protocol_error(exc, request_ids)
                 if request_ids:
                     return finished_outputs(request_ids, FinishReason.ERROR)
+            except corewire.errors.EngineDeadError:
+                if not self.resources.shut_down:
+                    raise
+                # vLLM shut this client down and cancels its output handler next, as its
+                # own client expects: that handler waits here to be cancelled instead of
+                # logging an engine death that did not happen.
+                await asyncio.Future()
 
     def _note_protocol_error(self, exc: BaseException, request_ids: tuple[str, ...]) -> None:
         metrics = self.resources.metrics
@@ -388,10 +399,13 @@ class VllmClientMixin:
                 raise RuntimeError(
                     f"vLLM started {len(local)} local engines for ranks {self.engine_indices}"
                 )
+            # Borrowed: vLLM's manager and coordinator close these handles in their own
+            # finalizers, which raise on a handle already closed ("process object is
+            # closed", a traceback at every shutdown of the API server).
             for index, proc in zip(self.engine_indices, local, strict=False):
-                processes.add_engine(index, proc)
+                processes.add_engine(index, proc, borrowed=True)
             if launched.coordinator is not None:
-                processes.set_coordinator(launched.coordinator.proc)
+                processes.set_coordinator(launched.coordinator.proc, borrowed=True)
         self.stats_update_address = launched.addresses.frontend_stats_publish_address
 
 
