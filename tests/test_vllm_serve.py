@@ -389,6 +389,30 @@ def test_model_dir_tokenizer_matches_the_engine_vocabulary(tmp_path: Path) -> No
         write_model_dir(tmp_path / "bad", eos_token_id=7)
 
 
+def test_model_dir_weights_are_the_seeds_and_load_as_a_llama(tmp_path: Path) -> None:
+    """With ``weights_seed`` the directory carries weights in the config's shapes, the same
+    bytes for the same seed and others for another; without it, none."""
+    from safetensors.torch import load_file
+
+    made = {
+        name: write_model_dir(tmp_path / name, vocab_size=256, weights_seed=seed)
+        for name, seed in (("a", 0), ("b", 0), ("c", 1))
+    }
+    files = {name: (path / "model.safetensors").read_bytes() for name, path in made.items()}
+    assert files["a"] == files["b"] != files["c"]
+    config = json.loads((made["a"] / "config.json").read_text())
+    tensors = load_file(str(made["a"] / "model.safetensors"))
+    hidden, layers = config["hidden_size"], config["num_hidden_layers"]
+    assert tensors["lm_head.weight"].shape == (256, hidden)
+    assert tensors["model.embed_tokens.weight"].shape == (256, hidden)
+    q_rows = config["num_attention_heads"] * config["head_dim"]
+    assert tensors[f"model.layers.{layers - 1}.self_attn.q_proj.weight"].shape == (q_rows, hidden)
+    assert f"model.layers.{layers}.mlp.up_proj.weight" not in tensors
+    # The head is wide enough that greedy choices are far from ties.
+    assert float(tensors["lm_head.weight"].std()) > 0.3
+    assert not (write_model_dir(tmp_path / "none") / "model.safetensors").exists()
+
+
 def test_stack_starts_again_when_its_ports_are_taken(tmp_path: Path) -> None:
     """Another process takes the ports the stack chose before vLLM binds them (the race
     of two test runs on one machine): the API server exits with "address already in

@@ -22,11 +22,14 @@ from typing import Any
 __all__ = [
     "BOS_TOKEN",
     "CHAT_TEMPLATE",
+    "ENGINE_SIZES",
     "EOS_TOKEN",
+    "FRONTEND_SIZES",
     "PAD_TOKEN",
     "UNK_TOKEN",
     "build_vocabulary",
     "write_model_dir",
+    "write_weights",
 ]
 
 PAD_TOKEN = "<pad>"
@@ -99,19 +102,40 @@ def _tokenizer_json(vocab: dict[str, int]) -> str:
     return tokenizer.to_str(pretty=True)
 
 
+#: The sizes of a weightless directory: only self-consistent (a front-end reads them,
+#: nothing computes with them).
+FRONTEND_SIZES = {
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 1,
+    "num_attention_heads": 2,
+    "num_key_value_heads": 2,
+    "head_dim": 32,
+}
+#: The sizes of a directory with weights, which vLLM's own engine loads and runs: small
+#: enough for a 2-core CPU, in shapes its CPU attention kernels take.
+ENGINE_SIZES = {
+    "hidden_size": 128,
+    "intermediate_size": 256,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 4,
+    "head_dim": 32,
+}
+
+
 def _config(
-    vocab_size: int, max_model_len: int, eos_token_id: int, pad_token_id: int, bos_token_id: int
+    vocab_size: int,
+    max_model_len: int,
+    eos_token_id: int,
+    pad_token_id: int,
+    bos_token_id: int,
+    sizes: dict[str, int],
 ) -> dict[str, Any]:
-    # Sizes only have to be self-consistent: the front-end reads them, nothing computes.
     return {
         "architectures": ["LlamaForCausalLM"],
         "model_type": "llama",
-        "hidden_size": 64,
-        "intermediate_size": 128,
-        "num_hidden_layers": 1,
-        "num_attention_heads": 2,
-        "num_key_value_heads": 2,
-        "head_dim": 32,
+        **sizes,
         "hidden_act": "silu",
         "rms_norm_eps": 1e-5,
         "rope_theta": 10000.0,
@@ -132,8 +156,14 @@ def write_model_dir(
     max_model_len: int = 2048,
     eos_token_id: int = 2,
     pad_token_id: int = 0,
+    weights_seed: int | None = None,
 ) -> Path:
     """Write a tiny model directory for vLLM's front-end into ``path`` (created if missing).
+
+    ``weights_seed``: also write random weights drawn from that seed
+    (``model.safetensors``, :func:`write_weights`), in :data:`ENGINE_SIZES`, so that vLLM's
+    own engine loads and runs the model; without it the directory has no weights and
+    :data:`FRONTEND_SIZES`, for a server whose engines are not vLLM's.
 
     ``vocab_size``, ``max_model_len``, ``eos_token_id`` and ``pad_token_id`` must match the
     engines behind the server (the defaults are the reference engine's). The eos and pad ids
@@ -154,7 +184,14 @@ def write_model_dir(
     out = Path(path)
     out.mkdir(parents=True, exist_ok=True)
     files: dict[str, Any] = {
-        "config.json": _config(vocab_size, max_model_len, eos_token_id, pad_token_id, bos_token_id),
+        "config.json": _config(
+            vocab_size,
+            max_model_len,
+            eos_token_id,
+            pad_token_id,
+            bos_token_id,
+            FRONTEND_SIZES if weights_seed is None else ENGINE_SIZES,
+        ),
         "tokenizer_config.json": {
             "tokenizer_class": "PreTrainedTokenizerFast",
             "bos_token": BOS_TOKEN,
@@ -183,4 +220,52 @@ def write_model_dir(
     for name, content in files.items():
         (out / name).write_text(json.dumps(content, indent=2) + "\n")
     (out / "tokenizer.json").write_text(_tokenizer_json(vocab))
+    if weights_seed is not None:
+        write_weights(out, files["config.json"], weights_seed)
     return out
+
+
+def write_weights(path: Path, config: dict[str, Any], seed: int, head_std: float = 0.5) -> Path:
+    """Write ``model.safetensors``: random weights of the llama ``config`` describes,
+    drawn from ``seed`` (the same seed, the same bytes), under the names vLLM's and
+    transformers' llama loaders read. Returns the file.
+
+    The output head is drawn wider (``head_std``) than the rest: next-token scores then
+    differ by whole units, so greedy answers and logprobs are far from flat and a
+    difference between two front-ends shows.
+    """
+    # Imported here: torch and safetensors come with vLLM, not with corewire.
+    import torch
+    from safetensors.torch import save_file
+
+    hidden, inner = config["hidden_size"], config["intermediate_size"]
+    heads, kv_heads, head_dim = (
+        config["num_attention_heads"],
+        config["num_key_value_heads"],
+        config["head_dim"],
+    )
+    vocab = config["vocab_size"]
+    generator = torch.Generator().manual_seed(seed)
+
+    def normal(*shape: int, std: float = 0.02) -> Any:
+        return torch.randn(*shape, generator=generator) * std
+
+    tensors = {"model.embed_tokens.weight": normal(vocab, hidden, std=1.0)}
+    for layer in range(config["num_hidden_layers"]):
+        at = f"model.layers.{layer}"
+        tensors |= {
+            f"{at}.self_attn.q_proj.weight": normal(heads * head_dim, hidden),
+            f"{at}.self_attn.k_proj.weight": normal(kv_heads * head_dim, hidden),
+            f"{at}.self_attn.v_proj.weight": normal(kv_heads * head_dim, hidden),
+            f"{at}.self_attn.o_proj.weight": normal(hidden, heads * head_dim),
+            f"{at}.mlp.gate_proj.weight": normal(inner, hidden),
+            f"{at}.mlp.up_proj.weight": normal(inner, hidden),
+            f"{at}.mlp.down_proj.weight": normal(hidden, inner),
+            f"{at}.input_layernorm.weight": torch.ones(hidden),
+            f"{at}.post_attention_layernorm.weight": torch.ones(hidden),
+        }
+    tensors["model.norm.weight"] = torch.ones(hidden)
+    tensors["lm_head.weight"] = normal(vocab, hidden, std=head_std)
+    target = path / "model.safetensors"
+    save_file(tensors, str(target), metadata={"format": "pt"})
+    return target
