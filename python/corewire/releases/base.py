@@ -17,11 +17,13 @@ __all__ = ["Launch", "Release"]
 class Launch:
     """What vLLM's ``launch_core_engines`` made: its engine manager, its DP coordinator
     and the engine addresses (whose ``frontend_stats_publish_address`` is final once the
-    handshake, at the end of the ``with`` block, is over)."""
+    handshake, at the end of the ``with`` block, is over), and the queue of multimodal
+    tensors sent out of band (``mm_tensor_ipc="torch_shm"``; None otherwise)."""
 
     engine_manager: Any
     coordinator: Any
     addresses: Any
+    tensor_queue: Any = None
 
 
 class Release(str):

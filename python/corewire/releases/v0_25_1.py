@@ -44,9 +44,9 @@ class Release0251(Release):
             engine_manager,
             coordinator,
             launched,
-            _tensor_queue,
+            tensor_queue,
         ):
-            yield Launch(engine_manager, coordinator, launched)
+            yield Launch(engine_manager, coordinator, launched, tensor_queue)
 
     def launch_addresses(self, vllm_config: Any, inputs: str, outputs: str) -> Any:
         """vLLM's planned engine addresses with the client's bound endpoints in place of

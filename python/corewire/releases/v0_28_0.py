@@ -34,4 +34,9 @@ class Release0280(Release0270):
 
         addresses = self.launch_addresses(vllm_config, inputs, outputs)
         with launch_core_engines(vllm_config, executor_class, log_stats, addresses) as launched:
-            yield Launch(launched.engine_manager, launched.coordinator, launched.addresses)
+            yield Launch(
+                launched.engine_manager,
+                launched.coordinator,
+                launched.addresses,
+                getattr(launched, "tensor_queue", None),
+            )

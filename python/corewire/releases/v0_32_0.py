@@ -40,7 +40,12 @@ class Release0320(Release0310):
 
         addresses = EngineZmqAddresses(inputs=[inputs], outputs=[outputs])
         with launch_core_engines(vllm_config, executor_class, log_stats, addresses) as launched:
-            yield Launch(launched.engine_manager, launched.coordinator, launched.addresses)
+            yield Launch(
+                launched.engine_manager,
+                launched.coordinator,
+                launched.addresses,
+                getattr(launched, "tensor_queue", None),
+            )
 
     def listeners(self, client_addresses: dict[str, Any]) -> dict[int, Any]:
         # vLLM's multi-API-server parent binds each server's endpoints itself and hands

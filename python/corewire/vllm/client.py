@@ -55,6 +55,7 @@ from corewire.errors import ProtocolError
 from corewire.protocol import FinishReason, finished_outputs
 from corewire.releases import Release
 from corewire.releases import get as get_release
+from corewire.vllm.multimodal import multimodal_encoder_for
 
 __all__ = [
     "INSTALLED_PROTOCOL",
@@ -245,6 +246,8 @@ class VllmClientMixin:
         self._vllm_renderer = args.renderer
         #: vLLM's multi-API-server parent waits on this pipe for the endpoints we bind.
         self._vllm_address_pipe: Any = None
+        #: vLLM's queue of out-of-band multimodal tensors (handed over or launched).
+        self._vllm_tensor_queue: Any = None
         #: Listening sockets vLLM's multi-API-server parent bound for us (0.33.0), by the
         #: ZeroMQ socket kind that adopts them.
         self._vllm_listeners: dict[int, Any] = {}
@@ -258,6 +261,7 @@ class VllmClientMixin:
             }
             self.stats_update_address = client_addresses.get("stats_update_address")
             self._vllm_address_pipe = client_addresses.get("actual_address_pipe")
+            self._vllm_tensor_queue = client_addresses.get("tensor_queue")
         else:
             self._vllm_launch = (args.executor_class, args.log_stats)
             inputs, outputs = self.release.planned_addresses(vllm_config)
@@ -280,7 +284,11 @@ class VllmClientMixin:
         }
 
     def _vllm_finish_setup(self) -> None:
-        """Apply every engine's ready response to the VllmConfig (after the ready wait)."""
+        """Apply every engine's ready response to the VllmConfig (after the ready wait);
+        a multimodal model's requests with items go through vLLM's encoder from now on."""
+        self.encoder = multimodal_encoder_for(
+            self.encoder, self.vllm_config, self._vllm_tensor_queue
+        )
         for info in self.ready_info.values():
             response = self.release.apply_ready(self, info)
             if response is None:
@@ -386,6 +394,7 @@ class VllmClientMixin:
             engine_manager = launched.engine_manager
             self.vllm_engine_manager = engine_manager
             self.vllm_coordinator = launched.coordinator
+            self._vllm_tensor_queue = launched.tensor_queue
             # The local engines are forked: a warm-up thread is safe now, and overlaps
             # their start-up.
             self._start_mm_warmup()

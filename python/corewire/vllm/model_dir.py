@@ -89,7 +89,7 @@ def build_vocabulary(vocab_size: int) -> dict[str, int]:
     return vocab
 
 
-def _tokenizer_json(vocab: dict[str, int]) -> str:
+def _tokenizer_json(vocab: dict[str, int], extra_specials: tuple[str, ...] = ()) -> str:
     # Imported here: `tokenizers` comes with vLLM / transformers, not with corewire.
     from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
 
@@ -98,7 +98,8 @@ def _tokenizer_json(vocab: dict[str, int]) -> str:
     # WordPiece's decoder joins tokens with a space (no "##" pieces exist here); no cleanup,
     # so that the text of a token stream is exactly the tokens joined by spaces.
     tokenizer.decoder = decoders.WordPiece(prefix="##", cleanup=False)
-    tokenizer.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in _SPECIALS])
+    specials = (*_SPECIALS, *extra_specials)
+    tokenizer.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in specials])
     return tokenizer.to_str(pretty=True)
 
 
