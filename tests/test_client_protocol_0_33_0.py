@@ -252,6 +252,34 @@ async def test_async_client_keeps_each_engines_status(ipc_dir: Path, sockets: So
         assert not client.engine_dead
 
 
+async def test_the_watchdog_spares_an_engine_in_fault_handling_and_finds_a_hung_one(
+    ipc_dir: Path, sockets: Sockets
+) -> None:
+    """An engine that says it is unhealthy waits for an orchestrator's instruction and
+    answers nothing else (vLLM's fault tolerance): the watchdog sends it no health check
+    and never declares it dead. Once it says it is healthy again, silence is a hang."""
+    watchdog = {"health_check_interval": 0.1, "health_check_timeout": 0.3}
+    with client_and_peer(ipc_dir, sockets, AsyncMPClient, protocol="0.33.0", **watchdog) as (
+        client,
+        peer,
+    ):
+        peer.send(status_frames(0, {"id": 0, "status": "unhealthy", "fault_info": "Boom"}))
+        await wait_for_async(lambda: client.engine_status.get(0, {}).get("status") == "unhealthy")
+        # A check sent before the status arrived may still come in: take it, answer
+        # nothing. After that none comes, over many intervals and timeouts.
+        await asyncio.to_thread(peer.nothing_for, 0.3)
+        while not await asyncio.to_thread(peer.nothing_for, 0.5):
+            await asyncio.to_thread(peer.recv)
+        await asyncio.to_thread(peer.nothing_for, 1.5)
+        assert not client.engine_dead
+        await client.check_health_async(0.3)  # asked directly: not dead either
+        # Healthy again, and silent: found, as any hung engine.
+        peer.send(status_frames(0, {"id": 0, "status": "healthy"}))
+        await asyncio.to_thread(peer.recv_utility)  # the watchdog probes it again
+        await wait_for_async(lambda: client.engine_dead)
+        assert "did not answer a health check" in client.resources.dead_reason
+
+
 def test_sync_client_drops_and_counts_statuses(
     ipc_dir: Path, sockets: Sockets, caplog: pytest.LogCaptureFixture
 ) -> None:

@@ -413,7 +413,10 @@ class AsyncMPClient(MPClient):
         (hung or stopped).
 
         A failure reply still proves the engine alive. The client's state is left
-        unchanged: a later check may pass (a stopped engine that was continued).
+        unchanged: a later check may pass (a stopped engine that was continued). An
+        engine whose latest fault-tolerance status is not ``healthy`` (see
+        :attr:`engine_status`) is left out: vLLM's engines in fault handling answer
+        nothing but the instruction they wait for, for as long as vLLM's window lasts.
 
         Bursts: the reply waits behind every input sent before it, which after a burst
         of requests may take longer than ``timeout`` to read. An engine counts as hung
@@ -431,18 +434,23 @@ class AsyncMPClient(MPClient):
         self.ensure_alive()
         queue = self.outputs_queue
         liveness = self.resources.liveness
+        # An engine in vLLM's fault handling answers nothing but the instruction it waits
+        # for: by its own word it is alive, and its fate is the orchestrator's.
+        probed = [e for e in self.core_engines if not self._in_fault_handling(engine_index_of(e))]
         # Plain futures, no tasks or gather: whatever ends the wait (a timeout, the caller
         # cancelled), each call is withdrawn or its outcome read, so asyncio has nothing
         # to log as "never retrieved" or "destroyed but pending".
         calls: list[tuple[asyncio.Future[Any], int]] = []
         try:
-            for engine in self.core_engines:
+            for engine in probed:
                 calls.append(self._send_utility(HEALTH_CHECK_METHOD, (), engine))
             futures = [future for future, _ in calls]
             index_of = {
                 future: engine_index_of(engine)
-                for future, engine in zip(futures, self.core_engines, strict=True)
+                for future, engine in zip(futures, probed, strict=True)
             }
+            if not futures:
+                return
             judge = SilenceJudge(liveness, timeout, time.monotonic())
             wake_at = liveness.deadline(index_of.values(), judge.started, timeout)
             while True:
@@ -456,6 +464,13 @@ class AsyncMPClient(MPClient):
                     judge.restart(now)  # the backlog was full: this window does not count
                     wake_at = now + timeout
                     continue
+                # Engines that went into fault handling during the check: not waited for.
+                held = {f for f in pending if self._in_fault_handling(index_of[f])}
+                if held:
+                    futures = [f for f in futures if f not in held]
+                    pending -= held
+                    if not pending:
+                        break
                 silent, wake_at = judge.judge([index_of[f] for f in pending], now)
                 if silent:
                     raise self.resources.dead_error(
@@ -468,6 +483,14 @@ class AsyncMPClient(MPClient):
             exc = future.exception()
             if exc is not None and not isinstance(exc, UtilityError):
                 raise self._format_exception(exc)
+
+    def _in_fault_handling(self, engine_index: int) -> bool:
+        """Whether engine ``engine_index``'s latest pushed status (vLLM's fault tolerance)
+        says it is not serving: unhealthy and waiting for an instruction, or any other
+        status but healthy (a later release's recovering or paused). Engines that push no
+        status (fault tolerance off) never are."""
+        status = self._engine_statuses.get(engine_index)
+        return status is not None and status.get("status", "healthy") != "healthy"
 
     # -- utility wrappers (vLLM's client API) ------------------------------------------
 
