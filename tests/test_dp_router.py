@@ -73,3 +73,26 @@ def test_resize_and_errors() -> None:
     with pytest.raises(ValueError):
         router.resize(0)
     assert "Router(num_engines=1" in repr(router)
+
+
+def test_several_front_ends_start_apart_and_scale_their_own_counts() -> None:
+    """vLLM's API servers each route over all engines (its client_index, client_count):
+    their first picks differ, and each counts its own requests as every front-end's."""
+    servers = [Router(4, i, 2) for i in range(2)]
+    assert [r.client_count for r in servers] == [2, 2]
+    assert [r.choose() for r in servers] == [0, 2]
+    # A burst at each server before any report: still even over the engines.
+    picks = Counter(r.choose() for _ in range(15) for r in servers)
+    picks.update([0, 2])
+    assert picks == {0: 8, 1: 8, 2: 8, 3: 8}
+    alone = Router(2)
+    alone.update_counts([[0, 3], [0, 0]])
+    pair = Router(2, 0, 2)
+    pair.update_counts([[0, 3], [0, 0]])
+    for router in (alone, pair):
+        router.note_sent(1, 2)
+    assert (alone.loads(), pair.loads()) == ([3, 2], [3, 4])
+    with pytest.raises(ValueError, match="client_index 2 is out of range"):
+        Router(2, 2, 2)
+    with pytest.raises(ValueError, match="out of range"):
+        Router(2, 0, 0)

@@ -256,16 +256,22 @@ class SendTracker:
 class Router:
     """Chooses the engine for each request of a data-parallel front-end.
 
-    Load per engine is ``max(waiting + running + sent_since_update, in_flight)``: the
-    coordinator's last counts plus what this client sent since, floored by this client's
-    requests in flight. The least loaded engine wins; ties go to fewer waiting requests,
-    then to a start position that rotates on every decision.
+    Load per engine is ``max(waiting + running + clients * sent_since_update,
+    clients * in_flight)``: the coordinator's last counts plus what this client sent
+    since, floored by this client's requests in flight, this client's counts scaled by
+    the number of front-ends routing over the same engines (``client_count``, vLLM's API
+    servers). The least loaded engine wins; ties go to fewer waiting requests, then to a
+    start position that rotates on every decision and begins at this client's share of
+    the engines (``num_engines * client_index // client_count``).
     """
 
-    def __new__(cls, num_engines: int) -> Router: ...
+    def __new__(cls, num_engines: int, client_index: int = 0, client_count: int = 1) -> Router: ...
     @property
     def num_engines(self) -> int:
         """Number of engines routed over."""
+    @property
+    def client_count(self) -> int:
+        """Front-ends routing over the same engines."""
     def choose(self) -> int:
         """The least-loaded engine index; notes one request sent to it."""
     def route(self, rank: int | None) -> int:

@@ -575,7 +575,9 @@ class DPLBAsyncMPClient(DPAsyncMPClient):
 
     ``DPLBAsyncMPClient(data_parallel_size=N)`` starts N reference engines and the
     coordinator. Each request goes to the least-loaded engine by the coordinator's
-    counts, floored by this client's own requests in flight, ties rotating (see
+    counts, floored by this client's own requests in flight (both scaled by
+    ``client_count``, the front-ends routing over the same engines, and the rotation of
+    ties starting at this client's share of them, as vLLM's client routes; see
     :class:`corewire._native.Router`); an explicit ``data_parallel_rank`` wins. With
     ``protocol="0.33.0"`` the waiting requests of an engine whose KV cache is more than
     half full weigh more, and a streaming session's inputs stay on one engine, as in vLLM
@@ -600,7 +602,12 @@ class DPLBAsyncMPClient(DPAsyncMPClient):
         #: Open streaming-input sessions (``resumable`` requests; ``protocol="0.33.0"``
         #: only), whose aborts go to every engine.
         self.streaming_reqs: set[str] = set()
-        self._router = Router(data_parallel_size)
+        # Every front-end routing over these engines (vLLM's API servers) starts at its
+        # own share of them and counts its requests as that many front-ends' (vLLM's
+        # client_count and client_index).
+        self._router = Router(
+            data_parallel_size, kwargs.get("client_index", 0), kwargs.get("client_count", 1)
+        )
         self._route = self._router.route
         self._note_finished = self._router.note_finished
         self._scale_lock: asyncio.Lock | None = None

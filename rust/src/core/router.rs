@@ -7,7 +7,14 @@
 //! added to the reported counts (they cannot be in them yet), and requests in flight
 //! (sent, not finished) are a floor, so a stale report of an idle engine never hides what
 //! this client already put there. The load of an engine is
-//! `max(waiting + running + sent_since_update, in_flight)`.
+//! `max(waiting + running + clients * sent_since_update, clients * in_flight)`.
+//!
+//! `clients` is the number of front-ends routing over the same engines (vLLM's
+//! `client_count`: its API servers). Each sees only its own requests; scaling them by the
+//! number of front-ends estimates everyone's, as vLLM's own client does, so that a burst
+//! arriving at every API server at once spreads instead of each piling onto the engine the
+//! last report showed idle. Each front-end also starts its rotation at its own share of the
+//! engines (`num_engines * client_index / clients`), so their first picks differ.
 //!
 //! Ties are broken first by fewer waiting requests (an engine with a queue is saturated),
 //! then by a start position that rotates on every decision, so equal engines take turns
@@ -32,12 +39,14 @@ struct Slot {
 }
 
 impl Slot {
+    /// Recomputes `key`; `clients` scales this client's own counts (see the module doc).
     #[inline]
-    fn refresh(&mut self) {
-        let reported =
-            u64::from(self.waiting) + u64::from(self.running) + u64::from(self.sent_since_update);
+    fn refresh(&mut self, clients: u64) {
+        let reported = u64::from(self.waiting)
+            + u64::from(self.running)
+            + clients * u64::from(self.sent_since_update);
         let load = reported
-            .max(u64::from(self.in_flight))
+            .max(clients * u64::from(self.in_flight))
             .min(u64::from(u32::MAX));
         self.key = (load << 32) | u64::from(self.waiting);
     }
@@ -50,6 +59,8 @@ pub enum RouterError {
     RankOutOfRange { rank: i64, num_engines: usize },
     /// A router needs at least one engine.
     NoEngines,
+    /// `client_index` must be below `client_count`, which must be at least 1.
+    ClientOutOfRange { index: usize, count: usize },
 }
 
 impl std::fmt::Display for RouterError {
@@ -60,6 +71,10 @@ impl std::fmt::Display for RouterError {
                 "data_parallel_rank {rank} is out of range: there are {num_engines} engines"
             ),
             RouterError::NoEngines => write!(f, "a router needs at least one engine"),
+            RouterError::ClientOutOfRange { index, count } => write!(
+                f,
+                "client_index {index} is out of range: there are {count} clients"
+            ),
         }
     }
 }
@@ -72,18 +87,43 @@ pub struct Router {
     slots: Vec<Slot>,
     /// Where the next scan starts; advances by one on every decision.
     start: usize,
+    /// Front-ends routing over the same engines (>= 1); scales this client's counts.
+    clients: u64,
 }
 
 impl Router {
-    /// A router over `num_engines` idle engines.
+    /// A router over `num_engines` idle engines, for the only front-end routing there.
     pub fn new(num_engines: usize) -> Result<Self, RouterError> {
+        Self::for_client(num_engines, 0, 1)
+    }
+
+    /// A router over `num_engines` idle engines for front-end `client_index` of
+    /// `client_count` routing over them (see the module doc).
+    pub fn for_client(
+        num_engines: usize,
+        client_index: usize,
+        client_count: usize,
+    ) -> Result<Self, RouterError> {
         if num_engines == 0 {
             return Err(RouterError::NoEngines);
         }
+        if client_index >= client_count {
+            return Err(RouterError::ClientOutOfRange {
+                index: client_index,
+                count: client_count,
+            });
+        }
         Ok(Router {
             slots: vec![Slot::default(); num_engines],
-            start: 0,
+            start: num_engines * client_index / client_count,
+            clients: client_count as u64,
         })
+    }
+
+    /// Front-ends routing over the same engines.
+    #[inline]
+    pub fn clients(&self) -> u64 {
+        self.clients
     }
 
     /// Number of engines routed over.
@@ -135,10 +175,11 @@ impl Router {
     /// Notes `count` requests sent to `engine` without a routing decision.
     pub fn note_sent(&mut self, engine: i64, count: u32) -> Result<(), RouterError> {
         let index = self.check_rank(engine)?;
+        let clients = self.clients;
         let slot = &mut self.slots[index];
         slot.in_flight = slot.in_flight.saturating_add(count);
         slot.sent_since_update = slot.sent_since_update.saturating_add(count);
-        slot.refresh();
+        slot.refresh(clients);
         Ok(())
     }
 
@@ -146,12 +187,13 @@ impl Router {
     /// (removed by a resize while their requests were finishing) are ignored, and the
     /// count never goes below zero.
     pub fn note_finished(&mut self, engine: i64, count: u32) {
+        let clients = self.clients;
         if let Some(slot) = usize::try_from(engine)
             .ok()
             .and_then(|i| self.slots.get_mut(i))
         {
             slot.in_flight = slot.in_flight.saturating_sub(count);
-            slot.refresh();
+            slot.refresh(clients);
         }
     }
 
@@ -163,12 +205,13 @@ impl Router {
         I: IntoIterator<Item = (u32, u32)>,
     {
         let mut iter = counts.into_iter();
+        let clients = self.clients;
         for slot in &mut self.slots {
             let (waiting, running) = iter.next().unwrap_or((0, 0));
             slot.waiting = waiting;
             slot.running = running;
             slot.sent_since_update = 0;
-            slot.refresh();
+            slot.refresh(clients);
         }
     }
 
@@ -191,7 +234,7 @@ impl Router {
     }
 
     /// The load the router decides on, per engine:
-    /// `max(waiting + running + sent_since_update, in_flight)`.
+    /// `max(waiting + running + clients * sent_since_update, clients * in_flight)`.
     pub fn loads(&self) -> Vec<u64> {
         self.slots.iter().map(|s| s.key >> 32).collect()
     }
@@ -220,10 +263,11 @@ impl Router {
 
     #[inline]
     fn note_sent_unchecked(&mut self, index: usize) {
+        let clients = self.clients;
         let slot = &mut self.slots[index];
         slot.in_flight = slot.in_flight.saturating_add(1);
         slot.sent_since_update = slot.sent_since_update.saturating_add(1);
-        slot.refresh();
+        slot.refresh(clients);
     }
 }
 
@@ -244,6 +288,39 @@ mod tests {
         assert_eq!(Router::new(0).unwrap_err(), RouterError::NoEngines);
         let mut r = Router::new(2).unwrap();
         assert_eq!(r.resize(0).unwrap_err(), RouterError::NoEngines);
+    }
+
+    #[test]
+    fn each_client_starts_at_its_share_of_the_engines() {
+        let firsts: Vec<usize> = (0..3)
+            .map(|i| Router::for_client(6, i, 3).unwrap().choose())
+            .collect();
+        assert_eq!(firsts, vec![0, 2, 4]);
+        assert_eq!(Router::new(6).unwrap().clients(), 1);
+        assert_eq!(
+            Router::for_client(2, 2, 2).unwrap_err(),
+            RouterError::ClientOutOfRange { index: 2, count: 2 }
+        );
+        assert!(Router::for_client(2, 0, 0).is_err());
+    }
+
+    #[test]
+    fn own_requests_count_once_per_client() {
+        // Engine 0 reported 3 running; this client sent 2 to engine 1 since the report.
+        let mut alone = Router::new(2).unwrap();
+        let mut one_of_two = Router::for_client(2, 0, 2).unwrap();
+        for r in [&mut alone, &mut one_of_two] {
+            r.update_counts([(0, 3), (0, 0)]);
+            r.note_sent(1, 2).unwrap();
+        }
+        // Alone, engine 1 holds 2 < 3; with another front-end like it, about 4 > 3.
+        assert_eq!(alone.loads(), vec![3, 2]);
+        assert_eq!(one_of_two.loads(), vec![3, 4]);
+        assert_eq!(alone.choose(), 1);
+        assert_eq!(one_of_two.choose(), 0);
+        // The in-flight floor scales too once the report has caught up.
+        one_of_two.update_counts([(0, 0), (0, 0)]);
+        assert_eq!(one_of_two.loads(), vec![2, 4]);
     }
 
     #[test]

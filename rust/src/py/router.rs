@@ -11,10 +11,13 @@ fn to_py_err(err: RouterError) -> PyErr {
 
 /// Chooses the engine for each request of a data-parallel front-end.
 ///
-/// Load per engine is `max(waiting + running + sent_since_update, in_flight)`: the
-/// coordinator's last counts plus what this client sent since, floored by this client's
-/// requests in flight. The least loaded engine wins; ties go to fewer waiting requests,
-/// then to a start position that rotates on every decision.
+/// Load per engine is `max(waiting + running + clients * sent_since_update,
+/// clients * in_flight)`: the coordinator's last counts plus what this client sent since,
+/// floored by this client's requests in flight, this client's counts scaled by the
+/// number of front-ends routing over the same engines (`client_count`, vLLM's API
+/// servers). The least loaded engine wins; ties go to fewer waiting requests, then to a
+/// start position that rotates on every decision and begins at this client's share of
+/// the engines (`num_engines * client_index // client_count`).
 #[pyclass(module = "corewire._native", name = "Router")]
 pub struct Router {
     inner: CoreRouter,
@@ -23,10 +26,18 @@ pub struct Router {
 #[pymethods]
 impl Router {
     #[new]
-    fn new(num_engines: usize) -> PyResult<Self> {
+    #[pyo3(signature = (num_engines, client_index = 0, client_count = 1))]
+    fn new(num_engines: usize, client_index: usize, client_count: usize) -> PyResult<Self> {
         Ok(Router {
-            inner: CoreRouter::new(num_engines).map_err(to_py_err)?,
+            inner: CoreRouter::for_client(num_engines, client_index, client_count)
+                .map_err(to_py_err)?,
         })
+    }
+
+    /// Front-ends routing over the same engines (the `client_count` it was made with).
+    #[getter]
+    fn client_count(&self) -> u64 {
+        self.inner.clients()
     }
 
     /// Number of engines routed over.
