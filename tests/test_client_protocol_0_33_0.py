@@ -20,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
+import zlib
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -418,6 +419,27 @@ async def test_dp_counts_of_either_shape_parse(
         coordinator.publish(_publication([[4, 4, 0.1], [4, 4, 0.1]], wave=3))
         await wait_for_async(lambda: client.current_wave == 3)
         assert client.lb_engines == [[4, 4, 0.1], [4, 4, 0.1]]
+    finally:
+        client.shutdown()
+
+
+async def test_dplb_pins_late_interaction_requests_whatever_the_load(
+    ipc_dir: Path, sockets: Sockets
+) -> None:
+    """A late-interaction request goes to ``crc32(query_key) % engines`` (vLLM's pin),
+    even to the busier engine; requests without one go by load."""
+    client, peers, coordinator = _dplb(ipc_dir, sockets, "0.25.1")
+    try:
+        await _publish_and_wait(client, coordinator, [[9, 9], [0, 0]])
+        keys = {zlib.crc32(k.encode()) % 2: k for k in ("alpha", "beta", "gamma", "delta")}
+        for mode in ("cache_query", "score_doc"):
+            pooling = p.PoolingParams(late_interaction_params=[mode, keys[0], 1])
+            await client.add_request_async(_request_0_25_1(f"li-{mode}", pooling_params=pooling))
+            assert client.reqs_in_flight[f"li-{mode}"] == 0
+            peers[0].recv_add()
+        await client.add_request_async(_request_0_25_1("plain"))
+        assert client.reqs_in_flight["plain"] == 1
+        peers[1].recv_add()
     finally:
         client.shutdown()
 

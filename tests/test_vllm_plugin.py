@@ -10,6 +10,7 @@ corewire's clients: ``test_vllm_wire.py``, ``test_vllm_outputs.py``).
 from __future__ import annotations
 
 import re
+from typing import Any
 
 import pytest
 
@@ -20,7 +21,7 @@ import vllm
 from corewire import releases
 from corewire.vllm import plugin
 from release_support import FOLLOWED
-from vllm_support import factory_after_plugins
+from vllm_support import factory_after_plugins, factory_kept_by_plugin
 
 
 def _factory_with(switch: str | None) -> str:
@@ -56,6 +57,47 @@ def test_unclear_switch_is_an_error(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv(plugin.ENV_SWITCH, "corewire")
     with pytest.raises(ValueError, match=plugin.ENV_SWITCH):
         plugin.enabled()
+
+
+def test_the_plugin_keeps_vllms_own_factory_for_the_servers_it_declines() -> None:
+    # Loaded twice, as vLLM does: still vLLM's own, not corewire's.
+    assert factory_kept_by_plugin() == (
+        "vllm.v1.engine.core_client.EngineCoreClient.make_async_mp_client"
+    )
+
+
+def test_elastic_ep_is_declined_at_start_with_one_line(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """vLLM's client serves a server with elastic EP (corewire's would fail mid-flight):
+    the factory vLLM had is called with exactly vLLM's arguments, and the log says why."""
+    from types import SimpleNamespace
+
+    from corewire.vllm import client as client_module
+
+    calls: list[tuple[Any, ...]] = []
+
+    def vllm_own(*args: Any, **kwargs: Any) -> str:
+        calls.append((args, kwargs))
+        return "vLLM's client"
+
+    monkeypatch.setattr(client_module, "vllm_factory", vllm_own)
+    config = SimpleNamespace(parallel_config=SimpleNamespace(enable_elastic_ep=True))
+    with caplog.at_level("INFO", logger="vllm.corewire"):
+        made = client_module.make_async_mp_client(config, "executor", True, None, 2, 1)
+    assert made == "vLLM's client"
+    assert calls == [((config, "executor", True, None, 2, 1), {})]
+    lines = [r.getMessage() for r in caplog.records if "elastic" in r.getMessage()]
+    assert len(lines) == 1 and "vLLM's own engine-core client serves" in lines[0], lines
+    assert (
+        client_module.declined_reason(
+            SimpleNamespace(parallel_config=SimpleNamespace(enable_elastic_ep=False))
+        )
+        is None
+    )
+    monkeypatch.setattr(client_module, "vllm_factory", None)
+    with pytest.raises(ValueError, match="elastic expert parallelism"):
+        client_module.make_async_mp_client(config, "executor", True)
 
 
 @pytest.mark.parametrize("version", [*FOLLOWED, "0.25.1+cpu", "0.33.0+cpu"])

@@ -225,6 +225,10 @@ for _ in range({loads}):
     load_general_plugins()
 from vllm.v1.engine.core_client import EngineCoreClient
 factory = EngineCoreClient.make_async_mp_client
+import sys
+kept = getattr(sys.modules.get("corewire.vllm.client"), "vllm_factory", None)
+if kept is not None:
+    print("kept " + kept.__module__ + "." + kept.__qualname__)
 print(factory.__module__ + "." + factory.__qualname__)
 """
 
@@ -248,6 +252,25 @@ def factory_after_plugins(switch: str | None, loads: int = 1) -> str:
     )
     assert done.returncode == 0, done.stderr[-2000:]
     return done.stdout.strip().splitlines()[-1]
+
+
+def factory_kept_by_plugin() -> str | None:
+    """The qualified name of the factory corewire's plugin kept for the servers it
+    declines (``corewire.vllm.client.vllm_factory``), in a fresh interpreter with the
+    switch on; None when it kept none."""
+    from corewire.vllm.plugin import ENV_SWITCH
+
+    done = subprocess.run(
+        [sys.executable, "-c", _PLUGIN_PROBE.format(loads=2)],
+        env={**os.environ, ENV_SWITCH: "1"},
+        capture_output=True,
+        text=True,
+        timeout=90,
+        cwd="/",
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    kept = [line for line in done.stdout.splitlines() if line.startswith("kept ")]
+    return kept[-1][len("kept ") :] if kept else None
 
 
 def require_vllm_0_25_1() -> None:

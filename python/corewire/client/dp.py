@@ -64,6 +64,7 @@ from corewire._native import Router
 from corewire.client._resources import ClientResources
 from corewire.client.async_client import AsyncMPClient
 from corewire.client.dp_counts import decode_publication, router_counts
+from corewire.client.late_interaction import late_interaction_rank
 from corewire.client.processes import stop_processes
 from corewire.coordinator import CoordinatorAddresses, DPCoordinator, TcpEndpoints
 from corewire.curve import is_loopback_address
@@ -641,7 +642,8 @@ class DPLBAsyncMPClient(DPAsyncMPClient):
         With ``protocol="0.33.0"``, as vLLM 0.33.0: a request whose id is in flight (the
         next input of a streaming session) goes to the engine that holds it, and a
         ``resumable`` request opens (a final, non-resumable one closes) a session in
-        :attr:`streaming_reqs`."""
+        :attr:`streaming_reqs`. A late-interaction pooling request goes to the engine its
+        query key names, as vLLM pins it (:mod:`corewire.client.late_interaction`)."""
         if self._sessions:
             if request.resumable:
                 self.streaming_reqs.add(request.request_id)
@@ -650,7 +652,10 @@ class DPLBAsyncMPClient(DPAsyncMPClient):
             index = self.reqs_in_flight.get(request.request_id)
             if index is not None and index < len(self.core_engines):
                 return self.core_engines[index]
-        index = self._route(request.data_parallel_rank)
+        rank = request.data_parallel_rank
+        if rank is None and request.pooling_params is not None:
+            rank = late_interaction_rank(request.pooling_params, len(self.core_engines))
+        index = self._route(rank)
         self.reqs_in_flight[request.request_id] = index
         return self.core_engines[index]
 

@@ -63,6 +63,7 @@ __all__ = [
     "VllmArgs",
     "VllmClientMixin",
     "apply_ready_response",
+    "declined_reason",
     "make_async_mp_client",
     "make_output_decoder",
 ]
@@ -102,6 +103,22 @@ def make_async_mp_client(
     """
     from corewire.vllm.classes import client_classes  # it builds on this module
 
+    declined = declined_reason(vllm_config)
+    if declined is not None and vllm_factory is not None:
+        # One line, at start: the server runs as it would without corewire.
+        logger.warning("corewire: %s; vLLM's own engine-core client serves this server", declined)
+        extra = {} if renderer is None else {"renderer": renderer}
+        return vllm_factory(
+            vllm_config,
+            executor_class,
+            log_stats,
+            client_addresses,
+            client_count,
+            client_index,
+            **extra,
+        )
+    if declined is not None:
+        raise ValueError(f"corewire's engine-core client cannot serve here: {declined}")
     classes = client_classes(INSTALLED_PROTOCOL)
     parallel_config = vllm_config.parallel_config
     if parallel_config.data_parallel_size > 1:
@@ -125,6 +142,23 @@ def make_async_mp_client(
         INSTALLED_PROTOCOL,
     )
     return client
+
+
+#: vLLM's own client factory, kept by the plugin when it installs
+#: :func:`make_async_mp_client` in its place: the servers corewire declines use it.
+vllm_factory: Callable[..., Any] | None = None
+
+
+def declined_reason(vllm_config: Any) -> str | None:
+    """Why corewire's client must not serve ``vllm_config``'s server, or None.
+
+    Elastic expert parallelism: vLLM's client hands a dead rank's ROUTER identity to its
+    replacement and scales the group through its coordinator mid-flight, which
+    corewire's client inside vLLM does not do (its calls would fail mid-flight instead).
+    """
+    if getattr(vllm_config.parallel_config, "enable_elastic_ep", False):
+        return "elastic expert parallelism (--enable-elastic-ep) is not supported"
+    return None
 
 
 def apply_ready_response(vllm_config: Any, info: dict[str, Any]) -> Any:

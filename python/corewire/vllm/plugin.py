@@ -275,6 +275,7 @@ def _install_client() -> None:
     check_vllm_version(vllm.__version__)
     from vllm.v1.engine.core_client import EngineCoreClient
 
+    from corewire.vllm import client as client_module
     from corewire.vllm.client import make_async_mp_client
 
     current: Any = EngineCoreClient.__dict__.get("make_async_mp_client")
@@ -282,5 +283,7 @@ def _install_client() -> None:
         return  # vLLM loads plugins more than once per process
     if not self_check_passes():
         return
+    # Kept for the servers corewire declines (corewire.vllm.client.declined_reason).
+    client_module.vllm_factory = current.__func__ if isinstance(current, staticmethod) else current
     EngineCoreClient.make_async_mp_client = staticmethod(make_async_mp_client)  # type: ignore[method-assign]
     logger.info("corewire: vLLM's AsyncLLM uses corewire's engine-core client")
