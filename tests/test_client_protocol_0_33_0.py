@@ -444,6 +444,44 @@ async def test_dplb_pins_late_interaction_requests_whatever_the_load(
         client.shutdown()
 
 
+async def test_hybrid_balancing_routes_over_the_nodes_own_ranks(
+    ipc_dir: Path, sockets: Sockets
+) -> None:
+    """One front-end per node (vLLM's --data-parallel-hybrid-lb): this one drives ranks
+    2 and 3 of four, reads their slice of the coordinator's counts, routes by it, and
+    sends aborts to the engine holding each request."""
+    addresses = client_addresses(ipc_dir)
+    peers = {i: EnginePeer(sockets, addresses, i) for i in (2, 3)}
+    coordinator = CoordinatorPeer(sockets, coordinator_addresses(ipc_dir))
+    client = DPLBAsyncMPClient(
+        data_parallel_size=4,
+        engine_indices=[2, 3],
+        client_addresses=addresses,
+        coordinator_addresses=coordinator_addresses(ipc_dir),
+        ready_timeout=10,
+    )
+    try:
+        # Ranks 0 and 1 (the other node) are busy; of this node's, rank 2 is.
+        client._ensure_stats_update_task()
+        await asyncio.to_thread(coordinator.wait_subscribed)
+        coordinator.publish(_publication([[9, 9], [9, 9], [0, 5], [0, 0]]))
+        await wait_for_async(lambda: client.lb_engines == [[0, 5], [0, 0]])
+        assert client.router.counts() == [(0, 5), (0, 0)]
+        for rid in ("a", "b", "c"):
+            await client.add_request_async(_request_0_25_1(rid))
+        assert client.reqs_in_flight == {"a": 1, "b": 1, "c": 1}  # positions: rank 3
+        for _ in range(3):
+            peers[3].recv_add()
+        assert peers[2].nothing_for(0.2)
+        await client.abort_requests_async(["b"])
+        frames = await asyncio.to_thread(peers[3].recv)
+        assert frames[0] == b"\x01" and msgspec.msgpack.decode(frames[1]) == ["b"]
+        with pytest.raises(ValueError, match="rank 0"):
+            await client.scale_elastic_ep(3)
+    finally:
+        client.shutdown()
+
+
 async def test_dplb_follows_vllm_0_33_0s_kv_pressure_rule(ipc_dir: Path, sockets: Sockets) -> None:
     """Engine 0 has fewer requests, but its KV cache is 90 % full: 2 waiting there weigh
     2 + 2*6*0.4 = 6.8 > 3, so the request goes to engine 1 (0.33.0) / engine 0 (0.25.1)."""

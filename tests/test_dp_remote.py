@@ -85,11 +85,11 @@ def test_non_loopback_address_without_keys_is_refused() -> None:
     exposed = {"input_address": "tcp://10.1.2.3:5555", "output_address": "tcp://10.1.2.3:5556"}
     with pytest.raises(ValueError, match="curve_keys"):
         DPAsyncMPClient(data_parallel_size=1, client_addresses=exposed)
-    # The load balancer routes over positions 0..N-1: any other set would misroute.
-    with pytest.raises(ValueError, match="engine_indices"):
-        DPLBAsyncMPClient(data_parallel_size=2, engine_indices=[0])
-    with pytest.raises(ValueError, match="engine_indices"):
-        DPLBAsyncMPClient(data_parallel_size=2, engine_indices=[1, 0])
+    # The load balancer routes over positions in one run of ranks (all, or a node's own
+    # in hybrid balancing): any other set would misroute.
+    for indices in ([1, 0], [0, 2], []):
+        with pytest.raises(ValueError, match="engine_indices"):
+            DPLBAsyncMPClient(data_parallel_size=3, engine_indices=indices)
 
 
 def test_engine_cli_refuses_a_remote_host_without_keys() -> None:

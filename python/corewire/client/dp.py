@@ -585,16 +585,22 @@ class DPLBAsyncMPClient(DPAsyncMPClient):
     0.33.0 (:mod:`corewire.client.dp_counts`, :meth:`get_core_engine_for_request`).
     Aborts go to the engine holding the request. :meth:`scale_elastic_ep` grows or
     shrinks the group while serving.
+
+    Hybrid balancing (vLLM's ``--data-parallel-hybrid-lb``: one front-end per node over
+    that node's ranks): ``engine_indices`` a run of consecutive ranks, such as ``[2, 3]``
+    of a group of four; the router balances over those, on their slice of the
+    coordinator's counts, as vLLM's client does.
     """
 
     def __init__(self, *, data_parallel_size: int = 1, **kwargs: Any) -> None:
         indices = kwargs.get("engine_indices")
-        if indices is not None and list(indices) != list(range(data_parallel_size)):
-            # The router's choices are positions in core_engines, and scaling adds and
-            # removes engines at the end: the group must be 0 .. size-1, in order.
+        indices = list(range(data_parallel_size)) if indices is None else list(indices)
+        if not indices or indices != list(range(indices[0], indices[0] + len(indices))):
+            # The router's choices are positions in core_engines: the engines must be one
+            # run of ranks in order (all of them, or a node's own in hybrid balancing).
             raise ValueError(
-                f"DPLBAsyncMPClient drives engines 0..{data_parallel_size - 1}, "
-                f"got engine_indices={list(indices)}"
+                "DPLBAsyncMPClient drives consecutive engine ranks in order (0..size-1, or "
+                f"a node's own ranks in hybrid balancing), got engine_indices={indices}"
             )
         # Engines report finished and aborted ids: reqs_in_flight is cleaned from them.
         kwargs.setdefault("include_finished_set", True)
@@ -607,7 +613,7 @@ class DPLBAsyncMPClient(DPAsyncMPClient):
         # own share of them and counts its requests as that many front-ends' (vLLM's
         # client_count and client_index).
         self._router = Router(
-            data_parallel_size, kwargs.get("client_index", 0), kwargs.get("client_count", 1)
+            len(indices), kwargs.get("client_index", 0), kwargs.get("client_count", 1)
         )
         self._route = self._router.route
         self._note_finished = self._router.note_finished
@@ -633,7 +639,8 @@ class DPLBAsyncMPClient(DPAsyncMPClient):
     def _apply_stats(self, counts: list[list[Any]] | None, wave: int, running: bool) -> None:
         super()._apply_stats(counts, wave, running)
         if counts is not None:
-            self._router.update_counts(router_counts(counts, self._kv_pressure))
+            # This client's engines' counts (a node's slice in hybrid balancing).
+            self._router.update_counts(router_counts(self.lb_engines, self._kv_pressure))
 
     def get_core_engine_for_request(self, request: EngineCoreRequest) -> bytes:
         """Route ``request`` (least loaded, or its ``data_parallel_rank``) and remember
@@ -747,6 +754,12 @@ class DPLBAsyncMPClient(DPAsyncMPClient):
         """
         if type(new_size) is not int or new_size < 1:
             raise ValueError(f"new_size must be a positive int, got {new_size!r}")
+        if self.engine_indices[0] != 0:
+            # As vLLM: elastic scaling is the whole group's, driven from rank 0.
+            raise ValueError(
+                "scale_elastic_ep needs the client of the whole group (engines from rank 0); "
+                f"this one drives ranks {self.engine_indices}"
+            )
         self._bind_loop()
         self.ensure_alive()
         if self._scale_lock is None:
