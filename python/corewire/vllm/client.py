@@ -75,6 +75,8 @@ HEALTH_INTERVAL_ENV = "COREWIRE_HEALTH_CHECK_INTERVAL_S"
 HEALTH_TIMEOUT_ENV = "COREWIRE_HEALTH_CHECK_TIMEOUT_S"
 DEFAULT_HEALTH_INTERVAL_S = 5.0
 DEFAULT_HEALTH_TIMEOUT_S = 10.0
+#: Seconds vLLM gives the engine processes it launched between SIGTERM and SIGKILL.
+VLLM_TERMINATE_GRACE_S = 5.0
 
 
 #: The wire of the installed vLLM (refused at import when corewire does not speak it).
@@ -442,6 +444,10 @@ class VllmClientMixin:
                 raise RuntimeError(
                     f"vLLM started {len(local)} local engines for ranks {self.engine_indices}"
                 )
+            # vLLM's own grace between SIGTERM and SIGKILL (vllm.v1.utils.shutdown): its
+            # engine core stops its workers first, which takes longer than corewire's own
+            # engines need.
+            processes.terminate_grace = VLLM_TERMINATE_GRACE_S
             # Borrowed: vLLM's manager and coordinator close these handles in their own
             # finalizers, which raise on a handle already closed ("process object is
             # closed", a traceback at every shutdown of the API server).
