@@ -36,41 +36,53 @@ def _lists(logprobs: Any) -> Any:
     return [ids.tolist(), [[round(float(v), 5) for v in row] for row in values], ranks.tolist()]
 
 
-async def _drive(client: Any) -> dict[str, Any]:
-    requests = {
-        "greedy": _request("greedy", [5, 17, 99, 300], max_tokens=10, temperature=0.0, logprobs=3),
-        "seeded": _request("seeded", [7, 8, 9], max_tokens=10, temperature=0.9, top_k=20, seed=11),
-        "stop-id": _request(
-            "stop-id", [5, 17, 99, 300], max_tokens=10, temperature=0.0, stop_token_ids=[79]
-        ),
-        "aborted": _request("aborted", [1, 2, 3], max_tokens=400, temperature=0.0, ignore_eos=True),
-    }
-    seen: dict[str, dict[str, Any]] = {
-        rid: {"tokens": [], "logprobs": [], "finish": None} for rid in requests
-    }
-    for request in requests.values():
-        await client.add_request_async(request)
-    aborted = False
-    while any(s["finish"] is None for s in seen.values()):
+async def _run_alone(client: Any, request: Any, abort_after: int | None = None) -> dict[str, Any]:
+    """``request`` alone in the engine (a batch of one: sampled tokens and logprobs do
+    not depend on what else the engine runs), to its end or, ``abort_after`` tokens in,
+    aborted by the client."""
+    seen: dict[str, Any] = {"tokens": [], "logprobs": [], "finish": None}
+    await client.add_request_async(request)
+    while seen["finish"] is None:
+        if abort_after is not None and len(seen["tokens"]) >= abort_after:
+            await client.abort_requests_async([request.request_id])
+            # vLLM's engine reports no output for a request its client aborted: the
+            # request stopped early is what both clients show.
+            seen["stopped_early"] = True
+            seen["tokens"] = None  # how many came before the abort landed is timing
+            return seen
         outputs = await client.get_output_async()
         for out in outputs.outputs:
-            entry = seen[out.request_id]
-            entry["tokens"] += out.new_token_ids
+            if out.request_id != request.request_id:
+                continue  # the last tokens of an aborted request, already on their way
+            seen["tokens"] += out.new_token_ids
             if out.new_logprobs is not None:
-                entry["logprobs"].append(_lists(out.new_logprobs))
+                seen["logprobs"].append(_lists(out.new_logprobs))
             if out.finish_reason is not None:
-                entry["finish"] = int(out.finish_reason)
-            if out.request_id == "aborted" and len(entry["tokens"]) >= 3 and not aborted:
-                aborted = True
-                await client.abort_requests_async(["aborted"])
-        if (
-            aborted
-            and seen["aborted"]["finish"] is None
-            and all(s["finish"] is not None for r, s in seen.items() if r != "aborted")
-        ):
-            break  # vLLM reports no output for a request the client aborted
-    seen["aborted"]["stopped_early"] = len(seen["aborted"]["tokens"]) < 400
-    seen["aborted"]["tokens"] = None  # how many arrive before the abort is timing
+                seen["finish"] = int(out.finish_reason)
+    return seen
+
+
+async def _drive(client: Any) -> dict[str, Any]:
+    greedy = {"max_tokens": 10, "temperature": 0.0}
+    seen = {
+        "greedy": await _run_alone(
+            client, _request("greedy", [5, 17, 99, 300], **greedy, logprobs=3)
+        ),
+        "seeded": await _run_alone(
+            client, _request("seeded", [7, 8, 9], max_tokens=10, temperature=0.9, top_k=20, seed=11)
+        ),
+        "stop-id": await _run_alone(
+            client, _request("stop-id", [5, 17, 99, 300], **greedy, stop_token_ids=[79])
+        ),
+        "aborted": await _run_alone(
+            client,
+            _request("aborted", [1, 2, 3], max_tokens=400, temperature=0.0, ignore_eos=True),
+            abort_after=3,
+        ),
+    }
+    # The engine serves on after the abort.
+    after = await _run_alone(client, _request("after", [4, 5, 6], **greedy))
+    seen["after-abort"] = after
     utilities = {
         "supported_tasks": list(await client.get_supported_tasks_async()),
         "is_sleeping": await client.is_sleeping_async(),
