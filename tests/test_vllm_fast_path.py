@@ -29,6 +29,7 @@ import os
 import random
 import re
 import signal
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -291,15 +292,26 @@ def test_random_workload_same_events_as_vllms_server(
         before = fast_path_counts(mine)
         expected = run(theirs, seed, count)
         got = run(mine, seed, count)
-        after = fast_path_counts(mine)
-        retried = assert_same_runs(got, expected, mine, theirs, path)
-    after = {k: v - retried.get(k, 0) for k, v in after.items()}
-    # A fallback's options are merged last into a request, so they show as they are.
-    kept = sum(
-        any(all(body.get(k) == v for k, v in f.items()) for f in fallbacks) for body, _ in got
-    )
-    assert after.get("fast", 0) - before.get("fast", 0) == len(got) - kept, (before, after)
-    assert after.get("vllm", 0) - before.get("vllm", 0) == kept, (before, after)
+        sent = assert_same_runs(got, expected, mine, theirs, path)
+        # A fallback's options are merged last into a request, so they show as they are;
+        # every send of a request (retries included) takes the same path.
+        kept = [
+            any(all(body.get(k) == v for k, v in f.items()) for f in fallbacks) for body, _ in got
+        ]
+        want = {
+            "fast": sum(n for n, k in zip(sent, kept, strict=True) if not k),
+            "vllm": sum(n for n, k in zip(sent, kept, strict=True) if k),
+        }
+        # A request's count lands just after its last chunk, which a loaded machine can
+        # deliver first: read until every send is counted (or the time is up).
+        deadline = time.monotonic() + 15
+        while True:
+            after = fast_path_counts(mine)
+            took = {path: after.get(path, 0) - before.get(path, 0) for path in want}
+            if sum(took.values()) >= sum(want.values()) or time.monotonic() > deadline:
+                break
+            time.sleep(0.1)
+    assert took == want, (before, after, sent)
 
 
 def test_server_stream_interval_same_events_as_vllms_server(
@@ -337,8 +349,10 @@ def side_by_side(
 ) -> tuple[Any, Any, dict[str, float]]:
     """``fetch`` on vLLM's server and on the fast path's, tried again (up to
     :data:`ATTEMPTS`) while the answers differ: the fast path's answer, vLLM's, and what
-    the last try added to the fast path's counters."""
-    for _ in range(ATTEMPTS):
+    the last try added to the fast path's counters (``"tries"``: how many it took)."""
+    tries = 0
+    while tries < ATTEMPTS:
+        tries += 1
         before = fast_path_counts(mine)
         expected = fetch(theirs)
         got = fetch(mine)
@@ -346,28 +360,29 @@ def side_by_side(
         if got == expected:
             break
     delta = {k: after.get(k, 0) - before.get(k, 0) for k in after}
-    return got, expected, delta
+    return got, expected, delta | {"tries": tries}
 
 
 def assert_same_runs(
     mine: Run, theirs: Run, mine_http: httpx.Client, theirs_http: httpx.Client, path: str
-) -> dict[str, float]:
+) -> list[int]:
     """Two servers' runs of one workload: the same requests (drawn from the same answers)
     and, request by request, the same events (:func:`per_choice`), a request whose events
-    differ sent again to both (:func:`side_by_side`). What the tries added to the fast
-    path's counters."""
-    added: dict[str, float] = {}
+    differ sent again to both (:func:`side_by_side`). How many times each request was sent
+    to the fast path's server in all."""
+    sent = []
     for i, ((body, events), (my_body, my_events)) in enumerate(zip(theirs, mine, strict=True)):
         assert body == my_body, f"request {i}: the answers without streaming differ"
         got, expected = per_choice(body, my_events), per_choice(body, events)
+        tries = 0
         if got != expected:
-            got, expected, delta = side_by_side(
+            got, expected, added = side_by_side(
                 theirs_http, mine_http, lambda h, b=body: per_choice(b, raw_events(h, b, path))
             )
-            for key, value in delta.items():
-                added[key] = added.get(key, 0) + value
+            tries = int(added["tries"])
+        sent.append(1 + tries)
         assert got == expected, f"request {i} {body}: {_first_difference(got, expected)}"
-    return added
+    return sent
 
 
 _INDEX = re.compile(r'"choices":\[\{"index":(\d+)')
