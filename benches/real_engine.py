@@ -9,7 +9,8 @@ differential tests' stacks, ``tests/real_engine_support.py``), one per engine-co
 run side by side; each round sends the same burst of streaming completions to one, then
 the other. What is counted is the CPU time of the API-server process alone (the engine
 core is a process of its own, and spins the same under either client), per streamed token.
-Prints each round and the median ratio; the answers themselves are held equal by
+Prints each round and the median ratio of vLLM's client's CPU per token to corewire's
+(above 1: corewire's uses less); the answers themselves are held equal by
 ``tests/test_vllm_real_engine.py``.
 
 A plain script, not a ``corewire bench`` command: it needs vLLM's CPU build and the test
@@ -106,8 +107,9 @@ def main(argv: list[str] | None = None) -> int:
                     ratios.append(per_token["vllm"] / per_token["corewire"])
                 median = statistics.median(ratios)
                 print(
-                    f"logprobs {logprobs}: corewire's client uses {median:.2f}x less API-server "
-                    f"CPU per token than vLLM's (rounds: {', '.join(f'{r:.2f}' for r in ratios)})"
+                    f"logprobs {logprobs}: vLLM's client's API-server CPU per token / corewire's "
+                    f"= {median:.2f}x, median (rounds: {', '.join(f'{r:.2f}' for r in ratios)}; "
+                    "above 1: corewire's uses less)"
                 )
     return 0
 
