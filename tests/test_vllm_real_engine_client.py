@@ -11,7 +11,6 @@ engine from a plain ``__main__``); everything both saw must be the same.
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -19,13 +18,9 @@ from typing import Any
 
 import pytest
 
-from real_engine_support import cpu_build_missing, server_env, write_real_model
+from real_engine_support import require_cpu_build, server_env, write_real_model
 
-_MISSING = cpu_build_missing()
-if _MISSING is not None:
-    if (_REQUIRED := os.environ.get("COREWIRE_REQUIRE_VLLM")) and _REQUIRED.startswith("cpu-"):
-        raise RuntimeError(f"COREWIRE_REQUIRE_VLLM={_REQUIRED}: {_MISSING}")
-    pytest.skip(_MISSING, allow_module_level=True)
+require_cpu_build()
 
 from serve_support import first_difference  # noqa: E402
 

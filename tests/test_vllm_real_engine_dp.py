@@ -13,7 +13,6 @@ the engine that ran its request (each engine's running count comes back to zero)
 from __future__ import annotations
 
 import asyncio
-import os
 import re
 import time
 from collections.abc import Iterator
@@ -21,17 +20,18 @@ from typing import Any
 
 import pytest
 
-from real_engine_support import cpu_build_missing
+from real_engine_support import require_cpu_build
 
-_MISSING = cpu_build_missing()
-if _MISSING is not None:
-    if (_REQUIRED := os.environ.get("COREWIRE_REQUIRE_VLLM")) and _REQUIRED.startswith("cpu-"):
-        raise RuntimeError(f"COREWIRE_REQUIRE_VLLM={_REQUIRED}: {_MISSING}")
-    pytest.skip(_MISSING, allow_module_level=True)
+require_cpu_build()
 
 import httpx  # noqa: E402
 
-from real_engine_support import RealEngineServer, started_together, write_real_model  # noqa: E402
+from real_engine_support import (  # noqa: E402
+    RealEngineServer,
+    one_server_per_client,
+    started_together,
+    write_real_model,
+)
 from serve_support import (  # noqa: E402
     MODEL,
     PLUGIN_LOG_LINE,
@@ -45,7 +45,6 @@ from serve_support import (  # noqa: E402
 
 _SHARED_PIDS = SharedPids()
 LEAK_ALLOWED_PIDS = _SHARED_PIDS.tree
-CLIENTS = ("vllm", "corewire")
 DP_ARGS = ("--data-parallel-size", "2", "--max-num-seqs", "16")
 #: Bursts of concurrent requests, and their size.
 BURSTS, BURST = 4, 32
@@ -66,16 +65,8 @@ def model(tmp_path_factory: pytest.TempPathFactory) -> Any:
 def servers(model: Any) -> Iterator[dict[str, RealEngineServer]]:
     """DP = 2 with vLLM's default API server count, one server per client."""
     root, model_dir = model
-    made = [
-        RealEngineServer(model_dir, root / f"dp2-{c}.log", client=c, args=DP_ARGS) for c in CLIENTS
-    ]
-    with started_together(made):
-        for server in made:
-            _SHARED_PIDS.update(server.pids())
-        try:
-            yield dict(zip(CLIENTS, made, strict=True))
-        finally:
-            _SHARED_PIDS.clear()
+    with one_server_per_client(model_dir, root, _SHARED_PIDS, args=DP_ARGS, name="dp2-") as made:
+        yield made
 
 
 def _per_engine_successes(http: httpx.Client) -> dict[str, float]:

@@ -13,24 +13,19 @@ from __future__ import annotations
 
 import base64
 import io
-import os
 from collections.abc import Iterator
 from typing import Any
 
 import pytest
 
-from real_engine_support import cpu_build_missing
+from real_engine_support import require_cpu_build
 
-_MISSING = cpu_build_missing()
-if _MISSING is not None:
-    if (_REQUIRED := os.environ.get("COREWIRE_REQUIRE_VLLM")) and _REQUIRED.startswith("cpu-"):
-        raise RuntimeError(f"COREWIRE_REQUIRE_VLLM={_REQUIRED}: {_MISSING}")
-    pytest.skip(_MISSING, allow_module_level=True)
+require_cpu_build()
 
 import httpx  # noqa: E402
 
 from corewire.vllm.model_dir_llava import IMAGE_SIZE, write_llava_dir  # noqa: E402
-from real_engine_support import RealEngineServer, started_together  # noqa: E402
+from real_engine_support import RealEngineServer, one_server_per_client  # noqa: E402
 from serve_support import (  # noqa: E402
     PLUGIN_LOG_LINE,
     SharedPids,
@@ -44,7 +39,6 @@ from serve_support import (  # noqa: E402
 
 _SHARED_PIDS = SharedPids()
 LEAK_ALLOWED_PIDS = _SHARED_PIDS.tree
-CLIENTS = ("vllm", "corewire")
 ENCODER_LOG_LINE = "requests with multimodal inputs are written by vLLM's own encoder"
 
 pytestmark = pytest.mark.timeout(900)
@@ -54,16 +48,11 @@ pytestmark = pytest.mark.timeout(900)
 def servers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, RealEngineServer]]:
     """One LLaVA server per client, started side by side, shared by the module."""
     root = tmp_path_factory.mktemp("real-engine-llava")
-    model = write_llava_dir(root / "model")
     args = ("--limit-mm-per-prompt", '{"image": 1}')
-    made = [RealEngineServer(model, root / f"{c}.log", client=c, args=args) for c in CLIENTS]
-    with started_together(made):
-        for server in made:
-            _SHARED_PIDS.update(server.pids())
-        try:
-            yield dict(zip(CLIENTS, made, strict=True))
-        finally:
-            _SHARED_PIDS.clear()
+    with one_server_per_client(
+        write_llava_dir(root / "model"), root, _SHARED_PIDS, args=args
+    ) as made:
+        yield made
 
 
 def _image_url(color: tuple[int, int, int], stripe: int) -> str:

@@ -105,20 +105,13 @@ def make_async_mp_client(
     """
     from corewire.vllm.classes import client_classes  # it builds on this module
 
+    # vLLM's factory arguments, in vLLM's order (its clients and corewire's take them so).
+    args = (vllm_config, executor_class, log_stats, client_addresses, client_count, client_index)
     declined = declined_reason(vllm_config)
     if declined is not None and vllm_factory is not None:
         # One line, at start: the server runs as it would without corewire.
         logger.warning("corewire: %s; vLLM's own engine-core client serves this server", declined)
-        extra = {} if renderer is None else {"renderer": renderer}
-        return vllm_factory(
-            vllm_config,
-            executor_class,
-            log_stats,
-            client_addresses,
-            client_count,
-            client_index,
-            **extra,
-        )
+        return vllm_factory(*args, **({} if renderer is None else {"renderer": renderer}))
     if declined is not None:
         raise ValueError(f"corewire's engine-core client cannot serve here: {declined}")
     classes = client_classes(INSTALLED_PROTOCOL)
@@ -127,15 +120,7 @@ def make_async_mp_client(
         kind = "dp" if parallel_config.data_parallel_external_lb else "dplb"
     else:
         kind = "plain"
-    client = classes[kind](
-        vllm_config,
-        executor_class,
-        log_stats,
-        client_addresses,
-        client_count,
-        client_index,
-        renderer=renderer,
-    )
+    client = classes[kind](*args, renderer=renderer)
     # Said here too, not only when the plugin is installed: vLLM 0.33.0 configures its
     # logging after the plugins ran, so that earlier line is lost there.
     logger.info(
