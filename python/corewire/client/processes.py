@@ -116,6 +116,8 @@ class ProcessGroup:
             for i in indices
             if (proc := self.engines.pop(i, None) or self.joining.pop(i, None)) is not None
         ]
+        # No longer held here: an id left behind could name a later object.
+        self._borrowed.difference_update(id(proc) for proc in retired)
         self._changed()
         return retired
 
