@@ -10,8 +10,10 @@ vLLM ``MsgpackEncoder`` made as vLLM's client makes its own (the same bytes, the
 frames, the same tensor queue), and everything else to corewire's encoder: text requests
 keep corewire's path and pay one attribute read more.
 
-Nothing here is pickled: vLLM's encoder refuses what would need pickle unless
-``VLLM_ALLOW_INSECURE_SERIALIZATION`` is set, as under vLLM's own client.
+Pickle: vLLM's encoder writes multimodal items without it, and refuses anything that
+would need it unless the user sets vLLM's ``VLLM_ALLOW_INSECURE_SERIALIZATION``; then it
+pickles exactly what it would under vLLM's own client (the engine is vLLM's, which asked
+for it). corewire's own encoder never pickles.
 """
 
 from __future__ import annotations
