@@ -8,6 +8,11 @@ corewire's and ``--api-server-count 3``. Checked: every answer equals vLLM's cli
 the same layout; bursts of concurrent requests reach both engines from every front-end
 (the spread per burst is printed next to vLLM's); a client that hangs up is aborted on
 the engine that ran its request (each engine's running count comes back to zero).
+
+Last, hybrid load balancing (``--data-parallel-hybrid-lb``) as vLLM runs it on two nodes,
+here two ``vllm serve`` on loopback with two local ranks each: every answer equal to vLLM's
+client's, each node's bursts reach only and every one of its own ranks, and each node's
+``/metrics`` counts its engines' requests.
 """
 
 from __future__ import annotations
@@ -26,6 +31,7 @@ require_cpu_build()
 
 import httpx  # noqa: E402
 
+from port_support import unused_tcp_port  # noqa: E402
 from real_engine_support import (  # noqa: E402
     RealEngineServer,
     one_server_per_client,
@@ -77,8 +83,20 @@ def _per_engine_successes(http: httpx.Client) -> dict[str, float]:
     return done
 
 
-def _burst_spreads(server: RealEngineServer) -> list[dict[str, int]]:
-    """Requests per engine in each of :data:`BURSTS` bursts of :data:`BURST` at once."""
+def _burst_spreads(
+    server: RealEngineServer, watched: tuple[RealEngineServer, ...] = ()
+) -> list[dict[str, int]]:
+    """Requests per engine in each of :data:`BURSTS` bursts of :data:`BURST` at once, sent
+    to ``server``; the engines counted from the ``/metrics`` of ``server`` and of every
+    server in ``watched`` (each front-end reports the engines it drives)."""
+    metrics_of = (server, *watched)
+
+    def successes() -> dict[str, float]:
+        done: dict[str, float] = {}
+        for front_end in metrics_of:
+            with httpx.Client(base_url=front_end.base_url, timeout=60.0) as http:
+                done |= _per_engine_successes(http)
+        return done
 
     async def burst(client: httpx.AsyncClient, round_: int) -> list[int]:
         async def one(i: int) -> int:
@@ -89,24 +107,23 @@ def _burst_spreads(server: RealEngineServer) -> list[dict[str, int]]:
         return await asyncio.gather(*(one(i) for i in range(BURST)))
 
     spreads = []
-    with httpx.Client(base_url=server.base_url, timeout=120.0) as http:
-        for round_ in range(BURSTS):
-            before = _per_engine_successes(http)
+    for round_ in range(BURSTS):
+        before = successes()
 
-            async def run(round_: int = round_) -> list[int]:
-                async with httpx.AsyncClient(base_url=server.base_url, timeout=120.0) as c:
-                    return await burst(c, round_)
+        async def run(round_: int = round_) -> list[int]:
+            async with httpx.AsyncClient(base_url=server.base_url, timeout=120.0) as c:
+                return await burst(c, round_)
 
-            codes = asyncio.run(run())
-            assert codes == [200] * BURST, codes
-            deadline = time.monotonic() + 30
-            while True:  # the engines report their counts a step later
-                after = _per_engine_successes(http)
-                got = {e: int(after[e] - before.get(e, 0.0)) for e in after}
-                if sum(got.values()) >= BURST or time.monotonic() > deadline:
-                    break
-                time.sleep(0.2)
-            spreads.append({e: n for e, n in sorted(got.items()) if n})
+        codes = asyncio.run(run())
+        assert codes == [200] * BURST, codes
+        deadline = time.monotonic() + 30
+        while True:  # the engines report their counts a step later
+            after = successes()
+            got = {e: int(after[e] - before.get(e, 0.0)) for e in after}
+            if sum(got.values()) >= BURST or time.monotonic() > deadline:
+                break
+            time.sleep(0.2)
+        spreads.append({e: n for e, n in sorted(got.items()) if n})
     return spreads
 
 
@@ -191,3 +208,55 @@ def test_three_api_servers_answer_the_same(
         spreads = _burst_spreads(three)
         print(f"--api-server-count 3, requests per engine: {spreads}")
         assert all(set(s) == {"0", "1"} for s in spreads), spreads
+
+
+#: Hybrid load balancing: four ranks on two "nodes" of two local engines each.
+HYBRID_SIZE, HYBRID_LOCAL = 4, 2
+
+
+def test_hybrid_balancing_one_front_end_per_node(
+    servers: dict[str, RealEngineServer], model: Any
+) -> None:
+    """vLLM's ``--data-parallel-hybrid-lb``: each node's ``vllm serve`` starts its own
+    ranks and routes only over them (with its default API server count, the node's local
+    size), the head node also runs the DP coordinator. Both nodes run here, on loopback."""
+    for server in servers.values():  # their engines' cores back for this layout
+        server.stop()
+    root, model_dir = model
+    rpc_port = unused_tcp_port()
+    group = (
+        "--data-parallel-size", str(HYBRID_SIZE),
+        "--data-parallel-size-local", str(HYBRID_LOCAL),
+        "--data-parallel-address", "127.0.0.1",
+        "--data-parallel-rpc-port", str(rpc_port),
+        "--max-num-seqs", "16",
+    )  # fmt: skip
+    head = RealEngineServer(
+        model_dir, root / "hybrid-node0.log", client="corewire",
+        args=(*group, "--data-parallel-hybrid-lb"),
+    )  # fmt: skip
+    other = RealEngineServer(
+        model_dir, root / "hybrid-node1.log", client="corewire",
+        args=(*group, "--data-parallel-start-rank", str(HYBRID_LOCAL)),
+    )  # fmt: skip
+    nodes = {"0": head, "1": other}
+    ranks = {"0": {"0", "1"}, "1": {"2", "3"}}
+    with started_together([head, other]):
+        for node in nodes.values():
+            _SHARED_PIDS.update(node.pids())
+            started = set(
+                re.findall(r"\((ApiServer_\d+) pid=\d+\).*" + PLUGIN_LOG_LINE, node.log())
+            )
+            assert started == {"ApiServer_0", "ApiServer_1"}, started
+        for name, node in nodes.items():
+            with httpx.Client(base_url=node.base_url, timeout=120.0) as http:
+                answers = output_workload(http)
+            for i, (a, b) in enumerate(zip(answers, _ANSWERS["vllm"], strict=True)):
+                assert a == b, f"node {name}, answer {i}: {first_difference(a, b)}"
+        for name, node in nodes.items():
+            # Counted on both nodes' /metrics: a burst to one node reaches its own ranks
+            # only, every one of them, and that node's front-ends report their stats.
+            others = tuple(n for n in nodes.values() if n is not node)
+            spreads = _burst_spreads(node, watched=others)
+            print(f"hybrid LB, node {name}'s burst, requests per engine: {spreads}")
+            assert all(set(s) == ranks[name] for s in spreads), spreads
