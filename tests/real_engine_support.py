@@ -74,6 +74,50 @@ def write_real_model(path: Path) -> Path:
     return write_model_dir(path, vocab_size=VOCAB_SIZE, max_model_len=MAX_MODEL_LEN, weights_seed=0)
 
 
+#: The LoRA adapters' rank and the modules they adapt (vLLM's CPU build runs LoRA).
+LORA_RANK = 8
+LORA_TARGETS = ("q_proj", "v_proj")
+
+
+def write_lora_adapter(path: Path, model_dir: Path, seed: int) -> Path:
+    """A PEFT LoRA adapter for the tiny llama in ``model_dir``, weights drawn from ``seed``
+    (both halves non-zero, so that the adapter changes the greedy answers). Returns ``path``.
+    """
+    import json
+
+    import torch
+    from safetensors.torch import save_file
+
+    config = json.loads((model_dir / "config.json").read_text())
+    hidden = config["hidden_size"]
+    outputs = {
+        "q_proj": config["num_attention_heads"] * config["head_dim"],
+        "v_proj": config["num_key_value_heads"] * config["head_dim"],
+    }
+    generator = torch.Generator().manual_seed(seed)
+    tensors = {}
+    for layer in range(config["num_hidden_layers"]):
+        for module in LORA_TARGETS:
+            at = f"base_model.model.model.layers.{layer}.self_attn.{module}"
+            a = torch.randn(LORA_RANK, hidden, generator=generator) * 0.5
+            b = torch.randn(outputs[module], LORA_RANK, generator=generator) * 0.5
+            tensors |= {f"{at}.lora_A.weight": a, f"{at}.lora_B.weight": b}
+    path.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(path / "adapter_model.safetensors"), metadata={"format": "pt"})
+    adapter = {
+        "peft_type": "LORA",
+        "task_type": "CAUSAL_LM",
+        "r": LORA_RANK,
+        "lora_alpha": 2 * LORA_RANK,
+        "lora_dropout": 0.0,
+        "bias": "none",
+        "target_modules": list(LORA_TARGETS),
+        "base_model_name_or_path": str(model_dir),
+    }
+    (path / "adapter_config.json").write_text(json.dumps(adapter, indent=2))
+    return path
+
+
 def server_env(client: str, extra: Mapping[str, str] | None = None) -> dict[str, str]:
     """The environment of a real-engine server with ``client`` (``"vllm"`` or
     ``"corewire"``) as its engine-core client."""
@@ -234,13 +278,20 @@ def started_together(servers: list[RealEngineServer]) -> Iterator[list[RealEngin
 
 @contextlib.contextmanager
 def one_server_per_client(
-    model_dir: Path, root: Path, shared: set[int], *, args: tuple[str, ...] = (), name: str = ""
+    model_dir: Path,
+    root: Path,
+    shared: set[int],
+    *,
+    args: tuple[str, ...] = (),
+    env: Mapping[str, str] | None = None,
+    name: str = "",
 ) -> Iterator[dict[str, RealEngineServer]]:
-    """A server per client of :data:`CLIENTS` on ``model_dir`` (``args`` more flags, logs
-    ``root/<name><client>.log``), started side by side; their processes in ``shared``
-    (a module's ``LEAK_ALLOWED_PIDS``) while they run."""
+    """A server per client of :data:`CLIENTS` on ``model_dir`` (``args`` more flags, ``env``
+    more environment, logs ``root/<name><client>.log``), started side by side; their
+    processes in ``shared`` (a module's ``LEAK_ALLOWED_PIDS``) while they run."""
     made = [
-        RealEngineServer(model_dir, root / f"{name}{c}.log", client=c, args=args) for c in CLIENTS
+        RealEngineServer(model_dir, root / f"{name}{c}.log", client=c, args=args, env=env)
+        for c in CLIENTS
     ]
     with started_together(made):
         for server in made:

@@ -6,7 +6,8 @@ the other runs corewire's (``COREWIRE_VLLM_CLIENT=1``). Everything a user can se
 the same on both, ids and timestamps aside: completions and chat completions, plain and
 streamed, with logprobs, prompt logprobs, stop strings and stop token ids, n > 1, seeds,
 ``include_usage``; the development utilities (sleep and wake up, prefix-cache reset,
-``collective_rpc`` by name); ``/metrics`` counts; a client that hangs up mid-stream (the
+``collective_rpc`` by name); LoRA adapters (one from the start, one loaded and unloaded
+while the server runs); ``/metrics`` counts; a client that hangs up mid-stream (the
 engine drops the request); and, last, an engine SIGKILLed mid-stream (the same error
 answer and the same server state afterwards). The shutdown of corewire's server leaves no
 traceback in its log.
@@ -35,8 +36,10 @@ require_cpu_build()
 import httpx  # noqa: E402
 
 from real_engine_support import (  # noqa: E402
+    LORA_RANK,
     RealEngineServer,
     one_server_per_client,
+    write_lora_adapter,
     write_real_model,
 )
 from serve_support import (  # noqa: E402
@@ -57,6 +60,10 @@ from serve_support import (  # noqa: E402
 
 _SHARED_PIDS = SharedPids()
 LEAK_ALLOWED_PIDS = _SHARED_PIDS.tree
+#: The LoRA adapter the servers start with, and the one loaded and unloaded while running.
+STATIC_LORA, LOADED_LORA = "tiny-lora", "tiny-lora-loaded"
+#: The adapters' directories, once the module's servers are set up.
+_LORAS: dict[str, Path] = {}
 
 pytestmark = pytest.mark.timeout(900)
 
@@ -65,7 +72,16 @@ pytestmark = pytest.mark.timeout(900)
 def servers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, RealEngineServer]]:
     """One real-engine server per client, started side by side, shared by the module."""
     root = tmp_path_factory.mktemp("real-engine")
-    with one_server_per_client(write_real_model(root / "model"), root, _SHARED_PIDS) as made:
+    model_dir = write_real_model(root / "model")
+    _LORAS["static"] = write_lora_adapter(root / "lora-static", model_dir, seed=1)
+    _LORAS["loaded"] = write_lora_adapter(root / "lora-loaded", model_dir, seed=2)
+    lora_args = (
+        "--enable-lora", "--max-loras", "2", "--max-lora-rank", str(LORA_RANK),
+        "--lora-modules", f"{STATIC_LORA}={_LORAS['static']}",
+    )  # fmt: skip
+    # /v1/load_lora_adapter and /v1/unload_lora_adapter: the engine's add and remove.
+    env = {"VLLM_ALLOW_RUNTIME_LORA_UPDATING": "1"}
+    with one_server_per_client(model_dir, root, _SHARED_PIDS, args=lora_args, env=env) as made:
         yield made
 
 
@@ -177,6 +193,43 @@ def test_utility_endpoints_answer_as_under_vllms_client(
     assert runs["corewire"] == runs["vllm"], first_difference(runs["corewire"], runs["vllm"])
     # Not vacuous: the calls reached the engine and some succeeded.
     assert any(status == 200 for _, status, *_ in runs["vllm"][:-1])
+
+
+def _lora_requests(http: httpx.Client) -> dict[str, Any]:
+    """The same greedy request on the base model, on the adapter the server started with,
+    on one loaded at run time (the engine's ``add_lora``), and on that one after it is
+    unloaded (``remove_lora``); what ``/v1/models`` lists on the way."""
+    body = {"prompt": "the old house on the hill", "max_tokens": 10, "temperature": 0.0}
+    body |= {"logprobs": 2, "ignore_eos": True}
+
+    def models() -> list[str]:
+        return sorted(m["id"] for m in http.get("/v1/models").json()["data"])
+
+    seen: dict[str, Any] = {"base": without_ids(completion(http, **body))}
+    seen["static"] = without_ids(completion(http, **body, model=STATIC_LORA))
+    loaded = {"lora_name": LOADED_LORA, "lora_path": str(_LORAS["loaded"])}
+    seen["load"] = http.post("/v1/load_lora_adapter", json=loaded).status_code
+    seen["models loaded"] = models()
+    seen["loaded"] = without_ids(completion(http, **body, model=LOADED_LORA))
+    unload = http.post("/v1/unload_lora_adapter", json={"lora_name": LOADED_LORA})
+    seen["unload"] = unload.status_code
+    seen["models unloaded"] = models()
+    gone = http.post("/v1/completions", json={**body, "model": LOADED_LORA})
+    seen["after unload"] = gone.status_code
+    return seen
+
+
+def test_lora_adapters_answer_as_under_vllms_client(
+    servers: dict[str, RealEngineServer],
+) -> None:
+    runs = _on_both(servers, _lora_requests)
+    assert runs["corewire"] == runs["vllm"], first_difference(runs["corewire"], runs["vllm"])
+    seen = runs["corewire"]
+    assert (seen["load"], seen["unload"], seen["after unload"]) == (200, 200, 404), seen
+    assert LOADED_LORA in seen["models loaded"] and LOADED_LORA not in seen["models unloaded"]
+    # Not vacuous: each adapter changed the answer (the engine applied it).
+    texts = {k: seen[k]["choices"][0]["text"] for k in ("base", "static", "loaded")}
+    assert len(set(texts.values())) == 3, texts
 
 
 def _hang_up(http: httpx.Client) -> float:
