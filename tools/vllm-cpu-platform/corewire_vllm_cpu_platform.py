@@ -17,7 +17,8 @@ from __future__ import annotations
 import os
 from typing import Any
 
-__all__ = ["CPU_PLATFORM", "FrontendCpuPlatform", "cpu_platform"]
+# FrontendCpuPlatform comes from the module's __getattr__ (made on first use).
+__all__ = ["CPU_PLATFORM", "FrontendCpuPlatform", "cpu_platform"]  # noqa: F822
 
 #: The platform class this plugin names, by qualified name (vLLM imports it).
 CPU_PLATFORM = f"{__name__}.FrontendCpuPlatform"
