@@ -74,6 +74,64 @@ def write_real_model(path: Path) -> Path:
     return write_model_dir(path, vocab_size=VOCAB_SIZE, max_model_len=MAX_MODEL_LEN, weights_seed=0)
 
 
+#: The tiny MoE model's experts, and the experts each token goes through.
+MOE_EXPERTS, MOE_EXPERTS_PER_TOKEN = 4, 2
+
+
+def write_real_moe_model(path: Path) -> Path:
+    """A tiny Mixtral (the llama's tokenizer and sizes, :data:`MOE_EXPERTS` experts per
+    layer) with weights drawn from seed 0: vLLM runs external-LB data parallel, and so its
+    fault tolerance, only for MoE models. Returns ``path``."""
+    import json
+
+    import torch
+    from safetensors.torch import save_file
+
+    # The llama's directory first (its weights replaced below), for its files and sizes.
+    dense = json.loads((write_real_model(path) / "config.json").read_text())
+    config = dense | {
+        "architectures": ["MixtralForCausalLM"],
+        "model_type": "mixtral",
+        "num_local_experts": MOE_EXPERTS,
+        "num_experts_per_tok": MOE_EXPERTS_PER_TOKEN,
+        "router_aux_loss_coef": 0.0,
+        "output_router_logits": False,
+        "sliding_window": None,
+    }
+    (path / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    hidden, inner = config["hidden_size"], config["intermediate_size"]
+    heads, kv_heads = config["num_attention_heads"], config["num_key_value_heads"]
+    head_dim, vocab = config["head_dim"], config["vocab_size"]
+    generator = torch.Generator().manual_seed(0)
+
+    def normal(*shape: int, std: float = 0.02) -> Any:
+        return torch.randn(*shape, generator=generator) * std
+
+    tensors = {"model.embed_tokens.weight": normal(vocab, hidden, std=1.0)}
+    for layer in range(config["num_hidden_layers"]):
+        at = f"model.layers.{layer}"
+        tensors |= {
+            f"{at}.self_attn.q_proj.weight": normal(heads * head_dim, hidden),
+            f"{at}.self_attn.k_proj.weight": normal(kv_heads * head_dim, hidden),
+            f"{at}.self_attn.v_proj.weight": normal(kv_heads * head_dim, hidden),
+            f"{at}.self_attn.o_proj.weight": normal(hidden, heads * head_dim),
+            f"{at}.input_layernorm.weight": torch.ones(hidden),
+            f"{at}.post_attention_layernorm.weight": torch.ones(hidden),
+            f"{at}.block_sparse_moe.gate.weight": normal(MOE_EXPERTS, hidden, std=0.5),
+        }
+        for expert in range(MOE_EXPERTS):
+            ex = f"{at}.block_sparse_moe.experts.{expert}"
+            tensors |= {
+                f"{ex}.w1.weight": normal(inner, hidden),
+                f"{ex}.w2.weight": normal(hidden, inner),
+                f"{ex}.w3.weight": normal(inner, hidden),
+            }
+    tensors["model.norm.weight"] = torch.ones(hidden)
+    tensors["lm_head.weight"] = normal(vocab, hidden, std=0.5)
+    save_file(tensors, str(path / "model.safetensors"), metadata={"format": "pt"})
+    return path
+
+
 #: The LoRA adapters' rank and the modules they adapt (vLLM's CPU build runs LoRA).
 LORA_RANK = 8
 LORA_TARGETS = ("q_proj", "v_proj")
