@@ -1,11 +1,11 @@
-"""The feature table of README's "per-token fast path" section, as data the tests check.
+"""The feature table of docs/vllm.md's "per-token fast path" section, as data the tests check.
 
 Each :class:`Feature` is one request option or endpoint of vLLM 0.34.0's Python server,
 sent as one request: whether the fast path writes its chunks (``fast``: checked by
 ``test_vllm_fast_path.py`` on the fast path's counters, the answer equal to vLLM's own
 server's either way), and what vLLM's Rust front-end (``vllm-rs``) answers (``rust``:
 checked by ``test_vllm_rust_frontend.py`` against the installed ``vllm-rs``, compared
-with vLLM's Python server: :func:`rust_verdict`). README's table is checked against this
+with vLLM's Python server: :func:`rust_verdict`). That table is checked against this
 list, row by row (``test_readme_feature_table_is_the_checked_one``).
 """
 
@@ -35,7 +35,7 @@ _CONTINUOUS = {"stream_options": {"include_usage": True, "continuous_usage_stats
 
 @dataclass(frozen=True)
 class Feature:
-    """One row of the table: ``name`` (as README writes it), the request (``path``,
+    """One row of the table: ``name`` (as docs/vllm.md writes it), the request (``path``,
     ``body``, streamed unless ``stream`` is False), and the two columns."""
 
     name: str
@@ -197,7 +197,7 @@ def rust_verdict(rust: tuple[int, Any], python: tuple[int, Any]) -> str:
 
 
 def readme_rows(readme: str) -> list[tuple[str, str, str]]:
-    """The rows of README's feature table: (feature, fast path, Rust front-end)."""
+    """The rows of docs/vllm.md's feature table: (feature, fast path, Rust front-end)."""
     section = readme.split("<!-- fast-path-features -->")[1].split("<!-- /fast-path-features -->")[
         0
     ]
@@ -210,5 +210,5 @@ def readme_rows(readme: str) -> list[tuple[str, str, str]]:
 
 
 def table_row(feature: Feature) -> tuple[str, str, str]:
-    """``feature`` as README's table writes it."""
+    """``feature`` as docs/vllm.md's table writes it."""
     return (feature.name, "fast" if feature.fast else "vLLM's", feature.rust)

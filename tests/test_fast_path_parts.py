@@ -64,10 +64,10 @@ def test_switch_on_where_it_cannot_run_is_refused_by_name(monkeypatch: pytest.Mo
 
 
 def test_readme_feature_table_is_the_checked_one() -> None:
-    """README's feature table is the list the live tests check (its fast-path column in
+    """docs/vllm.md's feature table is the list the live tests check (its fast-path column in
     test_vllm_fast_path.py, its Rust front-end column in test_vllm_rust_frontend.py), row
     for row."""
-    readme = (Path(__file__).parent.parent / "README.md").read_text()
+    readme = (Path(__file__).parent.parent / "docs" / "vllm.md").read_text()
     assert readme_rows(readme) == [table_row(f) for f in FEATURES]
 
 

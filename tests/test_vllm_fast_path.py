@@ -526,7 +526,7 @@ def test_engine_death_mid_stream_ends_the_stream_as_vllms_path_does(tmp_path: Pa
 
 @pytest.mark.parametrize("feature", FEATURES, ids=[f.name for f in FEATURES])
 def test_feature_table_fast_column(stacks: dict[str, ServeStack], feature: Feature) -> None:
-    """README's feature table, the fast path's column: each option's request gets the
+    """docs/vllm.md's feature table, the fast path's column: each option's request gets the
     same answer from the fast path's stack as from vLLM's own server (streams event for
     event, the text as written), and takes the fast path exactly where the table says."""
     with http_client(stacks["vllm"]) as theirs, http_client(stacks["corewire+fast"]) as mine:

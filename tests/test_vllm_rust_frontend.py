@@ -244,7 +244,7 @@ def test_chat_completions_plain_and_streamed(http: httpx.Client) -> None:
 
 
 def test_feature_table_rust_column(stack: ServeStack, tmp_path: Path) -> None:
-    """README's feature table, the Rust front-end's column, against the installed
+    """docs/vllm.md's feature table, the Rust front-end's column, against the installed
     vllm-rs: each option's request sent to it and to vLLM's Python server over the same
     kind of engine, and what it answers (the same answer, a different one, an error:
     ``fast_path_features.rust_verdict``) is what the table says. The table is vLLM
