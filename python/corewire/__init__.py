@@ -2,8 +2,8 @@
 
 Requests go to engine-core processes over ZeroMQ, outputs come back decoded by a Rust
 decoder (zero-copy tensors), utility calls resolve futures by call id, and the death of
-an engine reaches every waiting caller. The wire format is vLLM 0.25.1's engine-core
-protocol, byte for byte.
+an engine reaches every waiting caller. The wire format is vLLM's engine-core protocol,
+byte for byte, in every release from 0.25.1 to 0.34.0 (:mod:`corewire.releases`).
 """
 
 from __future__ import annotations

@@ -2,8 +2,9 @@
 
 ``corewire bench decode|client|dp|serve|output [--quick] [--plot FILE.png] [--json FILE]``, each
 with options of its own. Every benchmark runs the alternatives side by side in one process
-on the same input and compares corewire with vLLM 0.25.1 when vLLM is installed (and says
-so when it is not). ``--json`` writes machine-readable results (machine, versions, date,
+on the same input and compares corewire with the installed vLLM (any release corewire
+speaks; the project's environment has 0.25.1) when there is one, and says so when there
+is not. ``--json`` writes machine-readable results (machine, versions, date,
 every case, the goals met or missed) and ``--plot`` draws them (needs matplotlib, the
 ``bench`` extra).
 
