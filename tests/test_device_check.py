@@ -12,6 +12,8 @@ import pytest
 import torch
 
 TOOL = Path(__file__).resolve().parents[1] / "tools" / "device_check.py"
+#: Each run starts several engine processes (each imports torch): minutes on a busy machine.
+pytestmark = pytest.mark.timeout(660)
 CHECKS = ("check_generation", "check_pooling", "check_codec", "check_data_parallel")
 
 
