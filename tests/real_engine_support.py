@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib.metadata
+import json
 import os
 import signal
 import subprocess
@@ -28,7 +29,7 @@ import httpx
 import psutil
 import pytest
 
-from corewire.vllm.model_dir import write_model_dir
+from corewire.vllm.model_dir import write_model_dir, write_weights
 from corewire.vllm.stack import offline_env
 from port_support import unused_tcp_port
 from serve_support import MODEL
@@ -82,11 +83,6 @@ def write_real_moe_model(path: Path) -> Path:
     """A tiny Mixtral (the llama's tokenizer and sizes, :data:`MOE_EXPERTS` experts per
     layer) with weights drawn from seed 0: vLLM runs external-LB data parallel, and so its
     fault tolerance, only for MoE models. Returns ``path``."""
-    import json
-
-    import torch
-    from safetensors.torch import save_file
-
     # The llama's directory first (its weights replaced below), for its files and sizes.
     dense = json.loads((write_real_model(path) / "config.json").read_text())
     config = dense | {
@@ -99,36 +95,7 @@ def write_real_moe_model(path: Path) -> Path:
         "sliding_window": None,
     }
     (path / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-    hidden, inner = config["hidden_size"], config["intermediate_size"]
-    heads, kv_heads = config["num_attention_heads"], config["num_key_value_heads"]
-    head_dim, vocab = config["head_dim"], config["vocab_size"]
-    generator = torch.Generator().manual_seed(0)
-
-    def normal(*shape: int, std: float = 0.02) -> Any:
-        return torch.randn(*shape, generator=generator) * std
-
-    tensors = {"model.embed_tokens.weight": normal(vocab, hidden, std=1.0)}
-    for layer in range(config["num_hidden_layers"]):
-        at = f"model.layers.{layer}"
-        tensors |= {
-            f"{at}.self_attn.q_proj.weight": normal(heads * head_dim, hidden),
-            f"{at}.self_attn.k_proj.weight": normal(kv_heads * head_dim, hidden),
-            f"{at}.self_attn.v_proj.weight": normal(kv_heads * head_dim, hidden),
-            f"{at}.self_attn.o_proj.weight": normal(hidden, heads * head_dim),
-            f"{at}.input_layernorm.weight": torch.ones(hidden),
-            f"{at}.post_attention_layernorm.weight": torch.ones(hidden),
-            f"{at}.block_sparse_moe.gate.weight": normal(MOE_EXPERTS, hidden, std=0.5),
-        }
-        for expert in range(MOE_EXPERTS):
-            ex = f"{at}.block_sparse_moe.experts.{expert}"
-            tensors |= {
-                f"{ex}.w1.weight": normal(inner, hidden),
-                f"{ex}.w2.weight": normal(hidden, inner),
-                f"{ex}.w3.weight": normal(inner, hidden),
-            }
-    tensors["model.norm.weight"] = torch.ones(hidden)
-    tensors["lm_head.weight"] = normal(vocab, hidden, std=0.5)
-    save_file(tensors, str(path / "model.safetensors"), metadata={"format": "pt"})
+    write_weights(path, config, seed=0)
     return path
 
 
@@ -141,8 +108,6 @@ def write_lora_adapter(path: Path, model_dir: Path, seed: int) -> Path:
     """A PEFT LoRA adapter for the tiny llama in ``model_dir``, weights drawn from ``seed``
     (both halves non-zero, so that the adapter changes the greedy answers). Returns ``path``.
     """
-    import json
-
     import torch
     from safetensors.torch import save_file
 

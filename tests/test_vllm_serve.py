@@ -413,6 +413,32 @@ def test_model_dir_weights_are_the_seeds_and_load_as_a_llama(tmp_path: Path) -> 
     assert not (write_model_dir(tmp_path / "none") / "model.safetensors").exists()
 
 
+def test_model_dir_weights_of_an_moe_config_are_experts_behind_a_router(
+    tmp_path: Path,
+) -> None:
+    """A config with ``num_local_experts`` gets Mixtral's feed-forward (a router, then each
+    expert's three projections) in place of the llama's, the rest as the llama's."""
+    from safetensors.torch import load_file
+
+    from corewire.vllm.model_dir import write_weights
+
+    made = write_model_dir(tmp_path / "m", vocab_size=256, weights_seed=0)
+    config = json.loads((made / "config.json").read_text())
+    moe = config | {"num_local_experts": 3}
+    tensors = load_file(str(write_weights(tmp_path / "m", moe, seed=0)))
+    hidden, inner = config["hidden_size"], config["intermediate_size"]
+    for layer in range(config["num_hidden_layers"]):
+        at = f"model.layers.{layer}"
+        assert tensors[f"{at}.block_sparse_moe.gate.weight"].shape == (3, hidden)
+        for expert in range(3):
+            ex = f"{at}.block_sparse_moe.experts.{expert}"
+            assert tensors[f"{ex}.w1.weight"].shape == (inner, hidden)
+            assert tensors[f"{ex}.w2.weight"].shape == (hidden, inner)
+        assert not any(name.startswith(f"{at}.mlp.") for name in tensors)
+        assert f"{at}.self_attn.q_proj.weight" in tensors
+    assert "model.layers.0.block_sparse_moe.experts.3.w1.weight" not in tensors
+
+
 def test_stack_starts_again_when_its_ports_are_taken(tmp_path: Path) -> None:
     """Another process takes the ports the stack chose before vLLM binds them (the race
     of two test runs on one machine): the API server exits with "address already in

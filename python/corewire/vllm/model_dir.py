@@ -229,7 +229,9 @@ def write_model_dir(
 def write_weights(path: Path, config: dict[str, Any], seed: int, head_std: float = 0.5) -> Path:
     """Write ``model.safetensors``: random weights of the llama ``config`` describes,
     drawn from ``seed`` (the same seed, the same bytes), under the names vLLM's and
-    transformers' llama loaders read. Returns the file.
+    transformers' llama loaders read; where ``config`` has ``num_local_experts``, each
+    layer's feed-forward is that many experts behind a router, as Mixtral's loaders read
+    them. Returns the file.
 
     The output head is drawn wider (``head_std``) than the rest: next-token scores then
     differ by whole units, so greedy answers and logprobs are far from flat and a
@@ -251,6 +253,7 @@ def write_weights(path: Path, config: dict[str, Any], seed: int, head_std: float
     def normal(*shape: int, std: float = 0.02) -> Any:
         return torch.randn(*shape, generator=generator) * std
 
+    experts = config.get("num_local_experts") or 0
     tensors = {"model.embed_tokens.weight": normal(vocab, hidden, std=1.0)}
     for layer in range(config["num_hidden_layers"]):
         at = f"model.layers.{layer}"
@@ -259,9 +262,23 @@ def write_weights(path: Path, config: dict[str, Any], seed: int, head_std: float
             f"{at}.self_attn.k_proj.weight": normal(kv_heads * head_dim, hidden),
             f"{at}.self_attn.v_proj.weight": normal(kv_heads * head_dim, hidden),
             f"{at}.self_attn.o_proj.weight": normal(hidden, heads * head_dim),
-            f"{at}.mlp.gate_proj.weight": normal(inner, hidden),
-            f"{at}.mlp.up_proj.weight": normal(inner, hidden),
-            f"{at}.mlp.down_proj.weight": normal(hidden, inner),
+        }
+        if experts:  # Mixtral's layout: a router, then each expert's three projections
+            moe = f"{at}.block_sparse_moe"
+            tensors[f"{moe}.gate.weight"] = normal(experts, hidden, std=0.5)
+            for expert in range(experts):
+                tensors |= {
+                    f"{moe}.experts.{expert}.w1.weight": normal(inner, hidden),
+                    f"{moe}.experts.{expert}.w2.weight": normal(hidden, inner),
+                    f"{moe}.experts.{expert}.w3.weight": normal(inner, hidden),
+                }
+        else:
+            tensors |= {
+                f"{at}.mlp.gate_proj.weight": normal(inner, hidden),
+                f"{at}.mlp.up_proj.weight": normal(inner, hidden),
+                f"{at}.mlp.down_proj.weight": normal(hidden, inner),
+            }
+        tensors |= {
             f"{at}.input_layernorm.weight": torch.ones(hidden),
             f"{at}.post_attention_layernorm.weight": torch.ones(hidden),
         }
