@@ -92,7 +92,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Serve until SIGTERM / SIGINT (status 0) or a fatal engine error (status 1)."""
-    from corewire.engine.launch import serve_engine
+    from corewire.engine.launch import EngineLaunch, serve_engine
 
     if args.handshake_address is not None:
         if args.connect is not None or args.input_address or args.output_address:
@@ -117,14 +117,14 @@ def run(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return 2
-    return serve_engine(
+    launch = EngineLaunch.of(
         engine_index=args.engine_index,
         engine=args.engine,
         engine_args=args.engine_args,
-        parent_pid=args.parent_pid,
         protocol=args.protocol,
         **addresses,
     )
+    return serve_engine(launch, parent_pid=args.parent_pid)
 
 
 def _join(args: argparse.Namespace) -> int:
@@ -178,7 +178,7 @@ def _add_connect_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _connect_options(args: argparse.Namespace) -> dict[str, Any]:
-    """``serve_engine`` keyword arguments for ``--connect`` (addresses, DP options, CURVE
+    """:class:`EngineLaunch` keyword arguments for ``--connect`` (addresses, DP options, CURVE
     keys); raises ``ValueError`` for a missing key directory on a non-loopback host."""
     endpoints = TcpEndpoints.from_address(args.connect)
     keys = None

@@ -15,6 +15,7 @@ import signal
 import sys
 import threading
 import time
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 from corewire.engine.core import EngineCoreProc
@@ -25,6 +26,7 @@ from corewire.logtext import LineLimit
 
 __all__ = [
     "ENGINE_ALIASES",
+    "EngineLaunch",
     "build_proc",
     "configure_logging",
     "load_engine",
@@ -79,65 +81,69 @@ def _proc_class(dp_options: dict[str, Any]) -> type[EngineCoreProc]:
     return DPEngineCoreProc
 
 
-def serve_engine(
-    *,
-    engine_index: int,
-    input_address: str | list[str],
-    output_address: str | list[str],
-    engine: str | None = None,
-    engine_args: dict[str, Any] | None = None,
-    parent_pid: int | None = None,
-    protocol: str | None = None,
-    **dp_options: Any,
-) -> int:
-    """Run an engine core in this process until it stops; return its exit status.
+@dataclass(frozen=True)
+class EngineLaunch:
+    """What an engine core is started with, written once for every way of starting one
+    (a client's child process, ``corewire engine``, a Ray actor).
 
-    ``protocol`` is the vLLM wire version to speak (None: ``corewire.releases.DEFAULT``).
+    ``engine_index``: its index in the group; ``input_address`` / ``output_address``: the
+    front-end's request and output endpoints (a list: one per front-end); ``engine``: the
+    engine class as ``"module:Class"`` (None: the reference engine); ``engine_args``: its
+    constructor's keyword arguments; ``protocol``: the vLLM release whose wire it speaks
+    (None: ``corewire.releases.DEFAULT``); ``dp_options``: the data-parallel engine core's
+    further arguments (none: a plain engine core).
+    """
+
+    engine_index: int
+    input_address: str | list[str]
+    output_address: str | list[str]
+    engine: str | None = None
+    engine_args: dict[str, Any] | None = None
+    protocol: str | None = None
+    dp_options: dict[str, Any] = field(default_factory=dict)
+
+    @classmethod
+    def of(cls, **options: Any) -> EngineLaunch:
+        """The launch the keyword arguments of :func:`run_engine_core` describe (the
+        process target's contract): the named fields, every other keyword a DP option."""
+        named = {f.name for f in fields(cls)} - {"dp_options"}
+        return cls(
+            **{k: v for k, v in options.items() if k in named},
+            dp_options={k: v for k, v in options.items() if k not in named},
+        )
+
+
+def serve_engine(launch: EngineLaunch, parent_pid: int | None = None) -> int:
+    """Run the engine core ``launch`` describes in this process until it stops; return
+    its exit status.
 
     SIGTERM and SIGINT stop it cleanly (status 0) when called on the main thread. With
     ``parent_pid``, it also stops when that process dies. A fatal engine error sends
     ENGINE_CORE_DEAD and returns 1. An engine that fails to build returns 1 before the
     ready message, so the front-end sees the process exit instead of a ready engine.
     """
-    configure_logging(engine_index)
+    configure_logging(launch.engine_index)
     try:
-        proc = build_proc(
-            engine_index=engine_index,
-            input_address=input_address,
-            output_address=output_address,
-            engine=engine,
-            engine_args=engine_args,
-            protocol=protocol,
-            **dp_options,
-        )
+        proc = build_proc(launch)
     except Exception as exc:
-        logger.exception("engine %d failed to start", engine_index)
+        logger.exception("engine %d failed to start", launch.engine_index)
         report_startup_error(exc)  # to the client that started this process, if one did
         return 1
     return run_proc(proc, parent_pid)
 
 
-def build_proc(
-    *,
-    engine_index: int,
-    input_address: str | list[str],
-    output_address: str | list[str],
-    engine: str | None = None,
-    engine_args: dict[str, Any] | None = None,
-    protocol: str | None = None,
-    **dp_options: Any,
-) -> EngineCoreProc:
-    """Build the engine named by ``engine`` and the engine core around it (the DP one
-    when ``dp_options`` are given), connected and ready to :func:`run_proc`; raises
-    what building raised."""
-    built = load_engine(engine, engine_args)
-    return _proc_class(dp_options)(
+def build_proc(launch: EngineLaunch) -> EngineCoreProc:
+    """Build the engine ``launch`` names and the engine core around it (the DP one when
+    it has ``dp_options``), connected and ready to :func:`run_proc`; raises what building
+    raised."""
+    built = load_engine(launch.engine, launch.engine_args)
+    return _proc_class(launch.dp_options)(
         built,
-        engine_index=engine_index,
-        input_address=input_address,
-        output_address=output_address,
-        protocol=protocol,
-        **dp_options,
+        engine_index=launch.engine_index,
+        input_address=launch.input_address,
+        output_address=launch.output_address,
+        protocol=launch.protocol,
+        **launch.dp_options,
     )
 
 
@@ -167,33 +173,19 @@ def run_proc(proc: EngineCoreProc, parent_pid: int | None = None) -> int:
     return status
 
 
-def run_engine_core(
-    *,
-    engine_index: int,
-    input_address: str | list[str],
-    output_address: str | list[str],
-    engine: str | None = None,
-    engine_args: dict[str, Any] | None = None,
-    parent_pid: int | None = None,
-    protocol: str | None = None,
-    **dp_options: Any,
-) -> None:
+def run_engine_core(*, parent_pid: int | None = None, **options: Any) -> None:
     """Process target of an engine started by a client (``multiprocessing`` spawn).
-    ``protocol`` is the vLLM wire version to speak (None: the default).
 
-    Blocks until the engine stops; exits the process with status 1 on a fatal error.
-    ``parent_pid`` defaults to this process's parent: the engine stops when it dies.
-    ``dp_options`` go to the data-parallel proc class when there is one.
+    ``options``: the fields of :class:`EngineLaunch` as keyword arguments (``engine_index``,
+    ``input_address``, ``output_address``, and optionally ``engine``, ``engine_args``,
+    ``protocol``), every other keyword a DP option for the data-parallel proc class:
+    the contract every engine-main callable a client is given shares. Blocks until the
+    engine stops; exits the process with status 1 on a fatal error. ``parent_pid``
+    defaults to this process's parent: the engine stops when it dies.
     """
     status = serve_engine(
-        engine_index=engine_index,
-        input_address=input_address,
-        output_address=output_address,
-        engine=engine,
-        engine_args=engine_args,
+        EngineLaunch.of(**options),
         parent_pid=os.getppid() if parent_pid is None else parent_pid,
-        protocol=protocol,
-        **dp_options,
     )
     if multiprocessing.parent_process() is not None:
         # A child started for this engine alone: skip the interpreter's teardown, which

@@ -21,7 +21,7 @@ import sys
 import threading
 from typing import Any
 
-from corewire.engine.launch import build_proc, configure_logging, run_proc
+from corewire.engine.launch import EngineLaunch, build_proc, configure_logging, run_proc
 
 __all__ = ["EngineActor"]
 
@@ -52,10 +52,11 @@ class EngineActor:
 
     def serve(self, options: dict[str, Any]) -> int:
         """Build the engine core from ``options`` (the keyword arguments of
-        :func:`corewire.engine.launch.build_proc`) and run it until it stops; return its
+        :class:`corewire.engine.launch.EngineLaunch`) and run it until it stops; return its
         exit status. A failure to build raises (the caller's ``ray.get`` sees it)."""
-        configure_logging(options["engine_index"])
-        proc = build_proc(**options)
+        launch = EngineLaunch.of(**options)
+        configure_logging(launch.engine_index)
+        proc = build_proc(launch)
         self._built(proc)
         # No parent to watch: Ray ends the actor when its owner (the front-end) exits.
         return run_proc(proc)
