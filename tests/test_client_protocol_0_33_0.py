@@ -32,9 +32,9 @@ import torch
 from client_wire_support import CoordinatorPeer, EnginePeer, client_addresses, client_and_peer
 from corewire import AsyncMPClient, DPAsyncMPClient, DPLBAsyncMPClient, SyncMPClient, layouts
 from corewire import protocol as p
-from corewire.client.wire_requests import to_0_33_0
-from corewire.codec import Encoder
+from corewire.codec import Encoder, request_decoder
 from corewire.protocol import FinishReason, UtilityOutput, UtilityResult
+from corewire.wire.requests import to_0_33_0
 from dp_support import Sockets, coordinator_addresses, wait_for
 from golden_0_33_0_requests_support import expected_requests, request_frames
 from golden_0_33_0_support import DATA
@@ -122,7 +122,7 @@ async def test_async_client_writes_0_33_0_requests(ipc_dir: Path, sockets: Socke
             assert peer.recv_add() == request_frames(case), case
         # A 0.33.0 struct: written as is (vLLM's own golden requests, decoded).
         for case in sorted(expected_requests()):
-            request = layouts.request_decoder("0.33.0").decode(request_frames(case))
+            request = request_decoder("0.33.0").decode(request_frames(case))
             if request.client_index != client.client_index:
                 continue  # stamped by the client: covered by the sync test below
             await client.add_request_async(request)
@@ -135,12 +135,12 @@ def test_sync_client_writes_0_33_0_requests(ipc_dir: Path, sockets: Sockets) -> 
         client,
         peer,
     ):
-        request = layouts.request_decoder("0.33.0").decode(request_frames("openai_default"))
+        request = request_decoder("0.33.0").decode(request_frames("openai_default"))
         client.add_request(request)
         assert peer.recv_add() == request_frames("openai_default")
         request = OLD_STRUCT_CASES["plain"]()
         client.add_request(request)
-        want = layouts.request_decoder("0.33.0").decode(request_frames("plain"))
+        want = request_decoder("0.33.0").decode(request_frames("plain"))
         want.client_index = 1
         assert peer.recv_add() == encode_0_33_0(want)
 
@@ -164,7 +164,7 @@ def test_sampling_params_whose_bytes_differ_are_rebuilt_as_0_33_0s() -> None:
         )
         assert encode_0_33_0(new) == encode_0_33_0(want)
         # and it reads back as 0.33.0's, with the same values
-        back = layouts.request_decoder("0.33.0").decode(encode_0_33_0(new))
+        back = request_decoder("0.33.0").decode(encode_0_33_0(new))
         assert back.sampling_params == want.sampling_params
     moved = to_0_33_0(p.EngineCoreRequest(request_id="r", sampling_params=cases[0]))
     payload = encode_0_33_0(moved)[0]
@@ -565,7 +565,7 @@ def test_outputs_the_dp_client_makes_are_in_its_version() -> None:
     """A scale-down finishes a removed engine's requests client-side: under 0.33.0 the
     consumer gets 0.33.0's structs (it reads weight_version, error...), converted as the
     DP client converts them, by the engines' own output converter."""
-    from corewire.engine.wire import output_converter
+    from corewire.wire.outputs import output_converter
 
     made = p.finished_outputs(["a", "b"], FinishReason.ABORT, engine_index=2)
     converted = output_converter("0.33.0")(made)

@@ -2,7 +2,7 @@
 
 Runs in any environment (no vLLM needed): a raw front-end drives ``EngineCoreProc(
 protocol="0.33.0")`` processes and reads their frames with ``NativeDecoder(protocol=
-"0.33.0")``; the output conversion (``corewire.engine.wire``) and corewire's own DP
+"0.33.0")``; the output conversion (``corewire.wire.outputs``) and corewire's own DP
 coordinator under 0.33.0 are checked directly. vLLM 0.33.0's own client and coordinator
 against the same engines: ``test_vllm_0_33_0_engine.py`` and
 ``test_vllm_0_33_0_engine_handshake.py`` (0.33.0 environment only).
@@ -27,8 +27,8 @@ from client_support import request
 from corewire.codec import Encoder, NativeDecoder
 from corewire.coordinator import CoordinatorState, DPCoordinator
 from corewire.dp_messages import DPState
+from corewire.engine.ready_layouts import ReadyResponse0330
 from corewire.engine.replay import run_replay_engine
-from corewire.engine.wire import StepOutputs, _splice, output_converter
 from corewire.layouts import types_for
 from corewire.protocol import (
     EngineCoreOutput,
@@ -37,7 +37,7 @@ from corewire.protocol import (
     LogprobsTensors,
     UtilityOutput,
 )
-from corewire.ready_layouts import ReadyResponse0330
+from corewire.wire.outputs import StepOutputs, _splice, output_converter
 from dp_support import FrontEndPeer, Sockets, coordinator_addresses
 from engine_support import LIGHT_REFERENCE, FrontEnd
 

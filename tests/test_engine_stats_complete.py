@@ -8,7 +8,7 @@ vLLM's Python front-end fills in what a map leaves out; its Rust front-end (``vl
 (``missing field step_counter``) until engines wrote them whole. What each release
 declares is its record (``corewire.releases``, read off that vLLM's own classes), so this
 runs without vLLM: for every recorded release the output conversion an engine core runs
-(``corewire.engine.wire.output_converter``), and under 0.25.1 a real engine process, read
+(``corewire.wire.outputs.output_converter``), and under 0.25.1 a real engine process, read
 back as raw msgpack and walked against the record. The engines behind the Rust front-end
 itself: ``test_vllm_rust_frontend.py``.
 
@@ -27,10 +27,10 @@ import pytest
 from client_support import request
 from corewire import releases
 from corewire.codec import Encoder
-from corewire.engine.wire import StepOutputs, finish_output, output_converter
 from corewire.layouts import RequestError
 from corewire.protocol import EngineCoreOutput, EngineCoreOutputs, FinishReason
 from corewire.releases import records
+from corewire.wire.outputs import StepOutputs, finish_output, output_converter
 from engine_support import LIGHT_REFERENCE, FrontEnd
 
 RECORDED = [r for r in releases.SUPPORTED if r.name in records.releases()]

@@ -1,4 +1,4 @@
-"""The ready response per vLLM version (``corewire.ready_layouts``).
+"""The ready response per vLLM version (``corewire.engine.ready_layouts``).
 
 0.25.1's is exactly what ``corewire.engine.ready.ready_response`` writes today; 0.33.0's
 has vLLM 0.33.0's 28 keys in its order, byte for byte what vLLM 0.33.0's engine writes
@@ -16,7 +16,7 @@ import pytest
 
 from corewire.engine import EngineInfo
 from corewire.engine.ready import ready_response
-from corewire.ready_layouts import (
+from corewire.engine.ready_layouts import (
     READY_RESPONSE_TYPES,
     ReadyFacts,
     ReadyResponse0251,

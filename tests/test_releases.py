@@ -8,7 +8,7 @@
   own decoder made of them, and ``corewire.codec.Encoder`` writes them back byte for byte.
 - ``NativeDecoder``, laid out by each record, reads every release's recorded frames as it did.
 - The records of 0.25.1 and 0.33.0 have the field names and order of corewire's
-  hand-kept tables (``corewire.layouts``, ``corewire.ready_layouts``).
+  hand-kept tables (``corewire.layouts``, ``corewire.engine.ready_layouts``).
 """
 
 from __future__ import annotations
@@ -22,8 +22,7 @@ from typing import Any
 import msgspec
 import pytest
 
-from corewire import releases
-from corewire.codec import Encoder, MsgspecDecoder
+from corewire.codec import Encoder, MsgspecDecoder, native_decoder
 from corewire.releases import records
 from corewire.releases.structs import build_structs
 from golden_support import jsonable
@@ -235,7 +234,7 @@ def test_native_decoder_reads_the_recorded_frames(release: str, case: str) -> No
     """The Rust decoder of every release, laid out by that release's record, reads its
     recorded frames as the release did (its objects carry every version's fields: only
     the release's are compared)."""
-    decoded = releases.get(release).native_decoder().decode(frames(release, case))
+    decoded = native_decoder(release).decode(frames(release, case))
     assert _subset(jsonable(decoded), expected(release)[case]["decoded"])
 
 
@@ -264,7 +263,7 @@ def test_records_agree_with_the_hand_tables(release: str) -> None:
     ("release", "ready"), [("0.25.1", "ReadyResponse0251"), ("0.33.0", "ReadyResponse0330")]
 )
 def test_ready_records_agree_with_the_hand_tables(release: str, ready: str) -> None:
-    from corewire import ready_layouts
+    from corewire.engine import ready_layouts
 
     cls = getattr(ready_layouts, ready)
     entry = records.load(release)["structs"]["EngineCoreReadyResponse"]

@@ -75,13 +75,21 @@ def test_each_class_is_the_one_before_and_what_its_release_changed() -> None:
     # weight versions (0.33.0's client members answer what its AsyncLLM calls).
     assert not r0251.counts_carry_kv_usage and r0270.counts_carry_kv_usage
     assert r0270.kv_pressure_routing and not r0270.engine_led_waves
-    assert r0270.vllm_client_members() is releases.get("0.33.0").vllm_client_members()
+    from corewire.engine.core import RELEASE_UTILITIES
+    from corewire.vllm.classes import MEMBERS
+    from corewire.vllm.frontend import frontend_for
+
+    assert r0270.choose(MEMBERS) is releases.get("0.33.0").choose(MEMBERS)
     # ...and its engines answer weight versions (0.33.0's utilities, a superset).
-    assert Release0270.engine_utilities is not Release0251.engine_utilities
+    assert r0251.choose(RELEASE_UTILITIES) is None
+    assert r0270.choose(RELEASE_UTILITIES) is releases.get("0.33.0").choose(RELEASE_UTILITIES)
     # 0.28.0's launch object, 0.29.0's mamba block size, 0.31.0's attention block size
     # and KV-event sources, 0.32.0's bound addresses and listeners: one override each.
-    assert "launch" in vars(Release0280) and "apply_ready" in vars(Release0290)
-    assert "apply_ready" in vars(Release0310) and "listeners" in vars(Release0320)
+    frontends = {r.name: type(frontend_for(r)) for r in releases.SUPPORTED}
+    assert frontends["0.27.1"] is frontends["0.25.1"] is not frontends["0.28.0"]
+    assert "launch" in vars(frontends["0.28.0"]) and "apply_ready" in vars(frontends["0.29.0"])
+    assert "apply_ready" in vars(frontends["0.31.0"]) and "listeners" in vars(frontends["0.32.0"])
+    assert frontends["0.34.0"] is frontends["0.33.0"]
 
 
 @pytest.mark.parametrize(
@@ -116,19 +124,21 @@ def test_0_32_0_is_0_33_0_less_what_0_33_0_added() -> None:
     assert r0320.weight_versions
     # Its client members are 0.33.0's (what its AsyncLLM calls is a subset), in classes
     # of its own that carry it as their release.
-    from corewire.vllm.classes import client_classes
+    from corewire.vllm.classes import MEMBERS, client_classes
 
-    assert r0320.vllm_client_members() is r0330.vllm_client_members()
+    assert r0320.choose(MEMBERS) is r0330.choose(MEMBERS)
     assert {cls.release for cls in client_classes("0.32.0").values()} == {r0320}
 
 
 def test_the_request_writer_follows_the_layout_not_the_class() -> None:
-    from corewire.client import wire_requests
+    from corewire.wire import requests as wire_requests
 
     # Only 0.33.0 itself gets the converter into 0.33.0's layout; 0.32.0 (another
     # layout) writes its own structs.
-    assert releases.get("0.33.0").request_writer() is wire_requests.to_0_33_0
-    assert releases.get("0.32.0").request_writer() is not wire_requests.to_0_33_0
+    assert wire_requests.request_writer("0.33.0") is wire_requests.to_0_33_0
+    assert wire_requests.request_writer("0.32.0") is not wire_requests.to_0_33_0
+    # corewire's own structs are 0.25.1's wire: nothing to write.
+    assert wire_requests.request_writer("0.25.1") is None
 
 
 def _fake_distribution(site: Path, name: str, version: str, top_level: str | None) -> None:

@@ -46,6 +46,7 @@ from corewire import (  # noqa: E402
     releases,
 )
 from corewire import protocol as p  # noqa: E402
+from corewire.codec import request_decoder  # noqa: E402
 from corewire.protocol import FinishReason  # noqa: E402
 from dp_support import Sockets, coordinator_addresses, wait_for  # noqa: E402
 
@@ -163,7 +164,7 @@ async def test_async_client_requests_are_vllm_0_33_0s(ipc_dir: Path, sockets: So
             assert got == want, name
             assert vllm_frames(_read_back(got)) == want, name
             # 0.33.0's struct, as vLLM's decoder on the engine side would hand it over
-            typed = layouts.request_decoder(RELEASE).decode(want)
+            typed = request_decoder(RELEASE).decode(want)
             await client.add_request_async(typed)
             assert peer.recv_add() == want, name
             # vLLM's own request object, as vLLM's AsyncLLM hands it to the plugin's client

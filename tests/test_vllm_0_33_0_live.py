@@ -6,7 +6,7 @@ varied outputs: each message is encoded by vLLM's ``MsgpackEncoder``, decoded by
 ``MsgpackDecoder`` and by ``NativeDecoder(protocol=protocol_for_vllm(vllm.__version__))``,
 the two results compared field by field, and the frames re-encoded by corewire's
 ``Encoder`` byte for byte. The front-end -> engine direction likewise: vLLM's requests
-(the golden ones and varied ones) through ``layouts.request_decoder``, re-encoded byte for
+(the golden ones and varied ones) through ``corewire.codec.request_decoder``, re-encoded byte for
 byte and read back by vLLM's decoder; and corewire's 0.33.0 ready response decoded as vLLM
 0.33.0's front-end decodes it. With vLLM 0.25.1 (the main environment) it is skipped.
 """
@@ -30,7 +30,7 @@ from vllm.v1 import engine as E  # noqa: E402
 from vllm.v1.outputs import LogprobsLists  # noqa: E402
 from vllm.v1.serial_utils import MsgpackDecoder, MsgpackEncoder  # noqa: E402
 
-from corewire.codec import Encoder, NativeDecoder  # noqa: E402
+from corewire.codec import Encoder, NativeDecoder, request_decoder  # noqa: E402
 from corewire.releases import for_vllm as protocol_for_vllm  # noqa: E402
 from golden_0_33_0_support import DATA, to_structs  # noqa: E402
 from golden_support import jsonable  # noqa: E402
@@ -169,14 +169,12 @@ REQUESTS = {
 
 @pytest.mark.parametrize("name", sorted(REQUESTS))
 def test_vllm_requests_decode_alike_and_reencode(name: str) -> None:
-    from corewire import layouts
-
     protocol = protocol_for_vllm(vllm.__version__)
     frames = [bytes(f) for f in MsgpackEncoder().encode(REQUESTS[name])]
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)  # read-only buffers in tensors
         want = jsonable(MsgpackDecoder(E.EngineCoreRequest).decode(frames), wire_names=True)
-    got = layouts.request_decoder(protocol).decode(frames)
+    got = request_decoder(protocol).decode(frames)
     assert jsonable(got, wire_names=True) == want
     again = [bytes(f) for f in Encoder(protocol=protocol).encode(got)]
     assert again == frames
@@ -194,7 +192,7 @@ def test_vllm_0_33_0_accepts_corewires_ready_response() -> None:
 
     from corewire.engine import EngineInfo
     from corewire.engine.ready import ready_response
-    from corewire.ready_layouts import ReadyFacts, ready_response_for
+    from corewire.engine.ready_layouts import ReadyFacts, ready_response_for
 
     info = EngineInfo(max_model_len=4096, num_gpu_blocks=12, kv_cache_size_tokens=192)
     ready = ready_response_for(

@@ -52,14 +52,15 @@ from vllm.v1.serial_utils import MsgpackDecoder, MsgpackEncoder  # noqa: E402
 
 from corewire import releases  # noqa: E402
 from corewire.engine.interface import EngineInfo  # noqa: E402
+from corewire.engine.ready_layouts import ReadyFacts, ready_response_for  # noqa: E402
 from corewire.layouts import FT_STATUS_CALL_ID, RequestError  # noqa: E402
-from corewire.ready_layouts import ReadyFacts, ready_response_for  # noqa: E402
 from corewire.vllm.classes import client_classes  # noqa: E402
 from corewire.vllm.client import (  # noqa: E402
     HEALTH_INTERVAL_ENV,
     HEALTH_TIMEOUT_ENV,
     make_async_mp_client,
 )
+from corewire.vllm.output_processors import native_output_processor  # noqa: E402
 from corewire.vllm.v0_33_0 import FT_UTILITY_METHOD  # noqa: E402
 from port_support import ATTEMPTS, address_in_use, unused_tcp_port  # noqa: E402
 from vllm_join_support import frontend_only_config, join_args, private_root  # noqa: E402
@@ -182,7 +183,7 @@ async def generate(llm: Any, rid: str, prompt: list[int], params: SamplingParams
     ("switch", "factory"),
     [
         (None, "vllm.v1.engine.core_client.EngineCoreClient.make_async_mp_client"),
-        ("1", "corewire.vllm.client.make_async_mp_client"),
+        ("1", "corewire.vllm.classes.make_async_mp_client"),
     ],
 )
 def test_plugin_switches_vllm_0_33_0s_factory(switch: str | None, factory: str) -> None:
@@ -227,7 +228,7 @@ def test_client_switch_brings_the_releases_native_output_processor(output: str |
     assert done.returncode == 0, done.stderr[-2000:]
     built = done.stdout.strip().splitlines()[-2:]
     vllms = "vllm.v1.engine.output_processor.OutputProcessor"
-    native = releases.get(RELEASE).native_output_processor()
+    native = native_output_processor(releases.get(RELEASE))
     # Off where it was not held to the release's OutputProcessor (0.26.0-0.32.0).
     off = output == "0" or not releases.get(RELEASE).native_output
     expected = vllms if off else f"{native.__module__}.{native.__qualname__}"

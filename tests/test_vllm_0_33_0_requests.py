@@ -3,7 +3,7 @@
 The frames were written by vLLM 0.33.0's ``MsgpackEncoder`` from its ``EngineCoreRequest``
 and ``expected_requests.json`` holds what vLLM 0.33.0's ``MsgpackDecoder`` made of them
 (``make_golden_requests.py`` beside them regenerates both). Here, with vLLM 0.25.1
-installed, ``layouts.request_decoder("0.33.0")`` must decode each to exactly those
+installed, ``request_decoder("0.33.0")`` must decode each to exactly those
 values and ``Encoder(protocol="0.33.0")`` must write them back byte for byte; each
 version's typed ``LoRARequest`` must refuse the other's (the one layout change that does
 not decode across versions; 0.25.1's request carries its LoRA untyped).
@@ -18,7 +18,7 @@ import pytest
 
 from corewire import ProtocolError, layouts
 from corewire import protocol as p
-from corewire.codec import Encoder, MsgspecDecoder
+from corewire.codec import Encoder, MsgspecDecoder, request_decoder
 from golden_0_33_0_requests_support import expected_requests, request_frames
 from golden_support import jsonable
 
@@ -41,7 +41,7 @@ def test_the_cases_cover_the_brief() -> None:
 
 @pytest.mark.parametrize("case", CASES)
 def test_decodes_to_what_vllm_decoded(case: str) -> None:
-    decoded = layouts.request_decoder("0.33.0").decode(request_frames(case))
+    decoded = request_decoder("0.33.0").decode(request_frames(case))
     assert isinstance(decoded, layouts.types_for("0.33.0")["EngineCoreRequest"])
     want = expected_requests()[case]["decoded"]
     got = jsonable(decoded, wire_names=True)
@@ -53,14 +53,14 @@ def test_decodes_to_what_vllm_decoded(case: str) -> None:
 @pytest.mark.parametrize("case", CASES)
 def test_reencodes_byte_for_byte(case: str) -> None:
     golden = request_frames(case)
-    decoded = layouts.request_decoder("0.33.0").decode(golden)
+    decoded = request_decoder("0.33.0").decode(golden)
     again = Encoder(protocol="0.33.0").encode(decoded)
     assert [bytes(f) for f in again] == golden
 
 
 def test_the_new_keys_decode_to_their_types() -> None:
     types = layouts.types_for("0.33.0")
-    req = layouts.request_decoder("0.33.0").decode(request_frames("sampling_aux"))
+    req = request_decoder("0.33.0").decode(request_frames("sampling_aux"))
     sp = req.sampling_params
     assert isinstance(sp, types["SamplingParams"])
     assert isinstance(sp.prompt_logprob_token_ids, np.ndarray)
@@ -71,12 +71,12 @@ def test_the_new_keys_decode_to_their_types() -> None:
     assert sp.routed_experts_prompt_start == 3
     # vLLM 0.33.0's normalisations ran on decode: duplicates dropped
     assert sp.stop_token_ids == [2, 3] and sp.bad_words == ["x", "y"]
-    pooled = layouts.request_decoder("0.33.0").decode(request_frames("pooling"))
+    pooled = request_decoder("0.33.0").decode(request_frames("pooling"))
     assert pooled.pooling_params.late_chunking_params == layouts.LateChunkingParams(4)
     assert pooled.pooling_params.normalize is None
-    lora = layouts.request_decoder("0.33.0").decode(request_frames("lora")).lora_request
+    lora = request_decoder("0.33.0").decode(request_frames("lora")).lora_request
     assert lora == types["LoRARequest"]("adapter", 3, "/adapters/a", "base", True, True)
-    sess = layouts.request_decoder("0.33.0").decode(request_frames("session_kv_hints"))
+    sess = request_decoder("0.33.0").decode(request_frames("session_kv_hints"))
     assert sess.session_id == "sess-9"
     assert isinstance(sess.kv_hints, layouts.KvHintsEnvelope)
     assert sess.kv_hints.actions[0].payload == {"blocks": [1, 2], "tier": "host"}
@@ -126,12 +126,12 @@ def test_an_encoder_refuses_a_newer_request_and_converts_0_25_1s() -> None:
     # a 0.33.0 client converts it.
     frames = Encoder(protocol="0.33.0").encode(p.EngineCoreRequest(request_id="r"))
     assert frames[0][:3] == b"\xdc\x00\x16"
-    assert layouts.request_decoder("0.33.0").decode(frames).request_id == "r"
+    assert request_decoder("0.33.0").decode(frames).request_id == "r"
 
 
 def test_a_lora_does_not_decode_across_versions() -> None:
     # 0.33.0's LoRA has a bool where 0.25.1's has tensorizer_config_dict
-    old = layouts.request_decoder("0.25.1")
+    old = request_decoder("0.25.1")
     lora_033 = layouts.types_for("0.33.0")["LoRARequest"]
     lora_025 = layouts.types_for("0.25.1")["LoRARequest"]
     frames = request_frames("lora")
@@ -140,7 +140,7 @@ def test_a_lora_does_not_decode_across_versions() -> None:
     with pytest.raises(ProtocolError, match=re.escape("Expected `object | null`, got `bool`")):
         MsgspecDecoder(lora_025).decode(Encoder(protocol="0.33.0").encode(lora_033("a", 1, "/p")))
     with pytest.raises(ProtocolError):
-        layouts.request_decoder("0.33.0").decode(
+        request_decoder("0.33.0").decode(
             Encoder().encode(
                 p.EngineCoreRequest(request_id="r", lora_request=lora_025("a", 1, "/p"))
             )
@@ -153,9 +153,9 @@ def test_requests_without_a_lora_decode_across_versions() -> None:
     old = p.EngineCoreRequest(
         request_id="r", prompt_token_ids=[1], sampling_params=p.SamplingParams(max_tokens=3)
     )
-    new = layouts.request_decoder("0.33.0").decode(Encoder().encode(old))
+    new = request_decoder("0.33.0").decode(Encoder().encode(old))
     assert new.session_id is None and new.sampling_params.max_tokens == 3
-    back = layouts.request_decoder("0.25.1").decode(Encoder(protocol="0.33.0").encode(new))
+    back = request_decoder("0.25.1").decode(Encoder(protocol="0.33.0").encode(new))
     assert isinstance(back, p.EngineCoreRequest)
     assert back.sampling_params.max_tokens == 3
 
@@ -175,4 +175,4 @@ def test_the_ft_status_names() -> None:
 
 def test_request_decoder_refuses_an_unknown_version() -> None:
     with pytest.raises(ValueError, match=r"0\.25\.2"):
-        layouts.request_decoder("0.25.2")
+        request_decoder("0.25.2")

@@ -41,6 +41,7 @@ from vllm.v1.engine.output_processor import OutputProcessor
 
 from corewire import releases
 from corewire.vllm.model_dir import write_model_dir
+from corewire.vllm.output_processors import native_output_processor
 from output_diff_support import (
     FEATURES,
     ClientPlan,
@@ -92,7 +93,7 @@ def candidate() -> type[OutputProcessor]:
     release = releases.installed(vllm)
     if not release.native_output:
         pytest.skip(f"native output processing is not verified against vLLM {release}")
-    return release.native_output_processor()
+    return native_output_processor(release)
 
 
 def _check_fast_path_ran(pair: Pair, *, expect_fast: bool = True) -> None:

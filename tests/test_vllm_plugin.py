@@ -38,7 +38,7 @@ def test_entry_point_is_registered_with_vllm() -> None:
 
 def test_off_by_default_and_on_with_the_switch() -> None:
     assert _factory_with(None) == "vllm.v1.engine.core_client.EngineCoreClient.make_async_mp_client"
-    assert _factory_with("1") == "corewire.vllm.client.make_async_mp_client"
+    assert _factory_with("1") == "corewire.vllm.classes.make_async_mp_client"
 
 
 @pytest.mark.parametrize("value", ["1", "true", "ON", " yes "])
@@ -73,7 +73,7 @@ def test_elastic_ep_is_declined_at_start_with_one_line(
     the factory vLLM had is called with exactly vLLM's arguments, and the log says why."""
     from types import SimpleNamespace
 
-    from corewire.vllm import client as client_module
+    from corewire.vllm import classes as client_module
 
     calls: list[tuple[Any, ...]] = []
 

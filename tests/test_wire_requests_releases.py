@@ -1,5 +1,5 @@
 """corewire's 0.25.1 ``EngineCoreRequest`` written for each release between 0.27.0 and
-0.32.0 (``corewire.client.wire_requests.converted_writer``), read back with that release's
+0.32.0 (``corewire.wire.requests.converted_writer``), read back with that release's
 own request layout (its record): no vLLM needed.
 
 What differs by release, found live (``test_vllm_0_33_0_client.py`` under each release
@@ -20,8 +20,8 @@ import pytest
 from client_support import request
 from corewire import layouts, releases
 from corewire import protocol as p
-from corewire.client.wire_requests import converted_writer, utility_args_writer
-from corewire.codec import Encoder
+from corewire.codec import Encoder, request_decoder
+from corewire.wire.requests import converted_writer, utility_args_writer
 
 #: The releases whose requests corewire converts into their own layout by field name.
 CONVERTED = ("0.27.0", "0.27.1", "0.28.0", "0.29.0", "0.30.0", "0.31.0", "0.32.0")
@@ -45,7 +45,7 @@ def test_the_request_has_exactly_the_releases_fields(release: str) -> None:
     # session_id from 0.28.0 on, kv_hints from 0.31.0 on (their records).
     assert ("session_id" in fields) is (release not in ("0.27.0", "0.27.1"))
     assert ("kv_hints" in fields) is (release in ("0.31.0", "0.32.0"))
-    back = layouts.request_decoder(release).decode([msgspec.msgpack.encode(wire)])
+    back = request_decoder(release).decode([msgspec.msgpack.encode(wire)])
     assert back.request_id == "r" and list(back.prompt_token_ids) == [1, 2, 3]
 
 

@@ -55,7 +55,15 @@ def _torch_for_a_tensor() -> Any:
     return torch
 
 
-__all__ = ["INLINE_THRESHOLD", "RAW_VIEW_EXT", "Encoder", "MsgspecDecoder", "NativeDecoder"]
+__all__ = [
+    "INLINE_THRESHOLD",
+    "RAW_VIEW_EXT",
+    "Encoder",
+    "MsgspecDecoder",
+    "NativeDecoder",
+    "native_decoder",
+    "request_decoder",
+]
 
 #: Arrays smaller than this many bytes travel inline as extension type 3.
 INLINE_THRESHOLD = 256
@@ -143,10 +151,11 @@ class Encoder:
     def _converted(self, obj: Any) -> Any:
         # Made once per encoder, on the first 0.25.1 struct it is handed.
         if self._convert is None:
-            from corewire.engine.wire import output_converter
+            from corewire.wire.outputs import output_converter
+            from corewire.wire.requests import request_writer
 
             to_outputs = output_converter(self.protocol)
-            to_request = self.protocol.request_writer()
+            to_request = request_writer(self.protocol)
             self._convert = (to_outputs, to_request)
         to_outputs, to_request = self._convert
         convert = to_outputs if isinstance(obj, EngineCoreOutputs) else to_request
@@ -313,3 +322,54 @@ def _as_buffer(frame: Any) -> Any:
     if buffer is not None:
         return buffer
     raise ProtocolError(f"a frame must be bytes-like, got {type(frame).__name__}")
+
+
+def native_decoder(protocol: str | None = None, **kwargs: Any) -> NativeDecoder:
+    """A ``NativeDecoder`` of ``protocol``'s outputs (None: the default release), the
+    positions of the fields it reads taken from the release's record
+    (``Release.native_layout``); ``kwargs``: its other arguments. Raises ``ValueError``
+    naming the field when the release has one the native decoder cannot read."""
+    release = releases.get(protocol)
+    return NativeDecoder(protocol=release.name, layout=release.native_layout, **kwargs)
+
+
+def request_decoder(protocol: str | None, *, for_engine: bool = False) -> Any:
+    """A decoder of ``protocol``'s ``EngineCoreRequest`` frames (``[payload, aux...]``):
+    a :class:`MsgspecDecoder`, whose arrays in aux frames (``prompt_embeds``,
+    0.33.0's ``prompt_logprob_token_ids``) are views of those frames. The 0.33.0 decoder
+    raises ``ProtocolError`` for a 0.25.1 ``LoRARequest``; the 0.25.1 request keeps its
+    ``lora_request`` untyped, so a 0.33.0 LoRA reaches it as a plain list. The field
+    count alone is not checked, as vLLM's decoder does not.
+
+    ``for_engine``: a packed prompt (an int32 ndarray, vLLM 0.34.0 on) reaches the caller
+    as a list of ints, as engines read prompts; otherwise requests decode as vLLM's
+    decoder reads them (the ndarray kept, a view of its aux frame)."""
+    decoder = MsgspecDecoder(types_for(protocol)["EngineCoreRequest"])
+    if for_engine and releases.get(protocol).packs_prompts:
+        return _UnpackingDecoder(decoder)
+    return decoder
+
+
+class _UnpackingDecoder:
+    """A request decoder that hands engines each packed prompt (an int32 ndarray, vLLM
+    0.34.0 on) as a list of ints, as every engine reads prompts: ``list(ndarray)`` would
+    give numpy scalars, which msgspec does not write back (an engine echoing a prompt
+    token would fail), and a view of an aux frame would keep the frame alive."""
+
+    __slots__ = ("_decoder",)
+
+    def __init__(self, decoder: Any) -> None:
+        self._decoder = decoder
+
+    def decode(self, frames: Any) -> Any:
+        """Decode one request; an ndarray prompt becomes a list of ints."""
+        request = self._decoder.decode(frames)
+        prompt = request.prompt_token_ids
+        if isinstance(prompt, np.ndarray):
+            if prompt.ndim != 1 or prompt.dtype.kind not in "iu":
+                raise ProtocolError(
+                    f"prompt_token_ids: expected a 1-D integer array, got {prompt.dtype}"
+                    f" of shape {prompt.shape}"
+                )
+            request.prompt_token_ids = prompt.tolist()
+        return request

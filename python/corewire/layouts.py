@@ -8,8 +8,8 @@ either byte for byte, as that vLLM's ``MsgpackEncoder`` does.
 
 :func:`types_for` gives one version's structs by name, in both directions: engine ->
 front-end (``EngineCoreOutputs``...) and front-end -> engine (``EngineCoreRequest``,
-``SamplingParams``, ``PoolingParams``, ``LoRARequest``...). :func:`request_decoder`
-reads one version's requests. The types new in 0.33.0 (:class:`SamplingMaskLists`,
+``SamplingParams``, ``PoolingParams``, ``LoRARequest``...) (``corewire.codec.request_decoder``
+reads one version's requests with them). The types new in 0.33.0 (:class:`SamplingMaskLists`,
 :class:`RequestError`, :class:`KvHintsEnvelope`...) are defined once, here;
 ``NativeDecoder`` builds the first two for any version.
 """
@@ -39,7 +39,6 @@ __all__ = [
     "LoRARequest",
     "RequestError",
     "SamplingMaskLists",
-    "request_decoder",
     "request_error_from_map",
     "types_for",
     "version_of",
@@ -446,33 +445,6 @@ def _recorded_types(release: str) -> types.MappingProxyType[str, Any]:
     return types.MappingProxyType(built)
 
 
-def _reachable(record: dict[str, Any], name: str) -> dict[str, Any]:
-    """Struct ``name``'s layout and that of every struct and enum it reaches, from
-    ``record``, by ``"struct:Name"`` / ``"enum:Name"`` (the defining module left out: a
-    class that moved does not change the wire)."""
-    found: dict[str, Any] = {}
-    pending = [("struct", name)]
-    while pending:
-        kind, current = pending.pop()
-        key = f"{kind}:{current}"
-        if key in found:
-            continue
-        table = record["structs" if kind == "struct" else "enums"]
-        entry = table.get(current)
-        found[key] = None if entry is None else {k: v for k, v in entry.items() if k != "module"}
-        if kind == "struct" and entry is not None:
-            stack: list[Any] = [f["type"] for f in entry["fields"]]
-            while stack:
-                node = stack.pop()
-                if isinstance(node, dict):
-                    if node.get("kind") in ("struct", "enum") and "name" in node:
-                        pending.append((node["kind"], node["name"]))
-                    stack.extend(node.values())
-                elif isinstance(node, list):
-                    stack.extend(node)
-    return found
-
-
 def _same_layout_classes(record: dict[str, Any]) -> dict[str, Any]:
     """corewire's hand-kept class of each struct whose whole layout (its own and that of
     every struct and enum it reaches) is, in ``record``, what it is in the record of the
@@ -489,7 +461,7 @@ def _same_layout_classes(record: dict[str, Any]) -> dict[str, Any]:
         for name, cls in table.items():
             if name in given or name not in record["structs"] or name not in theirs["structs"]:
                 continue
-            if _reachable(record, name) == _reachable(theirs, name):
+            if records.reachable(record, name) == records.reachable(theirs, name):
                 given[name] = cls
     return given
 
@@ -514,52 +486,6 @@ def types_for(protocol: str | None) -> types.MappingProxyType[str, Any]:
         if table is None:
             table = _RECORDED[release] = _recorded_types(release)
     return table
-
-
-def request_decoder(protocol: str | None, *, for_engine: bool = False) -> Any:
-    """A decoder of ``protocol``'s ``EngineCoreRequest`` frames (``[payload, aux...]``):
-    a ``corewire.codec.MsgspecDecoder``, whose arrays in aux frames (``prompt_embeds``,
-    0.33.0's ``prompt_logprob_token_ids``) are views of those frames. The 0.33.0 decoder
-    raises ``ProtocolError`` for a 0.25.1 ``LoRARequest``; the 0.25.1 request keeps its
-    ``lora_request`` untyped, so a 0.33.0 LoRA reaches it as a plain list. The field
-    count alone is not checked, as vLLM's decoder does not.
-
-    ``for_engine``: a packed prompt (an int32 ndarray, vLLM 0.34.0 on) reaches the caller
-    as a list of ints, as engines read prompts; otherwise requests decode as vLLM's
-    decoder reads them (the ndarray kept, a view of its aux frame)."""
-    from corewire.codec import MsgspecDecoder  # codec imports this module
-
-    decoder = MsgspecDecoder(types_for(protocol)["EngineCoreRequest"])
-    if for_engine and releases.get(protocol).packs_prompts:
-        return _UnpackingDecoder(decoder)
-    return decoder
-
-
-class _UnpackingDecoder:
-    """A request decoder that hands engines each packed prompt (an int32 ndarray, vLLM
-    0.34.0 on) as a list of ints, as every engine reads prompts: ``list(ndarray)`` would
-    give numpy scalars, which msgspec does not write back (an engine echoing a prompt
-    token would fail), and a view of an aux frame would keep the frame alive."""
-
-    __slots__ = ("_decoder",)
-
-    def __init__(self, decoder: Any) -> None:
-        self._decoder = decoder
-
-    def decode(self, frames: Any) -> Any:
-        """Decode one request; an ndarray prompt becomes a list of ints."""
-        request = self._decoder.decode(frames)
-        prompt = request.prompt_token_ids
-        if isinstance(prompt, np.ndarray):
-            if prompt.ndim != 1 or prompt.dtype.kind not in "iu":
-                from corewire.errors import ProtocolError
-
-                raise ProtocolError(
-                    f"prompt_token_ids: expected a 1-D integer array, got {prompt.dtype}"
-                    f" of shape {prompt.shape}"
-                )
-            request.prompt_token_ids = prompt.tolist()
-        return request
 
 
 def version_of(cls: type) -> str | None:

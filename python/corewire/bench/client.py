@@ -9,7 +9,7 @@ ones) rather than measuring a wire corewire would decode wrongly.
 Every variant talks to its own fake engine process (the same code for all, defined
 here on ``corewire.engine.replay``): a real child process speaking that version's wire,
 with that version's full ready response (vLLM's client decodes it strictly;
-``corewire.ready_layouts``), that on the utility call ``replay_case(case, batch, count)``
+``corewire.engine.ready_layouts``), that on the utility call ``replay_case(case, batch, count)``
 pushes ``count`` copies of one ``EngineCoreOutputs`` frame of ``batch`` outputs, encoded
 once in that version's layout (``Encoder(protocol=...)``), as fast as ZeroMQ takes them.
 Frames of case ``top-5`` carry per output a ``LogprobsLists`` of three tiny inline arrays,
@@ -58,10 +58,9 @@ import os
 import platform
 import statistics
 import sys
-import tempfile
 import time
 import uuid
-from collections.abc import Callable, Coroutine
+from collections.abc import Coroutine
 from typing import Any
 
 import msgspec
@@ -71,9 +70,11 @@ import zmq.asyncio
 
 from corewire import layouts, releases
 from corewire.bench import common
+from corewire.bench.vllm_client import VllmClient, private_dir
 from corewire.client import AsyncMPClient
 from corewire.codec import Encoder, MsgspecDecoder
 from corewire.engine.interface import EngineInfo
+from corewire.engine.ready_layouts import ready_response_for
 from corewire.engine.replay import EngineLink, ReplayEngine, encode_plain_outputs
 from corewire.protocol import (
     ENGINE_CORE_DEAD,
@@ -85,7 +86,6 @@ from corewire.protocol import (
     UtilityResult,
     engine_identity,
 )
-from corewire.ready_layouts import ready_response_for
 
 __all__ = ["add_arguments", "run"]
 
@@ -224,12 +224,6 @@ def _start_engine(input_address: str, output_address: str, protocol: str) -> Any
     return proc
 
 
-def _private_dir() -> tempfile.TemporaryDirectory[str]:
-    tmp = tempfile.TemporaryDirectory(prefix="corewire-bench-")
-    os.chmod(tmp.name, 0o700)
-    return tmp
-
-
 # -- engines started by the benchmark itself (baseline and raw) --------------------------
 
 
@@ -237,7 +231,7 @@ class _Engine:
     """A replay engine process on a private pair of ipc endpoints, plus bound sockets."""
 
     def __init__(self, protocol: str) -> None:
-        self.tmp = _private_dir()
+        self.tmp = private_dir()
         self.input_address = f"ipc://{self.tmp.name}/in"
         self.output_address = f"ipc://{self.tmp.name}/out"
         self.ctx = zmq.asyncio.Context()
@@ -348,64 +342,6 @@ class RawReceiver:
 
     def shutdown(self) -> None:
         self.engine.close()
-
-
-class VllmClient:
-    """The installed vLLM's own ``AsyncMPClient`` over a bench engine process speaking
-    ``protocol`` (the installed vLLM's): built with ``client_addresses`` (as vLLM's API
-    server builds it for engines it does not launch) from a real ``VllmConfig`` of a tiny
-    local model directory. Create it inside the running loop (its output task belongs to
-    that loop). ``start_engine(input_address, output_address, protocol)`` starts another
-    engine process than the replay engine (the flood's corewire engine).
-
-    The same positional call builds 0.25.1's and 0.33.0's client: 0.33.0 added only
-    keywords with defaults (``renderer=None``: no multimodal warm-up to start)."""
-
-    def __init__(
-        self, protocol: str, start_engine: Callable[[str, str, str], Any] | None = None
-    ) -> None:
-        # vLLM reads these at import: no network, no usage reports.
-        for key in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE", "VLLM_NO_USAGE_STATS"):
-            os.environ.setdefault(key, "1")
-        import vllm.platforms as platforms
-        from vllm.config import ModelConfig, VllmConfig
-        from vllm.v1.engine.core_client import AsyncMPClient as VllmAsyncMPClient
-        from vllm.v1.executor.abstract import Executor
-
-        from corewire.vllm.model_dir import write_model_dir
-
-        if platforms.current_platform.is_unspecified():
-            # No GPU here: vLLM's CPU platform for the front-end (the engine is ours).
-            from vllm.platforms.cpu import CpuPlatform
-
-            platforms.current_platform = CpuPlatform()
-        self.tmp = _private_dir()
-        addresses = {
-            "input_address": f"ipc://{self.tmp.name}/in",
-            "output_address": f"ipc://{self.tmp.name}/out",
-        }
-        start = start_engine or _start_engine
-        self.proc = start(addresses["input_address"], addresses["output_address"], protocol)
-        model = ModelConfig(
-            model=str(write_model_dir(os.path.join(self.tmp.name, "model"))),
-            skip_tokenizer_init=True,
-            dtype="float32",
-            max_model_len=2048,
-            enforce_eager=True,
-        )
-        config = VllmConfig(model_config=model)
-        self.client = VllmAsyncMPClient(config, Executor, False, client_addresses=addresses)
-        self.get_output_async = self.client.get_output_async
-        self.call_utility_async = self.client.call_utility_async
-
-    def shutdown(self) -> None:
-        self.client.shutdown()
-        # vLLM's client leaves its ZeroMQ context to the process exit.
-        self.client.resources.ctx.destroy(linger=0)
-        self.proc.terminate()
-        self.proc.join(10)
-        self.proc.close()
-        self.tmp.cleanup()
 
 
 # -- measurements ----------------------------------------------------------------------
@@ -538,7 +474,7 @@ async def measure(
     variants: dict[str, Any] = {"raw": RawReceiver(protocol)}
     if use_vllm:
         try:
-            variants["vllm"] = VllmClient(protocol)
+            variants["vllm"] = VllmClient(protocol, start_engine=_start_engine)
         except ImportError as exc:  # pragma: no cover - depends on the environment
             print(f"vLLM's client is not available ({exc}): no vllm column")
     variants["baseline"] = BaselineClient(protocol)

@@ -80,7 +80,7 @@ from corewire import layouts, releases
 from corewire import protocol as cw
 from corewire._optional import import_optional, is_installed
 from corewire.bench import common
-from corewire.codec import Encoder, MsgspecDecoder
+from corewire.codec import Encoder, MsgspecDecoder, native_decoder
 
 __all__ = ["add_arguments", "run"]
 
@@ -407,7 +407,7 @@ def decoders(use_vllm: bool) -> dict[str, Any]:
     if use_vllm:
         found["vllm"] = VllmDecoder(vllm_engine.EngineCoreOutputs)
     found["msgspec"] = MsgspecDecoder(layouts.types_for(protocol)["EngineCoreOutputs"])
-    found["corewire"] = releases.get(protocol).native_decoder()
+    found["corewire"] = native_decoder(protocol)
     return found
 
 

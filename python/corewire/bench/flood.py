@@ -158,7 +158,7 @@ def _vllm(seconds: float) -> dict[str, Any]:
     from vllm import SamplingParams
     from vllm.v1.engine import EngineCoreRequest
 
-    from corewire.bench.client import VllmClient
+    from corewire.bench.vllm_client import VllmClient
 
     params = SamplingParams(max_tokens=1, ignore_eos=True, temperature=0.0)
     prompt = list(range(10, 10 + PROMPT_LEN))

@@ -266,7 +266,9 @@ def _compare(
     from corewire import releases
 
     # The installed release's class (a subclass per release that changed vLLM's).
-    NativeOutputProcessor = releases.installed(vllm).native_output_processor()
+    from corewire.vllm.output_processors import native_output_processor
+
+    NativeOutputProcessor = native_output_processor(releases.installed(vllm))
     ns: dict[str, list[float]] = {"vllm": [], "corewire": []}
     same = True
     for _ in range(trials):

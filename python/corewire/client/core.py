@@ -27,13 +27,13 @@ from corewire.client.input_backlog import (
     resolve_max_input_backlog,
 )
 from corewire.client.ready import ReadyWait
-from corewire.client.wire_requests import request_writer, utility_args_writer
-from corewire.codec import Encoder
+from corewire.codec import Encoder, native_decoder
 from corewire.curve import require_curve_for
 from corewire.engine.startup import check_engine_spec, engine_process_main
 from corewire.errors import EngineDeadError, UtilityError
 from corewire.ipcdir import make_private_dir
 from corewire.protocol import engine_identity, failed_method
+from corewire.wire.requests import request_writer, utility_args_writer
 
 __all__ = [
     "DEFAULT_ENGINE_MAIN",
@@ -65,7 +65,7 @@ OUTPUT_RCVHWM = 128
 def make_output_decoder(protocol: str | None = None) -> Any:
     """The decoder of engine output frames: the Rust ``NativeDecoder`` of ``protocol``
     (None: the default version)."""
-    return releases.get(protocol).native_decoder()
+    return native_decoder(protocol)
 
 
 def _resolve(target: str | Callable[..., Any]) -> Callable[..., Any]:
@@ -123,7 +123,7 @@ class MPClient:
             decoder of their outputs and the layout of what is sent. A ``"0.33.0"``
             client writes 0.33.0's ``EngineCoreRequest`` whether it is given
             ``corewire.protocol.EngineCoreRequest`` (converted by field name, see
-            :mod:`corewire.client.wire_requests`) or
+            :mod:`corewire.wire.requests`) or
             ``corewire.layouts.types_for("0.33.0")["EngineCoreRequest"]``, and
             ``add_lora``'s LoRA in 0.33.0's layout; a ``"0.25.1"`` client sends what it
             is given (its encoder refuses 0.33.0's structs). The engines a client

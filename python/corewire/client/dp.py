@@ -70,7 +70,6 @@ from corewire.coordinator import CoordinatorAddresses, DPCoordinator, TcpEndpoin
 from corewire.curve import is_loopback_address
 from corewire.dp_messages import XPUB_SUBSCRIBE, FirstRequest, ScaleNotice
 from corewire.engine.startup import check_engine_spec
-from corewire.engine.wire import output_converter
 from corewire.errors import ProtocolError
 from corewire.keygen import CurveAuthenticator, CurveServerKeys, apply_server
 from corewire.logtext import bounded
@@ -86,6 +85,7 @@ from corewire.protocol import (
     finished_outputs,
 )
 from corewire.releases import get as get_release
+from corewire.wire.outputs import output_converter
 
 if TYPE_CHECKING:
     from corewire.client.ray_engines import RayBackend, RayPlacement

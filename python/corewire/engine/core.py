@@ -50,10 +50,10 @@ from typing import Any, ClassVar
 import msgspec
 import zmq
 
-# A module, not its names: ready_layouts imports corewire.engine, which imports this.
-from corewire import ready_layouts, releases
-from corewire.codec import Encoder, MsgspecDecoder
+from corewire import releases
+from corewire.codec import Encoder, MsgspecDecoder, request_decoder
 from corewire.dp_messages import StartWave, WaveComplete
+from corewire.engine import ready_layouts
 from corewire.engine.frame_head import array_length, read_head
 from corewire.engine.inputs import (
     RESUME,
@@ -71,15 +71,10 @@ from corewire.engine.peer_watch import PeerWatch
 from corewire.engine.ready import engine_info_of
 from corewire.engine.reasons import reason_for, safe_reason
 from corewire.engine.utilities import DEFAULT_UTILITIES, UtilityDefaults
-from corewire.engine.utilities_0_33_0 import PAUSED_ERROR, utility_names
-from corewire.engine.wire import (
-    DEFAULT_WEIGHT_VERSION,
-    StepOutputs,
-    finish_output,
-    output_converter,
-)
+from corewire.engine.utilities_0_33_0 import PAUSED_ERROR, Utilities0330, utility_names
+from corewire.engine.utilities_0_34_0 import Utilities0340
 from corewire.errors import ProtocolError
-from corewire.layouts import RequestError, request_decoder
+from corewire.layouts import RequestError
 from corewire.logtext import Bounded, bounded
 from corewire.protocol import (
     ENGINE_CORE_DEAD,
@@ -98,10 +93,26 @@ from corewire.protocol import (
     field_position,
     utility_failure_text,
 )
+from corewire.wire.outputs import (
+    DEFAULT_WEIGHT_VERSION,
+    StepOutputs,
+    finish_output,
+    output_converter,
+)
 
 __all__ = ["EngineCoreProc"]
 
 logger = logging.getLogger("corewire.engine")
+
+#: The utilities a release's front-end calls beyond an engine's own methods, answered from
+#: the engine core's own state (None: the engine's methods answer every call), by the
+#: release each set was written for (``Release.choose``): 0.27.0's calls (weight versions)
+#: are in 0.33.0's set, and the rest of that set is never called there.
+RELEASE_UTILITIES: dict[str, type[Utilities0330] | None] = {
+    "0.25.1": None,
+    "0.27.0": Utilities0330,
+    "0.34.0": Utilities0340,
+}
 
 # Where the ids an undecoded frame is answered by sit in its payload array.
 _REQUEST_ID = field_position(EngineCoreRequest, "request_id")
@@ -208,11 +219,11 @@ class EngineCoreProc:
     ``corewire.releases.SUPPORTED``, default ``corewire.releases.DEFAULT``: the installed
     vLLM's release, else the newest; nothing on the wire names
     it, so it is told): requests are
-    read in its layout (``corewire.layouts.request_decoder``; a 0.33.0 request reaches
+    read in its layout (``corewire.codec.request_decoder``; a 0.33.0 request reaches
     the engine as that version's struct, whose fields are 0.25.1's plus
     ``session_id`` and ``kv_hints``), the ready response has its keys, and outputs,
     which engines build as ``corewire.protocol`` structs, are converted into its layout
-    on the output thread (:mod:`corewire.engine.wire`).
+    on the output thread (:mod:`corewire.wire.outputs`).
 
     Utility calls go to the engine's public methods; the ones vLLM's front-end makes
     that the engine lacks are answered by
@@ -258,7 +269,7 @@ class EngineCoreProc:
         self._to_wire = output_converter(self.protocol)
         # Whether step messages carry a weight version (a release whose EngineCoreOutputs
         # has the field: 0.33.0 on).
-        self._stamps_weight_version = releases.get(self.protocol).weight_versions
+        self._stamps_weight_version = self.protocol.weight_versions
         #: What a step's messages carry as ``weight_version`` (0.33.0 on; set by the
         #: ``set_weight_version`` utility).
         self.weight_version = DEFAULT_WEIGHT_VERSION
@@ -287,8 +298,9 @@ class EngineCoreProc:
         self.engine_info = engine_info_of(engine)
         self._utility_defaults = UtilityDefaults(engine)
         # The utilities a 0.33.0-on front-end calls that need this proc's own state, and
-        # their names (the release says which: corewire.releases.Release.engine_utilities).
-        self._protocol_utilities = releases.get(self.protocol).engine_utilities(self)
+        # their names (RELEASE_UTILITIES says which).
+        utilities = self.protocol.choose(RELEASE_UTILITIES)
+        self._protocol_utilities = None if utilities is None else utilities(self)
         self._protocol_utility_names = (
             frozenset()
             if self._protocol_utilities is None
@@ -553,7 +565,7 @@ class EngineCoreProc:
         sockets, request outputs are instead split by the client that sent each request
         (``client_index`` then only routes a message that carries no request outputs).
         ``step``: one engine step made them; a protocol with ``weight_version`` stamps
-        the current one on them (as :class:`~corewire.engine.wire.StepOutputs`).
+        the current one on them (as :class:`~corewire.wire.outputs.StepOutputs`).
         """
         version = self.weight_version if step and self._stamps_weight_version else None
         if len(self.output_addresses) == 1 or outputs.utility_output is not None:

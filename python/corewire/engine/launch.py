@@ -20,12 +20,11 @@ from typing import Any
 
 from corewire.engine.core import EngineCoreProc
 from corewire.engine.interface import Engine
-from corewire.engine.startup import report_startup_error
+from corewire.engine.startup import REQUIRED_METHODS, report_startup_error, split_engine_spec
 from corewire.fast_exit import exit_now
 from corewire.logtext import LineLimit
 
 __all__ = [
-    "ENGINE_ALIASES",
     "EngineLaunch",
     "build_proc",
     "configure_logging",
@@ -37,9 +36,6 @@ __all__ = [
 
 logger = logging.getLogger("corewire.engine")
 
-#: Short names accepted wherever an engine spec ("module:Class") is.
-ENGINE_ALIASES = {"reference": "corewire.engine.reference:ReferenceEngine"}
-
 #: After a stop was requested, the process exits by force if the loop has not finished
 #: by then (a step that never returns must not keep an orphan alive).
 STOP_GRACE_S = 15.0
@@ -49,21 +45,16 @@ _WATCH_INTERVAL_S = 0.25
 def load_engine(spec: str | None = None, engine_args: dict[str, Any] | None = None) -> Engine:
     """Build the engine named by ``spec`` ("module:Class", an alias, or None for the
     reference engine) with ``engine_args`` as keyword arguments."""
-    spec = ENGINE_ALIASES.get(spec or "reference", spec or "")
-    module_name, sep, attr = spec.partition(":")
-    if not sep or not module_name or not attr:
-        raise ValueError(f"engine must be 'module:Class', got {spec!r}")
+    module_name, attr = split_engine_spec(spec)
     factory: Any = importlib.import_module(module_name)
     for part in attr.split("."):
         factory = getattr(factory, part)
     engine = factory(**(engine_args or {}))
-    missing = [
-        m
-        for m in ("add_request", "abort_requests", "step", "has_unfinished_requests")
-        if not callable(getattr(engine, m, None))
-    ]
+    missing = [m for m in REQUIRED_METHODS if not callable(getattr(engine, m, None))]
     if missing:
-        raise TypeError(f"{spec} does not implement the Engine interface (missing {missing})")
+        raise TypeError(
+            f"{module_name}:{attr} does not implement the Engine interface (missing {missing})"
+        )
     return engine
 
 

@@ -16,7 +16,7 @@ as identity, PUSH for outputs), sends its ready message, and then:
 ``protocol`` (``engine_args`` never holds it; it is the process target's own option,
 default 0.25.1) is the vLLM version whose wire it speaks: that version's ready response,
 requests and output layout (0.33.0: ``weight_version`` ``"default"`` on every step's
-message, as :mod:`corewire.engine.wire` converts them).
+message, as :mod:`corewire.wire.outputs` converts them).
 
 It stops on SIGTERM and when the process that started it dies. :class:`EngineLink` and
 :class:`ReplayEngine` are reusable by test engines that misbehave on purpose. The link's
@@ -38,11 +38,10 @@ import msgspec
 import zmq
 
 from corewire import releases
-from corewire.codec import Encoder
+from corewire.codec import Encoder, request_decoder
 from corewire.engine.interface import EngineInfo
 from corewire.engine.link import connect_socket, engine_outputs, stamp_unstamped
-from corewire.engine.wire import DEFAULT_WEIGHT_VERSION, StepOutputs, output_converter
-from corewire.layouts import request_decoder
+from corewire.engine.ready_layouts import ready_response_for
 from corewire.protocol import (
     REQUEST_ABORT,
     REQUEST_ADD,
@@ -58,7 +57,7 @@ from corewire.protocol import (
     utility_failure_text,
     utility_result_wire,
 )
-from corewire.ready_layouts import ready_response_for
+from corewire.wire.outputs import DEFAULT_WEIGHT_VERSION, StepOutputs, output_converter
 
 __all__ = [
     "EngineLink",

@@ -26,15 +26,21 @@ from corewire._optional import require
 from corewire.engine.interface import Engine
 
 __all__ = [
+    "ENGINE_ALIASES",
+    "REQUIRED_METHODS",
     "check_engine_spec",
     "describe_error",
     "engine_process_main",
     "read_startup_error",
     "report_startup_error",
+    "split_engine_spec",
 ]
 
-#: The methods without which a class is no engine (``load_engine`` checks the same).
-_REQUIRED_METHODS = ("add_request", "abort_requests", "step", "has_unfinished_requests")
+#: Short names accepted wherever an engine spec ("module:Class") is.
+ENGINE_ALIASES = {"reference": "corewire.engine.reference:ReferenceEngine"}
+
+#: The methods without which a class is no engine (``load_engine`` checks them too).
+REQUIRED_METHODS = ("add_request", "abort_requests", "step", "has_unfinished_requests")
 #: Built-in engine modules that import torch: checked for torch, not imported (seconds).
 _TORCH_MODULES = frozenset({"corewire.engine.reference"})
 #: Longest report kept: the cause, not a page of text.
@@ -100,12 +106,8 @@ def check_engine_spec(spec: str | None, engine_args: Mapping[str, Any] | None) -
     :class:`~corewire._optional.MissingDependency` when the reference engine's torch is
     not installed.
     """
-    from corewire.engine.launch import ENGINE_ALIASES
-
-    resolved = ENGINE_ALIASES.get(spec or "reference", spec or "")
-    module_name, sep, attr = resolved.partition(":")
-    if not sep or not module_name or not attr:
-        raise ValueError(f"engine must be 'module:Class', got {resolved!r}")
+    module_name, attr = split_engine_spec(spec)
+    resolved = f"{module_name}:{attr}"
     if module_name in _TORCH_MODULES:
         require("torch", "the reference engine")
         return
@@ -119,7 +121,7 @@ def check_engine_spec(spec: str | None, engine_args: Mapping[str, Any] | None) -
                 f"engine {resolved!r}: {owner!r} has no attribute {part!r}"
             ) from None
     if isinstance(factory, type) and not issubclass(factory, Engine):
-        missing = [m for m in _REQUIRED_METHODS if not callable(getattr(factory, m, None))]
+        missing = [m for m in REQUIRED_METHODS if not callable(getattr(factory, m, None))]
         if missing:
             raise TypeError(
                 f"engine {resolved!r} is not an Engine: subclass corewire.engine.Engine "
@@ -135,3 +137,14 @@ def check_engine_spec(spec: str | None, engine_args: Mapping[str, Any] | None) -
         signature.bind(**dict(engine_args or {}))
     except TypeError as exc:
         raise TypeError(f"engine {resolved!r} does not take these engine_args: {exc}") from None
+
+
+def split_engine_spec(spec: str | None) -> tuple[str, str]:
+    """The module and the attribute path ``spec`` names ("module:Class", an alias of
+    :data:`ENGINE_ALIASES`, or None for the reference engine); ``ValueError`` for any
+    other string."""
+    resolved = ENGINE_ALIASES.get(spec or "reference", spec or "")
+    module_name, sep, attr = resolved.partition(":")
+    if not sep or not module_name or not attr:
+        raise ValueError(f"engine must be 'module:Class', got {resolved!r}")
+    return module_name, attr

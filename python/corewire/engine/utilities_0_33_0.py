@@ -29,12 +29,9 @@ Wire format: docs/vllm-0.33.0-notes.md §6.3.
 from __future__ import annotations
 
 import inspect
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from corewire.layouts import RequestError
-
-if TYPE_CHECKING:
-    from corewire.engine.core import EngineCoreProc
 
 __all__ = ["PAUSED_ERROR", "UTILITIES_0_33_0", "Utilities0330", "utility_names"]
 
@@ -49,7 +46,9 @@ _PAUSE_MODES = ("abort", "wait", "keep")
 class Utilities0330:
     """The 0.33.0 utilities of one engine core (see the module docstring)."""
 
-    def __init__(self, proc: EngineCoreProc) -> None:
+    def __init__(self, proc: Any) -> None:
+        # proc: the EngineCoreProc whose state these answer from (not imported: it
+        # imports this module).
         self._proc = proc
         #: Whether new ADDs are refused with :data:`PAUSED_ERROR`.
         self.refuse_new_requests = False

@@ -7,11 +7,13 @@ This package is the one home of release differences:
   recorded for each release in ``data/vllm-<release>.json`` (``tools/record-vllm-release``
   writes them, in a venv with that vLLM); :mod:`.records` finds them and :mod:`.structs`
   turns one into msgspec types (``corewire.layouts.types_for``).
-- **The behaviour** beyond the wire is code: one small :class:`~.base.Release` class per
+- **The behaviour** beyond the wire is flags: one small :class:`~.base.Release` class per
   release whose engines or front-end behave differently from the one before
   (:mod:`.v0_25_1`, :mod:`.v0_27_0`, :mod:`.v0_28_0`, :mod:`.v0_29_0`, :mod:`.v0_31_0`,
   :mod:`.v0_32_0`, :mod:`.v0_33_0`, :mod:`.v0_34_0`), registered in
-  :data:`_CLASSES`.
+  :data:`_CLASSES`. The code that differs is not here but in the layer that runs it,
+  which keeps a table by release and picks from it with :meth:`~.base.Release.choose`;
+  nothing in this package imports another layer of corewire.
 
 Each release is one :class:`~.base.Release` object: a ``str`` (its version, as the wire
 names it) whose attributes say what it does. Callers get it with :func:`get` and read its
@@ -20,7 +22,7 @@ with no class of its own behaves as the newest class before it; :attr:`~.base.Re
 verified` is False for any release its class's ``LIVE_CHECKED`` does not name.
 
 Adding a release (docs/protocol.md §11): record it; if its behaviour changed, add its
-class here.
+class here, and an entry to each layer's table whose code changed for it.
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ import logging
 from typing import Any
 
 from corewire.releases import records
-from corewire.releases.base import Launch, Release
+from corewire.releases.base import _INSTANCES, Release
 from corewire.releases.v0_25_1 import Release0251
 from corewire.releases.v0_27_0 import Release0270
 from corewire.releases.v0_28_0 import Release0280
@@ -45,7 +47,6 @@ __all__ = [
     "DEFAULT",
     "NEWEST",
     "SUPPORTED",
-    "Launch",
     "Release",
     "UnsupportedProtocolError",
     "for_vllm",
@@ -86,10 +87,11 @@ def _class_for(name: str) -> type[Release]:
 
 
 #: The one instance of each supported release, by version: every recorded release.
-_RELEASES: dict[str, Release] = {
-    name: _class_for(name)(name)
+_RELEASES: dict[str, Release] = _INSTANCES
+_RELEASES.update(
+    (name, _class_for(name)(name))
     for name in sorted({*records.shipped(), *(cls.NAME for cls in _CLASSES)}, key=_key)
-}
+)
 
 #: Every supported release, oldest first.
 SUPPORTED: tuple[Release, ...] = tuple(_RELEASES.values())

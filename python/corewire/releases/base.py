@@ -1,29 +1,35 @@
-"""What every vLLM release corewire speaks is: :class:`Release`, the defaults of its
-behaviour (vLLM 0.25.1's), and the front-end helpers each release overrides."""
+"""What every vLLM release corewire speaks is: :class:`Release`, a version string whose
+attributes say what that release's engines and front-end do (vLLM 0.25.1's values here), and
+the facts of its wire read off its record.
+
+A release is data: nothing here imports another layer of corewire. The code that differs
+between releases lives in the layer that runs it, which picks its own entry for a release
+with :meth:`Release.choose` (the engine's utilities in ``corewire.engine.utilities``, the
+request writers in ``corewire.wire.requests``, vLLM's front-end helpers in
+``corewire.vllm.frontend``, the client members in ``corewire.vllm.classes``, the output
+processors in ``corewire.vllm.output``)."""
 
 from __future__ import annotations
 
-import contextlib
-import typing
-from dataclasses import dataclass
-from typing import Any, ClassVar
+from collections.abc import Mapping
+from typing import Any, ClassVar, TypeVar
 
-import msgspec
+from corewire.releases import records
 
-__all__ = ["Launch", "Release"]
+__all__ = ["Release", "registered"]
+
+_Entry = TypeVar("_Entry")
+
+#: Every release class by the release it was written for (its ``NAME``), filled as each
+#: is defined: what :meth:`Release.choose` accepts as a key.
+_CLASSES_BY_NAME: dict[str, type[Release]] = {}
+#: The one instance of each release, by version (filled by ``corewire.releases``).
+_INSTANCES: dict[str, Release] = {}
 
 
-@dataclass
-class Launch:
-    """What vLLM's ``launch_core_engines`` made: its engine manager, its DP coordinator
-    and the engine addresses (whose ``frontend_stats_publish_address`` is final once the
-    handshake, at the end of the ``with`` block, is over), and the queue of multimodal
-    tensors sent out of band (``mm_tensor_ipc="torch_shm"``; None otherwise)."""
-
-    engine_manager: Any
-    coordinator: Any
-    addresses: Any
-    tensor_queue: Any = None
+def registered(name: str) -> Release:
+    """The registered instance of release ``name`` (how a pickled release comes back)."""
+    return _INSTANCES[name]
 
 
 class Release(str):
@@ -35,7 +41,8 @@ class Release(str):
     choose one (``protocol="0.33.0"``); everything else about it is an attribute. Code
     outside :mod:`corewire.releases` reads those attributes and never compares version
     strings: a further release is one more class here (or none at all, when only its
-    struct layouts changed), not a hunt through ``if`` statements.
+    struct layouts changed) and, where a layer's code differs for it, one more entry in
+    that layer's table (:meth:`choose`), not a hunt through ``if`` statements.
 
     Each class stands for the release it names and, as registered in
     :mod:`corewire.releases`, for the releases after it until the next class; there is
@@ -78,10 +85,10 @@ class Release(str):
     NATIVE_OUTPUT: ClassVar[bool] = False
     #: The per-token fast path of ``vllm serve`` (``corewire.vllm.fast_path``) is held to
     #: the OpenAI server of the release this class was written for by the differential HTTP
-    #: tests (read through :attr:`fast_path`; installed by :meth:`install_fast_path`).
+    #: tests (read through :attr:`fast_path`; installed by ``corewire.vllm.fast_path``).
     FAST_PATH: ClassVar[bool] = False
     #: corewire's client inside vLLM (``corewire.vllm``) is built for the ``AsyncLLM`` of
-    #: the release this class was written for: :meth:`vllm_client_members` (read through
+    #: the release this class was written for: ``corewire.vllm.classes`` (read through
     #: :attr:`vllm_client`, for the releases in :attr:`LIVE_CHECKED`).
     VLLM_CLIENT: ClassVar[bool] = False
     #: The releases this class stands for that were checked live against it: the plugin
@@ -100,11 +107,16 @@ class Release(str):
         # read as they always did.
         return repr(str.__str__(self))
 
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        # Only a class written for a release of its own is a key of the layers' tables.
+        name = cls.__dict__.get("NAME")
+        if name is not None:
+            _CLASSES_BY_NAME[name] = cls
+
     def __reduce__(self) -> tuple[Any, ...]:
         # Pickled (multiprocessing's spawn arguments) as the registered instance.
-        from corewire.releases import get
-
-        return (get, (str.__str__(self),))
+        return (registered, (str.__str__(self),))
 
     @property
     def name(self) -> str:
@@ -139,19 +151,6 @@ class Release(str):
         output processing (which it writes from)."""
         return self.native_output and self.FAST_PATH
 
-    def install_fast_path(self) -> None:
-        """Installs the fast path into this release's OpenAI server (vLLM imported
-        inside; only for a release whose :attr:`fast_path` holds)."""
-        raise NotImplementedError(f"vLLM {self.name} has no fast path")
-
-    def native_output_processor(self) -> type:
-        """corewire's ``OutputProcessor`` for this release's ``AsyncLLM`` (vLLM imported
-        inside): vLLM's own class with plain outputs processed natively, as this
-        release's ``OutputProcessor`` processes them."""
-        from corewire.vllm.output import NativeOutputProcessor
-
-        return NativeOutputProcessor
-
     @property
     def vllm_client(self) -> bool:
         """Whether the plugin may put corewire's client inside this release's
@@ -159,7 +158,33 @@ class Release(str):
         release (a release only recorded may have moved the front-end code they call)."""
         return self.verified and self.VLLM_CLIENT
 
-    # -- facts of the wire, read off the struct tables ---------------------------------
+    def choose(self, table: Mapping[str, _Entry]) -> _Entry:
+        """The entry of ``table`` that stands for this release.
+
+        ``table`` is a layer's own per-release code, keyed by the release each entry was
+        written for (the ``NAME`` of a release class, oldest first or in any order): the
+        entry of the nearest class in this release's lineage wins, so a release whose
+        class has no entry behaves as the one before it. This is how a layer keeps what
+        differs between releases without comparing version strings. A key that names no
+        release class is refused (a typo would otherwise never be chosen).
+        """
+        unknown = [key for key in table if key not in _CLASSES_BY_NAME]
+        if unknown:
+            raise ValueError(
+                f"no release class is written for {unknown}: {sorted(_CLASSES_BY_NAME)}"
+            )
+        for cls in type(self).__mro__:
+            name = cls.__dict__.get("NAME")
+            if name is not None and name in table:
+                return table[name]
+        raise LookupError(f"no entry stands for vLLM {self.name} (entries: {list(table)})")
+
+    # -- facts of the wire, read off the release's record -----------------------------
+
+    @property
+    def record(self) -> dict[str, Any]:
+        """This release's recorded wire: every struct's layout (``corewire.releases.records``)."""
+        return records.load(self.name)
 
     @property
     def request_errors(self) -> bool:
@@ -177,33 +202,21 @@ class Release(str):
         """``EngineCoreRequest.prompt_token_ids`` is an ndarray on the wire (0.34.0 on:
         its front-end packs each prompt as int32, inline below 256 bytes, an aux frame
         above), else a list of ints."""
-        import numpy as np
-
-        request = self.types["EngineCoreRequest"]
-        field = next(f for f in msgspec.structs.fields(request) if f.name == "prompt_token_ids")
-        return np.ndarray in typing.get_args(field.type) or field.type is np.ndarray
-
-    def _fields(self, name: str) -> tuple[str, ...]:
-        from corewire.releases.structs import wire_names
-
-        return wire_names(self.types[name]) or ()
+        entry = self.record["structs"]["EngineCoreRequest"]
+        field = next(f for f in entry["fields"] if f["name"] == "prompt_token_ids")
+        kind = field["type"]
+        options = kind["types"] if kind.get("kind") == "union" else [kind]
+        return any(option.get("class") == "numpy.ndarray" for option in options)
 
     @property
     def speaks_protocol_structs(self) -> bool:
         """Whether this release's wire is the one ``corewire.protocol``'s structs lay out
-        (what engines build and clients are given): then nothing is converted on either
-        side. Read off the struct tables, not declared."""
-        from corewire import protocol
-
-        return self.types["EngineCoreOutputs"] is protocol.EngineCoreOutputs
-
-    @property
-    def types(self) -> Any:
-        """This release's wire structs by name, both directions
-        (``corewire.layouts.types_for``)."""
-        from corewire.layouts import types_for
-
-        return types_for(self)
+        (vLLM 0.25.1's, what engines build and clients are given): then nothing is
+        converted on either side. Read off the records: ``EngineCoreOutputs`` and every
+        struct and enum it reaches laid out as in 0.25.1's."""
+        base = records.load(_BASE_RELEASE)
+        name = "EngineCoreOutputs"
+        return records.reachable(self.record, name) == records.reachable(base, name)
 
     #: The structs whose positions the native decoder reads (``NativeDecoder(layout=)``).
     NATIVE_STRUCTS: ClassVar[tuple[str, ...]] = (
@@ -218,80 +231,15 @@ class Release(str):
     @property
     def native_layout(self) -> dict[str, tuple[str, ...]]:
         """Where this release puts each field the native decoder reads: each struct's
-        wire names in wire order, read off this release's struct tables (:attr:`types`),
-        so that the decoder follows the release rather than a table of its own."""
-        layout = {}
-        for name in self.NATIVE_STRUCTS:
-            cls = self.types.get(name)
-            if cls is None:
-                continue
-            fields = getattr(cls, "__struct_encode_fields__", None)
-            layout[name] = tuple(fields if fields is not None else cls._fields)
-        return layout
+        wire names in wire order, read off its record, so that the decoder follows the
+        release rather than a table of its own."""
+        structs = self.record["structs"]
+        return {name: self._fields(name) for name in self.NATIVE_STRUCTS if name in structs}
 
-    def engine_utilities(self, proc: Any) -> Any:
-        """The utilities a front-end of this release calls that a corewire engine core
-        answers from its own state (``corewire.engine.utilities_0_33_0`` and on), for the
-        engine core ``proc``; None where the engine's own methods answer every call."""
-        return None
-
-    def vllm_client_members(self) -> type:
-        """The members corewire's clients have inside this release's ``AsyncLLM`` (what
-        its front-end calls on its engine-core client), mixed in front of each kind of
-        client by :func:`corewire.vllm.classes.client_class`."""
-        raise NotImplementedError
-
-    def native_decoder(self, **kwargs: Any) -> Any:
-        """A ``NativeDecoder`` of this release's outputs (``kwargs``: its other
-        arguments). Raises ``ValueError`` naming the field when the release has one the
-        native decoder cannot read."""
-        from corewire._native import NativeDecoder
-
-        return NativeDecoder(protocol=self.name, layout=self.native_layout, **kwargs)
-
-    def request_writer(self) -> Any:
-        """The function that turns a request into what a client of this release sends,
-        or None when requests go as given (``corewire.client.wire_requests``): a release
-        only recorded, not verified, takes requests in its own layout only."""
-        if self.speaks_protocol_structs:
-            return None
-        from corewire.client import wire_requests
-
-        return wire_requests.as_given(self)
-
-    # -- the front-end helpers of vLLM's own code (vLLM imported inside) ----------------
-
-    def planned_addresses(self, vllm_config: Any) -> tuple[str, str]:
-        """Where vLLM would bind its client's request and output sockets."""
-        raise NotImplementedError
-
-    def launch(
-        self, vllm_config: Any, executor_class: Any, log_stats: bool, inputs: str, outputs: str
-    ) -> contextlib.AbstractContextManager[Launch]:
-        """vLLM's ``launch_core_engines`` with the client's bound endpoints: starts local
-        engines and the DP coordinator; the handshake runs when the block exits."""
-        raise NotImplementedError
-
-    def listeners(self, client_addresses: dict[str, Any]) -> dict[int, Any]:
-        """The already-bound listening sockets ``client_addresses`` hands over, by the
-        ZeroMQ socket kind that must adopt them (none before 0.33.0)."""
-        return {}
-
-    def apply_ready(self, client: Any, info: dict[str, Any]) -> Any:
-        """Decode one engine's ready map as vLLM decodes it and apply it to the client's
-        ``vllm_config`` (and client) as vLLM's client does; returns the response."""
-        raise NotImplementedError
+    def _fields(self, name: str) -> tuple[str, ...]:
+        entry = self.record["structs"].get(name)
+        return () if entry is None else tuple(f["encode_name"] for f in entry["fields"])
 
 
-def apply_common_ready(vllm_config: Any, response: Any) -> None:
-    """The part of applying a ready response every release shares."""
-    model_config = vllm_config.model_config
-    model_config.max_model_len = min(model_config.max_model_len, response.max_model_len)
-    cache_config = vllm_config.cache_config
-    # KV-cache blocks add up over a DP group; the block size is the engine's own.
-    cache_config.num_gpu_blocks = (cache_config.num_gpu_blocks or 0) + response.num_gpu_blocks
-    cache_config.block_size = response.block_size
-    # Capacity figures are per engine: the first engine's stay.
-    for key in ("kv_cache_size_tokens", "kv_cache_max_concurrency"):
-        if getattr(cache_config, key, None) is None:
-            setattr(cache_config, key, getattr(response, key))
+#: The release whose wire ``corewire.protocol`` lays out.
+_BASE_RELEASE = "0.25.1"

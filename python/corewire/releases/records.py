@@ -11,7 +11,16 @@ from functools import cache
 from importlib import resources
 from typing import Any
 
-__all__ = ["MISSING", "add_live", "defaults", "defaults_or_missing", "load", "releases", "shipped"]
+__all__ = [
+    "MISSING",
+    "add_live",
+    "defaults",
+    "defaults_or_missing",
+    "load",
+    "reachable",
+    "releases",
+    "shipped",
+]
 
 _PREFIX = "vllm-"
 _SUFFIX = ".json"
@@ -108,3 +117,30 @@ def defaults(record: dict[str, Any], name: str) -> dict[str, Any]:
             raise ValueError(f"{name}.{field['name']} has no default")
         out.update(_default_of(record, field))
     return out
+
+
+def reachable(record: dict[str, Any], name: str) -> dict[str, Any]:
+    """Struct ``name``'s layout and that of every struct and enum it reaches, from
+    ``record``, by ``"struct:Name"`` / ``"enum:Name"`` (the defining module left out: a
+    class that moved does not change the wire)."""
+    found: dict[str, Any] = {}
+    pending = [("struct", name)]
+    while pending:
+        kind, current = pending.pop()
+        key = f"{kind}:{current}"
+        if key in found:
+            continue
+        table = record["structs" if kind == "struct" else "enums"]
+        entry = table.get(current)
+        found[key] = None if entry is None else {k: v for k, v in entry.items() if k != "module"}
+        if kind == "struct" and entry is not None:
+            stack: list[Any] = [f["type"] for f in entry["fields"]]
+            while stack:
+                node = stack.pop()
+                if isinstance(node, dict):
+                    if node.get("kind") in ("struct", "enum") and "name" in node:
+                        pending.append((node["kind"], node["name"]))
+                    stack.extend(node.values())
+                elif isinstance(node, list):
+                    stack.extend(node)
+    return found

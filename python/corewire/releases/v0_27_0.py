@@ -3,8 +3,6 @@ changed since 0.26.0 beyond the struct layouts (docs/protocol.md §11.3)."""
 
 from __future__ import annotations
 
-from typing import Any
-
 from corewire.releases.v0_25_1 import Release0251
 
 __all__ = ["Release0270"]
@@ -28,27 +26,3 @@ class Release0270(Release0251):
     kv_pressure_routing = True
     # Checked against 0.25.1's, 0.33.0's and 0.34.0's OutputProcessor only.
     NATIVE_OUTPUT = False
-
-    def request_writer(self) -> Any:
-        from corewire.client import wire_requests
-
-        # corewire's 0.25.1 struct converted into this release's own layout by field name.
-        return wire_requests.converted_writer(self)
-
-    def engine_utilities(self, proc: Any) -> Any:
-        # The calls this front-end makes beyond the engine's own methods (weight
-        # versions) are in 0.33.0's set; the rest of that set is never called here.
-        from corewire.engine.utilities_0_33_0 import Utilities0330
-
-        return Utilities0330(proc)
-
-    def vllm_client_members(self) -> type:
-        # 0.33.0's client members: this AsyncLLM calls a subset of them, with the same
-        # arguments (handle_fault, get_status, weight versions, prepare/commit elastic EP;
-        # profile with two of its five). The all-engine and consensus answers of
-        # reset_prefix_cache, wake_up, is_sleeping and is_scheduler_paused are 0.32.0's;
-        # before it a DP group answered with its first engine's, the same whenever the
-        # engines agree (they take every such call together).
-        from corewire.vllm.v0_33_0 import Members0330
-
-        return Members0330

@@ -3,11 +3,6 @@ repeated stops (docs/protocol.md §11.3)."""
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Iterator
-from typing import Any
-
-from corewire.releases.base import Launch
 from corewire.releases.v0_27_0 import Release0270
 
 __all__ = ["Release0280"]
@@ -25,18 +20,3 @@ class Release0280(Release0270):
     LIVE_CHECKED = ("0.28.0",)
 
     drops_repeated_stops = True
-
-    @contextlib.contextmanager
-    def launch(
-        self, vllm_config: Any, executor_class: Any, log_stats: bool, inputs: str, outputs: str
-    ) -> Iterator[Launch]:
-        from vllm.v1.engine.utils import launch_core_engines
-
-        addresses = self.launch_addresses(vllm_config, inputs, outputs)
-        with launch_core_engines(vllm_config, executor_class, log_stats, addresses) as launched:
-            yield Launch(
-                launched.engine_manager,
-                launched.coordinator,
-                launched.addresses,
-                getattr(launched, "tensor_queue", None),
-            )

@@ -3,8 +3,6 @@
 
 from __future__ import annotations
 
-from typing import Any
-
 from corewire.releases.v0_28_0 import Release0280
 
 __all__ = ["Release0290"]
@@ -20,8 +18,3 @@ class Release0290(Release0280):
     __slots__ = ()
     NAME = "0.29.0"
     LIVE_CHECKED = ("0.29.0", "0.30.0")
-
-    def apply_ready(self, client: Any, info: dict[str, Any]) -> Any:
-        response = super().apply_ready(client, info)
-        client.vllm_config.cache_config.mamba_block_size = response.mamba_block_size
-        return response

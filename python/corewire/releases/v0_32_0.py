@@ -3,11 +3,6 @@ utility calls (docs/protocol.md §11.3); what 0.33.0 added on top is :mod:`.v0_3
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Iterator
-from typing import Any
-
-from corewire.releases.base import Launch
 from corewire.releases.v0_31_0 import Release0310
 
 __all__ = ["Release0320"]
@@ -25,35 +20,3 @@ class Release0320(Release0310):
     __slots__ = ()
     NAME = "0.32.0"
     LIVE_CHECKED = ("0.32.0",)
-
-    def planned_addresses(self, vllm_config: Any) -> tuple[str, str]:
-        from vllm.v1.engine.utils import get_engine_zmq_bind_addresses
-
-        planned = get_engine_zmq_bind_addresses(vllm_config)
-        return planned.inputs[0], planned.outputs[0]
-
-    @contextlib.contextmanager
-    def launch(
-        self, vllm_config: Any, executor_class: Any, log_stats: bool, inputs: str, outputs: str
-    ) -> Iterator[Launch]:
-        from vllm.v1.engine.utils import EngineZmqAddresses, launch_core_engines
-
-        addresses = EngineZmqAddresses(inputs=[inputs], outputs=[outputs])
-        with launch_core_engines(vllm_config, executor_class, log_stats, addresses) as launched:
-            yield Launch(
-                launched.engine_manager,
-                launched.coordinator,
-                launched.addresses,
-                getattr(launched, "tensor_queue", None),
-            )
-
-    def listeners(self, client_addresses: dict[str, Any]) -> dict[int, Any]:
-        # vLLM's multi-API-server parent binds each server's endpoints itself and hands
-        # over the listening sockets; the engines already know them.
-        import zmq
-
-        handed = {
-            zmq.ROUTER: client_addresses.get("input_listener"),
-            zmq.PULL: client_addresses.get("output_listener"),
-        }
-        return {kind: listener for kind, listener in handed.items() if listener is not None}

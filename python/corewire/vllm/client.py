@@ -6,7 +6,8 @@ vLLM's ``AsyncLLM`` builds its engine-core client with
 (0.33.0 adds ``renderer=``) and then reads a few attributes of it. The classes here take
 exactly those arguments and differ from corewire's own clients only where vLLM's
 front-end needs it; what differs between vLLM releases is in
-:mod:`corewire.releases` (how engines are launched, how a ready response applies):
+:mod:`corewire.vllm.frontend` (how engines are launched, how a ready response applies);
+:func:`corewire.vllm.classes.make_async_mp_client` is the factory that builds them:
 
 - **Engines.** Without ``client_addresses`` the client binds its sockets and lets vLLM's
   own ``launch_core_engines`` start local engines and run the start-up handshake with
@@ -49,12 +50,12 @@ from vllm.v1.metrics.stats import PrefillStats, SchedulerStats
 
 import corewire.errors
 from corewire import releases
-from corewire.codec import NativeDecoder
+from corewire.codec import NativeDecoder, native_decoder
 from corewire.curve import require_curve_for
 from corewire.errors import ProtocolError
 from corewire.protocol import FinishReason, finished_outputs
 from corewire.releases import Release
-from corewire.releases import get as get_release
+from corewire.vllm.frontend import frontend_for
 from corewire.vllm.multimodal import multimodal_encoder_for
 
 __all__ = [
@@ -63,8 +64,6 @@ __all__ = [
     "VllmArgs",
     "VllmClientMixin",
     "apply_ready_response",
-    "declined_reason",
-    "make_async_mp_client",
     "make_output_decoder",
 ]
 
@@ -88,75 +87,15 @@ class EngineDeadError(corewire.errors.EngineDeadError, _VllmEngineDeadError):
     vLLM's ``except EngineDeadError`` (its serving code and health endpoint)."""
 
 
-def make_async_mp_client(
-    vllm_config: Any,
-    executor_class: Any,
-    log_stats: bool,
-    client_addresses: dict[str, Any] | None = None,
-    client_count: int = 1,
-    client_index: int = 0,
-    renderer: Any = None,
-) -> Any:
-    """vLLM's ``EngineCoreClient.make_async_mp_client`` with corewire's clients.
-
-    Chooses as vLLM chooses: a data-parallel group gets the DP client with external or
-    internal load balancing, anything else the plain client; each of the installed
-    vLLM's release (:func:`client_classes`). ``renderer`` is vLLM 0.33.0's (None before).
-    """
-    from corewire.vllm.classes import client_classes  # it builds on this module
-
-    # vLLM's factory arguments, in vLLM's order (its clients and corewire's take them so).
-    args = (vllm_config, executor_class, log_stats, client_addresses, client_count, client_index)
-    declined = declined_reason(vllm_config)
-    if declined is not None and vllm_factory is not None:
-        # One line, at start: the server runs as it would without corewire.
-        logger.warning("corewire: %s; vLLM's own engine-core client serves this server", declined)
-        return vllm_factory(*args, **({} if renderer is None else {"renderer": renderer}))
-    if declined is not None:
-        raise ValueError(f"corewire's engine-core client cannot serve here: {declined}")
-    classes = client_classes(INSTALLED_PROTOCOL)
-    parallel_config = vllm_config.parallel_config
-    if parallel_config.data_parallel_size > 1:
-        kind = "dp" if parallel_config.data_parallel_external_lb else "dplb"
-    else:
-        kind = "plain"
-    client = classes[kind](*args, renderer=renderer)
-    # Said here too, not only when the plugin is installed: vLLM 0.33.0 configures its
-    # logging after the plugins ran, so that earlier line is lost there.
-    logger.info(
-        "corewire: vLLM's AsyncLLM uses corewire's engine-core client %s (vLLM %s)",
-        type(client).__name__,
-        INSTALLED_PROTOCOL,
-    )
-    return client
-
-
-#: vLLM's own client factory, kept by the plugin when it installs
-#: :func:`make_async_mp_client` in its place: the servers corewire declines use it.
-vllm_factory: Callable[..., Any] | None = None
-
-
-def declined_reason(vllm_config: Any) -> str | None:
-    """Why corewire's client must not serve ``vllm_config``'s server, or None.
-
-    Elastic expert parallelism: vLLM's client hands a dead rank's ROUTER identity to its
-    replacement and scales the group through its coordinator mid-flight, which
-    corewire's client inside vLLM does not do (its calls would fail mid-flight instead).
-    """
-    if getattr(vllm_config.parallel_config, "enable_elastic_ep", False):
-        return "elastic expert parallelism (--enable-elastic-ep) is not supported"
-    return None
-
-
 def apply_ready_response(vllm_config: Any, info: dict[str, Any]) -> Any:
     """Decode one engine's ready map as vLLM 0.25.1 does (every required key) and apply
     it to ``vllm_config`` as vLLM's client does; returns the decoded response.
 
     Raises ``msgspec.ValidationError`` for a map vLLM would refuse. (Each release's own
-    rule: :meth:`corewire.releases.Release.apply_ready`.)
+    rule: :func:`corewire.vllm.frontend.frontend_for`.)
     """
     holder = _ConfigHolder(vllm_config)
-    return releases.get("0.25.1").apply_ready(holder, info)
+    return frontend_for(releases.get("0.25.1")).apply_ready(holder, info)
 
 
 class _ConfigHolder:
@@ -170,7 +109,8 @@ def make_output_decoder(protocol: str | None = None) -> NativeDecoder:
     """The native decoder of ``protocol`` (default: the installed vLLM's) as vLLM's
     front-end needs it: stats maps become vLLM's ``PrefillStats`` / ``SchedulerStats``
     (nested stats included), all else as usual."""
-    return get_release(protocol or INSTALLED_PROTOCOL).native_decoder(
+    return native_decoder(
+        protocol or INSTALLED_PROTOCOL,
         prefill_stats=_stats_converter(PrefillStats),
         scheduler_stats=_stats_converter(SchedulerStats),
     )
@@ -275,7 +215,7 @@ class VllmClientMixin:
         client_addresses = args.client_addresses
         if client_addresses:
             # Engines managed elsewhere (e.g. by vLLM's multi-API-server parent).
-            self._vllm_listeners = self.release.listeners(client_addresses)
+            self._vllm_listeners = frontend_for(self.release).listeners(client_addresses)
             addresses: dict[str, str] | None = {
                 "input_address": client_addresses["input_address"],
                 "output_address": client_addresses["output_address"],
@@ -285,7 +225,7 @@ class VllmClientMixin:
             self._vllm_tensor_queue = client_addresses.get("tensor_queue")
         else:
             self._vllm_launch = (args.executor_class, args.log_stats)
-            inputs, outputs = self.release.planned_addresses(vllm_config)
+            inputs, outputs = frontend_for(self.release).planned_addresses(vllm_config)
             if inputs.startswith("ipc://"):
                 # Local engines only: corewire's own endpoints in a private 0700 dir,
                 # handed to the engines by vLLM's handshake.
@@ -311,7 +251,7 @@ class VllmClientMixin:
             self.encoder, self.vllm_config, self._vllm_tensor_queue
         )
         for info in self.ready_info.values():
-            response = self.release.apply_ready(self, info)
+            response = frontend_for(self.release).apply_ready(self, info)
             if response is None:
                 continue
             if response.dp_stats_address is not None and self.stats_update_address is None:
@@ -409,7 +349,7 @@ class VllmClientMixin:
         # placeholder resolved, or corewire's private ipc paths).
         self.input_address = _bound_endpoint(self.input_socket)
         self.output_address = _bound_endpoint(self.output_socket)
-        with self.release.launch(
+        with frontend_for(self.release).launch(
             self.vllm_config, executor_class, log_stats, self.input_address, self.output_address
         ) as launched:
             engine_manager = launched.engine_manager

@@ -1,6 +1,5 @@
 """Native output processing inside vLLM's ``AsyncLLM`` (0.25.1's here; later releases'
-differences in the subclasses their release objects name:
-``corewire.releases.Release.native_output_processor``).
+differences in the subclasses ``corewire.vllm.output_processors`` picks for them).
 
 :class:`NativeOutputProcessor` is vLLM's ``OutputProcessor`` with the common case done in
 Rust: for each request that qualifies (:func:`native_refusal`), detokenization, stop

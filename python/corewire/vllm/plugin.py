@@ -3,7 +3,7 @@
 ``pip install corewire`` registers :func:`register` with vLLM, which calls it in each of
 its processes. It does nothing unless switched on. ``COREWIRE_VLLM_CLIENT=1`` replaces
 ``EngineCoreClient.make_async_mp_client``, the factory through which vLLM's ``AsyncLLM``
-builds its engine-core client, with :func:`corewire.vllm.client.make_async_mp_client`.
+builds its engine-core client, with :func:`corewire.vllm.classes.make_async_mp_client`.
 vLLM looks the factory up when ``AsyncLLM`` starts, after the plugins ran. The clients
 speak the installed vLLM's release (one checked live: :data:`PLUGIN_VLLM_VERSIONS`; a newer
 final release runs if the self-check passes; another is refused by name). Engine-core and
@@ -14,7 +14,7 @@ synchronous ``LLM`` class keeps its own client.
 corewire: the plugin replaces ``vllm.v1.engine.async_llm.OutputProcessor``, the name
 ``AsyncLLM.__init__`` builds its processor from, with
 the installed release's :class:`corewire.vllm.output.NativeOutputProcessor` (a subclass
-per release that changed vLLM's: ``Release.native_output_processor``). Unset, it follows
+per release that changed vLLM's: ``corewire.vllm.output_processors``). Unset, it follows
 the client switch where the differential tests hold the native path to the installed
 vLLM (0.25.1, 0.33.0, 0.34.0): corewire's client comes with corewire's output processing; under
 another release vLLM's is kept, and one log line says so. ``0`` keeps vLLM's; ``1`` asks
@@ -186,9 +186,7 @@ def register() -> None:
         import vllm
 
         if fast_path_wanted(vllm.__version__, output_installed) and _in_api_server():
-            release = _fast_path_release(vllm.__version__)
-            assert release is not None
-            release.install_fast_path()
+            _install_fast_path()
     if enabled():
         _install_client()
 
@@ -197,6 +195,17 @@ def _fast_path_release(vllm_version: str) -> releases.Release | None:
     # The supported release of that version whose server the fast path is held to.
     base = vllm_version.split("+", 1)[0]
     return next((r for r in releases.SUPPORTED if r.name == base and r.fast_path), None)
+
+
+def _install_fast_path() -> None:
+    # Into vLLM 0.34.0's OpenAI server, the one the fast path is held to
+    # (fast_path_wanted checked that the installed release is one whose fast_path holds).
+    from vllm.entrypoints.openai.chat_completion.serving import OpenAIServingChat
+    from vllm.entrypoints.openai.completion.serving import OpenAIServingCompletion
+
+    from corewire.vllm import fast_path
+
+    fast_path.install(OpenAIServingCompletion, OpenAIServingChat)
 
 
 #: Modules only an API server's process has loaded by the time vLLM loads plugins there
@@ -232,7 +241,9 @@ def _install_output_processor() -> None:
     check_output_version(vllm.__version__)
     import vllm.v1.engine.async_llm as async_llm
 
-    native = releases.installed(vllm).native_output_processor()
+    from corewire.vllm.output_processors import native_output_processor
+
+    native = native_output_processor(releases.installed(vllm))
     if async_llm.OutputProcessor is native:
         return  # vLLM loads plugins more than once per process
     async_llm.OutputProcessor = native  # type: ignore[misc]
@@ -275,15 +286,15 @@ def _install_client() -> None:
     check_vllm_version(vllm.__version__)
     from vllm.v1.engine.core_client import EngineCoreClient
 
-    from corewire.vllm import client as client_module
-    from corewire.vllm.client import make_async_mp_client
+    from corewire.vllm import classes
+    from corewire.vllm.classes import make_async_mp_client
 
     current: Any = EngineCoreClient.__dict__.get("make_async_mp_client")
     if getattr(current, "__func__", None) is make_async_mp_client:
         return  # vLLM loads plugins more than once per process
     if not self_check_passes():
         return
-    # Kept for the servers corewire declines (corewire.vllm.client.declined_reason).
-    client_module.vllm_factory = current.__func__ if isinstance(current, staticmethod) else current
+    # Kept for the servers corewire declines (corewire.vllm.classes.declined_reason).
+    classes.vllm_factory = current.__func__ if isinstance(current, staticmethod) else current
     EngineCoreClient.make_async_mp_client = staticmethod(make_async_mp_client)  # type: ignore[method-assign]
     logger.info("corewire: vLLM's AsyncLLM uses corewire's engine-core client")

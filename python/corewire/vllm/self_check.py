@@ -124,8 +124,10 @@ def _outputs_difference(release: Any) -> str | None:
     from vllm.v1.engine import EngineCoreOutputs
     from vllm.v1.serial_utils import MsgpackDecoder, MsgpackEncoder
 
+    from corewire.codec import native_decoder
+
     encoder, theirs = MsgpackEncoder(), MsgpackDecoder(EngineCoreOutputs)
-    ours = release.native_decoder()
+    ours = native_decoder(release)
     for name, message in _output_messages():
         frames = [bytes(f) for f in encoder.encode(message)]
         want = theirs.decode(frames)
@@ -177,9 +179,10 @@ def _requests_difference(release: Any) -> str | None:
     from vllm.v1.serial_utils import MsgpackDecoder, MsgpackEncoder
 
     from corewire.codec import Encoder
+    from corewire.wire.requests import request_writer
 
     theirs, ours = MsgpackEncoder(), Encoder(protocol=release)
-    writer = release.request_writer()
+    writer = request_writer(release)
     decoder = MsgpackDecoder(EngineCoreRequest)
     for name, request in _requests():
         want = [bytes(f) for f in theirs.encode(_as_vllms_client_sends(request))]

@@ -15,7 +15,7 @@
   engine's next status push replaces the map) and refuses a second recovery while one is
   in flight.
 - Requests go out with their prompts packed as vLLM 0.34.0's client packs them (the
-  release's request writer: :mod:`corewire.client.wire_requests`).
+  release's request writer: :mod:`corewire.wire.requests`).
 """
 
 from __future__ import annotations

@@ -42,7 +42,7 @@ from corewire import layouts
 from corewire import protocol as p
 from corewire.releases import get as get_release
 
-__all__ = ["converted_writer", "request_writer", "utility_args_writer"]
+__all__ = ["WRITERS", "converted_writer", "request_writer", "utility_args_writer"]
 
 _asdict = msgspec.structs.asdict
 _T = layouts.types_for("0.33.0")
@@ -64,8 +64,9 @@ _ROUTED_DEFAULT = next(
 def request_writer(protocol: str | None) -> Callable[[Any], Any] | None:
     """The function that turns a request into what a ``protocol`` client sends, or None
     when requests are sent as given (0.25.1: its encoder refuses a 0.33.0 request): the
-    release's own choice (``Release.request_writer``)."""
-    return get_release(protocol).request_writer()
+    writer of :data:`WRITERS` that stands for the release."""
+    release = get_release(protocol)
+    return release.choose(WRITERS)(release)
 
 
 def utility_args_writer(
@@ -259,3 +260,33 @@ def lora_0_33_0(lora: Any) -> Any:
             "be sent to a 0.33.0 engine"
         )
     return _LORA(*values)
+
+
+def _writer_0_25_1(release: Any) -> Callable[[Any], Any] | None:
+    # corewire's own structs are this wire; a release only recorded, not verified, whose
+    # requests are laid out otherwise takes requests in its own layout only.
+    return None if release.speaks_protocol_structs else as_given(release)
+
+
+def _writer_0_33_0(release: Any) -> Callable[[Any], Any]:
+    # Held to 0.33.0's own front-end: a later release it stands for gets its own layout.
+    return to_0_33_0 if release.written_for else as_given(release)
+
+
+def _writer_0_34_0(release: Any) -> Callable[[Any], Any]:
+    # A later release it stands for packs prompts as its record says (a newer release
+    # adopted live: corewire.releases.installed).
+    if release.written_for or release.packs_prompts:
+        return packed_writer(release)
+    return as_given(release)
+
+
+#: Each release's request writer, made for a release, by the release it was written for
+#: (``Release.choose``): from 0.27.0 on, corewire's 0.25.1 struct is converted into the
+#: release's own layout by field name.
+WRITERS: dict[str, Callable[[Any], Callable[[Any], Any] | None]] = {
+    "0.25.1": _writer_0_25_1,
+    "0.27.0": converted_writer,
+    "0.33.0": _writer_0_33_0,
+    "0.34.0": _writer_0_34_0,
+}
