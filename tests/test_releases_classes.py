@@ -168,3 +168,26 @@ def test_a_distribution_that_ships_no_vllm_package_is_not_vllm(tmp_path: Path) -
     # The usual name wins, as pip installs it.
     _fake_distribution(tmp_path, "vllm", "0.25.1", "vllm\n")
     assert releases.installed_vllm_version([str(tmp_path)]) == "0.25.1"
+
+
+def test_a_layer_chooses_its_entry_by_the_nearest_class_in_a_releases_lineage() -> None:
+    table = {"0.25.1": "base", "0.28.0": "launch object", "0.33.0": "waves"}
+    chosen = {r.name: r.choose(table) for r in releases.SUPPORTED}
+    # A release whose class has no entry takes the one before it; a recorded release with
+    # no class of its own takes its class's.
+    assert chosen["0.25.1"] == chosen["0.26.0"] == chosen["0.27.1"] == "base"
+    assert chosen["0.28.0"] == chosen["0.31.0"] == chosen["0.32.0"] == "launch object"
+    assert chosen["0.33.0"] == chosen["0.34.0"] == "waves"
+    # A key no release class is written for would never be chosen: refused, named.
+    with pytest.raises(ValueError, match=r"\['0\.26\.0'\]"):
+        releases.get("0.34.0").choose({"0.25.1": 1, "0.26.0": 2})
+    # A table that starts after a release has nothing for it.
+    with pytest.raises(LookupError, match=r"vLLM 0\.25\.1"):
+        releases.get("0.25.1").choose({"0.33.0": 1})
+
+
+def test_a_pickled_release_comes_back_as_the_registered_instance() -> None:
+    import pickle
+
+    for release in releases.SUPPORTED:
+        assert pickle.loads(pickle.dumps(release)) is release

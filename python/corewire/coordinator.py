@@ -629,7 +629,7 @@ class DPCoordinator:
             parent_pid=os.getpid(),
             curve_server_dir=os.fspath(curve_server_dir) if curve_server_dir else None,
             # The plain version string: msgspec writes no str subclass (a Release).
-            protocol=releases.get(protocol).name,
+            protocol=protocol.name,
         )
         payload = msgspec.msgpack.encode(config)
         proc = subprocess.Popen(

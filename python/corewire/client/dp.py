@@ -239,7 +239,7 @@ class DPAsyncMPClient(AsyncMPClient):
                 self._coordinator.shutdown()
             raise
         # vLLM 0.33.0's front-ends send none (its engines start the waves).
-        self._first_request_notices = not get_release(self.protocol).engine_led_waves
+        self._first_request_notices = not self.protocol.engine_led_waves
         if self._coordinator is not None:
             # Watched and stopped with the engines: its death kills the client too.
             self.resources.processes.set_coordinator(self._coordinator)
@@ -623,7 +623,7 @@ class DPLBAsyncMPClient(DPAsyncMPClient):
         super().__init__(data_parallel_size=data_parallel_size, **kwargs)
         # vLLM 0.33.0's KV-pressure rule (the counts carry kv_cache_usage from then on)
         # and its streaming-session affinity.
-        rules = get_release(self.protocol)
+        rules = self.protocol
         self._kv_pressure = rules.kv_pressure_routing
         self._sessions = rules.session_affinity
 

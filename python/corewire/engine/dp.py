@@ -46,7 +46,6 @@ from typing import Any, ClassVar
 
 import zmq
 
-from corewire import releases
 from corewire.dp_messages import CoordinatorLinks, decode_wave_message
 from corewire.engine.core import EngineCoreProc
 from corewire.engine.interface import Engine
@@ -167,7 +166,7 @@ class DPEngineCoreProc(EngineCoreProc):
     # ------------------------------------------------------------------ requests
 
     def _handle_add(self, request: EngineCoreRequest) -> None:
-        if releases.get(self.protocol).engine_led_waves:
+        if self.protocol.engine_led_waves:
             self._handle_add_engine_led(request)
             return
         if request.current_wave != self.current_wave:
@@ -239,7 +238,7 @@ class DPEngineCoreProc(EngineCoreProc):
             "current_wave": self.current_wave,
             "step_counter": self.step_counter,
         }
-        if releases.get(self.protocol).counts_carry_kv_usage:
+        if self.protocol.counts_carry_kv_usage:
             counts["kv_cache_usage"] = float((stats or {}).get("kv_cache_usage", 0.0))
         return counts
 

@@ -50,7 +50,6 @@ from typing import Any, ClassVar
 import msgspec
 import zmq
 
-from corewire import releases
 from corewire.dp_messages import COORDINATOR_READY, XPUB_SUBSCRIBE, StartWave
 from corewire.engine.core import EngineCoreProc
 from corewire.engine.interface import Engine
@@ -153,7 +152,7 @@ class VllmDPEngineCoreProc(EngineCoreProc):
             return
         waiting = int(stats.get("num_waiting_reqs", 0))
         running = int(stats.get("num_running_reqs", 0))
-        if not releases.get(self.protocol).counts_carry_kv_usage:
+        if not self.protocol.counts_carry_kv_usage:
             counts: tuple[int, ...] = (waiting, running, self.current_wave)
             report = {
                 "num_running_reqs": running,
