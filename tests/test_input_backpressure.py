@@ -399,7 +399,7 @@ def test_the_engine_decodes_at_most_a_bounded_queue_ahead_of_its_loop() -> None:
     """Engine side: while the busy loop sleeps in a step, its input thread stops at
     INPUT_QUEUE_HIGH decoded requests (the rest waits in ZeroMQ, where the client's
     backlog counts it) instead of queueing the whole burst; every request is answered."""
-    from corewire.engine.core import INPUT_QUEUE_HIGH
+    from corewire.engine.core_input import INPUT_QUEUE_HIGH
 
     burst = 3 * INPUT_QUEUE_HIGH
     with no_leaks():

@@ -75,7 +75,7 @@ def test_each_class_is_the_one_before_and_what_its_release_changed() -> None:
     # weight versions (0.33.0's client members answer what its AsyncLLM calls).
     assert not r0251.counts_carry_kv_usage and r0270.counts_carry_kv_usage
     assert r0270.kv_pressure_routing and not r0270.engine_led_waves
-    from corewire.engine.core import RELEASE_UTILITIES
+    from corewire.engine.core_utilities import RELEASE_UTILITIES
     from corewire.vllm.classes import MEMBERS
     from corewire.vllm.frontend import frontend_for
 

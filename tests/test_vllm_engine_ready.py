@@ -18,7 +18,7 @@ import pytest
 
 from corewire import releases
 from corewire.engine import EngineCoreProc
-from corewire.engine.core import RELEASE_UTILITIES
+from corewire.engine.core_utilities import RELEASE_UTILITIES
 from corewire.engine.dp import DPEngineCoreProc
 from corewire.engine.interface import NO_MODEL_LEN_LIMIT, EngineInfo
 from corewire.engine.ready import engine_info_of

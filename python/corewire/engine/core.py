@@ -36,25 +36,23 @@ it sends), §7 (ENGINE_CORE_DEAD and stopping) and §9 (error rules).
 
 from __future__ import annotations
 
-import collections
-import concurrent.futures
-import contextlib
 import gc
 import logging
 import queue
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any, ClassVar
 
 import msgspec
 import zmq
 
 from corewire import releases
-from corewire.codec import Encoder, MsgspecDecoder, request_decoder
+from corewire.codec import Encoder
 from corewire.dp_messages import StartWave, WaveComplete
-from corewire.engine import ready_layouts
-from corewire.engine.frame_head import array_length, read_head
+from corewire.engine.core_input import InputThread
+from corewire.engine.core_output import OUTPUT_QUEUE_HIGH, OUTPUT_QUEUE_LOW, OutputThread
+from corewire.engine.core_utilities import RELEASE_UTILITIES, UtilityAnswers
 from corewire.engine.inputs import (
     RESUME,
     STOP,
@@ -64,34 +62,22 @@ from corewire.engine.inputs import (
     InputItem,
     IOFailed,
 )
-from corewire.engine.interface import INTERFACE_METHODS, NO_MODEL_LEN_LIMIT, Engine
-from corewire.engine.link import Receiver, connect_socket, engine_outputs
+from corewire.engine.interface import Engine
+from corewire.engine.link import engine_outputs
 from corewire.engine.logthrottle import ThrottledWarning
-from corewire.engine.peer_watch import PeerWatch
 from corewire.engine.ready import engine_info_of
 from corewire.engine.reasons import reason_for, safe_reason
-from corewire.engine.utilities import DEFAULT_UTILITIES, UtilityDefaults
-from corewire.engine.utilities_0_33_0 import PAUSED_ERROR, Utilities0330, utility_names
-from corewire.engine.utilities_0_34_0 import Utilities0340
-from corewire.errors import ProtocolError
+from corewire.engine.utilities import UtilityDefaults
+from corewire.engine.utilities_0_33_0 import PAUSED_ERROR, utility_names
 from corewire.layouts import RequestError
-from corewire.logtext import Bounded, bounded
 from corewire.protocol import (
     ENGINE_CORE_DEAD,
-    REQUEST_ABORT,
-    REQUEST_ADD,
-    REQUEST_START_DP_WAVE,
-    REQUEST_UTILITY,
     EngineCoreOutput,
     EngineCoreOutputs,
     EngineCoreRequest,
     FinishReason,
     UtilityCall,
-    UtilityOutput,
-    UtilityResult,
     engine_identity,
-    field_position,
-    utility_failure_text,
 )
 from corewire.wire.outputs import (
     DEFAULT_WEIGHT_VERSION,
@@ -104,57 +90,10 @@ __all__ = ["EngineCoreProc"]
 
 logger = logging.getLogger("corewire.engine")
 
-#: The utilities a release's front-end calls beyond an engine's own methods, answered from
-#: the engine core's own state (None: the engine's methods answer every call), by the
-#: release each set was written for (``Release.choose``): 0.27.0's calls (weight versions)
-#: are in 0.33.0's set, and the rest of that set is never called there.
-RELEASE_UTILITIES: dict[str, type[Utilities0330] | None] = {
-    "0.25.1": None,
-    "0.27.0": Utilities0330,
-    "0.34.0": Utilities0340,
-}
-
-# Where the ids an undecoded frame is answered by sit in its payload array.
-_REQUEST_ID = field_position(EngineCoreRequest, "request_id")
-_PROMPT_TOKEN_IDS = field_position(EngineCoreRequest, "prompt_token_ids")
-_CLIENT_INDEX = field_position(EngineCoreRequest, "client_index")
-# The fields of a UTILITY payload read from a frame that does not decode.
-_CALL_HEAD = tuple(UtilityCall._fields.index(f) for f in ("client_index", "call_id", "method"))
-
-# Payload buffers kept for reuse by the output thread; more are allocated while ZeroMQ
-# still holds the ones in flight (slow reader), but only this many are kept afterwards.
-_MAX_FREE_BUFFERS = 8
-# A buffer that grew past this is dropped instead of being kept for reuse.
-_MAX_KEPT_BUFFER_BYTES = 16 << 20
-# Backpressure. Output messages queued for the output thread at which the busy loop
-# stops stepping (the PUSH blocks because the front-end stopped reading), and at which
-# the output thread tells it to go on. A message is one step's outputs: a few queued
-# messages are enough to keep the output thread busy while the loop steps.
-OUTPUT_QUEUE_HIGH = 8
-OUTPUT_QUEUE_LOW = 2
-# Messages the PUSH socket queues for a front-end that is not reading (ZeroMQ's send
-# high-water mark); a send past it blocks. Small, so that a paused front-end holds the
-# engine back soon; a front-end that reads (vLLM's, with an unbounded receive queue)
-# never lets it fill.
-OUTPUT_SNDHWM = 128
 # How often a paused loop looks at the output queue again if no resume note came.
 _PAUSE_POLL_S = 0.05
-# Decoded input the input thread may queue ahead of the busy loop; past the high mark it
-# waits (sleeping, so without the GIL) until the loop took the queue down to the low
-# one. Unbounded, a burst let the input thread decode tens of thousands of requests
-# ahead while the busy loop waited for the GIL: on a loaded machine the engine sent
-# nothing for seconds and a healthy engine failed its health check. Bounded, unread
-# input waits in ZeroMQ, where the front-end's input backlog counts it.
-INPUT_QUEUE_HIGH = 2048
-INPUT_QUEUE_LOW = 1024
-_INPUT_WAIT_S = 0.001
 # The longest the busy loop applies queued input before it steps again.
 _INPUT_SLICE_S = 0.05
-# Once a stop is requested, how long the output thread waits for a front-end that takes
-# nothing (it is shutting down without reading) before it drops what is left, and the
-# linger of its sockets after it was blocked.
-_STOP_SEND_WAIT_S = 0.25
-_STOP_LINGER_MS = 250
 
 
 def _address_list(address: str | Sequence[str], link: str) -> list[str]:
@@ -165,44 +104,13 @@ def _address_list(address: str | Sequence[str], link: str) -> list[str]:
     return addresses
 
 
-def _take_buffer(
-    in_flight: collections.deque[tuple[zmq.MessageTracker, bytearray, list[Any]]],
-    free: list[bytearray],
-) -> bytearray:
-    """A payload buffer for the output thread: first the buffers ZeroMQ released go back
-    to ``free`` (a bounded number, none that grew too big), then one is taken from it."""
-    while in_flight and in_flight[0][0].done:
-        buf = in_flight.popleft()[1]
-        if len(free) < _MAX_FREE_BUFFERS and len(buf) <= _MAX_KEPT_BUFFER_BYTES:
-            free.append(buf)
-    return free.pop() if free else bytearray()
-
-
 def _validation_error(reason: str) -> RequestError:
     """The ``RequestError`` of a request refused for itself (vLLM's front-end answers
     it with 400; only a protocol with the error field sends it)."""
     return RequestError("validation_error", reason)
 
 
-def _own_method(engine: Any, name: str) -> bool:
-    """Whether ``engine`` itself implements the utility ``name`` (not the defaults)."""
-    return callable(getattr(engine, name, None))
-
-
-class _Abandoned(Exception):
-    """The front-end took no output for too long after a stop was requested."""
-
-
-class _Encoded:
-    """Frames encoded outside the output thread (utility replies); sent as they are."""
-
-    __slots__ = ("frames",)
-
-    def __init__(self, frames: list[Any]) -> None:
-        self.frames = frames
-
-
-class EngineCoreProc:
+class EngineCoreProc(InputThread, OutputThread, UtilityAnswers):
     """Runs an :class:`~corewire.engine.Engine` behind the engine-core sockets.
 
     ``input_address`` is the front-end's ROUTER (this side connects a DEALER whose
@@ -763,124 +671,6 @@ class EngineCoreProc:
         """WAVE_COMPLETE from corewire's coordinator; ignored without data parallelism."""
         logger.debug("ignoring WAVE_COMPLETE(%d)", wave)
 
-    # ------------------------------------------------------------------ utilities
-
-    def _handle_utility(self, client_index: int, call_id: int, method: str, args: list) -> None:
-        try:
-            result = self._resolve_utility(method)(*args)
-        except Exception as exc:
-            self._reply_utility(client_index, call_id, method, failure=exc)
-            return
-        if isinstance(result, concurrent.futures.Future):
-
-            def _done(future: concurrent.futures.Future) -> None:
-                if threading.get_ident() == self._loop_thread_id:
-                    self._deferred_replies.append((client_index, call_id, method, future))
-                else:
-                    self._reply_future(client_index, call_id, method, future)
-
-            result.add_done_callback(_done)
-        else:
-            self._reply_utility(client_index, call_id, method, result)
-
-    def _reply_future(
-        self, client_index: int, call_id: int, method: str, future: concurrent.futures.Future
-    ) -> None:
-        try:
-            value = future.result()
-        except BaseException as exc:  # CancelledError is a BaseException
-            self._reply_utility(client_index, call_id, method, failure=exc, fresh=True)
-        else:
-            self._reply_utility(client_index, call_id, method, value, fresh=True)
-
-    def _flush_deferred_replies(self) -> None:
-        """Send the replies of futures completed on the busy-loop thread; call after
-        queueing the outputs produced alongside them (the base loop does)."""
-        while self._deferred_replies:
-            replies, self._deferred_replies = self._deferred_replies, []
-            for client_index, call_id, method, future in replies:
-                self._reply_future(client_index, call_id, method, future)
-
-    def engine_core_counters(self) -> dict[str, int]:
-        """Input this process dropped or refused since it started (the utility call
-        ``engine_core_counters``): frames that did not decode, ADDs dropped for reusing
-        the id of a request in flight, requests finished with ERROR at once, the
-        warnings about them left out of the log, and the times the loop paused stepping
-        because the front-end was not taking its outputs (backpressure)."""
-        logs = (self._malformed_log, self._refused_log, self._duplicate_log)
-        return {
-            "malformed_frames": self._malformed_log.total,
-            "duplicate_requests": self._duplicate_log.total,
-            "refused_requests": self._refused_log.total,
-            "log_lines_suppressed": sum(log.suppressed for log in logs),
-            "output_pauses": self.output_pauses,
-            "input_pauses": self.input_pauses,
-        }
-
-    def _resolve_utility(self, method: str) -> Any:
-        if method in self.PROC_UTILITIES:
-            return getattr(self, method)
-        if method in self._protocol_utility_names:
-            return getattr(self._protocol_utilities, method)
-        return self._engine_utility(method)
-
-    def _engine_utility(self, method: str) -> Any:
-        """The engine's own utility ``method``, or the default answer for it."""
-        if method.startswith("_") or method in INTERFACE_METHODS:
-            raise AttributeError(f"{Bounded(method)!r} is not a utility method")
-        fn = getattr(self.engine, method, None)
-        if fn is None and method in DEFAULT_UTILITIES:
-            fn = getattr(self._utility_defaults, method)
-        if fn is None:
-            raise AttributeError(f"engine has no utility method {Bounded(method)!r}")
-        if not callable(fn):
-            raise TypeError(f"{Bounded(method)!r} is not callable")
-        return fn
-
-    def _reply_utility(
-        self,
-        client_index: int,
-        call_id: int,
-        method: str,
-        value: Any = None,
-        *,
-        failure: BaseException | None = None,
-        fresh: bool = False,
-    ) -> None:
-        """Encode a utility reply now (so that an unsendable result becomes a failure
-        reply naming the method) and queue the frames."""
-        # Future callbacks run on arbitrary threads; the shared encoder is not reentrant.
-        encoder = Encoder(protocol=self.protocol) if fresh else self._utility_encoder
-        wire = self._wire_message
-        if failure is not None:
-            frames = encoder.encode(wire(self._utility_failure(call_id, method, failure)))
-        else:
-            try:
-                frames = encoder.encode(
-                    wire(
-                        self._outputs(
-                            utility_output=UtilityOutput(call_id, None, UtilityResult(value))
-                        )
-                    )
-                )
-            except (TypeError, ValueError, OverflowError) as exc:
-                err = TypeError(f"result of type {type(value).__name__} cannot be sent: {exc}")
-                frames = encoder.encode(wire(self._utility_failure(call_id, method, err)))
-        self.output_queue.put((client_index, _Encoded(frames)))
-
-    def _wire_message(self, message: Any) -> Any:
-        """``message`` in this engine's protocol layout (for frames encoded outside the
-        output thread)."""
-        return message if self._to_wire is None else self._to_wire(message)
-
-    def _utility_failure(
-        self, call_id: int, method: str, failure: BaseException
-    ) -> EngineCoreOutputs:
-        if not isinstance(failure, concurrent.futures.CancelledError):
-            logger.debug("utility call %s failed: %r", bounded(method), bounded(failure))
-        message = utility_failure_text(method, failure)
-        return self._outputs(utility_output=UtilityOutput(call_id, message, None))
-
     # ------------------------------------------------------------------ fatal
 
     def _on_fatal(self, exc: BaseException) -> None:
@@ -895,368 +685,3 @@ class EngineCoreProc:
                 return
             self._dead_sent = True
         self.output_queue.put((0, ENGINE_CORE_DEAD))
-
-    # ------------------------------------------------------------------ input thread
-
-    def configure_socket(self, sock: zmq.Socket, address: str) -> None:
-        """Hook run on every socket just before it connects to ``address`` (e.g. to
-        apply CURVE keys for ``tcp://`` peers); does nothing here."""
-
-    def _ready_message(self) -> dict[str, Any]:
-        """The ready response, sent once on each request link when it is connected, in
-        the keys this engine's protocol asks for (``ready_layouts.ready_response_for``)."""
-        return ready_layouts.ready_response_for(
-            self.protocol,
-            self.engine_info,
-            engine_index=self.engine_index,
-            data_parallel_size=self.data_parallel_size,
-            dp_stats_address=self.dp_stats_address,
-            facts=self._ready_facts(),
-        )
-
-    def _ready_facts(self) -> ready_layouts.ReadyFacts:
-        """What 0.33.0's ready response asks beyond :class:`EngineInfo`, as this engine
-        is: one device group of ``world_size`` workers (tensor parallel), its own
-        scheduling limits, LoRA and sleep only if the engine implements them."""
-        info = self.engine_info
-        engine = self.engine
-        supports_lora = _own_method(engine, "add_lora")
-        return ready_layouts.ReadyFacts(
-            tensor_parallel_size=info.world_size,
-            max_num_seqs=NO_MODEL_LEN_LIMIT if info.max_num_seqs is None else info.max_num_seqs,
-            max_num_batched_tokens=info.max_num_batched_tokens,
-            supports_lora=supports_lora,
-            max_loras=info.max_loras if supports_lora else 0,
-            enable_sleep_mode=_own_method(engine, "sleep"),
-        )
-
-    def _open_extra_inputs(
-        self, ctx: zmq.Context[Any]
-    ) -> list[tuple[zmq.Socket[Any], Callable[[list[zmq.Frame]], None]]]:
-        """Hook run on the input thread after the ready responses went out: more sockets
-        for it to poll, each with the function that handles its messages. It may block
-        (e.g. on a coordinator's go-ahead) while :meth:`input_stopping` is false. The
-        input thread closes the sockets. None here."""
-        return []
-
-    def input_stopping(self) -> bool:
-        """Whether the input thread was told to stop (for hooks that wait)."""
-        return self._input_stop.is_set()
-
-    def _connect(self, socket_type: int, address: str, **options: Any) -> zmq.Socket[Any]:
-        """A socket of this engine connected to ``address`` (through
-        :meth:`configure_socket`); see :func:`~corewire.engine.link.connect_socket`."""
-        return connect_socket(
-            self._ctx, socket_type, address, configure=self.configure_socket, **options
-        )
-
-    def _input_thread_main(self) -> None:
-        receiver = Receiver()
-        try:
-            ready = msgspec.msgpack.encode(self._ready_message())
-            decoder = _InputDecoder(self)
-            for address in self.input_addresses:
-                sock = self._connect(zmq.DEALER, address, identity=self.identity)
-                receiver.add(sock, decoder.decode)
-                # The ROUTER cannot address this engine until it has heard from it.
-                sock.send(ready)
-            for sock, handler in self._open_extra_inputs(self._ctx):
-                receiver.add(sock, handler)
-            self.ready_event.set()
-            receiver.run(self._input_stop, on_wake=self._malformed_log.flush)
-        except Exception as exc:
-            if not self._input_stop.is_set():
-                logger.exception("engine input thread failed")
-                self.input_queue.put(IOFailed(exc))
-        finally:
-            receiver.close()
-
-    # ------------------------------------------------------------------ output thread
-
-    def _output_thread_main(self) -> None:
-        sockets: list[zmq.Socket] = []
-        linger = self.linger_ms
-        hwm = ((zmq.SNDHWM, OUTPUT_SNDHWM),)
-        peers = PeerWatch()
-
-        def configure(sock: zmq.Socket[Any], address: str) -> None:
-            self.configure_socket(sock, address)
-            peers.attach(sock)  # before the connect, so that no connection goes unseen
-
-        try:
-            for address in self.output_addresses:
-                sockets.append(
-                    connect_socket(
-                        self._ctx,
-                        zmq.PUSH,
-                        address,
-                        linger_ms=self.linger_ms,
-                        options=hwm,
-                        configure=configure,
-                    )
-                )
-            if self.coordinator_output is not None:
-                # No linger: load reports are disposable, and a coordinator that is gone
-                # must not hold this process at exit.
-                sockets.append(self._connect(zmq.PUSH, self.coordinator_output, options=hwm))
-            self._output_loop(sockets, peers)
-            if time.monotonic() - self._output_blocked_at < 1.0:
-                # The front-end was not reading lately: what ZeroMQ still queues may
-                # never be taken, and must not hold the exit for the whole linger.
-                linger = min(linger, _STOP_LINGER_MS)
-        except _Abandoned:
-            logger.warning(
-                "engine %d stopping: the front-end took no output for %.1f s; dropping "
-                "%d unsent message(s)",
-                self.engine_index,
-                _STOP_SEND_WAIT_S,
-                self.output_queue.qsize(),
-            )
-            linger = 0
-        except Exception as exc:
-            logger.exception("engine output thread failed")
-            with self._dead_lock:
-                first = not self._dead_sent
-                self._dead_sent = True
-            if first:
-                for sock in sockets[: len(self.output_addresses)]:
-                    with contextlib.suppress(zmq.ZMQError):
-                        sock.send(ENGINE_CORE_DEAD, flags=zmq.NOBLOCK)
-            self.input_queue.put(IOFailed(exc))
-        finally:
-            clients = len(self.output_addresses)
-            # Lingering delivers what is queued to a front-end still there; for one that
-            # has gone it would only hold the exit (docs/protocol.md §7).
-            gone = [not peers.has_peer(sock) for sock in sockets[:clients]]
-            peers.close()
-            if any(gone) and linger > 0:
-                logger.info(
-                    "engine %d stopping: no front-end connected on %d output link(s); "
-                    "not waiting to deliver what is left there",
-                    self.engine_index,
-                    sum(gone),
-                )
-            for sock, no_peer in zip(sockets[:clients], gone, strict=True):
-                sock.close(linger=0 if no_peer else min(linger, self.linger_ms))
-            for sock in sockets[clients:]:
-                # close(linger=) would override the coordinator socket's LINGER of 0.
-                sock.close(linger=0)
-
-    def _output_loop(self, sockets: list[zmq.Socket], peers: PeerWatch) -> None:
-        """Encode and send until the stop sentinel (``peers``: polled whenever the queue
-        is empty).
-
-        Payloads are encoded into reusable bytearrays. ZeroMQ sends large frames without
-        copying, so a buffer is reused only once its tracker says ZeroMQ released it;
-        until then it waits in ``in_flight`` together with its frames (which keep the
-        aux arrays alive too).
-        """
-        encoder = Encoder(protocol=self.protocol)
-        to_wire = self._to_wire
-        free: list[bytearray] = []
-        in_flight: collections.deque[tuple[zmq.MessageTracker, bytearray, list[Any]]] = (
-            collections.deque()
-        )
-        num_clients = len(self.output_addresses)
-        output_queue = self.output_queue
-        get = output_queue.get
-        qsize = output_queue.qsize
-        wait = self._wait_writable
-        SNDMORE = zmq.SNDMORE
-        NOBLOCK = zmq.NOBLOCK
-        Again = zmq.Again
-        while True:
-            if self._output_paused and qsize() <= OUTPUT_QUEUE_LOW:
-                self._output_paused = False
-                self.input_queue.put(RESUME)
-            if not qsize():
-                peers.poll()
-            item = get()
-            if item is STOP:
-                return
-            index, message = item
-            if message is ENGINE_CORE_DEAD:
-                self._send_dead(sockets[:num_clients])
-                continue
-            sock = sockets[index] if -len(sockets) <= index < len(sockets) else sockets[0]
-            if isinstance(message, _Encoded):
-                wait(sock)
-                sock.send_multipart(message.frames, copy=False)
-                continue
-            if to_wire is not None:
-                message = to_wire(message)
-            buf = _take_buffer(in_flight, free)
-            frames = encoder.encode_into(message, buf)
-            # The payload's own tracker decides when `buf` is free again: the one
-            # send_multipart returns belongs to the last frame, which for a small aux
-            # frame (copied) is done at once while ZeroMQ still holds the payload.
-            last = len(frames) - 1
-            # Only a message's first part can block (ZeroMQ takes the rest once it took
-            # the first): when the front-end stopped reading, wait for room.
-            try:
-                tracker = sock.send(buf, (SNDMORE if last else 0) | NOBLOCK, copy=False, track=True)
-            except Again:
-                wait(sock)
-                tracker = sock.send(buf, SNDMORE if last else 0, copy=False, track=True)
-            for i in range(1, last + 1):
-                sock.send(frames[i], SNDMORE if i < last else 0, copy=False)
-            if not isinstance(tracker, zmq.MessageTracker) or tracker.done:
-                free.append(buf)
-            else:
-                in_flight.append((tracker, buf, frames))
-
-    def _send_dead(self, client_sockets: list[zmq.Socket]) -> None:
-        """ENGINE_CORE_DEAD to every client (output thread)."""
-        for sock in client_sockets:
-            self._wait_writable(sock)
-            sock.send(ENGINE_CORE_DEAD)
-
-    def _wait_writable(self, sock: zmq.Socket) -> None:
-        """Return once ``sock`` takes a message; raise :class:`_Abandoned` when a stop
-        was requested and the front-end took nothing for ``_STOP_SEND_WAIT_S``."""
-        if sock.poll(0, zmq.POLLOUT):
-            return
-        deadline = None
-        self._output_blocked_at = time.monotonic()
-        while not sock.poll(50, zmq.POLLOUT):
-            now = self._output_blocked_at = time.monotonic()
-            if self._stop_requested:
-                if deadline is None:
-                    deadline = now + _STOP_SEND_WAIT_S
-                elif now > deadline:
-                    raise _Abandoned
-
-
-class _InputDecoder:
-    """Decodes request frames on the input thread and queues them for the busy loop.
-
-    A frame that does not decode is logged (rate-limited), counted and dropped; it never
-    stops the thread. When a broken ADD still names its request id, or a broken UTILITY
-    its call id, the sender gets an answer (an ERROR finish, a failure reply) instead of
-    waiting forever; the ids are read by :func:`~corewire.engine.frame_head.read_head`,
-    which needs no recursion, so a frame nested past any decoder's limit is answered too.
-    """
-
-    def __init__(self, proc: EngineCoreProc) -> None:
-        self._proc = proc
-        self._queue_put = proc.input_queue.put
-        self._qsize = proc.input_queue.qsize
-        # The protocol's request layout (0.33.0 appends fields, and its LoRA differs).
-        self._add_decoder = request_decoder(proc.protocol, for_engine=True)
-        self._any_decoder = MsgspecDecoder()
-        self._log = proc._malformed_log
-        self._max_model_len = proc.engine_info.max_model_len
-        self._single_client = len(proc.output_addresses) == 1
-
-    def _put(self, item: InputItem) -> None:
-        """Queue ``item`` for the busy loop; past :data:`INPUT_QUEUE_HIGH` queued, wait
-        until it took the queue down to :data:`INPUT_QUEUE_LOW` (or a stop)."""
-        self._queue_put(item)
-        if self._qsize() >= INPUT_QUEUE_HIGH:
-            proc = self._proc
-            proc.input_pauses += 1
-            stopping = proc._input_stop.is_set
-            while self._qsize() > INPUT_QUEUE_LOW and not stopping():
-                time.sleep(_INPUT_WAIT_S)
-
-    def decode(self, frames: list[zmq.Frame]) -> None:
-        """Decode one request message and queue it (or answer / drop it if broken)."""
-        if len(frames) < 2:
-            self._log.warning(
-                "dropping a malformed request of %d frame(s): need type and payload",
-                len(frames),
-            )
-            return
-        request_type = frames[0].bytes
-        try:
-            if request_type == REQUEST_ADD:
-                self._decode_add(frames)
-            elif request_type == REQUEST_UTILITY:
-                self._decode_utility(frames)
-            elif request_type == REQUEST_ABORT:
-                ids = self._any_decoder.decode(frames[1:])
-                if not isinstance(ids, list) or not all(isinstance(i, str) for i in ids):
-                    raise ProtocolError("ABORT payload must be an array of request-id strings")
-                self._put(AbortRequests(ids))
-            elif request_type == REQUEST_START_DP_WAVE:
-                self._put(StartWave.from_payload(self._any_decoder.decode(frames[1:])))
-            else:
-                raise ProtocolError(f"unknown request type {request_type!r}")
-        except Exception as exc:  # nothing a peer sends may stop the input thread
-            self._log.warning("dropping a malformed request: %s", exc)
-
-    def _decode_add(self, frames: list[zmq.Frame]) -> None:
-        payload = frames[1].buffer
-        # The prompt's length, from its array header, before decoding anything: a
-        # prompt over the limit costs no decode, however large (the busy loop checks
-        # again, for prompt_embeds and for frames this header read cannot follow).
-        declared = array_length(payload, _PROMPT_TOKEN_IDS)
-        if declared is not None and declared > self._max_model_len:
-            limit = f"prompt of {declared} tokens exceeds max_model_len {self._max_model_len}"
-            # The refusal goes to the sender: with several clients, only if its
-            # client_index (after the prompt) was within reach; else decode after all.
-            if self._refuse(payload, limit, need_client=not self._single_client):
-                return
-        try:
-            request = self._add_decoder.decode(frames[1:])
-        except ProtocolError as exc:
-            self._refuse(payload, f"malformed request: {exc}")
-            raise
-        self._put(AddRequest(request))
-
-    def _refuse(self, payload: Any, reason: str, need_client: bool = False) -> bool:
-        """Queue the refusal of the ADD in ``payload`` if its request id (and, with
-        ``need_client``, its client index) can be read; return whether it was."""
-        head = read_head(payload, (_REQUEST_ID, _CLIENT_INDEX)) or {}
-        request_id = head.get(_REQUEST_ID)
-        client_index = head.get(_CLIENT_INDEX)
-        if not isinstance(request_id, str):
-            return False
-        if type(client_index) is not int:
-            if need_client:
-                return False
-            client_index = 0
-        self._put(AddRefused(request_id, client_index, reason))
-        return True
-
-    def _decode_utility(self, frames: list[zmq.Frame]) -> None:
-        try:
-            call = self._any_decoder.decode(frames[1:])
-        except ProtocolError as exc:
-            # Still try to read the call id, to answer the caller instead of leaving it
-            # waiting forever.
-            head = read_head(frames[1].buffer, _CALL_HEAD) or {}
-            self._fail_call({UtilityCall._fields[i]: v for i, v in head.items()}, exc)
-            raise
-        if isinstance(call, list) and len(call) >= len(UtilityCall._fields):
-            item = UtilityCall._make(call[: len(UtilityCall._fields)])
-            if (
-                type(item.client_index) is int
-                and type(item.call_id) is int
-                and isinstance(item.method, str)
-                and (item.args is None or isinstance(item.args, list))
-            ):
-                self._put(item._replace(args=item.args or ()))
-                return
-        error = ProtocolError(
-            "malformed utility request: expected [client_index, call_id, method, args]"
-        )
-        if isinstance(call, list):
-            self._fail_call(dict(zip(UtilityCall._fields, call, strict=False)), error)
-        raise error
-
-    def _fail_call(self, fields: dict[str, Any], error: ProtocolError) -> None:
-        """Answer a broken utility call with a failure if its call id is readable
-        (``fields``: what could be read of it, by :class:`UtilityCall` field name)."""
-        call_id = fields.get("call_id")
-        if type(call_id) is not int:
-            return
-        client_index = fields.get("client_index")
-        method = fields.get("method")
-        self._proc._reply_utility(
-            client_index if type(client_index) is int else 0,
-            call_id,
-            method if isinstance(method, str) else "<unknown>",
-            failure=error,
-            fresh=True,
-        )
