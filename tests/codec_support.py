@@ -129,7 +129,7 @@ def make_decoder(kind: str) -> Any:
     if kind == "msgspec":
         return MsgspecDecoder(protocol.EngineCoreOutputs)
     if kind == "native":
-        return NativeDecoder(protocol="0.25.1")
+        return NativeDecoder(release="0.25.1")
     raise ValueError(f"unknown decoder kind {kind!r}")
 
 

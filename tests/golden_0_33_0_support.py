@@ -31,9 +31,9 @@ def frames(case: str) -> list[bytes]:
     return [(DATA / f"{case}.{i}.bin").read_bytes() for i in range(n)]
 
 
-def to_structs(message: Any, protocol: str) -> Any:
+def to_structs(message: Any, release: str) -> Any:
     """A decoded ``EngineCoreOutputs`` as ``protocol``'s structs (for an ``Encoder``)."""
-    types = layouts.types_for(protocol)
+    types = layouts.types_for(release)
     output_cls = types["EngineCoreOutput"]
     outputs = [
         output_cls(**{f: getattr(o, f) for f in output_cls.__struct_fields__})

@@ -48,7 +48,7 @@ from corewire.client import AsyncMPClient
 from corewire.codec import NativeDecoder
 from corewire.errors import ProtocolError
 from corewire.releases import SUPPORTED, UnsupportedProtocolError
-from corewire.releases import for_vllm as protocol_for_vllm
+from corewire.releases import for_vllm as release_for_vllm
 
 #: How a refusal names the releases corewire speaks (every recorded one).
 SUPPORTED_NAMED = ", ".join(repr(r.name) for r in SUPPORTED)
@@ -368,8 +368,8 @@ def test_decode_json_and_plot(tmp_path: Path) -> None:
     # The wire is the installed vLLM's, and the untimed step with every optional field
     # set (0.33.0's new ones under 0.33.0) decoded alike.
     installed = doc["machine"]["vllm"]
-    assert doc["protocol"] == (protocol_for_vllm(installed) if installed else "0.25.1")
-    assert f"protocol={doc['protocol']!r}" in proc.stdout or not HAVE_VLLM
+    assert doc["release"] == (release_for_vllm(installed) if installed else "0.25.1")
+    assert f"release={doc['release']!r}" in proc.stdout or not HAVE_VLLM
     assert doc["every_field_equal"] is True and doc["equal"] is True
     if HAVE_MATPLOTLIB:
         check_png(png)
@@ -377,13 +377,13 @@ def test_decode_json_and_plot(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize(
-    ("installed", "protocol"),
+    ("installed", "release"),
     [(None, "0.25.1"), ("0.25.1", "0.25.1"), ("0.33.0", "0.33.0"), ("0.33.0+cpu", "0.33.0")],
 )
-def test_benches_measure_the_installed_vllms_wire(installed: str | None, protocol: str) -> None:
-    assert common.baseline_protocol(installed) == protocol
+def test_benches_measure_the_installed_vllms_wire(installed: str | None, release: str) -> None:
+    assert common.baseline_release(installed) == release
     with pytest.raises(UnsupportedProtocolError):
-        common.baseline_protocol("0.25.2")
+        common.baseline_release("0.25.2")
 
 
 @pytest.mark.parametrize(
@@ -440,8 +440,8 @@ def test_client_json_and_plot(tmp_path: Path) -> None:
     variants = {"raw", "baseline", "corewire", "d+t"} | ({"vllm"} if HAVE_VLLM else set())
     assert doc["baseline"] == ("vllm" if HAVE_VLLM else "baseline")
     installed = doc["machine"]["vllm"]
-    assert doc["protocol"] == (protocol_for_vllm(installed) if installed else "0.25.1")
-    assert f"protocol {doc['protocol']!r}" in proc.stdout
+    assert doc["release"] == (release_for_vllm(installed) if installed else "0.25.1")
+    assert f"release {doc['release']!r}" in proc.stdout
     assert doc["equal"] is True
     assert [(c["gc"], c["case"], c["batch"]) for c in doc["cases"]] == [
         ("default", "plain", 1),
@@ -477,25 +477,23 @@ def test_client_json_and_plot(tmp_path: Path) -> None:
         assert "plot written to" in proc.stdout
 
 
-@pytest.mark.parametrize("protocol", ["0.25.1", "0.33.0"])
-async def test_client_bench_engine_speaks_each_protocol(protocol: str) -> None:
+@pytest.mark.parametrize("release", ["0.25.1", "0.33.0"])
+async def test_client_bench_engine_speaks_each_protocol(release: str) -> None:
     # The bench engine of each version (its ready map, its frames) read by corewire's client
     # of that version: what a consumer touches equals the frame decoded directly.
-    client = AsyncMPClient(
-        engine_main=client_bench.run_bench_engine, protocol=protocol, wire=protocol
-    )
+    client = AsyncMPClient(engine_main=client_bench.run_bench_engine, release=release, wire=release)
     try:
-        assert client.protocol == protocol
+        assert client.release == release
         (ready,) = client.ready_info.values()
         # 0.33.0's front-end requires these keys; 0.25.1's map has none of them.
-        assert ("tensor_parallel_size" in ready) is (protocol == "0.33.0")
-        frame = client_bench.case_frame("top-5", 32, protocol)
-        expected = client_bench.touch(NativeDecoder(protocol=protocol).decode([frame]))
+        assert ("tensor_parallel_size" in ready) is (release == "0.33.0")
+        frame = client_bench.case_frame("top-5", 32, release)
+        expected = client_bench.touch(NativeDecoder(release=release).decode([frame]))
         size = await client.call_utility_async("replay_case", "top-5", 32, 3)
         assert size == len(frame)
         sums = [client_bench.touch(await client.get_output_async()) for _ in range(3)]
         assert sums == [expected] * 3 and expected > 32
-        assert await client.call_utility_async("echo", [protocol]) == [protocol]
+        assert await client.call_utility_async("echo", [release]) == [release]
     finally:
         client.shutdown()
 
@@ -505,7 +503,7 @@ async def test_client_bench_engine_of_0_33_0_is_not_read_as_0_25_1() -> None:
     assert client_bench.case_frame("plain", 8, "0.33.0") != client_bench.case_frame("plain", 8)
     client = AsyncMPClient(engine_main=client_bench.run_bench_engine, wire="0.33.0")
     try:
-        assert client.protocol == "0.25.1"  # the documented default
+        assert client.release == "0.25.1"  # the documented default
         await client.call_utility_async("replay_case", "plain", 8, 1)
         with pytest.raises(ProtocolError):
             await asyncio.wait_for(client.get_output_async(), 30)
@@ -515,7 +513,7 @@ async def test_client_bench_engine_of_0_33_0_is_not_read_as_0_25_1() -> None:
 
 def test_client_refuses_an_unsupported_protocol() -> None:
     with pytest.raises(UnsupportedProtocolError, match=re.escape(SUPPORTED_NAMED)):
-        AsyncMPClient(engine_main=client_bench.run_bench_engine, protocol="0.25.2")
+        AsyncMPClient(engine_main=client_bench.run_bench_engine, release="0.25.2")
 
 
 @needs_matplotlib

@@ -1,4 +1,4 @@
-"""corewire's clients and engines, both with ``protocol="0.33.0"``, end to end.
+"""corewire's clients and engines, both with ``release="0.33.0"``, end to end.
 
 A client of protocol 0.33.0 starts its engines with that protocol: requests (0.25.1's
 struct, converted, or 0.33.0's) go out in 0.33.0's layout, the engines read them, and
@@ -53,7 +53,7 @@ async def _until_finished(client: Any, ids: set[str]) -> dict[str, Any]:
 
 
 async def test_async_client_and_engine_speak_0_33_0() -> None:
-    client = AsyncMPClient(engine=SYNTHETIC, protocol="0.33.0")
+    client = AsyncMPClient(engine=SYNTHETIC, release="0.33.0")
     try:
         await client.add_request_async(request("old", max_tokens=3))
         await client.add_request_async(_request_0_33_0("new", max_tokens=3))
@@ -70,7 +70,7 @@ async def test_async_client_and_engine_speak_0_33_0() -> None:
 
 
 def test_sync_client_and_engine_speak_0_33_0() -> None:
-    client = SyncMPClient(engine=SYNTHETIC, protocol="0.33.0")
+    client = SyncMPClient(engine=SYNTHETIC, release="0.33.0")
     try:
         client.add_request(request("s", max_tokens=2))
         tokens: list[int] = []
@@ -89,7 +89,7 @@ def test_sync_client_and_engine_speak_0_33_0() -> None:
 
 
 async def test_dplb_client_and_engines_speak_0_33_0() -> None:
-    client = DPLBAsyncMPClient(data_parallel_size=2, engine=SYNTHETIC, protocol="0.33.0")
+    client = DPLBAsyncMPClient(data_parallel_size=2, engine=SYNTHETIC, release="0.33.0")
     try:
         ids = {f"r{i}" for i in range(6)}
         for rid in sorted(ids):

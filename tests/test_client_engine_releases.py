@@ -52,7 +52,7 @@ def release_request(release: releases.Release, request_id: str, max_tokens: int)
 async def _run(release: releases.Release) -> tuple[list[int], Any, Any]:
     """The greedy tokens and finish reason of one request and a utility call's answer,
     through ``release``'s wire."""
-    client = AsyncMPClient(engine_args=dict(LIGHT_REFERENCE), protocol=release)
+    client = AsyncMPClient(engine_args=dict(LIGHT_REFERENCE), release=release)
     try:
         await client.add_request_async(release_request(release, "r", MAX_TOKENS))
         tokens: list[int] = []

@@ -1,4 +1,4 @@
-"""The clients with ``protocol="0.33.0"``, both ways, against raw engine peers (real sockets).
+"""The clients with ``release="0.33.0"``, both ways, against raw engine peers (real sockets).
 
 The frames the engines "send" here are vLLM 0.33.0's own (``tests/data/vllm-0.33.0``,
 written by its ``MsgpackEncoder``), and what the clients send is compared byte for byte
@@ -48,7 +48,7 @@ def golden_output(case: str) -> list[bytes]:
 
 
 def encode_0_33_0(outputs: Any) -> list[bytes]:
-    return [bytes(f) for f in Encoder(protocol="0.33.0").encode(outputs)]
+    return [bytes(f) for f in Encoder(release="0.33.0").encode(outputs)]
 
 
 def status_frames(engine: int, status: dict[str, Any]) -> list[bytes]:
@@ -113,7 +113,7 @@ OLD_STRUCT_CASES = {
 
 
 async def test_async_client_writes_0_33_0_requests(ipc_dir: Path, sockets: Sockets) -> None:
-    with client_and_peer(ipc_dir, sockets, AsyncMPClient, protocol="0.33.0") as (client, peer):
+    with client_and_peer(ipc_dir, sockets, AsyncMPClient, release="0.33.0") as (client, peer):
         # A 0.25.1 struct: converted once, by field name (the caller's object untouched).
         for case, build in OLD_STRUCT_CASES.items():
             request = build()
@@ -131,7 +131,7 @@ async def test_async_client_writes_0_33_0_requests(ipc_dir: Path, sockets: Socke
 
 def test_sync_client_writes_0_33_0_requests(ipc_dir: Path, sockets: Sockets) -> None:
     # openai_default was sent by client 1.
-    with client_and_peer(ipc_dir, sockets, SyncMPClient, protocol="0.33.0", client_index=1) as (
+    with client_and_peer(ipc_dir, sockets, SyncMPClient, release="0.33.0", client_index=1) as (
         client,
         peer,
     ):
@@ -177,7 +177,7 @@ def test_sampling_params_whose_bytes_differ_are_rebuilt_as_0_33_0s() -> None:
 
 
 async def test_add_lora_and_lora_refusals(ipc_dir: Path, sockets: Sockets) -> None:
-    with client_and_peer(ipc_dir, sockets, AsyncMPClient, protocol="0.33.0") as (client, peer):
+    with client_and_peer(ipc_dir, sockets, AsyncMPClient, release="0.33.0") as (client, peer):
         lora = layouts.LoRARequest("a", 1, "/p")
         call = asyncio.ensure_future(client.add_lora_async(lora))
         _, call_id, method, args = await asyncio.to_thread(peer.recv_utility)
@@ -223,7 +223,7 @@ async def test_a_0_25_1_client_is_unchanged(ipc_dir: Path, sockets: Sockets) -> 
 
 
 async def test_async_client_keeps_each_engines_status(ipc_dir: Path, sockets: Sockets) -> None:
-    with client_and_peer(ipc_dir, sockets, AsyncMPClient, protocol="0.33.0") as (client, peer):
+    with client_and_peer(ipc_dir, sockets, AsyncMPClient, release="0.33.0") as (client, peer):
         assert client.engine_status == {}
         call = asyncio.ensure_future(client.call_utility_async("is_sleeping"))
         _, call_id, _, _ = await asyncio.to_thread(peer.recv_utility)
@@ -260,7 +260,7 @@ async def test_the_watchdog_spares_an_engine_in_fault_handling_and_finds_a_hung_
     answers nothing else (vLLM's fault tolerance): the watchdog sends it no health check
     and never declares it dead. Once it says it is healthy again, silence is a hang."""
     watchdog = {"health_check_interval": 0.1, "health_check_timeout": 0.3}
-    with client_and_peer(ipc_dir, sockets, AsyncMPClient, protocol="0.33.0", **watchdog) as (
+    with client_and_peer(ipc_dir, sockets, AsyncMPClient, release="0.33.0", **watchdog) as (
         client,
         peer,
     ):
@@ -284,7 +284,7 @@ async def test_the_watchdog_spares_an_engine_in_fault_handling_and_finds_a_hung_
 def test_sync_client_drops_and_counts_statuses(
     ipc_dir: Path, sockets: Sockets, caplog: pytest.LogCaptureFixture
 ) -> None:
-    with client_and_peer(ipc_dir, sockets, SyncMPClient, protocol="0.33.0") as (client, peer):
+    with client_and_peer(ipc_dir, sockets, SyncMPClient, release="0.33.0") as (client, peer):
         with caplog.at_level(logging.WARNING, logger="corewire.client"):
             peer.send(golden_output("ft_status"))
             peer.send(status_frames(0, {"id": 0, "status": "unhealthy", "fault_info": "E"}))
@@ -316,7 +316,7 @@ async def wait_for_async(predicate: Any, timeout: float = 10.0) -> None:
 
 
 async def test_request_error_reaches_the_caller(ipc_dir: Path, sockets: Sockets) -> None:
-    with client_and_peer(ipc_dir, sockets, AsyncMPClient, protocol="0.33.0") as (client, peer):
+    with client_and_peer(ipc_dir, sockets, AsyncMPClient, release="0.33.0") as (client, peer):
         await client.add_request_async(_request_0_25_1("req-err"))
         peer.recv_add()
         peer.send(golden_output("error"))
@@ -343,7 +343,7 @@ def _publication(counts: Any, wave: int = 0, running: bool = False) -> bytes:
     return msgspec.msgpack.encode((counts, wave, running))
 
 
-def _dplb(ipc_dir: Path, sockets: Sockets, protocol: str, size: int = 2) -> Any:
+def _dplb(ipc_dir: Path, sockets: Sockets, release: str, size: int = 2) -> Any:
     addresses = client_addresses(ipc_dir)
     peers = [EnginePeer(sockets, addresses, i) for i in range(size)]
     coordinator = CoordinatorPeer(sockets, coordinator_addresses(ipc_dir))
@@ -351,7 +351,7 @@ def _dplb(ipc_dir: Path, sockets: Sockets, protocol: str, size: int = 2) -> Any:
         data_parallel_size=size,
         client_addresses=addresses,
         coordinator_addresses=coordinator_addresses(ipc_dir),
-        protocol=protocol,
+        release=release,
         ready_timeout=10,
     )
     return client, peers, coordinator
@@ -364,8 +364,8 @@ async def _publish_and_wait(client: Any, coordinator: CoordinatorPeer, counts: A
     await wait_for_async(lambda: client.lb_engines == counts)
 
 
-@pytest.mark.parametrize("protocol", ["0.25.1", "0.33.0"])
-async def test_dp_first_request_notices(ipc_dir: Path, sockets: Sockets, protocol: str) -> None:
+@pytest.mark.parametrize("release", ["0.25.1", "0.33.0"])
+async def test_dp_first_request_notices(ipc_dir: Path, sockets: Sockets, release: str) -> None:
     """0.25.1: a request while paused sends ``[engine, wave]``; 0.33.0: nothing (its
     coordinator logs an error for it: the engines start waves)."""
     addresses = client_addresses(ipc_dir)
@@ -376,16 +376,16 @@ async def test_dp_first_request_notices(ipc_dir: Path, sockets: Sockets, protoco
         data_parallel_rank=0,
         client_addresses=addresses,
         coordinator_addresses=coordinator_addresses(ipc_dir),
-        protocol=protocol,
+        release=release,
         ready_timeout=10,
     )
     try:
         await client.add_request_async(_request_0_25_1("r1", current_wave=0))
         frames = peer.recv_add()
-        assert frames[0][:3] == (b"\xdc\x00\x16" if protocol == "0.33.0" else b"\xdc\x00\x14")
+        assert frames[0][:3] == (b"\xdc\x00\x16" if release == "0.33.0" else b"\xdc\x00\x14")
         await asyncio.to_thread(coordinator.wait_subscribed)
         sent = await asyncio.to_thread(coordinator.messages)
-        if protocol == "0.33.0":
+        if release == "0.33.0":
             assert sent == []
         else:
             assert [msgspec.msgpack.decode(m) for m in sent] == [[0, 0]]
@@ -400,11 +400,11 @@ async def test_dp_first_request_notices(ipc_dir: Path, sockets: Sockets, protoco
         [[2, 1, 0.25], [0, 3, 0.0]],  # vLLM 0.33.0's coordinator
     ],
 )
-@pytest.mark.parametrize("protocol", ["0.25.1", "0.33.0"])
+@pytest.mark.parametrize("release", ["0.25.1", "0.33.0"])
 async def test_dp_counts_of_either_shape_parse(
-    ipc_dir: Path, sockets: Sockets, protocol: str, counts: Any
+    ipc_dir: Path, sockets: Sockets, release: str, counts: Any
 ) -> None:
-    client, _, coordinator = _dplb(ipc_dir, sockets, protocol)
+    client, _, coordinator = _dplb(ipc_dir, sockets, release)
     try:
         await _publish_and_wait(client, coordinator, counts)
         assert client.router.counts() == [(2, 1), (0, 3)]  # kv usage <= 0.5: no penalty
@@ -485,12 +485,12 @@ async def test_hybrid_balancing_routes_over_the_nodes_own_ranks(
 async def test_dplb_follows_vllm_0_33_0s_kv_pressure_rule(ipc_dir: Path, sockets: Sockets) -> None:
     """Engine 0 has fewer requests, but its KV cache is 90 % full: 2 waiting there weigh
     2 + 2*6*0.4 = 6.8 > 3, so the request goes to engine 1 (0.33.0) / engine 0 (0.25.1)."""
-    for protocol, want in (("0.33.0", 1), ("0.25.1", 0)):
-        client, peers, coordinator = _dplb(ipc_dir / protocol, sockets, protocol)
+    for release, want in (("0.33.0", 1), ("0.25.1", 0)):
+        client, peers, coordinator = _dplb(ipc_dir / release, sockets, release)
         try:
             await _publish_and_wait(client, coordinator, [[2, 0, 0.9], [3, 0, 0.1]])
-            await client.add_request_async(_request_0_25_1(f"kv-{protocol}"))
-            assert client.reqs_in_flight == {f"kv-{protocol}": want}
+            await client.add_request_async(_request_0_25_1(f"kv-{release}"))
+            assert client.reqs_in_flight == {f"kv-{release}": want}
             peers[want].recv_add()
         finally:
             client.shutdown()
@@ -525,14 +525,14 @@ def ipc_dir(ipc_dir: Path) -> Path:
     return ipc_dir
 
 
-@pytest.mark.parametrize("protocol", ["0.25.1", "0.33.0"])
+@pytest.mark.parametrize("release", ["0.25.1", "0.33.0"])
 async def test_dplb_streaming_session_affinity(
-    ipc_dir: Path, sockets: Sockets, protocol: str
+    ipc_dir: Path, sockets: Sockets, release: str
 ) -> None:
     """0.33.0: the next input of a session in flight goes to the engine holding it (even
     against its ``data_parallel_rank``), and aborting the session reaches every engine.
     0.25.1: routed afresh, aborted where it was last routed."""
-    client, peers, _ = _dplb(ipc_dir, sockets, protocol)
+    client, peers, _ = _dplb(ipc_dir, sockets, release)
     try:
         await client.add_request_async(
             _request_0_25_1("sess", resumable=True, data_parallel_rank=1)
@@ -541,12 +541,12 @@ async def test_dplb_streaming_session_affinity(
         await client.add_request_async(
             _request_0_25_1("sess", resumable=True, data_parallel_rank=0)
         )
-        second = 1 if protocol == "0.33.0" else 0
+        second = 1 if release == "0.33.0" else 0
         peers[second].recv_add()
         assert client.reqs_in_flight["sess"] == second
-        assert client.streaming_reqs == ({"sess"} if protocol == "0.33.0" else set())
+        assert client.streaming_reqs == ({"sess"} if release == "0.33.0" else set())
         await client.abort_requests_async(["sess"])
-        aborted_on = [0, 1] if protocol == "0.33.0" else [0]
+        aborted_on = [0, 1] if release == "0.33.0" else [0]
         for index in aborted_on:
             frames = peers[index].recv()
             assert frames[0] == p.REQUEST_ABORT

@@ -136,7 +136,7 @@ def _corpus() -> list[list[bytes]]:
             ]
         ),
     ]
-    encoder = Encoder(protocol="0.25.1")
+    encoder = Encoder(release="0.25.1")
     return [[bytes(f) for f in encoder.encode(m)] for m in messages]
 
 

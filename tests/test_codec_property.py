@@ -168,7 +168,7 @@ def test_native_equals_msgspec(
 ) -> None:
     """Encoder -> NativeDecoder gives what MsgspecDecoder gives: the encoded message."""
     reference, native = decoders
-    frames = Encoder(protocol="0.25.1").encode(message)
+    frames = Encoder(release="0.25.1").encode(message)
     convert = memoryview if as_memoryview else bytes
     frames = [convert(f) for f in frames]
     expected = normalize(message)
@@ -183,6 +183,6 @@ def test_native_equals_msgspec(
 @given(message=messages)
 def test_msgspec_round_trip(message: p.EngineCoreOutputs) -> None:
     """The reference decoder alone round-trips (runs even without the native decoder)."""
-    decoded = make_decoder("msgspec").decode(Encoder(protocol="0.25.1").encode(message))
+    decoded = make_decoder("msgspec").decode(Encoder(release="0.25.1").encode(message))
     check_types(decoded)
     assert normalize(decoded) == normalize(message)

@@ -208,7 +208,7 @@ def test_no_memory_growth_over_10000_bytes_frames(decoder: Any) -> None:
 
 
 def _send(sender: zmq.Socket, message: p.EngineCoreOutputs) -> None:
-    sender.send_multipart(Encoder(protocol="0.25.1").encode(message), copy=False)
+    sender.send_multipart(Encoder(release="0.25.1").encode(message), copy=False)
 
 
 def _experts_message(i: int) -> p.EngineCoreOutputs:

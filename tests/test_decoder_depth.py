@@ -45,7 +45,7 @@ def test_bound_decodes_and_one_level_deeper_fails(place: str, shape: str) -> Non
     """MAX_DEPTH levels decode whole; one more is a ProtocolError naming depth and path;
     the decoder then reads the next frame normally."""
     frame, get, path = PLACES[place]
-    decoder = NativeDecoder(protocol="0.25.1")
+    decoder = NativeDecoder(release="0.25.1")
     value = get(decoder.decode([frame(deep(shape, MAX_DEPTH))]))
     assert len(chain(value)) == MAX_DEPTH
     with pytest.raises(ProtocolError) as info:
@@ -63,7 +63,7 @@ def test_far_past_the_bound_is_a_protocol_error() -> None:
     """Millions of levels fail at the bound, quickly, without recursion."""
     for shape in SHAPES:
         with pytest.raises(ProtocolError, match=TOO_DEEP):
-            NativeDecoder(protocol="0.25.1").decode([in_kv_transfer_params(deep(shape, 3_000_000))])
+            NativeDecoder(release="0.25.1").decode([in_kv_transfer_params(deep(shape, 3_000_000))])
 
 
 def _vllm_deepest(
@@ -113,7 +113,7 @@ def test_every_depth_vllm_reads_is_read(place: str, shape: str) -> None:
     print(f"vLLM reads {place} {shape} up to {deepest} levels; corewire up to {MAX_DEPTH}")
     assert 900 < deepest <= MAX_DEPTH
     assert len(vllm_chain) == deepest
-    native = NativeDecoder(protocol="0.25.1").decode([frame(deep(shape, deepest))])
+    native = NativeDecoder(release="0.25.1").decode([frame(deep(shape, deepest))])
     assert chain(get(native)) == vllm_chain
 
 
@@ -130,7 +130,7 @@ _SMALL_STACK_SCRIPT = textwrap.dedent(
 
 
     def run():
-        decoder = NativeDecoder(protocol="0.25.1")
+        decoder = NativeDecoder(release="0.25.1")
         for place, (frame, get, _) in PLACES.items():
             for shape in SHAPES:
                 message = decoder.decode([frame(deep(shape, MAX_DEPTH))])

@@ -71,7 +71,7 @@ def test_request_r1_exact_bytes() -> None:
     request = p.EngineCoreRequest(
         request_id="r1", prompt_token_ids=[1, 2], sampling_params=p.SamplingParams(max_tokens=8)
     )
-    frames = Encoder(protocol="0.25.1").encode(request)
+    frames = Encoder(release="0.25.1").encode(request)
     assert len(frames) == 1
     assert bytes(frames[0]) == R1_PAYLOAD
 
@@ -103,7 +103,7 @@ def test_request_all_fields() -> None:
         reasoning_parser_kwargs=None,
         abort_immediately=True,
     )
-    frames = Encoder(protocol="0.25.1").encode(request)
+    frames = Encoder(release="0.25.1").encode(request)
     expected = [
         "req-全",
         [1, 2, 3],
@@ -206,14 +206,14 @@ def test_sampling_params_is_a_map_without_defaults(
     (msgspec, and so vLLM, omits a float only when it is the default object itself: an
     explicit ``temperature=1.0`` is written. Decoders take either form.)
     """
-    payload = Encoder(protocol="0.25.1").encode(params)[0]
+    payload = Encoder(release="0.25.1").encode(params)[0]
     assert _raw(payload) == expected
     assert bytes(payload)[:3] == b"\xde\x00" + bytes([len(expected)])
 
 
 def test_sampling_params_exact_bytes() -> None:
     """``SamplingParams(max_tokens=8)`` exactly as vLLM writes it."""
-    payload = Encoder(protocol="0.25.1").encode(p.SamplingParams(max_tokens=8))[0]
+    payload = Encoder(release="0.25.1").encode(p.SamplingParams(max_tokens=8))[0]
     assert bytes(payload) == SP8_PAYLOAD
     assert bytes(payload).startswith(b"\xde\x00\x05\xa4stop\x90\xaestop_token_ids\x90")
 
@@ -221,7 +221,7 @@ def test_sampling_params_exact_bytes() -> None:
 def test_sampling_params_explicit_default_float_is_written() -> None:
     """An explicit ``temperature=1.0`` is written; the default object is not."""
     explicit = float("1.0")
-    assert _raw(Encoder(protocol="0.25.1").encode(p.SamplingParams(temperature=explicit))[0]) == {
+    assert _raw(Encoder(release="0.25.1").encode(p.SamplingParams(temperature=explicit))[0]) == {
         **UNSET,
         "temperature": 1.0,
     }
@@ -229,11 +229,11 @@ def test_sampling_params_explicit_default_float_is_written() -> None:
 
 def test_pooling_params_bytes() -> None:
     """PoolingParams is positional like vLLM's: 10 fields, output_kind 2 (final only)."""
-    assert bytes(Encoder(protocol="0.25.1").encode(p.PoolingParams())[0]) == (
+    assert bytes(Encoder(release="0.25.1").encode(p.PoolingParams())[0]) == (
         b"\x9a" + b"\xc0" * 5 + b"\xc2" + b"\xc0" * 3 + b"\x02"
     )
     params = p.PoolingParams(normalize=True, dimensions=3, task="embed", extra_kwargs={"a": 1})
-    assert bytes(Encoder(protocol="0.25.1").encode(params)[0]) == (
+    assert bytes(Encoder(release="0.25.1").encode(params)[0]) == (
         b"\x9a\xc3\x03\xc0\xc0\xa5embed\xc2\xc0\xc0\x81\xa1a\x01\x02"
     )
     assert params.use_activation is True
@@ -242,10 +242,10 @@ def test_pooling_params_bytes() -> None:
 def test_abort_payload() -> None:
     """ABORT carries an array of request-id strings."""
     assert p.EngineCoreRequestType.ABORT.value == b"\x01"
-    assert [bytes(f) for f in Encoder(protocol="0.25.1").encode(["r1", "r2"])] == [
+    assert [bytes(f) for f in Encoder(release="0.25.1").encode(["r1", "r2"])] == [
         b"\x92\xa2r1\xa2r2"
     ]
-    assert bytes(Encoder(protocol="0.25.1").encode(["ü"])[0]) == b"\x91\xa2\xc3\xbc"
+    assert bytes(Encoder(release="0.25.1").encode(["ü"])[0]) == b"\x91\xa2\xc3\xbc"
 
 
 @pytest.mark.parametrize(
@@ -261,16 +261,16 @@ def test_abort_payload() -> None:
 def test_utility_payload(call_id: int, call_id_bytes: bytes) -> None:
     """UTILITY is ``[client_index, call_id, method, args]``; call ids are 64-bit."""
     assert p.EngineCoreRequestType.UTILITY.value == b"\x03"
-    frames = Encoder(protocol="0.25.1").encode((1, call_id, "get_stats", ()))
+    frames = Encoder(release="0.25.1").encode((1, call_id, "get_stats", ()))
     assert bytes(frames[0]) == b"\x94\x01" + call_id_bytes + b"\xa9get_stats\x90"
-    args = Encoder(protocol="0.25.1").encode((0, call_id, "add_lora", ("name", 3, [1.5])))[0]
+    args = Encoder(release="0.25.1").encode((0, call_id, "add_lora", ("name", 3, [1.5])))[0]
     assert _raw(args) == [0, call_id, "add_lora", ["name", 3, [1.5]]]
 
 
 def test_start_dp_wave_payload() -> None:
     """START_DP_WAVE is ``[new_wave, exclude_engine_index]``."""
     assert p.EngineCoreRequestType.START_DP_WAVE.value == b"\x02"
-    assert bytes(Encoder(protocol="0.25.1").encode((3, 1))[0]) == b"\x92\x03\x01"
+    assert bytes(Encoder(release="0.25.1").encode((3, 1))[0]) == b"\x92\x03\x01"
 
 
 def test_request_type_bytes() -> None:
@@ -319,7 +319,7 @@ def test_outputs_exact_bytes() -> None:
         wave_complete=3,
         start_wave=None,
     )
-    frames = Encoder(protocol="0.25.1").encode(outs)
+    frames = Encoder(release="0.25.1").encode(outs)
     expected = pack(
         [
             1,
@@ -370,7 +370,7 @@ def test_outputs_default_fields_are_written() -> None:
     vLLM 0.25.1 declares EngineCoreOutputs and EngineCoreOutput with omit_defaults, but
     msgspec ignores that option on array-like structs: vLLM writes every field too.
     """
-    frames = Encoder(protocol="0.25.1").encode(
+    frames = Encoder(release="0.25.1").encode(
         p.EngineCoreOutputs(outputs=[p.EngineCoreOutput("r", [])])
     )
     assert bytes(frames[0]) == (
@@ -383,7 +383,7 @@ def test_outputs_default_fields_are_written() -> None:
 
 def _experts_frames(array: np.ndarray) -> list:
     outs = p.EngineCoreOutputs(outputs=[p.EngineCoreOutput("r", [], routed_experts=array)])
-    return Encoder(protocol="0.25.1").encode(outs)
+    return Encoder(release="0.25.1").encode(outs)
 
 
 def test_threshold_constants() -> None:
@@ -427,7 +427,7 @@ def test_tensor_threshold(dtype: torch.dtype, count: int, aux: bool) -> None:
     """Tensors follow the same 256-byte rule, counted in bytes, not elements."""
     tensor = torch.arange(count).to(dtype)
     outs = p.EngineCoreOutputs(outputs=[p.EngineCoreOutput("r", [], pooling_output=tensor)])
-    frames = Encoder(protocol="0.25.1").encode(outs)
+    frames = Encoder(release="0.25.1").encode(outs)
     name = str(dtype).removeprefix("torch.")
     pooling = _raw(frames[0])[1][0][4]  # type: ignore[index]
     if aux:
@@ -478,7 +478,7 @@ def test_tensor_every_dtype(dtype: torch.dtype, count: int) -> None:
     """Every torch dtype encodes as ``[name, shape, raw bytes]`` and decodes back."""
     tensor = torch.arange(count * 2).reshape(count, 2).to(torch.float32).to(dtype)
     outs = p.EngineCoreOutputs(outputs=[p.EngineCoreOutput("r", [], pooling_output=tensor)])
-    frames = Encoder(protocol="0.25.1").encode(outs)
+    frames = Encoder(release="0.25.1").encode(outs)
     name, shape, data = _raw(frames[0])[1][0][4]  # type: ignore[index,misc]
     assert name == str(dtype).removeprefix("torch.")
     assert shape == [count, 2]
@@ -505,7 +505,7 @@ def test_zero_size_and_scalar() -> None:
     assert b"\xc7\x00\x03" in bytes(_experts_frames(empty)[0])
     scalar = torch.tensor(2.0)
     outs = p.EngineCoreOutputs(outputs=[p.EngineCoreOutput("r", [], pooling_output=scalar)])
-    pooling = _raw(Encoder(protocol="0.25.1").encode(outs)[0])[1][0][4]  # type: ignore[index]
+    pooling = _raw(Encoder(release="0.25.1").encode(outs)[0])[1][0][4]  # type: ignore[index]
     assert pooling == ["float32", [], ext(tensor_bytes(scalar))]
 
 
@@ -517,7 +517,7 @@ def test_non_contiguous_inputs_are_sent_in_c_order() -> None:
     assert bytes(frames[1]) == np.ascontiguousarray(array).tobytes()
     tensor = torch.arange(20.0).reshape(4, 5)[:, ::2]
     outs = p.EngineCoreOutputs(outputs=[p.EngineCoreOutput("r", [], pooling_output=tensor)])
-    pooling = _raw(Encoder(protocol="0.25.1").encode(outs)[0])[1][0][4]  # type: ignore[index]
+    pooling = _raw(Encoder(release="0.25.1").encode(outs)[0])[1][0][4]  # type: ignore[index]
     assert pooling == ["float32", [4, 3], ext(tensor.contiguous().numpy().tobytes())]
 
 
@@ -526,7 +526,7 @@ def test_cuda_tensor_is_copied_to_host() -> None:
     """CUDA tensors are copied to host memory and always sent as aux frames (as vLLM)."""
     host = torch.arange(300, dtype=torch.float32).bfloat16()
     small = torch.arange(3, dtype=torch.float32)  # 12 bytes: inline on CPU, aux on CUDA
-    frames = Encoder(protocol="0.25.1").encode(
+    frames = Encoder(release="0.25.1").encode(
         p.EngineCoreOutputs(
             outputs=[
                 p.EngineCoreOutput("r", [], pooling_output=host.cuda()),
@@ -555,7 +555,7 @@ def test_zero_dim_ndarray_always_inline(threshold: int) -> None:
 def test_void_ndarray_refused() -> None:
     """Structured (void) arrays have no wire form (vLLM would pickle them)."""
     with pytest.raises(TypeError, match="pickled"):
-        Encoder(protocol="0.25.1").encode(np.zeros(2, dtype=[("a", "<i4"), ("b", "<f4")]))
+        Encoder(release="0.25.1").encode(np.zeros(2, dtype=[("a", "<i4"), ("b", "<f4")]))
 
 
 # --------------------------------------------------------------------------- misuse
@@ -571,7 +571,7 @@ def test_unencodable_objects_raise_type_error(bad: object) -> None:
 
     The encoder is reusable afterwards and carries no aux frame over from the failure.
     """
-    encoder = Encoder(protocol="0.25.1")
+    encoder = Encoder(release="0.25.1")
     with pytest.raises(TypeError):
         encoder.encode([np.zeros(300, np.uint8), bad])
     frames = encoder.encode(_big_outputs())
@@ -586,7 +586,7 @@ def _big_outputs() -> p.EngineCoreOutputs:
 
 def test_encode_into_reuses_the_buffer() -> None:
     """``encode_into`` writes the payload into the given bytearray; aux frames follow."""
-    encoder = Encoder(protocol="0.25.1")
+    encoder = Encoder(release="0.25.1")
     buf = bytearray(b"stale contents that must disappear")
     frames = encoder.encode_into(_big_outputs(), buf)
     assert frames[0] is buf
@@ -599,7 +599,7 @@ def test_encode_into_reuses_the_buffer() -> None:
 
 def test_utility_result_and_sets() -> None:
     """UtilityResult encodes as ``[nil, value]``; sets encode as arrays."""
-    encoder = Encoder(protocol="0.25.1")
+    encoder = Encoder(release="0.25.1")
     assert _raw(encoder.encode(p.UtilityResult({"a": 1}))[0]) == [None, {"a": 1}]
     assert _raw(encoder.encode(p.UtilityResult())[0]) == [None, None]
     assert sorted(_raw(encoder.encode({"x", "y"})[0])) == ["x", "y"]  # type: ignore[type-var]

@@ -1,7 +1,7 @@
 """The engine side speaking vLLM 0.33.0's wire, checked with corewire's own pieces.
 
 Runs in any environment (no vLLM needed): a raw front-end drives ``EngineCoreProc(
-protocol="0.33.0")`` processes and reads their frames with ``NativeDecoder(protocol=
+release="0.33.0")`` processes and reads their frames with ``NativeDecoder(release=
 "0.33.0")``; the output conversion (``corewire.wire.outputs``) and corewire's own DP
 coordinator under 0.33.0 are checked directly. vLLM 0.33.0's own client and coordinator
 against the same engines: ``test_vllm_0_33_0_engine.py`` and
@@ -50,8 +50,8 @@ T33 = types_for(V33)
 def test_0_25_1_outputs_go_out_as_built() -> None:
     """0.25.1's messages go out as the engine built them, only their stats completed in
     place (vLLM's Rust front-end needs every key: test_engine_stats_complete.py)."""
-    for protocol in ("0.25.1", None):
-        convert = output_converter(protocol)
+    for release in ("0.25.1", None):
+        convert = output_converter(release)
         assert convert is not None
         message = EngineCoreOutputs(outputs=[EngineCoreOutput("r", [1])])
         assert convert(message) is message
@@ -108,8 +108,8 @@ def test_0_33_0_conversion_moves_every_field_by_name() -> None:
     assert plain.weight_version is None
     assert convert(plain) is plain
     # What corewire's 0.33.0 decoder reads back, fields by name.
-    frames = Encoder(protocol=V33).encode(step)
-    decoded = NativeDecoder(protocol=V33).decode(frames)
+    frames = Encoder(release=V33).encode(step)
+    decoded = NativeDecoder(release=V33).decode(frames)
     assert decoded.weight_version == "v7" and decoded.outputs[0].kv_transfer_params == {"k": 1}
     assert decoded.outputs[0].trace_headers == {"t": "1"}
     assert decoded.outputs[0].num_nans_in_logits == 3
@@ -131,8 +131,8 @@ def test_a_layout_that_is_not_an_insertion_is_refused() -> None:
 @pytest.fixture
 def front(ipc_dir: Path) -> Iterator[FrontEnd]:
     fe = FrontEnd(ipc_dir)
-    fe.decoder = NativeDecoder(protocol=V33)
-    fe.encoder = Encoder(protocol=V33)
+    fe.decoder = NativeDecoder(release=V33)
+    fe.encoder = Encoder(release=V33)
     try:
         yield fe
     finally:
@@ -147,7 +147,7 @@ def _request_0_33_0(rid: str, prompt: list[int], **sampling: Any) -> Any:
 
 
 def test_an_engine_speaks_0_33_0_to_a_raw_front_end(front: FrontEnd) -> None:
-    front.start_engine(engine_args=LIGHT_REFERENCE, protocol=V33)
+    front.start_engine(engine_args=LIGHT_REFERENCE, release=V33)
     _identity, ready = front.wait_ready()
     fields = list(ReadyResponse0330.__struct_fields__)
     assert list(ready) == [*fields, "status", "engine_index", "pid"]
@@ -217,7 +217,7 @@ def test_an_engine_speaks_0_33_0_to_a_raw_front_end(front: FrontEnd) -> None:
 def test_a_paused_engine_takes_the_next_input_of_an_open_session(front: FrontEnd) -> None:
     # vLLM 0.33.0 refuses only new work while generation is paused: a request the engine
     # already holds (an open streaming-input session) goes on, and finishes after resume.
-    front.start_engine(engine="hook_engine:SessionEngine", protocol=V33)
+    front.start_engine(engine="hook_engine:SessionEngine", release=V33)
     front.wait_ready()
     opening = _request_0_33_0("s", [5, 6])
     opening.resumable = True
@@ -237,10 +237,10 @@ def test_a_0_34_0_engine_says_whether_it_is_ready_for_inference(ipc_dir: Path) -
     # vLLM 0.34.0's Rust front-end (vllm-rs) calls is_inference_ready once its engines
     # are ready and gives up without an answer ("failed to connect to engine core").
     fe = FrontEnd(ipc_dir)
-    fe.decoder = NativeDecoder(protocol="0.34.0")
-    fe.encoder = Encoder(protocol="0.34.0")
+    fe.decoder = NativeDecoder(release="0.34.0")
+    fe.encoder = Encoder(release="0.34.0")
     try:
-        fe.start_engine(engine_args=LIGHT_REFERENCE, protocol="0.34.0")
+        fe.start_engine(engine_args=LIGHT_REFERENCE, release="0.34.0")
         fe.wait_ready()
         assert fe.value("is_inference_ready") is True
         # Paused (refusing new requests, or keeping them waiting): not ready.
@@ -275,7 +275,7 @@ def test_a_0_25_1_engine_has_none_of_0_33_0s_utilities(ipc_dir: Path) -> None:
 
 
 def test_coordinator_state_counts_triples_under_0_33_0() -> None:
-    state = CoordinatorState(2, protocol=V33)
+    state = CoordinatorState(2, release=V33)
     assert state.snapshot().counts == [[0, 0, 0.0], [0, 0, 0.0]]
     state.on_first_request(0, 0)
     state.on_engine_report(0, {"num_waiting_reqs": 1, "num_running_reqs": 2}, None, None)
@@ -294,10 +294,10 @@ def test_coordinator_state_counts_triples_under_0_33_0() -> None:
 
 def test_a_0_33_0_dp_engine_feeds_corewires_coordinator_triples(ipc_dir: Path) -> None:
     addresses = coordinator_addresses(ipc_dir)
-    coordinator = DPCoordinator(1, addresses, protocol=V33)
+    coordinator = DPCoordinator(1, addresses, release=V33)
     sockets = Sockets()
     fe = FrontEnd(ipc_dir, "dp")
-    fe.decoder = NativeDecoder(protocol=V33)
+    fe.decoder = NativeDecoder(release=V33)
     try:
         publications = FrontEndPeer(sockets, addresses)
         assert publications.recv() == [[[0, 0, 0.0]], 0, False]
@@ -306,7 +306,7 @@ def test_a_0_33_0_dp_engine_feeds_corewires_coordinator_triples(ipc_dir: Path) -
             data_parallel_size=1,
             coordinator_addresses=list(addresses.for_engine()),
             include_finished_set=True,
-            protocol=V33,
+            release=V33,
         )
         fe.wait_ready()
         fe.add(request("r", 40, prompt=[5, 6], sampling={"temperature": 0.0, "ignore_eos": True}))
@@ -331,7 +331,7 @@ def test_the_replay_engine_speaks_0_33_0(front: FrontEnd) -> None:
             "input_address": front.input_address,
             "output_address": front.output_address,
             "parent_pid": os.getpid(),
-            "protocol": V33,
+            "release": V33,
         },
         daemon=True,
     )

@@ -114,7 +114,7 @@ def test_every_release_writes_its_stats_whole(release: Any) -> None:
     convert = output_converter(release)
     assert convert is not None
     message = convert(engine_message(release))
-    frames = Encoder(protocol=release).encode(message)
+    frames = Encoder(release=release).encode(message)
     assert incomplete(release, frames) == []
     record = records.load(release.name)
     stats = message.scheduler_stats
@@ -135,7 +135,7 @@ def test_the_check_finds_what_a_two_key_stats_map_lacks() -> None:
     found lacking (``step_counter`` among the rest), as vLLM's Rust front-end found it."""
     release = releases.get("0.25.1")
     message = EngineCoreOutputs(scheduler_stats={"num_running_reqs": 1, "num_waiting_reqs": 0})
-    gaps = incomplete(release, Encoder(protocol=release).encode(message))
+    gaps = incomplete(release, Encoder(release=release).encode(message))
     assert "outputs.scheduler_stats.step_counter" in gaps
     assert len(gaps) == len(records.defaults(records.load("0.25.1"), "SchedulerStats")) - 2
 

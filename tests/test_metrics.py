@@ -365,7 +365,7 @@ async def test_vllm_adapter_counts_the_requests_a_bad_frame_ended(tmp_path) -> N
 
     from corewire.protocol import FinishReason
     from corewire.vllm.classes import client_classes
-    from corewire.vllm.client import INSTALLED_PROTOCOL
+    from corewire.vllm.client import INSTALLED_RELEASE
     from test_vllm_client_faults import _HandEngine, _output
     from vllm_support import vllm_config, write_model_dir
 
@@ -377,7 +377,7 @@ async def test_vllm_adapter_counts_the_requests_a_bad_frame_ended(tmp_path) -> N
     engine: list[_HandEngine] = []
     joiner = threading.Timer(0.3, lambda: engine.append(_HandEngine(*addresses.values())))
     joiner.start()
-    client = client_classes(INSTALLED_PROTOCOL)["plain"](
+    client = client_classes(INSTALLED_RELEASE)["plain"](
         config, None, False, client_addresses=addresses
     )
     joiner.join()

@@ -26,7 +26,7 @@ from corewire.codec import Encoder, MsgspecDecoder, NativeDecoder
 
 def _frames(outputs: list[p.EngineCoreOutput], **fields: object) -> list[bytes]:
     message = p.EngineCoreOutputs(outputs=outputs, **fields)  # type: ignore[arg-type]
-    return [bytes(f) for f in Encoder(protocol="0.25.1").encode(message)]
+    return [bytes(f) for f in Encoder(release="0.25.1").encode(message)]
 
 
 def _step(ids: list[str], token: int, engine: int = 0) -> list[bytes]:
@@ -36,11 +36,11 @@ def _step(ids: list[str], token: int, engine: int = 0) -> list[bytes]:
 
 def test_fields_mirror_the_protocol_structs() -> None:
     """corewire.protocol's field names in its order first (then those of vLLM 0.33.0)."""
-    fields = NativeDecoder(protocol="0.25.1").decode(_step(["a"], 1)).__struct_fields__
+    fields = NativeDecoder(release="0.25.1").decode(_step(["a"], 1)).__struct_fields__
     assert fields[: len(p.EngineCoreOutputs.__struct_fields__)] == (
         p.EngineCoreOutputs.__struct_fields__
     )
-    out = NativeDecoder(protocol="0.25.1").decode(_step(["a"], 1)).outputs[0]
+    out = NativeDecoder(release="0.25.1").decode(_step(["a"], 1)).outputs[0]
     out_fields = type(out).__struct_fields__
     assert out_fields[: len(p.EngineCoreOutput.__struct_fields__)] == (
         p.EngineCoreOutput.__struct_fields__
@@ -60,14 +60,14 @@ def test_fields_mirror_the_protocol_structs() -> None:
 
 def test_decoded_objects_are_not_gc_tracked() -> None:
     """The message and its outputs are invisible to the cyclic GC."""
-    message = NativeDecoder(protocol="0.25.1").decode(_step(["a", "b"], 7))
+    message = NativeDecoder(release="0.25.1").decode(_step(["a", "b"], 7))
     assert not gc.is_tracked(message)
     assert not any(gc.is_tracked(o) for o in message.outputs)
 
 
 def test_kept_token_lists_are_never_reused() -> None:
     """A new_token_ids list the caller keeps stays as it was after later decodes."""
-    decoder = NativeDecoder(protocol="0.25.1")
+    decoder = NativeDecoder(release="0.25.1")
     kept = []
     for step in range(50):
         message = decoder.decode(_step(["a", "b", "c"], 1000 * step))
@@ -79,7 +79,7 @@ def test_kept_token_lists_are_never_reused() -> None:
 
 def test_mutated_token_lists_do_not_leak_into_later_outputs() -> None:
     """Lists the caller grew, shrank or refilled come back right (or not at all)."""
-    decoder = NativeDecoder(protocol="0.25.1")
+    decoder = NativeDecoder(release="0.25.1")
     for step in range(30):
         message = decoder.decode(_step(["a", "b", "c", "d"], step))
         assert [o.new_token_ids for o in message.outputs] == [[step + i] for i in range(4)]
@@ -103,7 +103,7 @@ def test_mutated_token_lists_do_not_leak_into_later_outputs() -> None:
 )
 def test_token_ids_of_every_width(tokens: list[int]) -> None:
     """Token ids decode exactly, cached range or not, pooled length or not."""
-    decoder = NativeDecoder(protocol="0.25.1")
+    decoder = NativeDecoder(release="0.25.1")
     for _ in range(3):  # again through the caches and pools
         out = decoder.decode(_frames([p.EngineCoreOutput("r", tokens)])).outputs[0]
         assert out.new_token_ids == tokens
@@ -113,7 +113,7 @@ def test_token_ids_of_every_width(tokens: list[int]) -> None:
 def test_order_prediction_survives_any_order_and_engine_interleaving() -> None:
     """Ids in shuffled, shrinking and growing orders, from interleaved engines, stay
     right and are the same str objects throughout."""
-    decoder = NativeDecoder(protocol="0.25.1")
+    decoder = NativeDecoder(release="0.25.1")
     reference = MsgspecDecoder(p.EngineCoreOutputs)
     ids = [f"cmpl-{i:04d}-0" for i in range(40)]
     first = {o.request_id: o.request_id for o in decoder.decode(_step(ids, 0)).outputs}
@@ -139,7 +139,7 @@ def test_order_prediction_survives_any_order_and_engine_interleaving() -> None:
 def test_live_ids_keep_their_object_while_many_others_come_and_go() -> None:
     """Ids predicted from the previous message skip the intern cache; they must still
     stay cached while alive, so that a later change of order finds the same object."""
-    decoder = NativeDecoder(intern_capacity=64, protocol="0.25.1")
+    decoder = NativeDecoder(intern_capacity=64, release="0.25.1")
     live = ["live-a", "live-b", "live-c"]
     first = {o.request_id: o.request_id for o in decoder.decode(_step(live, 0)).outputs}
     for n in range(200):  # 20 short-lived ids per step: the cache retires many generations
@@ -152,7 +152,7 @@ def test_live_ids_keep_their_object_while_many_others_come_and_go() -> None:
 
 def test_finished_requests_share_the_interned_ids() -> None:
     """finished_requests holds the very str objects of the outputs' request ids."""
-    decoder = NativeDecoder(protocol="0.25.1")
+    decoder = NativeDecoder(release="0.25.1")
     out = p.EngineCoreOutput("req-x", [1], finish_reason=p.FinishReason.ABORT)
     message = decoder.decode(_frames([out], finished_requests={"req-x"}))
     (finished,) = message.finished_requests
@@ -167,7 +167,7 @@ def test_tensor_from_read_only_bytes_raises_no_warning() -> None:
     frames = _frames([p.EngineCoreOutput("r", [1], pooling_output=pooling)])
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        out = NativeDecoder(protocol="0.25.1").decode(frames).outputs[0]
+        out = NativeDecoder(release="0.25.1").decode(frames).outputs[0]
         # An unrelated warning raised by the caller right after still surfaces.
         with pytest.raises(UserWarning, match="still raised"):
             warnings.warn("still raised", UserWarning, stacklevel=1)
@@ -178,7 +178,7 @@ def test_tensor_over_writable_frame_shares_it() -> None:
     """A tensor decoded from a writable frame is a view: writes show in the frame."""
     pooling = torch.zeros(128, dtype=torch.float32)
     frames = [bytearray(f) for f in _frames([p.EngineCoreOutput("r", [1], pooling_output=pooling)])]
-    out = NativeDecoder(protocol="0.25.1").decode(frames).outputs[0]
+    out = NativeDecoder(release="0.25.1").decode(frames).outputs[0]
     out.pooling_output[0] = 1.0
     assert np.frombuffer(frames[1], np.float32)[0] == 1.0
 
@@ -197,9 +197,7 @@ def test_tensors_of_every_dtype_share_their_frame(dtype: torch.dtype, shape: tup
     storage = bytes(frames[1])
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        got = (
-            NativeDecoder(protocol="0.25.1").decode([frames[0], storage]).outputs[0].pooling_output
-        )
+        got = NativeDecoder(release="0.25.1").decode([frames[0], storage]).outputs[0].pooling_output
     assert got.dtype == dtype and got.shape == tensor.shape and got.is_contiguous()
     address = np.frombuffer(storage, np.uint8).ctypes.data
     assert got.data_ptr() == address
@@ -213,7 +211,7 @@ def test_inline_tensor_at_any_offset() -> None:
     for pad in range(8):
         tensor = torch.arange(5, dtype=torch.float32) + pad
         out = p.EngineCoreOutput("r" * (pad + 1), [1], pooling_output=tensor)
-        got = NativeDecoder(protocol="0.25.1").decode(_frames([out])).outputs[0].pooling_output
+        got = NativeDecoder(release="0.25.1").decode(_frames([out])).outputs[0].pooling_output
         assert torch.equal(got, tensor)
 
 
@@ -228,7 +226,7 @@ def test_frame_released_with_its_last_array() -> None:
     storage = Storage(frames[1])
     ref = weakref.ref(storage)
     view = memoryview(storage)
-    arr = NativeDecoder(protocol="0.25.1").decode([frames[0], view]).outputs[0].routed_experts
+    arr = NativeDecoder(release="0.25.1").decode([frames[0], view]).outputs[0].routed_experts
     del storage, view
     gc.collect()
     assert ref() is not None
@@ -243,7 +241,7 @@ def test_frame_released_with_its_last_array() -> None:
 
 def test_errors_name_the_place_and_leave_the_decoder_usable() -> None:
     """A bad frame raises ProtocolError with a path; the next good frame decodes."""
-    decoder = NativeDecoder(protocol="0.25.1")
+    decoder = NativeDecoder(release="0.25.1")
     good = _step(["a", "b"], 5)
     decoder.decode(good)
     bad = msgspec.msgpack.encode([0, [["a", [5]], ["b", [6, "x"]]]])
@@ -254,7 +252,7 @@ def test_errors_name_the_place_and_leave_the_decoder_usable() -> None:
 
 def test_no_reference_leaks_over_many_messages() -> None:
     """Decoding the same frames many times leaves refcounts and live objects flat."""
-    decoder = NativeDecoder(protocol="0.25.1")
+    decoder = NativeDecoder(release="0.25.1")
     frames = _step([f"r{i}" for i in range(64)], 123)
     for _ in range(200):
         decoder.decode(frames)
@@ -276,7 +274,7 @@ def test_interned_ids_and_cached_token_ints_keep_flat_refcounts() -> None:
     """The decoder's own reference counting (inlined on the hot path) balances: the
     request id strs and token ints it hands out again and again end with the counts
     they started with, whether the outputs are dropped or kept a while."""
-    decoder = NativeDecoder(protocol="0.25.1")
+    decoder = NativeDecoder(release="0.25.1")
     ids = [f"req-{i}-with-a-longer-id" for i in range(32)]
     frames = _step(ids, 100_000)
     first = decoder.decode(frames).outputs
@@ -285,7 +283,7 @@ def test_interned_ids_and_cached_token_ints_keep_flat_refcounts() -> None:
     # Recycled token lists keep their last item until refilled: refill every one with
     # other ints (a step with more outputs than lists were ever pooled here).
     flush = _step([f"other-{i}" for i in range(64)], 7)
-    NativeDecoder(protocol="0.25.1").decode(flush)
+    NativeDecoder(release="0.25.1").decode(flush)
     gc.collect()
     before = (sys.getrefcount(rid), sys.getrefcount(token))
     kept = []
@@ -297,7 +295,7 @@ def test_interned_ids_and_cached_token_ints_keep_flat_refcounts() -> None:
             del kept[:-1]
     assert kept[-1].request_id is rid and kept[-1].new_token_ids[0] is token
     del message, kept
-    NativeDecoder(protocol="0.25.1").decode(flush)
+    NativeDecoder(release="0.25.1").decode(flush)
     gc.collect()
     after = (sys.getrefcount(rid), sys.getrefcount(token))
     assert after == before
@@ -354,7 +352,7 @@ def test_inline_logprobs_arrays_are_owned_numpy_arrays() -> None:
     """Inline LogprobsLists arrays are exact ndarrays holding a copy of their bytes (the
     payload is not kept alive by them); they index, slice and convert like any other."""
     frames = _lists_step(_rows(1, 3))
-    lp = NativeDecoder(protocol="0.25.1").decode(frames).outputs[1].new_logprobs
+    lp = NativeDecoder(release="0.25.1").decode(frames).outputs[1].new_logprobs
     assert type(lp) is p.LogprobsLists
     ids, lps, ranks, cu = lp
     assert cu is None
@@ -375,11 +373,11 @@ def test_inline_logprobs_arrays_are_owned_numpy_arrays() -> None:
 def test_logprobs_with_a_list_are_gc_tracked() -> None:
     """A LogprobsLists whose cu_num_generated_tokens is a list can be part of a cycle:
     tracked by the GC, also when a recycled tuple is handed out with one."""
-    decoder = NativeDecoder(protocol="0.25.1")
+    decoder = NativeDecoder(release="0.25.1")
     rows = _rows(2, 2)
     plain_frames = _lists_step(rows)
     cu = p.LogprobsLists(
-        *NativeDecoder(protocol="0.25.1").decode(plain_frames).outputs[0].new_logprobs[:3], [0]
+        *NativeDecoder(release="0.25.1").decode(plain_frames).outputs[0].new_logprobs[:3], [0]
     )
     cu_frames = _frames([p.EngineCoreOutput("a", [1], new_logprobs=cu)])
     for _ in range(3):
@@ -395,7 +393,7 @@ def test_recycled_logprobs_carry_each_message_values() -> None:
     """Messages decoded one after the other (each dropped before the next, so their
     LogprobsLists are recycled) carry their own values, also when k, the dtype or the
     batch size change between messages."""
-    decoder = NativeDecoder(protocol="0.25.1")
+    decoder = NativeDecoder(release="0.25.1")
     steps = [
         (_rows(10, 8), {}),
         (_rows(11, 8), {}),
@@ -416,7 +414,7 @@ def test_kept_logprobs_are_never_reused(keep: str) -> None:
     """A LogprobsLists, or one of its arrays, that the caller still holds in any way
     (the tuple, an array, a view of an array, a weak reference, the message) keeps its
     values through later decodes."""
-    decoder = NativeDecoder(protocol="0.25.1")
+    decoder = NativeDecoder(release="0.25.1")
     first = _rows(20, 4)
     message = decoder.decode(_lists_step(first))
     lp = message.outputs[2].new_logprobs
@@ -452,7 +450,7 @@ def test_kept_logprobs_are_never_reused(keep: str) -> None:
 def test_recycled_logprobs_leak_nothing() -> None:
     """Many messages with logprobs: refcounts, live objects and GC-tracked objects flat,
     and a recycled LogprobsLists stays invisible to the GC."""
-    decoder = NativeDecoder(protocol="0.25.1")
+    decoder = NativeDecoder(release="0.25.1")
     frames = _lists_step(_rows(30, 64))
     for _ in range(200):
         decoder.decode(frames)

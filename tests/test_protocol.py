@@ -300,7 +300,7 @@ def test_request_round_trip_with_aux_tensor() -> None:
         prompt_embeds=embeds,
         priority=5,
     )
-    frames = Encoder(protocol="0.25.1").encode(request)
+    frames = Encoder(release="0.25.1").encode(request)
     assert len(frames) == 2
     decoded = MsgspecDecoder(p.EngineCoreRequest).decode(frames)
     assert torch.equal(decoded.prompt_embeds, embeds)
@@ -334,7 +334,7 @@ def test_outputs_struct_round_trip() -> None:
         outputs=[p.EngineCoreOutput("r", [1], routed_experts=array)],
         finished_requests={"r"},
     )
-    decoded = MsgspecDecoder(p.EngineCoreOutputs).decode(Encoder(protocol="0.25.1").encode(outs))
+    decoded = MsgspecDecoder(p.EngineCoreOutputs).decode(Encoder(release="0.25.1").encode(outs))
     assert np.array_equal(decoded.outputs[0].routed_experts, array)
     assert decoded.finished_requests == {"r"}
 

@@ -42,10 +42,10 @@ def test_the_declared_types_count_vllms_keys() -> None:
     assert set(READY_RESPONSE_TYPES) == {"0.25.1", "0.33.0"}
 
 
-@pytest.mark.parametrize("protocol", [None, "0.25.1"])
-def test_0_25_1_is_todays_ready_response(protocol: str | None) -> None:
+@pytest.mark.parametrize("release", [None, "0.25.1"])
+def test_0_25_1_is_todays_ready_response(release: str | None) -> None:
     info = EngineInfo(max_model_len=4096, num_gpu_blocks=10, kv_cache_size_tokens=160)
-    got = ready_response_for(protocol, info, engine_index=1, data_parallel_size=2)
+    got = ready_response_for(release, info, engine_index=1, data_parallel_size=2)
     assert got == ready_response(info, engine_index=1, data_parallel_size=2)
     assert tuple(_vllm_part(got)) == ReadyResponse0251.__struct_fields__
     msgspec.convert(got, ReadyResponse0251)

@@ -3,6 +3,7 @@ as checked live (docs/protocol.md §11.3): the registry's logic, without vLLM in
 
 from __future__ import annotations
 
+import argparse
 import itertools
 from pathlib import Path
 
@@ -191,3 +192,32 @@ def test_a_pickled_release_comes_back_as_the_registered_instance() -> None:
 
     for release in releases.SUPPORTED:
         assert pickle.loads(pickle.dumps(release)) is release
+
+
+def test_the_old_protocol_keyword_still_names_a_release_and_warns() -> None:
+    from corewire.codec import Encoder, NativeDecoder
+    from corewire.engine.cli import add_arguments
+    from corewire.engine.launch import EngineLaunch
+
+    with pytest.warns(DeprecationWarning, match=r"Encoder\(protocol=\.\.\.\) is deprecated"):
+        assert Encoder(protocol="0.33.0").release is releases.get("0.33.0")
+    with pytest.warns(DeprecationWarning, match="pass release="):
+        decoder = NativeDecoder(protocol="0.33.0")
+    assert decoder.release == "0.33.0"
+    with pytest.warns(DeprecationWarning, match="NativeDecoder.release"):
+        assert decoder.protocol == "0.33.0"
+    with pytest.warns(DeprecationWarning, match="run_engine_core"):
+        launch = EngineLaunch.of(
+            engine_index=0, input_address="a", output_address="b", protocol="0.27.0"
+        )
+    assert launch.release == "0.27.0" and launch.dp_options == {}
+    # Both names for two releases is a mistake, not a choice.
+    with pytest.warns(DeprecationWarning), pytest.raises(TypeError, match=r"release='0\.25\.1'"):
+        Encoder(release="0.25.1", protocol="0.33.0")
+    with pytest.warns(DeprecationWarning), pytest.raises(TypeError, match="protocol"):
+        NativeDecoder(release="0.25.1", protocol="0.33.0")
+    # The engine command's option, under its old name too.
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    assert parser.parse_args(["--protocol", "0.33.0"]).release == "0.33.0"
+    assert parser.parse_args(["--release", "0.34.0"]).release == "0.34.0"

@@ -141,8 +141,8 @@ def test_repr_and_attributes_follow_the_table() -> None:
         num_nans_in_logits=2,
     )
     message = p.EngineCoreOutputs(engine_index=1, outputs=[out], timestamp=2.5)
-    decoded = NativeDecoder(protocol="0.25.1").decode(
-        [bytes(f) for f in Encoder(protocol="0.25.1").encode(message)]
+    decoded = NativeDecoder(release="0.25.1").decode(
+        [bytes(f) for f in Encoder(release="0.25.1").encode(message)]
     )
     got = decoded.outputs[0]
     for field in _native.wire_fields("EngineCoreOutput"):

@@ -1,4 +1,4 @@
-"""corewire's clients with ``protocol=RELEASE`` against vLLM 0.33.0 itself (runs only there).
+"""corewire's clients with ``release=RELEASE`` against vLLM 0.33.0 itself (runs only there).
 
 Real clients, real sockets, a raw engine peer (``client_wire_support``) in the middle:
 
@@ -154,7 +154,7 @@ def _read_back(frames: list[bytes]) -> E.EngineCoreRequest:
 
 
 async def test_async_client_requests_are_vllm_0_33_0s(ipc_dir: Path, sockets: Sockets) -> None:
-    with client_and_peer(ipc_dir, sockets, AsyncMPClient, protocol=RELEASE) as (client, peer):
+    with client_and_peer(ipc_dir, sockets, AsyncMPClient, release=RELEASE) as (client, peer):
         for name, build in CASES.items():
             theirs, ours = build()
             want = vllm_frames(as_the_client_sends(theirs))
@@ -173,7 +173,7 @@ async def test_async_client_requests_are_vllm_0_33_0s(ipc_dir: Path, sockets: So
 
 
 def test_sync_client_requests_are_vllm_0_33_0s(ipc_dir: Path, sockets: Sockets) -> None:
-    with client_and_peer(ipc_dir, sockets, SyncMPClient, protocol=RELEASE, client_index=2) as (
+    with client_and_peer(ipc_dir, sockets, SyncMPClient, release=RELEASE, client_index=2) as (
         client,
         peer,
     ):
@@ -187,7 +187,7 @@ def test_sync_client_requests_are_vllm_0_33_0s(ipc_dir: Path, sockets: Sockets) 
 
 
 async def test_add_lora_argument_reads_as_vllm_0_33_0s(ipc_dir: Path, sockets: Sockets) -> None:
-    with client_and_peer(ipc_dir, sockets, AsyncMPClient, protocol=RELEASE) as (client, peer):
+    with client_and_peer(ipc_dir, sockets, AsyncMPClient, release=RELEASE) as (client, peer):
         call = asyncio.ensure_future(
             client.add_lora_async(layouts.LoRARequest("a", 2, "/p", "base", None, True))
         )
@@ -247,7 +247,7 @@ async def test_async_clients_keep_engine_status(ipc_dir: Path, sockets: Sockets)
         engine_indices=[0, 1],
         client_addresses=addresses,
         coordinator_addresses=coordinator_addresses(ipc_dir),
-        protocol=RELEASE,
+        release=RELEASE,
         ready_timeout=10,
     )
     try:
@@ -271,7 +271,7 @@ async def test_async_clients_keep_engine_status(ipc_dir: Path, sockets: Sockets)
 
 
 def test_sync_client_drops_engine_status(ipc_dir: Path, sockets: Sockets) -> None:
-    with client_and_peer(ipc_dir, sockets, SyncMPClient, protocol=RELEASE) as (client, peer):
+    with client_and_peer(ipc_dir, sockets, SyncMPClient, release=RELEASE) as (client, peer):
         peer.send(_status(0, "unhealthy", "ValueError"))
         peer.send(_status(0, "healthy"))
         wait_for(lambda: client.ft_status_dropped == 2, what="dropped statuses")
@@ -295,7 +295,7 @@ async def test_request_error_reaches_the_caller_and_ends_the_request(
         data_parallel_size=2,
         client_addresses=addresses,
         coordinator_addresses=coordinator_addresses(ipc_dir),
-        protocol=RELEASE,
+        release=RELEASE,
         ready_timeout=10,
     )
     try:

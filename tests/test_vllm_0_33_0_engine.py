@@ -1,4 +1,4 @@
-"""vLLM 0.33.0's own ``AsyncMPClient`` drives ``corewire engine --protocol 0.33.0``.
+"""vLLM 0.33.0's own ``AsyncMPClient`` drives ``corewire engine --release 0.33.0``.
 
 The 0.33.0 counterpart of ``test_vllm_engine_client.py``: vLLM 0.33.0's real client class
 (built with ``client_addresses``, as its API server builds it for engines it does not
@@ -322,7 +322,7 @@ def _vllm_add(front: FrontEnd, encoder: MsgpackEncoder, request: Any) -> None:
 
 def test_every_frame_is_what_vllm_0_33_0_writes(raw_front_end: FrontEnd) -> None:
     front = raw_front_end
-    front.start_engine(engine_args={**LIGHT_REFERENCE, "max_model_len": 512}, protocol=PROTOCOL)
+    front.start_engine(engine_args={**LIGHT_REFERENCE, "max_model_len": 512}, release=PROTOCOL)
     assert front.router.poll(60_000), "no ready response"
     front.identity, payload = front.router.recv_multipart()
     # Strictly, as vLLM 0.33.0's front-end decodes it: the engine's own values.

@@ -1,4 +1,4 @@
-"""``corewire engine --protocol 0.33.0 --handshake-address`` joins vLLM 0.33.0's front-end.
+"""``corewire engine --release 0.33.0 --handshake-address`` joins vLLM 0.33.0's front-end.
 
 The 0.33.0 counterpart of ``test_vllm_engine_handshake.py``: vLLM 0.33.0's engine-core
 client built the way ``vllm serve --data-parallel-size-local 0`` builds it (its own

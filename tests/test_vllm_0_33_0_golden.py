@@ -2,8 +2,8 @@
 
 The frames were written by vLLM 0.33.0's ``MsgpackEncoder`` and ``expected.json`` holds
 what vLLM 0.33.0's ``MsgpackDecoder`` made of them (``make_golden.py`` beside them
-regenerates both). Here, with vLLM 0.25.1 installed, ``NativeDecoder(protocol="0.33.0")``
-must decode each to exactly those values, field by field; ``Encoder(protocol="0.33.0")``
+regenerates both). Here, with vLLM 0.25.1 installed, ``NativeDecoder(release="0.33.0")``
+must decode each to exactly those values, field by field; ``Encoder(release="0.33.0")``
 must write them back byte for byte; and a decoder of the other version must refuse every
 frame that carries request outputs (docs/protocol.md, "Versions", for the frames that do
 decode under both).
@@ -65,15 +65,15 @@ def _compare(got: Any, want: dict[str, Any]) -> None:
 
 @pytest.mark.parametrize("case", CASES)
 def test_decodes_to_what_vllm_decoded(case: str) -> None:
-    decoded = NativeDecoder(protocol="0.33.0").decode(frames(case))
+    decoded = NativeDecoder(release="0.33.0").decode(frames(case))
     _compare(decoded, expected()[case]["decoded"])
 
 
 @pytest.mark.parametrize("case", CASES)
 def test_reencodes_byte_for_byte(case: str) -> None:
     golden = frames(case)
-    decoded = NativeDecoder(protocol="0.33.0").decode(golden)
-    again = Encoder(protocol="0.33.0").encode(to_structs(decoded, "0.33.0"))
+    decoded = NativeDecoder(release="0.33.0").decode(golden)
+    again = Encoder(release="0.33.0").encode(to_structs(decoded, "0.33.0"))
     assert [bytes(f) for f in again] == golden
 
 
@@ -85,13 +85,13 @@ def test_the_0_33_0_structs_decode_alike(case: str) -> None:
 
 
 def test_new_fields_decode_to_their_types() -> None:
-    err = NativeDecoder(protocol="0.33.0").decode(frames("error")).outputs[0]
+    err = NativeDecoder(release="0.33.0").decode(frames("error")).outputs[0]
     assert err.finish_reason is p.FinishReason.ERROR
     assert isinstance(err.error, layouts.RequestError)
     assert err.error.code == "engine_paused" and err.error.retryable is True
-    new = NativeDecoder(protocol="0.33.0").decode(frames("new_output_fields")).outputs[0]
+    new = NativeDecoder(release="0.33.0").decode(frames("new_output_fields")).outputs[0]
     assert isinstance(new.new_sampling_mask, layouts.SamplingMaskLists)
-    tensors = NativeDecoder(protocol="0.33.0").decode(frames("prompt_logprobs")).outputs[0]
+    tensors = NativeDecoder(release="0.33.0").decode(frames("prompt_logprobs")).outputs[0]
     plt = tensors.new_prompt_logprobs_tensors
     assert isinstance(plt, layouts.types_for("0.33.0")["LogprobsTensors"])
     assert len(plt) == 5 and plt.cu_num_generated_tokens_tensor is not None
@@ -100,7 +100,7 @@ def test_new_fields_decode_to_their_types() -> None:
 @pytest.mark.parametrize("case", WITH_OUTPUTS)
 def test_0_33_0_outputs_fail_under_0_25_1(case: str) -> None:
     with pytest.raises(ProtocolError, match=r"outputs\[0\]"):
-        NativeDecoder(protocol="0.25.1").decode(frames(case))
+        NativeDecoder(release="0.25.1").decode(frames(case))
 
 
 @pytest.mark.parametrize("case", WITHOUT_OUTPUTS)
@@ -112,7 +112,7 @@ def test_frames_without_outputs_decode_under_both(case: str) -> None:
     """
     want = dict(expected()[case]["decoded"])
     want["weight_version"] = None
-    _compare(NativeDecoder(protocol="0.25.1").decode(frames(case)), want)
+    _compare(NativeDecoder(release="0.25.1").decode(frames(case)), want)
 
 
 def _0_25_1_frame(outputs: list[p.EngineCoreOutput]) -> list[bytes]:
@@ -132,44 +132,44 @@ def test_0_25_1_outputs_fail_under_0_33_0(output: p.EngineCoreOutput) -> None:
     frame = _0_25_1_frame([output])
     NativeDecoder().decode(frame)
     with pytest.raises(ProtocolError, match=r"outputs\[0\]"):
-        NativeDecoder(protocol="0.33.0").decode(frame)
+        NativeDecoder(release="0.33.0").decode(frame)
 
 
 def test_0_25_1_messages_without_outputs_decode_under_both() -> None:
     frame = _0_25_1_frame([])
-    old, new = NativeDecoder().decode(frame), NativeDecoder(protocol="0.33.0").decode(frame)
+    old, new = NativeDecoder().decode(frame), NativeDecoder(release="0.33.0").decode(frame)
     assert jsonable(old) == jsonable(new)
 
 
 def test_an_encoder_refuses_newer_structs_and_converts_0_25_1s() -> None:
     new = layouts.types_for("0.33.0")["EngineCoreOutputs"]()
     with pytest.raises(TypeError, match=r"vLLM 0\.33\.0"):
-        Encoder(protocol="0.25.1").encode(new)
+        Encoder(release="0.25.1").encode(new)
     # corewire.protocol's message (what engines build) goes out in 0.33.0's layout, as
     # a 0.33.0 engine converts it.
     old = p.EngineCoreOutputs(outputs=[p.EngineCoreOutput("r", [1, 2])])
-    frames = Encoder(protocol="0.33.0").encode(old)
+    frames = Encoder(release="0.33.0").encode(old)
     assert msgspec.msgpack.decode(frames[0])[1][0][:2] == ["r", [1, 2]]
-    assert NativeDecoder(protocol="0.33.0").decode(frames).outputs[0].new_token_ids == [1, 2]
+    assert NativeDecoder(release="0.33.0").decode(frames).outputs[0].new_token_ids == [1, 2]
     # the structs both versions share pass either
     reply = p.UtilityOutput(1, None, p.UtilityResult(2))
-    assert Encoder().encode(reply) == Encoder(protocol="0.33.0").encode(reply)
+    assert Encoder().encode(reply) == Encoder(release="0.33.0").encode(reply)
 
 
 def test_unsupported_protocols_are_refused_by_name() -> None:
     for make in (NativeDecoder, Encoder):
         with pytest.raises(releases.UnsupportedProtocolError, match=r"'0\.25\.1', '0\.26\.0'"):
-            make(protocol="0.25.2")
-    assert NativeDecoder().protocol == "0.25.1" == Encoder().protocol
-    assert NativeDecoder(protocol="0.33.0").protocol == "0.33.0"
+            make(release="0.25.2")
+    assert NativeDecoder().release == "0.25.1" == Encoder().release
+    assert NativeDecoder(release="0.33.0").release == "0.33.0"
 
 
 @pytest.mark.parametrize(
-    ("installed", "protocol"),
+    ("installed", "release"),
     [("0.25.1", "0.25.1"), ("0.33.0", "0.33.0"), ("0.33.0+cpu", "0.33.0")],
 )
-def test_protocol_for_vllm(installed: str, protocol: str) -> None:
-    assert releases.for_vllm(installed) == protocol
+def test_release_for_vllm(installed: str, release: str) -> None:
+    assert releases.for_vllm(installed) == release
 
 
 @pytest.mark.parametrize("installed", ["0.25.2", "0.33.1", "0.33.0rc1", "0.34.1", "1.0", ""])

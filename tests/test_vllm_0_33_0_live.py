@@ -3,7 +3,7 @@
 The golden test checks corewire against frames vLLM 0.33.0 wrote once; this one runs the
 same comparison against the installed vLLM itself, on the golden cases and on a batch of
 varied outputs: each message is encoded by vLLM's ``MsgpackEncoder``, decoded by vLLM's
-``MsgpackDecoder`` and by ``NativeDecoder(protocol=protocol_for_vllm(vllm.__version__))``,
+``MsgpackDecoder`` and by ``NativeDecoder(release=release_for_vllm(vllm.__version__))``,
 the two results compared field by field, and the frames re-encoded by corewire's
 ``Encoder`` byte for byte. The front-end -> engine direction likewise: vLLM's requests
 (the golden ones and varied ones) through ``corewire.codec.request_decoder``, re-encoded byte for
@@ -31,7 +31,7 @@ from vllm.v1.outputs import LogprobsLists  # noqa: E402
 from vllm.v1.serial_utils import MsgpackDecoder, MsgpackEncoder  # noqa: E402
 
 from corewire.codec import Encoder, NativeDecoder, request_decoder  # noqa: E402
-from corewire.releases import for_vllm as protocol_for_vllm  # noqa: E402
+from corewire.releases import for_vllm as release_for_vllm  # noqa: E402
 from golden_0_33_0_support import DATA, to_structs  # noqa: E402
 from golden_support import jsonable  # noqa: E402
 
@@ -101,15 +101,15 @@ def _as_the_release_has_it(got: dict[str, Any], want: dict[str, Any]) -> dict[st
 
 @pytest.mark.parametrize("name", sorted(MESSAGES))
 def test_vllm_encodes_corewire_decodes_the_same(name: str) -> None:
-    protocol = protocol_for_vllm(vllm.__version__)
+    release = release_for_vllm(vllm.__version__)
     frames = [bytes(f) for f in MsgpackEncoder().encode(MESSAGES[name])]
     with warnings.catch_warnings():
         # vLLM's decoder wraps read-only bytes in tensors, which torch warns about
         warnings.simplefilter("ignore", UserWarning)
         want = jsonable(MsgpackDecoder(E.EngineCoreOutputs).decode(frames))
-    got = NativeDecoder(protocol=protocol).decode(frames)
+    got = NativeDecoder(release=release).decode(frames)
     assert _as_the_release_has_it(jsonable(got), want) == want
-    again = Encoder(protocol=protocol).encode(to_structs(got, protocol))
+    again = Encoder(release=release).encode(to_structs(got, release))
     assert [bytes(f) for f in again] == frames
 
 
@@ -169,14 +169,14 @@ REQUESTS = {
 
 @pytest.mark.parametrize("name", sorted(REQUESTS))
 def test_vllm_requests_decode_alike_and_reencode(name: str) -> None:
-    protocol = protocol_for_vllm(vllm.__version__)
+    release = release_for_vllm(vllm.__version__)
     frames = [bytes(f) for f in MsgpackEncoder().encode(REQUESTS[name])]
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)  # read-only buffers in tensors
         want = jsonable(MsgpackDecoder(E.EngineCoreRequest).decode(frames), wire_names=True)
-    got = request_decoder(protocol).decode(frames)
+    got = request_decoder(release).decode(frames)
     assert jsonable(got, wire_names=True) == want
-    again = [bytes(f) for f in Encoder(protocol=protocol).encode(got)]
+    again = [bytes(f) for f in Encoder(release=release).encode(got)]
     assert again == frames
     # and vLLM's engine reads what corewire writes
     with warnings.catch_warnings():

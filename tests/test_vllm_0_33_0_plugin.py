@@ -2,7 +2,7 @@
 installed; skipped with vLLM 0.25.1, failed where CI requires 0.33.0 and it is missing).
 
 ``AsyncLLM`` is built as ``vllm serve --data-parallel-size-local 0`` builds it: no engines
-of its own, ``corewire engine --protocol 0.33.0`` processes joining through vLLM's start-up
+of its own, ``corewire engine --release 0.33.0`` processes joining through vLLM's start-up
 handshake, and corewire's client factory in place of vLLM's (what the plugin installs;
 here for the test only, restored after it). Through vLLM's own API it checks generation
 (the reference engine's tokens and logprobs), an abort mid-request, every utility call
@@ -134,14 +134,14 @@ def corewire_factory(monkeypatch: pytest.MonkeyPatch, warmups: list[int]) -> lis
 async def frontend(
     root: Path, corewire_factory: list[int]
 ) -> AsyncIterator[tuple[Any, EngineProcs]]:
-    """vLLM 0.33.0's ``AsyncLLM`` (front-end only) and one ``corewire engine --protocol
+    """vLLM 0.33.0's ``AsyncLLM`` (front-end only) and one ``corewire engine --release
     0.33.0`` that joined it; both stopped after the test."""
     # vLLM binds the handshake port the engine was given: on a port taken meanwhile
     # (EADDRINUSE), start again on a fresh one.
     for attempt in range(1, ATTEMPTS + 1):
         port = unused_tcp_port()
         engines = EngineProcs(root)
-        engines.start(*join_args(port, 0, protocol=RELEASE))
+        engines.start(*join_args(port, 0, release=RELEASE))
         config = frontend_only_config(root / "model", port)
         try:
             llm = AsyncLLM(

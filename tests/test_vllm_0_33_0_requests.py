@@ -4,7 +4,7 @@ The frames were written by vLLM 0.33.0's ``MsgpackEncoder`` from its ``EngineCor
 and ``expected_requests.json`` holds what vLLM 0.33.0's ``MsgpackDecoder`` made of them
 (``make_golden_requests.py`` beside them regenerates both). Here, with vLLM 0.25.1
 installed, ``request_decoder("0.33.0")`` must decode each to exactly those
-values and ``Encoder(protocol="0.33.0")`` must write them back byte for byte; each
+values and ``Encoder(release="0.33.0")`` must write them back byte for byte; each
 version's typed ``LoRARequest`` must refuse the other's (the one layout change that does
 not decode across versions; 0.25.1's request carries its LoRA untyped).
 """
@@ -54,7 +54,7 @@ def test_decodes_to_what_vllm_decoded(case: str) -> None:
 def test_reencodes_byte_for_byte(case: str) -> None:
     golden = request_frames(case)
     decoded = request_decoder("0.33.0").decode(golden)
-    again = Encoder(protocol="0.33.0").encode(decoded)
+    again = Encoder(release="0.33.0").encode(decoded)
     assert [bytes(f) for f in again] == golden
 
 
@@ -113,18 +113,18 @@ def test_0_33_0_layouts_are_vllm_0_33_0s() -> None:
 
 def test_the_request_header_tells_the_version() -> None:
     new = layouts.types_for("0.33.0")["EngineCoreRequest"](request_id="r")
-    assert Encoder(protocol="0.33.0").encode(new)[0][:3] == b"\xdc\x00\x16"
+    assert Encoder(release="0.33.0").encode(new)[0][:3] == b"\xdc\x00\x16"
     old = p.EngineCoreRequest(request_id="r")
-    assert Encoder(protocol="0.25.1").encode(old)[0][:3] == b"\xdc\x00\x14"
+    assert Encoder(release="0.25.1").encode(old)[0][:3] == b"\xdc\x00\x14"
 
 
 def test_an_encoder_refuses_a_newer_request_and_converts_0_25_1s() -> None:
     new = layouts.types_for("0.33.0")["EngineCoreRequest"](request_id="r")
     with pytest.raises(TypeError, match=r"0\.33\.0 EngineCoreRequest"):
-        Encoder(protocol="0.25.1").encode(new)
+        Encoder(release="0.25.1").encode(new)
     # corewire.protocol's request (what callers build) goes out in 0.33.0's layout, as
     # a 0.33.0 client converts it.
-    frames = Encoder(protocol="0.33.0").encode(p.EngineCoreRequest(request_id="r"))
+    frames = Encoder(release="0.33.0").encode(p.EngineCoreRequest(request_id="r"))
     assert frames[0][:3] == b"\xdc\x00\x16"
     assert request_decoder("0.33.0").decode(frames).request_id == "r"
 
@@ -138,7 +138,7 @@ def test_a_lora_does_not_decode_across_versions() -> None:
     decoded_old = old.decode(frames)  # 0.25.1's request carries its LoRA untyped
     assert decoded_old.lora_request == ["adapter", 3, "/adapters/a", "base", True, True]
     with pytest.raises(ProtocolError, match=re.escape("Expected `object | null`, got `bool`")):
-        MsgspecDecoder(lora_025).decode(Encoder(protocol="0.33.0").encode(lora_033("a", 1, "/p")))
+        MsgspecDecoder(lora_025).decode(Encoder(release="0.33.0").encode(lora_033("a", 1, "/p")))
     with pytest.raises(ProtocolError):
         request_decoder("0.33.0").decode(
             Encoder().encode(
@@ -155,7 +155,7 @@ def test_requests_without_a_lora_decode_across_versions() -> None:
     )
     new = request_decoder("0.33.0").decode(Encoder().encode(old))
     assert new.session_id is None and new.sampling_params.max_tokens == 3
-    back = request_decoder("0.25.1").decode(Encoder(protocol="0.33.0").encode(new))
+    back = request_decoder("0.25.1").decode(Encoder(release="0.33.0").encode(new))
     assert isinstance(back, p.EngineCoreRequest)
     assert back.sampling_params.max_tokens == 3
 

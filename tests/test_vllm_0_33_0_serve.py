@@ -3,7 +3,7 @@
 requires 0.33.0 and something is missing).
 
 The same stack as ``test_vllm_serve.py`` (vLLM 0.25.1): ``vllm serve`` front-end only on a
-model directory the test writes, and ``corewire engine --protocol 0.33.0`` reference
+model directory the test writes, and ``corewire engine --release 0.33.0`` reference
 engines that joined it through vLLM's start-up handshake. One server per client setting,
 each started once and shared by every test: vLLM's own engine-core client, then corewire's
 (``COREWIRE_VLLM_CLIENT=1``). Greedy outputs must be identical with either. The last test
@@ -88,7 +88,7 @@ def stack(
     with shared_stack(
         workdir, client, _SHARED_PIDS, server_env=env, still_healthy=lambda: client not in _KILLED
     ) as started:
-        assert started.protocol == RELEASE
+        assert started.release == RELEASE
         yield started
 
 

@@ -23,7 +23,7 @@ from corewire.engine.interface import EngineInfo
 from corewire.engine.ready import ready_response
 from corewire.protocol import FinishReason
 from corewire.vllm.classes import client_classes
-from corewire.vllm.client import INSTALLED_PROTOCOL
+from corewire.vllm.client import INSTALLED_RELEASE
 from vllm_support import (
     require_vllm_0_25_1,
     vllm_config,
@@ -73,7 +73,7 @@ async def test_bad_frame_ends_its_requests_and_the_stream_goes_on(tmp_path: Path
         lambda: engine.append(_HandEngine(addresses["input_address"], addresses["output_address"])),
     )
     joiner.start()
-    client = client_classes(INSTALLED_PROTOCOL)["plain"](
+    client = client_classes(INSTALLED_RELEASE)["plain"](
         config, None, False, client_addresses=addresses
     )
     joiner.join()

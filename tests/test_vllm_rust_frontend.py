@@ -45,7 +45,7 @@ if _MISSING is not None:
 
 import httpx  # noqa: E402
 
-from corewire.vllm.stack import ServeStack, installed_protocol  # noqa: E402
+from corewire.vllm.stack import ServeStack, installed_release  # noqa: E402
 from fast_path_features import FEATURES, answer, rust_verdict  # noqa: E402
 from serve_support import (  # noqa: E402
     GREEDY_CHATS,
@@ -62,8 +62,8 @@ from serve_support import (  # noqa: E402
 )
 
 # Where CI asks for a release, it is the one under test.
-if (_REQUIRED := os.environ.get("COREWIRE_REQUIRE_VLLM")) and installed_protocol() != _REQUIRED:
-    raise RuntimeError(f"COREWIRE_REQUIRE_VLLM={_REQUIRED}, found vLLM {installed_protocol()}")
+if (_REQUIRED := os.environ.get("COREWIRE_REQUIRE_VLLM")) and installed_release() != _REQUIRED:
+    raise RuntimeError(f"COREWIRE_REQUIRE_VLLM={_REQUIRED}, found vLLM {installed_release()}")
 
 # Processes of the module's stack: they outlive single tests on purpose.
 _SHARED_PIDS = SharedPids()
@@ -251,8 +251,8 @@ def test_feature_table_rust_column(stack: ServeStack, tmp_path: Path) -> None:
     0.34.0's (its per-request stream interval, its chat options)."""
     from corewire.vllm.plugin import FAST_PATH_VLLM_VERSIONS
 
-    if installed_protocol() not in FAST_PATH_VLLM_VERSIONS:
-        pytest.skip(f"the feature table is the fast path's releases', not {installed_protocol()}'s")
+    if installed_release() not in FAST_PATH_VLLM_VERSIONS:
+        pytest.skip(f"the feature table is the fast path's releases', not {installed_release()}'s")
     with http_client(stack) as http:
         rust = [answer(http, f) for f in FEATURES]
     with running_stack(tmp_path, client="vllm") as python_server:

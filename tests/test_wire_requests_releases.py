@@ -29,7 +29,7 @@ CONVERTED = ("0.27.0", "0.27.1", "0.28.0", "0.29.0", "0.30.0", "0.31.0", "0.32.0
 
 def _written(release: str, req: p.EngineCoreRequest) -> list[Any]:
     """The request as a release's client writes it, as a msgpack array."""
-    frames = Encoder(protocol=release).encode(converted_writer(releases.get(release))(req))
+    frames = Encoder(release=release).encode(converted_writer(releases.get(release))(req))
     return msgspec.msgpack.decode(frames[0])
 
 

@@ -78,14 +78,14 @@ class Stack:
         return self.loop.run_until_complete(asyncio.wait_for(coro, CALL_TIMEOUT_S))
 
 
-def _protocol_args(protocol: str | None) -> tuple[str, ...]:
-    """The engine command's ``--protocol`` option (none: its default, 0.25.1)."""
-    return () if protocol is None else ("--protocol", protocol)
+def _protocol_args(release: str | None) -> tuple[str, ...]:
+    """The engine command's ``--release`` option (none: its default, 0.25.1)."""
+    return () if release is None else ("--release", release)
 
 
 @contextlib.contextmanager
 def client_stack(
-    prefix: str, leak_allowed: set[int], protocol: str | None = None
+    prefix: str, leak_allowed: set[int], release: str | None = None
 ) -> Iterator[Stack]:
     """One engine (``protocol`` on the wire) behind vLLM's ``AsyncMPClient``; the
     engine's pid is in ``leak_allowed`` while it runs (the calling module's
@@ -108,7 +108,7 @@ def client_stack(
             addresses["output_address"],
             "--engine-index",
             "0",
-            *_protocol_args(protocol),
+            *_protocol_args(release),
             engine_args={**ENGINE_ARGS, "profile_dir": str(profile_dir)},
         )
         leak_allowed.add(proc.pid)
@@ -196,7 +196,7 @@ async def abort_mid_request(client: Any) -> tuple[int, list[Any], list[int]]:
 
 
 def assert_fatal_error_reaches_client_as_engine_dead(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, protocol: str | None = None
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, release: str | None = None
 ) -> None:
     """A step that fails in the engine (the tests' hook engine, ``protocol`` on the
     wire) reaches vLLM's client as ``EngineDeadError``; the engine leaves with code 1
@@ -220,7 +220,7 @@ def assert_fatal_error_reaches_client_as_engine_dead(
         addresses["output_address"],
         "--engine",
         "hook_engine:HookEngine",
-        *_protocol_args(protocol),
+        *_protocol_args(release),
     )
     config = vllm_config(write_model_dir(tmp_path / "model"))
     loop = asyncio.new_event_loop()

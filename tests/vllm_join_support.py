@@ -56,7 +56,7 @@ def request(rid: str, prompt: list[int], max_tokens: int = 6) -> Any:
 
 
 def join_args(
-    port: int, index: int, *extra: str, timeout_s: int = 60, protocol: str | None = None
+    port: int, index: int, *extra: str, timeout_s: int = 60, release: str | None = None
 ) -> list[str]:
     """``corewire engine`` arguments that join the front-end at ``port`` (``protocol``
     on the wire; none: the engine's default, 0.25.1)."""
@@ -67,7 +67,7 @@ def join_args(
         str(index),
         "--handshake-timeout",
         str(timeout_s),
-        *(() if protocol is None else ("--protocol", protocol)),
+        *(() if release is None else ("--release", release)),
         *extra,
     ]
 
@@ -92,14 +92,14 @@ class Joining:
     ``weight_versions``: what every step message may carry as its weight version (None:
     the release has no such field)."""
 
-    protocol: str | None
+    release: str | None
     timeout_s: int
     make_client: Callable[[Any], Any]
     weight_versions: tuple[str | None, ...] | None = None
 
     def join_args(self, port: int, index: int, *extra: str) -> list[str]:
         """``corewire engine`` arguments that join this release's front-end at ``port``."""
-        return join_args(port, index, *extra, timeout_s=self.timeout_s, protocol=self.protocol)
+        return join_args(port, index, *extra, timeout_s=self.timeout_s, release=self.release)
 
     def run_frontend(self, config: Any, engines: EngineProcs, scenario: Any) -> Any:
         """Build vLLM's client (it waits for the engines' handshake), run

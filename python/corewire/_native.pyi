@@ -57,7 +57,8 @@ class NativeDecoder:
     stats map and their result takes its place (vLLM's front-end reads stats by attribute);
     an exception they raise rejects the frame as a :class:`ProtocolError`.
 
-    ``protocol`` is the vLLM version whose wire the frames follow: any release of
+    ``release`` is the vLLM release whose wire the frames follow (``protocol``: its
+    deprecated name, which warns): any release of
     ``corewire.releases`` (default: ``corewire.releases.DEFAULT``, the installed vLLM's
     release, else the newest). ``layout`` maps each struct's name
     (``EngineCoreOutputs``, ``EngineCoreOutput``, ``UtilityOutput``, ``LogprobsLists``,
@@ -76,8 +77,9 @@ class NativeDecoder:
         *,
         prefill_stats: Callable[[dict[str, Any]], Any] | None = None,
         scheduler_stats: Callable[[dict[str, Any]], Any] | None = None,
-        protocol: str | None = None,
+        release: str | None = None,
         layout: Mapping[str, Sequence[str] | None] | None = None,
+        protocol: str | None = None,
     ) -> NativeDecoder: ...
     def decode(self, frames: Sequence[_Frame] | _Frame) -> EngineCoreOutputs:
         """Decodes one message; a single buffer is taken as the payload alone."""
@@ -88,8 +90,11 @@ class NativeDecoder:
     def intern_capacity(self) -> int:
         """Most request ids the intern cache holds."""
     @property
+    def release(self) -> str:
+        """The vLLM release whose wire this decoder reads."""
+    @property
     def protocol(self) -> str:
-        """The vLLM version whose wire this decoder reads."""
+        """Deprecated name of :attr:`release`."""
     @property
     def compiled_layout(self) -> bool:
         """Whether the walk is one compiled into this build for these positions."""

@@ -76,7 +76,7 @@ Buffer = bytes | bytearray | memoryview
 class Encoder:
     """Encodes wire structs into a list of frames, arrays as zero-copy aux frames.
 
-    ``protocol`` is the vLLM version whose wire it writes (any release of
+    ``release`` is the vLLM version whose wire it writes (any release of
     ``corewire.releases.SUPPORTED``; default ``corewire.releases.DEFAULT``, the installed
     vLLM's release, else the newest): the structs of that version
     (``corewire.layouts.types_for``) encode byte for byte as that vLLM's
@@ -92,9 +92,14 @@ class Encoder:
     """
 
     def __init__(
-        self, inline_threshold: int = INLINE_THRESHOLD, *, protocol: str | None = None
+        self,
+        inline_threshold: int = INLINE_THRESHOLD,
+        *,
+        release: str | None = None,
+        protocol: str | None = None,
     ) -> None:
-        self.protocol = releases.get(protocol)
+        # protocol=: the deprecated name of release=.
+        self.release = releases.get(releases.named(release, protocol, "Encoder"))
         self._inline_threshold = inline_threshold
         self._encoder = msgspec.msgpack.Encoder(enc_hook=self._enc_hook)
         # Set for the duration of one encode() call; the hook appends to it.
@@ -135,16 +140,16 @@ class Encoder:
         # A hand-kept class also lays out the releases that left its struct alone.
         if (
             version is not None
-            and version != self.protocol
-            and types_for(self.protocol).get(cls.__name__) is not cls
+            and version != self.release
+            and types_for(self.release).get(cls.__name__) is not cls
         ):
             name = cls.__name__
             if cls is EngineCoreOutputs or cls is EngineCoreRequest:
                 # corewire.protocol's own, what engines and callers build.
                 return self._converted(obj)
             raise TypeError(
-                f"a vLLM {version} {name} cannot be sent by a protocol={self.protocol!r} "
-                f"encoder (corewire.layouts.types_for({self.protocol!r})[{name!r}] can)"
+                f"a vLLM {version} {name} cannot be sent by a release={self.release!r} "
+                f"encoder (corewire.layouts.types_for({self.release!r})[{name!r}] can)"
             )
         return obj
 
@@ -154,8 +159,8 @@ class Encoder:
             from corewire.wire.outputs import output_converter
             from corewire.wire.requests import request_writer
 
-            to_outputs = output_converter(self.protocol)
-            to_request = request_writer(self.protocol)
+            to_outputs = output_converter(self.release)
+            to_request = request_writer(self.release)
             self._convert = (to_outputs, to_request)
         to_outputs, to_request = self._convert
         convert = to_outputs if isinstance(obj, EngineCoreOutputs) else to_request
@@ -324,17 +329,17 @@ def _as_buffer(frame: Any) -> Any:
     raise ProtocolError(f"a frame must be bytes-like, got {type(frame).__name__}")
 
 
-def native_decoder(protocol: str | None = None, **kwargs: Any) -> NativeDecoder:
-    """A ``NativeDecoder`` of ``protocol``'s outputs (None: the default release), the
+def native_decoder(release: str | None = None, **kwargs: Any) -> NativeDecoder:
+    """A ``NativeDecoder`` of ``release``'s outputs (None: the default release), the
     positions of the fields it reads taken from the release's record
     (``Release.native_layout``); ``kwargs``: its other arguments. Raises ``ValueError``
     naming the field when the release has one the native decoder cannot read."""
-    release = releases.get(protocol)
-    return NativeDecoder(protocol=release.name, layout=release.native_layout, **kwargs)
+    release = releases.get(release)
+    return NativeDecoder(release=release.name, layout=release.native_layout, **kwargs)
 
 
-def request_decoder(protocol: str | None, *, for_engine: bool = False) -> Any:
-    """A decoder of ``protocol``'s ``EngineCoreRequest`` frames (``[payload, aux...]``):
+def request_decoder(release: str | None, *, for_engine: bool = False) -> Any:
+    """A decoder of ``release``'s ``EngineCoreRequest`` frames (``[payload, aux...]``):
     a :class:`MsgspecDecoder`, whose arrays in aux frames (``prompt_embeds``,
     0.33.0's ``prompt_logprob_token_ids``) are views of those frames. The 0.33.0 decoder
     raises ``ProtocolError`` for a 0.25.1 ``LoRARequest``; the 0.25.1 request keeps its
@@ -344,8 +349,8 @@ def request_decoder(protocol: str | None, *, for_engine: bool = False) -> Any:
     ``for_engine``: a packed prompt (an int32 ndarray, vLLM 0.34.0 on) reaches the caller
     as a list of ints, as engines read prompts; otherwise requests decode as vLLM's
     decoder reads them (the ndarray kept, a view of its aux frame)."""
-    decoder = MsgspecDecoder(types_for(protocol)["EngineCoreRequest"])
-    if for_engine and releases.get(protocol).packs_prompts:
+    decoder = MsgspecDecoder(types_for(release)["EngineCoreRequest"])
+    if for_engine and releases.get(release).packs_prompts:
         return _UnpackingDecoder(decoder)
     return decoder
 

@@ -19,7 +19,7 @@ own and every message is msgpack (nothing is pickled), each a named type of
 - coordinator -> front-ends: ``[counts, current_wave, engines_running]`` with counts one
   ``[waiting, running]`` pair per engine in rank order, at most every 100 ms while
   something changed, and once for each new subscriber. A coordinator of vLLM 0.33.0
-  engines (``protocol="0.33.0"``) publishes a triple per engine instead, ``[waiting,
+  engines (``release="0.33.0"``) publishes a triple per engine instead, ``[waiting,
   running, kv_cache_usage]`` (the float the engine reports, 0.0 without one), as vLLM
   0.33.0's coordinator does.
 - front-end -> coordinator: ``[engine_index, wave]``, the first-request notice a front-end
@@ -209,16 +209,16 @@ class CoordinatorState:
 
     Each ``on_*`` method returns the messages to broadcast to the engines
     (:class:`~corewire.dp_messages.StartWave`, :class:`~corewire.dp_messages.WaveComplete`).
-    ``protocol`` is the engines' vLLM version: under ``"0.33.0"`` each engine's counts
+    ``release`` is the engines' vLLM version: under ``"0.33.0"`` each engine's counts
     are ``[waiting, running, kv_cache_usage]``, under 0.25.1 (the default)
     ``[waiting, running]``.
     """
 
-    def __init__(self, num_engines: int, protocol: str | None = None) -> None:
+    def __init__(self, num_engines: int, release: str | None = None) -> None:
         if num_engines < 1:
             raise ValueError("a DP group needs at least one engine")
         #: Whether counts carry the KV cache's use (vLLM 0.33.0 on).
-        self.kv_cache_usage = releases.get(protocol).counts_carry_kv_usage
+        self.kv_cache_usage = releases.get(release).counts_carry_kv_usage
         self.counts: list[list[Any]] = [self._idle() for _ in range(num_engines)]
         self.current_wave = 0
         self.engines_running = False
@@ -364,9 +364,9 @@ class _Coordinator:
         keys: CurveServerKeys | None,
         control_fd: int,
         parent_pid: int,
-        protocol: str | None = None,
+        release: str | None = None,
     ) -> None:
-        self.state = CoordinatorState(num_engines, protocol)
+        self.state = CoordinatorState(num_engines, release)
         self.control_fd = control_fd
         self.parent_pid = parent_pid
         self.stop = False
@@ -500,7 +500,7 @@ class _Config(msgspec.Struct, array_like=True):  # type: ignore[call-arg]
     parent_pid: int
     curve_server_dir: str | None = None
     #: The engines' vLLM wire version (None: the default).
-    protocol: str | None = None
+    release: str | None = None
 
 
 def _child_main() -> int:
@@ -531,7 +531,7 @@ def _child_main() -> int:
             keys,
             control_fd,
             config.parent_pid,
-            config.protocol,
+            config.release,
         )
     except Exception as exc:
         _report(f"error: {type(exc).__name__}: {exc}")
@@ -589,7 +589,7 @@ class DPCoordinator:
     its own; ``remote`` adds ``(stats, publish)`` ``tcp://`` endpoints for engines on other
     hosts, behind CURVE (``curve_server_dir``: its authorized client keys get in).
     ``shutdown()`` stops it and is idempotent; a finalizer does the same when the owner is
-    collected, and the process exits by itself when this process dies. ``protocol`` is
+    collected, and the process exits by itself when this process dies. ``release`` is
     the engines' vLLM version (``"0.33.0"``: counts published as triples with the KV
     cache's use; None: the default, pairs).
 
@@ -607,9 +607,11 @@ class DPCoordinator:
         remote: tuple[str, str] | None = None,
         curve_server_dir: str | os.PathLike[str] | None = None,
         startup_timeout: float = 30.0,
+        release: str | None = None,
         protocol: str | None = None,
     ) -> None:
-        protocol = releases.get(protocol)
+        # protocol=: the deprecated name of release=.
+        release = releases.get(releases.named(release, protocol, "DPCoordinator"))
         directory = None
         if addresses is None:
             directory = make_private_dir("dp")
@@ -629,7 +631,7 @@ class DPCoordinator:
             parent_pid=os.getpid(),
             curve_server_dir=os.fspath(curve_server_dir) if curve_server_dir else None,
             # The plain version string: msgspec writes no str subclass (a Release).
-            protocol=protocol.name,
+            release=release.name,
         )
         payload = msgspec.msgpack.encode(config)
         proc = subprocess.Popen(

@@ -475,11 +475,11 @@ for _version, _table in _TYPES.items():
             _VERSION_OF[_cls] = _version
 
 
-def types_for(protocol: str | None) -> types.MappingProxyType[str, Any]:
-    """The wire structs of ``protocol`` by name, both directions (``EngineCoreOutputs``,
+def types_for(release: str | None) -> types.MappingProxyType[str, Any]:
+    """The wire structs of ``release`` by name, both directions (``EngineCoreOutputs``,
     ``EngineCoreOutput``, ``LogprobsTensors``, ``EngineCoreRequest``, ``SamplingParams``...);
     a version without one lacks its name."""
-    release = releases.get(protocol)
+    release = releases.get(release)
     table = _TYPES.get(release)
     if table is None:
         table = _RECORDED.get(release)

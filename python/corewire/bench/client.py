@@ -11,7 +11,7 @@ here on ``corewire.engine.replay``): a real child process speaking that version'
 with that version's full ready response (vLLM's client decodes it strictly;
 ``corewire.engine.ready_layouts``), that on the utility call ``replay_case(case, batch, count)``
 pushes ``count`` copies of one ``EngineCoreOutputs`` frame of ``batch`` outputs, encoded
-once in that version's layout (``Encoder(protocol=...)``), as fast as ZeroMQ takes them.
+once in that version's layout (``Encoder(release=...)``), as fast as ZeroMQ takes them.
 Frames of case ``top-5`` carry per output a ``LogprobsLists`` of three tiny inline arrays,
 as vLLM's scheduler sends them. What is timed is the receiving side, in this process:
 
@@ -19,7 +19,7 @@ as vLLM's scheduler sends them. What is timed is the receiving side, in this pro
   vLLM's API server builds it for engines it does not launch), ``get_output_async()``; the
   baseline the goals are read against (when vLLM is installed; without it the run says so
   and the goals are read against ``baseline``).
-- ``corewire``: corewire's ``AsyncMPClient(protocol=...)`` with its output task and
+- ``corewire``: corewire's ``AsyncMPClient(release=...)`` with its output task and
   ``get_output_async()``.
 - ``baseline``: the in-house reference, written here: an asyncio task doing
   ``await recv_multipart(copy=False)``, the ENGINE_CORE_DEAD check, ``MsgspecDecoder``,
@@ -113,22 +113,22 @@ def touch(outputs: Any) -> int:
 # -- the fake engine ---------------------------------------------------------------------
 
 
-def outputs_message(protocol: str, engine_index: int, **fields: Any) -> Any:
-    """An ``EngineCoreOutputs`` of ``protocol``'s layout, stamped now; under 0.33.0 steps
+def outputs_message(release: str, engine_index: int, **fields: Any) -> Any:
+    """An ``EngineCoreOutputs`` of ``release``'s layout, stamped now; under 0.33.0 steps
     (messages with ``outputs``) carry ``weight_version="default"`` as its engine stamps
     them, utility replies nil."""
-    if releases.get(protocol).weight_versions and "outputs" in fields:
+    if releases.get(release).weight_versions and "outputs" in fields:
         fields.setdefault("weight_version", "default")
-    outputs_type = layouts.types_for(protocol)["EngineCoreOutputs"]
+    outputs_type = layouts.types_for(release)["EngineCoreOutputs"]
     return outputs_type(engine_index=engine_index, timestamp=time.monotonic(), **fields)
 
 
-def case_frame(case: str, batch: int, protocol: str = releases.DEFAULT) -> bytes:
+def case_frame(case: str, batch: int, release: str = releases.DEFAULT) -> bytes:
     """One ``EngineCoreOutputs`` of ``batch`` outputs of one new token each (every eighth
-    request finishing), encoded in ``protocol``'s layout; with ``top-5``, a
+    request finishing), encoded in ``release``'s layout; with ``top-5``, a
     ``LogprobsLists`` per output: ``1 x 6`` int32 ids and float32 logprobs and the int64
     rank, inline as vLLM sends them."""
-    output_type = layouts.types_for(protocol)["EngineCoreOutput"]
+    output_type = layouts.types_for(release)["EngineCoreOutput"]
     rng = np.random.default_rng(batch)
     outputs = []
     for i in range(batch):
@@ -146,33 +146,33 @@ def case_frame(case: str, batch: int, protocol: str = releases.DEFAULT) -> bytes
                 finish_reason=FinishReason.LENGTH if i % 8 == 7 else None,
             )
         )
-    message = outputs_message(protocol, 0, outputs=outputs)
-    frames = Encoder(protocol=protocol).encode(message)
+    message = outputs_message(release, 0, outputs=outputs)
+    frames = Encoder(release=release).encode(message)
     assert len(frames) == 1, "the bench frames have no aux frames"
     return bytes(frames[0])
 
 
 class BenchLink(EngineLink):
-    """The replay engine's link speaking ``protocol``: that version's ready response and
+    """The replay engine's link speaking ``release``: that version's ready response and
     utility replies in its layout (a 0.33.0 front-end refuses 0.25.1's ready map)."""
 
-    def __init__(self, *args: Any, protocol: str, **kwargs: Any) -> None:
+    def __init__(self, *args: Any, release: str, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        self.protocol = releases.get(protocol)
+        self.release = releases.get(release)
 
     def send_ready(self) -> None:
-        """The ready response of :attr:`protocol` (its required keys all present)."""
-        ready = ready_response_for(self.protocol, EngineInfo(), engine_index=self.engine_index)
+        """The ready response of :attr:`release` (its required keys all present)."""
+        ready = ready_response_for(self.release, EngineInfo(), engine_index=self.engine_index)
         self.requests.send(msgspec.msgpack.encode(ready))
 
     def reply(self, call_id: int, result: Any = None, failure: str | None = None) -> None:
-        """Answer utility call ``call_id`` in :attr:`protocol`'s layout."""
+        """Answer utility call ``call_id`` in :attr:`release`'s layout."""
         utility = UtilityOutput(
             call_id=call_id,
             failure_message=failure,
             result=None if failure is not None else UtilityResult(result),
         )
-        outputs = outputs_message(self.protocol, self.engine_index, utility_output=utility)
+        outputs = outputs_message(self.release, self.engine_index, utility_output=utility)
         payload = encode_plain_outputs(outputs)
         if payload is None:  # the bench's results are plain: this is a bug, not a case
             raise TypeError(f"utility result of call {call_id} is not plain msgpack")
@@ -185,8 +185,8 @@ class BenchEngine(ReplayEngine):
     def utility_replay_case(self, case: str, batch: int, count: int) -> int:
         """After the reply, push ``count`` frames of ``case`` at ``batch``; returns the
         frame's size in bytes."""
-        protocol = getattr(self.link, "protocol", releases.DEFAULT)
-        return self.push_after_reply(case_frame(case, batch, protocol), count)
+        release = getattr(self.link, "release", releases.DEFAULT)
+        return self.push_after_reply(case_frame(case, batch, release), count)
 
 
 def run_bench_engine(
@@ -199,15 +199,15 @@ def run_bench_engine(
     **_options: Any,
 ) -> None:
     """Process target (``engine_main``) running a :class:`BenchEngine` that speaks
-    protocol ``wire`` (not ``protocol``, which corewire's client keeps for itself)."""
-    link = BenchLink(engine_index, input_address, output_address, parent_pid, protocol=wire)
+    protocol ``wire`` (not ``release``, which corewire's client keeps for itself)."""
+    link = BenchLink(engine_index, input_address, output_address, parent_pid, release=wire)
     try:
         BenchEngine(link).serve()
     finally:
         link.close()
 
 
-def _start_engine(input_address: str, output_address: str, protocol: str) -> Any:
+def _start_engine(input_address: str, output_address: str, release: str) -> Any:
     proc = multiprocessing.get_context("spawn").Process(
         target=run_bench_engine,
         kwargs={
@@ -215,7 +215,7 @@ def _start_engine(input_address: str, output_address: str, protocol: str) -> Any
             "input_address": input_address,
             "output_address": output_address,
             "parent_pid": os.getpid(),
-            "wire": protocol,
+            "wire": release,
         },
         name="bench-engine",
         daemon=True,
@@ -230,7 +230,7 @@ def _start_engine(input_address: str, output_address: str, protocol: str) -> Any
 class _Engine:
     """A replay engine process on a private pair of ipc endpoints, plus bound sockets."""
 
-    def __init__(self, protocol: str) -> None:
+    def __init__(self, release: str) -> None:
         self.tmp = private_dir()
         self.input_address = f"ipc://{self.tmp.name}/in"
         self.output_address = f"ipc://{self.tmp.name}/out"
@@ -243,7 +243,7 @@ class _Engine:
             sock.setsockopt(zmq.RCVHWM, 0)
         self.input.bind(self.input_address)
         self.output.bind(self.output_address)
-        self.proc = _start_engine(self.input_address, self.output_address, protocol)
+        self.proc = _start_engine(self.input_address, self.output_address, release)
         self.identity = engine_identity(0)
         ready: zmq.Socket[bytes] = zmq.Socket.shadow(self.input.underlying)
         if not ready.poll(120_000):
@@ -261,12 +261,12 @@ class _Engine:
 
 
 class BaselineClient:
-    """The seed's client code path, with the reference decoder (``protocol``'s structs)."""
+    """The seed's client code path, with the reference decoder (``release``'s structs)."""
 
-    def __init__(self, protocol: str) -> None:
-        self.engine = _Engine(protocol)
+    def __init__(self, release: str) -> None:
+        self.engine = _Engine(release)
         self.encoder = Encoder()
-        self.decoder = MsgspecDecoder(layouts.types_for(protocol)["EngineCoreOutputs"])
+        self.decoder = MsgspecDecoder(layouts.types_for(release)["EngineCoreOutputs"])
         self.utility_results: dict[int, asyncio.Future[Any]] = {}
         self.outputs_queue: asyncio.Queue[Any] = asyncio.Queue()
         self.task: asyncio.Task[None] | None = None
@@ -322,8 +322,8 @@ class BaselineClient:
 class RawReceiver:
     """Plain pyzmq asyncio receive: the ceiling of any asyncio client."""
 
-    def __init__(self, protocol: str) -> None:
-        self.engine = _Engine(protocol)
+    def __init__(self, release: str) -> None:
+        self.engine = _Engine(release)
         self.encoder = Encoder()
 
     async def replay(self, case: str, batch: int, count: int) -> None:
@@ -369,10 +369,10 @@ async def stream_trial(variant: Any, case: str, batch: int, count: int) -> tuple
 
 
 def decode_touch_us(
-    decoder: Any, case: str, batch: int, count: int, trials: int, protocol: str
+    decoder: Any, case: str, batch: int, count: int, trials: int, release: str
 ) -> float:
     """µs per frame to decode one bench frame and touch its outputs, without I/O."""
-    frames = [zmq.Frame(case_frame(case, batch, protocol))]
+    frames = [zmq.Frame(case_frame(case, batch, release))]
     decode = decoder.decode
     best = float("inf")
     for _ in range(trials):
@@ -466,20 +466,20 @@ async def measure(
     gc_modes: tuple[str, ...],
     calls: int | None,
     use_vllm: bool,
-    protocol: str = releases.DEFAULT,
+    release: str = releases.DEFAULT,
 ) -> dict[str, Any]:
-    """Runs both parts over engines speaking ``protocol``, printing as it goes; returns
+    """Runs both parts over engines speaking ``release``, printing as it goes; returns
     what was measured."""
     scale = 5 if quick else 1
-    variants: dict[str, Any] = {"raw": RawReceiver(protocol)}
+    variants: dict[str, Any] = {"raw": RawReceiver(release)}
     if use_vllm:
         try:
-            variants["vllm"] = VllmClient(protocol, start_engine=_start_engine)
+            variants["vllm"] = VllmClient(release, start_engine=_start_engine)
         except ImportError as exc:  # pragma: no cover - depends on the environment
             print(f"vLLM's client is not available ({exc}): no vllm column")
-    variants["baseline"] = BaselineClient(protocol)
+    variants["baseline"] = BaselineClient(release)
     variants["corewire"] = AsyncMPClient(
-        engine_main=run_bench_engine, protocol=protocol, wire=protocol
+        engine_main=run_bench_engine, release=release, wire=release
     )
     base = "vllm" if "vllm" in variants else "baseline"
     failures = 0
@@ -493,7 +493,7 @@ async def measure(
         print(
             f"corewire client benchmark  ({time.strftime('%Y-%m-%d')}, {os.cpu_count()} CPUs,"
             f" python {platform.python_version()}, {trials} trials, best; baseline {base};"
-            f" protocol {protocol!r})"
+            f" release {release!r})"
         )
         print()
         print("1. stream: µs per frame received + every output touched (lower is better)")
@@ -523,7 +523,7 @@ async def measure(
                     failures += 1
                 us = {name: best[name] / count * 1e6 for name in names}
                 us["d+t"] = decode_touch_us(
-                    variants["corewire"].decoder, case, batch, count, trials, protocol
+                    variants["corewire"].decoder, case, batch, count, trials, release
                 )
                 stream.append(
                     {
@@ -619,7 +619,7 @@ async def measure(
             variant.shutdown()
     return {
         "base": base,
-        "protocol": protocol,
+        "release": release,
         "names": names,
         "stream": stream,
         "utility": utility,
@@ -674,7 +674,7 @@ def plot(measured: dict[str, Any], path: str) -> None:
     plt = common.pyplot()
     labels = {
         "raw": "raw pyzmq receive (ceiling)",
-        "vllm": f"vLLM {measured.get('protocol', releases.DEFAULT)} AsyncMPClient",
+        "vllm": f"vLLM {measured.get('release', releases.DEFAULT)} AsyncMPClient",
         "baseline": "in-house reference client",
         "corewire": "corewire AsyncMPClient",
         "d+t": "corewire decode+touch, no I/O",
@@ -822,7 +822,7 @@ def run(args: argparse.Namespace) -> int:
         flood_both(args.flood, use_vllm=vllm_version is not None)
         return 0
     try:
-        protocol = common.baseline_protocol(vllm_version)
+        release = common.baseline_release(vllm_version)
     except releases.UnsupportedProtocolError as e:
         print(
             f"corewire bench client: {e}; the baseline must be one of those releases"
@@ -852,7 +852,7 @@ def run(args: argparse.Namespace) -> int:
             gc_modes=args.gc,
             calls=args.calls,
             use_vllm=vllm_version is not None,
-            protocol=protocol,
+            release=release,
         )
 
     if args.uvloop:
@@ -870,7 +870,7 @@ def run(args: argparse.Namespace) -> int:
             args.json,
             "client",
             baseline=measured["base"],
-            protocol=protocol,
+            release=release,
             options=options,
             cases=measured["stream"],
             goals=found,

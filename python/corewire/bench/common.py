@@ -166,7 +166,7 @@ def save_figure(fig: Any, path: str) -> None:
     pyplot().close(fig)
 
 
-def baseline_protocol(vllm_version: str | None) -> str:
+def baseline_release(vllm_version: str | None) -> str:
     """The protocol to measure with an installed vLLM of ``vllm_version`` (None: none
     installed, corewire's default); raises ``UnsupportedProtocolError`` naming the
     supported releases for any other vLLM."""

@@ -4,7 +4,7 @@ The baseline is vLLM itself when it is installed, whichever of the releases core
 speaks (``corewire.releases.SUPPORTED``: 0.25.1, 0.33.0): frames are made by that vLLM's
 ``MsgpackEncoder`` from its real ``EngineCoreOutputs`` structs, and its
 ``MsgpackDecoder(EngineCoreOutputs)`` decodes them next to corewire's
-``NativeDecoder(protocol=protocol_for_vllm(vllm.__version__))``; corewire's pure-Python
+``NativeDecoder(release=release_for_vllm(vllm.__version__))``; corewire's pure-Python
 ``MsgspecDecoder`` of that version's structs (a vLLM-style reference) stays as an extra
 column. Another vLLM release is refused (exit status 2, naming the supported ones) rather
 than measured on a wire corewire would decode wrongly. Without vLLM the run says so, the
@@ -93,25 +93,25 @@ VllmEncoder: Any = None
 torch: Any = None
 #: The wire version measured: the installed vLLM's (set by _load_optional), else
 #: corewire's default.
-protocol: str = releases.DEFAULT
+release: str = releases.DEFAULT
 
 
 def _load_optional(use_vllm: bool) -> None:
     """Import vLLM's structs and codec (when ``use_vllm``) and torch (when installed);
-    set :data:`protocol` from the imported vLLM's ``__version__`` (may raise
+    set :data:`release` from the imported vLLM's ``__version__`` (may raise
     ``UnsupportedProtocolError``)."""
-    global vllm_engine, vllm_outputs, VllmDecoder, VllmEncoder, torch, protocol
+    global vllm_engine, vllm_outputs, VllmDecoder, VllmEncoder, torch, release
     if use_vllm:
         purpose = "the decode benchmark's vLLM baseline"
         vllm = import_optional("vllm", purpose)
-        protocol = common.baseline_protocol(vllm.__version__)
+        release = common.baseline_release(vllm.__version__)
         vllm_engine = import_optional("vllm.v1.engine", purpose)
         vllm_outputs = import_optional("vllm.v1.outputs", purpose)
         serial_utils = import_optional("vllm.v1.serial_utils", purpose)
         VllmDecoder = serial_utils.MsgpackDecoder
         VllmEncoder = serial_utils.MsgpackEncoder
     else:
-        protocol = releases.DEFAULT
+        release = releases.DEFAULT
     if is_installed("torch"):  # prompt logprobs travel as torch tensors
         import torch
 
@@ -147,7 +147,7 @@ class Wire:
             self.finish_stop = cw.FinishReason.STOP
             self.lists_cls = cw.LogprobsLists
             self.tensors_cls = cw.LogprobsTensors
-            self._encode = Encoder(protocol=protocol).encode
+            self._encode = Encoder(release=release).encode
 
     def message(self, case: str, batch: int, rng: random.Random) -> Any:
         """One engine step of ``batch`` running requests."""
@@ -406,8 +406,8 @@ def decoders(use_vllm: bool) -> dict[str, Any]:
     found: dict[str, Any] = {}
     if use_vllm:
         found["vllm"] = VllmDecoder(vllm_engine.EngineCoreOutputs)
-    found["msgspec"] = MsgspecDecoder(layouts.types_for(protocol)["EngineCoreOutputs"])
-    found["corewire"] = native_decoder(protocol)
+    found["msgspec"] = MsgspecDecoder(layouts.types_for(release)["EngineCoreOutputs"])
+    found["corewire"] = native_decoder(release)
     return found
 
 
@@ -520,9 +520,9 @@ def plot(rows: list[dict[str, Any]], path: str) -> None:
     cases = list(dict.fromkeys(r["case"] for r in rows))
     fig, axes = plt.subplots(1, len(cases), figsize=(5.5 * len(cases), 4.5), squeeze=False)
     labels = {
-        "vllm": f"vLLM {protocol} MsgpackDecoder",
+        "vllm": f"vLLM {release} MsgpackDecoder",
         "msgspec": "MsgspecDecoder (reference)",
-        "corewire": f"corewire NativeDecoder ({protocol})",
+        "corewire": f"corewire NativeDecoder ({release})",
     }
     styles = {"vllm": ("o", "-"), "msgspec": ("^", ":"), "corewire": ("s", "-")}
     for ax, case in zip(axes[0], cases, strict=True):
@@ -631,7 +631,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         # Checked on the installed distribution's version first (before seconds of
         # importing vLLM), then on the imported vllm.__version__ by _load_optional.
-        common.baseline_protocol(vllm_version)
+        common.baseline_release(vllm_version)
         _load_optional(use_vllm)
     except releases.UnsupportedProtocolError as e:
         print(
@@ -656,13 +656,13 @@ def run(args: argparse.Namespace) -> int:
     if use_vllm:
         print(
             f"baseline: vLLM {vllm_version} MsgpackDecoder on frames from its MsgpackEncoder;"
-            f" corewire NativeDecoder(protocol={protocol!r})"
+            f" corewire NativeDecoder(release={release!r})"
         )
     else:
         print(
             f"vLLM is not installed: no comparison with vLLM {common.VLLM_VERSION}; baseline is"
             f" corewire's MsgspecDecoder (reference) (pip install vllm=={common.VLLM_VERSION});"
-            f" protocol {protocol!r}"
+            f" release {release!r}"
         )
     names = list(decoders(use_vllm))
     print(header(names))
@@ -678,7 +678,7 @@ def run(args: argparse.Namespace) -> int:
     print(f"every field of every output equal to {baseline}'s: {'yes' if not wrong else 'NO'}")
     print(
         "  (the timed steps, and an untimed step setting every optional field of protocol"
-        f" {protocol}'s EngineCoreOutput: {'equal' if not every_field_wrong else 'NOT equal'})"
+        f" {release}'s EngineCoreOutput: {'equal' if not every_field_wrong else 'NOT equal'})"
     )
     for w in dict.fromkeys(wrong):
         print(f"  differs: {w}")
@@ -727,7 +727,7 @@ def run(args: argparse.Namespace) -> int:
             args.json,
             "decode",
             baseline=baseline,
-            protocol=protocol,
+            release=release,
             options={
                 "quick": args.quick,
                 "clock": "wall" if args.wall else "cpu",

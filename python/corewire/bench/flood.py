@@ -186,7 +186,7 @@ def _vllm(seconds: float) -> dict[str, Any]:
     return asyncio.run(run())
 
 
-def _start_synthetic(input_address: str, output_address: str, protocol: str) -> Any:
+def _start_synthetic(input_address: str, output_address: str, release: str) -> Any:
     """A corewire engine process (synthetic engine) for vLLM's client to connect to."""
     proc = multiprocessing.get_context("spawn").Process(
         target=run_engine_core,
@@ -196,7 +196,7 @@ def _start_synthetic(input_address: str, output_address: str, protocol: str) -> 
             "output_address": output_address,
             "engine": SYNTHETIC,
             "parent_pid": os.getpid(),
-            "protocol": protocol,
+            "release": release,
         },
         name="flood-engine",
         daemon=True,

@@ -21,7 +21,7 @@ def private_dir() -> tempfile.TemporaryDirectory[str]:
 
 class VllmClient:
     """The installed vLLM's own ``AsyncMPClient`` over a bench engine process speaking
-    ``protocol`` (the installed vLLM's): built with ``client_addresses`` (as vLLM's API
+    ``release`` (the installed vLLM's): built with ``client_addresses`` (as vLLM's API
     server builds it for engines it does not launch) from a real ``VllmConfig`` of a tiny
     local model directory. Create it inside the running loop (its output task belongs to
     that loop). ``start_engine(input_address, output_address, protocol)`` starts the engine
@@ -30,7 +30,7 @@ class VllmClient:
     The same positional call builds 0.25.1's and 0.33.0's client: 0.33.0 added only
     keywords with defaults (``renderer=None``: no multimodal warm-up to start)."""
 
-    def __init__(self, protocol: str, start_engine: Callable[[str, str, str], Any]) -> None:
+    def __init__(self, release: str, start_engine: Callable[[str, str, str], Any]) -> None:
         # vLLM reads these at import: no network, no usage reports.
         for key in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE", "VLLM_NO_USAGE_STATS"):
             os.environ.setdefault(key, "1")
@@ -51,7 +51,7 @@ class VllmClient:
             "input_address": f"ipc://{self.tmp.name}/in",
             "output_address": f"ipc://{self.tmp.name}/out",
         }
-        self.proc = start_engine(addresses["input_address"], addresses["output_address"], protocol)
+        self.proc = start_engine(addresses["input_address"], addresses["output_address"], release)
         model = ModelConfig(
             model=str(write_model_dir(os.path.join(self.tmp.name, "model"))),
             skip_tokenizer_init=True,

@@ -62,10 +62,10 @@ DEFAULT_MAX_OUTPUT_BACKLOG = 65536
 OUTPUT_RCVHWM = 128
 
 
-def make_output_decoder(protocol: str | None = None) -> Any:
-    """The decoder of engine output frames: the Rust ``NativeDecoder`` of ``protocol``
+def make_output_decoder(release: str | None = None) -> Any:
+    """The decoder of engine output frames: the Rust ``NativeDecoder`` of ``release``
     (None: the default version)."""
-    return native_decoder(protocol)
+    return native_decoder(release)
 
 
 def _resolve(target: str | Callable[..., Any]) -> Callable[..., Any]:
@@ -127,7 +127,7 @@ class MPClient:
             ``corewire.layouts.types_for("0.33.0")["EngineCoreRequest"]``, and
             ``add_lora``'s LoRA in 0.33.0's layout; a ``"0.25.1"`` client sends what it
             is given (its encoder refuses 0.33.0's structs). The engines a client
-            starts are told it (``protocol=`` to the process target).
+            starts are told it (``release=`` to the process target).
     """
 
     #: Subclasses (DP) may define ``process_engine_outputs(self, outputs)``, plain or
@@ -151,11 +151,13 @@ class MPClient:
         engine_main: str | Callable[..., Any] = DEFAULT_ENGINE_MAIN,
         max_output_backlog: int | None = DEFAULT_MAX_OUTPUT_BACKLOG,
         max_input_backlog: Any = FROM_ENVIRONMENT,
+        release: str | None = None,
         protocol: str | None = None,
         **engine_options: Any,
     ) -> None:
-        #: The vLLM wire version of the engines' outputs (checked before anything starts).
-        self.protocol = releases.get(protocol)
+        #: The vLLM release whose wire the engines speak (checked before anything starts);
+        #: ``protocol=`` is its deprecated name.
+        self.release = releases.get(releases.named(release, protocol, type(self).__name__))
         if max_output_backlog is not None and max_output_backlog < 2:
             raise ValueError(f"max_output_backlog must be >= 2 or None, got {max_output_backlog}")
         #: The output backlog's high-water mark (None: unbounded); see the class docstring.
@@ -169,10 +171,10 @@ class MPClient:
         self.engine_args = dict(engine_args or {})
         self.engine_options = engine_options
         self.ready_timeout = ready_timeout
-        self.encoder = Encoder(protocol=self.protocol)
+        self.encoder = Encoder(release=self.release)
         # None for 0.25.1: its requests go out as given, with no per-request cost.
-        self._write_request = request_writer(self.protocol)
-        self._write_utility_args = utility_args_writer(self.protocol)
+        self._write_request = request_writer(self.release)
+        self._write_utility_args = utility_args_writer(self.release)
         self.decoder = self._make_output_decoder()
         ctx = zmq.Context(io_threads=1)
         self.ctx = ctx
@@ -210,7 +212,7 @@ class MPClient:
     def _make_output_decoder(self) -> Any:
         """The decoder of this client's output frames (a front-end adapter may configure
         its own, e.g. stats types)."""
-        return make_output_decoder(self.protocol)
+        return make_output_decoder(self.release)
 
     def _launch_engines(self, engine_main: str | Callable[..., Any], external: bool) -> None:
         """Start the engines, once the sockets are bound and before the ready wait.
@@ -246,7 +248,7 @@ class MPClient:
     def _engine_process_kwargs(self, index: int) -> dict[str, Any]:
         """Keyword arguments of engine ``index``'s process target (DP adds its own).
 
-        A client of another protocol than the default passes it on (``protocol=``), so
+        A client of another protocol than the default passes it on (``release=``), so
         that the engines it starts speak it; a default client passes nothing, as before
         (a process target of its own need not take the argument)."""
         kwargs = {
@@ -258,8 +260,8 @@ class MPClient:
             "parent_pid": os.getpid(),
             **self.engine_options,
         }
-        if self.protocol != releases.DEFAULT:
-            kwargs["protocol"] = self.protocol
+        if self.release != releases.DEFAULT:
+            kwargs["release"] = self.release
         return kwargs
 
     def _start_engine_processes(

@@ -11,9 +11,9 @@ A data-parallel (DP) group is N engine processes run by one DP coordinator
   coordinator's publications, in a task started lazily on first use
   (``corewire-dp-stats-task``);
 - stamp ``client_index`` and ``current_wave`` on every request, and, with
-  ``protocol="0.25.1"``, send the coordinator a first-request notice ``[engine_index,
+  ``release="0.25.1"``, send the coordinator a first-request notice ``[engine_index,
   current_wave]`` when they put a request on an engine while the group is paused, so
-  the other engines wake (START_DP_WAVE). With ``protocol="0.33.0"`` they send none: in
+  the other engines wake (START_DP_WAVE). With ``release="0.33.0"`` they send none: in
   vLLM 0.33.0 the engines start waves themselves (an idle engine that gets a request
   asks its coordinator), and 0.33.0's coordinator logs an error for such a notice;
 - fan utility calls out to every engine they own and return engine 0's result
@@ -214,7 +214,7 @@ class DPAsyncMPClient(AsyncMPClient):
         self._coordinator: DPCoordinator | None = None
         if coordinator_addresses is None:
             self._coordinator = self._start_coordinator(
-                data_parallel_size, curve_keys, kwargs.get("protocol")
+                data_parallel_size, curve_keys, kwargs.get("release")
             )
             coordinator_addresses = self._coordinator.addresses
         #: Where this group's coordinator listens (give it to the other front-ends).
@@ -224,9 +224,9 @@ class DPAsyncMPClient(AsyncMPClient):
         self.engines_running = False
         #: ``[waiting, running]`` per engine this front-end routes to, from the coordinator
         #: (``[waiting, running, kv_cache_usage]`` from vLLM 0.33.0's, and before the
-        #: first publication when ``protocol="0.33.0"``, as vLLM 0.33.0's client).
+        #: first publication when ``release="0.33.0"``, as vLLM 0.33.0's client).
         self._idle_counts: list[Any] = (
-            [0, 0, 0.0] if get_release(kwargs.get("protocol")).counts_carry_kv_usage else [0, 0]
+            [0, 0, 0.0] if get_release(kwargs.get("release")).counts_carry_kv_usage else [0, 0]
         )
         self.lb_engines: list[list[Any]] = [list(self._idle_counts) for _ in engine_indices]
         self._stats_socket: Any = None
@@ -239,7 +239,7 @@ class DPAsyncMPClient(AsyncMPClient):
                 self._coordinator.shutdown()
             raise
         # vLLM 0.33.0's front-ends send none (its engines start the waves).
-        self._first_request_notices = not self.protocol.engine_led_waves
+        self._first_request_notices = not self.release.engine_led_waves
         if self._coordinator is not None:
             # Watched and stopped with the engines: its death kills the client too.
             self.resources.processes.set_coordinator(self._coordinator)
@@ -258,11 +258,11 @@ class DPAsyncMPClient(AsyncMPClient):
             )
 
     def _start_coordinator(
-        self, size: int, curve_keys: str | None, protocol: str | None
+        self, size: int, curve_keys: str | None, release: str | None
     ) -> DPCoordinator:
         """Start the group's coordinator (this is the first front-end), with the TCP
         endpoints of ``data_parallel_address`` for engines on other hosts, publishing in
-        ``protocol``'s shape (called before the client's own attributes are set)."""
+        ``release``'s shape (called before the client's own attributes are set)."""
         remote = None
         if self._tcp is not None:
             remote = (self._tcp.coordinator_stats, self._tcp.coordinator_publish)
@@ -270,7 +270,7 @@ class DPAsyncMPClient(AsyncMPClient):
             size,
             remote=remote,
             curve_server_dir=curve_keys if self._server_keys is not None else None,
-            protocol=protocol,
+            release=release,
         )
 
     @staticmethod
@@ -580,7 +580,7 @@ class DPLBAsyncMPClient(DPAsyncMPClient):
     ``client_count``, the front-ends routing over the same engines, and the rotation of
     ties starting at this client's share of them, as vLLM's client routes; see
     :class:`corewire._native.Router`); an explicit ``data_parallel_rank`` wins. With
-    ``protocol="0.33.0"`` the waiting requests of an engine whose KV cache is more than
+    ``release="0.33.0"`` the waiting requests of an engine whose KV cache is more than
     half full weigh more, and a streaming session's inputs stay on one engine, as in vLLM
     0.33.0 (:mod:`corewire.client.dp_counts`, :meth:`get_core_engine_for_request`).
     Aborts go to the engine holding the request. :meth:`scale_elastic_ep` grows or
@@ -606,7 +606,7 @@ class DPLBAsyncMPClient(DPAsyncMPClient):
         kwargs.setdefault("include_finished_set", True)
         #: Request id -> index of the engine holding it (for aborts).
         self.reqs_in_flight: dict[str, int] = {}
-        #: Open streaming-input sessions (``resumable`` requests; ``protocol="0.33.0"``
+        #: Open streaming-input sessions (``resumable`` requests; ``release="0.33.0"``
         #: only), whose aborts go to every engine.
         self.streaming_reqs: set[str] = set()
         # Every front-end routing over these engines (vLLM's API servers) starts at its
@@ -623,7 +623,7 @@ class DPLBAsyncMPClient(DPAsyncMPClient):
         super().__init__(data_parallel_size=data_parallel_size, **kwargs)
         # vLLM 0.33.0's KV-pressure rule (the counts carry kv_cache_usage from then on)
         # and its streaming-session affinity.
-        rules = self.protocol
+        rules = self.release
         self._kv_pressure = rules.kv_pressure_routing
         self._sessions = rules.session_affinity
 
@@ -646,7 +646,7 @@ class DPLBAsyncMPClient(DPAsyncMPClient):
         """Route ``request`` (least loaded, or its ``data_parallel_rank``) and remember
         which engine holds it.
 
-        With ``protocol="0.33.0"``, as vLLM 0.33.0: a request whose id is in flight (the
+        With ``release="0.33.0"``, as vLLM 0.33.0: a request whose id is in flight (the
         next input of a streaming session) goes to the engine that holds it, and a
         ``resumable`` request opens (a final, non-resumable one closes) a session in
         :attr:`streaming_reqs`. A late-interaction pooling request goes to the engine its
@@ -691,7 +691,7 @@ class DPLBAsyncMPClient(DPAsyncMPClient):
 
     async def abort_requests_async(self, request_ids: list[str]) -> None:
         """Abort requests by id, each on the engine that holds it; unknown ids (already
-        finished) are skipped. An open streaming session (``protocol="0.33.0"``) is
+        finished) are skipped. An open streaming session (``release="0.33.0"``) is
         aborted on every engine, as vLLM 0.33.0 does: an input in flight when the session
         ended may have opened it again anywhere."""
         if not request_ids or self.resources.engine_dead:
@@ -872,7 +872,7 @@ class DPLBAsyncMPClient(DPAsyncMPClient):
         outputs = finished_outputs(leftovers, FinishReason.ABORT, engine_index=min(removed))
         # The consumer reads this release's fields (weight_version, error...): the same
         # conversion an engine of this release applies to what it sends.
-        to_wire = output_converter(self.protocol)
+        to_wire = output_converter(self.release)
         self.outputs_queue.put_nowait(outputs if to_wire is None else to_wire(outputs))
 
 

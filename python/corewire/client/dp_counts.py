@@ -7,7 +7,7 @@ engine in rank order (or nil when only the wave state changed). An entry is
 read, whatever the client's protocol.
 
 :func:`router_counts` turns them into the ``[waiting, running]`` pairs the router takes.
-Under ``protocol="0.33.0"`` it applies vLLM 0.33.0's KV-pressure rule: an engine's
+Under ``release="0.33.0"`` it applies vLLM 0.33.0's KV-pressure rule: an engine's
 waiting requests count ``6 * max(0, kv_cache_usage - 0.5)`` times more (none at half
 usage or less, three times more when the KV cache is full), because a queue on a
 KV-bound engine drains slowly (docs/vllm-0.33.0-notes.md §6.2). The rest of vLLM

@@ -13,7 +13,7 @@ handshake and learns the addresses from the front-end (:mod:`corewire.engine.han
 
     corewire engine --handshake-address tcp://127.0.0.1:PORT --engine-index 0
 
-``--protocol`` names the vLLM version whose wire the engine speaks: ``0.25.1`` (the
+``--release`` names the vLLM release whose wire the engine speaks: ``0.25.1`` (the
 default) or ``0.33.0``. Nothing on the wire tells them apart (a 0.33.0 front-end refuses
 a 0.25.1 ready response, and each version misreads the other's outputs), so it must match
 the front-end's vLLM.
@@ -75,10 +75,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="JSON object of keyword arguments for the engine's constructor",
     )
     parser.add_argument(
+        "--release",
+        # The option's name before 0.2, still taken.
         "--protocol",
+        dest="release",
         choices=releases.SUPPORTED,
         default=releases.DEFAULT,
-        help=f"the vLLM version whose engine-core wire to speak (default {releases.DEFAULT})",
+        help=f"the vLLM release whose engine-core wire to speak (default {releases.DEFAULT};"
+        " --protocol is its deprecated name)",
     )
     parser.add_argument(
         "--parent-pid",
@@ -121,7 +125,7 @@ def run(args: argparse.Namespace) -> int:
         engine_index=args.engine_index,
         engine=args.engine,
         engine_args=args.engine_args,
-        protocol=args.protocol,
+        release=args.release,
         **addresses,
     )
     return serve_engine(launch, parent_pid=args.parent_pid)
@@ -149,7 +153,7 @@ def _join(args: argparse.Namespace) -> int:
         parent_pid=args.parent_pid,
         data_parallel_size=args.data_parallel_size,
         handshake_timeout_s=DEFAULT_HANDSHAKE_TIMEOUT_S if timeout is None else timeout,
-        protocol=args.protocol,
+        release=args.release,
     )
 
 

@@ -123,7 +123,7 @@ class EngineCoreProc(InputThread, OutputThread, UtilityAnswers):
     a requested stop first finishes the requests in flight with ABORT and then sends
     ENGINE_CORE_DEAD (for front-ends that cannot take a stopped engine back).
 
-    ``protocol`` is the vLLM version whose wire the engine speaks (any release of
+    ``release`` is the vLLM version whose wire the engine speaks (any release of
     ``corewire.releases.SUPPORTED``, default ``corewire.releases.DEFAULT``: the installed
     vLLM's release, else the newest; nothing on the wire names
     it, so it is told): requests are
@@ -166,18 +166,19 @@ class EngineCoreProc(InputThread, OutputThread, UtilityAnswers):
         linger_ms: int = 5000,
         dp_stats_address: str | None = None,
         stop_notice: bool = False,
+        release: str | None = None,
         protocol: str | None = None,
     ) -> None:
         if not 0 <= engine_index < 1 << 16:
             raise ValueError(f"engine_index must fit in 2 bytes, got {engine_index}")
         #: The vLLM version whose wire this engine speaks (``corewire.releases``).
-        self.protocol = releases.get(protocol)
+        self.release = releases.get(releases.named(release, protocol, type(self).__name__))
         # Converts each queued message into the protocol's layout on the output thread
         # (None: engines' structs are that layout already, nothing to do).
-        self._to_wire = output_converter(self.protocol)
+        self._to_wire = output_converter(self.release)
         # Whether step messages carry a weight version (a release whose EngineCoreOutputs
         # has the field: 0.33.0 on).
-        self._stamps_weight_version = self.protocol.weight_versions
+        self._stamps_weight_version = self.release.weight_versions
         #: What a step's messages carry as ``weight_version`` (0.33.0 on; set by the
         #: ``set_weight_version`` utility).
         self.weight_version = DEFAULT_WEIGHT_VERSION
@@ -207,12 +208,12 @@ class EngineCoreProc(InputThread, OutputThread, UtilityAnswers):
         self._utility_defaults = UtilityDefaults(engine)
         # The utilities a 0.33.0-on front-end calls that need this proc's own state, and
         # their names (RELEASE_UTILITIES says which).
-        utilities = self.protocol.choose(RELEASE_UTILITIES)
-        self._protocol_utilities = None if utilities is None else utilities(self)
-        self._protocol_utility_names = (
+        utilities = self.release.choose(RELEASE_UTILITIES)
+        self._release_utilities = None if utilities is None else utilities(self)
+        self._release_utility_names = (
             frozenset()
-            if self._protocol_utilities is None
-            else utility_names(type(self._protocol_utilities))
+            if self._release_utilities is None
+            else utility_names(type(self._release_utilities))
         )
         #: Set once the ready response went out on every request link.
         self.ready_event = threading.Event()
@@ -248,7 +249,7 @@ class EngineCoreProc(InputThread, OutputThread, UtilityAnswers):
         self._pending_finished: set[str] = set()
         # request id -> client index, only kept when there are several client sockets.
         self._request_clients: dict[str, int] = {}
-        self._utility_encoder = Encoder(protocol=self.protocol)
+        self._utility_encoder = Encoder(release=self.release)
         # Utility futures completed on the busy-loop thread (e.g. inside step()) reply
         # only after the outputs of that step, which the front-end must see first.
         self._loop_thread_id: int | None = None
@@ -590,7 +591,7 @@ class EngineCoreProc(InputThread, OutputThread, UtilityAnswers):
 
     def _refusing_new_requests(self) -> bool:
         """Whether new ADDs are refused as paused (0.33.0's ``pause_generation``)."""
-        utilities = self._protocol_utilities
+        utilities = self._release_utilities
         return utilities is not None and utilities.refuse_new_requests
 
     def _check_limits(self, request: EngineCoreRequest) -> str | None:
@@ -642,7 +643,7 @@ class EngineCoreProc(InputThread, OutputThread, UtilityAnswers):
         self._send_outputs(
             self._outputs(
                 outputs=[
-                    finish_output(self.protocol, request_id, FinishReason.ERROR, reason, error)
+                    finish_output(self.release, request_id, FinishReason.ERROR, reason, error)
                 ],
                 # Always named, as vLLM's engines name a refused request whatever
                 # include_finished_set says (vLLM 0.33.0's output handler needs it).

@@ -68,7 +68,7 @@ class InputThread:
         """The ready response, sent once on each request link when it is connected, in
         the keys this engine's protocol asks for (``ready_layouts.ready_response_for``)."""
         return ready_layouts.ready_response_for(
-            self.protocol,
+            self.release,
             self.engine_info,
             engine_index=self.engine_index,
             data_parallel_size=self.data_parallel_size,
@@ -150,7 +150,7 @@ class _InputDecoder:
         self._queue_put = proc.input_queue.put
         self._qsize = proc.input_queue.qsize
         # The protocol's request layout (0.33.0 appends fields, and its LoRA differs).
-        self._add_decoder = request_decoder(proc.protocol, for_engine=True)
+        self._add_decoder = request_decoder(proc.release, for_engine=True)
         self._any_decoder = MsgspecDecoder()
         self._log = proc._malformed_log
         self._max_model_len = proc.engine_info.max_model_len

@@ -161,7 +161,7 @@ class OutputThread:
         until then it waits in ``in_flight`` together with its frames (which keep the
         aux arrays alive too).
         """
-        encoder = Encoder(protocol=self.protocol)
+        encoder = Encoder(release=self.release)
         to_wire = self._to_wire
         free: list[bytearray] = []
         in_flight: collections.deque[tuple[zmq.MessageTracker, bytearray, list[Any]]] = (

@@ -93,8 +93,8 @@ class UtilityAnswers:
     def _resolve_utility(self, method: str) -> Any:
         if method in self.PROC_UTILITIES:
             return getattr(self, method)
-        if method in self._protocol_utility_names:
-            return getattr(self._protocol_utilities, method)
+        if method in self._release_utility_names:
+            return getattr(self._release_utilities, method)
         return self._engine_utility(method)
 
     def _engine_utility(self, method: str) -> Any:
@@ -123,7 +123,7 @@ class UtilityAnswers:
         """Encode a utility reply now (so that an unsendable result becomes a failure
         reply naming the method) and queue the frames."""
         # Future callbacks run on arbitrary threads; the shared encoder is not reentrant.
-        encoder = Encoder(protocol=self.protocol) if fresh else self._utility_encoder
+        encoder = Encoder(release=self.release) if fresh else self._utility_encoder
         wire = self._wire_message
         if failure is not None:
             frames = encoder.encode(wire(self._utility_failure(call_id, method, failure)))

@@ -166,7 +166,7 @@ class DPEngineCoreProc(EngineCoreProc):
     # ------------------------------------------------------------------ requests
 
     def _handle_add(self, request: EngineCoreRequest) -> None:
-        if self.protocol.engine_led_waves:
+        if self.release.engine_led_waves:
             self._handle_add_engine_led(request)
             return
         if request.current_wave != self.current_wave:
@@ -238,7 +238,7 @@ class DPEngineCoreProc(EngineCoreProc):
             "current_wave": self.current_wave,
             "step_counter": self.step_counter,
         }
-        if self.protocol.counts_carry_kv_usage:
+        if self.release.counts_carry_kv_usage:
             counts["kv_cache_usage"] = float((stats or {}).get("kv_cache_usage", 0.0))
         return counts
 

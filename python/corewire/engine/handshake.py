@@ -9,7 +9,7 @@ for N remote engines. Each corewire engine joins it with::
         [--engine module:Class] [--engine-args JSON] [--data-parallel-size N]
 
 and then serves requests like any vLLM engine core. A vLLM 0.33.0 front-end does the same
-handshake; its engines need ``--protocol 0.33.0`` (the handshake does not tell the
+handshake; its engines need ``--release 0.33.0`` (the handshake does not tell the
 version, and 0.33.0's front-end refuses a 0.25.1 ready response). Start order does not
 matter: the engine's HELLO waits in ZeroMQ until the front-end listens (up to
 ``--handshake-timeout`` seconds for the front-end's answer).
@@ -193,11 +193,11 @@ def _build_proc(
     meta: HandshakeMetadata,
     engine_index: int,
     data_parallel_size: int,
-    protocol: str | None = None,
+    release: str | None = None,
 ) -> EngineCoreProc:
     common: dict[str, Any] = {
         "engine_index": engine_index,
-        "protocol": protocol,
+        "release": release,
         "input_address": meta.inputs,
         "output_address": meta.outputs,
         "dp_stats_address": meta.frontend_stats_publish_address,
@@ -240,13 +240,13 @@ def join_frontend(
     parent_pid: int | None = None,
     data_parallel_size: int = 1,
     handshake_timeout_s: float = DEFAULT_HANDSHAKE_TIMEOUT_S,
-    protocol: str | None = None,
+    release: str | None = None,
     on_built: Callable[[Any], None] | None = None,
 ) -> int:
     """Join the vLLM front-end whose handshake ROUTER is at ``handshake_address`` and
     serve until stopped; return the exit status (0 clean stop, 1 failure).
 
-    ``data_parallel_size`` is only reported in the ready response; ``protocol`` is the
+    ``data_parallel_size`` is only reported in the ready response; ``release`` is the
     front-end's vLLM wire version (the handshake does not tell it). ``on_built`` is
     given the engine core once it is built, before it runs (to stop it from another
     thread: a Ray actor's). See the module docstring for the steps and their order.
@@ -268,7 +268,7 @@ def join_frontend(
                 "step in lockstep through torch collectives; corewire engines can join "
                 "front-ends of other models only"
             )
-        proc = _build_proc(built, meta, engine_index, data_parallel_size, protocol)
+        proc = _build_proc(built, meta, engine_index, data_parallel_size, release)
         if on_built is not None:
             on_built(proc)
     except Exception:

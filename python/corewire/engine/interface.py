@@ -103,7 +103,7 @@ class Engine(abc.ABC):
     ``profile(is_start, profile_prefix)``, LoRA ...) take vLLM's argument lists; those an
     engine does not define are answered by
     :class:`~corewire.engine.utilities.UtilityDefaults` (no-ops, "no", or a clear
-    "not supported" failure). Behind a vLLM 0.33.0 front-end (``protocol="0.33.0"``)
+    "not supported" failure). Behind a vLLM 0.33.0 front-end (``release="0.33.0"``)
     the engine core answers that version's new calls itself and hands the engine its
     part (:mod:`corewire.engine.utilities_0_33_0`): ``pause_generation`` calls
     ``pause_scheduler``, ``profile`` passes 0.33.0's five arguments only to a method

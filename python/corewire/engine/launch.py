@@ -18,6 +18,7 @@ import time
 from dataclasses import dataclass, field, fields
 from typing import Any
 
+from corewire import releases
 from corewire.engine.core import EngineCoreProc
 from corewire.engine.interface import Engine
 from corewire.engine.startup import REQUIRED_METHODS, report_startup_error, split_engine_spec
@@ -80,7 +81,7 @@ class EngineLaunch:
     ``engine_index``: its index in the group; ``input_address`` / ``output_address``: the
     front-end's request and output endpoints (a list: one per front-end); ``engine``: the
     engine class as ``"module:Class"`` (None: the reference engine); ``engine_args``: its
-    constructor's keyword arguments; ``protocol``: the vLLM release whose wire it speaks
+    constructor's keyword arguments; ``release``: the vLLM release whose wire it speaks
     (None: ``corewire.releases.DEFAULT``); ``dp_options``: the data-parallel engine core's
     further arguments (none: a plain engine core).
     """
@@ -90,7 +91,7 @@ class EngineLaunch:
     output_address: str | list[str]
     engine: str | None = None
     engine_args: dict[str, Any] | None = None
-    protocol: str | None = None
+    release: str | None = None
     dp_options: dict[str, Any] = field(default_factory=dict)
 
     @classmethod
@@ -98,6 +99,11 @@ class EngineLaunch:
         """The launch the keyword arguments of :func:`run_engine_core` describe (the
         process target's contract): the named fields, every other keyword a DP option."""
         named = {f.name for f in fields(cls)} - {"dp_options"}
+        if "protocol" in options:
+            # The deprecated name of ``release`` (a caller's engine-main contract).
+            options = dict(options)
+            protocol = options.pop("protocol")
+            options["release"] = releases.named(options.get("release"), protocol, "run_engine_core")
         return cls(
             **{k: v for k, v in options.items() if k in named},
             dp_options={k: v for k, v in options.items() if k not in named},
@@ -133,7 +139,7 @@ def build_proc(launch: EngineLaunch) -> EngineCoreProc:
         engine_index=launch.engine_index,
         input_address=launch.input_address,
         output_address=launch.output_address,
-        protocol=launch.protocol,
+        release=launch.release,
         **launch.dp_options,
     )
 
@@ -169,10 +175,11 @@ def run_engine_core(*, parent_pid: int | None = None, **options: Any) -> None:
 
     ``options``: the fields of :class:`EngineLaunch` as keyword arguments (``engine_index``,
     ``input_address``, ``output_address``, and optionally ``engine``, ``engine_args``,
-    ``protocol``), every other keyword a DP option for the data-parallel proc class:
-    the contract every engine-main callable a client is given shares. Blocks until the
-    engine stops; exits the process with status 1 on a fatal error. ``parent_pid``
-    defaults to this process's parent: the engine stops when it dies.
+    ``release``; ``protocol`` is its deprecated name), every other keyword a DP option
+    for the data-parallel proc class: the contract every engine-main callable a client is
+    given shares. Blocks until the engine stops; exits the process with status 1 on a
+    fatal error. ``parent_pid`` defaults to this process's parent: the engine stops when
+    it dies.
     """
     status = serve_engine(
         EngineLaunch.of(**options),

@@ -134,7 +134,7 @@ class ReadyFacts:
 
 
 def ready_response_for(
-    protocol: str | None,
+    release: str | None,
     info: EngineInfo,
     *,
     engine_index: int,
@@ -142,7 +142,7 @@ def ready_response_for(
     dp_stats_address: str | None = None,
     facts: ReadyFacts | None = None,
 ) -> dict[str, Any]:
-    """The ready map a ``protocol`` front-end accepts, for an engine described by ``info``.
+    """The ready map a ``release`` front-end accepts, for an engine described by ``info``.
 
     0.25.1 (and ``None``, the default version): exactly
     ``corewire.engine.ready.ready_response``. 0.33.0: :class:`ReadyResponse0330`'s 28
@@ -151,8 +151,8 @@ def ready_response_for(
     release: the keys of its own ``EngineCoreReadyResponse`` (its record), in its order,
     those 0.33.0 has from them and the rest at the release's defaults.
     """
-    protocol = releases.get(protocol)
-    if protocol.speaks_protocol_structs:
+    release = releases.get(release)
+    if release.speaks_protocol_structs:
         return ready_response(
             info,
             engine_index=engine_index,
@@ -167,7 +167,7 @@ def ready_response_for(
         block_size=info.block_size,
         dp_stats_address=dp_stats_address,
         dtype=info.dtype,
-        vllm_version=protocol.name,
+        vllm_version=release.name,
         world_size=info.world_size,
         data_parallel_size=data_parallel_size,
         tensor_parallel_size=facts.tensor_parallel_size,
@@ -191,7 +191,7 @@ def ready_response_for(
         coordinator_input_address=facts.coordinator_input_address,
         coordinator_output_address=facts.coordinator_output_address,
     )
-    out = _in_release_layout(msgspec.structs.asdict(response), protocol)
+    out = _in_release_layout(msgspec.structs.asdict(response), release)
     # corewire's own: who is ready (vLLM's front-end ignores unknown keys).
     out.update(status="READY", engine_index=engine_index, pid=os.getpid())
     return out

@@ -13,7 +13,7 @@ as identity, PUSH for outputs), sends its ready message, and then:
 - utility ``echo(x)`` returns ``x``; ``is_sleeping`` returns False; others fail with the
   protocol's failure text.
 
-``protocol`` (``engine_args`` never holds it; it is the process target's own option,
+``release`` (``engine_args`` never holds it; it is the process target's own option,
 default 0.25.1) is the vLLM version whose wire it speaks: that version's ready response,
 requests and output layout (0.33.0: ``weight_version`` ``"default"`` on every step's
 message, as :mod:`corewire.wire.outputs` converts them).
@@ -71,10 +71,10 @@ __all__ = [
 _PARENT_POLL_MS = 200
 
 
-def replay_frame(batch: int, engine_index: int = 0, protocol: str | None = None) -> bytes:
+def replay_frame(batch: int, engine_index: int = 0, release: str | None = None) -> bytes:
     """One encoded ``EngineCoreOutputs`` with ``batch`` outputs of one new token each
     (every eighth request finishing), like a decode step of a busy engine, in
-    ``protocol``'s layout (None: 0.25.1)."""
+    ``release``'s layout (None: 0.25.1)."""
     outputs = [
         EngineCoreOutput(
             request_id=f"cmpl-{i:08x}-0",
@@ -84,10 +84,10 @@ def replay_frame(batch: int, engine_index: int = 0, protocol: str | None = None)
         for i in range(batch)
     ]
     message: Any = engine_outputs(engine_index, outputs=outputs)
-    to_wire = output_converter(protocol)
+    to_wire = output_converter(release)
     if to_wire is not None:
         message = to_wire(StepOutputs(message, DEFAULT_WEIGHT_VERSION))
-    frames = Encoder(protocol=protocol).encode(message)
+    frames = Encoder(release=release).encode(message)
     return bytes(frames[0])
 
 
@@ -131,14 +131,14 @@ class EngineLink:
         input_address: str,
         output_address: str,
         parent_pid: int | None = None,
-        protocol: str | None = None,
+        release: str | None = None,
     ) -> None:
         self.engine_index = engine_index
         self.parent_pid = parent_pid
         #: The vLLM wire version this link speaks.
-        self.wire_protocol = releases.get(protocol)
+        self.wire_release = releases.get(release)
         # None for 0.25.1: messages go out as built.
-        self._to_wire = output_converter(self.wire_protocol)
+        self._to_wire = output_converter(self.wire_release)
         self.ctx = zmq.Context(io_threads=1)
         unbounded = ((zmq.SNDHWM, 0), (zmq.RCVHWM, 0))
         try:
@@ -158,13 +158,13 @@ class EngineLink:
         except BaseException:
             self.ctx.term()
             raise
-        self.encoder = Encoder(protocol=self.wire_protocol)
+        self.encoder = Encoder(release=self.wire_release)
 
     def send_ready(self) -> None:
         """The one ready message, on the requests link: a complete ready response (of
         the link's protocol), so that vLLM's own client (which decodes it strictly) can
         drive this engine too."""
-        ready = ready_response_for(self.wire_protocol, EngineInfo(), engine_index=self.engine_index)
+        ready = ready_response_for(self.wire_release, EngineInfo(), engine_index=self.engine_index)
         self.requests.send(msgspec.msgpack.encode(ready))
 
     def parent_alive(self) -> bool:
@@ -230,7 +230,7 @@ class ReplayEngine:
         #: request id -> [tokens sent, max_tokens]
         self.running: dict[str, list[int]] = {}
         self._decode_request = request_decoder(
-            getattr(link, "wire_protocol", None), for_engine=True
+            getattr(link, "wire_release", None), for_engine=True
         ).decode
         #: Work to do right after the current utility reply is sent.
         self._after_reply: Any = None
@@ -323,8 +323,8 @@ class ReplayEngine:
     def utility_replay(self, batch: int, count: int) -> int:
         """After the reply, push ``count`` frames of ``batch`` outputs; returns the
         frame's size in bytes."""
-        protocol = getattr(self.link, "wire_protocol", None)
-        return self.push_after_reply(replay_frame(batch, self.link.engine_index, protocol), count)
+        release = getattr(self.link, "wire_release", None)
+        return self.push_after_reply(replay_frame(batch, self.link.engine_index, release), count)
 
     def push_after_reply(self, frame: bytes, count: int) -> int:
         """Right after the current utility reply, push ``frame`` ``count`` times as fast
@@ -347,15 +347,15 @@ def run_replay_engine(
     engine: str | None = None,
     engine_args: dict[str, Any] | None = None,
     parent_pid: int | None = None,
-    protocol: str | None = None,
+    release: str | None = None,
     **_options: Any,
 ) -> None:
     """Process target (``engine_main``) running a :class:`ReplayEngine`.
 
-    ``engine`` is ignored; ``engine_args`` may set ``step_delay``; ``protocol`` is the
+    ``engine`` is ignored; ``engine_args`` may set ``step_delay``; ``release`` is the
     vLLM wire version (None: 0.25.1).
     """
-    link = EngineLink(engine_index, input_address, output_address, parent_pid, protocol)
+    link = EngineLink(engine_index, input_address, output_address, parent_pid, release)
     try:
         ReplayEngine(link, **(engine_args or {})).serve()
     finally:

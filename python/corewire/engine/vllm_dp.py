@@ -19,7 +19,7 @@ coordinator expects of an engine:
 - Finished and aborted request ids go out in ``finished_requests`` (vLLM's load-balancing
   client forgets its routing entry for a request by them).
 
-Under vLLM 0.33.0 (``protocol="0.33.0"``) the reports are what 0.33.0's own engines for
+Under vLLM 0.33.0 (``release="0.33.0"``) the reports are what 0.33.0's own engines for
 non-MoE models send: ``SchedulerStats(num_running_reqs, num_waiting_reqs,
 kv_cache_usage)`` whenever ``(running, waiting)`` changed (``kv_cache_usage`` from the
 engine's ``scheduler_stats()``, 0.0 without it), no wave or step; the coordinator
@@ -152,7 +152,7 @@ class VllmDPEngineCoreProc(EngineCoreProc):
             return
         waiting = int(stats.get("num_waiting_reqs", 0))
         running = int(stats.get("num_running_reqs", 0))
-        if not self.protocol.counts_carry_kv_usage:
+        if not self.release.counts_carry_kv_usage:
             counts: tuple[int, ...] = (waiting, running, self.current_wave)
             report = {
                 "num_running_reqs": running,

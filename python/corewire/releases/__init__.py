@@ -30,6 +30,7 @@ from __future__ import annotations
 import importlib.metadata
 import importlib.util
 import logging
+import warnings
 from typing import Any
 
 from corewire.releases import records
@@ -54,6 +55,7 @@ __all__ = [
     "installed",
     "installed_vllm_version",
     "is_newer_than_tested",
+    "named",
     "unsupported_protocol",
 ]
 
@@ -160,17 +162,31 @@ def unsupported_protocol(version: object, what: str = "protocol") -> Unsupported
     )
 
 
-def get(protocol: str | None) -> Release:
-    """The release ``protocol`` names (``None``: :data:`DEFAULT`; a :class:`Release` is
+def get(release: str | None) -> Release:
+    """The release ``release`` names (``None``: :data:`DEFAULT`; a :class:`Release` is
     returned as it is), or raise :class:`UnsupportedProtocolError`."""
-    if protocol is None:
-        return DEFAULT
-    if isinstance(protocol, Release):
-        return protocol
-    release = _RELEASES.get(protocol) if isinstance(protocol, str) else None
     if release is None:
-        raise unsupported_protocol(protocol)
-    return release
+        return DEFAULT
+    if isinstance(release, Release):
+        return release
+    found = _RELEASES.get(release) if isinstance(release, str) else None
+    if found is None:
+        raise unsupported_protocol(release)
+    return found
+
+
+def named(release: str | None, protocol: str | None, where: str) -> str | None:
+    """The release a caller of ``where`` named: ``release=``, or the deprecated
+    ``protocol=`` keyword (its earlier name, which meant a vLLM release too), which warns
+    with ``DeprecationWarning``. Both, naming different releases, is a ``TypeError``."""
+    if protocol is None:
+        return release
+    warnings.warn(
+        f"{where}(protocol=...) is deprecated: pass release=", DeprecationWarning, stacklevel=3
+    )
+    if release is not None and str(release) != str(protocol):
+        raise TypeError(f"{where} got release={release!r} and protocol={protocol!r}")
+    return protocol
 
 
 def for_vllm(version: str) -> Release:

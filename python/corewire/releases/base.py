@@ -38,7 +38,7 @@ class Release(str):
 
     A release *is* its version string (``"0.33.0"``: a ``str`` subclass), because that is
     how the wire itself names it (the ready response's ``vllm_version``) and how callers
-    choose one (``protocol="0.33.0"``); everything else about it is an attribute. Code
+    choose one (``release="0.33.0"``); everything else about it is an attribute. Code
     outside :mod:`corewire.releases` reads those attributes and never compares version
     strings: a further release is one more class here (or none at all, when only its
     struct layouts changed) and, where a layer's code differs for it, one more entry in

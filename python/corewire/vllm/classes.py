@@ -27,7 +27,7 @@ from corewire.client.async_client import AsyncMPClient
 from corewire.client.dp import DPAsyncMPClient, DPLBAsyncMPClient
 from corewire.releases import Release
 from corewire.releases import get as get_release
-from corewire.vllm.client import INSTALLED_PROTOCOL, VllmClientMixin
+from corewire.vllm.client import INSTALLED_RELEASE, VllmClientMixin
 from corewire.vllm.dp_client import VllmDPMixin
 from corewire.vllm.v0_33_0 import Members0330
 from corewire.vllm.v0_34_0 import Members0340
@@ -92,10 +92,10 @@ def client_class(release: Release, kind: str) -> type:
     )
 
 
-def client_classes(protocol: str) -> dict[str, type]:
-    """corewire's client classes for the ``AsyncLLM`` of vLLM release ``protocol``, by
+def client_classes(release: str) -> dict[str, type]:
+    """corewire's client classes for the ``AsyncLLM`` of vLLM release ``release``, by
     kind: ``"plain"``, ``"dp"`` (external load balancing) and ``"dplb"`` (internal)."""
-    release = get_release(protocol)
+    release = get_release(release)
     return {kind: client_class(release, kind) for kind in KINDS}
 
 
@@ -123,7 +123,7 @@ def make_async_mp_client(
         return vllm_factory(*args, **({} if renderer is None else {"renderer": renderer}))
     if declined is not None:
         raise ValueError(f"corewire's engine-core client cannot serve here: {declined}")
-    classes = client_classes(INSTALLED_PROTOCOL)
+    classes = client_classes(INSTALLED_RELEASE)
     parallel_config = vllm_config.parallel_config
     if parallel_config.data_parallel_size > 1:
         kind = "dp" if parallel_config.data_parallel_external_lb else "dplb"
@@ -135,7 +135,7 @@ def make_async_mp_client(
     logger.info(
         "corewire: vLLM's AsyncLLM uses corewire's engine-core client %s (vLLM %s)",
         type(client).__name__,
-        INSTALLED_PROTOCOL,
+        INSTALLED_RELEASE,
     )
     return client
 

@@ -59,7 +59,7 @@ from corewire.vllm.frontend import frontend_for
 from corewire.vllm.multimodal import multimodal_encoder_for
 
 __all__ = [
-    "INSTALLED_PROTOCOL",
+    "INSTALLED_RELEASE",
     "EngineDeadError",
     "VllmArgs",
     "VllmClientMixin",
@@ -79,7 +79,7 @@ VLLM_TERMINATE_GRACE_S = 5.0
 
 
 #: The wire of the installed vLLM (refused at import when corewire does not speak it).
-INSTALLED_PROTOCOL = releases.installed(vllm)
+INSTALLED_RELEASE = releases.installed(vllm)
 
 
 class EngineDeadError(corewire.errors.EngineDeadError, _VllmEngineDeadError):
@@ -105,12 +105,12 @@ class _ConfigHolder:
         self.vllm_config = vllm_config
 
 
-def make_output_decoder(protocol: str | None = None) -> NativeDecoder:
-    """The native decoder of ``protocol`` (default: the installed vLLM's) as vLLM's
+def make_output_decoder(release: str | None = None) -> NativeDecoder:
+    """The native decoder of ``release`` (default: the installed vLLM's) as vLLM's
     front-end needs it: stats maps become vLLM's ``PrefillStats`` / ``SchedulerStats``
     (nested stats included), all else as usual."""
     return native_decoder(
-        protocol or INSTALLED_PROTOCOL,
+        release or INSTALLED_RELEASE,
         prefill_stats=_stats_converter(PrefillStats),
         scheduler_stats=_stats_converter(SchedulerStats),
     )
@@ -241,7 +241,7 @@ class VllmClientMixin:
             "ready_timeout": float(envs.VLLM_ENGINE_READY_TIMEOUT_S),
             "health_check_interval": interval or None,
             "health_check_timeout": _env_seconds(HEALTH_TIMEOUT_ENV, DEFAULT_HEALTH_TIMEOUT_S),
-            "protocol": self.release,
+            "release": self.release,
         }
 
     def _vllm_finish_setup(self) -> None:

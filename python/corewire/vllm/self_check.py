@@ -181,7 +181,7 @@ def _requests_difference(release: Any) -> str | None:
     from corewire.codec import Encoder
     from corewire.wire.requests import request_writer
 
-    theirs, ours = MsgpackEncoder(), Encoder(protocol=release)
+    theirs, ours = MsgpackEncoder(), Encoder(release=release)
     writer = request_writer(release)
     decoder = MsgpackDecoder(EngineCoreRequest)
     for name, request in _requests():

@@ -5,7 +5,7 @@ The stack is three kinds of processes on loopback:
 - ``vllm serve MODEL_DIR`` with ``--data-parallel-size-local 0``: vLLM's API server starts
   no engine of its own and waits on its handshake port for engines to join, as remote
   ``--headless`` vLLM engines would;
-- ``corewire engine --handshake-address tcp://127.0.0.1:RPC --engine-index i --protocol V``
+- ``corewire engine --handshake-address tcp://127.0.0.1:RPC --engine-index i --release V``
   for each of the N engines: reference engines that do vLLM's start-up handshake and speak
   the wire of the installed vLLM (``V`` is 0.25.1 or 0.33.0, from its version);
 - with N > 1, vLLM's own DP coordinator, a child of the API server.
@@ -62,7 +62,7 @@ __all__ = [
     "RUST_FRONTEND_ENV",
     "ServeStack",
     "StackError",
-    "installed_protocol",
+    "installed_release",
     "main",
     "offline_env",
     "plugin_installed",
@@ -134,7 +134,7 @@ def rust_frontend_binary() -> Path | None:
     return None
 
 
-def installed_protocol() -> str:
+def installed_release() -> str:
     """The wire of the installed vLLM (``corewire.releases.for_vllm``; another
     release raises ``UnsupportedProtocolError`` naming the supported ones). Read from the
     package metadata: vLLM is not imported."""
@@ -172,7 +172,7 @@ class ServeStack:
     stderr. ``extra_server_args`` are appended to ``vllm serve``'s command line and
     ``server_env`` to its environment. ``api_servers`` > 1 runs vLLM's multi-API-server
     layout (``--api-server-count``): that many server processes share the HTTP port, each
-    with its own engine-core client. ``protocol``: the wire the engines speak (None: the
+    with its own engine-core client. ``release``: the wire the engines speak (None: the
     installed vLLM's, :func:`installed_protocol`).
 
     Use it as a context manager, or call :meth:`start` and :meth:`stop`.
@@ -193,7 +193,7 @@ class ServeStack:
         extra_server_args: tuple[str, ...] = (),
         server_env: Mapping[str, str] | None = None,
         api_servers: int = 1,
-        protocol: str | None = None,
+        release: str | None = None,
         output: Literal["vllm", "corewire"] | None = None,
         ray_placement: RayPlacement | None = None,
         engine_host: str = _LOOPBACK,
@@ -225,7 +225,7 @@ class ServeStack:
         self.log_dir = Path(log_dir) if log_dir is not None else None
         self.extra_server_args = tuple(extra_server_args)
         self.server_env = dict(server_env or {})
-        self._protocol = protocol
+        self._release = release
         self.server: subprocess.Popen[bytes] | None = None
         self.engines: list[subprocess.Popen[bytes]] = []
         #: With ``ray_placement``: where the engines are placed, and their actors.
@@ -282,15 +282,15 @@ class ServeStack:
         return cmd + list(self.extra_server_args)
 
     @property
-    def protocol(self) -> str:
+    def release(self) -> str:
         """The wire the engines speak: the one given, else the installed vLLM's."""
-        if self._protocol is None:
-            self._protocol = installed_protocol()
-        return self._protocol
+        if self._release is None:
+            self._release = installed_release()
+        return self._release
 
     def engine_command(self, index: int) -> list[str]:
         """``corewire engine`` joining the API server through vLLM's start-up handshake,
-        speaking :attr:`protocol`."""
+        speaking :attr:`release`."""
         engine_args = {"max_model_len": self.max_model_len, **self.engine_args}
         return [
             sys.executable,
@@ -303,8 +303,8 @@ class ServeStack:
             str(index),
             "--engine-args",
             json.dumps(engine_args),
-            "--protocol",
-            self.protocol,
+            "--release",
+            self.release,
             # The engine stops by itself if this launcher goes away without stopping it.
             "--parent-pid",
             str(os.getpid()),
@@ -413,7 +413,7 @@ class ServeStack:
                 "engine_index": i,
                 "engine_args": engine_args,
                 "data_parallel_size": self.num_engines,
-                "protocol": self.protocol,
+                "release": self.release,
             }
             for i in range(self.num_engines)
         }
@@ -665,7 +665,7 @@ def main(argv: list[str] | None = None) -> int:
             print(
                 f"\ncorewire: serving {stack.served_model_name!r} at {stack.base_url} "
                 f"({args.engines} engine(s){' on Ray' if placement else ''} speaking vLLM "
-                f"{stack.protocol}, {args.client} "
+                f"{stack.release}, {args.client} "
                 f"client, {args.output or 'default'} output processing); Ctrl-C stops.\n"
                 f"  curl {stack.base_url}/v1/completions -H 'Content-Type: application/json' "
                 f'-d \'{{"model": "{stack.served_model_name}", '

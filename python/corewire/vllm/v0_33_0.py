@@ -20,7 +20,7 @@ did not, or calls with other signatures or semantics (docs/vllm-0.33.0-notes.md 
   over untouched (no per-output step in Python).
 
 The data-parallel clients follow vLLM 0.33.0's coordinator as corewire's DP clients do
-with ``protocol="0.33.0"`` (``[waiting, running, kv_cache_usage]`` counts, no first-request
+with ``release="0.33.0"`` (``[waiting, running, kv_cache_usage]`` counts, no first-request
 notices, 0.33.0's routing rule); the rest is :mod:`corewire.vllm.dp_client`'s.
 """
 

@@ -66,7 +66,7 @@ class StepOutputs:
 
 
 def finish_output(
-    protocol: str,
+    release: str,
     request_id: str,
     finish_reason: p.FinishReason,
     stop_reason: str | None = None,
@@ -77,24 +77,24 @@ def finish_output(
     on) the ``RequestError`` vLLM's front-end turns into 503/400/500, whose message then
     carries the text (``stop_reason`` nil, as vLLM's engine writes it). Under 0.25.1,
     which has no error field, ``error`` is dropped."""
-    if not get_release(protocol).request_errors or error is None:
+    if not get_release(release).request_errors or error is None:
         return p.EngineCoreOutput(
             request_id, [], finish_reason=finish_reason, stop_reason=stop_reason
         )
-    out_type = types_for(protocol)["EngineCoreOutput"]
+    out_type = types_for(release)["EngineCoreOutput"]
     # By name: a release's recorded structs may take their fields by keyword only.
     return out_type(
         request_id=request_id, new_token_ids=[], finish_reason=finish_reason, error=error
     )
 
 
-def output_converter(protocol: str | None) -> Callable[[Any], Any] | None:
+def output_converter(release: str | None) -> Callable[[Any], Any] | None:
     """The conversion of a queued message (``EngineCoreOutputs`` or :class:`StepOutputs`)
-    into ``protocol``'s layout: for a release whose layout engines' structs are already
+    into ``release``'s layout: for a release whose layout engines' structs are already
     (0.25.1), only the stats completed in place (:func:`_stats_completer`), for the
     others every struct too; None where there is nothing to do (no record of the
     release's stats)."""
-    release = get_release(protocol)
+    release = get_release(release)
     if release.speaks_protocol_structs:
         return _stats_completer(release)
     return _converter(release)

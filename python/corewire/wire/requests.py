@@ -1,7 +1,7 @@
 """What a client sends, in its engines' wire version: requests and versioned utility arguments.
 
-A client with ``protocol="0.25.1"`` sends what it is given, unchanged: this module is not
-on its path. A client with ``protocol="0.33.0"`` takes either a
+A client with ``release="0.25.1"`` sends what it is given, unchanged: this module is not
+on its path. A client with ``release="0.33.0"`` takes either a
 ``corewire.protocol.EngineCoreRequest`` (0.25.1's struct, what existing callers build),
 which it converts, or a request already in 0.33.0's layout, which it sends as given:
 ``corewire.layouts.types_for("0.33.0")["EngineCoreRequest"]``, or vLLM 0.33.0's own
@@ -61,21 +61,21 @@ _ROUTED_DEFAULT = next(
 )
 
 
-def request_writer(protocol: str | None) -> Callable[[Any], Any] | None:
-    """The function that turns a request into what a ``protocol`` client sends, or None
+def request_writer(release: str | None) -> Callable[[Any], Any] | None:
+    """The function that turns a request into what a ``release`` client sends, or None
     when requests are sent as given (0.25.1: its encoder refuses a 0.33.0 request): the
     writer of :data:`WRITERS` that stands for the release."""
-    release = get_release(protocol)
+    release = get_release(release)
     return release.choose(WRITERS)(release)
 
 
 def utility_args_writer(
-    protocol: str | None,
+    release: str | None,
 ) -> Callable[[str, tuple[Any, ...]], tuple[Any, ...]] | None:
-    """The function that turns a utility call's arguments into what a ``protocol`` client
+    """The function that turns a utility call's arguments into what a ``release`` client
     sends (only ``add_lora``'s LoRA differs between versions), or None when they are sent
     as given (0.25.1)."""
-    release = get_release(protocol)
+    release = get_release(release)
     if release.speaks_protocol_structs or _keeps_tensorizer(release):
         return None
     return _utility_args_0_33_0

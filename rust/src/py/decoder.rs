@@ -23,7 +23,7 @@ pyo3::create_exception!(
 
 /// Decodes `EngineCoreOutputs` frames (`[payload, aux_1, ...]`) into Python objects.
 ///
-/// `protocol` is the vLLM version whose wire the frames follow (default:
+/// `release` is the vLLM release whose wire the frames follow (default:
 /// `corewire.releases.DEFAULT`, the installed vLLM's release, else the newest). `layout`, when given, says where that version puts each field: a
 /// mapping from each struct's name (`EngineCoreOutputs`, `EngineCoreOutput`,
 /// `UtilityOutput`, `LogprobsLists`, `LogprobsTensors`, and `SamplingMaskLists` where the
@@ -49,8 +49,8 @@ pub struct NativeDecoder {
     stats_types: StatsTypes,
     /// The positions the walk reads.
     layout: LayoutRef,
-    /// The version named by the caller (or the default's).
-    protocol: String,
+    /// The release named by the caller (or the default's).
+    release: String,
 }
 
 /// Frames per message handled without a heap allocation.
@@ -67,20 +67,22 @@ const MAX_CACHED_KEY: usize = 64;
 impl NativeDecoder {
     #[new]
     #[pyo3(
-        signature = (intern_capacity = DEFAULT_INTERN_CAPACITY, *, prefill_stats = None, scheduler_stats = None, protocol = None, layout = None),
-        text_signature = "(intern_capacity=16384, *, prefill_stats=None, scheduler_stats=None, protocol=None, layout=None)"
+        signature = (intern_capacity = DEFAULT_INTERN_CAPACITY, *, prefill_stats = None, scheduler_stats = None, release = None, layout = None, protocol = None),
+        text_signature = "(intern_capacity=16384, *, prefill_stats=None, scheduler_stats=None, release=None, layout=None, protocol=None)"
     )]
     fn new(
         py: Python<'_>,
         intern_capacity: usize,
         prefill_stats: Option<Bound<'_, PyAny>>,
         scheduler_stats: Option<Bound<'_, PyAny>>,
-        protocol: Option<&str>,
+        release: Option<&str>,
         layout: Option<Bound<'_, PyAny>>,
+        protocol: Option<&str>,
     ) -> PyResult<Self> {
-        // Without a protocol, the one every other part of corewire defaults to (it
+        let release = deprecated_protocol(py, release, protocol)?;
+        // Without a release, the one every other part of corewire defaults to (it
         // depends on the installed vLLM, which only the Python side knows).
-        let name = match protocol {
+        let name = match release {
             Some(n) => n.to_owned(),
             None => default_release(py)?,
         };
@@ -118,7 +120,7 @@ impl NativeDecoder {
             scratch: Scratch::default(),
             stats_types,
             layout,
-            protocol: name,
+            release: name,
         })
     }
 
@@ -170,10 +172,20 @@ impl NativeDecoder {
         }
     }
 
-    /// The vLLM version whose wire this decoder reads (`"0.25.1"`, `"0.33.0"`...).
+    /// The vLLM release whose wire this decoder reads (`"0.25.1"`, `"0.33.0"`...).
     #[getter]
-    fn protocol(&self) -> &str {
-        &self.protocol
+    fn release(&self) -> &str {
+        &self.release
+    }
+
+    /// Deprecated name of :attr:`release`.
+    #[getter]
+    fn protocol(&self, py: Python<'_>) -> PyResult<&str> {
+        warn_deprecated(
+            py,
+            c"NativeDecoder.protocol is deprecated: read NativeDecoder.release",
+        )?;
+        Ok(&self.release)
     }
 
     /// Whether the walk is one compiled into this build for these positions (the fastest),
@@ -299,6 +311,30 @@ fn release_layout<'py>(py: Python<'py>, name: &str) -> PyResult<Bound<'py, PyAny
 
 #[cold]
 #[inline(never)]
+/// The release a caller named: `release`, or the deprecated `protocol` keyword (with a
+/// `DeprecationWarning`); both, when they differ, is a `TypeError`.
+fn deprecated_protocol<'a>(
+    py: Python<'_>,
+    release: Option<&'a str>,
+    protocol: Option<&'a str>,
+) -> PyResult<Option<&'a str>> {
+    let Some(old) = protocol else {
+        return Ok(release);
+    };
+    warn_deprecated(py, c"NativeDecoder(protocol=) is deprecated: pass release=")?;
+    match release {
+        Some(new) if new != old => Err(pyo3::exceptions::PyTypeError::new_err(format!(
+            "NativeDecoder got release={new:?} and protocol={old:?}: pass release= only"
+        ))),
+        _ => Ok(Some(old)),
+    }
+}
+
+fn warn_deprecated(py: Python<'_>, message: &std::ffi::CStr) -> PyResult<()> {
+    let category = py.get_type::<pyo3::exceptions::PyDeprecationWarning>();
+    PyErr::warn(py, &category, message, 1)
+}
+
 fn to_protocol_error(err: DecodeError) -> PyErr {
     ProtocolError::new_err(err.to_string())
 }
