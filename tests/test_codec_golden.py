@@ -21,7 +21,6 @@ import struct
 import subprocess
 import sys
 import textwrap
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -45,6 +44,7 @@ from codec_support import (
 from corewire import ProtocolError, _native
 from corewire import protocol as p
 from corewire.codec import NativeDecoder
+from paths_support import TESTS_DIR
 
 DECODERS = ["msgspec", "native"]
 
@@ -1231,7 +1231,7 @@ def test_deep_nesting_does_not_crash(kind: str) -> None:
 
     Runs in a child process: a stack overflow would kill the test runner otherwise.
     """
-    tests_dir = str(Path(__file__).parent)
+    tests_dir = str(TESTS_DIR)
     pythonpath = os.pathsep.join(filter(None, [tests_dir, os.environ.get("PYTHONPATH")]))
     proc = subprocess.run(
         [sys.executable, "-c", _DEEP_SCRIPT, kind, *map(str, DEPTHS)],

@@ -22,7 +22,6 @@ import sys
 import textwrap
 import threading
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -30,6 +29,7 @@ import pytest
 from corewire import ProtocolError
 from corewire.codec import NativeDecoder
 from depth_support import PLACES, SHAPES, chain, deep, in_kv_transfer_params
+from paths_support import TESTS_DIR
 
 # corewire's bound (rust/src/core/schema.rs, MAX_DEPTH).
 MAX_DEPTH = 1000
@@ -156,7 +156,7 @@ _SMALL_STACK_SCRIPT = textwrap.dedent(
 def test_bound_on_a_thread_with_a_small_stack() -> None:
     """At the bound and past it, on a 256 KiB thread stack: values or ProtocolError, never
     a crash (deep key tuples included, whose hashing recurses in CPython itself)."""
-    tests_dir = str(Path(__file__).parent)
+    tests_dir = str(TESTS_DIR)
     pythonpath = os.pathsep.join(filter(None, [tests_dir, os.environ.get("PYTHONPATH")]))
     proc = subprocess.run(
         [sys.executable, "-c", _SMALL_STACK_SCRIPT, str(MAX_DEPTH)],

@@ -6,12 +6,13 @@ from __future__ import annotations
 
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import torch
 
-TOOL = Path(__file__).resolve().parents[1] / "tools" / "device_check.py"
+from paths_support import REPO_ROOT
+
+TOOL = REPO_ROOT / "tools" / "device_check.py"
 #: Each run starts several engine processes (each imports torch): minutes on a busy machine.
 pytestmark = pytest.mark.timeout(660)
 CHECKS = ("check_generation", "check_pooling", "check_codec", "check_data_parallel")

@@ -24,9 +24,8 @@ from client_support import request
 from corewire import DPAsyncMPClient, DPLBAsyncMPClient
 from corewire.coordinator import TcpEndpoints
 from dp_support import LIGHT, collect_finished, run_keygen
+from paths_support import TESTS_DIR
 from port_support import retry_port_conflicts, unused_port_block
-
-TESTS_DIR = Path(__file__).resolve().parent
 
 
 def start_remote_engine(

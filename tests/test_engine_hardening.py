@@ -47,6 +47,7 @@ from engine_support import (
     FrontEnd,
 )
 from hook_engine import INTERNAL_ERROR_ID, VALUE_ERROR_WITH_PATH_ID
+from paths_support import TESTS_DIR
 
 MAX_MODEL_LEN = 512
 # The module's shared engine: it outlives single tests (conftest's leak check).
@@ -352,7 +353,7 @@ def test_megabyte_ids_and_names_keep_every_log_line_small(tmp_path: Path) -> Non
         "--engine", "hook_engine:HookEngine",
         "--engine-args", json.dumps({**LIGHT_REFERENCE, "max_model_len": MAX_MODEL_LEN}),
     ]  # fmt: skip
-    tests_dir = str(Path(__file__).resolve().parent)
+    tests_dir = str(TESTS_DIR)
     env = {**os.environ, "COREWIRE_LOG_LEVEL": "DEBUG", "PYTHONPATH": tests_dir}
     mb = 1 << 20
     long_id, refused_id = "L" * mb, "R" * mb

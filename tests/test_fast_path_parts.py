@@ -12,7 +12,6 @@ import contextlib
 import socket
 import threading
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -22,6 +21,7 @@ from corewire.vllm import asgi_cycle
 from corewire.vllm.fast_path import TEXT_PROBE, split_template
 from corewire.vllm.plugin import FAST_PATH_SWITCH, FAST_PATH_VLLM_VERSIONS, fast_path_wanted
 from fast_path_features import FEATURES, readme_rows, table_row
+from paths_support import REPO_ROOT
 
 
 def test_only_releases_checked_against_their_server_have_the_fast_path() -> None:
@@ -65,7 +65,7 @@ def test_readme_feature_table_is_the_checked_one() -> None:
     """docs/vllm.md's feature table is the list the live tests check (its fast-path column in
     test_vllm_fast_path.py, its Rust front-end column in test_vllm_rust_frontend.py), row
     for row."""
-    readme = (Path(__file__).parent.parent / "docs" / "vllm.md").read_text()
+    readme = (REPO_ROOT / "docs" / "vllm.md").read_text()
     assert readme_rows(readme) == [table_row(f) for f in FEATURES]
 
 

@@ -24,6 +24,7 @@ from corewire.client._resources import TERMINATE_GRACE_S
 from corewire.protocol import FinishReason
 from engine_support import LIGHT_REFERENCE, FrontEnd
 from leak_support import no_leaks, wait_pid_gone
+from paths_support import TESTS_DIR
 
 
 async def test_client_collected_while_its_task_runs() -> None:
@@ -63,7 +64,7 @@ def test_engine_exits_when_its_parent_is_killed(engine_main: str) -> None:
     with no_leaks():
         env = dict(os.environ)
         # The engine child needs client_support (tests/) importable, as here.
-        env["PYTHONPATH"] = os.pathsep.join([os.path.dirname(__file__), *sys.path])
+        env["PYTHONPATH"] = os.pathsep.join([str(TESTS_DIR), *sys.path])
         parent = subprocess.Popen(
             [sys.executable, "-c", PARENT, engine_main], stdout=subprocess.PIPE, env=env
         )
@@ -174,7 +175,7 @@ ORPHAN_PARENT = textwrap.dedent(
 def test_next_client_removes_the_ipc_dir_of_a_killed_front_end() -> None:
     with no_leaks():
         env = dict(os.environ)
-        env["PYTHONPATH"] = os.pathsep.join([os.path.dirname(__file__), *sys.path])
+        env["PYTHONPATH"] = os.pathsep.join([str(TESTS_DIR), *sys.path])
         parent = subprocess.Popen(
             [sys.executable, "-c", ORPHAN_PARENT, REPLAY], stdout=subprocess.PIPE, env=env
         )
@@ -254,7 +255,7 @@ def test_sigterm_with_the_front_end_reading_delivers_everything_sent(tmp_path: P
     at a time: rcvhwm 1) when SIGTERM comes: the engine lingers for the connected
     front-end, which reads every one of them, in order, and the engine exits 0."""
     fe = FrontEnd(tmp_path, "reading", rcvhwm=1)
-    env = {**os.environ, "PYTHONPATH": os.path.dirname(__file__)}
+    env = {**os.environ, "PYTHONPATH": str(TESTS_DIR)}
     count = 8
     child = subprocess.Popen(
         _engine_command(fe, "engine_support:BigPayloadEngine", {"count": count}),

@@ -22,7 +22,8 @@ from typing import Any
 
 import pytest
 
-ROOT = Path(__file__).resolve().parent.parent
+from paths_support import REPO_ROOT as ROOT
+
 PACKAGE = ROOT / "python" / "corewire"
 RUST = ROOT / "rust" / "src"
 

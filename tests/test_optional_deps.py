@@ -16,6 +16,7 @@ import time
 import pytest
 
 from corewire._optional import MissingDependency, import_optional, is_installed, require
+from paths_support import TESTS_DIR
 
 TORCH_LINE = "needs torch, which is not installed: pip install 'corewire[torch]'"
 
@@ -24,7 +25,7 @@ def run_without(modules: list[str], code: str) -> subprocess.CompletedProcess[st
     """Run ``code`` in a fresh interpreter in which ``modules`` cannot be imported."""
     block = "import sys\n" + "".join(f"sys.modules[{m!r}] = None\n" for m in modules)
     env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join([os.path.dirname(__file__), *sys.path])
+    env["PYTHONPATH"] = os.pathsep.join([str(TESTS_DIR), *sys.path])
     return subprocess.run(
         [sys.executable, "-c", block + textwrap.dedent(code)],
         capture_output=True,

@@ -26,10 +26,9 @@ from types import ModuleType
 import pytest
 
 import corewire
+from paths_support import REPO_ROOT as ROOT
 
 tomllib = pytest.importorskip("tomllib", reason="Python >= 3.11 reads TOML")
-
-ROOT = Path(__file__).resolve().parent.parent
 
 
 def load_script(name: str) -> ModuleType:

@@ -16,7 +16,6 @@ from __future__ import annotations
 import importlib.util
 import json
 from functools import cache
-from pathlib import Path
 from typing import Any
 
 import msgspec
@@ -26,9 +25,9 @@ from corewire.codec import Encoder, MsgspecDecoder, native_decoder
 from corewire.releases import records
 from corewire.releases.structs import build_structs
 from golden_support import jsonable
+from paths_support import DATA_DIR as DATA
 from release_support import FOLLOWED
 
-DATA = Path(__file__).resolve().parent / "data"
 RELEASES = records.releases()
 
 

@@ -18,13 +18,14 @@ from typing import Any
 
 import pytest
 
+from paths_support import TESTS_DIR
 from real_engine_support import require_cpu_build, server_env, write_real_model
 
 require_cpu_build()
 
 from serve_support import first_difference  # noqa: E402
 
-PROBE = Path(__file__).resolve().parent / "real_engine_client_probe.py"
+PROBE = TESTS_DIR / "real_engine_client_probe.py"
 
 pytestmark = pytest.mark.timeout(600)
 
