@@ -11,7 +11,7 @@ the other. What is counted is the CPU time of the API-server process alone (the 
 core is a process of its own, and spins the same under either client), per streamed token.
 Prints each round and the median ratio of vLLM's client's CPU per token to corewire's
 (above 1: corewire's uses less); the answers themselves are held equal by
-``tests/test_vllm_real_engine.py``.
+``tests/real_engine/test_vllm_real_engine.py``.
 
 A plain script, not a ``corewire bench`` command: it needs vLLM's CPU build and the test
 stacks, which the wheel does not ship.
