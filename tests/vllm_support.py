@@ -16,6 +16,10 @@ front-end classes (imported only by modules that skip without vllm).
   closed.
 - :func:`factory_after_plugins`: which client factory vLLM's plugin loader leaves in
   place (corewire's plugin switched on or off).
+- :class:`HandEngine`, :func:`hand_output`: an engine written by hand (a thread's sockets,
+  no process) that joins a vLLM client and sends exactly the frames a test gives it, in
+  vLLM 0.25.1's layout (the client fault tests of ``test_vllm_client_faults.py`` and
+  ``test_metrics.py``).
 """
 
 from __future__ import annotations
@@ -31,9 +35,13 @@ import warnings
 from pathlib import Path
 from typing import Any
 
+import msgspec
 import numpy as np
+import zmq
 
 from client_support import DEFAULT_SAMPLING, request
+from corewire.engine.interface import EngineInfo
+from corewire.engine.ready import ready_response
 from corewire.engine.reference import ReferenceEngine
 
 #: Engine arguments shared by the vLLM interop tests: a light CPU engine whose steps
@@ -279,7 +287,7 @@ def require_vllm_0_25_1() -> None:
     For the modules that hold corewire to vLLM 0.25.1's wire itself (its structs
     compared with corewire's, frames written by hand in its layout): under another
     release the installed vLLM's encoder writes that release's layout. Every other
-    release's wire is held to frames recorded from it (``tests/test_releases.py``) and,
+    release's wire is held to frames recorded from it (``tests/releases/test_releases.py``) and,
     for the releases with a live venv, to its own encoder (``test_vllm_0_33_0_live.py``).
     """
     import pytest
@@ -290,3 +298,31 @@ def require_vllm_0_25_1() -> None:
             f"holds corewire to vLLM 0.25.1's wire (found {vllm.__version__})",
             allow_module_level=True,
         )
+
+
+class HandEngine:
+    """Connects to a client, sends its ready map, then sends the frames it is given."""
+
+    def __init__(self, input_address: str, output_address: str) -> None:
+        self.ctx = zmq.Context()
+        self.requests = self.ctx.socket(zmq.DEALER)
+        # Engine 0's identity, written by hand like every frame here (docs/protocol.md §2).
+        self.requests.setsockopt(zmq.IDENTITY, (0).to_bytes(2, "little"))
+        self.requests.connect(input_address)
+        self.outputs = self.ctx.socket(zmq.PUSH)
+        self.outputs.connect(output_address)
+        ready = ready_response(EngineInfo(max_model_len=512), engine_index=0)
+        self.requests.send(msgspec.msgpack.encode(ready))
+
+    def push(self, payload: object) -> None:
+        self.outputs.send(msgspec.msgpack.encode(payload))
+
+    def close(self) -> None:
+        self.requests.close(linger=0)
+        self.outputs.close(linger=1000)
+        self.ctx.term()
+
+
+def hand_output(request_id: str, tokens: list[int], finish: int | None = None) -> list:
+    """One ``EngineCoreOutput`` as vLLM 0.25.1's array, for :class:`HandEngine` to send."""
+    return [request_id, tokens, None, None, None, finish, None, None, None, None, None, None, 0]

@@ -366,16 +366,23 @@ async def test_vllm_adapter_counts_the_requests_a_bad_frame_ended(tmp_path) -> N
     from corewire.protocol import FinishReason
     from corewire.vllm.classes import client_classes
     from corewire.vllm.client import INSTALLED_RELEASE
-    from test_vllm_client_faults import _HandEngine, _output
-    from vllm_support import vllm_config, write_model_dir
+    from vllm_support import (
+        HandEngine,
+        hand_output,
+        require_vllm_0_25_1,
+        vllm_config,
+        write_model_dir,
+    )
+
+    require_vllm_0_25_1()  # the frames below are in its layout
 
     config = vllm_config(write_model_dir(tmp_path / "model"))
     addresses = {
         "input_address": f"ipc://{tmp_path}/in",
         "output_address": f"ipc://{tmp_path}/out",
     }
-    engine: list[_HandEngine] = []
-    joiner = threading.Timer(0.3, lambda: engine.append(_HandEngine(*addresses.values())))
+    engine: list[HandEngine] = []
+    joiner = threading.Timer(0.3, lambda: engine.append(HandEngine(*addresses.values())))
     joiner.start()
     client = client_classes(INSTALLED_RELEASE)["plain"](
         config, None, False, client_addresses=addresses
@@ -386,9 +393,9 @@ async def test_vllm_adapter_counts_the_requests_a_bad_frame_ended(tmp_path) -> N
         labels = {"client": str(client.client_index)}
         errors = sample("corewire_protocol_errors_total", **labels)
         ended = sample("corewire_protocol_error_requests_total", **labels)
-        hand.push([0, [_output("bad", ["x"]), _output("also-bad", [1])], None, 1.0])
+        hand.push([0, [hand_output("bad", ["x"]), hand_output("also-bad", [1])], None, 1.0])
         hand.push(b"\xc1 not msgpack at all")
-        hand.push([0, [_output("good", [7], FinishReason.LENGTH)], None, 2.0])
+        hand.push([0, [hand_output("good", [7], FinishReason.LENGTH)], None, 2.0])
         await asyncio.wait_for(client.get_output_async(), 10)
         await asyncio.wait_for(client.get_output_async(), 10)
         assert sample("corewire_protocol_errors_total", **labels) == errors + 2
