@@ -1,4 +1,4 @@
-"""Deeply nested values in EngineCoreOutputs frames, for tests/test_decoder_depth.py and
+"""Deeply nested values in EngineCoreOutputs frames, for tests/codec/test_decoder_depth.py and
 the child process it starts (plain code over bytes, importable without test machinery).
 
 "Levels" counts the containers in a field's value: ``[[]]`` is 2 levels.

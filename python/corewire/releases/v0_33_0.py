@@ -20,5 +20,5 @@ class Release0330(Release0320):
     engine_led_waves = True
     generation_pause_utilities = True
     session_affinity = True
-    # Held to 0.33.0's OutputProcessor by tests/test_vllm_output_diff.py.
+    # Held to 0.33.0's OutputProcessor by tests/interop/test_vllm_output_diff.py.
     NATIVE_OUTPUT = True

@@ -23,7 +23,7 @@ class Release0340(Release0330):
     LIVE_CHECKED = ("0.34.0",)
 
     process_checkpoints = True
-    # Held to 0.34.0's OutputProcessor by tests/test_vllm_output_diff.py.
+    # Held to 0.34.0's OutputProcessor by tests/interop/test_vllm_output_diff.py.
     NATIVE_OUTPUT = True
-    # Held to 0.34.0's OpenAI server by tests/test_vllm_fast_path.py.
+    # Held to 0.34.0's OpenAI server by tests/interop/test_vllm_fast_path.py.
     FAST_PATH = True

@@ -8,8 +8,9 @@ For each case it builds vLLM's own engine -> front-end objects (``EngineCoreOutp
 encodes them with vLLM's ``MsgpackEncoder``, writes the frames as ``<case>.<i>.bin``
 (frame 0 the payload, then any aux frames), decodes those bytes back with vLLM's
 ``MsgpackDecoder(EngineCoreOutputs)`` and stores that result, as plain JSON data
-(``tests/golden_support.jsonable``), in ``expected.json``. ``tests/test_vllm_0_33_0_golden.py``
-decodes the frames with corewire and compares both, field by field, then re-encodes.
+(``tests/golden_support.jsonable``), in ``expected.json``.
+``tests/releases/test_vllm_0_33_0_golden.py`` decodes the frames with corewire and compares
+both, field by field, then re-encodes.
 
 The output is deterministic: running it again rewrites the same bytes.
 """

@@ -9,10 +9,10 @@ The front-end -> engine sibling of ``make_golden.py``: for each case it builds v
 ``request_<case>.<i>.bin`` (frame 0 the payload, then any aux frames), decodes those bytes
 back with vLLM's ``MsgpackDecoder(EngineCoreRequest)`` and stores that result as plain
 JSON data (``tests/golden_support.jsonable`` with wire names) in ``expected_requests.json``.
-``tests/test_vllm_0_33_0_requests.py`` decodes the frames with corewire, compares, and
+``tests/releases/test_vllm_0_33_0_requests.py`` decodes the frames with corewire, compares, and
 re-encodes byte for byte. It also writes ``ready_response.bin``: vLLM 0.33.0's own
 ``EngineCoreReadyResponse`` for a plain engine (:data:`READY`), as its engine encodes it
-(``tests/test_ready_layouts.py`` builds the same map with corewire).
+(``tests/engine/test_ready_layouts.py`` builds the same map with corewire).
 
 The output is deterministic: running it again rewrites the same bytes.
 """
@@ -161,7 +161,7 @@ def cases() -> dict[str, E.EngineCoreRequest]:
 
 
 #: The ready response of a 2048-token engine without a KV cache (the values
-#: ``tests/test_ready_layouts.py`` passes to corewire).
+#: ``tests/engine/test_ready_layouts.py`` passes to corewire).
 READY = E.EngineCoreReadyResponse(
     max_model_len=2048,
     num_gpu_blocks=0,
