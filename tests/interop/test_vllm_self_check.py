@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import logging
 import re
+from typing import Any
 
 import pytest
 
@@ -19,8 +20,9 @@ vllm = pytest.importorskip("vllm")
 
 from vllm.v1.engine.core_client import EngineCoreClient  # noqa: E402
 
-from corewire import releases  # noqa: E402
+from corewire import codec, releases  # noqa: E402
 from corewire.vllm import plugin, self_check  # noqa: E402
+from corewire.wire import requests as wire_requests  # noqa: E402
 
 INSTALLED = releases.for_vllm(vllm.__version__)
 
@@ -39,7 +41,9 @@ def test_another_releases_layouts_are_named(other: str) -> None:
 
 
 def _with(monkeypatch: pytest.MonkeyPatch, name: str, value: object) -> None:
-    monkeypatch.setattr(type(INSTALLED), name, value)
+    # The self check calls the decoder and writer factories by module attribute.
+    module = codec if name == "native_decoder" else wire_requests
+    monkeypatch.setattr(module, name, value)
 
 
 class _Outputs:
@@ -53,7 +57,7 @@ class _Outputs:
 
 
 def test_a_decoder_that_misreads_a_field_is_named(monkeypatch: pytest.MonkeyPatch) -> None:
-    real = type(INSTALLED).native_decoder
+    real = codec.native_decoder
 
     class WrongStop:
         """A decoded output whose stop reason reads wrong."""
@@ -73,7 +77,7 @@ def test_a_decoder_that_misreads_a_field_is_named(monkeypatch: pytest.MonkeyPatc
             outputs = [WrongStop(o) for o in decoded.outputs]
             return _Outputs(decoded, outputs)
 
-    _with(monkeypatch, "native_decoder", lambda self: Misreading(real(self)))
+    _with(monkeypatch, "native_decoder", lambda release: Misreading(real(release)))
     found = self_check.first_difference(INSTALLED)
     assert found is not None and "stop_reason" in found, found
 
@@ -81,10 +85,10 @@ def test_a_decoder_that_misreads_a_field_is_named(monkeypatch: pytest.MonkeyPatc
 def test_a_writer_that_loses_a_field_is_named(monkeypatch: pytest.MonkeyPatch) -> None:
     import msgspec
 
-    real = type(INSTALLED).request_writer
+    real = wire_requests.request_writer
 
-    def losing(self: object) -> object:
-        inner = real(self)
+    def losing(release: Any) -> object:
+        inner = real(release)
 
         def write(request: object) -> object:
             request = inner(request) if inner is not None else request
@@ -100,7 +104,7 @@ def test_a_writer_that_loses_a_field_is_named(monkeypatch: pytest.MonkeyPatch) -
 def test_a_check_that_fails_is_a_difference_not_a_crash(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    def broken(self: object) -> object:
+    def broken(release: object) -> object:
         raise RuntimeError("no decoder today")
 
     _with(monkeypatch, "native_decoder", broken)
