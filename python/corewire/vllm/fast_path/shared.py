@@ -1,27 +1,7 @@
-"""The per-token fast path of ``vllm serve`` (vLLM 0.34.0's OpenAI server): streaming
-completions and chat completions whose chunks between the first and the last are written
-without Python.
-
-vLLM's server spends Python on every token of every stream: the waiting task's wake-up,
-the ``RequestOutput``, the serving generator, the chunk's JSON, Starlette's and uvicorn's
-``send``. For a streaming request whose options the fast path covers, the endpoint's
-generator (:mod:`corewire.vllm.fast_completions`, :mod:`corewire.vllm.fast_chat`) keeps
-Python for what happens once per request (vLLM's admission and rendering ran before it;
-there the first chunk, the finish, the usage chunk, errors and ``[DONE]``, rendered as
-vLLM renders them), and, once a chunk is on the wire with nothing of the request waiting,
-attaches the request's native output state (``corewire._native.RequestText.
-attach_stream``) to the connection: from then on each plain output becomes its SSE frame
-in Rust, and the frames of every stream in a batch of engine outputs are written to their
-connections by the batch's one call into the native output processor, with no Python per
-stream or token. An output that needs Python (the engine's finish, an event) takes the
-stream back first, so the chunks stay in order.
-
-This module holds what both endpoints share: :func:`install`, the server-wide conditions
-(:func:`server_refusal`), the frame templates (:func:`split_template`), attaching
-(:func:`attachable`) and the log line of a request that stays on vLLM's path
-(:func:`keep_vllms`). ``COREWIRE_VLLM_FAST_PATH=0`` turns it all off
-(:mod:`corewire.vllm.plugin`).
-"""
+"""What both endpoints of the fast path (:mod:`corewire.vllm.fast_path`) share: the
+server-wide conditions (:func:`server_refusal`), attaching a request's native state to its
+connection (:func:`attachable`, :func:`attach`), the log line of a request that stays on
+vLLM's path (:func:`keep_vllms`) and the per-request metrics of a usage chunk."""
 
 from __future__ import annotations
 
@@ -33,35 +13,22 @@ from typing import Any
 from corewire import metrics
 from corewire._native import RequestText
 from corewire.vllm import asgi_cycle
+from corewire.vllm.fast_path.frames import Template
 
 __all__ = [
-    "INSTALLED_LOG_LINE",
-    "TEXT_PROBE",
-    "Template",
     "attach",
     "attachable",
     "first_refusal",
-    "install",
     "keep_vllms",
+    "logger",
     "request_metrics",
     "server_refusal",
-    "split_template",
 ]
 
+#: Where the fast path speaks: under vLLM's logger, so vLLM's log settings hold for it.
 logger = logging.getLogger("vllm.corewire")
 
-#: Said in the API server's log once the fast path is in its app.
-INSTALLED_LOG_LINE = (
-    "streaming completions and chat completions take the fast path where they qualify"
-)
-
-#: A text no model name or id contains, marking where a probe chunk's text goes.
-TEXT_PROBE = "\x00corewire-text-probe\x00"
-_PROBE_LITERAL = b'"\\u0000corewire-text-probe\\u0000"'
-
-#: A chunk's bytes around its text and around its logprobs (see :func:`split_template`).
-Template = tuple[bytes, bytes, bytes]
-
+# The (endpoint, reason) pairs said in the log already: each is said once per process.
 _told: set[tuple[str, str]] = set()
 _ON = frozenset({"1", "true", "yes", "on"})
 
@@ -75,20 +42,6 @@ def keep_vllms(endpoint: str, reason: str) -> None:
         return
     _told.add((endpoint, reason))
     logger.info("corewire: a streaming %s stays on vLLM's path: %s", endpoint, reason)
-
-
-def split_template(frame: bytes) -> Template | None:
-    """A probe frame (its text :data:`TEXT_PROBE`, its logprobs ``null``) cut around its
-    two holes: the text's JSON literal, and the logprobs value; None when either is
-    ambiguous (a model name that contains the probe's bytes)."""
-    if frame.count(_PROBE_LITERAL) != 1:
-        return None
-    head, after = frame.split(_PROBE_LITERAL)
-    hole = b'"logprobs":null'
-    if after.count(hole) != 1:
-        return None
-    mid, tail = after.split(hole)
-    return head, mid + hole[: -len(b"null")], tail
 
 
 def server_refusal(serving: Any, connection: asgi_cycle.Connection | None) -> str | None:
@@ -185,28 +138,3 @@ def request_metrics(serving: Any, last_res: Any, completion_tokens: int) -> Any:
             metrics = PerRequestMetrics()
         metrics.speculative_decoding = spec_stats
     return metrics
-
-
-def install(completion_class: Any, chat_class: Any) -> None:
-    """Routes the streaming generators of vLLM's ``OpenAIServingCompletion`` and
-    ``OpenAIServingChat`` through the fast path's, and makes vLLM's app builder wrap each
-    app in :class:`corewire.vllm.asgi_cycle.CycleCapture`."""
-    from corewire.vllm import fast_chat, fast_completions
-
-    if getattr(completion_class.completion_stream_generator, "corewire_fast_path", False):
-        return  # vLLM loads plugins more than once per process
-    import vllm.entrypoints.launchers.app as launcher
-
-    init_middleware = launcher.init_entrypoints_middleware
-
-    def init_entrypoints_middleware(args: Any, app: Any, *rest: Any, **kw: Any) -> Any:
-        result = init_middleware(args, app, *rest, **kw)
-        asgi_cycle.install(app)
-        # Said here, as the app is built, not when the plugin loads: vLLM 0.34.0 sets up
-        # its logging after loading plugins and drops what they say at INFO before that.
-        logger.info("corewire: %s", INSTALLED_LOG_LINE)
-        return result
-
-    launcher.init_entrypoints_middleware = init_entrypoints_middleware
-    fast_completions.install(completion_class)
-    fast_chat.install(chat_class)

@@ -21,9 +21,8 @@ from vllm.exceptions import GenerationError
 from corewire import metrics
 from corewire._native import RequestText
 from corewire.vllm import asgi_cycle
-from corewire.vllm.fast_path import (
-    TEXT_PROBE,
-    Template,
+from corewire.vllm.fast_path.frames import TEXT_PROBE, Template, split_template
+from corewire.vllm.fast_path.shared import (
     attach,
     attachable,
     first_refusal,
@@ -31,7 +30,6 @@ from corewire.vllm.fast_path import (
     logger,
     request_metrics,
     server_refusal,
-    split_template,
 )
 
 __all__ = ["completion_stream", "frame_template", "install", "refusal"]

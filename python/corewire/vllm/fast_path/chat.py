@@ -30,9 +30,8 @@ from vllm.utils.collection_utils import as_list
 from corewire import metrics
 from corewire._native import RequestText
 from corewire.vllm import asgi_cycle
-from corewire.vllm.fast_path import (
-    TEXT_PROBE,
-    Template,
+from corewire.vllm.fast_path.frames import TEXT_PROBE, Template, split_template
+from corewire.vllm.fast_path.shared import (
     attach,
     attachable,
     first_refusal,
@@ -40,7 +39,6 @@ from corewire.vllm.fast_path import (
     logger,
     request_metrics,
     server_refusal,
-    split_template,
 )
 
 __all__ = ["chat_stream", "frame_template", "install", "refusal"]
