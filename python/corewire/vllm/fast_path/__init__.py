@@ -17,11 +17,11 @@ stream or token. An output that needs Python (the engine's finish, an event) tak
 stream back first, so the chunks stay in order.
 
 The modules import one way: this package's :func:`install` imports the two endpoints, and
-they import what they share (:mod:`corewire.vllm.fast_path.shared`: the server-wide
-conditions, attaching, the log line of a request that stays on vLLM's path) and the frame
-templates (:mod:`corewire.vllm.fast_path.frames`). Only the templates, which need no vLLM,
-are imported with the package, so that it imports under every vLLM release; the endpoints
-need 0.34.0's. ``COREWIRE_VLLM_FAST_PATH=0`` turns it all off (:mod:`corewire.vllm.plugin`).
+they import what they share (:mod:`corewire.vllm.fast_path.shared`: routing a generator,
+the checks a request passes, one stream's plumbing) and the SSE frames and their templates
+(:mod:`corewire.vllm.fast_path.frames`). Only the frames, which need no vLLM, are imported
+with the package, so that it imports under every vLLM release; the rest needs 0.34.0's.
+``COREWIRE_VLLM_FAST_PATH=0`` turns it all off (:mod:`corewire.vllm.plugin`).
 """
 
 from __future__ import annotations

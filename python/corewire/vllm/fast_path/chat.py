@@ -22,24 +22,12 @@ from vllm.entrypoints.openai.chat_completion.protocol import (
 )
 from vllm.entrypoints.openai.chat_completion.serving import _make_prompt_tokens_details
 from vllm.entrypoints.openai.chat_completion.stream_processor import ChatStreamProcessor
-from vllm.entrypoints.serve.engine.protocol import ErrorResponse, UsageInfo
-from vllm.entrypoints.serve.utils.api_utils import should_include_usage
+from vllm.entrypoints.serve.engine.protocol import ErrorResponse
 from vllm.exceptions import GenerationError
 from vllm.utils.collection_utils import as_list
 
-from corewire import metrics
-from corewire._native import RequestText
-from corewire.vllm import asgi_cycle
-from corewire.vllm.fast_path.frames import TEXT_PROBE, Template, split_template
-from corewire.vllm.fast_path.shared import (
-    attach,
-    attachable,
-    first_refusal,
-    keep_vllms,
-    logger,
-    request_metrics,
-    server_refusal,
-)
+from corewire.vllm.fast_path.frames import DONE, TEXT_PROBE, Template, split_template, sse
+from corewire.vllm.fast_path.shared import Stream, logger, nothing_to_say, route, stream_refusal
 
 __all__ = ["chat_stream", "frame_template", "install", "refusal"]
 
@@ -66,79 +54,63 @@ def frame_template(request_id: str, created: int, model: str) -> Template | None
         model=model,
         kv_transfer_params=None,
     )
-    return split_template(f"data: {_dump(probe)}\n\n".encode())
+    return split_template(sse(_dump(probe)).encode())
 
 
 def refusal(serving: Any, request: Any, connection: Any) -> str | None:
     """Why a streaming chat completion stays on vLLM's generator (None: it takes the fast
     path): its chunks would carry more than content, or the server's settings change them
     or the connection."""
-    _, continuous = should_include_usage(request.stream_options, serving.enable_force_include_usage)
-    server = server_refusal(serving, connection)
-    if server is not None:
-        return server
-    checks = (
-        (serving.parser_cls is not None, "a tool-call or reasoning parser"),
-        (serving._include_reasoning_tokens_details, "reasoning token counts"),
-        ((request.n or 1) != 1, "n > 1"),
-        (request.use_beam_search, "beam search"),
-        (request.echo, "echo"),
-        (bool(request.logprobs), "logprobs"),
-        (request.return_token_ids, "return_token_ids"),
-        (request.return_prompt_text, "return_prompt_text"),
-        (request.return_weight_versions, "return_weight_versions"),
-        (continuous, "continuous_usage_stats"),
+    return stream_refusal(
+        serving,
+        request,
+        connection,
+        first=[
+            (serving.parser_cls is not None, "a tool-call or reasoning parser"),
+            (serving._include_reasoning_tokens_details, "reasoning token counts"),
+        ],
+        options=[
+            (bool(request.logprobs), "logprobs"),
+            (request.return_token_ids, "return_token_ids"),
+            (request.return_prompt_text, "return_prompt_text"),
+        ],
     )
-    return first_refusal(checks)
 
 
 def install(serving_class: Any) -> None:
     """Routes ``serving_class.chat_completion_stream_generator`` (vLLM's
     ``OpenAIServingChat``) through :func:`chat_stream` for the requests it covers."""
-    original = serving_class.chat_completion_stream_generator
+    route(serving_class, "chat_completion_stream_generator", ENDPOINT, _take)
 
-    def chat_completion_stream_generator(
-        self: Any,
-        request: Any,
-        result_generator: AsyncIterator[Any],
-        request_id: str,
-        model_name: str,
-        conversation: Any,
-        tokenizer: Any,
-        request_metadata: Any,
-        chat_template_kwargs: dict[str, Any] | None = None,
-        mm_token_counts: dict[str, int] | None = None,
-    ) -> AsyncGenerator[str, None]:
-        connection = asgi_cycle.current_cycle()
-        why = refusal(self, request, connection)
-        if why is not None:
-            keep_vllms(ENDPOINT, why)
-            return original(
-                self,
-                request,
-                result_generator,
-                request_id,
-                model_name,
-                conversation,
-                tokenizer,
-                request_metadata,
-                chat_template_kwargs=chat_template_kwargs,
-                mm_token_counts=mm_token_counts,
-            )
-        return chat_stream(
-            self,
-            request,
-            result_generator,
-            request_id,
-            model_name,
-            request_metadata,
-            connection,
-            mm_token_counts,
-        )
 
-    chat_completion_stream_generator.corewire_fast_path = True  # type: ignore[attr-defined]
-    chat_completion_stream_generator.__doc__ = original.__doc__
-    serving_class.chat_completion_stream_generator = chat_completion_stream_generator
+def _take(
+    serving: Any,
+    connection: Any,
+    request: Any,
+    result_generator: AsyncIterator[Any],
+    request_id: str,
+    model_name: str,
+    conversation: Any,
+    tokenizer: Any,
+    request_metadata: Any,
+    chat_template_kwargs: dict[str, Any] | None = None,
+    mm_token_counts: dict[str, int] | None = None,
+) -> AsyncGenerator[str, None] | str:
+    # The fast stream of a request the fast path covers (vLLM's generator's arguments),
+    # else why it stays on vLLM's.
+    why = refusal(serving, request, connection)
+    if why is not None:
+        return why
+    return chat_stream(
+        serving,
+        request,
+        result_generator,
+        request_id,
+        model_name,
+        request_metadata,
+        connection,
+        mm_token_counts,
+    )
 
 
 def _dump(chunk: Any) -> str:
@@ -164,23 +136,15 @@ async def chat_stream(
     Same chunks, same usage, same errors."""
     created = int(time.time())
     template = frame_template(request_id, created, model_name)
-    include_usage, _ = should_include_usage(
-        request.stream_options, serving.enable_force_include_usage
+    stream = Stream(
+        serving, request, connection, ENDPOINT, (request_id, created, model_name), template
     )
     step = ChatStreamProcessor(
         request, None, enable_auto_tools=serving.enable_auto_tools, parser_cls=None
     )
-    processor = serving.engine_client.output_processor
-    num_prompt_tokens = 0
-    num_cached_tokens = num_cache_creation_tokens = None
-    first_output = True
     finished = False
-    last_res = None
-    text: RequestText | None = None
     # The native frames' tokens the step processor has been told of.
     counted = 0
-    # The chunks yielded so far (before the finish): all on the wire before an attach.
-    chunks = 0
 
     def chunk(choice: Any, res: Any = None) -> ChatCompletionStreamResponse:
         return ChatCompletionStreamResponse(
@@ -193,138 +157,93 @@ async def chat_stream(
         )
 
     try:
-        try:
-            async for res in result_generator:
-                last_res = res
-                if res.prompt_token_ids is not None:
-                    num_prompt_tokens = len(res.prompt_token_ids)
-                    if res.encoder_prompt_token_ids is not None:
-                        num_prompt_tokens += len(res.encoder_prompt_token_ids)
-                if first_output:
-                    first_output = False
-                    num_cached_tokens = res.num_cached_tokens
-                    num_cache_creation_tokens = res.num_cache_creation_tokens
-                    role = ChatCompletionResponseStreamChoice(
-                        index=0,
-                        delta=DeltaMessage(role=serving.get_chat_request_role(request), content=""),
-                        logprobs=None,
-                        finish_reason=None,
-                    )
-                    first = ChatCompletionStreamResponse(
-                        id=request_id,
-                        object=CHUNK_OBJECT,
-                        created=created,
-                        choices=[role],
-                        model=model_name,
-                        prompt_token_ids=None,
-                        prompt_text=None,
-                    )
-                    chunks += 1
-                    yield f"data: {_dump(first)}\n\n"
-                output = res.outputs[0]
-                if finished:
-                    continue
-                serving._raise_if_error(output.finish_reason, request_id)
-                if text is not None:
-                    step.num_output_tokens += text.streamed_tokens - counted
-                    counted = text.streamed_tokens
-                if (
-                    not output.text
-                    and not output.token_ids
-                    and not step.num_output_tokens
-                    and output.finish_reason is None
-                ):
-                    continue  # chunked prefill: vLLM sends no empty chunk
-                delta, finish_reason = step.step(
-                    output.text,
-                    as_list(output.token_ids),
-                    output.finish_reason,
-                    res.prompt_token_ids,
-                )
-                if delta is None:
-                    if output.finish_reason is None:
-                        continue
-                    delta = DeltaMessage()
-                if output.finish_reason is None:
-                    choice = ChatCompletionResponseStreamChoice(
-                        index=0, delta=delta, logprobs=None, finish_reason=None, token_ids=None
-                    )
-                    chunks += 1
-                    yield f"data: {_dump(chunk(choice))}\n\n"
-                    # Starlette passed that chunk on before asking for the next one: once
-                    # it is on the wire, the plain outputs after it can go straight there.
-                    if template is not None and (text is None or not text.stream_attached):
-                        ready = attachable(processor, request_id, connection, chunks)
-                        if (
-                            ready is not None
-                            and step.num_output_tokens
-                            and attach(ENDPOINT, ready, connection, template)
-                        ):
-                            text = ready
-                            counted = text.streamed_tokens
-                    continue
-                finished = True
-                choice = ChatCompletionResponseStreamChoice(
+        async for res in result_generator:
+            if stream.seen(res, encoder_prompt=True):
+                role = ChatCompletionResponseStreamChoice(
                     index=0,
-                    delta=delta,
+                    delta=DeltaMessage(role=serving.get_chat_request_role(request), content=""),
                     logprobs=None,
-                    finish_reason=finish_reason,
-                    stop_reason=output.stop_reason,
-                    token_ids=None,
-                    weight_versions=None,
+                    finish_reason=None,
                 )
-                last = chunk(choice, res)
-                # The finish carries the fingerprint unless a usage chunk comes after it.
-                if not include_usage and serving.system_fingerprint is not None:
-                    last.system_fingerprint = serving.system_fingerprint
-                yield f"data: {_dump(last)}\n\n"
-            if text is not None:
-                step.num_output_tokens += text.streamed_tokens - counted
-                counted = text.streamed_tokens
-            completion_tokens = step.num_output_tokens
-            if include_usage:
-                usage = UsageInfo(
-                    prompt_tokens=num_prompt_tokens,
-                    completion_tokens=completion_tokens,
-                    total_tokens=num_prompt_tokens + completion_tokens,
-                    completion_tokens_details=None,
-                )
-                usage.prompt_tokens_details = _make_prompt_tokens_details(
-                    serving.enable_prompt_tokens_details,
-                    num_cached_tokens,
-                    num_cache_creation_tokens,
-                    mm_token_counts,
-                )
-                per_request = request_metrics(serving, last_res, completion_tokens)
-                usage_chunk = ChatCompletionStreamResponse(
+                first = ChatCompletionStreamResponse(
                     id=request_id,
                     object=CHUNK_OBJECT,
                     created=created,
-                    choices=[],
+                    choices=[role],
                     model=model_name,
-                    usage=usage,
-                    system_fingerprint=serving.system_fingerprint,
-                    metrics=per_request,
+                    prompt_token_ids=None,
+                    prompt_text=None,
                 )
-                yield f"data: {_dump(usage_chunk)}\n\n"
-            # What vLLM's middleware reports as the request's usage.
-            request_metadata.final_usage_info = UsageInfo(
-                prompt_tokens=num_prompt_tokens,
-                completion_tokens=completion_tokens,
-                total_tokens=num_prompt_tokens + completion_tokens,
-                completion_tokens_details=None,
+                stream.chunks += 1
+                yield sse(_dump(first))
+            output = res.outputs[0]
+            if finished:
+                continue
+            serving._raise_if_error(output.finish_reason, request_id)
+            # The processor counts the native frames' tokens before this output's.
+            step.num_output_tokens += stream.streamed - counted
+            counted = stream.streamed
+            if nothing_to_say(output, step.num_output_tokens):
+                continue
+            delta, finish_reason = step.step(
+                output.text,
+                as_list(output.token_ids),
+                output.finish_reason,
+                res.prompt_token_ids,
             )
-        except GenerationError as e:
-            error = serving.create_error_response(
-                str(e), err_type="InternalServerError", status_code=e.status_code
+            if delta is None:
+                if output.finish_reason is None:
+                    continue
+                delta = DeltaMessage()
+            if output.finish_reason is None:
+                choice = ChatCompletionResponseStreamChoice(
+                    index=0, delta=delta, logprobs=None, finish_reason=None, token_ids=None
+                )
+                stream.chunks += 1
+                yield sse(_dump(chunk(choice)))
+                if stream.attach_after_chunk(request_id, step.num_output_tokens):
+                    counted = stream.streamed
+                continue
+            finished = True
+            choice = ChatCompletionResponseStreamChoice(
+                index=0,
+                delta=delta,
+                logprobs=None,
+                finish_reason=finish_reason,
+                stop_reason=output.stop_reason,
+                token_ids=None,
+                weight_versions=None,
             )
-            yield f"data: {_dump(error)}\n\n"
-        except Exception as e:
-            logger.exception("Error in chat completion stream generator.")
-            yield f"data: {_dump(serving.create_error_response(e))}\n\n"
+            last = chunk(choice, res)
+            if stream.finish_fingerprint is not None:
+                last.system_fingerprint = stream.finish_fingerprint
+            yield sse(_dump(last))
+        step.num_output_tokens += stream.streamed - counted
+        completion_tokens = step.num_output_tokens
+        if stream.include_usage:
+            usage = stream.usage(completion_tokens, completion_tokens_details=None)
+            usage.prompt_tokens_details = _make_prompt_tokens_details(
+                serving.enable_prompt_tokens_details,
+                stream.num_cached_tokens,
+                stream.num_cache_creation_tokens,
+                mm_token_counts,
+            )
+            usage_chunk = stream.usage_chunk(
+                ChatCompletionStreamResponse, usage, completion_tokens, object=CHUNK_OBJECT
+            )
+            yield sse(_dump(usage_chunk))
+        # What vLLM's middleware reports as the request's usage.
+        request_metadata.final_usage_info = stream.usage(
+            completion_tokens, completion_tokens_details=None
+        )
+    except GenerationError as e:
+        error = serving.create_error_response(
+            str(e), err_type="InternalServerError", status_code=e.status_code
+        )
+        yield sse(_dump(error))
+    except Exception as e:
+        logger.exception("Error in chat completion stream generator.")
+        yield sse(_dump(serving.create_error_response(e)))
     finally:
-        # The response is over (or cancelled): nothing more goes to the connection.
-        if text is not None:
-            text.detach_stream()
-        metrics.count_fast_path("fast", text.streamed_tokens if text is not None else 0)
-    yield "data: [DONE]\n\n"
+        stream.close()
+    yield DONE

@@ -1,13 +1,17 @@
-"""The frame templates of the fast path (:mod:`corewire.vllm.fast_path`): a probe chunk's
-SSE frame cut around the holes that the native output state fills per token.
+"""The SSE frames of the fast path (:mod:`corewire.vllm.fast_path`): an event's text, and
+the frame templates, a probe chunk's frame cut around the holes that the native output
+state fills per token.
 
-Imports nothing of vLLM, so that the package (which re-exports these names) imports under
+Imports nothing of vLLM, so that the package (which re-exports the templates) imports under
 any vLLM release and the templates are tested without a server.
 """
 
 from __future__ import annotations
 
-__all__ = ["TEXT_PROBE", "Template", "split_template"]
+__all__ = ["DONE", "TEXT_PROBE", "Template", "split_template", "sse"]
+
+#: The event that ends every stream, as vLLM's server writes it.
+DONE = "data: [DONE]\n\n"
 
 #: A text no model name or id contains, marking where a probe chunk's text goes.
 TEXT_PROBE = "\x00corewire-text-probe\x00"
@@ -29,3 +33,8 @@ def split_template(frame: bytes) -> Template | None:
         return None
     mid, tail = after.split(hole)
     return head, mid + hole[: -len(b"null")], tail
+
+
+def sse(data: str) -> str:
+    """The SSE event of one chunk's JSON ``data``, as vLLM's server writes it."""
+    return f"data: {data}\n\n"
