@@ -46,7 +46,7 @@ __all__ = [
 #: ``corewire/vllm/output_*.py``), apart from vLLM's "output processing".
 NATIVE_OUTPUT_LAYER = "output processing (corewire)"
 
-#: The layer of the fast path's Python (``corewire/vllm/fast_path.py``, ``asgi_cycle.py``).
+#: The layer of the fast path's Python (``corewire/vllm/fast_path/``, ``asgi_cycle.py``).
 FAST_PATH_LAYER = "fast path (corewire)"
 
 #: Layers of the API server's CPU, and the file-path fragments of each. A sample belongs to
@@ -89,7 +89,7 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ),
     # corewire's fast path of vllm serve: its Python, once per request (the first and
     # last chunks); the frames it writes per token are native, inside the layer above.
-    (FAST_PATH_LAYER, ("corewire/vllm/fast_path.py", "corewire/vllm/asgi_cycle.py")),
+    (FAST_PATH_LAYER, ("corewire/vllm/fast_path/", "corewire/vllm/asgi_cycle.py")),
     ("OpenAI serving", ("vllm/entrypoints/", "pydantic/", "pydantic_core/")),
     ("HTTP", ("uvicorn/", "starlette/", "fastapi/", "h11/", "httptools/", "anyio/")),
 )

@@ -1,0 +1,221 @@
+"""The fast path of vLLM 0.34.0's streaming ``/v1/completions`` (see
+:mod:`corewire.vllm.fast_path`): one prompt, one sample, chunks of text and sample
+logprobs; anything else stays on vLLM's ``completion_stream_generator``."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncGenerator, AsyncIterator
+from types import SimpleNamespace
+from typing import Any
+
+from vllm.entrypoints.generate.base.serving import completion_top_logprobs_limit
+from vllm.entrypoints.openai.completion.protocol import (
+    CompletionResponseStreamChoice,
+    CompletionStreamResponse,
+)
+from vllm.entrypoints.serve.engine.protocol import PromptTokenUsageInfo
+from vllm.exceptions import GenerationError
+
+from corewire.vllm.fast_path.frames import DONE, TEXT_PROBE, Template, split_template, sse
+from corewire.vllm.fast_path.shared import Stream, logger, nothing_to_say, route, stream_refusal
+
+__all__ = ["completion_stream", "frame_template", "install", "refusal"]
+
+ENDPOINT = "completion"
+
+
+def frame_template(request_id: str, created: int, model: str) -> Template | None:
+    """The bytes of an unfinished chunk of the stream around its two holes (the text's
+    JSON literal; the logprobs object, ``null`` without), as :func:`_chunk` renders it
+    (vLLM 0.34.0's model dumped with ``exclude_unset``); None when the probe is
+    ambiguous."""
+    probe = SimpleNamespace(text=TEXT_PROBE, finish_reason=None, stop_reason=None)
+    return split_template(sse(_chunk((request_id, created, model), probe, None)).encode())
+
+
+def refusal(serving: Any, request: Any, num_prompts: int, connection: Any) -> str | None:
+    """Why a streaming completion stays on vLLM's generator (None: it takes the fast
+    path). The fast path renders the text and sample logprobs of a chunk between the first
+    and the last; requests whose chunks carry more, and servers whose settings change the
+    chunks or the connection, keep vLLM's code."""
+    return stream_refusal(
+        serving,
+        request,
+        connection,
+        first=[(num_prompts != 1, "more than one prompt")],
+        options=[
+            (request.prompt_logprobs is not None, "prompt_logprobs"),
+            (bool(request.logprob_token_ids), "logprob_token_ids"),
+            (
+                bool(request.return_tokens_as_token_ids or serving.return_tokens_as_token_ids),
+                "return_tokens_as_token_ids",
+            ),
+            (request.return_token_ids, "return_token_ids"),
+        ],
+    )
+
+
+def install(serving_class: Any) -> None:
+    """Routes ``serving_class.completion_stream_generator`` (vLLM's
+    ``OpenAIServingCompletion``) through :func:`completion_stream` for the requests it
+    covers."""
+    route(serving_class, "completion_stream_generator", ENDPOINT, _take)
+
+
+def _take(
+    serving: Any,
+    connection: Any,
+    request: Any,
+    engine_inputs: Any,
+    result_generator: AsyncIterator[tuple[int, Any]],
+    request_id: str,
+    created_time: int,
+    model_name: str,
+    num_prompts: int,
+    tokenizer: Any,
+    request_metadata: Any,
+) -> AsyncGenerator[str, None] | str:
+    # The fast stream of a request the fast path covers (vLLM's generator's arguments),
+    # else why it stays on vLLM's.
+    why = refusal(serving, request, num_prompts, connection)
+    if why is not None:
+        return why
+    template = frame_template(request_id, created_time, model_name)
+    if template is None:
+        return "the chunk's template is ambiguous"
+    return completion_stream(
+        serving,
+        request,
+        result_generator,
+        request_id,
+        created_time,
+        model_name,
+        tokenizer,
+        request_metadata,
+        connection,
+        template,
+    )
+
+
+def _chunk(
+    names: tuple[str, int, str],
+    output: Any,
+    logprobs: Any,
+    res: Any = None,
+    fingerprint: str | None = None,
+) -> str:
+    """A chunk's JSON as vLLM's server renders one of a request the fast path covers:
+    ``names`` (the request's id, creation time and model name), and ``res`` (the
+    ``RequestOutput``) for a finish, whose KV transfer parameters it carries."""
+    request_id, created, model = names
+    chunk = CompletionStreamResponse(
+        id=request_id,
+        object="text_completion",
+        created=created,
+        model=model,
+        choices=[
+            CompletionResponseStreamChoice(
+                index=0,
+                text=output.text,
+                logprobs=logprobs,
+                finish_reason=output.finish_reason,
+                stop_reason=output.stop_reason,
+                prompt_token_ids=None,
+                token_ids=None,
+                weight_versions=None,
+            )
+        ],
+        kv_transfer_params=res.kv_transfer_params if res is not None else None,
+    )
+    if fingerprint is not None:
+        chunk.system_fingerprint = fingerprint
+    return chunk.model_dump_json(exclude_unset=True)
+
+
+async def completion_stream(
+    serving: Any,
+    request: Any,
+    result_generator: AsyncIterator[tuple[int, Any]],
+    request_id: str,
+    created_time: int,
+    model_name: str,
+    tokenizer: Any,
+    request_metadata: Any,
+    connection: Any,
+    template: Template,
+) -> AsyncGenerator[str, None]:
+    """vLLM 0.34.0's ``completion_stream_generator`` for one prompt and one sample whose
+    chunks carry text and sample logprobs only (see :func:`refusal`), with the unfinished
+    chunks after the first written natively (see the package doc). Same chunks, same usage,
+    same errors."""
+    names = (request_id, created_time, model_name)
+    stream = Stream(serving, request, connection, ENDPOINT, names, template)
+    # Plain chunks rendered here use the template the native frames use.
+    head, mid, tail = (part.decode() for part in template)
+    # How many candidates a chunk shows per position (-1: all), for the native frames.
+    limit = None
+    if request.logprobs is not None:
+        shown = completion_top_logprobs_limit(request.logprobs)
+        limit = -1 if shown is None else shown
+    # Where the next chunk's first token starts (logprobs' text_offset): here until the
+    # request's state is attached, then in it (its frames move it too).
+    text_offset = 0
+    external_id = f"{request_id}-0"
+    # Output token ids of the chunks rendered here; the attached state counts its own.
+    rendered = 0
+    try:
+        async for _, res in result_generator:
+            stream.seen(res)
+            output = res.outputs[0]
+            finish_reason = output.finish_reason
+            serving._raise_if_error(finish_reason, request_id)
+            if nothing_to_say(output, rendered + stream.streamed):
+                continue
+            rendered += len(output.token_ids)
+            logprobs = None
+            if request.logprobs is not None:
+                text = stream.text
+                if text is not None:
+                    text_offset = text.stream_text_offset
+                logprobs = serving._create_completion_logprobs(
+                    token_ids=output.token_ids,
+                    top_logprobs=output.logprobs,
+                    num_output_top_logprobs=request.logprobs,
+                    tokenizer=tokenizer,
+                    initial_text_offset=text_offset,
+                    return_as_token_id=request.return_tokens_as_token_ids,
+                )
+                if logprobs.tokens:
+                    text_offset = logprobs.text_offset[-1] + len(logprobs.tokens[-1])
+                if text is not None:
+                    text.stream_text_offset = text_offset
+            if finish_reason is None:
+                stream.chunks += 1
+                if logprobs is None:
+                    yield f"{head}{json.dumps(output.text, ensure_ascii=False)}{mid}null{tail}"
+                else:
+                    yield sse(_chunk(names, output, logprobs))
+                stream.attach_after_chunk(external_id, True, limit, text_offset)
+                continue
+            yield sse(_chunk(names, output, logprobs, res, stream.finish_fingerprint))
+
+        completion_tokens = rendered + stream.streamed
+        usage = stream.usage(completion_tokens)
+        if serving.enable_prompt_tokens_details and stream.num_cached_tokens is not None:
+            usage.prompt_tokens_details = PromptTokenUsageInfo(
+                cached_tokens=stream.num_cached_tokens
+            )
+        if stream.include_usage:
+            usage_chunk = stream.usage_chunk(CompletionStreamResponse, usage, completion_tokens)
+            yield sse(usage_chunk.model_dump_json(exclude_unset=False, exclude_none=True))
+        # What vLLM's middleware reports as the request's usage.
+        request_metadata.final_usage_info = usage
+    except GenerationError as e:
+        yield sse(serving._convert_generation_error_to_streaming_response(e))
+    except Exception as e:
+        logger.exception("Error in completion stream generator.")
+        yield sse(serving.create_streaming_error_response(e))
+    finally:
+        stream.close()
+    yield DONE
