@@ -221,3 +221,29 @@ def test_the_old_protocol_keyword_still_names_a_release_and_warns() -> None:
     add_arguments(parser)
     assert parser.parse_args(["--protocol", "0.33.0"]).release == "0.33.0"
     assert parser.parse_args(["--release", "0.34.0"]).release == "0.34.0"
+
+
+def test_a_releases_wire_facts_are_read_off_its_record_once(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Engines and the bench engine ask some facts per message: a record is parsed afresh
+    # by every records.load, which must not happen per message.
+    from corewire.releases import base, records
+
+    monkeypatch.setattr(base, "_FACTS", {})
+    loads = []
+    real_load = records.load
+    monkeypatch.setattr(records, "load", lambda name: loads.append(name) or real_load(name))
+    release = releases.get("0.33.0")
+    first = (release.request_errors, release.weight_versions, release.packs_prompts)
+    first_layout = release.native_layout
+    read = len(loads)
+    for _ in range(3):
+        again = (release.request_errors, release.weight_versions, release.packs_prompts)
+        assert again == first == (True, True, False)
+        assert release.native_layout == first_layout
+        assert release.speaks_protocol_structs is False
+    assert len(loads) == read + 2  # speaks_protocol_structs: its own and 0.25.1's, once
+    # The layout handed out is the caller's to keep: changing it changes no later answer.
+    first_layout.clear()
+    assert release.native_layout["EngineCoreOutputs"]

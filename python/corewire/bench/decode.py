@@ -677,7 +677,7 @@ def run(args: argparse.Namespace) -> int:
     baseline = names[0]
     print(f"every field of every output equal to {baseline}'s: {'yes' if not wrong else 'NO'}")
     print(
-        "  (the timed steps, and an untimed step setting every optional field of protocol"
+        "  (the timed steps, and an untimed step setting every optional field of release"
         f" {release}'s EngineCoreOutput: {'equal' if not every_field_wrong else 'NOT equal'})"
     )
     for w in dict.fromkeys(wrong):

@@ -11,7 +11,7 @@ processors in ``corewire.vllm.output``)."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any, ClassVar, TypeVar
 
 from corewire.releases import records
@@ -25,6 +25,9 @@ _Entry = TypeVar("_Entry")
 _CLASSES_BY_NAME: dict[str, type[Release]] = {}
 #: The one instance of each release, by version (filled by ``corewire.releases``).
 _INSTANCES: dict[str, Release] = {}
+#: Each release's facts read off its record, by ``(release, fact)``: read once, since
+#: some are asked per message (a record is parsed afresh by every ``records.load``).
+_FACTS: dict[tuple[str, str], Any] = {}
 
 
 def registered(name: str) -> Release:
@@ -202,6 +205,9 @@ class Release(str):
         """``EngineCoreRequest.prompt_token_ids`` is an ndarray on the wire (0.34.0 on:
         its front-end packs each prompt as int32, inline below 256 bytes, an aux frame
         above), else a list of ints."""
+        return self._fact("packs_prompts", self._packs_prompts)
+
+    def _packs_prompts(self) -> bool:
         entry = self.record["structs"]["EngineCoreRequest"]
         field = next(f for f in entry["fields"] if f["name"] == "prompt_token_ids")
         kind = field["type"]
@@ -214,6 +220,9 @@ class Release(str):
         (vLLM 0.25.1's, what engines build and clients are given): then nothing is
         converted on either side. Read off the records: ``EngineCoreOutputs`` and every
         struct and enum it reaches laid out as in 0.25.1's."""
+        return self._fact("speaks_protocol_structs", self._speaks_protocol_structs)
+
+    def _speaks_protocol_structs(self) -> bool:
         base = records.load(_BASE_RELEASE)
         name = "EngineCoreOutputs"
         return records.reachable(self.record, name) == records.reachable(base, name)
@@ -233,12 +242,26 @@ class Release(str):
         """Where this release puts each field the native decoder reads: each struct's
         wire names in wire order, read off its record, so that the decoder follows the
         release rather than a table of its own."""
+        return dict(self._fact("native_layout", self._native_layout))
+
+    def _native_layout(self) -> dict[str, tuple[str, ...]]:
         structs = self.record["structs"]
         return {name: self._fields(name) for name in self.NATIVE_STRUCTS if name in structs}
 
     def _fields(self, name: str) -> tuple[str, ...]:
+        return self._fact(f"fields:{name}", lambda: self._read_fields(name))
+
+    def _read_fields(self, name: str) -> tuple[str, ...]:
         entry = self.record["structs"].get(name)
         return () if entry is None else tuple(f["encode_name"] for f in entry["fields"])
+
+    def _fact(self, key: str, read: Callable[[], _Entry]) -> _Entry:
+        # Read once per release: the facts of a record never change in a process.
+        try:
+            return _FACTS[self.name, key]
+        except KeyError:
+            value = _FACTS[self.name, key] = read()
+            return value
 
 
 #: The release whose wire ``corewire.protocol`` lays out.
