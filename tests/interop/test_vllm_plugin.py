@@ -118,12 +118,19 @@ def test_plugin_refuses_another_vllm_by_name(version: str) -> None:
 def test_each_supported_vllm_has_its_client_classes() -> None:
     """Every release the plugin accepts has its three client classes (chosen as vLLM
     chooses), and the installed vLLM's are the factory's."""
+    from corewire import AsyncMPClient, DPAsyncMPClient, DPLBAsyncMPClient
+    from corewire.vllm import classes as classes_module
     from corewire.vllm.classes import client_classes
+    from corewire.vllm.client import VllmClientMixin
 
+    kinds = {"plain": AsyncMPClient, "dp": DPAsyncMPClient, "dplb": DPLBAsyncMPClient}
     for version in plugin.PLUGIN_VLLM_VERSIONS:
         classes = client_classes(version)
-        assert set(classes) == {"plain", "dp", "dplb"}
-        assert {cls.release for cls in classes.values()} == {version}
+        assert set(classes) == set(kinds)
+        for kind, cls in classes.items():
+            assert issubclass(cls, kinds[kind]) and issubclass(cls, VllmClientMixin)
+            # A class defined by name, where a search finds it.
+            assert getattr(classes_module, cls.__name__) is cls, cls
 
 
 _OUTPUT_PROBE = """

@@ -1,16 +1,18 @@
-"""corewire's client classes inside vLLM's ``AsyncLLM``, one per release and kind, each
-composed here from the same parts, and the factory that chooses among them.
+"""corewire's client classes inside vLLM's ``AsyncLLM``, and the factory that chooses
+among them.
 
 ``AsyncLLM`` asks its client factory for one of three kinds of client: ``"plain"`` (one
 engine), ``"dp"`` (a data-parallel group, external load balancing) and ``"dplb"``
-(internal load balancing). Each is corewire's client of that kind (``AsyncMPClient``,
-``DPAsyncMPClient``, ``DPLBAsyncMPClient``), with the DP construction under vLLM's
-coordinator (:class:`~corewire.vllm.dp_client.VllmDPMixin`) for the DP kinds, and, in
-front, the members the release's ``AsyncLLM`` calls: its entry of :data:`MEMBERS`. So a
-release whose front-end calls something new adds one members class, never a row of
-client classes; and every
-class knows the release it serves (its ``release``), the installed one included when that
-is newer than every tested release and behaves as its class's.
+(internal load balancing). Each class here is corewire's client of that kind
+(``AsyncMPClient``, ``DPAsyncMPClient``, ``DPLBAsyncMPClient``), with the DP construction
+under vLLM's coordinator (:class:`~corewire.vllm.dp_client.VllmDPMixin`) for the DP kinds,
+and, in front, the members a release's ``AsyncLLM`` calls: 0.25.1's
+(:class:`~corewire.vllm.client.VllmClientMixin`), 0.33.0's
+(:class:`~corewire.vllm.v0_33_0.Members0330`, which 0.27.0 to 0.33.0 call) or 0.34.0's
+(:class:`~corewire.vllm.v0_34_0.Members0340`). :data:`CLASSES` says which a release takes:
+a release whose front-end calls something new adds one members class and one row here.
+Each client knows the release it serves (its ``release``), the installed one included
+when that is newer than every tested release and behaves as its class's.
 
 :func:`make_async_mp_client` stands in for vLLM's ``EngineCoreClient.make_async_mp_client``
 (installed by ``corewire.vllm.plugin``) and chooses among them as vLLM chooses.
@@ -18,14 +20,12 @@ is newer than every tested release and behaves as its class's.
 
 from __future__ import annotations
 
-import functools
 import logging
 from collections.abc import Callable
 from typing import Any
 
 from corewire.client.async_client import AsyncMPClient
 from corewire.client.dp import DPAsyncMPClient, DPLBAsyncMPClient
-from corewire.releases import Release
 from corewire.releases import get as get_release
 from corewire.vllm.client import INSTALLED_RELEASE, VllmClientMixin
 from corewire.vllm.dp_client import VllmDPMixin
@@ -33,8 +33,17 @@ from corewire.vllm.v0_33_0 import Members0330
 from corewire.vllm.v0_34_0 import Members0340
 
 __all__ = [
+    "CLASSES",
     "KINDS",
-    "MEMBERS",
+    "Vllm0330AsyncMPClient",
+    "Vllm0330DPAsyncMPClient",
+    "Vllm0330DPLBAsyncMPClient",
+    "Vllm0340AsyncMPClient",
+    "Vllm0340DPAsyncMPClient",
+    "Vllm0340DPLBAsyncMPClient",
+    "VllmAsyncMPClient",
+    "VllmDPAsyncMPClient",
+    "VllmDPLBAsyncMPClient",
     "client_class",
     "client_classes",
     "declined_reason",
@@ -43,60 +52,83 @@ __all__ = [
 
 logger = logging.getLogger("vllm.corewire")
 
-#: The members each release's ``AsyncLLM`` calls on its engine-core client, by the
-#: release each was written for (``Release.choose``). 0.27.0's front-end calls a subset of
-#: 0.33.0's, with the same arguments (handle_fault, get_status, weight versions,
-#: prepare/commit elastic EP; profile with two of its five); the all-engine and consensus
-#: answers of reset_prefix_cache, wake_up, is_sleeping and is_scheduler_paused are
-#: 0.32.0's, and before it a DP group answered with its first engine's, the same whenever
-#: the engines agree (they take every such call together).
-MEMBERS: dict[str, type] = {
-    "0.25.1": VllmClientMixin,
-    "0.27.0": Members0330,
-    "0.34.0": Members0340,
-}
 
-#: Each kind of client ``AsyncLLM`` asks for -> the end of its class name and the bases
-#: that follow the release's members.
-_KINDS: dict[str, tuple[str, tuple[type, ...]]] = {
-    "plain": ("AsyncMPClient", (AsyncMPClient,)),
-    "dp": ("DPAsyncMPClient", (VllmDPMixin, DPAsyncMPClient)),
-    "dplb": ("DPLBAsyncMPClient", (VllmDPMixin, DPLBAsyncMPClient)),
+class VllmAsyncMPClient(VllmClientMixin, AsyncMPClient):
+    """corewire's :class:`~corewire.AsyncMPClient` inside vLLM 0.25.1's (and 0.26.0's)
+    ``AsyncLLM``: one engine."""
+
+
+class VllmDPAsyncMPClient(VllmDPMixin, DPAsyncMPClient):
+    """corewire's :class:`~corewire.DPAsyncMPClient` inside vLLM 0.25.1's ``AsyncLLM``:
+    a DP group behind external load balancing."""
+
+
+class VllmDPLBAsyncMPClient(VllmDPMixin, DPLBAsyncMPClient):
+    """corewire's :class:`~corewire.DPLBAsyncMPClient` inside vLLM 0.25.1's ``AsyncLLM``:
+    a DP group it balances itself."""
+
+
+class Vllm0330AsyncMPClient(Members0330, AsyncMPClient):
+    """The plain client with the members vLLM 0.27.0 to 0.33.0's ``AsyncLLM`` call."""
+
+
+class Vllm0330DPAsyncMPClient(Members0330, VllmDPMixin, DPAsyncMPClient):
+    """The external-LB DP client with the members of vLLM 0.27.0 to 0.33.0."""
+
+
+class Vllm0330DPLBAsyncMPClient(Members0330, VllmDPMixin, DPLBAsyncMPClient):
+    """The internal-LB DP client with the members of vLLM 0.27.0 to 0.33.0."""
+
+
+class Vllm0340AsyncMPClient(Members0340, AsyncMPClient):
+    """The plain client with the members vLLM 0.34.0's ``AsyncLLM`` calls."""
+
+
+class Vllm0340DPAsyncMPClient(Members0340, VllmDPMixin, DPAsyncMPClient):
+    """The external-LB DP client with the members of vLLM 0.34.0."""
+
+
+class Vllm0340DPLBAsyncMPClient(Members0340, VllmDPMixin, DPLBAsyncMPClient):
+    """The internal-LB DP client with the members of vLLM 0.34.0."""
+
+
+#: Each release's client classes by kind, by the release they were written for
+#: (``Release.choose``). 0.27.0's front-end calls a subset of 0.33.0's members, with the
+#: same arguments (handle_fault, get_status, weight versions, prepare/commit elastic EP;
+#: profile with two of its five); the all-engine and consensus answers of
+#: reset_prefix_cache, wake_up, is_sleeping and is_scheduler_paused are 0.32.0's, and
+#: before it a DP group answered with its first engine's, the same whenever the engines
+#: agree (they take every such call together).
+CLASSES: dict[str, dict[str, type]] = {
+    "0.25.1": {
+        "plain": VllmAsyncMPClient,
+        "dp": VllmDPAsyncMPClient,
+        "dplb": VllmDPLBAsyncMPClient,
+    },
+    "0.27.0": {
+        "plain": Vllm0330AsyncMPClient,
+        "dp": Vllm0330DPAsyncMPClient,
+        "dplb": Vllm0330DPLBAsyncMPClient,
+    },
+    "0.34.0": {
+        "plain": Vllm0340AsyncMPClient,
+        "dp": Vllm0340DPAsyncMPClient,
+        "dplb": Vllm0340DPLBAsyncMPClient,
+    },
 }
 #: The kinds, as ``AsyncLLM``'s factory chooses among them.
-KINDS = tuple(_KINDS)
+KINDS = ("plain", "dp", "dplb")
 
 
-@functools.cache
-def client_class(release: Release, kind: str) -> type:
-    """corewire's client of ``kind`` for vLLM ``release``'s ``AsyncLLM`` (one class per
-    pair, made once)."""
-    suffix, rest = _KINDS[kind]
-    members = release.choose(MEMBERS)
-    # The base members (0.25.1's) are VllmDPMixin's own base: listed before it they would
-    # leave the class without a method order.
-    bases = rest if any(issubclass(b, members) for b in rest) else (members, *rest)
-    corewire_class = rest[-1]
-    return type(
-        f"Vllm{release.name.replace('.', '')}{suffix}",
-        bases,
-        {
-            "__module__": __name__,
-            "__doc__": (
-                f"corewire's :class:`corewire.{corewire_class.__name__}` inside vLLM "
-                f"{release.name}'s ``AsyncLLM`` (the members of "
-                f":class:`{members.__module__}.{members.__name__}`)."
-            ),
-            "release": release,
-        },
-    )
+def client_class(release: str, kind: str) -> type:
+    """corewire's client of ``kind`` for vLLM ``release``'s ``AsyncLLM``."""
+    return client_classes(release)[kind]
 
 
 def client_classes(release: str) -> dict[str, type]:
     """corewire's client classes for the ``AsyncLLM`` of vLLM release ``release``, by
     kind: ``"plain"``, ``"dp"`` (external load balancing) and ``"dplb"`` (internal)."""
-    release = get_release(release)
-    return {kind: client_class(release, kind) for kind in KINDS}
+    return dict(get_release(release).choose(CLASSES))
 
 
 def make_async_mp_client(
@@ -129,7 +161,7 @@ def make_async_mp_client(
         kind = "dp" if parallel_config.data_parallel_external_lb else "dplb"
     else:
         kind = "plain"
-    client = classes[kind](*args, renderer=renderer)
+    client = classes[kind](*args, renderer=renderer, release=INSTALLED_RELEASE)
     # Said here too, not only when the plugin is installed: vLLM 0.33.0 configures its
     # logging after the plugins ran, so that earlier line is lost there.
     logger.info(

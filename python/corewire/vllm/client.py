@@ -159,8 +159,8 @@ class VllmClientMixin:
     the vLLM release whose helpers launch the engines and apply their ready responses.
     """
 
-    #: The vLLM release this class is built for (its wire is the clients' protocol); set
-    #: by :func:`corewire.vllm.classes.client_class`.
+    #: The vLLM release this client serves (its wire is the engines'): the installed
+    #: vLLM's unless the factory names another.
     release: Release
 
     # Provided by the corewire client class this is mixed into.
@@ -181,8 +181,13 @@ class VllmClientMixin:
         client_count: int = 1,
         client_index: int = 0,
         renderer: Any = None,
+        *,
+        release: str | None = None,
     ) -> None:
-        """vLLM's client-factory arguments (see :func:`make_async_mp_client`)."""
+        """vLLM's client-factory arguments (see
+        :func:`corewire.vllm.classes.make_async_mp_client`); ``release``: the vLLM release
+        served (default: the installed one)."""
+        self.release = INSTALLED_RELEASE if release is None else releases.get(release)
         args = VllmArgs(
             vllm_config,
             executor_class,
