@@ -54,12 +54,8 @@ from corewire import releases  # noqa: E402
 from corewire.engine.interface import EngineInfo  # noqa: E402
 from corewire.engine.ready_layouts import ReadyFacts, ready_response_for  # noqa: E402
 from corewire.layouts import FT_STATUS_CALL_ID, RequestError  # noqa: E402
-from corewire.vllm.classes import client_classes  # noqa: E402
-from corewire.vllm.client import (  # noqa: E402
-    HEALTH_INTERVAL_ENV,
-    HEALTH_TIMEOUT_ENV,
-    make_async_mp_client,
-)
+from corewire.vllm.classes import client_classes, make_async_mp_client  # noqa: E402
+from corewire.vllm.client import HEALTH_INTERVAL_ENV, HEALTH_TIMEOUT_ENV  # noqa: E402
 from corewire.vllm.output_processors import native_output_processor  # noqa: E402
 from corewire.vllm.v0_33_0 import FT_UTILITY_METHOD  # noqa: E402
 from port_support import ATTEMPTS, address_in_use, unused_tcp_port  # noqa: E402

@@ -173,7 +173,7 @@ class ServeStack:
     ``server_env`` to its environment. ``api_servers`` > 1 runs vLLM's multi-API-server
     layout (``--api-server-count``): that many server processes share the HTTP port, each
     with its own engine-core client. ``release``: the wire the engines speak (None: the
-    installed vLLM's, :func:`installed_protocol`).
+    installed vLLM's, :func:`installed_release`).
 
     Use it as a context manager, or call :meth:`start` and :meth:`stop`.
     """
