@@ -44,7 +44,6 @@ __all__ = [
     "VllmAsyncMPClient",
     "VllmDPAsyncMPClient",
     "VllmDPLBAsyncMPClient",
-    "client_class",
     "client_classes",
     "declined_reason",
     "make_async_mp_client",
@@ -118,11 +117,6 @@ CLASSES: dict[str, dict[str, type]] = {
 }
 #: The kinds, as ``AsyncLLM``'s factory chooses among them.
 KINDS = ("plain", "dp", "dplb")
-
-
-def client_class(release: str, kind: str) -> type:
-    """corewire's client of ``kind`` for vLLM ``release``'s ``AsyncLLM``."""
-    return client_classes(release)[kind]
 
 
 def client_classes(release: str) -> dict[str, type]:
