@@ -21,7 +21,7 @@ the kinds in a shuffled order, every kind once per round), the run injects:
   front-end does when its client hangs up.
 - ``rogue_output``: a rogue PUSH socket connects to the client's output endpoint and
   sends three malformed frames: one that is not msgpack, one truncated, and one that
-  names a live request (whose caller must get ``ProtocolError``).
+  names a live request sent for it (whose caller must get ``ProtocolError`` and abort it).
 - ``bad_input``: three malformed messages into one engine's input: an unknown request
   type, an ADD that is not msgpack, and a truncated ADD naming a caller's request
   (which the engine must finish with ERROR).
@@ -233,6 +233,17 @@ def make_request(rid: str, rng: random.Random) -> EngineCoreRequest:
         sampling_params=SamplingParams(
             max_tokens=rng.randint(1, 64), ignore_eos=True, temperature=0.0
         ),
+        arrival_time=time.time(),
+    )
+
+
+def long_request(rid: str) -> EngineCoreRequest:
+    """A request that outlives any fault (its caller ends it: it is aborted on the
+    ProtocolError a rogue frame naming it brings)."""
+    return EngineCoreRequest(
+        request_id=rid,
+        prompt_token_ids=[5, 6, 7],
+        sampling_params=SamplingParams(max_tokens=100_000, ignore_eos=True, temperature=0.0),
         arrival_time=time.time(),
     )
 
@@ -463,18 +474,22 @@ class Chaos:
                 task.cancel()
 
     async def _fault_rogue_output(self, serving: Serving) -> None:
-        named = await self._some_callers(serving, 1)
+        # The frame names a request of its own, long enough to be live when the frame
+        # comes: a caller picked from the traffic may finish first on a busy machine,
+        # and then nobody is left to see the ProtocolError.
+        rid = self._new_id()
+        self.figures.sent += 1
+        self._spawn(serving, rid, None)
+        await asyncio.sleep(0)  # the caller's stream exists before its request is sent
+        await serving.client.add_request_async(long_request(rid))
         frames = [
             b"\xc1\xc1 not msgpack at all",
             msgspec.msgpack.encode([0, [["chaos-nobody", [1, 2, 3]]]])[:-3],
-        ]
-        if named:
             # A live request with an array whose aux frame does not exist.
-            frames.append(
-                msgspec.msgpack.encode(
-                    [0, [[named[0], [1], None, None, ["float32", [4], 5]]], None, 0.0, None, None]
-                )
-            )
+            msgspec.msgpack.encode(
+                [0, [[rid, [1], None, None, ["float32", [4], 5]]], None, 0.0, None, None]
+            ),
+        ]
         rogue = self.zmq_ctx.socket(zmq.PUSH)
         try:
             rogue.connect(serving.client.output_address)
