@@ -1,5 +1,5 @@
 """The suite's one leak checker and one pid waiter (on the probe of
-:mod:`corewire.bench.leaks`, which ``corewire bench chaos`` uses too).
+:mod:`corewire_devtools.leaks`, which the chaos run uses too).
 
 :func:`no_leaks` runs after every test (``conftest.py``) and around the client and fault
 tests' bodies; a module that shares an engine across its tests passes that engine's pid as
@@ -15,7 +15,7 @@ from collections.abc import Callable, Iterable, Iterator
 
 import psutil
 
-from corewire.bench.leaks import open_fds, stray_children, warm_up_pyzmq_zero_copy
+from corewire_devtools.leaks import open_fds, stray_children, warm_up_pyzmq_zero_copy
 
 # Made before any test runs, so that no test sees pyzmq's helper appear as a leak.
 warm_up_pyzmq_zero_copy()

@@ -19,7 +19,7 @@ _COMMANDS: dict[str, tuple[str, str]] = {
     "keygen": ("corewire.keygen", "write a ZeroMQ CURVE key pair for engines on other hosts"),
     "bench": (
         "corewire.bench",
-        "measure corewire against the installed vLLM (decode, client, dp, serve, ...); chaos",
+        "measure corewire against the installed vLLM (decode, client, dp, serve, output)",
     ),
 }
 

@@ -140,7 +140,7 @@ async def test_dp_group_engines_and_coordinator_leave_on_sigterm(
     """A DP group's engines and coordinator (each with torch loaded, which takes seconds
     to tear down) end on SIGTERM without the interpreter's teardown, inside the grace:
     none is killed, whether the group is whole or one engine was SIGKILLed (a group
-    being replaced after a death). Found by ``corewire bench chaos``."""
+    being replaced after a death). Found by the chaos run (``tools/chaos``)."""
     for kill_one in (False, True):
         with no_leaks():
             client = DPLBAsyncMPClient(

@@ -1,4 +1,4 @@
-"""``corewire bench chaos``: a short run in a fresh interpreter, as a user runs it.
+"""The chaos run (``tools/chaos``): a short one in a fresh interpreter, as a developer runs it.
 
 Real engine processes are killed, stopped and replaced, real malformed frames are sent;
 the run must end every request (completed or with a typed error), leave nothing behind,
@@ -7,6 +7,8 @@ and have injected every kind of fault (so that it cannot pass without chaos).
 
 from __future__ import annotations
 
+import argparse
+import importlib
 import json
 import os
 import subprocess
@@ -16,17 +18,20 @@ from pathlib import Path
 import pytest
 
 from corewire import cli
-from corewire.bench.chaos import FAULTS
+from corewire_devtools import chaos
+from corewire_devtools.chaos import FAULTS
+from paths_support import REPO_ROOT
 
 
 def run_chaos(*argv: str, json_path: Path, timeout: float) -> subprocess.CompletedProcess[str]:
-    """``corewire bench chaos ARGV --json json_path`` in a fresh interpreter."""
+    """``tools/chaos ARGV --json json_path`` in a fresh interpreter (this one's python)."""
+    path = os.environ.get("PATH", "")
     return subprocess.run(
-        [sys.executable, "-m", "corewire.cli", "bench", "chaos", *argv, "--json", str(json_path)],
+        [str(REPO_ROOT / "tools" / "chaos"), *argv, "--json", str(json_path)],
         capture_output=True,
         text=True,
         timeout=timeout,
-        env=dict(os.environ),
+        env=dict(os.environ, PATH=f"{Path(sys.executable).parent}:{path}"),
     )
 
 
@@ -70,11 +75,29 @@ def test_short_chaos_run_hangs_nothing_and_leaks_nothing(tmp_path: Path) -> None
     assert ended == figures["sent"]
 
 
-def test_chaos_is_a_bench_subcommand() -> None:
-    parser = cli.build_parser("bench")
-    args = parser.parse_args(["bench", "chaos", "--seconds", "5", "--engines", "2"])
-    assert (args.bench, args.seconds, args.engines) == ("chaos", 5.0, 2)
+def chaos_args(*argv: str) -> argparse.Namespace:
+    """The chaos run's flags parsed as ``tools/chaos`` parses them."""
+    parser = argparse.ArgumentParser()
+    chaos.add_arguments(parser)
+    return parser.parse_args(list(argv))
+
+
+def test_chaos_flags_and_defaults() -> None:
+    args = chaos_args("--seconds", "5", "--engines", "2")
+    assert (args.seconds, args.engines) == (5.0, 2)
     assert args.engine == "synthetic" and args.deadline > args.health_timeout
+
+
+def test_chaos_is_not_in_the_wheel_or_its_bench_command() -> None:
+    # Developer tooling: the installed package has neither the run nor its leak probe.
+    import corewire.bench
+
+    assert "chaos" not in corewire.bench.BENCHES
+    for gone in ("corewire.bench.chaos", "corewire.bench.leaks"):
+        with pytest.raises(ModuleNotFoundError):
+            importlib.import_module(gone)
+    with pytest.raises(SystemExit):
+        cli.build_parser("bench").parse_args(["bench", "chaos"])
 
 
 @pytest.mark.parametrize(
@@ -90,10 +113,10 @@ def test_chaos_is_a_bench_subcommand() -> None:
     ],
 )
 def test_anything_hung_or_leaked_fails_the_run(spoil, capsys: pytest.CaptureFixture[str]) -> None:
-    from corewire.bench.chaos import Figures, report
-    from corewire.bench.leaks import Leaks
+    from corewire_devtools.chaos import Figures, report
+    from corewire_devtools.leaks import Leaks
 
-    args = cli.build_parser("bench").parse_args(["bench", "chaos"])
+    args = chaos_args()
     figures, leaks = Figures(sent=2, completed=2), Leaks()
     assert report(args, figures, leaks, 1.0)
     spoil(figures, leaks)

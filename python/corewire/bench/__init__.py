@@ -8,8 +8,8 @@ is not. ``--json`` writes machine-readable results (machine, versions, date,
 every case, the goals met or missed) and ``--plot`` draws them (needs matplotlib, the
 ``bench`` extra).
 
-``corewire bench chaos`` compares nothing: it serves while faults are injected, and exits
-with status 1 when a request hung or a resource leaked.
+The chaos run (faults injected while serving) is developer tooling and does not ship:
+``tools/chaos`` in a checkout (docs/reliability.md).
 
 Each benchmark is a module here with ``add_arguments(parser)`` and ``run(args) -> int``,
 like the ``corewire`` subcommands; their heavy imports (vLLM, torch, matplotlib) happen
@@ -30,7 +30,6 @@ BENCHES: dict[str, str] = {
     "dp": "data-parallel routing: decision cost and load spread vs vLLM's rule",
     "serve": "vLLM's API server: vLLM's stack vs corewire's client (and native output processing)",
     "output": "vLLM's OutputProcessor vs corewire's native output processing, in process",
-    "chaos": "DP engines serving while killed, stopped, replaced and fed bad frames: hangs, leaks",
 }
 
 

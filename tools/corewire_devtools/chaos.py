@@ -1,8 +1,9 @@
-"""``corewire bench chaos``: a data-parallel group serving a steady stream while its
+"""A chaos run: a data-parallel group serving a steady stream while its
 engines are killed, stopped and replaced, its callers cancelled and its links fed
 malformed frames; at the end, what became of every request and what leaked.
 
-Run: ``corewire bench chaos --seconds 600`` (``--engines``, ``--rate``, ``--seed``...).
+Run from a checkout: ``tools/chaos --seconds 600`` (``--engines``, ``--rate``, ``--seed``...);
+it is developer tooling, not in the wheel.
 
 A :class:`~corewire.DPLBAsyncMPClient` drives ``--engines`` synthetic engines (or the
 reference engine) with its health watchdog on. Callers arrive at ``--rate`` per second,
@@ -63,13 +64,13 @@ import msgspec
 import zmq
 
 from corewire.bench import common
-from corewire.bench.leaks import Leaks, leaked, snapshot, warm_up_pyzmq_zero_copy
 from corewire.errors import EngineDeadError, ProtocolError
 from corewire.protocol import REQUEST_ADD, EngineCoreRequest, FinishReason, SamplingParams
+from corewire_devtools.leaks import Leaks, leaked, snapshot, warm_up_pyzmq_zero_copy
 
 __all__ = ["FAULTS", "add_arguments", "run"]
 
-logger = logging.getLogger("corewire.bench.chaos")
+logger = logging.getLogger(__name__)
 
 #: Every kind of fault the run injects (each once per round, in a shuffled order).
 FAULTS = ("kill", "stop_hang", "stop_cont", "cancel", "rogue_output", "bad_input", "rescale")
@@ -655,7 +656,7 @@ def report(args: argparse.Namespace, figures: Figures, leaks: Leaks, seconds: fl
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """Register ``corewire bench chaos``'s flags."""
+    """Register the chaos run's flags."""
     parser.add_argument("--seconds", type=float, default=60.0, help="serving time (default 60)")
     parser.add_argument("--engines", type=int, default=3, help="DP engines (default 3)")
     parser.add_argument(
@@ -688,7 +689,7 @@ def run(args: argparse.Namespace) -> int:
     if args.engines < 1 or args.rate <= 0 or args.fault_interval <= 0:
         raise SystemExit("--engines >= 1, --rate > 0 and --fault-interval > 0 required")
     print(
-        f"corewire bench chaos: {args.engines} {args.engine} engines, {args.seconds:g} s, "
+        f"chaos: {args.engines} {args.engine} engines, {args.seconds:g} s, "
         f"{args.rate:g} requests/s, a fault every {args.fault_interval:g} s on average, "
         f"seed {args.seed}, health check every {args.health_interval:g} s "
         f"(timeout {args.health_timeout:g} s)"
@@ -723,3 +724,16 @@ def run(args: argparse.Namespace) -> int:
         )
         print(f"results written to {args.json}")
     return 0 if ok else 1
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m corewire_devtools.chaos [flags]``: parse the flags and run."""
+    parser = argparse.ArgumentParser(
+        prog="tools/chaos", description=__doc__.splitlines()[0] if __doc__ else None
+    )
+    add_arguments(parser)
+    return run(parser.parse_args(argv))
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,5 +1,6 @@
 """What a process holds that a finished run must have given back: the one leak probe of
-the project, shared by ``corewire bench chaos`` and the test suite's leak checks.
+the project, shared by the chaos run (:mod:`corewire_devtools.chaos`) and the test suite's leak
+checks.
 
 :func:`snapshot` records the open file descriptors, the Python threads, the live and
 unreaped child processes, the private ``ipc://`` directories this process made
