@@ -2,7 +2,7 @@
 
 Shared by the golden test (main environment, vLLM 0.25.1) and the live test (vLLM 0.33.0
 installed): loading the checked-in frames, and turning corewire's decoded objects back into
-``corewire.layouts`` structs to re-encode.
+``corewire.wire.layouts`` structs to re-encode.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from functools import cache
 from pathlib import Path
 from typing import Any
 
-from corewire import layouts
+from corewire.wire import layouts
 
 DATA = Path(__file__).resolve().parent / "data" / "vllm-0.33.0"
 

@@ -248,7 +248,7 @@ class TokenizerInfo:
 
     @classmethod
     def for_word_level(cls, tokenizer: Any) -> TokenizerInfo:
-        """For ``corewire.vllm.model_dir``'s word-level tokenizer (ids 0-3 special)."""
+        """For ``corewire.vllm.serve.model_dir``'s word-level tokenizer (ids 0-3 special)."""
         vocab = len(tokenizer)
 
         def encode(rng: random.Random) -> list[int]:

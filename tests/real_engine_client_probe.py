@@ -4,7 +4,7 @@
 
 The engine is started the way vLLM starts it (``launch_core_engines`` through the client
 factory, from a ``VllmConfig`` made by vLLM's own ``AsyncEngineArgs``); the client is
-vLLM's ``AsyncMPClient`` or corewire's (``corewire.vllm.classes.make_async_mp_client``).
+vLLM's ``AsyncMPClient`` or corewire's (``corewire.vllm.adapters.classes.make_async_mp_client``).
 It sends the same requests through either and prints one JSON document of what came back
 (tokens, logprobs, finish reasons, an abort, utility answers), for
 ``test_vllm_real_engine_client.py`` to compare. A script of its own: vLLM spawns its
@@ -102,7 +102,7 @@ async def _main(model_dir: str, which: str) -> dict[str, Any]:
     )  # fmt: skip
     config = engine_args.create_engine_config()
     if which == "corewire":
-        from corewire.vllm.classes import make_async_mp_client
+        from corewire.vllm.adapters.classes import make_async_mp_client
     else:
         from vllm.v1.engine.core_client import EngineCoreClient
 

@@ -29,8 +29,8 @@ import httpx
 import psutil
 import pytest
 
-from corewire.vllm.model_dir import write_model_dir, write_weights
-from corewire.vllm.stack import offline_env
+from corewire.vllm.serve.model_dir import write_model_dir, write_weights
+from corewire.vllm.serve.stack import offline_env
 from port_support import unused_tcp_port
 from serve_support import MODEL
 

@@ -27,8 +27,8 @@ import psutil
 import pytest
 
 from corewire.bench.serve import OUTPUT_SWITCH, STACKS, native_output_missing
-from corewire.vllm.model_dir import write_model_dir
-from corewire.vllm.stack import ServeStack, plugin_installed
+from corewire.vllm.serve.model_dir import write_model_dir
+from corewire.vllm.serve.stack import ServeStack, plugin_installed
 
 MODEL = "corewire-tiny"
 # The reference engine's defaults (vocab 4096, eos 2, pad 0); a shorter context keeps the
@@ -675,7 +675,7 @@ OUTPUT_COUNTERS = (
 OUTPUT_HISTOGRAMS = ("vllm:request_generation_tokens", "vllm:request_prompt_tokens")
 # Timing histograms whose observation counts do not depend on timing: one inter-token
 # latency per output after a request's first (native output processing folds a step's
-# latencies into the histogram at once: corewire.vllm.latency_histogram).
+# latencies into the histogram at once: corewire.vllm.output.latency_histogram).
 OUTPUT_OBSERVATION_COUNTS = ("vllm:inter_token_latency_seconds_count",)
 
 

@@ -234,7 +234,7 @@ for _ in range({loads}):
 from vllm.v1.engine.core_client import EngineCoreClient
 factory = EngineCoreClient.make_async_mp_client
 import sys
-kept = getattr(sys.modules.get("corewire.vllm.classes"), "vllm_factory", None)
+kept = getattr(sys.modules.get("corewire.vllm.adapters.classes"), "vllm_factory", None)
 if kept is not None:
     print("kept " + kept.__module__ + "." + kept.__qualname__)
 print(factory.__module__ + "." + factory.__qualname__)
@@ -264,7 +264,7 @@ def factory_after_plugins(switch: str | None, loads: int = 1) -> str:
 
 def factory_kept_by_plugin() -> str | None:
     """The qualified name of the factory corewire's plugin kept for the servers it
-    declines (``corewire.vllm.classes.vllm_factory``), in a fresh interpreter with the
+    declines (``corewire.vllm.adapters.classes.vllm_factory``), in a fresh interpreter with the
     switch on; None when it kept none."""
     from corewire.vllm.plugin import ENV_SWITCH
 

@@ -8,7 +8,6 @@ from typing import Any, ClassVar, TypeAlias, final
 
 import numpy as np
 
-from corewire.layouts import RequestError, SamplingMaskLists
 from corewire.protocol import (
     EngineCoreEvent,
     FinishReason,
@@ -16,6 +15,7 @@ from corewire.protocol import (
     LogprobsTensors,
     UtilityOutput,
 )
+from corewire.wire.layouts import RequestError, SamplingMaskLists
 
 __all__ = [
     "TOKENIZERS_VERSION",
@@ -307,7 +307,7 @@ TOKENIZERS_VERSION: str
 class RequestText:
     """One request's text, token ids, sample and prompt logprobs on the native output path; also
     its detokenizer and logprobs processor for vLLM's own loop
-    (``corewire.vllm.output``)."""
+    (``corewire.vllm.output.processor``)."""
 
     def attach_stream(
         self,
@@ -377,7 +377,7 @@ class RequestText:
 
 @final
 class OutputCore:
-    """The native half of ``corewire.vllm.output.NativeOutputProcessor``."""
+    """The native half of ``corewire.vllm.output.processor.NativeOutputProcessor``."""
 
     def __new__(
         cls,

@@ -29,7 +29,6 @@ import numpy as np
 from corewire import releases
 from corewire._native import NativeDecoder
 from corewire.errors import ProtocolError
-from corewire.layouts import types_for, version_of
 from corewire.protocol import (
     EngineCoreOutputs,
     EngineCoreRequest,
@@ -37,6 +36,7 @@ from corewire.protocol import (
     UtilityResult,
     utility_result_wire,
 )
+from corewire.wire.layouts import types_for, version_of
 
 
 def _torch_if_imported() -> Any:
@@ -79,7 +79,7 @@ class Encoder:
     ``release`` is the vLLM version whose wire it writes (any release of
     ``corewire.releases.SUPPORTED``; default ``corewire.releases.DEFAULT``, the installed
     vLLM's release, else the newest): the structs of that version
-    (``corewire.layouts.types_for``) encode byte for byte as that vLLM's
+    (``corewire.wire.layouts.types_for``) encode byte for byte as that vLLM's
     ``MsgpackEncoder`` writes them. ``corewire.protocol``'s ``EngineCoreOutputs`` and
     ``EngineCoreRequest`` (0.25.1's layout, what engines and callers build) are converted
     into the release's layout first, as corewire's engines and clients convert them. Any
@@ -149,7 +149,7 @@ class Encoder:
                 return self._converted(obj)
             raise TypeError(
                 f"a vLLM {version} {name} cannot be sent by a release={self.release!r} "
-                f"encoder (corewire.layouts.types_for({self.release!r})[{name!r}] can)"
+                f"encoder (corewire.wire.layouts.types_for({self.release!r})[{name!r}] can)"
             )
         return obj
 

@@ -364,8 +364,8 @@ async def test_vllm_adapter_counts_the_requests_a_bad_frame_ended(tmp_path) -> N
     import threading
 
     from corewire.protocol import FinishReason
-    from corewire.vllm.classes import client_classes
-    from corewire.vllm.client import INSTALLED_RELEASE
+    from corewire.vllm.adapters.classes import client_classes
+    from corewire.vllm.adapters.client import INSTALLED_RELEASE
     from vllm_support import (
         HandEngine,
         hand_output,

@@ -19,9 +19,10 @@ import numpy as np
 import pytest
 import torch
 
-from corewire import ProtocolError, layouts
+from corewire import ProtocolError
 from corewire import protocol as p
 from corewire.codec import Encoder, MsgspecDecoder, NativeDecoder
+from corewire.wire import layouts
 
 
 def _frames(outputs: list[p.EngineCoreOutput], **fields: object) -> list[bytes]:

@@ -3,7 +3,7 @@
 The Rust core declares each struct it decodes once, as a table (``rust/src/core/wire.rs``),
 and each protocol version's wire order as a layout, exposed read-only as
 ``_native.wire_fields(name, protocol)``. ``corewire.protocol`` (0.25.1) and
-``corewire.layouts`` (0.33.0) declare the same structs for Python. These tests fail as soon
+``corewire.wire.layouts`` (0.33.0) declare the same structs for Python. These tests fail as soon
 as the two disagree on a name or a position in either version, and check that the decoded
 objects' attributes, ``__struct_fields__`` and repr come from those tables.
 
@@ -18,9 +18,10 @@ from typing import Any
 import msgspec
 import pytest
 
-from corewire import _native, layouts, releases
+from corewire import _native, releases
 from corewire import protocol as p
 from corewire.codec import Encoder, NativeDecoder, native_decoder
+from corewire.wire import layouts
 
 #: Every struct that the engine -> front-end decoder reads, by version.
 DECODED = {
@@ -58,7 +59,7 @@ def _wire_names(cls: Any) -> tuple[str, ...]:
 
 def test_both_languages_name_the_same_versions() -> None:
     # The releases with compiled Rust tables: those corewire declares by hand in Python
-    # (corewire.protocol, corewire.layouts) and the newest; every other release is read
+    # (corewire.protocol, corewire.wire.layouts) and the newest; every other release is read
     # off its record at run time (NativeDecoder(layout=...)).
     compiled = _native.wire_versions()
     assert compiled == tuple(DECODED) == ("0.25.1", "0.33.0", "0.34.0")
@@ -104,6 +105,44 @@ def test_0_33_0_inserts_ec_transfer_params_at_9() -> None:
     assert fields[-1] == "error"
     assert _native.wire_fields("EngineCoreOutputs", "0.33.0")[-1] == "weight_version"
     assert len(_native.wire_fields("LogprobsTensors", "0.33.0")) == 5
+
+
+def test_0_33_0_structs_are_0_25_1_edited_as_the_records_say() -> None:
+    """The 0.33.0 classes have no table of their own: each has its record's wire names,
+    keeps 0.25.1's class where the layout it reaches did not change, keeps 0.25.1's
+    attribute names for the fields it kept, and keeps what a record cannot say (0.33.0's
+    normalisations)."""
+    from corewire.releases import records
+    from corewire.releases.structs import wire_names
+
+    old, new = records.load("0.25.1"), records.load("0.33.0")
+    base, table = layouts.types_for("0.25.1"), layouts.types_for("0.33.0")
+    edited = []
+    for name, cls in table.items():
+        recorded = tuple(f["encode_name"] for f in new["structs"][name]["fields"])
+        assert wire_names(cls) == recorded, name
+        if name not in base:
+            continue
+        if records.reachable(old, name) == records.reachable(new, name):
+            assert cls is base[name], name
+            continue
+        edited.append(name)
+        if hasattr(cls, "__struct_fields__"):
+            kept = {f.encode_name: f.name for f in msgspec.structs.fields(base[name])}
+            for f in msgspec.structs.fields(cls):
+                assert kept.get(f.encode_name, f.name) == f.name, (name, f.name)
+    assert set(edited) == {
+        "EngineCoreOutputs",
+        "EngineCoreOutput",
+        "LogprobsTensors",
+        "EngineCoreRequest",
+        "SamplingParams",
+        "PoolingParams",
+        "LoRARequest",
+    }
+    sampling = table["SamplingParams"](all_stop_token_ids=set(), stop_token_ids=[2, 2, 3])
+    assert sampling.stop_token_ids == [2, 3] and sampling.all_stop_token_ids == {2, 3}
+    assert msgspec.structs.fields(table["PoolingParams"])[0].name == "normalize"
 
 
 def test_a_struct_without_a_table_is_a_key_error() -> None:

@@ -35,8 +35,8 @@ ray = pytest.importorskip("ray", reason="the Ray backend's tests need corewire[r
 from ray.cluster_utils import Cluster  # noqa: E402
 
 from corewire.client.ray_engines import RayPlacement  # noqa: E402
-from corewire.vllm.model_dir import write_model_dir  # noqa: E402
-from corewire.vllm.stack import ServeStack  # noqa: E402
+from corewire.vllm.serve.model_dir import write_model_dir  # noqa: E402
+from corewire.vllm.serve.stack import ServeStack  # noqa: E402
 
 SYNTHETIC = "corewire.engine.synthetic:SyntheticEngine"
 #: Bundles of one CPU: one engine per worker node (each has one).

@@ -27,9 +27,9 @@ import pytest
 from client_support import request
 from corewire import releases
 from corewire.codec import Encoder
-from corewire.layouts import RequestError
 from corewire.protocol import EngineCoreOutput, EngineCoreOutputs, FinishReason
 from corewire.releases import records
+from corewire.wire.layouts import RequestError
 from corewire.wire.outputs import StepOutputs, finish_output, output_converter
 from engine_support import LIGHT_REFERENCE, FrontEnd
 

@@ -17,8 +17,7 @@ from typing import Any
 import pytest
 
 from corewire import releases
-from corewire.vllm import asgi_cycle
-from corewire.vllm.fast_path import TEXT_PROBE, split_template
+from corewire.vllm.fast_path import TEXT_PROBE, asgi_cycle, split_template
 from corewire.vllm.plugin import FAST_PATH_SWITCH, FAST_PATH_VLLM_VERSIONS, fast_path_wanted
 from fast_path_features import FEATURES, readme_rows, table_row
 from paths_support import REPO_ROOT

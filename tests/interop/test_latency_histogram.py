@@ -1,6 +1,7 @@
-"""vLLM's inter-token latency histogram fed once per step (``corewire.vllm.latency_histogram``):
-it must leave exactly what vLLM's one ``observe`` per token leaves, bit for bit, in
-``prometheus_client``'s histograms and in vLLM's own ``PrometheusStatLogger``."""
+"""vLLM's inter-token latency histogram fed once per step
+(``corewire.vllm.output.latency_histogram``): it must leave exactly what vLLM's one
+``observe`` per token leaves, bit for bit, in ``prometheus_client``'s histograms and in
+vLLM's own ``PrometheusStatLogger``."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ import pytest
 prometheus_client = pytest.importorskip("prometheus_client")
 
 from corewire._native import fold_observations  # noqa: E402
-from corewire.vllm import latency_histogram  # noqa: E402
+from corewire.vllm.output import latency_histogram  # noqa: E402
 
 # vLLM's inter-token latency buckets (seconds).
 BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0)

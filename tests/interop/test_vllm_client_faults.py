@@ -18,8 +18,8 @@ import pytest
 pytest.importorskip("vllm")
 
 from corewire.protocol import FinishReason
-from corewire.vllm.classes import client_classes
-from corewire.vllm.client import INSTALLED_RELEASE
+from corewire.vllm.adapters.classes import client_classes
+from corewire.vllm.adapters.client import INSTALLED_RELEASE
 from vllm_support import (
     HandEngine,
     hand_output,

@@ -56,7 +56,7 @@ if _MISSING is not None:
 import httpx  # noqa: E402
 
 from corewire.vllm.fast_path import INSTALLED_LOG_LINE  # noqa: E402
-from corewire.vllm.stack import ServeStack  # noqa: E402
+from corewire.vllm.serve.stack import ServeStack  # noqa: E402
 from fast_path_features import FEATURES, Feature, semantic  # noqa: E402
 from serve_support import (  # noqa: E402
     HEALTH_ENV,

@@ -19,7 +19,7 @@ with one thing changed) must make the harness fail.
 
 The tokenizers: a byte-level BPE trained at test time on text with multi-byte characters,
 special and added tokens (so characters split across tokens and logprob candidates whose
-single-id decode ends in U+FFFD), and ``corewire.vllm.model_dir``'s word-level one, both
+single-id decode ends in U+FFFD), and ``corewire.vllm.serve.model_dir``'s word-level one, both
 loaded the way vLLM's front-end loads them.
 """
 
@@ -40,8 +40,8 @@ from vllm.v1.engine.detokenizer import check_stop_strings
 from vllm.v1.engine.output_processor import OutputProcessor
 
 from corewire import releases
-from corewire.vllm.model_dir import write_model_dir
-from corewire.vllm.output_processors import native_output_processor
+from corewire.vllm.output.by_release import native_output_processor
+from corewire.vllm.serve.model_dir import write_model_dir
 from output_diff_support import (
     FEATURES,
     ClientPlan,
@@ -72,7 +72,7 @@ def bpe(tmp_path_factory: pytest.TempPathFactory) -> TokenizerInfo:
 
 @pytest.fixture(scope="session")
 def word_level(tmp_path_factory: pytest.TempPathFactory) -> TokenizerInfo:
-    """``corewire.vllm.model_dir``'s word-level tokenizer (the serve tests' model)."""
+    """``corewire.vllm.serve.model_dir``'s word-level tokenizer (the serve tests' model)."""
     path = write_model_dir(tmp_path_factory.mktemp("model") / "model", vocab_size=1024)
     return TokenizerInfo.for_word_level(load_tokenizer(path))
 

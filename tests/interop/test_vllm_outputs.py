@@ -43,7 +43,7 @@ from vllm.v1.metrics.stats import (
 from vllm.v1.outputs import LogprobsLists
 from vllm.v1.serial_utils import MsgpackDecoder, MsgpackEncoder
 
-from corewire.vllm.client import make_output_decoder
+from corewire.vllm.adapters.client import make_output_decoder
 from vllm_support import require_vllm_0_25_1
 
 require_vllm_0_25_1()

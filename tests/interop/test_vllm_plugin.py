@@ -38,7 +38,7 @@ def test_entry_point_is_registered_with_vllm() -> None:
 
 def test_off_by_default_and_on_with_the_switch() -> None:
     assert _factory_with(None) == "vllm.v1.engine.core_client.EngineCoreClient.make_async_mp_client"
-    assert _factory_with("1") == "corewire.vllm.classes.make_async_mp_client"
+    assert _factory_with("1") == "corewire.vllm.adapters.classes.make_async_mp_client"
 
 
 @pytest.mark.parametrize("value", ["1", "true", "ON", " yes "])
@@ -73,7 +73,7 @@ def test_elastic_ep_is_declined_at_start_with_one_line(
     the factory vLLM had is called with exactly vLLM's arguments, and the log says why."""
     from types import SimpleNamespace
 
-    from corewire.vllm import classes as client_module
+    from corewire.vllm.adapters import classes as client_module
 
     calls: list[tuple[Any, ...]] = []
 
@@ -119,9 +119,9 @@ def test_each_supported_vllm_has_its_client_classes() -> None:
     """Every release the plugin accepts has its three client classes (chosen as vLLM
     chooses), and the installed vLLM's are the factory's."""
     from corewire import AsyncMPClient, DPAsyncMPClient, DPLBAsyncMPClient
-    from corewire.vllm import classes as classes_module
-    from corewire.vllm.classes import client_classes
-    from corewire.vllm.client import VllmClientMixin
+    from corewire.vllm.adapters import classes as classes_module
+    from corewire.vllm.adapters.classes import client_classes
+    from corewire.vllm.adapters.client import VllmClientMixin
 
     kinds = {"plain": AsyncMPClient, "dp": DPAsyncMPClient, "dplb": DPLBAsyncMPClient}
     for version in plugin.PLUGIN_VLLM_VERSIONS:
@@ -174,7 +174,7 @@ VLLM_PROCESSOR = "vllm.v1.engine.output_processor.OutputProcessor"
 
 
 def test_output_switch_installs_the_native_processor_for_async_llm_only() -> None:
-    native = "corewire.vllm.output.NativeOutputProcessor"
+    native = "corewire.vllm.output.processor.NativeOutputProcessor"
     # Nothing switched on: vLLM's everywhere.
     assert _output_processors_with(None) == [VLLM_PROCESSOR, VLLM_PROCESSOR]
     # Unset, it follows the client switch where the installed release's output
@@ -251,7 +251,7 @@ def test_serve_stack_sets_exactly_the_switches_asked_for(
     """``scripts/serve``'s stack never passes its own environment's switches on: the API
     server gets the client and output switches as asked (an output of None leaves the
     plugin's default)."""
-    from corewire.vllm.stack import ServeStack
+    from corewire.vllm.serve.stack import ServeStack
 
     monkeypatch.setenv(plugin.ENV_SWITCH, "1")
     monkeypatch.setenv(plugin.OUTPUT_SWITCH, "1")

@@ -26,7 +26,7 @@ from typing import Any
 
 import pytest
 
-from corewire.vllm.stack import RUST_FRONTEND_ENV, rust_frontend_binary
+from corewire.vllm.serve.stack import RUST_FRONTEND_ENV, rust_frontend_binary
 from serve_support import missing_prerequisite
 
 
@@ -45,7 +45,7 @@ if _MISSING is not None:
 
 import httpx  # noqa: E402
 
-from corewire.vllm.stack import ServeStack, installed_release  # noqa: E402
+from corewire.vllm.serve.stack import ServeStack, installed_release  # noqa: E402
 from fast_path_features import FEATURES, answer, rust_verdict  # noqa: E402
 from serve_support import (  # noqa: E402
     GREEDY_CHATS,

@@ -154,8 +154,8 @@ def newer_vllm(monkeypatch: pytest.MonkeyPatch) -> str:
 def test_a_newer_release_is_adopted_from_its_own_classes(
     newer_vllm: str, caplog: pytest.LogCaptureFixture
 ) -> None:
-    from corewire import layouts
     from corewire.releases import derive, records
+    from corewire.wire import layouts
 
     assert releases.is_newer_than_tested(newer_vllm)
     assert not releases.is_newer_than_tested("0.25.2")

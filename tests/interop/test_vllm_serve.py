@@ -1,4 +1,7 @@
-"""vLLM 0.25.1's OpenAI-compatible API server over corewire engines, driven over real HTTP.
+"""The installed vLLM's OpenAI-compatible API server over corewire engines, driven over
+real HTTP: vLLM 0.25.1 in the main venv, and the same module in the venv of each later
+release ``scripts/test`` runs (0.34.0; 0.33.0 with ``COREWIRE_LIVE_0_33_0=1``), whose
+engines speak that release (the stack starts ``corewire engine --release`` of it).
 
 Each stack is real processes: ``vllm serve`` front-end only on a model directory the test
 writes, and ``corewire engine`` reference engines that joined it through vLLM's start-up
@@ -32,8 +35,10 @@ import httpx
 import psutil
 import pytest
 
-from corewire.vllm.model_dir import write_model_dir
-from corewire.vllm.stack import ServeStack, StackError
+from corewire.releases import installed_vllm_version
+from corewire.vllm.adapters.classes import client_classes
+from corewire.vllm.serve.model_dir import write_model_dir
+from corewire.vllm.serve.stack import ServeStack, StackError
 from serve_support import (
     FOLDED_LOG_LINE,
     GREEDY_COMPLETIONS,
@@ -77,6 +82,8 @@ _MISSING = missing_prerequisite()
 _NO_PLUGIN = plugin_missing()
 _NO_OUTPUT = output_missing()
 pytestmark = pytest.mark.skipif(_MISSING is not None, reason=_MISSING or "")
+#: The installed vLLM's release (None: no vLLM, and the module skips).
+RELEASE = (installed_vllm_version() or "").split("+")[0] or None
 
 # The API server settings of the module's shared server (serve_support.SETTINGS).
 _SETTINGS = [
@@ -117,6 +124,8 @@ def stack(setting: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Se
     client, env = SETTINGS[setting]
     workdir = tmp_path_factory.mktemp(f"serve-{setting.replace('+', '-')}")
     with shared_stack(workdir, client, _SHARED_PIDS, server_env=env) as started:
+        # The engines speak the installed vLLM's release, not a default of corewire's.
+        assert started.release == RELEASE
         yield started
 
 
@@ -168,6 +177,7 @@ def test_api_server_runs_the_requested_client(setting: str, stack: ServeStack) -
     refusal of the whole server: the test tokenizer is a fast one)."""
     log = server_log(stack)
     assert (PLUGIN_LOG_LINE in log) == (stack.client == "corewire")
+    assert "supports vLLM" not in log  # no release is refused by its version
     assert (OUTPUT_LOG_LINE in log) == (setting == "corewire+output")
     assert (FOLDED_LOG_LINE in log) == (setting == "corewire+output")
     assert OUTPUT_KEPT_LOG_LINE not in log
@@ -309,8 +319,13 @@ def test_two_engines_behind_one_front_end(tmp_path: Path) -> None:
     """DP = 2: vLLM's coordinator and two corewire engines; requests reach both engines
     and the greedy text does not depend on the engine that ran it. With corewire's client
     where the plugin is installed (its DP client under vLLM's coordinator), else vLLM's:
-    one DP stack costs ~25 s on a 2-core machine."""
-    check_two_engines_behind_one_front_end(tmp_path, "corewire" if _NO_PLUGIN is None else "vllm")
+    one DP stack costs ~25 s on a 2-core machine. vLLM's coordinator is sent nothing it
+    does not expect (0.33.0 on have no first-request notices)."""
+    client = "corewire" if _NO_PLUGIN is None else "vllm"
+    log = check_two_engines_behind_one_front_end(tmp_path, client)
+    if client == "corewire":
+        assert f"{PLUGIN_LOG_LINE} {client_classes(RELEASE)['dplb'].__name__}" in log
+    assert "unexpected message" not in log
 
 
 @pytest.mark.skipif(_NO_PLUGIN is not None, reason=_NO_PLUGIN or "")
@@ -318,18 +333,20 @@ def test_two_api_servers_with_corewire_clients(tmp_path: Path) -> None:
     """vLLM's multi-API-server layout (``--api-server-count 2``) with the plugin on: each
     server process builds corewire's client on the addresses vLLM's parent hands it and
     reports the endpoints it bound back to that parent, which only then starts the
-    engine handshake. Both servers answer, on the one shared port."""
-    check_two_api_servers_with_corewire_clients(tmp_path)
+    engine handshake. Both servers answer, on the one shared port; each runs the
+    installed release's client class."""
+    log = check_two_api_servers_with_corewire_clients(tmp_path)
+    assert client_classes(RELEASE)["plain"].__name__ in log
 
 
 def test_serve_command_serves_until_ctrl_c(tmp_path: Path) -> None:
-    """``python -m corewire.vllm.stack`` (the body of scripts/serve): serves on the port
+    """``python -m corewire.vllm.serve.stack`` (the body of scripts/serve): serves on the port
     it chose (``--port 0``) and names it, and Ctrl-C (SIGINT) stops the API server and
     the engines, status 0."""
     log = tmp_path / "serve.log"
     with open(log, "wb") as out:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "corewire.vllm.stack", "--port", "0", "--client", "vllm"],
+            [sys.executable, "-m", "corewire.vllm.serve.stack", "--port", "0", "--client", "vllm"],
             stdin=subprocess.DEVNULL,
             stdout=out,
             stderr=subprocess.STDOUT,
@@ -420,7 +437,7 @@ def test_model_dir_weights_of_an_moe_config_are_experts_behind_a_router(
     expert's three projections) in place of the llama's, the rest as the llama's."""
     from safetensors.torch import load_file
 
-    from corewire.vllm.model_dir import write_weights
+    from corewire.vllm.serve.model_dir import write_weights
 
     made = write_model_dir(tmp_path / "m", vocab_size=256, weights_seed=0)
     config = json.loads((made / "config.json").read_text())

@@ -655,7 +655,7 @@ def test_serve_tiny_run(tmp_path: Path) -> None:
 def test_serve_rust_stack_is_vllms_rust_front_end_over_the_same_engines() -> None:
     """``rust`` is vLLM's own client with VLLM_USE_RUST_FRONTEND=1 (vllm-rs serves), on
     request only, and py-spy has nothing of it to sample."""
-    from corewire.vllm.stack import RUST_FRONTEND_ENV
+    from corewire.vllm.serve.stack import RUST_FRONTEND_ENV
 
     client, env = serve_bench.STACKS["rust"]
     switches = {serve_bench.OUTPUT_SWITCH: "0", serve_bench.FAST_PATH_SWITCH: "0"}
@@ -714,27 +714,29 @@ def test_serve_refuses_an_output_stack_that_cannot_run() -> None:
     # Off said explicitly: a switch left on in the caller's environment stays out.
     assert serve_bench.STACKS["corewire"] == ("corewire", {output: "0", fast: "0"})
     assert serve_bench.STACKS["vllm"] == ("vllm", {output: "0", fast: "0"})
-    proc = bench("serve", "--clients", "vllm,corewire+output", block=("corewire.vllm.output",))
+    proc = bench(
+        "serve", "--clients", "vllm,corewire+output", block=("corewire.vllm.output.processor",)
+    )
     assert proc.returncode == 2, proc.stdout + proc.stderr
     assert proc.stderr.strip().splitlines() == [
         "corewire bench serve: --clients corewire+output: this corewire has no native output "
-        "processing (corewire.vllm.output)"
+        "processing (corewire.vllm.output.processor)"
     ]
     assert "serve benchmark" not in proc.stdout
 
 
 def test_serve_profile_layer_of_native_output_processing() -> None:
-    """corewire's native output processing (called from corewire/vllm/output.py and
-    output_*.py) is a layer of its own; vLLM's stays "output processing", and vLLM's
-    decoding of logprob candidates counts as detokenization."""
+    """corewire's native output processing (called from corewire/vllm/output/: the
+    processor and its per-release modules) is a layer of its own; vLLM's stays "output
+    processing", and vLLM's decoding of logprob candidates counts as detokenization."""
     handler = (
         "_run_once (asyncio/base_events.py:1922);_run (asyncio/events.py:80);"
         "output_handler (vllm/v1/engine/async_llm.py:480)"
     )
     site = "/opt/venv/lib/python3.11/site-packages/"
-    ours = f"{handler};process_outputs ({site}corewire/vllm/output.py:120)"
+    ours = f"{handler};process_outputs ({site}corewire/vllm/output/processor.py:120)"
     assert classify(ours) == NATIVE_OUTPUT_LAYER == "output processing (corewire)"
-    assert classify(f"{handler};step (python/corewire/vllm/output_stats.py:40)") == (
+    assert classify(f"{handler};step (python/corewire/vllm/output/v0_33_0.py:40)") == (
         NATIVE_OUTPUT_LAYER
     )
     # What our path hands to vLLM's own classes is vLLM's (its RequestOutput, its stats).

@@ -221,6 +221,6 @@ def test_the_graph_sees_imports_inside_functions_and_the_extensions_own() -> Non
     # What the checks above rest on: a function-level import is an arrow (the codec's
     # output converter), and so is what the Rust extension imports at run time.
     assert "corewire.wire.outputs" in GRAPH["corewire.codec"]
-    assert {"corewire.protocol", "corewire.layouts", "corewire.releases"} <= GRAPH[NATIVE]
+    assert {"corewire.protocol", "corewire.wire.layouts", "corewire.releases"} <= GRAPH[NATIVE]
     # ``from corewire import X`` is the module X where X is one, else the package.
     assert "corewire" not in GRAPH["corewire.errors"]

@@ -57,7 +57,7 @@ def test_helper_sees_a_blocked_module_and_keeps_other_import_errors() -> None:
         # A package that is there but fails on a missing dependency of its own keeps
         # its own error (here: corewire.vllm, which needs vllm).
         try:
-            import_optional("corewire.vllm.client", "the adapter")
+            import_optional("corewire.vllm.adapters.client", "the adapter")
         except MissingDependency as exc:
             print(exc.name, exc)
         """,
@@ -116,7 +116,8 @@ def test_vllm_adapters_without_vllm_name_the_version_to_install() -> None:
         ["vllm"],
         """
         import corewire, corewire.client  # the core never needs vLLM
-        for name in ("corewire.vllm.client", "corewire.vllm.dp_client", "corewire.vllm.plugin"):
+        adapters = "corewire.vllm.adapters"
+        for name in (f"{adapters}.client", f"{adapters}.dp_client", "corewire.vllm.plugin"):
             try:
                 __import__(name)
             except ImportError as exc:

@@ -1,12 +1,12 @@
 """Image requests under corewire's client, against vLLM's own, over vLLM's real engine.
 
 A tiny LLaVA (a CLIP vision tower and the tiny llama, real random weights from a seed,
-:func:`corewire.vllm.model_dir_llava.write_llava_dir`) behind two ``vllm serve`` servers on
+:func:`corewire.vllm.serve.model_dir_llava.write_llava_dir`) behind two ``vllm serve`` servers on
 vLLM's CPU build, one per client. Image chats, plain and streamed, with logprobs, each
 image twice (the second time vLLM's multimodal cache sends only its hash), two images
 that must answer differently, and text requests on the same server: every answer the same
 on both, ids and timestamps aside. corewire's client hands requests with images to vLLM's
-own encoder (:mod:`corewire.vllm.multimodal`), which says so once in the log.
+own encoder (:mod:`corewire.vllm.adapters.multimodal`), which says so once in the log.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ require_cpu_build()
 
 import httpx  # noqa: E402
 
-from corewire.vllm.model_dir_llava import IMAGE_SIZE, write_llava_dir  # noqa: E402
+from corewire.vllm.serve.model_dir_llava import IMAGE_SIZE, write_llava_dir  # noqa: E402
 from real_engine_support import RealEngineServer, one_server_per_client  # noqa: E402
 from serve_support import (  # noqa: E402
     PLUGIN_LOG_LINE,

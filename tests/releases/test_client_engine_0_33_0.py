@@ -13,8 +13,9 @@ import asyncio
 from typing import Any
 
 from client_support import request
-from corewire import AsyncMPClient, DPLBAsyncMPClient, SyncMPClient, layouts
+from corewire import AsyncMPClient, DPLBAsyncMPClient, SyncMPClient
 from corewire.protocol import FinishReason
+from corewire.wire import layouts
 
 SYNTHETIC = "corewire.engine.synthetic:SyntheticEngine"
 V33 = layouts.types_for("0.33.0")

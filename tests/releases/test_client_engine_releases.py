@@ -2,7 +2,7 @@
 
 For each recorded vLLM release (``corewire.releases.SUPPORTED``, 0.25.1 to the newest):
 a client of that protocol starts a real reference engine (torch, CPU) speaking it, sends
-a request built in the release's own struct layout (``corewire.layouts.types_for``: for a
+a request built in the release's own struct layout (``corewire.wire.layouts.types_for``: for a
 release only recorded, no hand-kept class is involved; 0.34.0's prompt packed as an
 int32 ndarray, as its front-end sends it), and reads the outputs back in that layout.
 The reference engine is deterministic, so every release must yield the very tokens of
@@ -21,8 +21,9 @@ from typing import Any
 import numpy as np
 import pytest
 
-from corewire import AsyncMPClient, layouts, releases
+from corewire import AsyncMPClient, releases
 from corewire.protocol import FinishReason
+from corewire.wire import layouts
 from engine_support import LIGHT_REFERENCE
 
 PROMPT = [5, 6, 7, 8]

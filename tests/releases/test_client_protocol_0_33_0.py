@@ -30,10 +30,11 @@ import pytest
 import torch
 
 from client_wire_support import CoordinatorPeer, EnginePeer, client_addresses, client_and_peer
-from corewire import AsyncMPClient, DPAsyncMPClient, DPLBAsyncMPClient, SyncMPClient, layouts
+from corewire import AsyncMPClient, DPAsyncMPClient, DPLBAsyncMPClient, SyncMPClient
 from corewire import protocol as p
 from corewire.codec import Encoder, request_decoder
 from corewire.protocol import FinishReason, UtilityOutput, UtilityResult
+from corewire.wire import layouts
 from corewire.wire.requests import to_0_33_0
 from dp_support import Sockets, coordinator_addresses, wait_for
 from golden_0_33_0_requests_support import expected_requests, request_frames

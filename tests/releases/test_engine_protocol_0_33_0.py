@@ -29,7 +29,6 @@ from corewire.coordinator import CoordinatorState, DPCoordinator
 from corewire.dp_messages import DPState
 from corewire.engine.ready_layouts import ReadyResponse0330
 from corewire.engine.replay import run_replay_engine
-from corewire.layouts import types_for
 from corewire.protocol import (
     EngineCoreOutput,
     EngineCoreOutputs,
@@ -37,6 +36,7 @@ from corewire.protocol import (
     LogprobsTensors,
     UtilityOutput,
 )
+from corewire.wire.layouts import types_for
 from corewire.wire.outputs import StepOutputs, _splice, output_converter
 from dp_support import FrontEndPeer, Sockets, coordinator_addresses
 from engine_support import LIGHT_REFERENCE, FrontEnd

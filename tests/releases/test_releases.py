@@ -8,7 +8,7 @@
   own decoder made of them, and ``corewire.codec.Encoder`` writes them back byte for byte.
 - ``NativeDecoder``, laid out by each record, reads every release's recorded frames as it did.
 - The records of 0.25.1 and 0.33.0 have the field names and order of corewire's
-  hand-kept tables (``corewire.layouts``, ``corewire.engine.ready_layouts``).
+  hand-kept tables (``corewire.wire.layouts``, ``corewire.engine.ready_layouts``).
 """
 
 from __future__ import annotations
@@ -246,7 +246,7 @@ def _wire_fields(cls: Any) -> list[str]:
 @pytest.mark.parametrize("release", ["0.25.1", "0.33.0"])
 def test_records_agree_with_the_hand_tables(release: str) -> None:
     """Field names (on the wire) and order of each struct corewire keeps by hand."""
-    from corewire import layouts
+    from corewire.wire import layouts
 
     record = records.load(release)
     for name, cls in layouts.types_for(release).items():

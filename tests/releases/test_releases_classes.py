@@ -77,8 +77,8 @@ def test_each_class_is_the_one_before_and_what_its_release_changed() -> None:
     assert not r0251.counts_carry_kv_usage and r0270.counts_carry_kv_usage
     assert r0270.kv_pressure_routing and not r0270.engine_led_waves
     from corewire.engine.core_utilities import RELEASE_UTILITIES
-    from corewire.vllm.classes import CLASSES
-    from corewire.vllm.frontend import frontend_for
+    from corewire.vllm.adapters.classes import CLASSES
+    from corewire.vllm.adapters.frontend import frontend_for
 
     assert r0270.choose(CLASSES) is releases.get("0.33.0").choose(CLASSES)
     # ...and its engines answer weight versions (0.33.0's utilities, a superset).
@@ -125,8 +125,8 @@ def test_0_32_0_is_0_33_0_less_what_0_33_0_added() -> None:
     assert r0320.weight_versions
     # Its client members are 0.33.0's (what its AsyncLLM calls is a subset): the same
     # classes, each client carrying the release it serves.
-    from corewire.vllm.classes import client_classes
-    from corewire.vllm.v0_33_0 import Members0330
+    from corewire.vllm.adapters.classes import client_classes
+    from corewire.vllm.adapters.v0_33_0 import Members0330
 
     assert client_classes("0.32.0") == client_classes("0.33.0")
     assert all(issubclass(cls, Members0330) for cls in client_classes("0.32.0").values())

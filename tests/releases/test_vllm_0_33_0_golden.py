@@ -16,9 +16,10 @@ from typing import Any
 import msgspec
 import pytest
 
-from corewire import ProtocolError, layouts, releases
+from corewire import ProtocolError, releases
 from corewire import protocol as p
 from corewire.codec import Encoder, MsgspecDecoder, NativeDecoder
+from corewire.wire import layouts
 from golden_0_33_0_support import expected, frames, to_structs
 from golden_support import jsonable
 
@@ -79,7 +80,7 @@ def test_reencodes_byte_for_byte(case: str) -> None:
 
 @pytest.mark.parametrize("case", CASES)
 def test_the_0_33_0_structs_decode_alike(case: str) -> None:
-    """corewire.layouts' 0.33.0 structs, as msgspec reads them, are vLLM 0.33.0's layout."""
+    """corewire.wire.layouts' 0.33.0 structs, as msgspec reads them, are vLLM 0.33.0's layout."""
     decoder = MsgspecDecoder(layouts.types_for("0.33.0")["EngineCoreOutputs"])
     _compare(decoder.decode(frames(case)), expected()[case]["decoded"])
 

@@ -53,11 +53,11 @@ from vllm.v1.serial_utils import MsgpackDecoder, MsgpackEncoder  # noqa: E402
 from corewire import releases  # noqa: E402
 from corewire.engine.interface import EngineInfo  # noqa: E402
 from corewire.engine.ready_layouts import ReadyFacts, ready_response_for  # noqa: E402
-from corewire.layouts import FT_STATUS_CALL_ID, RequestError  # noqa: E402
-from corewire.vllm.classes import client_classes, make_async_mp_client  # noqa: E402
-from corewire.vllm.client import HEALTH_INTERVAL_ENV, HEALTH_TIMEOUT_ENV  # noqa: E402
-from corewire.vllm.output_processors import native_output_processor  # noqa: E402
-from corewire.vllm.v0_33_0 import FT_UTILITY_METHOD  # noqa: E402
+from corewire.vllm.adapters.classes import client_classes, make_async_mp_client  # noqa: E402
+from corewire.vllm.adapters.client import HEALTH_INTERVAL_ENV, HEALTH_TIMEOUT_ENV  # noqa: E402
+from corewire.vllm.adapters.v0_33_0 import FT_UTILITY_METHOD  # noqa: E402
+from corewire.vllm.output.by_release import native_output_processor  # noqa: E402
+from corewire.wire.layouts import FT_STATUS_CALL_ID, RequestError  # noqa: E402
 from port_support import ATTEMPTS, address_in_use, unused_tcp_port  # noqa: E402
 from vllm_join_support import frontend_only_config, join_args, private_root  # noqa: E402
 from vllm_support import (  # noqa: E402
@@ -179,7 +179,7 @@ async def generate(llm: Any, rid: str, prompt: list[int], params: SamplingParams
     ("switch", "factory"),
     [
         (None, "vllm.v1.engine.core_client.EngineCoreClient.make_async_mp_client"),
-        ("1", "corewire.vllm.classes.make_async_mp_client"),
+        ("1", "corewire.vllm.adapters.classes.make_async_mp_client"),
     ],
 )
 def test_plugin_switches_vllm_0_33_0s_factory(switch: str | None, factory: str) -> None:

@@ -16,9 +16,10 @@ import re
 import numpy as np
 import pytest
 
-from corewire import ProtocolError, layouts
+from corewire import ProtocolError
 from corewire import protocol as p
 from corewire.codec import Encoder, MsgspecDecoder, request_decoder
+from corewire.wire import layouts
 from golden_0_33_0_requests_support import expected_requests, request_frames
 from golden_support import jsonable
 

@@ -18,9 +18,10 @@ import msgspec
 import pytest
 
 from client_support import request
-from corewire import layouts, releases
 from corewire import protocol as p
+from corewire import releases
 from corewire.codec import Encoder, request_decoder
+from corewire.wire import layouts
 from corewire.wire.requests import converted_writer, utility_args_writer
 
 #: The releases whose requests corewire converts into their own layout by field name.

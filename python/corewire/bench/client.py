@@ -68,7 +68,7 @@ import numpy as np
 import zmq
 import zmq.asyncio
 
-from corewire import layouts, releases
+from corewire import releases
 from corewire.bench import common
 from corewire.bench.vllm_client import VllmClient, private_dir
 from corewire.client import AsyncMPClient
@@ -86,6 +86,7 @@ from corewire.protocol import (
     UtilityResult,
     engine_identity,
 )
+from corewire.wire import layouts
 
 __all__ = ["add_arguments", "run"]
 

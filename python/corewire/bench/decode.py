@@ -76,11 +76,12 @@ import msgspec
 import numpy as np
 import zmq
 
-from corewire import layouts, releases
 from corewire import protocol as cw
+from corewire import releases
 from corewire._optional import import_optional, is_installed
 from corewire.bench import common
 from corewire.codec import Encoder, MsgspecDecoder, native_decoder
+from corewire.wire import layouts
 
 __all__ = ["add_arguments", "run"]
 

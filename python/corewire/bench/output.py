@@ -266,7 +266,7 @@ def _compare(
     from corewire import releases
 
     # The installed release's class (a subclass per release that changed vLLM's).
-    from corewire.vllm.output_processors import native_output_processor
+    from corewire.vllm.output.by_release import native_output_processor
 
     NativeOutputProcessor = native_output_processor(releases.installed(vllm))
     ns: dict[str, list[float]] = {"vllm": [], "corewire": []}

@@ -5,7 +5,7 @@ Run: ``corewire bench serve`` (a few minutes; ``--quick`` for a short run). Need
 machine without a GPU, the CPU platform plugin (``scripts/serve`` installs it), and
 py-spy for the profile.
 
-Every stack is the same processes (:class:`corewire.vllm.stack.ServeStack`): vLLM's
+Every stack is the same processes (:class:`corewire.vllm.serve.stack.ServeStack`): vLLM's
 OpenAI-compatible API server started front-end only, with a model-free
 :class:`~corewire.engine.synthetic.SyntheticEngine` joining it through vLLM's handshake.
 The engine takes a fixed step (``--step-delay``, 5 ms) in which every running request gets
@@ -198,12 +198,12 @@ CHUNK_SCENARIO = "one token per chunk"
 def native_output_missing() -> str | None:
     """Why the ``corewire+output`` stack cannot run here (None: it can): it needs a vLLM
     release the native output path reproduces (the plugin's ``OUTPUT_VLLM_VERSIONS``:
-    0.25.1, 0.33.0, 0.34.0) and ``corewire.vllm.output``."""
+    0.25.1, 0.33.0, 0.34.0) and ``corewire.vllm.output.processor``."""
     version = common.vllm_version()
     if version is None:
         return "vLLM is not installed"
-    if not is_installed("corewire.vllm.output"):
-        return "this corewire has no native output processing (corewire.vllm.output)"
+    if not is_installed("corewire.vllm.output.processor"):
+        return "this corewire has no native output processing (corewire.vllm.output.processor)"
     from corewire.vllm.plugin import OUTPUT_VLLM_VERSIONS
 
     if version.split("+", 1)[0] not in OUTPUT_VLLM_VERSIONS:
@@ -437,9 +437,9 @@ async def _load(
 
 
 def _bench_stack(**kwargs: Any) -> Any:
-    """A :class:`corewire.vllm.stack.ServeStack` with the synthetic engine instead of the
+    """A :class:`corewire.vllm.serve.stack.ServeStack` with the synthetic engine instead of the
     reference model (imported here: it needs vLLM)."""
-    from corewire.vllm.stack import ServeStack
+    from corewire.vllm.serve.stack import ServeStack
 
     class BenchStack(ServeStack):
         def engine_command(self, index: int) -> list[str]:
@@ -1244,14 +1244,14 @@ def run(args: argparse.Namespace) -> int:
         print(f"{prog}: --clients corewire+fast: {no_fast}", file=sys.stderr)
         return 2
     if "rust" in args.clients:
-        from corewire.vllm.stack import rust_frontend_binary
+        from corewire.vllm.serve.stack import rust_frontend_binary
 
         if rust_frontend_binary() is None:
             print(f"{prog}: --clients rust: the installed vLLM has no vllm-rs", file=sys.stderr)
             return 2
     if args.profile_dir:
         Path(args.profile_dir).mkdir(parents=True, exist_ok=True)
-    from corewire.vllm.model_dir import write_model_dir
+    from corewire.vllm.serve.model_dir import write_model_dir
 
     if args.quick:
         args.rounds = 1

@@ -42,11 +42,11 @@ __all__ = [
     "read_profile",
 ]
 
-#: The layer of corewire's native output processing (``corewire/vllm/output.py`` and
-#: ``corewire/vllm/output_*.py``), apart from vLLM's "output processing".
+#: The layer of corewire's native output processing (``corewire/vllm/output/``), apart
+#: from vLLM's "output processing".
 NATIVE_OUTPUT_LAYER = "output processing (corewire)"
 
-#: The layer of the fast path's Python (``corewire/vllm/fast_path/``, ``asgi_cycle.py``).
+#: The layer of the fast path's Python (``corewire/vllm/fast_path/``).
 FAST_PATH_LAYER = "fast path (corewire)"
 
 #: Layers of the API server's CPU, and the file-path fragments of each. A sample belongs to
@@ -60,9 +60,9 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
             "vllm/v1/serial_utils.py",
             "corewire/client/",
             "corewire/codec.py",
-            "corewire/vllm/client.py",
-            "corewire/vllm/dp_client.py",
-            "corewire/vllm/v0_33_0.py",
+            "corewire/vllm/adapters/client.py",
+            "corewire/vllm/adapters/dp_client.py",
+            "corewire/vllm/adapters/v0_33_0.py",
             "corewire/releases/",
             "zmq/",
             "msgspec/",
@@ -85,11 +85,11 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     # hands to vLLM's own classes (RequestOutput, stats) stays in vLLM's layers above.
     (
         NATIVE_OUTPUT_LAYER,
-        ("corewire/vllm/output.py", "corewire/vllm/output_"),
+        ("corewire/vllm/output/",),
     ),
     # corewire's fast path of vllm serve: its Python, once per request (the first and
     # last chunks); the frames it writes per token are native, inside the layer above.
-    (FAST_PATH_LAYER, ("corewire/vllm/fast_path/", "corewire/vllm/asgi_cycle.py")),
+    (FAST_PATH_LAYER, ("corewire/vllm/fast_path/",)),
     ("OpenAI serving", ("vllm/entrypoints/", "pydantic/", "pydantic_core/")),
     ("HTTP", ("uvicorn/", "starlette/", "fastapi/", "h11/", "httptools/", "anyio/")),
 )

@@ -39,7 +39,7 @@ class VllmClient:
         from vllm.v1.engine.core_client import AsyncMPClient as VllmAsyncMPClient
         from vllm.v1.executor.abstract import Executor
 
-        from corewire.vllm.model_dir import write_model_dir
+        from corewire.vllm.serve.model_dir import write_model_dir
 
         if platforms.current_platform.is_unspecified():
             # No GPU here: vLLM's CPU platform for the front-end (the engine is ours).

@@ -124,7 +124,7 @@ class MPClient:
             client writes 0.33.0's ``EngineCoreRequest`` whether it is given
             ``corewire.protocol.EngineCoreRequest`` (converted by field name, see
             :mod:`corewire.wire.requests`) or
-            ``corewire.layouts.types_for("0.33.0")["EngineCoreRequest"]``, and
+            ``corewire.wire.layouts.types_for("0.33.0")["EngineCoreRequest"]``, and
             ``add_lora``'s LoRA in 0.33.0's layout; a ``"0.25.1"`` client sends what it
             is given (its encoder refuses 0.33.0's structs). The engines a client
             starts are told it (``release=`` to the process target).

@@ -1,7 +1,7 @@
 """Call id -2: an engine's fault-tolerance status (vLLM 0.33.0), as the clients take it.
 
 A vLLM 0.33.0 engine with fault tolerance on pushes its health to client 0 as a utility
-reply nobody asked for: call id :data:`~corewire.layouts.FT_STATUS_CALL_ID`, result
+reply nobody asked for: call id :data:`~corewire.wire.layouts.FT_STATUS_CALL_ID`, result
 ``{"id": engine_index, "status": "healthy" | "unhealthy" | "dead", "fault_info"?: ...}``.
 The output link hands each one to the client's status handler and never to a waiting
 call (:meth:`~corewire.client.output_link.OutputLink.pump`):

@@ -28,7 +28,7 @@ Decisions where the clients used to differ (one behaviour now):
 - A reply with call id :data:`~corewire.protocol.EEP_NOTIFICATION_CALL_ID` that no call
   waits for is a notification: it goes to the client's notification handler when it has
   one, and is dropped otherwise (sync clients have none).
-- A reply with call id :data:`~corewire.layouts.FT_STATUS_CALL_ID` (-2, vLLM 0.33.0's
+- A reply with call id :data:`~corewire.wire.layouts.FT_STATUS_CALL_ID` (-2, vLLM 0.33.0's
   engine status) goes to the client's status handler before any call is looked up, and
   never completes a call (:mod:`corewire.client.ft_status`).
 
@@ -48,8 +48,8 @@ import zmq
 from corewire.client.core import resolve_utility_output
 from corewire.client.salvage import fail_undecodable
 from corewire.errors import ProtocolError
-from corewire.layouts import FT_STATUS_CALL_ID
 from corewire.protocol import EEP_NOTIFICATION_CALL_ID, ENGINE_CORE_DEAD
+from corewire.wire.layouts import FT_STATUS_CALL_ID
 
 if TYPE_CHECKING:
     from corewire.client._resources import ClientResources

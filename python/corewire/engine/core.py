@@ -69,7 +69,6 @@ from corewire.engine.ready import engine_info_of
 from corewire.engine.reasons import reason_for, safe_reason
 from corewire.engine.utilities import UtilityDefaults
 from corewire.engine.utilities_0_33_0 import PAUSED_ERROR, utility_names
-from corewire.layouts import RequestError
 from corewire.protocol import (
     ENGINE_CORE_DEAD,
     EngineCoreOutput,
@@ -79,6 +78,7 @@ from corewire.protocol import (
     UtilityCall,
     engine_identity,
 )
+from corewire.wire.layouts import RequestError
 from corewire.wire.outputs import (
     DEFAULT_WEIGHT_VERSION,
     StepOutputs,

@@ -31,7 +31,7 @@ from __future__ import annotations
 import inspect
 from typing import Any
 
-from corewire.layouts import RequestError
+from corewire.wire.layouts import RequestError
 
 __all__ = ["PAUSED_ERROR", "UTILITIES_0_33_0", "Utilities0330", "utility_names"]
 

@@ -6,7 +6,7 @@ This package is the one home of release differences:
   names, types, defaults), read off that vLLM's own classes by :mod:`.derive` and
   recorded for each release in ``data/vllm-<release>.json`` (``tools/record-vllm-release``
   writes them, in a venv with that vLLM); :mod:`.records` finds them and :mod:`.structs`
-  turns one into msgspec types (``corewire.layouts.types_for``).
+  turns one into msgspec types (``corewire.wire.layouts.types_for``).
 - **The behaviour** beyond the wire is flags: one small :class:`~.base.Release` class per
   release whose engines or front-end behave differently from the one before
   (:mod:`.v0_25_1`, :mod:`.v0_27_0`, :mod:`.v0_28_0`, :mod:`.v0_29_0`, :mod:`.v0_31_0`,

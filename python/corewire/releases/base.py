@@ -6,8 +6,9 @@ A release is data: nothing here imports another layer of corewire. The code that
 between releases lives in the layer that runs it, which picks its own entry for a release
 with :meth:`Release.choose` (the engine's utilities in ``corewire.engine.utilities``, the
 request writers in ``corewire.wire.requests``, vLLM's front-end helpers in
-``corewire.vllm.frontend``, the client members in ``corewire.vllm.classes``, the output
-processors in ``corewire.vllm.output``)."""
+``corewire.vllm.adapters.frontend``, the client members in
+``corewire.vllm.adapters.classes``, the output processors in
+``corewire.vllm.output.by_release``)."""
 
 from __future__ import annotations
 
@@ -82,7 +83,7 @@ class Release(str):
     #: ``release_kv_cache_memory``, and read the managed engine's status map as the
     #: client's ``engine_status``.
     process_checkpoints: ClassVar[bool] = False
-    #: corewire's native output processing (``corewire.vllm.output``) is held to the
+    #: corewire's native output processing (``corewire.vllm.output.processor``) is held to the
     #: ``OutputProcessor`` of the release this class was written for by the differential
     #: tests (read through :attr:`native_output`).
     NATIVE_OUTPUT: ClassVar[bool] = False
@@ -91,7 +92,7 @@ class Release(str):
     #: tests (read through :attr:`fast_path`; installed by ``corewire.vllm.fast_path``).
     FAST_PATH: ClassVar[bool] = False
     #: corewire's client inside vLLM (``corewire.vllm``) is built for the ``AsyncLLM`` of
-    #: the release this class was written for: ``corewire.vllm.classes`` (read through
+    #: the release this class was written for: ``corewire.vllm.adapters.classes`` (read through
     #: :attr:`vllm_client`, for the releases in :attr:`LIVE_CHECKED`).
     VLLM_CLIENT: ClassVar[bool] = False
     #: The releases this class stands for that were checked live against it: the plugin

@@ -38,7 +38,7 @@ import numpy as np
 
 from corewire.protocol import Tensor, UtilityResult
 
-__all__ = ["CUSTOM_CLASSES", "build_structs"]
+__all__ = ["CUSTOM_CLASSES", "TypeReader", "build_structs", "type_reader"]
 
 #: Recorded custom classes -> the type corewire decodes them as.
 CUSTOM_CLASSES: dict[str, Any] = {
@@ -81,6 +81,32 @@ def build_structs(
     return _Builder(record, frozenset(as_maps), given or {}).run()
 
 
+class TypeReader(typing.Protocol):
+    """What :func:`type_reader` gives: a record's field types and defaults read as the
+    types :func:`build_structs` builds."""
+
+    def type_of(self, t: dict[str, Any]) -> Any:
+        """The type of the recorded type descriptor ``t``."""
+
+    def default(self, value: Any) -> Any:
+        """The recorded default ``value`` as a Python value."""
+
+    def adopt(self, name: str, cls: Any) -> None:
+        """Use ``cls`` for the recorded struct ``name`` from now on."""
+
+
+def type_reader(
+    record: dict[str, Any], *, as_maps: Collection[str] = (), given: dict[str, Any] | None = None
+) -> TypeReader:
+    """A reader of ``record``'s type descriptors (its enums built, its structs built when
+    first reached, ``given`` and adopted classes used where named): for a layer that
+    builds its own classes of some structs and needs the types of the rest."""
+    builder = _Builder(record, frozenset(as_maps), given or {})
+    for name, members in builder.enums.items():
+        builder.built[name] = _enum(name, members)
+    return builder
+
+
 def wire_names(cls: Any) -> tuple[str, ...] | None:
     """The field names ``cls`` writes, in order: a msgspec struct's encode names, a named
     tuple's fields; None for any other class."""
@@ -105,6 +131,10 @@ class _Builder:
             if name in self.structs
             and wire_names(cls) == tuple(f["encode_name"] for f in self.structs[name]["fields"])
         }
+
+    def adopt(self, name: str, cls: Any) -> None:
+        self.built[name] = cls
+        self.given[name] = cls
 
     def run(self) -> dict[str, Any]:
         for name, members in self.enums.items():

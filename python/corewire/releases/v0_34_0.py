@@ -12,9 +12,9 @@ class Release0340(Release0330):
     """vLLM 0.34.0. Its wire changes are in its record (its front-end packs every prompt
     as an int32 ndarray: :attr:`~corewire.releases.base.Release.packs_prompts`); its
     front-end's client members differ (``sleep(..., reset_connector)``, checkpoints, the
-    ``engine_status`` property ``AsyncLLM`` reads: :mod:`corewire.vllm.v0_34_0`), and so
+    ``engine_status`` property ``AsyncLLM`` reads: :mod:`corewire.vllm.adapters.v0_34_0`), and so
     do its engines' utilities (:mod:`corewire.engine.utilities_0_34_0`), and its
-    ``OutputProcessor`` (:mod:`corewire.vllm.output.v0_34_0`). Its OpenAI server has the
+    ``OutputProcessor`` (:mod:`corewire.vllm.output.processor.v0_34_0`). Its OpenAI server has the
     per-token fast path (:mod:`corewire.vllm.fast_path`)."""
 
     __slots__ = ()

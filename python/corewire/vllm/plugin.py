@@ -3,7 +3,7 @@
 ``pip install corewire`` registers :func:`register` with vLLM, which calls it in each of
 its processes. It does nothing unless switched on. ``COREWIRE_VLLM_CLIENT=1`` replaces
 ``EngineCoreClient.make_async_mp_client``, the factory through which vLLM's ``AsyncLLM``
-builds its engine-core client, with :func:`corewire.vllm.classes.make_async_mp_client`.
+builds its engine-core client, with :func:`corewire.vllm.adapters.classes.make_async_mp_client`.
 vLLM looks the factory up when ``AsyncLLM`` starts, after the plugins ran. The clients
 speak the installed vLLM's release (one checked live: :data:`PLUGIN_VLLM_VERSIONS`; a newer
 final release runs if the self-check passes; another is refused by name). Engine-core and
@@ -13,8 +13,8 @@ synchronous ``LLM`` class keeps its own client.
 ``COREWIRE_VLLM_OUTPUT`` (a switch of its own) hands ``AsyncLLM``'s output processing to
 corewire: the plugin replaces ``vllm.v1.engine.async_llm.OutputProcessor``, the name
 ``AsyncLLM.__init__`` builds its processor from, with
-the installed release's :class:`corewire.vllm.output.NativeOutputProcessor` (a subclass
-per release that changed vLLM's: ``corewire.vllm.output_processors``). Unset, it follows
+the installed release's :class:`corewire.vllm.output.processor.NativeOutputProcessor` (a subclass
+per release that changed vLLM's: ``corewire.vllm.output.by_release``). Unset, it follows
 the client switch where the differential tests hold the native path to the installed
 vLLM (0.25.1, 0.33.0, 0.34.0): corewire's client comes with corewire's output processing; under
 another release vLLM's is kept, and one log line says so. ``0`` keeps vLLM's; ``1`` asks
@@ -139,7 +139,7 @@ def fast_path_wanted(vllm_version: str, output_installed: bool) -> bool:
 
 
 #: The vLLM releases whose ``AsyncLLM`` the plugin's client is built and tested for (each
-#: with its own client classes: ``corewire.vllm.classes.client_classes``); corewire speaks
+#: with its own client classes: ``corewire.vllm.adapters.classes.client_classes``); corewire speaks
 #: the wire of more (``corewire.releases.SUPPORTED``).
 PLUGIN_VLLM_VERSIONS = tuple(r for r in releases.SUPPORTED if r.vllm_client)
 
@@ -241,7 +241,7 @@ def _install_output_processor() -> None:
     check_output_version(vllm.__version__)
     import vllm.v1.engine.async_llm as async_llm
 
-    from corewire.vllm.output_processors import native_output_processor
+    from corewire.vllm.output.by_release import native_output_processor
 
     native = native_output_processor(releases.installed(vllm))
     if async_llm.OutputProcessor is native:
@@ -249,7 +249,7 @@ def _install_output_processor() -> None:
     async_llm.OutputProcessor = native  # type: ignore[misc]
     from vllm.v1.metrics.loggers import PrometheusStatLogger
 
-    from corewire.vllm import latency_histogram
+    from corewire.vllm.output import latency_histogram
 
     # The last per-token Python of the output path: one histogram call per token. Both
     # are said in the log by the processor when vLLM builds it: vLLM 0.34.0 configures
@@ -286,15 +286,15 @@ def _install_client() -> None:
     check_vllm_version(vllm.__version__)
     from vllm.v1.engine.core_client import EngineCoreClient
 
-    from corewire.vllm import classes
-    from corewire.vllm.classes import make_async_mp_client
+    from corewire.vllm.adapters import classes
+    from corewire.vllm.adapters.classes import make_async_mp_client
 
     current: Any = EngineCoreClient.__dict__.get("make_async_mp_client")
     if getattr(current, "__func__", None) is make_async_mp_client:
         return  # vLLM loads plugins more than once per process
     if not self_check_passes():
         return
-    # Kept for the servers corewire declines (corewire.vllm.classes.declined_reason).
+    # Kept for the servers corewire declines (corewire.vllm.adapters.classes.declined_reason).
     classes.vllm_factory = current.__func__ if isinstance(current, staticmethod) else current
     EngineCoreClient.make_async_mp_client = staticmethod(make_async_mp_client)  # type: ignore[method-assign]
     logger.info("corewire: vLLM's AsyncLLM uses corewire's engine-core client")

@@ -4,7 +4,7 @@ Engines build ``corewire.protocol`` structs (vLLM 0.25.1's layout) whatever the 
 their engine core speaks. A core speaking another release converts each message once,
 on its output thread, right before encoding it: :func:`output_converter` gives that
 conversion. The conversion copies every field by name into
-``corewire.layouts.types_for(release)``'s structs, so a field both releases share can
+``corewire.wire.layouts.types_for(release)``'s structs, so a field both releases share can
 never land at the other release's position. Under 0.25.1 the structs go out as built,
 and only their stats are completed, in place (below).
 
@@ -40,8 +40,8 @@ from typing import Any
 import msgspec
 
 from corewire import protocol as p
-from corewire.layouts import RequestError, types_for
 from corewire.releases import get as get_release
+from corewire.wire.layouts import RequestError, types_for
 
 __all__ = [
     "DEFAULT_WEIGHT_VERSION",

@@ -4,7 +4,7 @@ A client with ``release="0.25.1"`` sends what it is given, unchanged: this modul
 on its path. A client with ``release="0.33.0"`` takes either a
 ``corewire.protocol.EngineCoreRequest`` (0.25.1's struct, what existing callers build),
 which it converts, or a request already in 0.33.0's layout, which it sends as given:
-``corewire.layouts.types_for("0.33.0")["EngineCoreRequest"]``, or vLLM 0.33.0's own
+``corewire.wire.layouts.types_for("0.33.0")["EngineCoreRequest"]``, or vLLM 0.33.0's own
 ``EngineCoreRequest`` (what vLLM's ``AsyncLLM`` hands the plugin's client). Either way
 0.33.0's 22-field layout goes out: :func:`request_writer` returns the converter.
 
@@ -21,7 +21,7 @@ of a conversion). Either way the bytes are those vLLM 0.33.0's front-end writes 
 same request.
 
 A LoRA is the one layout that does not decode across versions (0.33.0 removed
-``tensorizer_config_dict``, index 4): 0.25.1's :class:`corewire.layouts.LoRARequest`,
+``tensorizer_config_dict``, index 4): 0.25.1's :class:`corewire.wire.layouts.LoRARequest`,
 or the 7-element list a 0.25.1 request decoder leaves, is converted; one that carries a
 ``tensorizer_config_dict`` is refused (0.33.0 has no place for it); any other LoRA
 (0.33.0's struct, vLLM's own) is sent as given. The same holds for the ``add_lora``
@@ -38,9 +38,9 @@ from typing import Any
 
 import msgspec
 
-from corewire import layouts
 from corewire import protocol as p
 from corewire.releases import get as get_release
+from corewire.wire import layouts
 
 __all__ = ["WRITERS", "converted_writer", "request_writer", "utility_args_writer"]
 
@@ -101,7 +101,7 @@ def as_given(release: Any) -> Callable[[Any], Any]:
         if type(request) is p.EngineCoreRequest and own is not p.EngineCoreRequest:
             raise TypeError(
                 f"vLLM {release.name}'s engines read its own EngineCoreRequest: build it with "
-                f"corewire.layouts.types_for({release.name!r})['EngineCoreRequest']"
+                f"corewire.wire.layouts.types_for({release.name!r})['EngineCoreRequest']"
             )
         return request
 

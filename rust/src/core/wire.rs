@@ -295,13 +295,13 @@ wire_struct! {
         MmCacheMissHashes = mm_cache_miss_hashes: FieldType::StrList,
             "Multimodal cache keys the engine missed (list of str; vLLM 0.33.0 on), or None.";
         NewSamplingMask = new_sampling_mask: FieldType::SamplingMask,
-            "A corewire.layouts.SamplingMaskLists of numpy arrays (vLLM 0.33.0 on), or None.";
+            "A corewire.wire.layouts.SamplingMaskLists of numpy arrays (vLLM 0.33.0 on), or None.";
         SpecDecodeMetrics = spec_decode_metrics: FieldType::AnyDict,
             "The request's speculative-decoding metrics (a dict of vLLM's RequestSpecDecodeMetrics fields; vLLM 0.33.0 on), or None.";
         PromptTokenIdLogprobs = prompt_token_id_logprobs: FieldType::OptArray(ArrayKind::Tensor),
             "A torch tensor [num_scored_rows, num_token_ids] (vLLM 0.33.0 on), or None.";
         Error = error: FieldType::RequestError,
-            "A corewire.layouts.RequestError (code, message, retryable; vLLM 0.33.0 on), or None.";
+            "A corewire.wire.layouts.RequestError (code, message, retryable; vLLM 0.33.0 on), or None.";
         // vLLM 0.34.0 on:
         Watermarking = watermarking: FieldType::OptBool,
             "Whether the engine watermarked the request's output (bool; vLLM 0.34.0 on), or None.";

@@ -15,7 +15,7 @@ pub struct Consts {
     pub event_cls: Py<PyAny>,
     pub logprobs_lists: Py<PyAny>,
     pub logprobs_tensors: Py<PyAny>,
-    /// From `corewire.layouts`: vLLM 0.33.0's 5-element `LogprobsTensors`, its
+    /// From `corewire.wire.layouts`: vLLM 0.33.0's 5-element `LogprobsTensors`, its
     /// `SamplingMaskLists`, and `request_error_from_map` (a `RequestError` from its map).
     pub logprobs_tensors_0_33_0: Py<PyAny>,
     pub sampling_mask_lists: Py<PyAny>,
@@ -38,7 +38,7 @@ impl Consts {
 
     fn load(py: Python<'_>) -> PyResult<Consts> {
         let protocol = py.import("corewire.protocol")?;
-        let layouts = py.import("corewire.layouts")?;
+        let layouts = py.import("corewire.wire.layouts")?;
         let v0_33_0 = layouts.getattr("V0_33_0_TYPES")?;
         let finish = protocol.getattr("FinishReason")?;
         let event_type = protocol.getattr("EngineCoreEventType")?;

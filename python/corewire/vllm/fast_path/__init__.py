@@ -28,7 +28,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from corewire.vllm import asgi_cycle
+from corewire.vllm.fast_path import asgi_cycle
 from corewire.vllm.fast_path.frames import TEXT_PROBE, Template, split_template
 
 __all__ = ["INSTALLED_LOG_LINE", "TEXT_PROBE", "Template", "install", "split_template"]
@@ -42,7 +42,7 @@ INSTALLED_LOG_LINE = (
 def install(completion_class: Any, chat_class: Any) -> None:
     """Routes the streaming generators of vLLM's ``OpenAIServingCompletion`` and
     ``OpenAIServingChat`` through the fast path's, and makes vLLM's app builder wrap each
-    app in :class:`corewire.vllm.asgi_cycle.CycleCapture`."""
+    app in :class:`corewire.vllm.fast_path.asgi_cycle.CycleCapture`."""
     if getattr(completion_class.completion_stream_generator, "corewire_fast_path", False):
         return  # vLLM loads plugins more than once per process
     # Imported here, not with the package: the endpoints need vLLM 0.34.0's serving code.

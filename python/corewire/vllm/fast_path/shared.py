@@ -25,7 +25,7 @@ from vllm.entrypoints.serve.utils.api_utils import should_include_usage
 
 from corewire import metrics
 from corewire._native import RequestText
-from corewire.vllm import asgi_cycle
+from corewire.vllm.fast_path import asgi_cycle
 from corewire.vllm.fast_path.frames import Template
 
 __all__ = [

@@ -1,4 +1,4 @@
-//! `OutputCore` and `RequestText`: the native side of `corewire.vllm.output`.
+//! `OutputCore` and `RequestText`: the native side of `corewire.vllm.output.processor`.
 //!
 //! `RequestText` is one request's detokenizer and sample-logprobs state. It answers the
 //! calls vLLM's `RequestState` makes on its `detokenizer` and `logprobs_processor` (the

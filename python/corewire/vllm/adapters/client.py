@@ -1,13 +1,13 @@
 """corewire's clients built from vLLM's client-factory arguments (0.25.1 here; 0.33.0's
-members in :mod:`corewire.vllm.v0_33_0`).
+members in :mod:`corewire.vllm.adapters.v0_33_0`).
 
 vLLM's ``AsyncLLM`` builds its engine-core client with
 ``(vllm_config, executor_class, log_stats, client_addresses, client_count, client_index)``
 (0.33.0 adds ``renderer=``) and then reads a few attributes of it. The classes here take
 exactly those arguments and differ from corewire's own clients only where vLLM's
 front-end needs it; what differs between vLLM releases is in
-:mod:`corewire.vllm.frontend` (how engines are launched, how a ready response applies);
-:func:`corewire.vllm.classes.make_async_mp_client` is the factory that builds them:
+:mod:`corewire.vllm.adapters.frontend` (how engines are launched, how a ready response applies);
+:func:`corewire.vllm.adapters.classes.make_async_mp_client` is the factory that builds them:
 
 - **Engines.** Without ``client_addresses`` the client binds its sockets and lets vLLM's
   own ``launch_core_engines`` start local engines and run the start-up handshake with
@@ -55,8 +55,8 @@ from corewire.curve import require_curve_for
 from corewire.errors import ProtocolError
 from corewire.protocol import FinishReason, finished_outputs
 from corewire.releases import Release
-from corewire.vllm.frontend import frontend_for
-from corewire.vllm.multimodal import multimodal_encoder_for
+from corewire.vllm.adapters.frontend import frontend_for
+from corewire.vllm.adapters.multimodal import multimodal_encoder_for
 
 __all__ = [
     "INSTALLED_RELEASE",
@@ -92,7 +92,7 @@ def apply_ready_response(vllm_config: Any, info: dict[str, Any]) -> Any:
     it to ``vllm_config`` as vLLM's client does; returns the decoded response.
 
     Raises ``msgspec.ValidationError`` for a map vLLM would refuse. (Each release's own
-    rule: :func:`corewire.vllm.frontend.frontend_for`.)
+    rule: :func:`corewire.vllm.adapters.frontend.frontend_for`.)
     """
     holder = _ConfigHolder(vllm_config)
     return frontend_for(releases.get("0.25.1")).apply_ready(holder, info)
@@ -185,7 +185,7 @@ class VllmClientMixin:
         release: str | None = None,
     ) -> None:
         """vLLM's client-factory arguments (see
-        :func:`corewire.vllm.classes.make_async_mp_client`); ``release``: the vLLM release
+        :func:`corewire.vllm.adapters.classes.make_async_mp_client`); ``release``: the vLLM release
         served (default: the installed one)."""
         self.release = INSTALLED_RELEASE if release is None else releases.get(release)
         args = VllmArgs(

@@ -1,5 +1,5 @@
 """corewire's clients for vLLM 0.34.0's ``AsyncLLM``: what its front-end calls beyond
-0.33.0's (:mod:`corewire.vllm.v0_33_0`).
+0.33.0's (:mod:`corewire.vllm.adapters.v0_33_0`).
 
 - ``sleep_async(level, mode, reset_connector)`` and
   ``release_kv_cache_memory_async(reset_connector)`` pass the new flag on.
@@ -24,7 +24,7 @@ from typing import Any
 
 import msgspec
 
-from corewire.vllm.v0_33_0 import FT_UTILITY_METHOD, Members0330
+from corewire.vllm.adapters.v0_33_0 import FT_UTILITY_METHOD, Members0330
 
 __all__ = [
     "Members0340",

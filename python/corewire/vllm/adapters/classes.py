@@ -5,11 +5,11 @@ among them.
 engine), ``"dp"`` (a data-parallel group, external load balancing) and ``"dplb"``
 (internal load balancing). Each class here is corewire's client of that kind
 (``AsyncMPClient``, ``DPAsyncMPClient``, ``DPLBAsyncMPClient``), with the DP construction
-under vLLM's coordinator (:class:`~corewire.vllm.dp_client.VllmDPMixin`) for the DP kinds,
+under vLLM's coordinator (:class:`~corewire.vllm.adapters.dp_client.VllmDPMixin`) for the DP kinds,
 and, in front, the members a release's ``AsyncLLM`` calls: 0.25.1's
-(:class:`~corewire.vllm.client.VllmClientMixin`), 0.33.0's
-(:class:`~corewire.vllm.v0_33_0.Members0330`, which 0.27.0 to 0.33.0 call) or 0.34.0's
-(:class:`~corewire.vllm.v0_34_0.Members0340`). :data:`CLASSES` says which a release takes:
+(:class:`~corewire.vllm.adapters.client.VllmClientMixin`), 0.33.0's
+(:class:`~corewire.vllm.adapters.v0_33_0.Members0330`, which 0.27.0 to 0.33.0 call) or 0.34.0's
+(:class:`~corewire.vllm.adapters.v0_34_0.Members0340`). :data:`CLASSES` says which a release takes:
 a release whose front-end calls something new adds one members class and one row here.
 Each client knows the release it serves (its ``release``), the installed one included
 when that is newer than every tested release and behaves as its class's.
@@ -27,10 +27,10 @@ from typing import Any
 from corewire.client.async_client import AsyncMPClient
 from corewire.client.dp import DPAsyncMPClient, DPLBAsyncMPClient
 from corewire.releases import get as get_release
-from corewire.vllm.client import INSTALLED_RELEASE, VllmClientMixin
-from corewire.vllm.dp_client import VllmDPMixin
-from corewire.vllm.v0_33_0 import Members0330
-from corewire.vllm.v0_34_0 import Members0340
+from corewire.vllm.adapters.client import INSTALLED_RELEASE, VllmClientMixin
+from corewire.vllm.adapters.dp_client import VllmDPMixin
+from corewire.vllm.adapters.v0_33_0 import Members0330
+from corewire.vllm.adapters.v0_34_0 import Members0340
 
 __all__ = [
     "CLASSES",

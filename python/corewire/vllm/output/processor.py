@@ -1,5 +1,5 @@
 """Native output processing inside vLLM's ``AsyncLLM`` (0.25.1's here; later releases'
-differences in the subclasses ``corewire.vllm.output_processors`` picks for them).
+differences in the subclasses ``corewire.vllm.output.by_release`` picks for them).
 
 :class:`NativeOutputProcessor` is vLLM's ``OutputProcessor`` with the common case done in
 Rust: for each request that qualifies (:func:`native_refusal`), detokenization, stop
@@ -64,7 +64,7 @@ def _say_processing() -> None:
     _said_processing = True
     from vllm.v1.metrics.loggers import PrometheusStatLogger
 
-    from corewire.vllm import latency_histogram
+    from corewire.vllm.output import latency_histogram
 
     if latency_histogram.installed(PrometheusStatLogger):
         how = latency_histogram.FOLDED_LOG_LINE

@@ -1,5 +1,5 @@
 """What corewire's data-parallel clients do differently when built from vLLM's
-client-factory arguments (their classes: :mod:`corewire.vllm.classes`).
+client-factory arguments (their classes: :mod:`corewire.vllm.adapters.classes`).
 
 Under vLLM the DP coordinator is vLLM's own (started by ``launch_core_engines`` on rank 0,
 or reached through ``client_addresses["stats_update_address"]``): these clients start no
@@ -17,7 +17,7 @@ import dataclasses
 from typing import Any
 
 from corewire.coordinator import CoordinatorAddresses
-from corewire.vllm.client import VllmArgs, VllmClientMixin
+from corewire.vllm.adapters.client import VllmArgs, VllmClientMixin
 
 __all__ = ["VllmDPMixin"]
 

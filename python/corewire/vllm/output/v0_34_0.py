@@ -1,5 +1,5 @@
 """Native output processing inside vLLM 0.34.0's ``AsyncLLM``: what its ``OutputProcessor``
-changed since 0.33.0's (:mod:`corewire.vllm.output_0_33_0`).
+changed since 0.33.0's (:mod:`corewire.vllm.output.v0_33_0`).
 
 - Prompt logprobs start after ``prompt_logprob_start`` unscored positions: the request's
   container is padded with that many more None positions.
@@ -16,7 +16,7 @@ from typing import Any
 
 from vllm.logprobs import create_prompt_logprobs
 
-from corewire.vllm.output_0_33_0 import NativeOutputProcessor0330
+from corewire.vllm.output.v0_33_0 import NativeOutputProcessor0330
 
 __all__ = ["NativeOutputProcessor0340"]
 

@@ -21,7 +21,7 @@ leaves vLLM's own client in place. ``output`` sets ``COREWIRE_VLLM_OUTPUT``: ``"
 to 1 (corewire's native output processing inside ``AsyncLLM``; vLLM 0.25.1), ``"vllm"`` to
 0, None leaves it unset (the plugin's default: on with corewire's client under vLLM
 0.25.1). The model directory
-must match the engines' vocabulary (:func:`corewire.vllm.model_dir.write_model_dir` with
+must match the engines' vocabulary (:func:`corewire.vllm.serve.model_dir.write_model_dir` with
 the same ``vocab_size`` and ``max_model_len``).
 
 On a machine without a GPU, vLLM's front-end needs a platform plugin (the project's
@@ -543,7 +543,7 @@ class ServeStack:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -m corewire.vllm.stack``: serve until Ctrl-C (the body of ``scripts/serve``).
+    """``python -m corewire.vllm.serve.stack``: serve until Ctrl-C (the body of ``scripts/serve``).
 
     Writes the model directory to a temporary directory, starts the stack with the
     processes' output on this terminal, and stops every process on Ctrl-C or SIGTERM
@@ -639,7 +639,7 @@ def main(argv: list[str] | None = None) -> int:
         except (ImportError, ValueError, TypeError) as exc:
             parser.error(f"--ray: {exc}")
 
-    from corewire.vllm.model_dir import write_model_dir
+    from corewire.vllm.serve.model_dir import write_model_dir
 
     # Ctrl-C and SIGTERM stop the stack; SIGINT explicitly, since a shell that starts this
     # in the background hands it over ignored.

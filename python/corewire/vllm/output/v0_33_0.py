@@ -1,6 +1,6 @@
 """Native output processing inside vLLM 0.33.0's ``AsyncLLM``: what its ``OutputProcessor``
-changed since 0.25.1's (:mod:`corewire.vllm.output`; docs/native-output-processing-notes.md
-§1.8).
+changed since 0.25.1's (:mod:`corewire.vllm.output.processor`;
+docs/native-output-processing-notes.md §1.8).
 
 - Stop strings: the one that ends earliest wins, ``min_tokens`` counts per token offset,
   and the ids taken after the one that completed it are dropped from the request and
@@ -17,7 +17,7 @@ changed since 0.25.1's (:mod:`corewire.vllm.output`; docs/native-output-processi
   ``IterationStats.compute_nans_in_logits`` (read when the stats were made) the NaN check.
 
 Every new ``EngineCoreOutput`` field (errors, sampling masks, spec-decode metrics, ...)
-sends the output that sets it through vLLM's loop (``corewire.vllm.output.slow_fields``).
+sends the output that sets it through vLLM's loop (``corewire.vllm.output.processor.slow_fields``).
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from typing import Any
 
 from vllm.v1.engine.output_processor import OutputProcessorOutput, RequestState
 
-from corewire.vllm.output import NativeOutputProcessor
+from corewire.vllm.output.processor import NativeOutputProcessor
 
 __all__ = ["NativeOutputProcessor0330"]
 

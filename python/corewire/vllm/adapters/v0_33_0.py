@@ -21,7 +21,7 @@ did not, or calls with other signatures or semantics (docs/vllm-0.33.0-notes.md 
 
 The data-parallel clients follow vLLM 0.33.0's coordinator as corewire's DP clients do
 with ``release="0.33.0"`` (``[waiting, running, kv_cache_usage]`` counts, no first-request
-notices, 0.33.0's routing rule); the rest is :mod:`corewire.vllm.dp_client`'s.
+notices, 0.33.0's routing rule); the rest is :mod:`corewire.vllm.adapters.dp_client`'s.
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ from typing import Any
 import msgspec
 
 from corewire.client.dp import DPConsensusError
-from corewire.vllm.client import VllmArgs, VllmClientMixin
+from corewire.vllm.adapters.client import VllmArgs, VllmClientMixin
 
 __all__ = [
     "FT_UTILITY_METHOD",

@@ -3,7 +3,7 @@
 :func:`write_llava_dir` writes what vLLM's own engine loads as
 ``LlavaForConditionalGeneration``: a CLIP vision tower (2 layers, hidden 32, 28x28 images
 in 14x14 patches: 4 image tokens per image), a projector, and the tiny llama of
-:mod:`corewire.vllm.model_dir` with an ``<image>`` token as the last id of its vocabulary;
+:mod:`corewire.vllm.serve.model_dir` with an ``<image>`` token as the last id of its vocabulary;
 a ``CLIPImageProcessor`` configured by hand and a ``LlavaProcessor``. Nothing is downloaded.
 
 The weights come from transformers' own ``LlavaForConditionalGeneration`` built from a
@@ -18,7 +18,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from corewire.vllm.model_dir import ENGINE_SIZES, write_model_dir
+from corewire.vllm.serve.model_dir import ENGINE_SIZES, write_model_dir
 
 __all__ = ["IMAGE_SIZE", "IMAGE_TOKEN", "write_llava_dir"]
 
@@ -110,7 +110,7 @@ def write_llava_dir(
 
 def _add_image_token(out: Path, image_token_id: int) -> None:
     """Make id ``image_token_id`` the special ``<image>`` token of the tokenizer."""
-    from corewire.vllm.model_dir import _tokenizer_json, build_vocabulary
+    from corewire.vllm.serve.model_dir import _tokenizer_json, build_vocabulary
 
     vocab = build_vocabulary(image_token_id + 1)
     vocab.pop(next(t for t, i in vocab.items() if i == image_token_id))

@@ -1,6 +1,6 @@
 """The native output processor of each vLLM release: which of corewire's
 ``NativeOutputProcessor`` classes processes that release's outputs as its own
-``OutputProcessor`` does (:mod:`corewire.vllm.output` for 0.25.1, and a subclass for each
+``OutputProcessor`` does (:mod:`corewire.vllm.output.processor` for 0.25.1, and a subclass for each
 release whose ``OutputProcessor`` changed since).
 
 Each class imports what its release's vLLM has, so each is imported only when chosen.
@@ -16,19 +16,19 @@ __all__ = ["PROCESSORS", "native_output_processor"]
 
 
 def _processor_0_25_1() -> type:
-    from corewire.vllm.output import NativeOutputProcessor
+    from corewire.vllm.output.processor import NativeOutputProcessor
 
     return NativeOutputProcessor
 
 
 def _processor_0_33_0() -> type:
-    from corewire.vllm.output_0_33_0 import NativeOutputProcessor0330
+    from corewire.vllm.output.v0_33_0 import NativeOutputProcessor0330
 
     return NativeOutputProcessor0330
 
 
 def _processor_0_34_0() -> type:
-    from corewire.vllm.output_0_34_0 import NativeOutputProcessor0340
+    from corewire.vllm.output.v0_34_0 import NativeOutputProcessor0340
 
     return NativeOutputProcessor0340
 
