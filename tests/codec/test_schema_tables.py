@@ -13,6 +13,8 @@ in both languages) and §11 (the layouts of both versions).
 
 from __future__ import annotations
 
+import importlib
+import sys
 from typing import Any
 
 import msgspec
@@ -143,6 +145,16 @@ def test_0_33_0_structs_are_0_25_1_edited_as_the_records_say() -> None:
     sampling = table["SamplingParams"](all_stop_token_ids=set(), stop_token_ids=[2, 2, 3])
     assert sampling.stop_token_ids == [2, 3] and sampling.all_stop_token_ids == {2, 3}
     assert msgspec.structs.fields(table["PoolingParams"])[0].name == "normalize"
+
+
+def test_the_old_layouts_name_still_imports_and_warns() -> None:
+    sys.modules.pop("corewire.layouts", None)
+    try:
+        with pytest.warns(DeprecationWarning, match=r"corewire\.wire\.layouts"):
+            old = importlib.import_module("corewire.layouts")
+        assert old.types_for is layouts.types_for and old.V0_33_0_TYPES is layouts.V0_33_0_TYPES
+    finally:
+        sys.modules.pop("corewire.layouts", None)
 
 
 def test_a_struct_without_a_table_is_a_key_error() -> None:
