@@ -173,6 +173,9 @@ def _output_processors_with(output: str | None, client: str | None = None) -> li
 VLLM_PROCESSOR = "vllm.v1.engine.output_processor.OutputProcessor"
 
 
+# Six interpreters that each import vLLM (about 8 s apiece here, minutes on a loaded
+# machine): past the suite's 120 s default.
+@pytest.mark.timeout(900)
 def test_output_switch_installs_the_native_processor_for_async_llm_only() -> None:
     native = "corewire.vllm.output.processor.NativeOutputProcessor"
     # Nothing switched on: vLLM's everywhere.
