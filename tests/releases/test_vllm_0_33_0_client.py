@@ -42,12 +42,12 @@ from corewire import (  # noqa: E402
     DPAsyncMPClient,
     DPLBAsyncMPClient,
     SyncMPClient,
-    layouts,
     releases,
 )
 from corewire import protocol as p  # noqa: E402
 from corewire.codec import request_decoder  # noqa: E402
 from corewire.protocol import FinishReason  # noqa: E402
+from corewire.wire import layouts  # noqa: E402
 from dp_support import Sockets, coordinator_addresses, wait_for  # noqa: E402
 
 ENCODER = MsgpackEncoder()
