@@ -11,7 +11,13 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
-from corewire.errors import EngineDeadError, InputBacklogTimeout, ProtocolError, UtilityError
+from corewire.errors import (
+    EngineDeadError,
+    EngineLostError,
+    InputBacklogTimeout,
+    ProtocolError,
+    UtilityError,
+)
 
 # The version is written once, in Cargo.toml; maturin writes it into the installed
 # distribution's metadata, and __getattr__ reads it from there on first use.
@@ -43,6 +49,7 @@ __all__ = [
     "EngineCoreProc",
     "EngineDeadError",
     "EngineInfo",
+    "EngineLostError",
     "InputBacklogTimeout",
     "MPClient",
     "MsgspecDecoder",

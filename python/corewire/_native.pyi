@@ -287,6 +287,10 @@ class Router:
         """Notes ``count`` of this client's requests on ``engine`` finished."""
     def update_counts(self, counts: Sequence[Sequence[int]]) -> None:
         """Replaces the coordinator's counts: one ``[waiting, running]`` pair per engine."""
+    def set_out(self, engine: int, out: bool) -> None:
+        """Take ``engine`` out of routing (a lost engine) or put it back (its replacement)."""
+    def out_engines(self) -> list[int]:
+        """The engines out of routing, in index order."""
     def resize(self, num_engines: int) -> None:
         """Grows (new engines idle) or shrinks (their state dropped) to ``num_engines``."""
     def in_flight(self) -> list[int]:

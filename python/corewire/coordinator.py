@@ -90,6 +90,7 @@ from corewire.dp_messages import (
     CoordinatorLinks,
     DPState,
     EngineReport,
+    LostNotice,
     ScaleNotice,
     StartWave,
     WaveComplete,
@@ -329,6 +330,20 @@ class CoordinatorState:
             return self._complete(self.current_wave)
         return []
 
+    def on_engine_lost(self, engine_index: int) -> list[WaveMessage]:
+        """Engine ``engine_index`` died and the group serves on: count it idle (its last
+        report no longer stands) until it reports again; end the wave if that leaves the
+        group idle."""
+        if not 0 <= engine_index < len(self.counts):
+            return []
+        self.pending.pop(engine_index, None)
+        if self.counts[engine_index] != self._idle():
+            self.counts[engine_index] = self._idle()
+            self.changed = True
+        if self._group_idle():
+            return self._complete(self.current_wave)
+        return []
+
     def on_scale(self, new_size: int) -> None:
         """The group now has ``new_size`` engines: new ones start idle, removed ones drop."""
         if new_size < 1:
@@ -453,6 +468,8 @@ class _Coordinator:
             msg = decode_front_message(frame)
             if isinstance(msg, ScaleNotice):
                 self.state.on_scale(msg.new_size)
+            elif isinstance(msg, LostNotice):
+                self._broadcast(self.state.on_engine_lost(msg.engine_index))
             else:
                 self._broadcast(
                     self.state.on_first_request(msg.engine_index, msg.wave, time.monotonic())

@@ -11,6 +11,7 @@ message                on the wire                            direction
 :class:`DPState`       ``[counts, current_wave, running]``    coordinator -> front-ends
 :class:`FirstRequest`  ``[engine_index, wave]``               front-end -> coordinator
 :class:`ScaleNotice`   ``["scale", new_size]``                front-end -> coordinator
+:class:`LostNotice`    ``["lost", engine_index]``             front-end -> coordinator
 :class:`EngineReport`  an ``EngineCoreOutputs``               engine -> coordinator
 :class:`StartWave`     ``[b"\\x02", [wave, exclude]]``        coordinator -> engines
 :class:`WaveComplete`  ``[b"\\x10", [finished_wave]]``        coordinator -> engines
@@ -39,6 +40,7 @@ __all__ = [
     "DPState",
     "EngineReport",
     "FirstRequest",
+    "LostNotice",
     "ScaleNotice",
     "StartWave",
     "WaveComplete",
@@ -60,6 +62,8 @@ WAVE_COMPLETE = b"\x10"
 COORDINATOR_READY = READY_STATUS.encode("ascii")
 # The tag of a ScaleNotice (vLLM's coordinator uses "SCALE_ELASTIC_EP" instead).
 _SCALE_TAG = "scale"
+# The tag of a LostNotice.
+_LOST_TAG = "lost"
 
 _encode = msgspec.msgpack.encode
 _decode = msgspec.msgpack.decode
@@ -177,7 +181,19 @@ class ScaleNotice(NamedTuple):
         return _encode([_SCALE_TAG, self.new_size])
 
 
-def decode_front_message(frame: bytes | memoryview) -> FirstRequest | ScaleNotice:
+class LostNotice(NamedTuple):
+    """A front-end lost engine ``engine_index`` (its process died; the group serves on):
+    its last counts no longer stand, so the coordinator counts it idle until it reports
+    again (a replacement). corewire's coordinator only: vLLM's has no such message."""
+
+    engine_index: int
+
+    def encode(self) -> bytes:
+        """The notice's single frame: ``["lost", engine_index]``."""
+        return _encode([_LOST_TAG, self.engine_index])
+
+
+def decode_front_message(frame: bytes | memoryview) -> FirstRequest | ScaleNotice | LostNotice:
     """Decodes a front-end's notice to the coordinator; raises
     :class:`~corewire.errors.ProtocolError` for anything else."""
     try:
@@ -187,6 +203,8 @@ def decode_front_message(frame: bytes | memoryview) -> FirstRequest | ScaleNotic
     if isinstance(msg, list) and len(msg) == 2:
         if msg[0] == _SCALE_TAG and _is_int(msg[1]):
             return ScaleNotice(msg[1])
+        if msg[0] == _LOST_TAG and _is_int(msg[1]):
+            return LostNotice(msg[1])
         if _is_int(msg[0]) and _is_int(msg[1]):
             return FirstRequest(msg[0], msg[1])
     raise ProtocolError(f"unknown front-end message {msg!r:.100}")

@@ -5,7 +5,13 @@ Wire format: docs/protocol.md §9 (error rules).
 
 from __future__ import annotations
 
-__all__ = ["EngineDeadError", "InputBacklogTimeout", "ProtocolError", "UtilityError"]
+__all__ = [
+    "EngineDeadError",
+    "EngineLostError",
+    "InputBacklogTimeout",
+    "ProtocolError",
+    "UtilityError",
+]
 
 try:
     # The Rust decoder raises the very same class, so `except ProtocolError` catches both.
@@ -25,6 +31,25 @@ class EngineDeadError(RuntimeError):
         super().__init__(message)
         # When raised from the output task, the original cause is noise for the caller.
         self.__suppress_context__ = suppress_context
+
+
+class EngineLostError(RuntimeError):
+    """One engine of a data-parallel group died while the group serves on (the client's
+    ``engine_loss`` is ``"isolate"`` or ``"replace"``): what was waiting on that engine
+    alone (a call to it, room in its input backlog) fails with this; the other engines'
+    work goes on. ``rank`` is the engine's index in the group.
+
+    Not an :class:`EngineDeadError`: a front-end that treats that as the end of the whole
+    client (vLLM's) must not stop serving over one engine. Requests the engine held end
+    as outputs instead (``FinishReason.ERROR``; with vLLM 0.33.0's layouts on, with an
+    ``error`` whose ``code`` is ``"engine_lost"``, ``retryable``)."""
+
+    def __init__(self, rank: int, reason: str) -> None:
+        super().__init__(f"engine {rank} was lost: {reason}")
+        #: The lost engine's index in the group.
+        self.rank = rank
+        #: What happened to it.
+        self.reason = reason
 
 
 class UtilityError(RuntimeError):

@@ -147,6 +147,29 @@ class _Family:
             "Engine deaths a client saw (process exit, ENGINE_CORE_DEAD, failed health check).",
             ("client",),
         )
+        self.losses = prom.Counter(
+            "corewire_engine_losses_total",
+            "Engines a data-parallel client lost and served on without (engine_loss "
+            "isolate or replace).",
+            ("client",),
+        )
+        self.replacements = prom.Counter(
+            "corewire_engine_replacements_total",
+            "Engines started to replace lost ones that became ready (engine_loss replace).",
+            ("client",),
+        )
+        self.given_up = prom.Counter(
+            "corewire_engine_ranks_given_up_total",
+            "Ranks left out of routing for good after too many replacements in a window.",
+            ("client",),
+        )
+        self.serving = prom.Gauge(
+            "corewire_engines_serving",
+            "Engines a data-parallel client routes to now (its group less those lost); "
+            "set once an engine is lost.",
+            ("client",),
+            **mode,
+        )
         self.protocol_errors = prom.Counter(
             "corewire_protocol_errors_total",
             "Output frames that broke the protocol (did not decode).",
@@ -346,7 +369,11 @@ class ClientMetrics:
         "_deaths",
         "_error_requests",
         "_family",
+        "_given_up",
+        "_losses",
         "_protocol_errors",
+        "_replacements",
+        "_serving",
         "_watching",
         "backlog",
         "client",
@@ -359,6 +386,10 @@ class ClientMetrics:
         #: The ``client`` label.
         self.client = client
         self._deaths = family.deaths.labels(client)
+        self._losses = family.losses.labels(client)
+        self._replacements = family.replacements.labels(client)
+        self._given_up = family.given_up.labels(client)
+        self._serving = family.serving.labels(client)
         self._protocol_errors = family.protocol_errors.labels(client)
         self._error_requests = family.error_requests.labels(client)
         # engine index -> that engine's tally
@@ -453,6 +484,20 @@ class ClientMetrics:
     def engine_died(self) -> None:
         """Count an engine death."""
         self._deaths.inc()
+
+    def engine_lost(self, serving: int) -> None:
+        """Count an engine lost while the group serves on; ``serving`` engines are left."""
+        self._losses.inc()
+        self._serving.set(serving)
+
+    def engine_replaced(self, serving: int) -> None:
+        """Count a lost engine's replacement, ready; ``serving`` engines now."""
+        self._replacements.inc()
+        self._serving.set(serving)
+
+    def rank_given_up(self) -> None:
+        """Count a rank given up (replaced too often)."""
+        self._given_up.inc()
 
     def protocol_error(self) -> None:
         """Count an output frame that did not decode."""

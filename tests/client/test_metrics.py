@@ -15,10 +15,12 @@ import time
 import pytest
 
 from client_support import REPLAY, SUPPORT
-from corewire import AsyncMPClient, ProtocolError, SyncMPClient
+from corewire import AsyncMPClient, DPLBAsyncMPClient, ProtocolError, SyncMPClient
 from corewire import metrics as corewire_metrics
 from corewire.metrics import ENV_SWITCH, enabled
 from leak_support import no_leaks
+
+SYNTHETIC = "corewire.engine.synthetic:SyntheticEngine"
 
 prometheus_client = pytest.importorskip("prometheus_client")
 pytestmark = pytest.mark.skipif(
@@ -252,6 +254,23 @@ async def test_engine_sigkill_counts_a_death() -> None:
             client.shutdown()
         # Shutting a client down is no death.
         assert sample("corewire_engine_deaths_total", **labels) == before + 1
+
+
+async def test_a_dp_group_losing_one_engine_counts_it_and_the_engines_serving() -> None:
+    with no_leaks():
+        client = DPLBAsyncMPClient(data_parallel_size=3, engine=SYNTHETIC, engine_loss="isolate")
+        try:
+            labels = {"client": str(client.client_index)}
+            before = sample("corewire_engine_losses_total", **labels)
+            deaths = sample("corewire_engine_deaths_total", **labels)
+            os.kill(client.engine_pids[2], signal.SIGKILL)
+            await wait_for(lambda: client.lost_engines == [2])
+            assert sample("corewire_engine_losses_total", **labels) == before + 1
+            assert sample("corewire_engines_serving", **labels) == 2
+            # The client lives on: no death of the client is counted.
+            assert sample("corewire_engine_deaths_total", **labels) == deaths
+        finally:
+            client.shutdown()
 
 
 _OFF_SCRIPT = textwrap.dedent(

@@ -181,7 +181,10 @@ async def test_utility_calls_fan_out_to_every_engine() -> None:
 
 
 async def test_engine_sigkill_under_load_fails_every_waiter() -> None:
-    client = DPLBAsyncMPClient(data_parallel_size=2, engine_args={**LIGHT, "step_delay": 0.01})
+    # vLLM's behaviour (tests/dp/test_engine_loss.py has the others).
+    client = DPLBAsyncMPClient(
+        data_parallel_size=2, engine_args={**LIGHT, "step_delay": 0.01}, engine_loss="fail"
+    )
     victim_pid = client.engine_pids[1]
     coordinator_pid = client.coordinator_pid
     try:

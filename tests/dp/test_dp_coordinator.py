@@ -26,6 +26,7 @@ from corewire.dp_messages import (
     DPState,
     EngineReport,
     FirstRequest,
+    LostNotice,
     ScaleNotice,
     StartWave,
     WaveComplete,
@@ -138,6 +139,22 @@ def test_scale_grows_idle_and_shrinks() -> None:
     assert s.counts == [[1, 1]]
 
 
+def test_a_lost_engine_counts_idle_and_can_end_the_wave() -> None:
+    s = CoordinatorState(2)
+    s.on_first_request(0, 0)
+    s.pending.clear()
+    s.on_engine_report(1, {"num_waiting_reqs": 3, "num_running_reqs": 4}, None, None)
+    s.on_engine_report(0, {"num_waiting_reqs": 0, "num_running_reqs": 0}, None, None)
+    assert s.engines_running
+    # Engine 1 died holding work: its last counts no longer stand, and the wave is over.
+    assert s.on_engine_lost(1) == [WaveComplete(0)]
+    assert s.counts == [[0, 0], [0, 0]] and not s.engines_running
+    assert s.on_engine_lost(5) == []  # not of this group
+    # Its replacement's first report counts again.
+    s.on_engine_report(1, {"num_waiting_reqs": 1, "num_running_reqs": 0}, None, None)
+    assert s.counts[1] == [1, 0]
+
+
 # ---------------------------------------------------------------- the messages
 
 
@@ -152,6 +169,8 @@ def test_messages_encode_as_the_plain_lists_of_the_protocol_page() -> None:
     assert WaveComplete(2).to_frames() == [b"\x10", bytes.fromhex("9102")]
     assert decode_front_message(encode([1, 4])) == FirstRequest(1, 4)
     assert decode_front_message(encode(["scale", 3])) == ScaleNotice(3)
+    assert LostNotice(2).encode() == encode(["lost", 2])
+    assert decode_front_message(encode(["lost", 2])) == LostNotice(2)
     assert decode_wave_message(StartWave(7, 1).to_frames()) == StartWave(7, 1)
     assert decode_wave_message(WaveComplete(6).to_frames()) == WaveComplete(6)
     assert DPState.decode(encode([None, 2, False])) == DPState(None, 2, False)

@@ -242,6 +242,7 @@ async def test_an_actor_killed_is_that_engines_death_at_once(cluster: RayCluster
         engine=SYNTHETIC,
         engine_args={"step_delay": 0.01},
         ready_timeout=60,
+        engine_loss="fail",  # vLLM's behaviour: the whole group ends
         **SLOW_HEALTH,
     )
     pids = client.engine_pids
@@ -378,6 +379,7 @@ async def test_a_node_leaving_mid_stream_is_that_engines_death_at_once(
         engine=SYNTHETIC,
         engine_args={"step_delay": 0.01},
         ready_timeout=60,
+        engine_loss="fail",  # vLLM's behaviour: the whole group ends
         **SLOW_HEALTH,
     )
     backend = client.ray_backend
@@ -409,6 +411,48 @@ async def test_a_node_leaving_mid_stream_is_that_engines_death_at_once(
         with pytest.raises(EngineDeadError):
             await client.add_request_async(request("late"))
     finally:
+        client.shutdown()
+    await _assert_nothing_left(pids, backend.keys_dir)
+
+
+async def test_a_node_leaving_is_one_engine_lost_and_replaced(cluster: RayCluster) -> None:
+    """engine_loss="replace" (the default) on Ray: a node removed mid-stream ends only
+    its engine's requests; the other streams on, and a new actor for the rank is placed
+    on the node that took its place, and serves."""
+    client = DPLBAsyncMPClient(
+        data_parallel_size=2,
+        data_parallel_backend="ray",
+        ray_placement=RayPlacement(strategy="STRICT_SPREAD", bundle=ONE_CPU),
+        engine=SYNTHETIC,
+        engine_args={"step_delay": 0.01},
+        ready_timeout=60,
+        **SLOW_HEALTH,
+    )
+    backend = client.ray_backend
+    assert backend is not None and client.engine_loss == "replace"
+    try:
+        ids = [f"n{i}" for i in range(8)]
+        for rid in ids:
+            await client.add_request_async(request(rid, max_tokens=300))
+        placed = dict(client.reqs_in_flight)
+        lost = _engine_handles(client)[1]
+        cluster.remove(lost.node_id)
+        theirs = [rid for rid, at in placed.items() if at == 1]
+        ours = [rid for rid, at in placed.items() if at == 0]
+        done = await collect_finished(client, [*theirs, *ours], timeout=60)
+        assert {done[rid].finish_reason for rid in theirs} == {FinishReason.ERROR}
+        assert {done[rid].finish_reason for rid in ours} == {FinishReason.LENGTH}
+        assert not client.engine_dead
+        await wait_until(lambda: client.engines_replaced == 1, 60.0, "the rank replaced")
+        new = _engine_handles(client)[1]
+        assert new is not lost and new.node_id in cluster.worker_ids()
+        burst = [f"after{i}" for i in range(6)]
+        for rid in burst:
+            await client.add_request_async(request(rid, max_tokens=2))
+        served = await collect_finished(client, burst, timeout=30)
+        assert {f.engine_index for f in served.values()} == {0, 1}
+    finally:
+        pids = client.engine_pids
         client.shutdown()
     await _assert_nothing_left(pids, backend.keys_dir)
 

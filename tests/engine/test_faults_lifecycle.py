@@ -144,7 +144,9 @@ async def test_dp_group_engines_and_coordinator_leave_on_sigterm(
     for kill_one in (False, True):
         with no_leaks():
             client = DPLBAsyncMPClient(
-                data_parallel_size=2, engine="corewire.engine.synthetic:SyntheticEngine"
+                data_parallel_size=2,
+                engine="corewire.engine.synthetic:SyntheticEngine",
+                engine_loss="fail",  # the whole group dies, and is replaced whole
             )
             pids = [*client.engine_pids, client.coordinator_pid]
             await client.add_request_async(request("one", max_tokens=3))

@@ -284,6 +284,8 @@ class Chaos:
             health_check_interval=args.health_interval,
             health_check_timeout=args.health_timeout,
             ready_timeout=OPERATION_DEADLINE_S,
+            # The run's report counts whole-group deaths and restarts: vLLM's behaviour.
+            engine_loss="fail",
         )
 
     async def _in_thread(self, what: str, fn: Callable[[], Any]) -> Any:

@@ -33,6 +33,7 @@ from corewire.errors import EngineDeadError
 from corewire.logtext import bounded
 
 if TYPE_CHECKING:
+    from corewire.client.engine_loss import LossHook
     from corewire.metrics import ClientMetrics
 
 __all__ = ["TERMINATE_GRACE_S", "ClientResources"]
@@ -96,6 +97,10 @@ class ClientResources:
         self.bad_frames = ThrottledWarning(logger, "bad engine frame")
         #: When each engine was last heard from (written by the output link).
         self.liveness = Liveness()
+        #: A client that may lose one engine and serve on sets its hook here (read by the
+        #: engine monitor and the health watchdog at each death): see
+        #: :mod:`corewire.client.engine_loss`. None: any death is the client's.
+        self.engine_loss: LossHook | None = None
         self._closing = threading.Lock()
         self._closed_event = threading.Event()
 
@@ -166,7 +171,9 @@ class ClientResources:
 
     def start_monitor(self) -> None:
         """Watch the processes; a death marks the client dead and closes it."""
-        self.processes.start_monitor(self.threads.start, self._process_died)
+        self.processes.start_monitor(
+            self.threads.start, self._process_died, lambda: self.engine_loss
+        )
 
     def _process_died(self, reason: str) -> None:
         if self.closed:

@@ -436,7 +436,7 @@ class AsyncMPClient(MPClient):
         liveness = self.resources.liveness
         # An engine in vLLM's fault handling answers nothing but the instruction it waits
         # for: by its own word it is alive, and its fate is the orchestrator's.
-        probed = [e for e in self.core_engines if not self._in_fault_handling(engine_index_of(e))]
+        probed = self._probed_engines()
         # Plain futures, no tasks or gather: whatever ends the wait (a timeout, the caller
         # cancelled), each call is withdrawn or its outcome read, so asyncio has nothing
         # to log as "never retrieved" or "destroyed but pending".
@@ -473,16 +473,24 @@ class AsyncMPClient(MPClient):
                         break
                 silent, wake_at = judge.judge([index_of[f] for f in pending], now)
                 if silent:
-                    raise self.resources.dead_error(
+                    error = self.resources.dead_error(
                         f"engine core did not answer a health check within {timeout:g} s "
                         f"and sent nothing else meanwhile (engine {silent[0]})"
                     )
+                    error.engine_index = silent[0]  # type: ignore[attr-defined]
+                    raise error
         finally:
             _withdraw(self.resources.registry, calls)
         for future in futures:
             exc = future.exception()
             if exc is not None and not isinstance(exc, UtilityError):
                 raise self._format_exception(exc)
+
+    def _probed_engines(self) -> list[bytes]:
+        """The engines a health check asks: all but those in vLLM's fault handling (an
+        engine there answers nothing but the instruction it waits for: by its own word
+        it is alive, and its fate is the orchestrator's)."""
+        return [e for e in self.core_engines if not self._in_fault_handling(engine_index_of(e))]
 
     def _in_fault_handling(self, engine_index: int) -> bool:
         """Whether engine ``engine_index``'s latest pushed status (vLLM's fault tolerance)
@@ -814,6 +822,19 @@ async def _health_watchdog(
         except EngineDeadError as exc:
             if resources.engine_dead:
                 return
+            index = getattr(exc, "engine_index", None)
+            hook = resources.engine_loss
+            if (
+                index is not None
+                and hook is not None
+                and index in resources.processes.engines
+                and hook.claim(index, str(exc))
+            ):
+                # The client serves on without it: kill it, and the engine monitor
+                # reports it lost.
+                logger.error("health check failed: %s; killing that engine", exc)
+                resources.processes.kill_engine(index)
+                continue
             logger.error("health check failed: %s", exc)
             resources.mark_dead(str(exc))
             resources.processes.kill()

@@ -64,6 +64,8 @@ from corewire._native import Router
 from corewire.client._resources import ClientResources
 from corewire.client.async_client import AsyncMPClient
 from corewire.client.dp_counts import decode_publication, router_counts
+from corewire.client.dp_loss import EngineLossMixin
+from corewire.client.engine_loss import RESTART_LIMIT
 from corewire.client.late_interaction import late_interaction_rank
 from corewire.client.processes import stop_processes
 from corewire.coordinator import CoordinatorAddresses, DPCoordinator, TcpEndpoints
@@ -298,6 +300,10 @@ class DPAsyncMPClient(AsyncMPClient):
                 "data_parallel_address='tcp://HOST:PORT' with curve_keys instead"
             )
         sock = super()._make_socket(kind, address, asyncio_mode=asyncio_mode)
+        if kind == zmq.ROUTER:
+            # A replacement engine connects under the identity of the one it replaces: it
+            # takes the identity over even if the dead peer's connection lingers.
+            sock.setsockopt(zmq.ROUTER_HANDOVER, 1)
         if self._tcp is not None and kind in (zmq.ROUTER, zmq.PULL):
             # Local engines use the private ipc endpoint bound above; engines on other
             # hosts come in over TCP, behind CURVE when keys are given.
@@ -571,7 +577,7 @@ class DPAsyncMPClient(AsyncMPClient):
         return first
 
 
-class DPLBAsyncMPClient(DPAsyncMPClient):
+class DPLBAsyncMPClient(EngineLossMixin, DPAsyncMPClient):
     """Asyncio client that load-balances over all engines of a data-parallel group.
 
     ``DPLBAsyncMPClient(data_parallel_size=N)`` starts N reference engines and the
@@ -590,9 +596,26 @@ class DPLBAsyncMPClient(DPAsyncMPClient):
     that node's ranks): ``engine_indices`` a run of consecutive ranks, such as ``[2, 3]``
     of a group of four; the router balances over those, on their slice of the
     coordinator's counts, as vLLM's client does.
+
+    One engine lost (its process died, or the health watchdog found it hung):
+    ``engine_loss="replace"`` (the default; ``COREWIRE_ENGINE_LOSS`` where the plugin
+    builds the client) fails only its requests and calls, serves on the others and
+    starts a new engine for the rank, at most ``engine_restart_limit`` times in 5
+    minutes; ``"isolate"`` does not replace it; ``"fail"`` is vLLM's behaviour (the
+    whole client dies). ``engines_coupled=True`` (engines that run collectives together)
+    always fails whole. See :mod:`corewire.client.engine_loss`.
     """
 
-    def __init__(self, *, data_parallel_size: int = 1, **kwargs: Any) -> None:
+    def __init__(
+        self,
+        *,
+        data_parallel_size: int = 1,
+        engine_loss: str | None = None,
+        engines_coupled: bool = False,
+        engine_restart_limit: int = RESTART_LIMIT,
+        **kwargs: Any,
+    ) -> None:
+        self._init_engine_loss(engine_loss, engines_coupled, engine_restart_limit)
         indices = kwargs.get("engine_indices")
         indices = list(range(data_parallel_size)) if indices is None else list(indices)
         if not indices or indices != list(range(indices[0], indices[0] + len(indices))):
@@ -626,6 +649,12 @@ class DPLBAsyncMPClient(DPAsyncMPClient):
         rules = self.release
         self._kv_pressure = rules.kv_pressure_routing
         self._sessions = rules.session_affinity
+        self._arm_engine_loss()
+
+    @property
+    def _starts_engines(self) -> bool:
+        """Whether this client started its engines (it can start a replacement)."""
+        return getattr(self, "_engine_main", None) is not None
 
     @staticmethod
     def _default_engine_indices(size: int, rank: int) -> list[int]:
@@ -662,12 +691,36 @@ class DPLBAsyncMPClient(DPAsyncMPClient):
         rank = request.data_parallel_rank
         if rank is None and request.pooling_params is not None:
             rank = late_interaction_rank(request.pooling_params, len(self.core_engines))
+        if rank is not None and self._claims:
+            lost = self._lost_rank_error(self.engine_indices[0] + rank)
+            if lost is not None:
+                raise lost
         index = self._route(rank)
         self.reqs_in_flight[request.request_id] = index
         return self.core_engines[index]
 
     def _holds(self, request_id: str) -> bool:
         return request_id in self.reqs_in_flight
+
+    # -- one engine lost (engine_loss; corewire.client.dp_loss) ------------------------------
+
+    def _send_utility(
+        self, method: str, args: tuple[Any, ...], engine: bytes
+    ) -> tuple[asyncio.Future[Any], int]:
+        if engine_index_of(engine) in self._claims:
+            raise self._lost_rank_error(engine_index_of(engine))  # type: ignore[misc]
+        future, call_id = super()._send_utility(method, args, engine)
+        self._track_call(engine, call_id, future)
+        return future, call_id
+
+    async def _call_all_engines(self, method: str, *args: Any) -> list[Any]:
+        if self.engine_loss == "fail":
+            return await super()._call_all_engines(method, *args)
+        return await self._call_live_engines(method, *args)
+
+    def _probed_engines(self) -> list[bytes]:
+        claims = self._claims
+        return [e for e in super()._probed_engines() if engine_index_of(e) not in claims]
 
     def _unroute(self, request: EngineCoreRequest, engine: bytes) -> None:
         """Forget a request that waited for room on ``engine`` and was not sent: it is not
@@ -736,6 +789,8 @@ class DPLBAsyncMPClient(DPAsyncMPClient):
         event = self._notification_event
         while not expected <= set(self._notifications):
             self.ensure_alive()
+            # An engine lost meanwhile sends nothing more: not waited for.
+            expected = {e for e in expected if e[1] not in self._claims}
             event.clear()
             try:
                 await asyncio.wait_for(event.wait(), 0.5)
@@ -808,7 +863,11 @@ class DPLBAsyncMPClient(DPAsyncMPClient):
 
     async def _scale_down(self, old_size: int, new_size: int) -> None:
         removed = list(range(new_size, old_size))
-        removed_identities = self.core_engines[new_size:]
+        # A lost engine among them has nothing to shut down, and sends no notice.
+        lost = {i for i in removed if i in self._claims}
+        removed_identities = [
+            e for e in self.core_engines[new_size:] if engine_index_of(e) not in lost
+        ]
         # No new request or utility call goes to the removed engines from here on.
         self._router.resize(new_size)
         del self.engine_indices[new_size:]
@@ -829,7 +888,7 @@ class DPLBAsyncMPClient(DPAsyncMPClient):
             )
             await asyncio.wait_for(
                 self._wait_notifications(
-                    {(EEPNotificationType.SHUTDOWN_COMPLETE, i) for i in removed}
+                    {(EEPNotificationType.SHUTDOWN_COMPLETE, i) for i in removed if i not in lost}
                 ),
                 SCALE_STEP_TIMEOUT_S,
             )
@@ -838,16 +897,18 @@ class DPLBAsyncMPClient(DPAsyncMPClient):
             self._abort_leftovers(set(removed))
             await self._stop_retired(procs, removed)
             self._local_indices.difference_update(removed)
+            for index in removed:
+                self._claims.release(index)  # the rank is gone, not lost
         await self._reconfigure(range(new_size), new_size)
         await self._tell_coordinator_size(new_size)
 
-    async def _reconfigure(self, indices: range, new_size: int) -> None:
+    async def _reconfigure(self, indices: Sequence[int], new_size: int) -> None:
+        # A lost engine has nothing to reconfigure (its replacement starts at new_size).
+        indices = [i for i in indices if i not in self._claims]
         await asyncio.wait_for(
             asyncio.gather(
                 *(
-                    self._call_utility_async(
-                        "reconfigure_data_parallel", new_size, engine=engine_identity(i)
-                    )
+                    self._call_or_lost("reconfigure_data_parallel", (new_size,), engine_identity(i))
                     for i in indices
                 )
             ),

@@ -135,6 +135,32 @@ class ProcessGroup:
         """Process ids of the engines, in index order."""
         return [p.pid for i in sorted(self.engines) if (p := self.engines[i]).pid is not None]
 
+    def index_of(self, proc: ProcessHandle) -> int | None:
+        """The index of watched engine ``proc``, or None (the coordinator, or unknown)."""
+        for index, engine in list(self.engines.items()):
+            if engine is proc:
+                return index
+        return None
+
+    def kill_engine(self, index: int) -> bool:
+        """SIGKILL engine ``index`` alone (hung); the monitor then reports its death.
+        False when this group holds no process for it."""
+        proc = self.engines.get(index)
+        if proc is None:
+            return False
+        with contextlib.suppress(Exception):
+            proc.kill()
+        return True
+
+    def release_lost(self, index: int) -> None:
+        """Engine ``index`` died and the client serves on: stop watching it, reap it, and
+        release its handle (unless another owner releases it)."""
+        procs = [p for p in (self.engines.pop(index, None),) if p is not None]
+        borrowed = [p for p in procs if id(p) in self._borrowed]
+        self._borrowed.difference_update(id(p) for p in procs)
+        self._changed()
+        stop_processes(procs, grace=1.0, keep_open=borrowed)
+
     def kill(self) -> None:
         """SIGKILL every process (a hung group); the monitor then reports the death."""
         for proc in [*self.handles(), *self.joining.values()]:
@@ -142,13 +168,19 @@ class ProcessGroup:
                 proc.kill()
 
     def start_monitor(
-        self, start_thread: Callable[[threading.Thread, Callable[[], None]], bool], on_death: Any
+        self,
+        start_thread: Callable[[threading.Thread, Callable[[], None]], bool],
+        on_death: Any,
+        loss_hook: Callable[[], Any] | None = None,
     ) -> None:
         """Watch the processes from a thread (started by ``start_thread(thread, stop)``);
         the first unexpected exit calls ``on_death(reason)`` on that thread, and the
-        thread ends (``on_death`` ignores a death during shutdown)."""
+        thread ends (``on_death`` ignores a death during shutdown). An engine whose loss
+        the client takes alone (``loss_hook()``, asked at each death, returns a
+        :class:`~corewire.client.engine_loss.LossHook` that claims it) is released and
+        reported to that hook instead, and the watch goes on."""
         if self._monitor is None and self.handles():
-            self._monitor = _Monitor(self, on_death)
+            self._monitor = _Monitor(self, on_death, loss_hook)
             start_thread(self._monitor.thread, self._monitor.stop)
 
     def stop(self) -> None:
@@ -200,9 +232,15 @@ def stop_processes(
 class _Monitor:
     """Thread waiting on the group's sentinels and a wake-up pipe."""
 
-    def __init__(self, group: ProcessGroup, on_death: Callable[[str], None]) -> None:
+    def __init__(
+        self,
+        group: ProcessGroup,
+        on_death: Callable[[str], None],
+        loss_hook: Callable[[], Any] | None = None,
+    ) -> None:
         self._group = group
         self._on_death = on_death
+        self._loss_hook = loss_hook
         self._wake_r, self._wake_w = os.pipe()
         self._stopping = False
         self.thread = threading.Thread(
@@ -256,5 +294,12 @@ class _Monitor:
             detail = getattr(proc, "death_detail", None)  # a Ray actor's: Ray's notice
             if detail:
                 reason = f"{reason[:-1]}: {detail}"
+            index = self._group.index_of(proc)
+            hook = None if self._loss_hook is None or index is None else self._loss_hook()
+            if hook is not None and index is not None and hook.claim(index, reason):
+                # The client serves on without it: release it and keep watching the rest.
+                self._group.release_lost(index)
+                hook.lost(index)
+                continue
             self._on_death(reason)
             return

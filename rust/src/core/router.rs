@@ -20,6 +20,10 @@
 //! then by a start position that rotates on every decision, so equal engines take turns
 //! instead of rank 0 getting every tie.
 //!
+//! An engine taken out of routing (lost: its process died, the client keeps serving on the
+//! others) has the largest key there is, so it is chosen only when every engine is out,
+//! which the client never lets happen: it fails whole instead.
+//!
 //! The decision is a linear scan over one precomputed `u64` key per engine, kept up to
 //! date whenever a count changes, so choosing costs a few nanoseconds per engine.
 
@@ -34,14 +38,20 @@ struct Slot {
     in_flight: u32,
     /// Requests this client sent to the engine since the last coordinator update.
     sent_since_update: u32,
-    /// `load << 32 | waiting`; the smallest key wins.
+    /// `load << 32 | waiting`; the smallest key wins (`u64::MAX` while out).
     key: u64,
+    /// Taken out of routing (a lost engine) until put back.
+    out: bool,
 }
 
 impl Slot {
     /// Recomputes `key`; `clients` scales this client's own counts (see the module doc).
     #[inline]
     fn refresh(&mut self, clients: u64) {
+        if self.out {
+            self.key = u64::MAX;
+            return;
+        }
         let reported = u64::from(self.waiting)
             + u64::from(self.running)
             + clients * u64::from(self.sent_since_update);
@@ -57,6 +67,8 @@ impl Slot {
 pub enum RouterError {
     /// An explicit engine rank outside `0..num_engines`.
     RankOutOfRange { rank: i64, num_engines: usize },
+    /// An explicit engine rank that is out of routing (a lost engine).
+    RankOut { rank: i64 },
     /// A router needs at least one engine.
     NoEngines,
     /// `client_index` must be below `client_count`, which must be at least 1.
@@ -69,6 +81,10 @@ impl std::fmt::Display for RouterError {
             RouterError::RankOutOfRange { rank, num_engines } => write!(
                 f,
                 "data_parallel_rank {rank} is out of range: there are {num_engines} engines"
+            ),
+            RouterError::RankOut { rank } => write!(
+                f,
+                "data_parallel_rank {rank} names an engine that was lost and is not serving"
             ),
             RouterError::NoEngines => write!(f, "a router needs at least one engine"),
             RouterError::ClientOutOfRange { index, count } => write!(
@@ -120,6 +136,28 @@ impl Router {
         })
     }
 
+    /// Takes `engine` out of routing (`out`), or puts it back: an engine out is never
+    /// chosen while another is in, and an explicit rank naming it is an error. Its
+    /// counts start from zero either way (its requests ended with it; a replacement
+    /// starts idle).
+    pub fn set_out(&mut self, engine: i64, out: bool) -> Result<(), RouterError> {
+        let index = self.check_rank(engine)?;
+        let clients = self.clients;
+        self.slots[index] = Slot {
+            out,
+            ..Slot::default()
+        };
+        self.slots[index].refresh(clients);
+        Ok(())
+    }
+
+    /// The engines out of routing, in index order.
+    pub fn out_engines(&self) -> Vec<usize> {
+        (0..self.slots.len())
+            .filter(|&i| self.slots[i].out)
+            .collect()
+    }
+
     /// Front-ends routing over the same engines.
     #[inline]
     pub fn clients(&self) -> u64 {
@@ -166,6 +204,9 @@ impl Router {
             None => Ok(self.choose()),
             Some(rank) => {
                 let index = self.check_rank(rank)?;
+                if self.slots[index].out {
+                    return Err(RouterError::RankOut { rank });
+                }
                 self.note_sent_unchecked(index);
                 Ok(index)
             }
@@ -281,6 +322,27 @@ mod tests {
             per[r.choose()] += 1;
         }
         per
+    }
+
+    #[test]
+    fn an_engine_out_is_never_chosen_until_put_back() {
+        let mut r = Router::new(3).unwrap();
+        r.note_sent(1, 5).unwrap();
+        r.set_out(1, true).unwrap();
+        assert_eq!(r.out_engines(), vec![1]);
+        assert_eq!(r.in_flight(), vec![0, 0, 0]);
+        // Reports of the lost engine (stale: it sends none) do not bring it back.
+        r.update_counts([(9, 9), (0, 0), (9, 9)]);
+        assert!((0..50).all(|_| r.choose() != 1));
+        assert_eq!(
+            r.route(Some(1)).unwrap_err(),
+            RouterError::RankOut { rank: 1 }
+        );
+        assert!(r.route(Some(2)).is_ok());
+        r.set_out(1, false).unwrap();
+        assert!(r.out_engines().is_empty());
+        assert_eq!(r.choose(), 1); // back, idle, and the least loaded
+        assert!(r.set_out(3, true).is_err());
     }
 
     #[test]

@@ -82,6 +82,19 @@ impl Router {
         )
     }
 
+    /// Takes `engine` out of routing (`out=True`: a lost engine, never chosen while another
+    /// is in, an explicit rank naming it a `ValueError`) or puts it back (`out=False`: its
+    /// replacement, idle). Its counts start from zero either way.
+    #[pyo3(signature = (engine, out))]
+    fn set_out(&mut self, engine: i64, out: bool) -> PyResult<()> {
+        self.inner.set_out(engine, out).map_err(to_py_err)
+    }
+
+    /// The engines out of routing, in index order.
+    fn out_engines(&self) -> Vec<usize> {
+        self.inner.out_engines()
+    }
+
     /// Grows (new engines idle) or shrinks (their state dropped) to `num_engines`.
     fn resize(&mut self, num_engines: usize) -> PyResult<()> {
         self.inner.resize(num_engines).map_err(to_py_err)

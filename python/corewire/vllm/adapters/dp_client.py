@@ -5,7 +5,11 @@ Under vLLM the DP coordinator is vLLM's own (started by ``launch_core_engines`` 
 or reached through ``client_addresses["stats_update_address"]``): these clients start no
 coordinator of their own and follow vLLM's publications on its front-end stats address,
 whose format (``[counts, current_wave, engines_running]``) corewire's DP clients already
-read. Routing, aborts, utility fan-out and death handling are corewire's.
+read. Routing, aborts, utility fan-out and death handling are corewire's: with internal
+load balancing, one engine lost is ``engine_loss``'s (``COREWIRE_ENGINE_LOSS``; see
+:mod:`corewire.client.engine_loss`), where vLLM's engines are independent, those of a
+dense model; a MoE model's DP engines run their steps together (vLLM's
+``DPEngineCoreProc``), so losing one fails the whole client, as in vLLM.
 
 Wire format: docs/protocol.md §8.1 (vLLM's coordinator) and §5.6 (elastic-scaling
 notifications).
@@ -16,6 +20,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+from corewire.client.dp import DPLBAsyncMPClient
 from corewire.coordinator import CoordinatorAddresses
 from corewire.vllm.adapters.client import VllmArgs, VllmClientMixin
 
@@ -36,6 +41,9 @@ class VllmDPMixin(VllmClientMixin):
         kwargs = super()._vllm_setup(args)
         kwargs["data_parallel_size"] = self.vllm_config.parallel_config.data_parallel_size
         kwargs["coordinator_addresses"] = _UNKNOWN
+        if isinstance(self, DPLBAsyncMPClient):
+            # vLLM runs a MoE model's DP engines in lockstep, a dense model's apart.
+            kwargs["engines_coupled"] = bool(getattr(self.vllm_config.model_config, "is_moe", True))
         return kwargs
 
     def _vllm_finish_setup(self) -> None:

@@ -1,0 +1,274 @@
+"""A load-balancing DP client that loses one engine and serves on (``engine_loss``).
+
+:class:`EngineLossMixin` is the part of :class:`~corewire.DPLBAsyncMPClient` that acts
+on :mod:`corewire.client.engine_loss`'s policies: it claims a death the engine monitor
+or the health watchdog reports (:class:`_WeakLossHook`, on their threads), then on the
+event loop ends what the lost engine held, takes it out of routing, calls and health
+checks, tells corewire's coordinator, and with ``"replace"`` starts its replacement
+(serialized with elastic scaling).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import weakref
+from collections.abc import Sequence
+from typing import Any
+
+from corewire.client.engine_loss import (
+    LossClaims,
+    RestartBudget,
+    engine_loss_policy,
+    lost_outputs,
+)
+from corewire.client.futures import complete_future
+from corewire.dp_messages import LostNotice
+from corewire.errors import EngineDeadError, EngineLostError
+from corewire.protocol import engine_identity, engine_index_of
+
+__all__ = ["EngineLossMixin"]
+
+logger = logging.getLogger("corewire.client")
+
+#: Seconds between tries to start a replacement that failed to start.
+RETRY_DELAY_S = 1.0
+
+
+class _WeakLossHook:
+    """The client's :class:`~corewire.client.engine_loss.LossHook`, holding it weakly
+    (the client's resources must not keep the client alive)."""
+
+    def __init__(self, client: Any) -> None:
+        self._client = weakref.ref(client)
+
+    def claim(self, index: int, reason: str) -> bool:
+        client = self._client()
+        return client is not None and client._claim_loss(index, reason)
+
+    def lost(self, index: int) -> None:
+        client = self._client()
+        if client is not None:
+            client.resources.run_on_owner(lambda: client._engine_lost(index))
+
+
+class EngineLossMixin:
+    """``engine_loss`` for :class:`~corewire.DPLBAsyncMPClient` (see
+    :mod:`corewire.client.engine_loss`); it uses that class's routing and DP state
+    (``_router``, ``reqs_in_flight``, ``lb_engines``, ``_scale_lock``...)."""
+
+    def _init_engine_loss(
+        self,
+        engine_loss: str | None,
+        engines_coupled: bool,
+        engine_restart_limit: int,
+    ) -> None:
+        """Choose the policy (before the engines start: a bad one starts nothing)."""
+        policy = engine_loss_policy(engine_loss)
+        if engines_coupled and policy != "fail":
+            logger.warning(
+                "engine_loss=%s: these engines are coupled (they run collectives together: "
+                "one stops when a peer does), so losing one fails the whole group",
+                policy,
+            )
+            policy = "fail"
+        #: What losing one engine does: ``"replace"``, ``"isolate"`` or ``"fail"``.
+        self.engine_loss = policy
+        self._claims = LossClaims()
+        self._restarts = RestartBudget(engine_restart_limit)
+        # Engine identity -> call ids of the utility calls waiting on it.
+        self._calls_on: dict[bytes, set[int]] = {}
+        self._replacing: dict[int, asyncio.Task[None]] = {}
+        #: Engines lost, replaced, and ranks given up (replaced too often) so far.
+        self.engines_lost = 0
+        self.engines_replaced = 0
+        self.ranks_given_up: set[int] = set()
+
+    def _arm_engine_loss(self) -> None:
+        """From now on a death the client can take alone is claimed, not fatal."""
+        if self.engine_loss != "fail":
+            self.resources.engine_loss = _WeakLossHook(self)
+
+    # -- state ---------------------------------------------------------------------------
+
+    @property
+    def lost_engines(self) -> list[int]:
+        """Engine indices lost and not (yet) serving again, in order."""
+        return [i for i in self.engine_indices if i in self._claims]
+
+    @property
+    def serving_engines(self) -> list[int]:
+        """Engine indices routed to now (the group's, less the lost ones)."""
+        return [i for i in self.engine_indices if i not in self._claims]
+
+    def _live_engines(self) -> list[bytes]:
+        return [e for e in self.core_engines if engine_index_of(e) not in self._claims]
+
+    # -- the loss ------------------------------------------------------------------------
+
+    def _claim_loss(self, index: int, reason: str) -> bool:
+        """Any thread: take the loss of engine ``index`` alone? (See ``LossHook.claim``.)"""
+        resources = self.resources
+        if self.engine_loss == "fail" or resources.engine_dead or resources.closed:
+            return False
+        if index not in self.engine_indices:
+            return False
+        if not self._claims.claim(index, reason, self.engine_indices):
+            logger.error("engine %d lost and no other engine serves: the group fails", index)
+            return False
+        return True
+
+    def _engine_lost(self, index: int) -> None:
+        """Loop thread: end what engine ``index`` held and serve on without it."""
+        if self.resources.engine_dead or index not in self.engine_indices:
+            return
+        reason = self._claims.reason(index) or "lost"
+        position = self.engine_indices.index(index)
+        identity = self.core_engines[position]
+        self.engines_lost += 1
+        self._router.set_out(position, True)
+        self.lb_engines[position] = list(self._idle_counts)
+        # Its requests end now, in this release's layout, as an engine's error would.
+        held = [rid for rid, pos in self.reqs_in_flight.items() if pos == position]
+        for rid in held:
+            del self.reqs_in_flight[rid]
+            self.streaming_reqs.discard(rid)
+        if held:
+            self.outputs_queue.put_nowait(lost_outputs(held, index, reason, self.release))
+        error = EngineLostError(index, reason)
+        registry = self.resources.registry
+        for call_id in self._calls_on.pop(identity, ()):
+            future = registry.pop(call_id)
+            if future is not None:
+                complete_future(future, exc=error)
+        backlog = self.resources.input_backlogs.pop(identity, None)
+        if backlog is not None:
+            backlog.fail(error)
+        if self._coordinator is not None:
+            # corewire's coordinator: count it idle (vLLM's has no such message).
+            self._ensure_stats_update_task()
+            self._send_to_coordinator(LostNotice(index).encode())
+        if self.ray_backend is not None:
+            self.ray_backend.engines.release([index])
+        metrics = self.resources.metrics
+        if metrics is not None:
+            metrics.engine_lost(len(self.serving_engines))
+        will_replace = self.engine_loss == "replace" and self._can_replace(index)
+        logger.error(
+            "engine %d lost (%s): %d request(s) it held end with an error; serving on "
+            "%d engine(s)%s",
+            index,
+            reason,
+            len(held),
+            len(self.serving_engines),
+            "; starting a replacement" if will_replace else "",
+        )
+        if will_replace:
+            task = asyncio.get_running_loop().create_task(self._replace_engine(index))
+            self._replacing[index] = task
+            self.resources.loop_side.add_task(task)
+            task.add_done_callback(lambda _t: self._replacing.pop(index, None))
+
+    def _can_replace(self, index: int) -> bool:
+        if index not in self._local_indices or not self._starts_engines:
+            logger.warning(
+                "engine %d was not started by this client (another launcher owns it): "
+                "it stays out of routing instead of being replaced",
+                index,
+            )
+            return False
+        return True
+
+    async def _replace_engine(self, index: int) -> None:
+        """Start a new engine for lost rank ``index`` and route to it once it is ready;
+        give the rank up when it was replaced too often (or keeps failing to start)."""
+        if self._scale_lock is None:
+            self._scale_lock = asyncio.Lock()
+        async with self._scale_lock:
+            while True:
+                if self.resources.engine_dead or index not in self.engine_indices:
+                    return  # the client is gone, or a scale-down removed the rank
+                if not self._restarts.spend(index):
+                    self.ranks_given_up.add(index)
+                    if self.resources.metrics is not None:
+                        self.resources.metrics.rank_given_up()
+                    logger.error(
+                        "engine %d was replaced %d times in %g s: giving the rank up (it "
+                        "stays out of routing; engine_loss falls back to isolate for it)",
+                        index,
+                        self._restarts.limit,
+                        self._restarts.window_s,
+                    )
+                    return
+                try:
+                    await self._start_replacement(index)
+                except (EngineDeadError, asyncio.CancelledError):
+                    raise
+                except Exception as exc:
+                    logger.warning("the replacement of engine %d failed to start: %s", index, exc)
+                    await asyncio.sleep(RETRY_DELAY_S)
+                    continue
+                break
+        position = self.engine_indices.index(index)
+        self._claims.release(index)
+        self._router.set_out(position, False)
+        self.lb_engines[position] = list(self._idle_counts)
+        self.engines_replaced += 1
+        if self.resources.metrics is not None:
+            self.resources.metrics.engine_replaced(len(self.serving_engines))
+        logger.warning(
+            "engine %d replaced: serving on %d engine(s)", index, len(self.serving_engines)
+        )
+
+    async def _start_replacement(self, index: int) -> None:
+        """Start engine ``index`` as a scale-up starts one and wait until it is ready; a
+        failed start leaves nothing behind."""
+        try:
+            procs = await self._start_joining_engines([index])
+            ready = self._ready_wait([engine_identity(index)], procs, self.ready_timeout)
+            self.ready_info.update(await ready.wait_async(self.ensure_alive))
+            self.resources.processes.admit([index])
+        except BaseException:
+            retired = self.resources.processes.retire_engines([index])
+            await self._stop_retired(retired, [index])
+            raise
+
+    # -- what the others see -------------------------------------------------------------
+
+    def _lost_rank_error(self, rank: int) -> EngineLostError | None:
+        if rank in self._claims:
+            return EngineLostError(rank, self._claims.reason(rank) or "lost")
+        return None
+
+    def _track_call(self, engine: bytes, call_id: int, future: Any) -> None:
+        """Remember which engine utility call ``call_id`` waits on (its loss fails it)."""
+        if self.engine_loss == "fail":
+            return
+        calls = self._calls_on.setdefault(engine, set())
+        calls.add(call_id)
+        future.add_done_callback(lambda _f: calls.discard(call_id))
+
+    async def _call_live_engines(self, method: str, *args: Any) -> list[Any]:
+        """``method(*args)`` on every engine serving; an engine lost meanwhile is left out
+        of the answer (:class:`EngineDeadError` when none is left)."""
+        engines = self._live_engines()
+        results = await asyncio.gather(
+            *(self._call_or_lost(method, args, engine) for engine in engines)
+        )
+        answered = [r for r in results if r is not _LOST]
+        if not answered:
+            self.ensure_alive()
+            raise self.resources.dead_error("every engine was lost during the call")
+        return answered
+
+    async def _call_or_lost(
+        self, method: str, args: Sequence[Any], engine: bytes
+    ) -> Any:
+        try:
+            return await self._call_utility_async(method, *args, engine=engine)
+        except EngineLostError:
+            return _LOST
+
+
+#: What a lost engine's part of a call to every engine is (left out of the answer).
+_LOST = object()
