@@ -18,8 +18,13 @@ from collections import Counter
 import pytest
 
 from client_support import request
-from corewire import DPLBAsyncMPClient, EngineDeadError, EngineLostError
-from corewire.client.engine_loss import ENGINE_LOSS_ENV, RestartBudget, engine_loss_policy
+from corewire import DPLBAsyncMPClient, EngineDeadError, EngineLostError, releases
+from corewire.client.engine_loss import (
+    ENGINE_LOSS_ENV,
+    RestartBudget,
+    engine_loss_policy,
+    lost_outputs,
+)
 from corewire.protocol import FinishReason
 from dp_support import collect_finished, wait_until
 from leak_support import pid_gone
@@ -244,3 +249,20 @@ def test_the_restart_budget_is_per_rank_within_a_window() -> None:
     assert not budget.spend(0, now=2.0)
     assert budget.spend(1, now=2.0)
     assert budget.spend(0, now=10.5)  # the first one left the window
+
+
+@pytest.mark.parametrize("name", [r.name for r in releases.SUPPORTED])
+def test_lost_requests_end_as_every_releases_outputs(name: str) -> None:
+    """What a front-end of each release reads of them: finished with ERROR (vLLM's
+    output processor asks ``finished``), and where the layout has an ``error`` (0.33.0
+    on), code ``engine_lost``, retryable, naming the engine."""
+    outputs = lost_outputs(["a", "b"], 2, "it died", releases.get(name))
+    assert outputs.engine_index == 2 and outputs.finished_requests == {"a", "b"}
+    for output in outputs.outputs:
+        assert output.finished and output.finish_reason == FinishReason.ERROR
+        assert output.new_token_ids == []
+        error = getattr(output, "error", None)
+        assert (error is not None) == releases.get(name).request_errors
+        if error is not None:
+            assert (error.code, error.retryable) == ("engine_lost", True)
+            assert "engine 2" in error.message

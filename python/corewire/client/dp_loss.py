@@ -153,31 +153,31 @@ class EngineLossMixin:
         metrics = self.resources.metrics
         if metrics is not None:
             metrics.engine_lost(len(self.serving_engines))
-        will_replace = self.engine_loss == "replace" and self._can_replace(index)
+        no_replacement = self._no_replacement(index)
         logger.error(
             "engine %d lost (%s): %d request(s) it held end with an error; serving on "
-            "%d engine(s)%s",
+            "%d engine(s); %s",
             index,
             reason,
             len(held),
             len(self.serving_engines),
-            "; starting a replacement" if will_replace else "",
+            "starting a replacement"
+            if no_replacement is None
+            else f"it stays out of routing ({no_replacement})",
         )
-        if will_replace:
+        if no_replacement is None:
             task = asyncio.get_running_loop().create_task(self._replace_engine(index))
             self._replacing[index] = task
             self.resources.loop_side.add_task(task)
             task.add_done_callback(lambda _t: self._replacing.pop(index, None))
 
-    def _can_replace(self, index: int) -> bool:
+    def _no_replacement(self, index: int) -> str | None:
+        """Why lost engine ``index`` gets no replacement, or None when it gets one."""
+        if self.engine_loss != "replace":
+            return f"engine_loss={self.engine_loss}"
         if index not in self._local_indices or not self._starts_engines:
-            logger.warning(
-                "engine %d was not started by this client (another launcher owns it): "
-                "it stays out of routing instead of being replaced",
-                index,
-            )
-            return False
-        return True
+            return "not started by this client: its launcher owns it"
+        return None
 
     async def _replace_engine(self, index: int) -> None:
         """Start a new engine for lost rank ``index`` and route to it once it is ready;
@@ -261,9 +261,7 @@ class EngineLossMixin:
             raise self.resources.dead_error("every engine was lost during the call")
         return answered
 
-    async def _call_or_lost(
-        self, method: str, args: Sequence[Any], engine: bytes
-    ) -> Any:
+    async def _call_or_lost(self, method: str, args: Sequence[Any], engine: bytes) -> Any:
         try:
             return await self._call_utility_async(method, *args, engine=engine)
         except EngineLostError:

@@ -440,7 +440,22 @@ def _recorded_types(release: str) -> types.MappingProxyType[str, Any]:
                 given[name] = cls
                 break
     built = build_structs(record, as_maps=("dataclass", "typeddict"), given=given)
+    for name, cls in built.items():
+        ours = V0_25_1_TYPES.get(name)
+        if ours is not None and cls is not ours and isinstance(cls, type):
+            _add_properties(cls, ours)
     return types.MappingProxyType(built)
+
+
+def _add_properties(cls: type, ours: type) -> None:
+    """Give ``cls`` (built from a record) the read-only properties of corewire's class of
+    the same struct that name no field of it (``EngineCoreOutput.finished``...): what a
+    consumer reads of the natively decoded objects, which have them in every release,
+    it reads of these too (vLLM's output processor reads ``finished``)."""
+    fields = set(getattr(cls, "__struct_fields__", ()))
+    for attr, value in vars(ours).items():
+        if isinstance(value, property) and attr not in fields and not hasattr(cls, attr):
+            setattr(cls, attr, value)
 
 
 def _same_layout_classes(record: dict[str, Any]) -> dict[str, Any]:

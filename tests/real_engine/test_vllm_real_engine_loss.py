@@ -1,0 +1,104 @@
+"""One of vLLM's real DP engines SIGKILLed under ``vllm serve`` with corewire's client.
+
+``vllm serve --data-parallel-size 2 --api-server-count 1`` on vLLM's CPU build: the API
+server launches both engine cores (vLLM's launcher owns them; corewire's client watches
+their processes). A dense model's DP engines are independent in vLLM (each runs as a DP
+group of one), so ``engine_loss`` applies; vLLM's launcher owns the processes, so the
+default ``"replace"`` isolates. Killed mid-load: the streams on the lost engine end with
+vLLM's error event, the others finish, the server stays healthy and answers new requests
+on the engine left, and ``/metrics`` shows the degraded group.
+"""
+
+from __future__ import annotations
+
+import re
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from real_engine_support import require_cpu_build
+
+require_cpu_build()
+
+import httpx  # noqa: E402
+
+from real_engine_support import RealEngineServer, write_real_model  # noqa: E402
+from serve_support import MODEL, completion, metric_values, sse_events  # noqa: E402
+
+pytestmark = pytest.mark.timeout(900)
+
+STREAMS = 8
+
+
+def _stream(
+    server: RealEngineServer, i: int, seen: dict[int, int], out: dict[int, dict[str, Any]]
+) -> None:
+    """Stream one long completion; ``seen[i]``: its events so far, ``out[i]``: its end."""
+    body = {"model": MODEL, "prompt": f"a long story {i}", "max_tokens": 400}
+    body |= {"ignore_eos": True, "temperature": 0.0, "stream": True}
+    events: list[dict[str, Any]] = []
+    try:
+        with (
+            httpx.Client(base_url=server.base_url, timeout=300.0) as http,
+            http.stream("POST", "/v1/completions", json=body) as resp,
+        ):
+            for event in sse_events(resp):
+                events.append(event)
+                seen[i] = len(events)
+    except httpx.HTTPError as exc:
+        out[i] = {"ended": f"cut off ({type(exc).__name__})", "events": len(events)}
+        return
+    if any("error" in e for e in events):
+        out[i] = {"ended": "error event", "events": len(events)}
+        return
+    last = [c for e in events for c in e.get("choices", ())][-1]
+    out[i] = {"ended": last.get("finish_reason"), "events": len(events)}
+
+
+def _metric(server: RealEngineServer, name: str) -> float:
+    with httpx.Client(base_url=server.base_url, timeout=60.0) as http:
+        return sum(value for _, value in metric_values(http.get("/metrics").text, name))
+
+
+def test_one_engine_killed_mid_load_leaves_the_server_answering(tmp_path: Path) -> None:
+    model = write_real_model(tmp_path / "model")
+    server = RealEngineServer(
+        model,
+        tmp_path / "corewire.log",
+        client="corewire",
+        args=("--data-parallel-size", "2", "--api-server-count", "1", "--max-num-seqs", "16"),
+    )
+    with server:
+        engines = server.engine_processes()
+        assert len(engines) == 2, engines
+        ended: dict[int, dict[str, Any]] = {}
+        seen: dict[int, int] = {}
+        threads = [
+            threading.Thread(target=_stream, args=(server, i, seen, ended)) for i in range(STREAMS)
+        ]
+        for thread in threads:
+            thread.start()
+        # Every stream under way (both engines busy), then one engine dies.
+        deadline = time.monotonic() + 120
+        while len([n for n in seen.values() if n >= 3]) < STREAMS:
+            assert time.monotonic() < deadline, (seen, ended, server.log_tail())
+            time.sleep(0.1)
+        engines[1].kill()
+        for thread in threads:
+            thread.join(300)
+        outcomes = sorted(e["ended"] for e in ended.values())
+        print("streams ended:", outcomes)
+        # The lost engine's streams end with vLLM's error event; the others run to their end.
+        assert set(outcomes) == {"error event", "length"}, (outcomes, server.log_tail())
+        assert server.health() == 200
+        with httpx.Client(base_url=server.base_url, timeout=120.0) as http:
+            for i in range(4):
+                assert completion(http, prompt=f"after {i}", max_tokens=4)["choices"]
+        assert _metric(server, "corewire_engine_losses_total") == 1
+        assert _metric(server, "corewire_engines_serving") == 1
+        log = server.log()
+        isolated = r"engine \d lost .* it stays out of routing \(not started by"
+        assert re.search(isolated, log), log[-3000:]
