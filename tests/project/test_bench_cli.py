@@ -57,10 +57,14 @@ HAVE_VLLM = is_installed("vllm")
 HAVE_MATPLOTLIB = is_installed("matplotlib")
 needs_matplotlib = pytest.mark.skipif(not HAVE_MATPLOTLIB, reason="matplotlib is not installed")
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
+# Each benchmark runs in a fresh interpreter: a --quick run takes seconds on a quiet
+# machine and minutes on a loaded one (three CPU hogs on two cores); the budget is the
+# loaded machine's, and no check here reads a time.
+pytestmark = pytest.mark.timeout(900)
 
 
 def bench(
-    *argv: str, block: tuple[str, ...] = (), timeout: float = 110, path_first: Path | None = None
+    *argv: str, block: tuple[str, ...] = (), timeout: float = 800, path_first: Path | None = None
 ) -> subprocess.CompletedProcess[str]:
     """Run ``corewire bench ARGV`` in a fresh interpreter in which ``block`` cannot be
     imported (and ``path_first``, if given, comes first on ``sys.path``)."""
@@ -591,7 +595,7 @@ def _serve_missing() -> str | None:
     return missing_prerequisite() or plugin_missing()
 
 
-@pytest.mark.timeout(240)
+@pytest.mark.timeout(900)
 def test_serve_tiny_run(tmp_path: Path) -> None:
     """One tiny configuration: every stack in vLLM's API server (corewire+output where it
     can run), 32 short requests each in a saturation scenario and in the one-token-per-
@@ -607,7 +611,7 @@ def test_serve_tiny_run(tmp_path: Path) -> None:
     proc = bench(
         "serve", "--quick", "--streams", "2", "--logprobs", "0", "--max-tokens", "16",
         "--step-delay", "0.01", "--chunk-streams", "4", "--chunk-step-delay", "0.01",
-        "--no-profile", "--json", str(out), "--plot", str(png), timeout=220,
+        "--no-profile", "--json", str(out), "--plot", str(png), timeout=800,
     )  # fmt: skip
     # Exit status 1 is a missed goal (tokens/s within noise of vLLM's): not this test's.
     assert proc.returncode in (0, 1), proc.stdout + proc.stderr
