@@ -76,7 +76,6 @@ async def test_a_lost_engine_fails_only_its_own_requests(policy: str) -> None:
         # The victim's requests: ERROR, at once, and only they.
         assert {d.finish_reason for d in done.values()} == {FinishReason.ERROR}
         assert not client.engine_dead
-        assert 1 in client.lost_engines or policy == "replace"
         assert pid_gone(victim_pid)
         # A call to every engine under way answers with the survivors' results.
         assert await slow_call == [False, False]

@@ -369,19 +369,25 @@ async def test_a_scale_up_given_up_while_ray_places_it_leaves_nothing(
     await _assert_nothing_left(pids, None)
 
 
-async def test_a_node_leaving_mid_stream_is_that_engines_death_at_once(
-    cluster: RayCluster,
-) -> None:
-    client = DPLBAsyncMPClient(
+def _spread_group(**kwargs: Any) -> DPLBAsyncMPClient:
+    """Two synthetic engines as Ray actors, one per worker node, the health check slower
+    than Ray's notice of a death."""
+    return DPLBAsyncMPClient(
         data_parallel_size=2,
         data_parallel_backend="ray",
         ray_placement=RayPlacement(strategy="STRICT_SPREAD", bundle=ONE_CPU),
         engine=SYNTHETIC,
         engine_args={"step_delay": 0.01},
         ready_timeout=60,
-        engine_loss="fail",  # vLLM's behaviour: the whole group ends
         **SLOW_HEALTH,
+        **kwargs,
     )
+
+
+async def test_a_node_leaving_mid_stream_is_that_engines_death_at_once(
+    cluster: RayCluster,
+) -> None:
+    client = _spread_group(engine_loss="fail")  # vLLM's behaviour: the whole group ends
     backend = client.ray_backend
     assert backend is not None
     pids = client.engine_pids
@@ -419,15 +425,7 @@ async def test_a_node_leaving_is_one_engine_lost_and_replaced(cluster: RayCluste
     """engine_loss="replace" (the default) on Ray: a node removed mid-stream ends only
     its engine's requests; the other streams on, and a new actor for the rank is placed
     on the node that took its place, and serves."""
-    client = DPLBAsyncMPClient(
-        data_parallel_size=2,
-        data_parallel_backend="ray",
-        ray_placement=RayPlacement(strategy="STRICT_SPREAD", bundle=ONE_CPU),
-        engine=SYNTHETIC,
-        engine_args={"step_delay": 0.01},
-        ready_timeout=60,
-        **SLOW_HEALTH,
-    )
+    client = _spread_group()
     backend = client.ray_backend
     assert backend is not None and client.engine_loss == "replace"
     try:

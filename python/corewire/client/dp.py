@@ -707,8 +707,9 @@ class DPLBAsyncMPClient(EngineLossMixin, DPAsyncMPClient):
     def _send_utility(
         self, method: str, args: tuple[Any, ...], engine: bytes
     ) -> tuple[asyncio.Future[Any], int]:
-        if engine_index_of(engine) in self._claims:
-            raise self._lost_rank_error(engine_index_of(engine))  # type: ignore[misc]
+        lost = self._lost_rank_error(engine_index_of(engine))
+        if lost is not None:
+            raise lost
         future, call_id = super()._send_utility(method, args, engine)
         self._track_call(engine, call_id, future)
         return future, call_id

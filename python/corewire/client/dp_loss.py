@@ -33,6 +33,8 @@ logger = logging.getLogger("corewire.client")
 
 #: Seconds between tries to start a replacement that failed to start.
 RETRY_DELAY_S = 1.0
+#: What a lost engine's part of a call to every engine is (left out of the answer).
+_LOST = object()
 
 
 class _WeakLossHook:
@@ -78,7 +80,6 @@ class EngineLossMixin:
         self._restarts = RestartBudget(engine_restart_limit)
         # Engine identity -> call ids of the utility calls waiting on it.
         self._calls_on: dict[bytes, set[int]] = {}
-        self._replacing: dict[int, asyncio.Task[None]] = {}
         #: Engines lost, replaced, and ranks given up (replaced too often) so far.
         self.engines_lost = 0
         self.engines_replaced = 0
@@ -167,9 +168,7 @@ class EngineLossMixin:
         )
         if no_replacement is None:
             task = asyncio.get_running_loop().create_task(self._replace_engine(index))
-            self._replacing[index] = task
             self.resources.loop_side.add_task(task)
-            task.add_done_callback(lambda _t: self._replacing.pop(index, None))
 
     def _no_replacement(self, index: int) -> str | None:
         """Why lost engine ``index`` gets no replacement, or None when it gets one."""
@@ -266,7 +265,3 @@ class EngineLossMixin:
             return await self._call_utility_async(method, *args, engine=engine)
         except EngineLostError:
             return _LOST
-
-
-#: What a lost engine's part of a call to every engine is (left out of the answer).
-_LOST = object()
