@@ -17,6 +17,7 @@ import msgspec
 
 from corewire.engine.interface import Engine
 from corewire.engine.replay import EngineLink, ReplayEngine
+from corewire.engine.synthetic import SyntheticEngine
 from corewire.protocol import (
     ENGINE_CORE_DEAD,
     EngineCoreOutput,
@@ -181,6 +182,15 @@ class BrokenEngine(FailingEngine):
 
     def __init__(self) -> None:
         raise RuntimeError("engine constructor failed (on purpose)")
+
+
+class SlowStartEngine(SyntheticEngine):
+    """corewire's synthetic engine that takes ``start_s`` seconds to build (a replacement
+    still starting when the next fault strikes)."""
+
+    def __init__(self, start_s: float = 2.0, **kwargs: Any) -> None:
+        time.sleep(start_s)
+        super().__init__(**kwargs)
 
 
 #: ``sampling`` for :func:`request` that restores ``SamplingParams``' own defaults (vLLM's)

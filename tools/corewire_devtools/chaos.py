@@ -12,10 +12,9 @@ outputs and ends each caller's stream, as a serving front-end does. Meanwhile, o
 schedule drawn from ``--seed`` (a fault every ``--fault-interval`` seconds on average;
 the kinds in a shuffled order, every kind once per round), the run injects:
 
-- ``kill``: SIGKILL one engine. The group dies as a whole (as in vLLM): every waiter
-  gets ``EngineDeadError``.
-- ``stop_hang``: SIGSTOP one engine and leave it stopped: the health watchdog must
-  declare it dead within its timeout.
+- ``kill``: SIGKILL one serving engine. What follows is ``--engine-loss``'s (below).
+- ``stop_hang``: SIGSTOP one serving engine and leave it stopped: the health watchdog
+  must find it hung within its timeout (and kill it, where the client serves on).
 - ``stop_cont``: SIGSTOP one engine for a third of the health timeout, then SIGCONT:
   the group must live on.
 - ``cancel``: cancel up to five waiting callers; each aborts its request, as a
@@ -29,10 +28,25 @@ the kinds in a shuffled order, every kind once per round), the run injects:
 - ``rescale``: ``scale_elastic_ep(N - 1)`` then ``scale_elastic_ep(N)`` while
   serving: the last engine is replaced by a fresh one (its requests end ABORT).
 
-Restarts: a DP group dies as a whole, so after a death the run does what an operator's
-supervisor does with a crashed front-end: it shuts the dead client down and builds a new
-one (new coordinator, new engines), and callers arriving meanwhile wait for it.
-Replacing an engine of a live group is ``rescale``.
+An engine lost: ``--engine-loss`` is the client's ``engine_loss`` (one policy, or several
+separated by commas, run one after the other with the same seed and compared at the end):
+
+- ``replace`` (the default): the lost engine's requests end with an error, the others run
+  on, and a new engine is started for the rank and routed to once ready. Per fault the run
+  records the requests that failed (all must have been the lost engine's), the seconds
+  until the loss was seen and until the rank served again, and the throughput (tokens of
+  completed requests per second) in the 5 s before, from the fault until the rank served
+  again, and in the 5 s after. The restart budget is ``--restart-limit`` (a fault every 2 s
+  would spend the library's default budget within a minute).
+- ``isolate``: as ``replace`` without the new engine (the group shrinks; losing the last
+  serving engine fails the group).
+- ``fail``: vLLM's behaviour; any engine's death is the group's: every waiter gets
+  ``EngineDeadError``.
+
+A group that dies (under ``fail``, or when its last serving engine is lost) is rebuilt as
+an operator's supervisor rebuilds a crashed front-end: the run shuts the dead client down
+and builds a new one (new coordinator, new engines); callers arriving meanwhile wait.
+Replacing an engine of a live group by hand is ``rescale``.
 
 Every request must end within ``--deadline`` seconds, completed or failed with a typed
 error; one that does not is counted as hung. So is a fault whose effect does not come
@@ -64,8 +78,16 @@ import msgspec
 import zmq
 
 from corewire.bench import common
+from corewire.client.engine_loss import POLICIES
 from corewire.errors import EngineDeadError, ProtocolError
 from corewire.protocol import REQUEST_ADD, EngineCoreRequest, FinishReason, SamplingParams
+from corewire_devtools.chaos_losses import (
+    LossRecord,
+    Timeline,
+    describe,
+    print_comparison,
+    summarize,
+)
 from corewire_devtools.leaks import Leaks, leaked, snapshot, warm_up_pyzmq_zero_copy
 
 __all__ = ["FAULTS", "add_arguments", "run"]
@@ -86,6 +108,8 @@ SLACK_S = 10.0
 class Figures:
     """What the run counts; printed at the end and written by ``--json``."""
 
+    #: The client's ``engine_loss`` in this run.
+    engine_loss: str = "replace"
     sent: int = 0
     #: Finished with LENGTH or STOP.
     completed: int = 0
@@ -95,6 +119,10 @@ class Figures:
     refused: int = 0
     #: Callers cancelled by ``cancel`` (their requests aborted).
     cancelled: int = 0
+    #: Finished with ERROR because their engine was lost (``isolate``, ``replace``).
+    lost: int = 0
+    #: Of those, requests of a rank no fault had struck (must be 0).
+    lost_unattributed: int = 0
     #: Exceptions callers got, by type.
     failed: Counter[str] = field(default_factory=Counter)
     #: Requests not ended within the deadline (must be 0).
@@ -114,6 +142,13 @@ class Figures:
     deaths: int = 0
     unexpected_deaths: int = 0
     restart_seconds: list[float] = field(default_factory=list)
+    #: Each engine lost on purpose (``kill``, ``stop_hang``) and what it cost.
+    losses: list[LossRecord] = field(default_factory=list)
+    #: Engines the clients replaced, and ranks they gave up (restart budget spent).
+    replacements: int = 0
+    ranks_given_up: int = 0
+    #: Tokens of completed requests by time (for the losses' throughput; not written).
+    timeline: Timeline = field(default_factory=Timeline, repr=False)
     leaks: dict[str, Any] = field(default_factory=dict)
     #: Requests the last client still counted in flight once every caller had ended.
     in_flight_left: int = 0
@@ -122,7 +157,9 @@ class Figures:
         """The figures as plain JSON values (``asdict`` would rebuild the Counters from
         their items, counting the pairs)."""
         document = asdict(self)
+        del document["timeline"]
         document["failed"] = dict(self.failed)
+        document["loss_summary"] = summarize(self.losses)
         document["faults"] = {kind: self.faults[kind] for kind in FAULTS}
         return document
 
@@ -143,6 +180,14 @@ class Serving:
         self.dead = asyncio.Event()
         #: Set by the fault that is meant to kill the group, before it strikes.
         self.death_expected = False
+        #: The loss that is to take the whole group (its record counts the callers failed).
+        self.death_record: LossRecord | None = None
+        #: Rank -> the loss of it under way (its record counts the requests it ended).
+        self.open_losses: dict[int, LossRecord] = {}
+        #: Request id -> the rank it was routed to.
+        self.sent_rank: dict[str, int] = {}
+        #: Requests an engine is meant to refuse (``bad_input``): their ERROR is no loss.
+        self.refusals: set[str] = set()
         self.front_end: asyncio.Task[None] | None = None
 
 
@@ -152,6 +197,19 @@ def _outcome(reason: FinishReason) -> str:
     if reason == FinishReason.ERROR:
         return "refused"
     return "completed"
+
+
+def _lost(serving: Serving, figures: Figures, rid: str, rank: int) -> str:
+    """Count a request its lost engine ended against that loss."""
+    record = serving.open_losses.get(rank)
+    if record is None:
+        figures.lost_unattributed += 1
+        logger.error("request %s ended with an error from rank %d: no fault struck it", rid, rank)
+    else:
+        record.failed += 1
+        if serving.sent_rank.get(rid, rank) != rank:
+            record.failed_elsewhere += 1
+    return "lost"
 
 
 def _settle(future: asyncio.Future[str] | None, outcome: str) -> None:
@@ -178,8 +236,12 @@ async def front_end(serving: Serving, figures: Figures) -> None:
                         await client.abort_requests_async(ids)
                 continue
             for out in outputs.outputs:
-                if out.finish_reason is not None:
-                    _settle(streams.get(out.request_id), _outcome(out.finish_reason))
+                if out.finish_reason is None:
+                    continue
+                outcome = _outcome(out.finish_reason)
+                if outcome == "refused" and out.request_id not in serving.refusals:
+                    outcome = _lost(serving, figures, out.request_id, outputs.engine_index)
+                _settle(streams.get(out.request_id), outcome)
     except EngineDeadError:
         failure = "EngineDeadError"
     except Exception as exc:  # anything else is a bug of the client: counted, never hidden
@@ -201,6 +263,9 @@ async def caller(
     try:
         if request is not None:
             await client.add_request_async(request)
+            position = client.reqs_in_flight.get(rid)
+            if position is not None:
+                serving.sent_rank[rid] = client.engine_indices[position]
         outcome = await asyncio.wait_for(future, deadline)
     except asyncio.CancelledError:
         figures.cancelled += 1
@@ -216,8 +281,18 @@ async def caller(
         outcome = type(exc).__name__
     finally:
         serving.streams.pop(rid, None)
+        rank = serving.sent_rank.pop(rid, None)
+    record = serving.death_record
+    if outcome == "EngineDeadError" and record is not None:
+        record.failed += 1
+        if rank is not None and rank != record.rank:
+            record.failed_elsewhere += 1
     if outcome == "completed":
         figures.completed += 1
+        if request is not None:
+            figures.timeline.add(request.sampling_params.max_tokens or 0)
+    elif outcome == "lost":
+        figures.lost += 1
     elif outcome == "aborted":
         figures.aborted += 1
     elif outcome == "refused":
@@ -265,6 +340,8 @@ class Chaos:
         self.zmq_ctx: zmq.Context[Any] = zmq.Context()
         self.next_id = 0
         self.supervisor: asyncio.Future[None] | None = None
+        #: The tasks that watch a lost rank until it serves again.
+        self.watchers: set[asyncio.Task[None]] = set()
 
     # -- the group's life ----------------------------------------------------------------
 
@@ -284,8 +361,8 @@ class Chaos:
             health_check_interval=args.health_interval,
             health_check_timeout=args.health_timeout,
             ready_timeout=OPERATION_DEADLINE_S,
-            # The run's report counts whole-group deaths and restarts: vLLM's behaviour.
-            engine_loss="fail",
+            engine_loss=self.figures.engine_loss,
+            engine_restart_limit=args.restart_limit,
         )
 
     async def _in_thread(self, what: str, fn: Callable[[], Any]) -> Any:
@@ -313,6 +390,8 @@ class Chaos:
         """Shut the client down; wait for its front-end task and callers to end."""
         client = serving.client
         self.figures.protocol_errors += client.protocol_errors
+        self.figures.replacements += client.engines_replaced
+        self.figures.ranks_given_up += len(client.ranks_given_up)
         await self._in_thread("shutting a group down", client.shutdown)
         if serving.front_end is not None:
             with contextlib.suppress(asyncio.TimeoutError):
@@ -421,8 +500,16 @@ class Chaos:
                 return serving
             await asyncio.sleep(0.05)
 
-    def _engine_pid(self, serving: Serving) -> int:
-        return self.rng.choice(serving.client.engine_pids)
+    def _target(self, serving: Serving) -> tuple[int, int] | None:
+        """A serving engine's rank and process id, drawn from the schedule's generator;
+        None when no serving engine has a process (all being replaced)."""
+        client = serving.client
+        procs = client.resources.processes.engines
+        ranks = sorted(r for r in client.serving_engines if r in procs and procs[r].pid is not None)
+        if not ranks:
+            return None
+        rank = self.rng.choice(ranks)
+        return rank, procs[rank].pid
 
     async def _await_death(self, serving: Serving, within: float, what: str) -> None:
         try:
@@ -430,29 +517,94 @@ class Chaos:
         except asyncio.TimeoutError:
             self.figures.hung_operations.append(f"{what}: the group did not die in {within:g} s")
 
-    async def _fault_kill(self, serving: Serving) -> None:
-        pid = self._engine_pid(serving)
-        serving.death_expected = True
+    async def _await_loss(self, serving: Serving, rank: int, within: float, what: str) -> bool:
+        """Wait until the client took ``rank`` out of routing or died; False (a hung
+        operation) when neither came within ``within`` seconds."""
+        client = serving.client
+        deadline = time.monotonic() + within
+        while not serving.dead.is_set() and rank not in client.lost_engines:
+            if time.monotonic() > deadline:
+                self.figures.hung_operations.append(
+                    f"{what}: neither the rank nor the group was lost in {within:g} s"
+                )
+                return False
+            await asyncio.sleep(0.005)
+        return True
+
+    async def _lose_engine(self, serving: Serving, kind: str, signum: int, within: float) -> None:
+        """Send ``signum`` to a serving engine and wait (``within`` seconds) for the client
+        to see it lost; a task then watches the rank until it serves again."""
+        target = self._target(serving)
+        if target is None:
+            return
+        rank, pid = target
+        client = serving.client
+        timeline = self.figures.timeline
+        record = LossRecord(kind, rank, fault_at=timeline.now())
+        self.figures.losses.append(record)
+        serving.open_losses[rank] = record
+        if self.figures.engine_loss == "fail" or len(client.serving_engines) <= 1:
+            # The group is to die with it (a replacement may be ready first: then not).
+            serving.death_expected = True
+            serving.death_record = record
+        what = f"{'SIGKILL' if signum == signal.SIGKILL else 'SIGSTOP'} of engine {rank}"
         with contextlib.suppress(ProcessLookupError):  # died already: the same end
-            os.kill(pid, signal.SIGKILL)
-        await self._await_death(serving, SLACK_S, f"SIGKILL of engine {pid}")
+            os.kill(pid, signum)
+        try:
+            if await self._await_loss(serving, rank, within, what):
+                record.seen_s = timeline.now() - record.fault_at
+        finally:
+            if signum == signal.SIGSTOP:
+                # The watchdog killed it; if it did not, let it go (shutdown kills it).
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGCONT)
+        record.whole_group = serving.dead.is_set()
+        if not record.whole_group and serving.death_record is record:
+            # The group lives on without it: this loss is not the one that may end it.
+            serving.death_record = None
+            serving.death_expected = False
+        watcher = asyncio.get_running_loop().create_task(self._watch_rank(serving, record))
+        self.watchers.add(watcher)
+        watcher.add_done_callback(self.watchers.discard)
+
+    async def _watch_rank(self, serving: Serving, record: LossRecord) -> None:
+        """Until ``record``'s rank serves again: its replacement routed to, or (the group
+        died) a new group serving; the run's end or the rank given up stop the watch."""
+        timeline = self.figures.timeline
+        client = serving.client
+        if not record.whole_group and self.figures.engine_loss != "replace":
+            return  # isolated: it serves no more
+        try:
+            while not self.stop.is_set():
+                if record.whole_group:
+                    if self.live.is_set() and self.serving is not serving:
+                        break
+                elif serving.dead.is_set() or record.rank in client.ranks_given_up:
+                    return
+                elif record.rank not in client.lost_engines:
+                    break
+                await asyncio.sleep(0.005)
+            else:
+                return
+            record.serving_again_s = timeline.now() - record.fault_at
+        finally:
+            # A rank back in routing: requests it ends from now on are no loss of this one.
+            if serving.open_losses.get(record.rank) is record and record.serving_again_s:
+                del serving.open_losses[record.rank]
+
+    async def _fault_kill(self, serving: Serving) -> None:
+        await self._lose_engine(serving, "kill", signal.SIGKILL, SLACK_S)
 
     async def _fault_stop_hang(self, serving: Serving) -> None:
-        pid = self._engine_pid(serving)
-        serving.death_expected = True
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(pid, signal.SIGSTOP)
         args = self.args
-        try:
-            within = args.health_interval + 2 * args.health_timeout + SLACK_S
-            await self._await_death(serving, within, f"SIGSTOP of engine {pid}")
-        finally:
-            # The watchdog killed it; if it did not, let it go (shutdown kills it).
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGCONT)
+        within = args.health_interval + 2 * args.health_timeout + SLACK_S
+        await self._lose_engine(serving, "stop_hang", signal.SIGSTOP, within)
 
     async def _fault_stop_cont(self, serving: Serving) -> None:
-        pid = self._engine_pid(serving)
+        target = self._target(serving)
+        if target is None:
+            return
+        _rank, pid = target
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGSTOP)
         try:
@@ -504,11 +656,12 @@ class Chaos:
 
     async def _fault_bad_input(self, serving: Serving) -> None:
         client = serving.client
-        engine = self.rng.choice(client.core_engines)
+        engine = self.rng.choice(client._live_engines())
         rid = self._new_id()
         truncated = bytes(client.encoder.encode(make_request(rid, self.request_rng))[0])[:-3]
         # The engine must finish this one with ERROR: a caller waits for it.
         self.figures.sent += 1
+        serving.refusals.add(rid)
         self._spawn(serving, rid, None)
         messages = [
             (b"\xee", [b"an unknown request type"]),
@@ -542,12 +695,17 @@ class Chaos:
         producer = asyncio.ensure_future(self.produce())
         try:
             await self.inject_faults()
+            await self._settle_watchers()
         finally:
             self.stop.set()
             producer.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await producer
             await supervisor
+            for watcher in list(self.watchers):
+                watcher.cancel()
+            if self.watchers:
+                await asyncio.wait(list(self.watchers))
             serving = self.serving
             if serving is not None and serving.client is not None:
                 await self._drain(serving)
@@ -555,6 +713,17 @@ class Chaos:
                 await self.stop_group(serving)
             self.executor.shutdown(wait=True)
             self.zmq_ctx.term()
+
+    async def _settle_watchers(self) -> None:
+        """Let the last losses' ranks serve again before the run ends (traffic goes on),
+        so that every loss has its figures; one not back in time is a hung operation."""
+        if not self.watchers:
+            return
+        _done, pending = await asyncio.wait(list(self.watchers), timeout=OPERATION_DEADLINE_S)
+        if pending:
+            self.figures.hung_operations.append(
+                f"{len(pending)} lost rank(s) did not serve again in {OPERATION_DEADLINE_S:g} s"
+            )
 
     async def _count_in_flight(self, serving: Serving) -> None:
         """Requests the client still counts in flight after every caller ended: aborts
@@ -568,10 +737,10 @@ class Chaos:
         self.figures.in_flight_left = len(client.reqs_in_flight)
 
 
-async def _warm_up(args: argparse.Namespace) -> None:
+async def _warm_up(args: argparse.Namespace, policy: str) -> None:
     """One short group without faults: what a first group loads for good (modules,
     pyzmq's helpers) is loaded before the leak baseline."""
-    chaos = Chaos(args, Figures())
+    chaos = Chaos(args, Figures(engine_loss=policy))
     supervisor = asyncio.ensure_future(chaos.supervise())
     await chaos.live.wait()
     serving = chaos.serving
@@ -602,7 +771,7 @@ def report(args: argparse.Namespace, figures: Figures, leaks: Leaks, seconds: fl
     """Print the figures; return whether the run passed (nothing hung or leaked)."""
     f = figures
     faults = ", ".join(f"{k} {f.faults[k]}" for k in FAULTS)
-    print(f"faults injected: {faults} ({f.rounds} rounds)")
+    print(f"engine_loss={f.engine_loss}; faults injected: {faults} ({f.rounds} rounds)")
     restarts = f.restart_seconds
     mean = sum(restarts) / len(restarts) if restarts else 0.0
     print(
@@ -615,12 +784,19 @@ def report(args: argparse.Namespace, figures: Figures, leaks: Leaks, seconds: fl
         f"({f.protocol_errors} counted there as protocol errors), {f.bad_input_frames} into "
         "engines' inputs"
     )
+    for line in describe(summarize(f.losses)):
+        print(line)
+    print(
+        f"  engines replaced: {f.replacements}; ranks given up: {f.ranks_given_up}; "
+        f"requests ended with an error from a rank no fault struck: {f.lost_unattributed}"
+    )
     failed = ", ".join(f"{k} {v}" for k, v in sorted(f.failed.items())) or "none"
-    ended = f.completed + f.aborted + f.refused + f.cancelled + f.failed_total() + f.hung
+    ended = f.completed + f.aborted + f.refused + f.cancelled + f.lost + f.failed_total() + f.hung
     print(
         f"requests: {f.sent} sent in {seconds:.0f} s, {f.completed} completed, "
         f"{f.aborted} aborted by scale-down, {f.refused} refused by an engine (ERROR), "
-        f"{f.cancelled} cancelled, {f.failed_total()} failed with a typed error ({failed})"
+        f"{f.cancelled} cancelled, {f.lost} ended by their engine's loss (ERROR), "
+        f"{f.failed_total()} failed with a typed error ({failed})"
     )
     print(
         f"hung: {f.hung} (deadline {args.deadline:g} s); hung operations: {len(f.hung_operations)}"
@@ -651,6 +827,9 @@ def report(args: argparse.Namespace, figures: Figures, leaks: Leaks, seconds: fl
         and not leaks.any_held()
         and not f.in_flight_left
         and not unaccounted
+        and not f.lost_unattributed
+        # Only a lost engine's requests fail, unless the group died with it.
+        and not any(r.failed_elsewhere for r in f.losses if not r.whole_group)
         and growth_mb <= args.max_growth_mb
     )
     print(f"result: {'PASS' if ok else 'FAIL'}")
@@ -673,6 +852,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--seed", type=int, default=0, help="seed of the fault schedule")
     parser.add_argument(
+        "--engine-loss",
+        default=POLICIES[0],
+        help="the client's engine_loss: replace (default), isolate or fail; several, "
+        "comma-separated, run one after the other and are compared",
+    )
+    parser.add_argument(
+        "--restart-limit",
+        type=int,
+        default=1000,
+        help="replacements of one rank allowed in 300 s (default 1000: the run's faults "
+        "would spend the library's default of 3 in a minute)",
+    )
+    parser.add_argument(
         "--deadline", type=float, default=30.0, help="seconds a request may take to end"
     )
     parser.add_argument("--health-interval", type=float, default=0.5)
@@ -686,46 +878,74 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", metavar="FILE", default=None, help="write the figures as JSON")
 
 
+def policies(value: str) -> list[str]:
+    """The ``--engine-loss`` policies, in order; ``SystemExit`` naming the choices for
+    anything else."""
+    chosen = [p.strip().lower() for p in value.split(",") if p.strip()]
+    if not chosen or any(p not in POLICIES for p in chosen):
+        choices = ", ".join(POLICIES)
+        raise SystemExit(f"--engine-loss takes {choices} (comma-separated); got {value!r}")
+    return chosen
+
+
 def run(args: argparse.Namespace) -> int:
-    """The chaos run; exit status 1 when anything hung or leaked."""
+    """The chaos run, once per ``--engine-loss`` policy; exit status 1 when anything hung
+    or leaked in any of them."""
     if args.engines < 1 or args.rate <= 0 or args.fault_interval <= 0:
         raise SystemExit("--engines >= 1, --rate > 0 and --fault-interval > 0 required")
+    chosen = policies(args.engine_loss)
     print(
-        f"chaos: {args.engines} {args.engine} engines, {args.seconds:g} s, "
-        f"{args.rate:g} requests/s, a fault every {args.fault_interval:g} s on average, "
-        f"seed {args.seed}, health check every {args.health_interval:g} s "
-        f"(timeout {args.health_timeout:g} s)"
+        f"chaos: {args.engines} {args.engine} engines, {args.seconds:g} s per policy "
+        f"({', '.join(chosen)}), {args.rate:g} requests/s, a fault every "
+        f"{args.fault_interval:g} s on average, seed {args.seed}, health check every "
+        f"{args.health_interval:g} s (timeout {args.health_timeout:g} s)"
     )
     warm_up_pyzmq_zero_copy()
-    asyncio.run(_warm_up(args))
-    gc.collect()
-    before = snapshot()
-    figures = Figures()
-    started = time.monotonic()
-    asyncio.run(Chaos(args, figures).run())
-    seconds = time.monotonic() - started
-    leaks = _settle_leaks(before, SLACK_S)
-    figures.leaks = asdict(leaks)
-    ok = report(args, figures, leaks, seconds)
-    if args.json:
+    asyncio.run(_warm_up(args, chosen[0]))
+    passed, documents, goals, rows = True, [], [], []
+    for policy in chosen:
+        gc.collect()
+        before = snapshot()
+        figures = Figures(engine_loss=policy)
+        started = time.monotonic()
+        asyncio.run(Chaos(args, figures).run())
+        seconds = time.monotonic() - started
+        leaks = _settle_leaks(before, SLACK_S)
+        figures.leaks = asdict(leaks)
+        for record in figures.losses:
+            record.measure(figures.timeline)
+        ok = report(args, figures, leaks, seconds)
+        passed = passed and ok
         document = figures.as_dict()
         document["seconds"] = seconds
         document["passed"] = ok
+        documents.append(document)
+        goals += [
+            common.Goal(f"requests hung ({policy})", figures.hung, 0, lower_is_better=True),
+            common.Goal(
+                f"memory growth, MB ({policy})",
+                leaks.memory_growth / 2**20,
+                args.max_growth_mb,
+                True,
+            ),
+        ]
+        counts = {"sent": figures.sent, "completed": figures.completed}
+        counts["groups"] = figures.groups_started
+        rows.append((policy, document["loss_summary"], counts))
+    if len(rows) > 1:
+        print()
+        print_comparison(rows)
+    if args.json:
         common.write_json(
             args.json,
             "chaos",
             baseline="none",
             options={k: v for k, v in vars(args).items() if not k.startswith("_")},
-            cases=[document],
-            goals=[
-                common.Goal("requests hung", figures.hung, 0, lower_is_better=True),
-                common.Goal(
-                    "memory growth, MB", leaks.memory_growth / 2**20, args.max_growth_mb, True
-                ),
-            ],
+            cases=documents,
+            goals=goals,
         )
         print(f"results written to {args.json}")
-    return 0 if ok else 1
+    return 0 if passed else 1
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -201,7 +201,11 @@ class EngineLossMixin:
                     return
                 try:
                     await self._start_replacement(index)
-                except (EngineDeadError, asyncio.CancelledError):
+                except EngineDeadError:
+                    # The group died while its replacement started (its last serving
+                    # engine was lost): the callers were told; nothing is left to do.
+                    return
+                except asyncio.CancelledError:
                     raise
                 except Exception as exc:
                     logger.warning("the replacement of engine %d failed to start: %s", index, exc)
