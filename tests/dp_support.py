@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 import asyncio
+import json
+import os
+import subprocess
+import sys
 import time
 from collections.abc import Callable, Collection
 from pathlib import Path
@@ -275,8 +279,9 @@ def netns_front_end() -> int:
     ``ADDRESS SERVER_KEYS_DIR``): a DPLB front-end with one local engine and one on host B.
 
     Prints JSON events: ``serving`` (with the per-engine split of 16 requests), then,
-    after the test writes ``cut`` and ``cut-done`` lines, ``dead`` with how long after
-    ``cut`` the client declared its engines dead, and why.
+    after the test writes ``cut`` and ``cut-done`` lines, ``lost`` with how long after
+    ``cut`` the client declared host B's engine lost, why, and the split of 4 requests
+    sent after (the group serves on: ``engine_loss="replace"``, the default).
     """
     import json
     import sys
@@ -314,12 +319,23 @@ def netns_front_end() -> int:
             assert (await loop.run_in_executor(None, sys.stdin.readline)).strip() == "cut"
             cut_at = time.monotonic()
             assert (await loop.run_in_executor(None, sys.stdin.readline)).strip() == "cut-done"
-            await wait_until(lambda: client.engine_dead, timeout=30, what="the client to notice")
+            await wait_until(
+                lambda: client.lost_engines or client.engine_dead,
+                timeout=30,
+                what="the client to notice",
+            )
+            after_s = time.monotonic() - cut_at
+            reason = client._claims.reason(1) or client.resources.dead_reason
+            later = [f"later-{i}" for i in range(4)]
+            for rid in later:
+                await client.add_request_async(request(rid, max_tokens=3))
+            served = await collect_finished(client, later)
             emit(
                 {
-                    "event": "dead",
-                    "after_s": time.monotonic() - cut_at,
-                    "reason": client.resources.dead_reason,
+                    "event": "lost" if client.lost_engines == [1] else "dead",
+                    "after_s": after_s,
+                    "reason": reason,
+                    "served_after": sorted(f.engine_index for f in served.values()),
                 }
             )
         finally:
@@ -327,3 +343,42 @@ def netns_front_end() -> int:
 
     asyncio.run(main())
     return 0
+
+
+def start_remote_engine(
+    address: str,
+    index: int,
+    size: int,
+    keys: Path | None = None,
+    netns: str | None = None,
+    engine: str | None = None,
+    engine_args: dict[str, Any] | None = None,
+) -> subprocess.Popen[bytes]:
+    """``corewire engine --connect`` in a child process (inside ``netns`` if given),
+    the reference engine with ``engine_args`` (:data:`LIGHT` unless given)."""
+    cmd = [
+        sys.executable, "-m", "corewire.cli", "engine",
+        "--connect", address,
+        "--engine-index", str(index),
+        "--data-parallel-size", str(size),
+        "--engine-args", json.dumps(LIGHT if engine_args is None else engine_args),
+    ]  # fmt: skip
+    if engine is not None:
+        cmd += ["--engine", engine]
+    if keys is not None:
+        cmd += ["--curve-keys", str(keys)]
+    if netns is not None:
+        cmd = ["ip", "netns", "exec", netns, *cmd]
+    env = {**os.environ, "COREWIRE_LOG_LEVEL": "WARNING"}
+    return subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL)
+
+
+def stop(proc: subprocess.Popen[bytes]) -> None:
+    """SIGTERM, then SIGKILL; always reaped."""
+    if proc.poll() is None:
+        proc.terminate()
+        try:
+            proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+    proc.wait()

@@ -117,9 +117,11 @@ def running_stack(
     api_servers: int = 1,
     extra_server_args: tuple[str, ...] = (),
     timeout: float = 90.0,
+    restart_engines: bool = False,
 ) -> Iterator[ServeStack]:
     """A started stack with its model directory and logs under ``workdir``; stopped on exit
-    (``extra_server_args``: more ``vllm serve`` flags)."""
+    (``extra_server_args``: more ``vllm serve`` flags; ``restart_engines``: the stack
+    starts a dead engine again)."""
     model_dir = write_model_dir(workdir / "model", max_model_len=MAX_MODEL_LEN)
     stack = ServeStack(
         model_dir,
@@ -133,6 +135,7 @@ def running_stack(
         server_env=server_env,
         api_servers=api_servers,
         extra_server_args=extra_server_args,
+        restart_engines=restart_engines,
     )
     stack.start(timeout=timeout)
     try:
@@ -271,6 +274,13 @@ def greedy_outputs(http: httpx.Client) -> list[dict[str, Any]]:
 
 
 # ---------------------------------------------------------------------- shared stack
+
+
+def metric_sum(http: httpx.Client, name: str, **labels: str) -> float:
+    """Prometheus metric ``name`` from ``/metrics``, summed over the samples whose labels
+    include ``labels``."""
+    samples = metric_values(http.get("/metrics").text, name)
+    return sum(v for got, v in samples if all(got.get(k) == w for k, w in labels.items()))
 
 
 def running_requests(http: httpx.Client) -> float:

@@ -23,43 +23,9 @@ import pytest
 from client_support import request
 from corewire import DPAsyncMPClient, DPLBAsyncMPClient
 from corewire.coordinator import TcpEndpoints
-from dp_support import LIGHT, collect_finished, run_keygen
+from dp_support import LIGHT, collect_finished, run_keygen, start_remote_engine, stop
 from paths_support import TESTS_DIR
 from port_support import retry_port_conflicts, unused_port_block
-
-
-def start_remote_engine(
-    address: str,
-    index: int,
-    size: int,
-    keys: Path | None = None,
-    netns: str | None = None,
-) -> subprocess.Popen[bytes]:
-    """``corewire engine --connect`` in a child process (inside ``netns`` if given)."""
-    cmd = [
-        sys.executable, "-m", "corewire.cli", "engine",
-        "--connect", address,
-        "--engine-index", str(index),
-        "--data-parallel-size", str(size),
-        "--engine-args", json.dumps(LIGHT),
-    ]  # fmt: skip
-    if keys is not None:
-        cmd += ["--curve-keys", str(keys)]
-    if netns is not None:
-        cmd = ["ip", "netns", "exec", netns, *cmd]
-    env = {**os.environ, "COREWIRE_LOG_LEVEL": "WARNING"}
-    return subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL)
-
-
-def stop(proc: subprocess.Popen[bytes]) -> None:
-    """SIGTERM, then SIGKILL; always reaped."""
-    if proc.poll() is None:
-        proc.terminate()
-        try:
-            proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-    proc.wait()
 
 
 def test_endpoints_of_a_data_parallel_address() -> None:
@@ -314,10 +280,12 @@ def test_engine_on_another_host_and_a_cut_link(two_hosts: TwoHosts, keys: Path) 
         two_hosts.cut()
         front.command("cut-done")
         noticed = front.event()
-        assert noticed["event"] == "dead", noticed
-        # The health watchdog (interval 0.5 s, timeout 2 s) noticed within its budget.
+        # The health watchdog (interval 0.5 s, timeout 2 s) noticed within its budget and
+        # took host B's engine out of routing; the group serves on on host A's.
+        assert noticed["event"] == "lost", noticed
         assert noticed["after_s"] < 0.5 + 2.0 + 1.5, noticed
         assert "health check" in noticed["reason"]
+        assert noticed["served_after"] == [0, 0, 0, 0], noticed
     finally:
         front.close()
         # Cut off, it could only linger on outputs it can no longer deliver.

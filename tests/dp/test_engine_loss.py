@@ -14,6 +14,7 @@ import gc
 import logging
 import os
 import signal
+import subprocess
 from collections import Counter
 
 import pytest
@@ -27,8 +28,9 @@ from corewire.client.engine_loss import (
     lost_outputs,
 )
 from corewire.protocol import FinishReason
-from dp_support import collect_finished, wait_until
+from dp_support import collect_finished, start_remote_engine, stop, wait_until
 from leak_support import pid_gone
+from port_support import retry_port_conflicts, unused_port_block
 
 SYNTHETIC = "corewire.engine.synthetic:SyntheticEngine"
 #: 10 ms a step: a request of :data:`LONG` tokens streams for 3 s, past the faults below.
@@ -148,6 +150,25 @@ async def test_a_hang_found_by_the_watchdog_is_isolated(caplog: pytest.LogCaptur
         client.shutdown()
 
 
+async def test_the_watchdog_lives_on_after_a_loss_during_its_check() -> None:
+    # Found by the chaos run: an engine lost while a health check waited on it failed the
+    # check with EngineLostError, which ended the watchdog: hangs found no more after it.
+    client = group(3, engine_loss="isolate", health_check_interval=0.2, health_check_timeout=5.0)
+    try:
+        pid_1, pid_2 = client.engine_pids[1], client.engine_pids[2]
+        os.kill(pid_1, signal.SIGSTOP)
+        await asyncio.sleep(1.0)  # a check is now waiting on engine 1
+        os.kill(pid_1, signal.SIGKILL)
+        await wait_until(lambda: client.lost_engines == [1], what="engine 1 lost")
+        os.kill(pid_2, signal.SIGSTOP)
+        await wait_until(
+            lambda: client.lost_engines == [1, 2], timeout=30, what="the watchdog to find engine 2"
+        )
+        assert pid_gone(pid_2) and not client.engine_dead
+    finally:
+        client.shutdown()
+
+
 async def test_the_last_engine_lost_fails_the_group() -> None:
     client = group(2, engine_loss="isolate")
     try:
@@ -190,6 +211,86 @@ async def test_the_last_engine_lost_while_a_replacement_starts() -> None:
     gc.collect()  # an unretrieved task exception is reported here
     await asyncio.sleep(0)
     assert not unhandled, unhandled
+
+
+def remote_group(address: str, **kwargs: object) -> DPLBAsyncMPClient:
+    """A group of 2: engine 0 this client's process, engine 1 another host's (``corewire
+    engine --connect`` over loopback TCP, started by the test: its launcher)."""
+    return group(
+        2,
+        data_parallel_size_local=1,
+        data_parallel_address=address,
+        ready_timeout=60,
+        **kwargs,
+    )
+
+
+def start_engine_1(address: str) -> subprocess.Popen[bytes]:
+    return start_remote_engine(address, 1, 2, engine=SYNTHETIC, engine_args=SLOW)
+
+
+@retry_port_conflicts
+async def test_an_engine_of_another_host_lost_then_started_again_rejoins() -> None:
+    # Not this client's process: the watchdog finds it gone, the group serves on, and
+    # when its launcher starts it again it is routed to again.
+    address = f"tcp://127.0.0.1:{unused_port_block()}"
+    remote = start_engine_1(address)
+    client = None
+    try:
+        client = remote_group(
+            address, engine_loss="replace", health_check_interval=0.5, health_check_timeout=2.0
+        )
+        assert len(client.engine_pids) == 1
+        placed = await streams_on_every_engine(client, 10, "s")
+        remote.kill()
+        remote.wait()
+        done = await collect_finished(client, list(placed), timeout=60)
+        ended = {rid: (placed[rid], d.finish_reason) for rid, d in done.items()}
+        assert {e for e in ended.values() if e[0] == 1} == {(1, FinishReason.ERROR)}, ended
+        assert {e for e in ended.values() if e[0] == 0} == {(0, FinishReason.LENGTH)}, ended
+        assert client.lost_engines == [1] and not client.engine_dead
+        remote = start_engine_1(address)
+        await wait_until(lambda: client.serving_engines == [0, 1], timeout=60, what="a rejoin")
+        assert client.engines_replaced == 1 and client.engines_lost == 1
+        burst = [f"b-{i}" for i in range(8)]
+        for rid in burst:
+            await client.add_request_async(request(rid, max_tokens=2))
+        done = await collect_finished(client, burst, timeout=30)
+        assert {d.engine_index for d in done.values()} == {0, 1}
+    finally:
+        stop(remote)
+        if client is not None:
+            client.shutdown()
+
+
+@retry_port_conflicts
+async def test_an_engine_started_again_before_its_loss_was_seen() -> None:
+    # No watchdog: the new engine's ready message is how the client learns that the one
+    # before it is gone. That one's requests end with an error (the new one never had
+    # them); the new one serves.
+    address = f"tcp://127.0.0.1:{unused_port_block()}"
+    remote = start_engine_1(address)
+    client = None
+    try:
+        client = remote_group(address, engine_loss="replace")
+        placed = await streams_on_every_engine(client, 10, "s")
+        remote.kill()
+        remote.wait()
+        remote = start_engine_1(address)
+        theirs = [rid for rid, at in placed.items() if at == 1]
+        done = await collect_finished(client, theirs, timeout=60)
+        assert {d.finish_reason for d in done.values()} == {FinishReason.ERROR}
+        await wait_until(lambda: client.engines_replaced == 1, timeout=30, what="a rejoin")
+        assert client.serving_engines == [0, 1] and client.engines_lost == 1
+        burst = [f"b-{i}" for i in range(8)]
+        for rid in burst:
+            await client.add_request_async(request(rid, max_tokens=2))
+        done = await collect_finished(client, burst, timeout=30)
+        assert {d.engine_index for d in done.values()} == {0, 1}
+    finally:
+        stop(remote)
+        if client is not None:
+            client.shutdown()
 
 
 async def test_fail_is_vllms_behaviour() -> None:

@@ -19,6 +19,7 @@ engine) and §8.1 (DP = 2 behind vLLM's coordinator).
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 import json
 import re
@@ -68,6 +69,8 @@ from serve_support import (
     joined_chat_stream,
     joined_completion_stream,
     kill_engine_under_load,
+    long_requests,
+    metric_sum,
     missing_prerequisite,
     output_missing,
     plugin_missing,
@@ -240,6 +243,51 @@ async def test_engine_killed_under_load_fails_requests_and_health(tmp_path: Path
         # Streams end with an error event (their 200 status is already sent), plain
         # requests with a 5xx status; none hangs, none finishes.
         assert sorted(map(str, results)) == sorted(["500"] * (n // 2) + ["error event"] * (n // 2))
+
+
+@pytest.mark.skipif(_NO_PLUGIN is not None, reason=_NO_PLUGIN or "")
+async def test_a_dp_engine_killed_under_load_is_started_again_and_rejoins(tmp_path: Path) -> None:
+    """DP = 2, corewire's client, and the stack's engine restarts (``scripts/serve``'s
+    default): SIGKILL of engine 1 mid-load ends only its requests (streams with vLLM's
+    error event, plain requests with a 5xx), the others finish and /health stays 200; the
+    stack starts engine 1 again, it rejoins, /metrics shows the loss, the replacement and
+    both engines serving, and new requests reach engine 1 again."""
+    with (
+        running_stack(
+            tmp_path, client="corewire", engines=2, server_env=HEALTH_ENV, restart_engines=True
+        ) as stack,
+        http_client(stack) as http,
+    ):
+        n = 8
+        started = [asyncio.Event() for _ in range(n)]
+        load = asyncio.ensure_future(long_requests(stack.base_url, n, started))
+        await asyncio.wait_for(asyncio.gather(*(e.wait() for e in started)), 60)
+        await asyncio.sleep(0.5)  # the plain requests reached their engines too
+        stack.engines[1].kill()
+        results = await asyncio.wait_for(load, 180)
+        failed = [r for r in results if r != "finished"]
+        assert failed and len(failed) < n, results  # engine 1's, and only they
+        # Plain requests get vLLM's 5xx for an engine error (500, or 503 where the error
+        # says retryable: vLLM 0.33.0 on).
+        assert all(f == "error event" or (isinstance(f, int) and f >= 500) for f in failed), results
+        assert stack.health() == 200
+        deadline = time.monotonic() + 120
+        while metric_sum(http, "corewire_engine_replacements_total") < 1:
+            assert time.monotonic() < deadline, server_log(stack)[-3000:]
+            await asyncio.sleep(0.5)
+        assert metric_sum(http, "corewire_engine_losses_total") == 1
+        assert metric_sum(http, "corewire_engines_serving") == 2
+        assert stack.engine_restarts is not None and stack.engine_restarts.restarts[1] == 1
+        served_before = metric_sum(http, "vllm:request_success_total", engine="1")
+        body = {"model": MODEL, "prompt": "after", "max_tokens": 4, "ignore_eos": True}
+        async with httpx.AsyncClient(base_url=stack.base_url, timeout=HTTP_TIMEOUT) as c:
+            resps = await asyncio.gather(*(c.post("/v1/completions", json=body) for _ in range(8)))
+        assert [r.status_code for r in resps] == [200] * 8
+        assert metric_sum(http, "vllm:request_success_total", engine="1") > served_before
+        log = server_log(stack)
+        assert re.search(r"engine 1 lost .*waiting for its launcher to start it again", log)
+        assert "engine 1 rejoined" in log
+        assert "Task exception was never retrieved" not in log
 
 
 @pytest.mark.skipif(_NO_OUTPUT is not None, reason=_NO_OUTPUT or "")

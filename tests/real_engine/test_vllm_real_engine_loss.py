@@ -100,5 +100,5 @@ def test_one_engine_killed_mid_load_leaves_the_server_answering(tmp_path: Path) 
         assert _metric(server, "corewire_engine_losses_total") == 1
         assert _metric(server, "corewire_engines_serving") == 1
         log = server.log()
-        isolated = r"engine \d lost .* it stays out of routing \(not started by"
+        isolated = r"engine \d lost .* it stays out of routing \(vLLM's launcher owns it"
         assert re.search(isolated, log), log[-3000:]

@@ -32,7 +32,7 @@ from corewire.client.output_link import (
     STOPPED,
     OutputLink,
 )
-from corewire.errors import EngineDeadError, UtilityError
+from corewire.errors import EngineDeadError, EngineLostError, UtilityError
 from corewire.metrics import for_client
 from corewire.protocol import (
     REQUEST_ABORT,
@@ -819,21 +819,23 @@ async def _health_watchdog(
             return
         try:
             await client.check_health_async(timeout)
+        except EngineLostError:
+            continue  # an engine was lost during the check (the loss is handled): next round
         except EngineDeadError as exc:
             if resources.engine_dead:
                 return
             index = getattr(exc, "engine_index", None)
             hook = resources.engine_loss
-            if (
-                index is not None
-                and hook is not None
-                and index in resources.processes.engines
-                and hook.claim(index, str(exc))
-            ):
-                # The client serves on without it: kill it, and the engine monitor
-                # reports it lost.
-                logger.error("health check failed: %s; killing that engine", exc)
-                resources.processes.kill_engine(index)
+            if index is not None and hook is not None and hook.claim(index, str(exc)):
+                if resources.processes.kill_engine(index):
+                    # The client serves on without it; the engine monitor reports it lost.
+                    logger.error("health check failed: %s; killing that engine", exc)
+                else:
+                    # Not a process of this client's (a remote or front-end-only
+                    # engine): nothing to kill; what it held ends now, and it stays out
+                    # of routing until an engine of its index rejoins.
+                    logger.error("health check failed: %s; serving on without that engine", exc)
+                    hook.lost(index)
                 continue
             logger.error("health check failed: %s", exc)
             resources.mark_dead(str(exc))

@@ -900,6 +900,8 @@ class DPLBAsyncMPClient(EngineLossMixin, DPAsyncMPClient):
             self._local_indices.difference_update(removed)
             for index in removed:
                 self._claims.release(index)  # the rank is gone, not lost
+                self._ended_losses.discard(index)
+                self._lost_process.pop(index, None)
         await self._reconfigure(range(new_size), new_size)
         await self._tell_coordinator_size(new_size)
 

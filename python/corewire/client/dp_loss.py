@@ -11,10 +11,13 @@ checks, tells corewire's coordinator, and with ``"replace"`` starts its replacem
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import weakref
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, cast
+
+import zmq
 
 from corewire.client.engine_loss import (
     LossClaims,
@@ -23,16 +26,38 @@ from corewire.client.engine_loss import (
     lost_outputs,
 )
 from corewire.client.futures import complete_future
+from corewire.client.ready import parse_ready
 from corewire.dp_messages import LostNotice
-from corewire.errors import EngineDeadError, EngineLostError
-from corewire.protocol import engine_identity, engine_index_of
+from corewire.errors import EngineDeadError, EngineLostError, ProtocolError
+from corewire.protocol import REQUEST_ABORT, engine_identity, engine_index_of
 
 __all__ = ["EngineLossMixin"]
 
 logger = logging.getLogger("corewire.client")
 
+
+async def _watch_rejoins(client_ref: Any, resources: Any) -> None:
+    """Every :data:`REJOIN_POLL_S`, hand the ready messages of engines that connected to
+    the client (a scaling step's own wait reads them while it runs)."""
+    while not resources.engine_dead and not resources.closed:
+        await asyncio.sleep(REJOIN_POLL_S)
+        client = client_ref()
+        if client is None:
+            return
+        lock = client._scale_lock
+        if lock is None or not lock.locked():
+            for index, info in client._read_rejoins():
+                client._engine_rejoined(index, info)
+        del client
+
+
 #: Seconds between tries to start a replacement that failed to start.
 RETRY_DELAY_S = 1.0
+#: How often the client looks for engines that rejoined (engines it did not start).
+REJOIN_POLL_S = 0.25
+#: :meth:`EngineLossMixin._replacement`'s answers (said in the log line of the loss).
+STARTING = "starting a replacement"
+AWAITING = "waiting for its launcher to start it again (it rejoins routing once ready)"
 #: What a lost engine's part of a call to every engine is (left out of the answer).
 _LOST = object()
 
@@ -77,6 +102,11 @@ class EngineLossMixin:
         #: What losing one engine does: ``"replace"``, ``"isolate"`` or ``"fail"``.
         self.engine_loss = policy
         self._claims = LossClaims()
+        # Engines lost whose work was ended (until they serve again).
+        self._ended_losses: set[int] = set()
+        # Engine lost -> whether a process of this group ran it (else it is an engine
+        # this client only reaches, started by someone else: it may rejoin).
+        self._lost_process: dict[int, bool] = {}
         self._restarts = RestartBudget(engine_restart_limit)
         # Engine identity -> call ids of the utility calls waiting on it.
         self._calls_on: dict[bytes, set[int]] = {}
@@ -84,6 +114,8 @@ class EngineLossMixin:
         self.engines_lost = 0
         self.engines_replaced = 0
         self.ranks_given_up: set[int] = set()
+        # A blocking view of the ROUTER for the rejoin watch (made at its first look).
+        self._rejoin_socket: zmq.Socket[bytes] | None = None
 
     def _arm_engine_loss(self) -> None:
         """From now on a death the client can take alone is claimed, not fatal."""
@@ -114,15 +146,20 @@ class EngineLossMixin:
             return False
         if index not in self.engine_indices:
             return False
+        had_process = index in resources.processes.engines  # before the monitor releases it
         if not self._claims.claim(index, reason, self.engine_indices):
             logger.error("engine %d lost and no other engine serves: the group fails", index)
             return False
+        self._lost_process.setdefault(index, had_process)
         return True
 
     def _engine_lost(self, index: int) -> None:
         """Loop thread: end what engine ``index`` held and serve on without it."""
         if self.resources.engine_dead or index not in self.engine_indices:
             return
+        if index in self._ended_losses:
+            return  # reported twice (the watchdog and the engine monitor): ended once
+        self._ended_losses.add(index)
         reason = self._claims.reason(index) or "lost"
         position = self.engine_indices.index(index)
         identity = self.core_engines[position]
@@ -154,7 +191,7 @@ class EngineLossMixin:
         metrics = self.resources.metrics
         if metrics is not None:
             metrics.engine_lost(len(self.serving_engines))
-        no_replacement = self._no_replacement(index)
+        replacement = self._replacement(index)
         logger.error(
             "engine %d lost (%s): %d request(s) it held end with an error; serving on "
             "%d engine(s); %s",
@@ -162,21 +199,25 @@ class EngineLossMixin:
             reason,
             len(held),
             len(self.serving_engines),
-            "starting a replacement"
-            if no_replacement is None
-            else f"it stays out of routing ({no_replacement})",
+            replacement,
         )
-        if no_replacement is None:
+        if replacement == STARTING:
             task = asyncio.get_running_loop().create_task(self._replace_engine(index))
             self.resources.loop_side.add_task(task)
+        # AWAITING: the rejoin watch (_watch_rejoins) routes to it once it is back.
 
-    def _no_replacement(self, index: int) -> str | None:
-        """Why lost engine ``index`` gets no replacement, or None when it gets one."""
+    def _replacement(self, index: int) -> str:
+        """What replaces lost engine ``index``: :data:`STARTING` (this client starts
+        one), :data:`AWAITING` (an engine this client did not start: its launcher may
+        start one, which rejoins), or why nothing does."""
         if self.engine_loss != "replace":
-            return f"engine_loss={self.engine_loss}"
+            return f"it stays out of routing (engine_loss={self.engine_loss})"
+        if not self._lost_process.get(index, False):
+            return AWAITING
         if index not in self._local_indices or not self._starts_engines:
-            return "not started by this client: its launcher owns it"
-        return None
+            # vLLM's launcher started it in this process's group and starts no rank alone.
+            return "it stays out of routing (vLLM's launcher owns it and cannot start it again)"
+        return STARTING
 
     async def _replace_engine(self, index: int) -> None:
         """Start a new engine for lost rank ``index`` and route to it once it is ready;
@@ -212,16 +253,84 @@ class EngineLossMixin:
                     await asyncio.sleep(RETRY_DELAY_S)
                     continue
                 break
+        self._serve_again(index, "replaced")
+
+    # -- engines this client did not start: they rejoin -----------------------------------
+
+    def _ensure_output_queue_task(self) -> None:
+        started = self.resources.output_task is not None
+        super()._ensure_output_queue_task()  # type: ignore[misc]
+        resources = self.resources
+        if started or resources.output_task is None or not self._watches_rejoins():
+            return
+        task = asyncio.get_running_loop().create_task(
+            _watch_rejoins(weakref.ref(self), resources), name="corewire-rejoin-watch"
+        )
+        resources.loop_side.add_task(task)
+
+    def _watches_rejoins(self) -> bool:
+        """Whether engines of this group may rejoin: some were not started by this client
+        (their launcher may start one again) and a loss is not the whole group's."""
+        processes = self.resources.processes.engines
+        return self.engine_loss != "fail" and any(i not in processes for i in self.engine_indices)
+
+    def _read_rejoins(self) -> list[tuple[int, dict[str, Any]]]:
+        """Ready messages waiting on the ROUTER (engines that connected since the last
+        look): ``(engine index, ready map)``; a malformed one is logged and skipped."""
+        sock = self._rejoin_socket
+        if sock is None:
+            sock = self._rejoin_socket = zmq.Socket.shadow(self.input_socket.underlying)
+        arrived = []
+        while cast(int, sock.get(zmq.EVENTS)) & zmq.POLLIN:
+            identity, *rest = sock.recv_multipart()
+            try:
+                info = parse_ready(identity, rest[-1] if rest else b"")
+            except (ProtocolError, RuntimeError) as exc:
+                logger.warning("an engine that connected sent no usable ready message: %s", exc)
+                continue
+            arrived.append((engine_index_of(identity), info))
+        return arrived
+
+    def _engine_rejoined(self, index: int, info: dict[str, Any]) -> None:
+        """Loop thread: an engine of ``index`` connected and is ready. A lost rank serves
+        again (``replace``); a rank still routed to was restarted before its loss was
+        seen: its predecessor's requests end now, as a loss's, and are aborted on the new
+        engine (which never had them) before it is routed to."""
+        if index not in self.engine_indices or self.resources.engine_dead:
+            logger.warning("engine %d connected, but it is not of this group: ignored", index)
+            return
+        if index not in self._claims:
+            identity = engine_identity(index)
+            position = self.engine_indices.index(index)
+            held = [rid for rid, pos in self.reqs_in_flight.items() if pos == position]
+            reason = "a new engine of this index joined: the one before it is gone"
+            if not self._claims.claim(index, reason, self.engine_indices):
+                return
+            self._lost_process.setdefault(index, False)
+            self._engine_lost(index)
+            if held:
+                with contextlib.suppress(Exception):  # best effort: it never had them
+                    self._send_message(identity, REQUEST_ABORT, self.encoder.encode(held), None)
+        if self.engine_loss != "replace" or index in self.ranks_given_up:
+            logger.warning("engine %d rejoined; engine_loss=%s keeps it out of routing",
+                           index, self.engine_loss)  # fmt: skip
+            return
+        self.ready_info[engine_identity(index)] = info
+        self._serve_again(index, "rejoined")
+
+    def _serve_again(self, index: int, how: str) -> None:
+        """Lost engine ``index`` is back (``how``: replaced, rejoined): route to it."""
         position = self.engine_indices.index(index)
+        self._ended_losses.discard(index)
+        self._lost_process.pop(index, None)
         self._claims.release(index)
         self._router.set_out(position, False)
         self.lb_engines[position] = list(self._idle_counts)
         self.engines_replaced += 1
         if self.resources.metrics is not None:
             self.resources.metrics.engine_replaced(len(self.serving_engines))
-        logger.warning(
-            "engine %d replaced: serving on %d engine(s)", index, len(self.serving_engines)
-        )
+        serving = len(self.serving_engines)
+        logger.warning("engine %d %s: serving on %d engine(s)", index, how, serving)
 
     async def _start_replacement(self, index: int) -> None:
         """Start engine ``index`` as a scale-up starts one and wait until it is ready; a

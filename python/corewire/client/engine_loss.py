@@ -11,18 +11,27 @@ environment variable :data:`ENGINE_LOSS_ENV`):
   call to it, room in its input backlog) raises :class:`~corewire.EngineLostError`
   naming it; routing, health checks and calls to every engine leave it out from then on;
   the group serves on the others.
-- ``"replace"`` (the default): ``"isolate"``, then a new engine is started for the lost
-  rank (a local process, or a Ray actor with the Ray backend) and rejoins routing once it
-  is ready. A rank replaced more than :data:`RESTART_LIMIT` times within
-  :data:`RESTART_WINDOW_S` seconds stays isolated (:class:`RestartBudget`; said in the
-  log and counted in ``corewire_engine_ranks_given_up_total``). Where the client did not
-  start the engine (vLLM's launcher did), ``"replace"`` isolates.
+- ``"replace"`` (the default): ``"isolate"``, then the rank serves again:
+  - an engine this client started: a new one is started for the rank (a local process,
+    or a Ray actor with the Ray backend) and rejoins routing once it is ready. A rank
+    replaced more than :data:`RESTART_LIMIT` times within :data:`RESTART_WINDOW_S`
+    seconds stays isolated (:class:`RestartBudget`; said in the log and counted in
+    ``corewire_engine_ranks_given_up_total``);
+  - an engine the client only reaches (another host's ``corewire engine --connect``, the
+    engines of ``scripts/serve``, vLLM's headless engines): its launcher starts it again
+    and it rejoins: the client routes to it again once its ready message comes
+    (``corewire engine --join-record PATH --rejoin`` rejoins a vLLM front-end);
+  - an engine vLLM's launcher started in this process's group: it stays isolated (vLLM's
+    launcher cannot start one rank again).
 
-The whole group still fails when no engine would be left, when an engine without a
-process of this client's is lost (it cannot be told dead from slow), or where the engines
-are coupled (``engines_coupled=True``: engines that run collectives together, such as
-vLLM's expert-parallel engines, stop when a peer does); the client says so once in the
-log.
+An engine the client only reaches is found lost by the health watchdog (it cannot be
+killed: it stays out of routing, and what it sends later is ignored), or by a new engine
+of its index connecting, which tells that the one before it is gone: its requests end as
+a loss's, are aborted on the newcomer, and the newcomer is routed to.
+
+The whole group still fails when no engine would be left, or where the engines are
+coupled (``engines_coupled=True``: engines that run collectives together, such as vLLM's
+expert-parallel engines, stop when a peer does); the client says so once in the log.
 
 Requests the lost engine held are never sent again, not even those that streamed
 nothing: an output the engine wrote before it died may still be on its way, so the

@@ -58,6 +58,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="with --handshake-address: how long to wait for the front-end's answer (default 300)",
     )
     parser.add_argument(
+        "--join-record",
+        metavar="PATH",
+        default=None,
+        help="with --handshake-address: keep the front-end's answer (its addresses) in "
+        "this file, for an engine started again in this one's place (--rejoin)",
+    )
+    parser.add_argument(
+        "--rejoin",
+        action="store_true",
+        help="with --handshake-address and --join-record: take the addresses from the "
+        "record instead of a handshake (replacing a lost engine of the same index; "
+        "corewire's DP client takes it back)",
+    )
+    parser.add_argument(
         "--engine-index",
         type=int,
         default=0,
@@ -107,6 +121,10 @@ def run(args: argparse.Namespace) -> int:
             )
             return 2
         return _join(args)
+    if args.rejoin or args.join_record is not None:
+        print("corewire engine: --join-record and --rejoin go with --handshake-address",
+              file=sys.stderr)  # fmt: skip
+        return 2
     if args.connect is not None:
         try:
             addresses = _connect_options(args)
@@ -144,6 +162,9 @@ def _join(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return 2
+    if args.rejoin and args.join_record is None:
+        print("corewire engine: --rejoin needs --join-record", file=sys.stderr)
+        return 2
     timeout = args.handshake_timeout
     return join_frontend(
         handshake_address=args.handshake_address,
@@ -154,6 +175,8 @@ def _join(args: argparse.Namespace) -> int:
         data_parallel_size=args.data_parallel_size,
         handshake_timeout_s=DEFAULT_HANDSHAKE_TIMEOUT_S if timeout is None else timeout,
         release=args.release,
+        join_record=args.join_record,
+        rejoin=args.rejoin,
     )
 
 

@@ -29,6 +29,12 @@ The steps (vLLM's ``startup_handshake`` / ``wait_for_engine_startup``, engine si
 5. send ``{"status": "READY", "local": false, "headless": true}`` on the handshake
    socket and close it.
 
+Rejoining: with ``--join-record PATH`` the engine writes the metadata of step 3 to
+``PATH`` (a private file); an engine started again for the same index with ``--join-record
+PATH --rejoin`` skips the handshake (vLLM's front-end has closed it) and does step 4 with
+those addresses. corewire's DP client takes such an engine back in place of a lost one
+(``engine_loss="replace"`` for engines it did not start); vLLM's client would not.
+
 Stopping (SIGTERM / SIGINT): the engine finishes its requests in flight with ABORT, as
 vLLM's engines do, and then sends ENGINE_CORE_DEAD: a vLLM front-end cannot take a
 stopped engine back, and its own client never notices a remote engine leaving, so it
@@ -46,7 +52,9 @@ Wire format: docs/protocol.md §3.2 (joining a vLLM front-end: HELLO, metadata, 
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
+import os
 import threading
 from collections.abc import Callable
 from typing import Any
@@ -64,6 +72,8 @@ __all__ = [
     "HandshakeError",
     "HandshakeMetadata",
     "join_frontend",
+    "read_join_record",
+    "write_join_record",
 ]
 
 logger = logging.getLogger("corewire.engine")
@@ -129,6 +139,37 @@ class HandshakeMetadata:
         return cls(
             inputs=list(inputs), outputs=list(outputs), parallel_config=parallel_config, **optional
         )
+
+
+def write_join_record(path: str, meta: HandshakeMetadata) -> None:
+    """Keep ``meta`` at ``path`` (owner-only: it names the front-end's endpoints) for an
+    engine started again in this one's place (:func:`read_join_record`)."""
+    document = json.dumps(dataclasses.asdict(meta)).encode()
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "wb") as record:
+        record.write(document)
+
+
+def read_join_record(path: str) -> HandshakeMetadata:
+    """The metadata :func:`write_join_record` kept; :class:`HandshakeError` when the
+    file is missing or not such a record."""
+    try:
+        with open(path, "rb") as record:
+            document = record.read()
+    except OSError as exc:
+        raise HandshakeError(f"no join record at {path}: {exc}") from exc
+    try:
+        fields = json.loads(document)
+        # Through the handshake's own checks: a record is the front-end's answer, kept.
+        payload = msgspec.msgpack.encode(
+            {
+                "addresses": {k: v for k, v in fields.items() if k != "parallel_config"},
+                "parallel_config": fields.get("parallel_config") or {},
+            }
+        )
+    except (ValueError, AttributeError) as exc:
+        raise HandshakeError(f"{path} is not a join record: {exc}") from exc
+    return HandshakeMetadata.decode(payload)
 
 
 def _str_list(value: Any) -> bool:
@@ -242,9 +283,15 @@ def join_frontend(
     handshake_timeout_s: float = DEFAULT_HANDSHAKE_TIMEOUT_S,
     release: str | None = None,
     on_built: Callable[[Any], None] | None = None,
+    join_record: str | None = None,
+    rejoin: bool = False,
 ) -> int:
     """Join the vLLM front-end whose handshake ROUTER is at ``handshake_address`` and
     serve until stopped; return the exit status (0 clean stop, 1 failure).
+
+    ``join_record``: a file where the handshake's answer is kept; with ``rejoin`` the
+    engine takes its addresses from that file instead of a handshake (it is started
+    again in place of a lost engine of the same index; see the module docstring).
 
     ``data_parallel_size`` is only reported in the ready response; ``release`` is the
     front-end's vLLM wire version (the handshake does not tell it). ``on_built`` is
@@ -259,9 +306,15 @@ def join_frontend(
     except Exception:
         logger.exception("engine %d failed to start", engine_index)
         return 1
+    if rejoin:
+        if join_record is None:
+            raise ValueError("rejoin needs the join_record of the engine it replaces")
+        return _rejoin(built, join_record, engine_index, data_parallel_size, release, parent_pid)
     handshake = FrontEndHandshake(handshake_address, engine_index)
     try:
         meta = handshake.hello(handshake_timeout_s)
+        if join_record is not None:
+            write_join_record(join_record, meta)
         if meta.parallel_config:
             raise HandshakeError(
                 "the front-end runs a coordinated (MoE) data-parallel group, whose ranks "
@@ -290,6 +343,28 @@ def join_frontend(
     finally:
         # It ends within a poll interval once the proc stopped (plus READY's linger).
         announcer.join(timeout=_LINGER_MS / 1000 + 1.0)
+
+
+def _rejoin(
+    built: Any,
+    join_record: str,
+    engine_index: int,
+    data_parallel_size: int,
+    release: str | None,
+    parent_pid: int | None,
+) -> int:
+    """Serve with the addresses a former engine of ``engine_index`` was given."""
+    from corewire.engine.launch import run_proc
+
+    try:
+        meta = read_join_record(join_record)
+        proc = _build_proc(built, meta, engine_index, data_parallel_size, release)
+    except Exception:
+        logger.exception("engine %d could not rejoin with %s", engine_index, join_record)
+        _shutdown_quietly(built)
+        return 1
+    logger.info("engine %d rejoins the front-end at %s", engine_index, meta.inputs[0])
+    return run_proc(proc, parent_pid)
 
 
 def _shutdown_quietly(engine: Any) -> None:

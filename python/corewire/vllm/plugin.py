@@ -297,4 +297,28 @@ def _install_client() -> None:
     # Kept for the servers corewire declines (corewire.vllm.adapters.classes.declined_reason).
     classes.vllm_factory = current.__func__ if isinstance(current, staticmethod) else current
     EngineCoreClient.make_async_mp_client = staticmethod(make_async_mp_client)  # type: ignore[method-assign]
+    _client_logs_in_vllms_log()
     logger.info("corewire: vLLM's AsyncLLM uses corewire's engine-core client")
+
+
+def _client_logs_in_vllms_log() -> None:
+    """Show the client's warnings (an engine lost, replaced, rejoined, given up) in the
+    server's log: the root logger, which they would reach otherwise, is at ERROR once
+    some vLLM servers have imported their dependencies, and has no handler there."""
+    client_logger = logging.getLogger("corewire.client")
+    if any(isinstance(h, _ToVllmLogger) for h in client_logger.handlers):
+        return  # vLLM loads plugins more than once per process
+    client_logger.addHandler(_ToVllmLogger())
+    if client_logger.level == logging.NOTSET:
+        client_logger.setLevel(logging.WARNING)
+
+
+class _ToVllmLogger(logging.Handler):
+    """Hands each record to the ``vllm.corewire.client`` logger, whose handlers are
+    vLLM's whenever vLLM has set them up (some releases do so after the plugins load);
+    where the root logger has handlers of its own, the record reaches them anyway and is
+    not handed on twice."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if not logging.root.handlers:
+            logging.getLogger("vllm.corewire.client").handle(record)

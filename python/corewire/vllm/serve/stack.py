@@ -10,6 +10,10 @@ The stack is three kinds of processes on loopback:
   the wire of the installed vLLM (``V`` is 0.25.1 or 0.33.0, from its version);
 - with N > 1, vLLM's own DP coordinator, a child of the API server.
 
+With ``restart_engines`` (``scripts/serve``'s default with corewire's client) an engine
+that dies is started again and rejoins the API server, whose corewire client routes to
+it again (:mod:`corewire.vllm.serve.engine_restarts`).
+
 With ``ray_placement`` the engines are Ray actors instead (one placement group, one
 bundle per engine, :mod:`corewire.client.ray_engines`) that do the same handshake; they
 join on ``engine_host`` (loopback unless given: vLLM's engine link has no encryption,
@@ -37,6 +41,7 @@ import contextlib
 import errno
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -52,6 +57,7 @@ from types import TracebackType
 from typing import IO, TYPE_CHECKING, Any, Literal
 
 from corewire.ports import unused_port
+from corewire.vllm.serve.engine_restarts import EngineRestarts
 
 if TYPE_CHECKING:
     from corewire.client.ray_engines import RayEngineHandle, RayEngines, RayPlacement
@@ -173,7 +179,9 @@ class ServeStack:
     ``server_env`` to its environment. ``api_servers`` > 1 runs vLLM's multi-API-server
     layout (``--api-server-count``): that many server processes share the HTTP port, each
     with its own engine-core client. ``release``: the wire the engines speak (None: the
-    installed vLLM's, :func:`installed_release`).
+    installed vLLM's, :func:`installed_release`). ``restart_engines``: start an engine
+    that dies again (with corewire's client, engine processes only; see the module
+    docstring).
 
     Use it as a context manager, or call :meth:`start` and :meth:`stop`.
     """
@@ -197,6 +205,7 @@ class ServeStack:
         output: Literal["vllm", "corewire"] | None = None,
         ray_placement: RayPlacement | None = None,
         engine_host: str = _LOOPBACK,
+        restart_engines: bool = False,
     ) -> None:
         if client not in CLIENTS:
             raise ValueError(f"client must be one of {CLIENTS}, got {client!r}")
@@ -206,6 +215,11 @@ class ServeStack:
             raise ValueError(f"engines must be at least 1, got {engines}")
         if api_servers < 1:
             raise ValueError(f"api_servers must be at least 1, got {api_servers}")
+        if restart_engines and (client != "corewire" or ray_placement is not None):
+            raise ValueError(
+                "restart_engines needs corewire's client (vLLM's takes no engine back) and "
+                "engine processes (not Ray actors)"
+            )
         self.model_dir = Path(model_dir)
         self.host = host
         self._chosen_http_port = port == 0
@@ -234,6 +248,11 @@ class ServeStack:
         self._ray: RayEngines | None = None
         self._logs: list[IO[bytes]] = []
         self._healthy = False
+        self.restart_engines = restart_engines
+        #: With ``restart_engines``: the private directory of the engines' join records,
+        #: and the thread that restarts them once the stack is healthy.
+        self._join_dir: str | None = None
+        self.engine_restarts: EngineRestarts | None = None
 
     # ------------------------------------------------------------------ commands
 
@@ -288,10 +307,15 @@ class ServeStack:
             self._release = installed_release()
         return self._release
 
-    def engine_command(self, index: int) -> list[str]:
+    def engine_command(self, index: int, *, rejoin: bool = False) -> list[str]:
         """``corewire engine`` joining the API server through vLLM's start-up handshake,
-        speaking :attr:`release`."""
+        speaking :attr:`release`; ``rejoin``: started again in a dead engine's place, with
+        the addresses its handshake gave (``restart_engines``)."""
         engine_args = {"max_model_len": self.max_model_len, **self.engine_args}
+        rejoining: list[str] = []
+        if self._join_dir is not None:
+            rejoining = ["--join-record", os.path.join(self._join_dir, f"engine-{index}.join")]
+            rejoining += ["--rejoin"] if rejoin else []
         return [
             sys.executable,
             "-m",
@@ -308,6 +332,7 @@ class ServeStack:
             # The engine stops by itself if this launcher goes away without stopping it.
             "--parent-pid",
             str(os.getpid()),
+            *rejoining,
         ]
 
     def server_environment(self) -> dict[str, str]:
@@ -384,9 +409,9 @@ class ServeStack:
             self.server = self._spawn(
                 self.server_command(), self.server_environment(), "api-server.log"
             )
-            engine_env = offline_env()
-            for switch in _SWITCHES:
-                engine_env.pop(switch, None)
+            engine_env = self._engine_environment()
+            if self.restart_engines and self._join_dir is None:
+                self._join_dir = tempfile.mkdtemp(prefix="corewire-join-")  # 0700
             if self.ray_placement is not None:
                 self._place_ray_engines(timeout)
             else:
@@ -395,9 +420,27 @@ class ServeStack:
                         self._spawn(self.engine_command(i), engine_env, f"engine-{i}.log")
                     )
             self.wait_healthy(timeout)
+            if self.restart_engines:
+                self.engine_restarts = EngineRestarts(self.engines, self._restart_engine)
+                self.engine_restarts.start()
         except BaseException:
             self.stop()
             raise
+
+    def _engine_environment(self) -> dict[str, str]:
+        env = offline_env()
+        for switch in _SWITCHES:
+            env.pop(switch, None)
+        return env
+
+    def _restart_engine(self, index: int) -> subprocess.Popen[bytes]:
+        """Engine ``index`` started again in a dead one's place (its log goes on)."""
+        return self._spawn(
+            self.engine_command(index, rejoin=True),
+            self._engine_environment(),
+            f"engine-{index}.log",
+            append=True,
+        )
 
     def _place_ray_engines(self, timeout: float) -> None:
         """Start the engines as Ray actors that join the API server's handshake."""
@@ -447,7 +490,8 @@ class ServeStack:
     def check_alive(self) -> None:
         """Raise :class:`StackError` naming the first process that has exited."""
         procs = [("API server", "api-server.log", self.server)]
-        procs += [(f"engine {i}", f"engine-{i}.log", p) for i, p in enumerate(self.engines)]
+        if self.engine_restarts is None:  # else a dead engine is started again
+            procs += [(f"engine {i}", f"engine-{i}.log", p) for i, p in enumerate(self.engines)]
         for name, log, proc in procs:
             if proc is not None and proc.poll() is not None:
                 raise StackError(
@@ -469,6 +513,9 @@ class ServeStack:
         never became healthy is killed at once: while it waits for engines to join, vLLM
         ignores SIGTERM and SIGINT. Safe to call twice.
         """
+        if self.engine_restarts is not None:
+            self.engine_restarts.stop()  # nothing is started again from now on
+            self.engine_restarts = None
         server = [self.server] if self.server is not None else []
         for group in (server, self.engines):
             for proc in group:
@@ -488,6 +535,9 @@ class ServeStack:
         for log in self._logs:
             log.close()
         self._logs.clear()
+        if self._join_dir is not None:
+            shutil.rmtree(self._join_dir, ignore_errors=True)
+            self._join_dir = None
 
     def _stop_ray_engines(self, timeout: float) -> None:
         """Stop the Ray engines (stop, then ``ray.kill`` after ``timeout``) and release
@@ -513,10 +563,13 @@ class ServeStack:
 
     # ------------------------------------------------------------------ helpers
 
-    def _spawn(self, cmd: list[str], env: dict[str, str], log_name: str) -> subprocess.Popen[bytes]:
+    def _spawn(
+        self, cmd: list[str], env: dict[str, str], log_name: str, *, append: bool = False
+    ) -> subprocess.Popen[bytes]:
         stdout: IO[bytes] | None = None
         if self.log_dir is not None:
-            stdout = open(self.log_dir / log_name, "wb")  # noqa: SIM115 - closed by stop()
+            mode = "ab" if append else "wb"
+            stdout = open(self.log_dir / log_name, mode)  # noqa: SIM115 - closed by stop()
             self._logs.append(stdout)
         return subprocess.Popen(
             cmd,
@@ -617,6 +670,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--startup-timeout", type=float, default=300.0, help="seconds to wait for /health"
     )
+    parser.add_argument(
+        "--no-engine-restarts",
+        action="store_true",
+        help="leave an engine that dies down (default with corewire's client and engine "
+        "processes: start it again; it rejoins the API server)",
+    )
     args = parser.parse_args(argv)
     if args.engine_args is not None and not isinstance(args.engine_args, dict):
         parser.error("--engine-args must be a JSON object")
@@ -659,6 +718,9 @@ def main(argv: list[str] | None = None) -> int:
             api_servers=args.api_servers,
             ray_placement=placement,
             engine_host=args.engine_host,
+            restart_engines=(
+                not args.no_engine_restarts and args.client == "corewire" and placement is None
+            ),
         )
         try:
             stack.start(timeout=args.startup_timeout)
