@@ -299,7 +299,10 @@ class EngineLossMixin:
         if index not in self.engine_indices or self.resources.engine_dead:
             logger.warning("engine %d connected, but it is not of this group: ignored", index)
             return
-        if index not in self._claims:
+        if index not in self._ended_losses:
+            # Its predecessor's loss not seen yet (or seen, claimed, and not yet ended):
+            # end it now. Requests routed to the index meanwhile reached the newcomer,
+            # which must not work on for nobody.
             identity = engine_identity(index)
             position = self.engine_indices.index(index)
             held = [rid for rid, pos in self.reqs_in_flight.items() if pos == position]
@@ -309,7 +312,7 @@ class EngineLossMixin:
             self._lost_process.setdefault(index, False)
             self._engine_lost(index)
             if held:
-                with contextlib.suppress(Exception):  # best effort: it never had them
+                with contextlib.suppress(Exception):  # best effort: it may never have had them
                     self._send_message(identity, REQUEST_ABORT, self.encoder.encode(held), None)
         if self.engine_loss != "replace" or index in self.ranks_given_up:
             logger.warning("engine %d rejoined; engine_loss=%s keeps it out of routing",
