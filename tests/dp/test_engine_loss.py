@@ -293,6 +293,38 @@ async def test_an_engine_started_again_before_its_loss_was_seen() -> None:
             client.shutdown()
 
 
+@retry_port_conflicts
+async def test_a_rejoin_while_the_other_rank_is_being_replaced() -> None:
+    # Engine 0 (this client's) is lost and its replacement takes 3 s to start; meanwhile
+    # engine 1 (another host's) is killed and started again. Its ready message arrives
+    # while the replacement's wait reads the ROUTER, and no other engine serves then:
+    # both must still be taken, and the group end with both ranks serving.
+    address = f"tcp://127.0.0.1:{unused_port_block()}"
+    remote = start_engine_1(address)
+    client = None
+    try:
+        client = remote_group(address, engine_loss="replace")
+        placed = await streams_on_every_engine(client, 10, "s")
+        client.engine = "client_support:SlowStartEngine"
+        client.engine_args = {**SLOW, "start_s": 3.0}
+        os.kill(client.engine_pids[0], signal.SIGKILL)
+        await wait_until(lambda: client.lost_engines == [0], what="engine 0 lost")
+        remote.kill()
+        remote.wait()
+        remote = start_engine_1(address)
+        done = await collect_finished(client, list(placed), timeout=60)
+        assert {d.finish_reason for d in done.values()} == {FinishReason.ERROR}
+        await wait_until(
+            lambda: client.serving_engines == [0, 1], timeout=60, what="both ranks back"
+        )
+        assert client.engines_lost == 2 and client.engines_replaced == 2
+        assert not client.engine_dead
+    finally:
+        stop(remote)
+        if client is not None:
+            client.shutdown()
+
+
 async def test_fail_is_vllms_behaviour() -> None:
     client = group(2, engine_loss="fail")
     try:

@@ -245,6 +245,12 @@ async def test_engine_killed_under_load_fails_requests_and_health(tmp_path: Path
         assert sorted(map(str, results)) == sorted(["500"] * (n // 2) + ["error event"] * (n // 2))
 
 
+def test_engine_restarts_need_a_client_that_takes_an_engine_back(tmp_path: Path) -> None:
+    for settings in ({"engines": 1}, {"engines": 2, "client": "vllm"}):
+        with pytest.raises(ValueError, match="restart_engines needs"):
+            ServeStack(tmp_path, restart_engines=True, **settings)  # type: ignore[arg-type]
+
+
 @pytest.mark.skipif(_NO_PLUGIN is not None, reason=_NO_PLUGIN or "")
 async def test_a_dp_engine_killed_under_load_is_started_again_and_rejoins(tmp_path: Path) -> None:
     """DP = 2, corewire's client, and the stack's engine restarts (``scripts/serve``'s

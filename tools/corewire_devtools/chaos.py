@@ -504,7 +504,8 @@ class Chaos:
         """A serving engine's rank and process id, drawn from the schedule's generator;
         None when no serving engine has a process (all being replaced)."""
         client = serving.client
-        procs = client.resources.processes.engines
+        # A copy: the engine monitor's thread removes a lost engine's entry meanwhile.
+        procs = dict(client.resources.processes.engines)
         ranks = sorted(r for r in client.serving_engines if r in procs and procs[r].pid is not None)
         if not ranks:
             return None

@@ -319,7 +319,13 @@ class MPClient:
             timeout,
             address=self.input_address,
             report_path=self._startup_report_path,
+            on_unexpected=self._unexpected_ready(),
         )
+
+    def _unexpected_ready(self) -> Callable[[bytes, dict[str, Any]], None] | None:
+        """Who takes a ready message from an engine a ready wait did not wait for (None:
+        it is logged); a client whose engines may rejoin hands it on."""
+        return None
 
     # -- state -----------------------------------------------------------------------
 

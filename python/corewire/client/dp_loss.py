@@ -46,8 +46,13 @@ async def _watch_rejoins(client_ref: Any, resources: Any) -> None:
             return
         lock = client._scale_lock
         if lock is None or not lock.locked():
-            for index, info in client._read_rejoins():
-                client._engine_rejoined(index, info)
+            try:
+                arrived = client._read_rejoins()
+            except Exception:
+                logger.exception("reading the ready messages of rejoining engines failed")
+                arrived = []
+            for index, info in arrived:
+                client._rejoin_safely(index, info)
         del client
 
 
@@ -157,8 +162,10 @@ class EngineLossMixin:
         """Loop thread: end what engine ``index`` held and serve on without it."""
         if self.resources.engine_dead or index not in self.engine_indices:
             return
-        if index in self._ended_losses:
-            return  # reported twice (the watchdog and the engine monitor): ended once
+        if index in self._ended_losses or index not in self._claims:
+            # Reported twice (the watchdog and the engine monitor): ended once; or
+            # reported late, after the rank served again.
+            return
         self._ended_losses.add(index)
         reason = self._claims.reason(index) or "lost"
         position = self.engine_indices.index(index)
@@ -268,6 +275,26 @@ class EngineLossMixin:
         )
         resources.loop_side.add_task(task)
 
+    def _unexpected_ready(self) -> Any:
+        # A ready wait of a scaling step or a replacement reads the ROUTER while the
+        # rejoin watch does not: an engine that rejoined meanwhile is handed on to it.
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:
+            return None  # the start-up's wait: nothing has rejoined yet
+        if not self._watches_rejoins():
+            return None
+        return lambda identity, info: loop.call_soon(
+            self._rejoin_safely, engine_index_of(identity), info
+        )
+
+    def _rejoin_safely(self, index: int, info: dict[str, Any]) -> None:
+        """:meth:`_engine_rejoined`, whose failure is logged (the watch must live on)."""
+        try:
+            self._engine_rejoined(index, info)
+        except Exception:
+            logger.exception("engine %d rejoined, and taking it back failed", index)
+
     def _watches_rejoins(self) -> bool:
         """Whether engines of this group may rejoin: some were not started by this client
         (their launcher may start one again) and a loss is not the whole group's."""
@@ -307,14 +334,15 @@ class EngineLossMixin:
             position = self.engine_indices.index(index)
             held = [rid for rid, pos in self.reqs_in_flight.items() if pos == position]
             reason = "a new engine of this index joined: the one before it is gone"
-            if not self._claims.claim(index, reason, self.engine_indices):
-                return
+            # The newcomer serves, so this loss never leaves the group without an engine.
+            self._claims.claim(index, reason, self.engine_indices, newcomer=True)
             self._lost_process.setdefault(index, False)
             self._engine_lost(index)
             if held:
                 with contextlib.suppress(Exception):  # best effort: it may never have had them
                     self._send_message(identity, REQUEST_ABORT, self.encoder.encode(held), None)
-        if self.engine_loss != "replace" or index in self.ranks_given_up:
+        alone = not self.serving_engines
+        if (self.engine_loss != "replace" or index in self.ranks_given_up) and not alone:
             logger.warning("engine %d rejoined; engine_loss=%s keeps it out of routing",
                            index, self.engine_loss)  # fmt: skip
             return

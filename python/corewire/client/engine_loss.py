@@ -139,13 +139,16 @@ class LossClaims:
         self._lock = threading.Lock()
         self._reasons: dict[int, str] = {}
 
-    def claim(self, index: int, reason: str, engines: Collection[int]) -> bool:
+    def claim(
+        self, index: int, reason: str, engines: Collection[int], *, newcomer: bool = False
+    ) -> bool:
         """Record ``index`` lost (the first reason stays) unless that would leave none of
-        ``engines`` serving; True when ``index`` is (now, or already) claimed."""
+        ``engines`` serving (``newcomer``: a new engine of ``index`` is there already, so
+        it would not); True when ``index`` is (now, or already) claimed."""
         with self._lock:
             if index in self._reasons:
                 return True
-            if not any(e != index and e not in self._reasons for e in engines):
+            if not newcomer and not any(e != index and e not in self._reasons for e in engines):
                 return False
             self._reasons[index] = reason
             return True

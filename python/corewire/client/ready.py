@@ -54,6 +54,8 @@ class ReadyWait:
 
     ``report_path(process_name)`` is where a process reports why it failed to start
     (None: nowhere). ``address`` names the socket in the timeout error.
+    ``on_unexpected(identity, ready_map)`` is given the ready message of an engine not
+    waited for (one that rejoined meanwhile); without it, such a message is logged.
     """
 
     def __init__(
@@ -65,6 +67,7 @@ class ReadyWait:
         *,
         address: str,
         report_path: Callable[[str], str | None],
+        on_unexpected: Callable[[bytes, dict[str, Any]], None] | None = None,
     ) -> None:
         # A blocking view of the ROUTER (the client's own socket may be an asyncio one,
         # on which nothing waits: a direct read takes no wake-up from anyone).
@@ -75,6 +78,7 @@ class ReadyWait:
         self._deadline = time.monotonic() + timeout
         self._address = address
         self._report_path = report_path
+        self._on_unexpected = on_unexpected
         #: Ready message of each engine that sent one (identity -> map).
         self.info: dict[bytes, dict[str, Any]] = {}
 
@@ -109,10 +113,15 @@ class ReadyWait:
         sock = self._sock
         while cast(int, sock.get(zmq.EVENTS)) & zmq.POLLIN:
             identity, *rest = sock.recv_multipart()
-            self.info[identity] = parse_ready(identity, rest[-1] if rest else b"")
-            if identity not in self._missing:
+            info = parse_ready(identity, rest[-1] if rest else b"")
+            if identity in self._missing:
+                self.info[identity] = info
+                self._missing.discard(identity)
+            elif self._on_unexpected is not None:
+                self._on_unexpected(identity, info)
+            else:
+                self.info[identity] = info
                 logger.warning("ready message from unexpected engine %r", bounded(identity))
-            self._missing.discard(identity)
         if not self._missing:
             return True
         for proc in self._processes:

@@ -309,8 +309,8 @@ def _client_logs_in_vllms_log() -> None:
     if any(isinstance(h, _ToVllmLogger) for h in client_logger.handlers):
         return  # vLLM loads plugins more than once per process
     client_logger.addHandler(_ToVllmLogger())
-    if client_logger.level == logging.NOTSET:
-        client_logger.setLevel(logging.WARNING)
+    if client_logger.getEffectiveLevel() > logging.WARNING:
+        client_logger.setLevel(logging.WARNING)  # a level set lower (DEBUG, INFO) stays
 
 
 class _ToVllmLogger(logging.Handler):

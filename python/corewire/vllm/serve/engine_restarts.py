@@ -19,6 +19,7 @@ from __future__ import annotations
 import logging
 import subprocess
 import threading
+import time
 from collections import Counter
 from collections.abc import Callable
 
@@ -30,6 +31,9 @@ logger = logging.getLogger("corewire.vllm.serve")
 
 #: How often the engines' processes are looked at.
 POLL_S = 0.2
+#: Seconds at least between two starts of one engine (one that dies at once would
+#: otherwise spend its budget in a second).
+RESTART_DELAY_S = 2.0
 
 
 class EngineRestarts:
@@ -51,6 +55,8 @@ class EngineRestarts:
         self.restarts: Counter[int] = Counter()
         #: Engine indices left down (they died too often).
         self.given_up: set[int] = set()
+        # Engine index -> the monotonic time before which it is not started again.
+        self._not_before: dict[int, float] = {}
 
     def start(self) -> None:
         """Start watching (once every engine has joined)."""
@@ -71,6 +77,8 @@ class EngineRestarts:
             for index, proc in enumerate(self._engines):
                 if proc.poll() is None or index in self.given_up:
                     continue
+                if time.monotonic() < self._not_before.get(index, 0.0):
+                    continue
                 if not self._budget.spend(index):
                     self.given_up.add(index)
                     logger.error(
@@ -87,9 +95,10 @@ class EngineRestarts:
                     index,
                     proc.returncode,
                 )
+                self._not_before[index] = time.monotonic() + RESTART_DELAY_S
                 try:
                     self._engines[index] = self._restart(index)
-                except OSError as exc:
+                except Exception as exc:  # the watch lives on; the next look tries again
                     logger.error("engine %d could not be started again: %s", index, exc)
                     continue
                 self.restarts[index] += 1

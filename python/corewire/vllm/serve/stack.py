@@ -56,6 +56,7 @@ from pathlib import Path
 from types import TracebackType
 from typing import IO, TYPE_CHECKING, Any, Literal
 
+from corewire.client.engine_loss import ENGINE_LOSS_ENV, engine_loss_policy
 from corewire.ports import unused_port
 from corewire.vllm.serve.engine_restarts import EngineRestarts
 
@@ -215,10 +216,11 @@ class ServeStack:
             raise ValueError(f"engines must be at least 1, got {engines}")
         if api_servers < 1:
             raise ValueError(f"api_servers must be at least 1, got {api_servers}")
-        if restart_engines and (client != "corewire" or ray_placement is not None):
+        if restart_engines and (client != "corewire" or ray_placement is not None or engines < 2):
             raise ValueError(
-                "restart_engines needs corewire's client (vLLM's takes no engine back) and "
-                "engine processes (not Ray actors)"
+                "restart_engines needs corewire's client (vLLM's takes no engine back), "
+                "engine processes (not Ray actors) and 2 engines or more (one engine's "
+                "death is its client's: nothing would take a restarted engine back)"
             )
         self.model_dir = Path(model_dir)
         self.host = host
@@ -253,6 +255,8 @@ class ServeStack:
         #: and the thread that restarts them once the stack is healthy.
         self._join_dir: str | None = None
         self.engine_restarts: EngineRestarts | None = None
+        # Engine index -> its log file (closed when the engine is started again).
+        self._engine_logs: dict[int, IO[bytes]] = {}
 
     # ------------------------------------------------------------------ commands
 
@@ -411,6 +415,13 @@ class ServeStack:
             )
             engine_env = self._engine_environment()
             if self.restart_engines and self._join_dir is None:
+                env = self.server_environment()
+                policy = engine_loss_policy(env.get(ENGINE_LOSS_ENV) or None)
+                if policy != "replace":
+                    raise StackError(
+                        f"restart_engines: the API server's client runs {ENGINE_LOSS_ENV}="
+                        f"{policy}, which takes no engine back"
+                    )
                 self._join_dir = tempfile.mkdtemp(prefix="corewire-join-")  # 0700
             if self.ray_placement is not None:
                 self._place_ray_engines(timeout)
@@ -419,6 +430,8 @@ class ServeStack:
                     self.engines.append(
                         self._spawn(self.engine_command(i), engine_env, f"engine-{i}.log")
                     )
+                    if self.log_dir is not None:
+                        self._engine_logs[i] = self._logs[-1]
             self.wait_healthy(timeout)
             if self.restart_engines:
                 self.engine_restarts = EngineRestarts(self.engines, self._restart_engine)
@@ -435,12 +448,20 @@ class ServeStack:
 
     def _restart_engine(self, index: int) -> subprocess.Popen[bytes]:
         """Engine ``index`` started again in a dead one's place (its log goes on)."""
-        return self._spawn(
+        proc = self._spawn(
             self.engine_command(index, rejoin=True),
             self._engine_environment(),
             f"engine-{index}.log",
             append=True,
         )
+        if self.log_dir is not None:
+            old = self._engine_logs.get(index)
+            self._engine_logs[index] = self._logs[-1]
+            if old is not None:
+                # The dead engine's handle: closed, not kept until the stack stops.
+                self._logs.remove(old)
+                old.close()
+        return proc
 
     def _place_ray_engines(self, timeout: float) -> None:
         """Start the engines as Ray actors that join the API server's handshake."""
@@ -535,6 +556,7 @@ class ServeStack:
         for log in self._logs:
             log.close()
         self._logs.clear()
+        self._engine_logs.clear()
         if self._join_dir is not None:
             shutil.rmtree(self._join_dir, ignore_errors=True)
             self._join_dir = None
@@ -673,8 +695,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--no-engine-restarts",
         action="store_true",
-        help="leave an engine that dies down (default with corewire's client and engine "
-        "processes: start it again; it rejoins the API server)",
+        help="leave an engine that dies down (default with corewire's client, 2 engines or "
+        "more and engine processes, unless COREWIRE_ENGINE_LOSS says otherwise: start it "
+        "again; it rejoins the API server)",
     )
     args = parser.parse_args(argv)
     if args.engine_args is not None and not isinstance(args.engine_args, dict):
@@ -719,7 +742,11 @@ def main(argv: list[str] | None = None) -> int:
             ray_placement=placement,
             engine_host=args.engine_host,
             restart_engines=(
-                not args.no_engine_restarts and args.client == "corewire" and placement is None
+                not args.no_engine_restarts
+                and args.client == "corewire"
+                and placement is None
+                and args.engines > 1
+                and engine_loss_policy() == "replace"
             ),
         )
         try:
