@@ -143,9 +143,9 @@ def semantic(value: Any) -> Any:
 
 
 def joined(events: list[dict[str, Any]]) -> dict[str, Any]:
-    """What a client reads from a stream, per choice: the text (or content) pieces in
-    order (empty ones left out), the finish and stop reasons, logprobs, token ids; and the
-    stream's prompt token ids and last usage. Chunk shapes (null fields, where a finish
+    """What a client reads from a stream, per choice: the text (or content), the finish
+    and stop reasons, logprobs, token ids; and the stream's prompt token ids and last
+    usage. Chunk shapes (how the answer is split into chunks, null fields, where a finish
     reason rides) are left out."""
     out: dict[str, Any] = {"choices": {}, "usage": None, "prompt_token_ids": None}
     for event in events:
@@ -167,8 +167,26 @@ def joined(events: list[dict[str, Any]]) -> dict[str, Any]:
                 out["prompt_token_ids"] = choice["prompt_token_ids"]
             c["token_ids"] += choice.get("token_ids") or []
             if choice.get("logprobs"):
-                c["logprobs"].append(semantic(choice["logprobs"]))
+                c["logprobs"] = _joined_logprobs(c["logprobs"], semantic(choice["logprobs"]))
+    for c in out["choices"].values():
+        # One text: a server that merged steps into fewer chunks (a loaded one) wrote the
+        # same answer in fewer pieces.
+        c["text"] = "".join(c.pop("pieces"))
     return semantic(out)
+
+
+def _joined_logprobs(so_far: Any, piece: dict[str, Any]) -> dict[str, Any]:
+    """The logprobs of a stream's chunks as one: each list field (tokens, their
+    logprobs, top logprobs, text offsets; chat's content) concatenated, so that a server
+    that merged steps into fewer chunks (a loaded one) reads the same."""
+    joined_so_far = dict(so_far) if isinstance(so_far, dict) else {}
+    for key, value in piece.items():
+        before = joined_so_far.get(key)
+        if isinstance(value, list) and isinstance(before, list):
+            joined_so_far[key] = before + value
+        else:
+            joined_so_far[key] = value
+    return joined_so_far
 
 
 def close(a: Any, b: Any) -> bool:
