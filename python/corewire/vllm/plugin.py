@@ -309,8 +309,10 @@ def _client_logs_in_vllms_log() -> None:
     if any(isinstance(h, _ToVllmLogger) for h in client_logger.handlers):
         return  # vLLM loads plugins more than once per process
     client_logger.addHandler(_ToVllmLogger())
-    if client_logger.getEffectiveLevel() > logging.WARNING:
-        client_logger.setLevel(logging.WARNING)  # a level set lower (DEBUG, INFO) stays
+    # Its own level, unless someone set one (on it or on corewire's logger): the root's may
+    # still be WARNING here and turn ERROR later in the server's start-up (vLLM 0.34.0).
+    if client_logger.level == logging.NOTSET == logging.getLogger("corewire").level:
+        client_logger.setLevel(logging.WARNING)
 
 
 class _ToVllmLogger(logging.Handler):
