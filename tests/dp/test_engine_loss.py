@@ -229,6 +229,15 @@ def start_engine_1(address: str) -> subprocess.Popen[bytes]:
     return start_remote_engine(address, 1, 2, engine=SYNTHETIC, engine_args=SLOW)
 
 
+async def assert_both_ranks_serve(client: DPLBAsyncMPClient) -> None:
+    """A burst of short requests reaches both engines of a group of 2."""
+    burst = [f"b-{i}" for i in range(8)]
+    for rid in burst:
+        await client.add_request_async(request(rid, max_tokens=2))
+    done = await collect_finished(client, burst, timeout=30)
+    assert {d.engine_index for d in done.values()} == {0, 1}
+
+
 @retry_port_conflicts
 async def test_an_engine_of_another_host_lost_then_started_again_rejoins() -> None:
     # Not this client's process: the watchdog finds it gone, the group serves on, and
@@ -252,11 +261,7 @@ async def test_an_engine_of_another_host_lost_then_started_again_rejoins() -> No
         remote = start_engine_1(address)
         await wait_until(lambda: client.serving_engines == [0, 1], timeout=60, what="a rejoin")
         assert client.engines_replaced == 1 and client.engines_lost == 1
-        burst = [f"b-{i}" for i in range(8)]
-        for rid in burst:
-            await client.add_request_async(request(rid, max_tokens=2))
-        done = await collect_finished(client, burst, timeout=30)
-        assert {d.engine_index for d in done.values()} == {0, 1}
+        await assert_both_ranks_serve(client)
     finally:
         stop(remote)
         if client is not None:
@@ -282,11 +287,7 @@ async def test_an_engine_started_again_before_its_loss_was_seen() -> None:
         assert {d.finish_reason for d in done.values()} == {FinishReason.ERROR}
         await wait_until(lambda: client.engines_replaced == 1, timeout=30, what="a rejoin")
         assert client.serving_engines == [0, 1] and client.engines_lost == 1
-        burst = [f"b-{i}" for i in range(8)]
-        for rid in burst:
-            await client.add_request_async(request(rid, max_tokens=2))
-        done = await collect_finished(client, burst, timeout=30)
-        assert {d.engine_index for d in done.values()} == {0, 1}
+        await assert_both_ranks_serve(client)
     finally:
         stop(remote)
         if client is not None:
