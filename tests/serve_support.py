@@ -121,8 +121,12 @@ def running_stack(
 ) -> Iterator[ServeStack]:
     """A started stack with its model directory and logs under ``workdir``; stopped on exit
     (``extra_server_args``: more ``vllm serve`` flags; ``restart_engines``: the stack
-    starts a dead engine again)."""
-    model_dir = write_model_dir(workdir / "model", max_model_len=MAX_MODEL_LEN)
+    starts a dead engine again). A ``vocab_size`` among ``engine_overrides`` is the model
+    directory's too."""
+    vocab_size = (engine_overrides or {}).get("vocab_size", 4096)
+    model_dir = write_model_dir(
+        workdir / "model", max_model_len=MAX_MODEL_LEN, vocab_size=vocab_size
+    )
     stack = ServeStack(
         model_dir,
         port=0,

@@ -112,7 +112,9 @@ def stacks(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Serve
         yield started
 
 
-def _stack(setting: str, factory: Any, extra_server_args: tuple[str, ...] = ()) -> Any:
+def _stack(
+    setting: str, factory: Any, extra_server_args: tuple[str, ...] = (), vocab_size: int = 4096
+) -> Any:
     client, env = SETTINGS[setting]
     workdir = factory.mktemp(f"fast-{setting.replace('+', '-')}")
     return shared_stack(
@@ -120,7 +122,7 @@ def _stack(setting: str, factory: Any, extra_server_args: tuple[str, ...] = ()) 
         client,
         _SHARED_PIDS,
         server_env=env,
-        engine_overrides={"step_delay": STEP_DELAY},
+        engine_overrides={"step_delay": STEP_DELAY, "vocab_size": vocab_size},
         extra_server_args=extra_server_args,
     )
 
@@ -298,20 +300,28 @@ def test_random_workload_same_events_as_vllms_server(
         kept = [
             any(all(body.get(k) == v for k, v in f.items()) for f in fallbacks) for body, _ in got
         ]
-        want = {
-            "fast": sum(n for n, k in zip(sent, kept, strict=True) if not k),
-            "vllm": sum(n for n, k in zip(sent, kept, strict=True) if k),
-        }
-        # A request's count lands just after its last chunk, which a loaded machine can
-        # deliver first: read until every send is counted (or the time is up).
-        deadline = time.monotonic() + 15
-        while True:
-            after = fast_path_counts(mine)
-            took = {path: after.get(path, 0) - before.get(path, 0) for path in want}
-            if sum(took.values()) >= sum(want.values()) or time.monotonic() > deadline:
-                break
-            time.sleep(0.1)
-    assert took == want, (before, after, sent)
+        took, want = paths_taken(mine, before, sent, kept)
+    assert took == want, (before, sent)
+
+
+def paths_taken(
+    mine: httpx.Client, before: dict[str, float], sent: list[int], kept: list[bool]
+) -> tuple[dict[str, int], dict[str, int]]:
+    """The requests per path the fast path's server counted since ``before``, and those
+    it should have: each request sent ``sent[i]`` times, on vLLM's path where ``kept``."""
+    want = {
+        "fast": sum(n for n, k in zip(sent, kept, strict=True) if not k),
+        "vllm": sum(n for n, k in zip(sent, kept, strict=True) if k),
+    }
+    # A request's count lands just after its last chunk, which a loaded machine can
+    # deliver first: read until every send is counted (or the time is up).
+    deadline = time.monotonic() + 15
+    while True:
+        after = fast_path_counts(mine)
+        took = {path: int(after.get(path, 0) - before.get(path, 0)) for path in want}
+        if sum(took.values()) >= sum(want.values()) or time.monotonic() > deadline:
+            return took, want
+        time.sleep(0.1)
 
 
 def test_server_stream_interval_same_events_as_vllms_server(
@@ -336,6 +346,89 @@ def test_server_stream_interval_same_events_as_vllms_server(
         assert_same_runs(got, expected, mine, theirs, "/v1/chat/completions")
         after = fast_path_counts(mine)
     assert after["tokens"] > before["tokens"]
+
+
+#: A tool the tool-call parser servers' requests offer the model.
+WEATHER_TOOL = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "the weather in a city",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}},
+    },
+}
+
+
+def tool_chats(seed: int, http: httpx.Client, count: int) -> Iterator[dict[str, Any]]:
+    """:func:`random_chats` for a server with a tool-call parser: some offer a tool with
+    ``tool_choice: "none"``, some let the model call it (``auto``, the default with
+    tools)."""
+    rng = random.Random(seed + 1000)
+    for body in random_chats(seed, http, count):
+        draw = rng.random()
+        if draw < 0.3:
+            body |= {"tools": [WEATHER_TOOL], "tool_choice": "none"}
+        elif draw < 0.5:
+            body |= {"tools": [WEATHER_TOOL]}
+        yield body
+
+
+@pytest.mark.parametrize("vocab_size", [4096, 16])
+def test_tool_parser_server_same_events_as_vllms_server(
+    tmp_path_factory: pytest.TempPathFactory, vocab_size: int
+) -> None:
+    """Both servers started with a tool-call parser (``--enable-auto-tool-choice
+    --tool-call-parser hermes``, which vLLM runs on every stream): seeded random chat
+    completions, every event the same text; those that let the model call no tool take
+    the fast path, those that may call one (and the endpoint's fallbacks) vLLM's. With a
+    vocabulary of 16 a quarter of the tokens are special ones, which add no text: the
+    parser sends nothing for such an output, and neither do the native frames."""
+    args = ("--enable-auto-tool-choice", "--tool-call-parser", "hermes")
+    with (
+        _stack("vllm", tmp_path_factory, args, vocab_size) as vllm_stack,
+        _stack("corewire+fast", tmp_path_factory, args, vocab_size) as fast_stack,
+        http_client(vllm_stack) as theirs,
+        http_client(fast_stack) as mine,
+    ):
+        path = "/v1/chat/completions"
+        before = fast_path_counts(mine)
+        expected = [(b, raw_events(theirs, b, path)) for b in tool_chats(31, theirs, 14)]
+        got = [(b, raw_events(mine, b, path)) for b in tool_chats(31, mine, 14)]
+        sent = assert_same_runs(got, expected, mine, theirs, path)
+        kept = [
+            # With tools and no tool_choice, vLLM's default is "auto".
+            ("tools" in body and body.get("tool_choice") != "none")
+            or any(all(body.get(k) == v for k, v in f.items()) for f in CHAT_FALLBACKS)
+            for body, _ in got
+        ]
+        took, want = paths_taken(mine, before, sent, kept)
+        tokens = fast_path_counts(mine)["tokens"] - before.get("tokens", 0)
+        assert took == want, (before, sent)
+        assert want["fast"] and want["vllm"]
+        assert tokens > 0
+        if vocab_size == 16:
+            # Special tokens, which add no text: the parser sends nothing for such an
+            # output, and neither do the native frames (fewer content chunks than tokens).
+            body = {
+                "messages": [{"role": "user", "content": "hi"}],
+                "max_tokens": 60,
+                "temperature": 1.0,
+                "seed": 5,
+                "ignore_eos": True,
+                "stream": True,
+                "stream_options": {"include_usage": True},
+            }
+            got_events, expected_events, added = side_by_side(
+                theirs, mine, lambda h: raw_events(h, body, path)
+            )
+            assert got_events == expected_events
+            assert added["fast"] == added["tries"] and added["tokens"] > 0
+            usage = json.loads(got_events[-2])["usage"]
+            content = [
+                e for e in got_events if '"delta":{"content"' in e and '"finish_reason":null' in e
+            ]
+            assert usage["completion_tokens"] == 60
+            assert 0 < len(content) < 59, len(content)
 
 
 #: Tries of one request on both servers before their events must agree: a server that

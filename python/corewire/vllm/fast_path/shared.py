@@ -143,13 +143,16 @@ def attach(
     template: Template,
     logprobs_limit: int | None = None,
     text_offset: int = 0,
+    skip_empty: bool = False,
 ) -> bool:
     """Attaches ``text`` to the connection (``RequestText.attach_stream``); False, said
     once, when that fails (the native state refuses a request the endpoint's checks let
     through, or the cycle is not what it should be): the stream stays Python's,
     unharmed."""
     try:
-        text.attach_stream(connection.cycle, *template, logprobs_limit, text_offset)
+        text.attach_stream(
+            connection.cycle, *template, logprobs_limit, text_offset, skip_empty=skip_empty
+        )
     except Exception as e:
         # Once per reason (the message names the request first).
         reason = str(e).rsplit(": ", 1)[-1]
@@ -280,19 +283,27 @@ class Stream:
         wanted: object = True,
         logprobs_limit: int | None = None,
         text_offset: int = 0,
+        skip_empty: bool = False,
     ) -> bool:
         """Attaches the request's native state (``external_id``: its id in the output
         processor) to the connection after an unfinished chunk, when there is a template,
         the state is not attached already, ``wanted`` holds and :func:`attachable` lets
         it; True when it did. Starlette passed the chunk on before asking for the next
-        one: once it is on the wire, the plain outputs after it can go straight there."""
+        one: once it is on the wire, the plain outputs after it can go straight there.
+        ``skip_empty``: outputs with no new text get no frame."""
         if self.template is None or (self.text is not None and self.text.stream_attached):
             return False
         ready = attachable(self.processor, external_id, self.connection, self.chunks)
         if ready is None or not wanted:
             return False
         if not attach(
-            self.endpoint, ready, self.connection, self.template, logprobs_limit, text_offset
+            self.endpoint,
+            ready,
+            self.connection,
+            self.template,
+            logprobs_limit,
+            text_offset,
+            skip_empty,
         ):
             return False
         self.text = ready

@@ -448,8 +448,9 @@ impl RequestText {
     /// collector. `logprobs_limit`: with, and only with, sample logprobs, the candidates
     /// a chunk shows per position (-1: all); `text_offset`: where the next chunk's first
     /// token starts. Only a streamed (`DELTA`) request without prompt logprobs or an
-    /// n > 1 parent (`ValueError`: those chunks carry more).
-    #[pyo3(signature = (cycle, head, mid, tail, logprobs_limit = None, text_offset = 0))]
+    /// n > 1 parent (`ValueError`: those chunks carry more). `skip_empty`: an output whose
+    /// new text is empty gets no frame (only without logprobs: `ValueError`).
+    #[pyo3(signature = (cycle, head, mid, tail, logprobs_limit = None, text_offset = 0, skip_empty = false))]
     #[allow(clippy::too_many_arguments)]
     fn attach_stream(
         &mut self,
@@ -460,6 +461,7 @@ impl RequestText {
         tail: Vec<u8>,
         logprobs_limit: Option<i64>,
         text_offset: usize,
+        skip_empty: bool,
     ) -> PyResult<()> {
         let refusal = if self.output_kind != DELTA {
             Some("its outputs are not deltas")
@@ -471,6 +473,8 @@ impl RequestText {
             Some("it asked for prompt logprobs")
         } else if self.parent.is_some() {
             Some("it is one of n > 1 samples")
+        } else if skip_empty && logprobs_limit.is_some() {
+            Some("empty outputs are skipped only without logprobs")
         } else {
             None
         };
@@ -485,7 +489,7 @@ impl RequestText {
         // -1: every candidate (the API's `logprobs=-1`).
         let limit = logprobs_limit.map(|l| usize::try_from(l).ok());
         let template = FrameTemplate::new(head, mid, tail);
-        self.sink = Some(StreamSink::new(py, cycle, template, limit)?);
+        self.sink = Some(StreamSink::new(py, cycle, template, limit, skip_empty)?);
         self.stream_text_offset = text_offset;
         Ok(())
     }

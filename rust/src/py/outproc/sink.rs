@@ -35,8 +35,12 @@ pub(super) struct StreamSink {
     /// The cycle's asyncio transport (its `write`).
     transport: Py<PyAny>,
     pending: Vec<u8>,
-    /// The output token ids the waiting frames carry.
+    /// The output token ids the waiting frames carry (and the outputs skipped).
     pending_tokens: usize,
+    /// Whether an output whose new text is empty gets no frame (its tokens still count):
+    /// the chunks of a server with a tool-call parser, for a request that calls no tools,
+    /// where vLLM's parser sends nothing for such an output.
+    skip_empty: bool,
 }
 
 /// What writing a sink's waiting frames came to.
@@ -51,12 +55,14 @@ pub(super) enum Flushed {
 
 impl StreamSink {
     /// A sink writing to `cycle`'s transport, with the stream's frame template; for a
-    /// request with logprobs, `logprobs_limit` is `Some(limit)` (see the field).
+    /// request with logprobs, `logprobs_limit` is `Some(limit)`; `skip_empty`: see the
+    /// field.
     pub(super) fn new(
         py: Python<'_>,
         cycle: Py<PyAny>,
         template: FrameTemplate,
         logprobs_limit: Option<Option<usize>>,
+        skip_empty: bool,
     ) -> PyResult<Self> {
         let transport = cycle.bind(py).getattr(&Names::get(py).transport)?.unbind();
         Ok(StreamSink {
@@ -67,6 +73,7 @@ impl StreamSink {
             transport,
             pending: Vec::new(),
             pending_tokens: 0,
+            skip_empty,
         })
     }
 
@@ -113,7 +120,9 @@ impl StreamSink {
     ) -> PyResult<()> {
         self.pending_tokens += tokens;
         let Some(limit) = self.logprobs_limit else {
-            self.template.render(&mut self.pending, text, None);
+            if !(self.skip_empty && text.is_empty()) {
+                self.template.render(&mut self.pending, text, None);
+            }
             return Ok(());
         };
         let kept = std::mem::take(&mut self.positions);
@@ -151,9 +160,9 @@ impl StreamSink {
         Ok(())
     }
 
-    /// Whether frames wait to be written.
+    /// Whether frames (or the tokens of skipped outputs) wait to be written.
     pub(super) fn has_pending(&self) -> bool {
-        !self.pending.is_empty()
+        !self.pending.is_empty() || self.pending_tokens > 0
     }
 
     /// Writes the waiting frames as one HTTP chunk, unless the connection is gone or its
@@ -161,7 +170,11 @@ impl StreamSink {
     /// transport: a late write would land in the connection's next response).
     pub(super) fn flush(&mut self, py: Python<'_>) -> PyResult<Flushed> {
         if self.pending.is_empty() {
-            return Ok(Flushed::Written(0, true));
+            // Only skipped outputs: nothing to write, their tokens are the stream's.
+            return Ok(Flushed::Written(
+                std::mem::take(&mut self.pending_tokens),
+                true,
+            ));
         }
         let body = std::mem::take(&mut self.pending);
         let tokens = std::mem::take(&mut self.pending_tokens);
