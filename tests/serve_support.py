@@ -118,14 +118,15 @@ def running_stack(
     extra_server_args: tuple[str, ...] = (),
     timeout: float = 90.0,
     restart_engines: bool = False,
+    markers: tuple[str, ...] = (),
 ) -> Iterator[ServeStack]:
     """A started stack with its model directory and logs under ``workdir``; stopped on exit
     (``extra_server_args``: more ``vllm serve`` flags; ``restart_engines``: the stack
-    starts a dead engine again). A ``vocab_size`` among ``engine_overrides`` is the model
-    directory's too."""
+    starts a dead engine again; ``markers``: the model directory's marker tokens). A
+    ``vocab_size`` among ``engine_overrides`` is the model directory's too."""
     vocab_size = (engine_overrides or {}).get("vocab_size", 4096)
     model_dir = write_model_dir(
-        workdir / "model", max_model_len=MAX_MODEL_LEN, vocab_size=vocab_size
+        workdir / "model", max_model_len=MAX_MODEL_LEN, vocab_size=vocab_size, markers=markers
     )
     stack = ServeStack(
         model_dir,
@@ -337,6 +338,7 @@ def shared_stack(
     engine_overrides: Mapping[str, Any] | None = None,
     extra_server_args: tuple[str, ...] = (),
     still_healthy: Callable[[], bool] = lambda: True,
+    markers: tuple[str, ...] = (),
 ) -> Iterator[ServeStack]:
     """The stack a module shares across its tests (one engine, ``client`` in the API
     server), its processes in ``shared`` while it runs. On leaving, unless
@@ -348,6 +350,7 @@ def shared_stack(
         server_env=server_env,
         engine_overrides=engine_overrides,
         extra_server_args=extra_server_args,
+        markers=markers,
     ) as started:
         pids = {started.server.pid, *(p.pid for p in started.engines)}  # type: ignore[union-attr]
         shared.update(pids)

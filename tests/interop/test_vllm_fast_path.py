@@ -113,7 +113,11 @@ def stacks(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Serve
 
 
 def _stack(
-    setting: str, factory: Any, extra_server_args: tuple[str, ...] = (), vocab_size: int = 4096
+    setting: str,
+    factory: Any,
+    extra_server_args: tuple[str, ...] = (),
+    vocab_size: int = 4096,
+    markers: tuple[str, ...] = (),
 ) -> Any:
     client, env = SETTINGS[setting]
     workdir = factory.mktemp(f"fast-{setting.replace('+', '-')}")
@@ -124,6 +128,7 @@ def _stack(
         server_env=env,
         engine_overrides={"step_delay": STEP_DELAY, "vocab_size": vocab_size},
         extra_server_args=extra_server_args,
+        markers=markers,
     )
 
 
@@ -248,7 +253,9 @@ def random_chats(seed: int, http: httpx.Client, count: int) -> Iterator[dict[str
             plain = {k: v for k, v in body.items() if k not in ("stream", "stream_options")}
             resp = http.post("/v1/chat/completions", json={"model": MODEL, **plain})
             assert resp.status_code == 200, resp.text
-            content = resp.json()["choices"][0]["message"]["content"]
+            message = resp.json()["choices"][0]["message"]
+            # Under a reasoning parser the text may all be reasoning.
+            content = message["content"] or message.get("reasoning") or ""
             if len(content) > 2:
                 start = min(int(cut / 0.3 * len(content)), len(content) - 2)
                 body["stop"] = [content[start : start + 2]]
@@ -429,6 +436,50 @@ def test_tool_parser_server_same_events_as_vllms_server(
             ]
             assert usage["completion_tokens"] == 60
             assert 0 < len(content) < 59, len(content)
+
+
+@pytest.mark.parametrize("vocab_size", [4096, 16])
+def test_reasoning_parser_server_same_events_as_vllms_server(
+    tmp_path_factory: pytest.TempPathFactory, vocab_size: int
+) -> None:
+    """Both servers started with DeepSeek-R1's reasoning parser and a tool-call parser
+    (``--reasoning-parser deepseek_r1 --enable-auto-tool-choice --tool-call-parser
+    hermes``), the model's tokenizer with ``<think>`` and ``</think>``: seeded random chat
+    completions, every event the same text (reasoning chunks, the switch to content,
+    usage with its reasoning tokens); those that let the model call no tool take the fast
+    path. With 4096 tokens the markers are rare and a stream is reasoning throughout; with
+    16, an eighth of the tokens are markers."""
+    args = (
+        "--reasoning-parser",
+        "deepseek_r1",
+        "--enable-auto-tool-choice",
+        "--tool-call-parser",
+        "hermes",
+    )
+    markers = ("<think>", "</think>")
+    with (
+        _stack("vllm", tmp_path_factory, args, vocab_size, markers) as vllm_stack,
+        _stack("corewire+fast", tmp_path_factory, args, vocab_size, markers) as fast_stack,
+        http_client(vllm_stack) as theirs,
+        http_client(fast_stack) as mine,
+    ):
+        path = "/v1/chat/completions"
+        before = fast_path_counts(mine)
+        expected = [(b, raw_events(theirs, b, path)) for b in tool_chats(41, theirs, 14)]
+        got = [(b, raw_events(mine, b, path)) for b in tool_chats(41, mine, 14)]
+        sent = assert_same_runs(got, expected, mine, theirs, path)
+        kept = [
+            ("tools" in body and body.get("tool_choice") != "none")
+            or any(all(body.get(k) == v for k, v in f.items()) for f in CHAT_FALLBACKS)
+            for body, _ in got
+        ]
+        took, want = paths_taken(mine, before, sent, kept)
+        tokens = fast_path_counts(mine)["tokens"] - before.get("tokens", 0)
+    assert took == want, (before, sent)
+    assert want["fast"] and tokens > 0
+    events = [e for _, run in got for e in run]
+    assert any('"delta":{"reasoning"' in e for e in events)
+    assert any('"reasoning_tokens"' in e for e in events)
 
 
 #: Tries of one request on both servers before their events must agree: a server that

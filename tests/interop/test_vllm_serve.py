@@ -460,6 +460,25 @@ def test_model_dir_tokenizer_matches_the_engine_vocabulary(tmp_path: Path) -> No
         write_model_dir(tmp_path / "bad", eos_token_id=7)
 
 
+def test_model_dir_markers_are_whole_tokens_kept_in_the_text(tmp_path: Path) -> None:
+    """``markers`` take the ids after the special ones, encode whole in a prompt and stay
+    in the decoded text (a reasoning model's ``<think>``), the vocabulary the same size;
+    too small a vocabulary for them is refused."""
+    from vllm.tokenizers import get_tokenizer
+
+    markers = ("<think>", "</think>")
+    model_dir = write_model_dir(tmp_path / "model", vocab_size=16, markers=markers)
+    tok = get_tokenizer(str(model_dir))
+    assert len(tok) == 16
+    assert [tok.get_vocab()[m] for m in markers] == [4, 5]
+    ids = tok.encode("<think> , </think> .")
+    assert ids[0] == 4 and ids[2] == 5, ids
+    assert "<think>" in tok.decode([4, 6, 5], skip_special_tokens=True)
+    assert "</think>" in tok.decode([4, 6, 5], skip_special_tokens=True)
+    with pytest.raises(ValueError, match="at least 6"):
+        write_model_dir(tmp_path / "small", vocab_size=5, markers=markers)
+
+
 def test_model_dir_weights_are_the_seeds_and_load_as_a_llama(tmp_path: Path) -> None:
     """With ``weights_seed`` the directory carries weights in the config's shapes, the same
     bytes for the same seed and others for another; without it, none."""

@@ -19,8 +19,10 @@ stream back first, so the chunks stay in order.
 The modules import one way: this package's :func:`install` imports the two endpoints, and
 they import what they share (:mod:`corewire.vllm.fast_path.shared`: routing a generator,
 the checks a request passes, one stream's plumbing) and the SSE frames and their templates
-(:mod:`corewire.vllm.fast_path.frames`). Only the frames, which need no vLLM, are imported
-with the package, so that it imports under every vLLM release; the rest needs 0.34.0's.
+(:mod:`corewire.vllm.fast_path.frames`); the chat endpoint also imports which server
+parsers the frames can follow (:mod:`corewire.vllm.fast_path.parsers`). Only the frames,
+which need no vLLM, are imported with the package, so that it imports under every vLLM
+release; the rest needs 0.34.0's.
 ``COREWIRE_VLLM_FAST_PATH=0`` turns it all off (:mod:`corewire.vllm.plugin`).
 """
 

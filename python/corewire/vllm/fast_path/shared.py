@@ -144,6 +144,7 @@ def attach(
     logprobs_limit: int | None = None,
     text_offset: int = 0,
     skip_empty: bool = False,
+    release_ids: list[int] | None = None,
 ) -> bool:
     """Attaches ``text`` to the connection (``RequestText.attach_stream``); False, said
     once, when that fails (the native state refuses a request the endpoint's checks let
@@ -151,7 +152,12 @@ def attach(
     unharmed."""
     try:
         text.attach_stream(
-            connection.cycle, *template, logprobs_limit, text_offset, skip_empty=skip_empty
+            connection.cycle,
+            *template,
+            logprobs_limit,
+            text_offset,
+            skip_empty=skip_empty,
+            release_ids=release_ids or [],
         )
     except Exception as e:
         # Once per reason (the message names the request first).
@@ -284,13 +290,15 @@ class Stream:
         logprobs_limit: int | None = None,
         text_offset: int = 0,
         skip_empty: bool = False,
+        release_ids: list[int] | None = None,
     ) -> bool:
         """Attaches the request's native state (``external_id``: its id in the output
         processor) to the connection after an unfinished chunk, when there is a template,
         the state is not attached already, ``wanted`` holds and :func:`attachable` lets
         it; True when it did. Starlette passed the chunk on before asking for the next
         one: once it is on the wire, the plain outputs after it can go straight there.
-        ``skip_empty``: outputs with no new text get no frame."""
+        ``skip_empty``: outputs with no new text get no frame; ``release_ids``: an output
+        with one of these token ids is Python's to render."""
         if self.template is None or (self.text is not None and self.text.stream_attached):
             return False
         ready = attachable(self.processor, external_id, self.connection, self.chunks)
@@ -304,6 +312,7 @@ class Stream:
             logprobs_limit,
             text_offset,
             skip_empty,
+            release_ids,
         ):
             return False
         self.text = ready

@@ -72,15 +72,19 @@ CHAT_TEMPLATE = (
 )
 
 
-def build_vocabulary(vocab_size: int) -> dict[str, int]:
-    """The token -> id map of the tokenizer: specials, words, then ``w<id>`` fillers.
+def build_vocabulary(vocab_size: int, markers: tuple[str, ...] = ()) -> dict[str, int]:
+    """The token -> id map of the tokenizer: specials, ``markers``, words, then ``w<id>``
+    fillers.
 
-    Raises ``ValueError`` when ``vocab_size`` cannot hold the four special tokens.
+    Raises ``ValueError`` when ``vocab_size`` cannot hold the four special tokens and the
+    markers.
     """
-    if vocab_size < len(_SPECIALS):
-        raise ValueError(f"vocab_size must be at least {len(_SPECIALS)}, got {vocab_size}")
+    if vocab_size < len(_SPECIALS) + len(markers):
+        raise ValueError(
+            f"vocab_size must be at least {len(_SPECIALS) + len(markers)}, got {vocab_size}"
+        )
     vocab: dict[str, int] = {}
-    for token in (*_SPECIALS, *_WORDS):
+    for token in (*_SPECIALS, *markers, *_WORDS):
         if len(vocab) == vocab_size:
             break
         vocab.setdefault(token, len(vocab))
@@ -89,7 +93,9 @@ def build_vocabulary(vocab_size: int) -> dict[str, int]:
     return vocab
 
 
-def _tokenizer_json(vocab: dict[str, int], extra_specials: tuple[str, ...] = ()) -> str:
+def _tokenizer_json(
+    vocab: dict[str, int], extra_specials: tuple[str, ...] = (), markers: tuple[str, ...] = ()
+) -> str:
     # Imported here: `tokenizers` comes with vLLM / transformers, not with corewire.
     from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
 
@@ -100,6 +106,9 @@ def _tokenizer_json(vocab: dict[str, int], extra_specials: tuple[str, ...] = ())
     tokenizer.decoder = decoders.WordPiece(prefix="##", cleanup=False)
     specials = (*_SPECIALS, *extra_specials)
     tokenizer.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in specials])
+    # Markers are whole tokens in a prompt and stay in the text, as a reasoning model's
+    # <think> does.
+    tokenizer.add_tokens([AddedToken(t, special=False, normalized=False) for t in markers])
     return tokenizer.to_str(pretty=True)
 
 
@@ -158,6 +167,7 @@ def write_model_dir(
     eos_token_id: int = 2,
     pad_token_id: int = 0,
     weights_seed: int | None = None,
+    markers: tuple[str, ...] = (),
 ) -> Path:
     """Write a tiny model directory for vLLM's front-end into ``path`` (created if missing).
 
@@ -171,9 +181,11 @@ def write_model_dir(
     must be those of the tokenizer's special tokens, ``</s>`` = 2 and ``<pad>`` = 0, so
     other values raise ``ValueError``. Files written: ``config.json``, ``tokenizer.json``,
     ``tokenizer_config.json`` (``PreTrainedTokenizerFast`` with :data:`CHAT_TEMPLATE`),
-    ``special_tokens_map.json`` and ``generation_config.json``. Returns the directory.
+    ``special_tokens_map.json`` and ``generation_config.json``. ``markers``: tokens (such
+    as a reasoning model's ``<think>`` and ``</think>``) given the ids after the special
+    ones, whole in prompts and kept in the text. Returns the directory.
     """
-    vocab = build_vocabulary(vocab_size)
+    vocab = build_vocabulary(vocab_size, markers)
     if eos_token_id != vocab[EOS_TOKEN] or pad_token_id != vocab[PAD_TOKEN]:
         raise ValueError(
             f"the tokenizer's eos id is {vocab[EOS_TOKEN]} and pad id {vocab[PAD_TOKEN]}; "
@@ -220,7 +232,7 @@ def write_model_dir(
     }
     for name, content in files.items():
         (out / name).write_text(json.dumps(content, indent=2) + "\n")
-    (out / "tokenizer.json").write_text(_tokenizer_json(vocab))
+    (out / "tokenizer.json").write_text(_tokenizer_json(vocab, markers=markers))
     if weights_seed is not None:
         write_weights(out, files["config.json"], weights_seed)
     return out

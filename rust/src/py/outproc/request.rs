@@ -449,8 +449,12 @@ impl RequestText {
     /// a chunk shows per position (-1: all); `text_offset`: where the next chunk's first
     /// token starts. Only a streamed (`DELTA`) request without prompt logprobs or an
     /// n > 1 parent (`ValueError`: those chunks carry more). `skip_empty`: an output whose
-    /// new text is empty gets no frame (only without logprobs: `ValueError`).
-    #[pyo3(signature = (cycle, head, mid, tail, logprobs_limit = None, text_offset = 0, skip_empty = false))]
+    /// new text is empty gets no frame (only without logprobs: `ValueError`);
+    /// `release_ids`: an output with one of these token ids is Python's to render.
+    #[pyo3(signature = (
+        cycle, head, mid, tail, logprobs_limit = None, text_offset = 0, skip_empty = false,
+        release_ids = Vec::new()
+    ))]
     #[allow(clippy::too_many_arguments)]
     fn attach_stream(
         &mut self,
@@ -462,6 +466,7 @@ impl RequestText {
         logprobs_limit: Option<i64>,
         text_offset: usize,
         skip_empty: bool,
+        release_ids: Vec<i64>,
     ) -> PyResult<()> {
         let refusal = if self.output_kind != DELTA {
             Some("its outputs are not deltas")
@@ -489,7 +494,14 @@ impl RequestText {
         // -1: every candidate (the API's `logprobs=-1`).
         let limit = logprobs_limit.map(|l| usize::try_from(l).ok());
         let template = FrameTemplate::new(head, mid, tail);
-        self.sink = Some(StreamSink::new(py, cycle, template, limit, skip_empty)?);
+        self.sink = Some(StreamSink::new(
+            py,
+            cycle,
+            template,
+            limit,
+            skip_empty,
+            release_ids,
+        )?);
         self.stream_text_offset = text_offset;
         Ok(())
     }
@@ -706,7 +718,7 @@ impl RequestText {
         if finished || self.output_kind != FINAL_ONLY {
             if let Some(token_ids) = self.interval_ids(py, req_state, new_ids, finished)? {
                 if let (Some(sink), false) = (self.sink.as_mut(), finished) {
-                    let ids: Vec<i64> = if sink.wants_logprobs() {
+                    let ids: Vec<i64> = if sink.wants_ids() {
                         token_ids.extract()?
                     } else {
                         Vec::new()

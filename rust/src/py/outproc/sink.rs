@@ -41,6 +41,9 @@ pub(super) struct StreamSink {
     /// the chunks of a server with a tool-call parser, for a request that calls no tools,
     /// where vLLM's parser sends nothing for such an output.
     skip_empty: bool,
+    /// Token ids that hand the output carrying one to Python (a reasoning parser's start
+    /// and end markers: its delta changes kind there).
+    release_ids: Vec<i64>,
 }
 
 /// What writing a sink's waiting frames came to.
@@ -55,14 +58,15 @@ pub(super) enum Flushed {
 
 impl StreamSink {
     /// A sink writing to `cycle`'s transport, with the stream's frame template; for a
-    /// request with logprobs, `logprobs_limit` is `Some(limit)`; `skip_empty`: see the
-    /// field.
+    /// request with logprobs, `logprobs_limit` is `Some(limit)`; `skip_empty` and
+    /// `release_ids`: see the fields.
     pub(super) fn new(
         py: Python<'_>,
         cycle: Py<PyAny>,
         template: FrameTemplate,
         logprobs_limit: Option<Option<usize>>,
         skip_empty: bool,
+        release_ids: Vec<i64>,
     ) -> PyResult<Self> {
         let transport = cycle.bind(py).getattr(&Names::get(py).transport)?.unbind();
         Ok(StreamSink {
@@ -74,12 +78,18 @@ impl StreamSink {
             pending: Vec::new(),
             pending_tokens: 0,
             skip_empty,
+            release_ids,
         })
     }
 
     /// Whether the stream's chunks carry logprobs (its positions are to be kept).
     pub(super) fn wants_logprobs(&self) -> bool {
         self.logprobs_limit.is_some()
+    }
+
+    /// Whether `can_render` needs an output's new token ids.
+    pub(super) fn wants_ids(&self) -> bool {
+        self.logprobs_limit.is_some() || !self.release_ids.is_empty()
     }
 
     /// Keeps a sampled position for the next frame.
@@ -92,11 +102,15 @@ impl StreamSink {
         std::mem::take(&mut self.positions)
     }
 
-    /// Whether the frame of an output with new token ids `ids` can be made: without
-    /// logprobs always; with them, when a kept position stands for each id, holding that
-    /// id, its strings readable (else the output is Python's to render, the positions
-    /// going back to vLLM's container: see `RequestText::drop_stream`).
+    /// Whether the frame of an output with new token ids `ids` can be made: never when one
+    /// of them is a release id; else without logprobs always; with them, when a kept
+    /// position stands for each id, holding that id, its strings readable (else the output
+    /// is Python's to render, the positions going back to vLLM's container: see
+    /// `RequestText::drop_stream`).
     pub(super) fn can_render(&self, py: Python<'_>, ids: &[i64]) -> bool {
+        if ids.iter().any(|id| self.release_ids.contains(id)) {
+            return false;
+        }
         if self.logprobs_limit.is_none() {
             return true;
         }
