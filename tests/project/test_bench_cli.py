@@ -151,6 +151,15 @@ def test_serve_arguments(capsys: pytest.CaptureFixture[str]) -> None:
     assert serve_bench._server_args(args) == ("--disable-log-stats", "--stream-interval", "8")
     assert serve_bench.requests_at_least(args, 256) == 256 * 4
     assert serve_bench.requests_at_least(args, 4) == 32
+    args = parser.parse_args(
+        ["bench", "serve", "--chat", "--tool-call-parser", "hermes", "--reasoning-parser",
+         "deepseek_r1"]
+    )  # fmt: skip
+    assert args.chat
+    assert serve_bench._server_args(args) == (
+        "--enable-auto-tool-choice", "--tool-call-parser", "hermes",
+        "--reasoning-parser", "deepseek_r1",
+    )  # fmt: skip
     args = parser.parse_args(["bench", "serve", "--native-profile", "--profile-dir", "p"])
     assert (args.native_profile, args.profile_dir) == (True, "p")
     # A server paused at every sample runs for --seconds, one request per stream at least.
@@ -700,6 +709,35 @@ def test_serve_front_end_cpu_counts_every_process_of_the_front_end() -> None:
         assert serve_bench.cpu_between(before, after) >= 0.25
     finally:
         parent.wait(30)
+
+
+@pytest.mark.timeout(600)
+def test_serve_chat_run_behind_parsers(tmp_path: Path) -> None:
+    """``--chat`` with a reasoning parser and a tool-call parser: every stack started
+    with both (the model's tokenizer with ``<think>`` markers, which the reasoning parser
+    needs to start), streaming chat completions counted by their usage, with and without
+    logprobs; without ``--chat`` the parsers are refused (they act on chat only)."""
+    missing = _serve_missing()
+    if missing:
+        pytest.skip(missing)
+    refused = bench("serve", "--reasoning-parser", "deepseek_r1", timeout=120)
+    assert refused.returncode == 2 and "add --chat" in refused.stderr, refused.stderr
+    out = tmp_path / "serve.json"
+    proc = bench(
+        "serve", "--quick", "--chat", "--reasoning-parser", "deepseek_r1",
+        "--tool-call-parser", "hermes", "--clients", "vllm,corewire", "--streams", "2",
+        "--logprobs", "0,2", "--max-tokens", "8", "--step-delay", "0.01",
+        "--chunk-streams", "0", "--no-profile", "--json", str(out), timeout=500,
+    )  # fmt: skip
+    assert proc.returncode in (0, 1), proc.stdout + proc.stderr
+    assert "chat  tool-call parser hermes  reasoning parser deepseek_r1" in proc.stdout
+    doc = read_results(out, "serve")
+    assert doc["options"]["chat"] is True
+    assert doc["options"]["reasoning_parser"] == "deepseek_r1"
+    assert len(doc["cases"]) == 4
+    for case in doc["cases"]:
+        assert case["errors"] == 0 and case["requests"] == 32
+        assert case["tokens"] == 32 * 8
 
 
 def test_serve_refuses_an_output_stack_that_cannot_run() -> None:

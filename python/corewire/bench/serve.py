@@ -139,6 +139,9 @@ __all__ = [
 
 ENGINE = "corewire.engine.synthetic:SyntheticEngine"
 PROMPT = "hello tell me a story about the big old house"
+#: The marker tokens the model's tokenizer gets under ``--reasoning-parser`` (those of
+#: DeepSeek-R1's and most thinking models' parsers).
+REASONING_MARKERS = ("<think>", "</think>")
 #: Under the work directory: the collector probe's sitecustomize, sockets and files.
 GC_PROBE_DIR = "gc-probe"
 
@@ -402,21 +405,33 @@ async def _one_request(session: Any, url: str, body: dict, result: Result) -> No
 
 
 async def _load(
-    base_url: str, model: str, result: Result, max_tokens: int, total: int, seconds: float = 0.0
+    base_url: str,
+    model: str,
+    result: Result,
+    max_tokens: int,
+    total: int,
+    seconds: float = 0.0,
+    chat: bool = False,
 ) -> None:
     """Keep ``result.streams`` requests in flight until ``total`` were started and
-    ``seconds`` have passed (a profile needs enough samples)."""
-    body = {
+    ``seconds`` have passed (a profile needs enough samples); streaming completions, or
+    with ``chat`` chat completions."""
+    body: dict[str, Any] = {
         "model": model,
-        "prompt": PROMPT,
         "max_tokens": max_tokens,
         "ignore_eos": True,
         "stream": True,
         "stream_options": {"include_usage": True},
     }
-    if result.logprobs:
-        body["logprobs"] = result.logprobs
-    url = f"{base_url}/v1/completions"
+    if chat:
+        body["messages"] = [{"role": "user", "content": PROMPT}]
+        if result.logprobs:
+            body |= {"logprobs": True, "top_logprobs": result.logprobs}
+    else:
+        body["prompt"] = PROMPT
+        if result.logprobs:
+            body["logprobs"] = result.logprobs
+    url = f"{base_url}/v1/chat/completions" if chat else f"{base_url}/v1/completions"
     left = total
     aiohttp = import_optional("aiohttp", "the serve benchmark's load generator")
     connector = aiohttp.TCPConnector(limit=result.streams + 8)
@@ -539,7 +554,7 @@ def _start_stack(
     stack.start()
     try:
         warm = Result(client, 8, 0)
-        asyncio.run(_load(stack.base_url, stack.served_model_name, warm, 16, 32))
+        asyncio.run(_load(stack.base_url, stack.served_model_name, warm, 16, 32, chat=args.chat))
         if warm.errors or not warm.tokens:
             raise RuntimeError(f"{client}: the warm-up failed ({warm.errors} errors)")
     except BaseException:
@@ -553,6 +568,10 @@ def _server_args(args: argparse.Namespace) -> tuple[str, ...]:
     flags: tuple[str, ...] = ("--disable-log-stats",) if args.no_stats else ()
     if args.stream_interval != 1:
         flags += ("--stream-interval", str(args.stream_interval))
+    if args.tool_call_parser:
+        flags += ("--enable-auto-tool-choice", "--tool-call-parser", args.tool_call_parser)
+    if args.reasoning_parser:
+        flags += ("--reasoning-parser", args.reasoning_parser)
     return flags
 
 
@@ -612,6 +631,7 @@ def _measure(
                 args.max_tokens if result.max_tokens is None else result.max_tokens,
                 total,
                 args.seconds,
+                chat=args.chat,
             )
         )
     result.seconds = time.perf_counter() - t0
@@ -1186,6 +1206,25 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "there is no one-token-per-chunk scenario",
     )
     parser.add_argument(
+        "--chat",
+        action="store_true",
+        help="stream chat completions (logprobs as top_logprobs) instead of completions",
+    )
+    parser.add_argument(
+        "--tool-call-parser",
+        metavar="NAME",
+        default=None,
+        help="vllm serve --enable-auto-tool-choice --tool-call-parser NAME for every stack "
+        "(with --chat; the requests send no tools)",
+    )
+    parser.add_argument(
+        "--reasoning-parser",
+        metavar="NAME",
+        default=None,
+        help="vllm serve --reasoning-parser NAME for every stack (with --chat; the model's "
+        f"tokenizer gets the markers {' and '.join(REASONING_MARKERS)})",
+    )
+    parser.add_argument(
         "--profile-dir",
         metavar="DIR",
         default=None,
@@ -1217,6 +1256,13 @@ def run(args: argparse.Namespace) -> int:
         return 2
     if args.repeat < 1:
         print(f"{prog}: --repeat must be at least 1", file=sys.stderr)
+        return 2
+    if (args.tool_call_parser or args.reasoning_parser) and not args.chat:
+        print(
+            f"{prog}: --tool-call-parser and --reasoning-parser act on chat completions: "
+            "add --chat",
+            file=sys.stderr,
+        )
         return 2
     if args.stream_interval < 1:
         print(f"{prog}: --stream-interval must be at least 1", file=sys.stderr)
@@ -1266,6 +1312,9 @@ def run(args: argparse.Namespace) -> int:
         f"serve benchmark  {time.strftime('%Y-%m-%d')}  {os.cpu_count()} cores  "
         f"python {platform.python_version()}  max_tokens {args.max_tokens}"
         + (f" (and {args.split_tokens} for the CPU split)" if args.split_tokens else "")
+        + ("  chat" if args.chat else "")
+        + (f"  tool-call parser {args.tool_call_parser}" if args.tool_call_parser else "")
+        + (f"  reasoning parser {args.reasoning_parser}" if args.reasoning_parser else "")
     )
     if args.native_profile:
         print(
@@ -1276,7 +1325,8 @@ def run(args: argparse.Namespace) -> int:
     results: list[Result] = []
     with tempfile.TemporaryDirectory(prefix="corewire-serve-bench-") as tmp:
         work = Path(tmp)
-        model_dir = write_model_dir(work / "model")
+        markers = REASONING_MARKERS if args.reasoning_parser else ()
+        model_dir = write_model_dir(work / "model", markers=markers)
         results = run_clients(args, model_dir, work)
     found = report(results, goals=args.stream_interval == 1)
     if args.json:
@@ -1302,6 +1352,9 @@ def run(args: argparse.Namespace) -> int:
                 "stats": not args.no_stats,
                 "stream_interval": args.stream_interval,
                 "repeat": args.repeat,
+                "chat": args.chat,
+                "tool_call_parser": args.tool_call_parser,
+                "reasoning_parser": args.reasoning_parser,
             },
             cases=[as_case(r, _vllm_result(results, r)) for r in results],
             goals=found,
