@@ -90,7 +90,7 @@ FEATURES: tuple[Feature, ...] = (
     Feature("chat completions, streamed", CHAT, fast=True),
     Feature("chat completions, not streamed", CHAT, stream=False),
     Feature("chat `include_usage`", CHAT, _USAGE, fast=True),
-    Feature("chat `logprobs` (top 2)", CHAT, {"logprobs": True, "top_logprobs": 2}),
+    Feature("chat `logprobs` (top 2)", CHAT, {"logprobs": True, "top_logprobs": 2}, fast=True),
     Feature("chat `n` = 2", CHAT, {"n": 2, "temperature": 0.8, "seed": 5}),
     Feature("chat `echo`", CHAT, {"echo": True}),
     Feature("chat `continuous_usage_stats`", CHAT, _CONTINUOUS),

@@ -322,6 +322,8 @@ class RequestText:
         logprobs_limit: int | None = None,
         text_offset: int = 0,
         skip_empty: bool = False,
+        release_ids: list[int] = ...,
+        chat_logprobs: bool = False,
     ) -> None:
         """Puts the request on ``vllm serve``'s fast path: its plain outputs are written to
         ``cycle`` (uvicorn's request-response cycle of its streaming response) as SSE frames
@@ -329,8 +331,10 @@ class RequestText:
         not sent to its collector. ``logprobs_limit``: with, and only with, sample
         logprobs, the candidates a chunk shows per position (-1: all); ``text_offset``:
         where the next chunk's first token starts; ``skip_empty``: an output with no new
-        text gets no frame (without logprobs only). ``ValueError`` for a request whose
-        chunks carry more (not ``DELTA``, prompt logprobs, n > 1)."""
+        text gets no frame (without logprobs only); ``release_ids``: an output with one of
+        these token ids is Python's to render; ``chat_logprobs``: the logprobs object is a
+        chat chunk's (``content``), not a completions chunk's. ``ValueError`` for a
+        request whose chunks carry more (not ``DELTA``, prompt logprobs, n > 1)."""
     def detach_stream(self, flush: bool = False) -> None:
         """Takes the request off the fast path: what waits written first with ``flush``,
         dropped without (its response is over)."""

@@ -218,7 +218,7 @@ def _run(http: httpx.Client, seed: int, count: int) -> Run:
 
 #: Options that keep a chat request on vLLM's path.
 CHAT_FALLBACKS: list[dict[str, Any]] = [
-    {"logprobs": True, "top_logprobs": 2},
+    {"logprobs": True, "logprob_token_ids": [5, 6]},
     {"n": 2, "temperature": 0.8, "seed": 7},
     {"echo": True},
     {"return_token_ids": True},
@@ -247,6 +247,8 @@ def random_chats(seed: int, http: httpx.Client, count: int) -> Iterator[dict[str
             body["stream_options"] = {"include_usage": True}
         if rng.random() < 0.2:
             body["stream_interval"] = rng.randint(2, 4)
+        if rng.random() < 0.3:
+            body |= {"logprobs": True, "top_logprobs": rng.choice([0, 1, 2, 5])}
         cut, include = rng.random(), rng.random() < 0.5
         fallback = CHAT_FALLBACKS[rng.randrange(len(CHAT_FALLBACKS))] if rng.random() < 0.25 else {}
         if cut < 0.3:
@@ -380,6 +382,17 @@ def tool_chats(seed: int, http: httpx.Client, count: int) -> Iterator[dict[str, 
         yield body
 
 
+def parser_kept(body: dict[str, Any]) -> bool:
+    """Whether a chat request to a server with a parser stays on vLLM's path: it may call
+    tools (with tools and no tool_choice, vLLM's default is "auto"), asks for logprobs
+    (vLLM hides them with hidden reasoning) or carries one of the endpoint's fallbacks."""
+    return (
+        ("tools" in body and body.get("tool_choice") != "none")
+        or bool(body.get("logprobs"))
+        or any(all(body.get(k) == v for k, v in f.items()) for f in CHAT_FALLBACKS)
+    )
+
+
 @pytest.mark.parametrize("vocab_size", [4096, 16])
 def test_tool_parser_server_same_events_as_vllms_server(
     tmp_path_factory: pytest.TempPathFactory, vocab_size: int
@@ -402,12 +415,7 @@ def test_tool_parser_server_same_events_as_vllms_server(
         expected = [(b, raw_events(theirs, b, path)) for b in tool_chats(31, theirs, 14)]
         got = [(b, raw_events(mine, b, path)) for b in tool_chats(31, mine, 14)]
         sent = assert_same_runs(got, expected, mine, theirs, path)
-        kept = [
-            # With tools and no tool_choice, vLLM's default is "auto".
-            ("tools" in body and body.get("tool_choice") != "none")
-            or any(all(body.get(k) == v for k, v in f.items()) for f in CHAT_FALLBACKS)
-            for body, _ in got
-        ]
+        kept = [parser_kept(body) for body, _ in got]
         took, want = paths_taken(mine, before, sent, kept)
         tokens = fast_path_counts(mine)["tokens"] - before.get("tokens", 0)
         assert took == want, (before, sent)
@@ -468,11 +476,7 @@ def test_reasoning_parser_server_same_events_as_vllms_server(
         expected = [(b, raw_events(theirs, b, path)) for b in tool_chats(41, theirs, 14)]
         got = [(b, raw_events(mine, b, path)) for b in tool_chats(41, mine, 14)]
         sent = assert_same_runs(got, expected, mine, theirs, path)
-        kept = [
-            ("tools" in body and body.get("tool_choice") != "none")
-            or any(all(body.get(k) == v for k, v in f.items()) for f in CHAT_FALLBACKS)
-            for body, _ in got
-        ]
+        kept = [parser_kept(body) for body, _ in got]
         took, want = paths_taken(mine, before, sent, kept)
         tokens = fast_path_counts(mine)["tokens"] - before.get("tokens", 0)
     assert took == want, (before, sent)
@@ -576,6 +580,35 @@ def test_long_stream_is_written_natively(
     # whole one fits before the last token, whose chunk (the finish) is Python's too.
     assert added["tokens"] == interval * ((tokens - 2) // interval)
     assert added["fast"] == 1
+
+
+@pytest.mark.parametrize(("top", "interval"), [(0, 1), (3, 1), (2, 4)])
+def test_long_chat_stream_with_logprobs_is_written_natively(
+    stacks: dict[str, ServeStack], top: int, interval: int
+) -> None:
+    """A long chat stream with logprobs (no candidates, three, and two with a stream
+    interval of 4): the same events as vLLM's server, its chat logprobs objects (tokens,
+    logprobs, UTF-8 bytes, top candidates) written natively between the first chunk and
+    the finish."""
+    body = {
+        "messages": [{"role": "user", "content": "tell me a story"}],
+        "max_tokens": 40,
+        "temperature": 0.0,
+        "ignore_eos": True,
+        "logprobs": True,
+        "top_logprobs": top,
+        "stream_interval": interval,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    path = "/v1/chat/completions"
+    with http_client(stacks["vllm"]) as theirs, http_client(stacks["corewire+fast"]) as mine:
+        got, expected, added = side_by_side(theirs, mine, lambda h: raw_events(h, body, path))
+    assert got == expected, _first_difference(got, expected)
+    assert added["tokens"] == interval * ((40 - 2) // interval)
+    assert added["fast"] == 1
+    content = json.loads(got[2])["choices"][0]["logprobs"]["content"]
+    assert len(content) == interval and len(content[0]["top_logprobs"]) == top
 
 
 def test_fallback_is_said_once_in_the_log(stacks: dict[str, ServeStack]) -> None:

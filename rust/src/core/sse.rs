@@ -67,6 +67,48 @@ pub struct Position<'a> {
     pub top: Vec<Candidate<'a>>,
 }
 
+/// Appends the `logprobs` object of a chat completion chunk over `positions` (vLLM
+/// 0.34.0's `ChatCompletionLogProbs`): `content`, one entry per position with the sampled
+/// token's `token`, `logprob` and UTF-8 `bytes`, and `top_logprobs`, the candidates shown
+/// (a list: a token string may show twice), each with the same three fields.
+pub fn push_chat_logprobs(out: &mut Vec<u8>, positions: &[Position<'_>]) {
+    out.extend_from_slice(b"{\"content\":[");
+    for (i, p) in positions.iter().enumerate() {
+        if i > 0 {
+            out.push(b',');
+        }
+        out.push(b'{');
+        push_chat_fields(out, &p.sampled);
+        out.extend_from_slice(b",\"top_logprobs\":[");
+        for (j, c) in p.top.iter().enumerate() {
+            if j > 0 {
+                out.push(b',');
+            }
+            out.push(b'{');
+            push_chat_fields(out, c);
+            out.push(b'}');
+        }
+        out.extend_from_slice(b"]}");
+    }
+    out.extend_from_slice(b"]}");
+}
+
+/// A chat logprob's `token`, `logprob` (clamped) and `bytes` fields, unbraced.
+fn push_chat_fields(out: &mut Vec<u8>, c: &Candidate<'_>) {
+    out.extend_from_slice(b"\"token\":");
+    push_str_literal(out, c.token);
+    out.extend_from_slice(b",\"logprob\":");
+    push_float(out, clamped(c.logprob));
+    out.extend_from_slice(b",\"bytes\":[");
+    for (k, byte) in c.token.bytes().enumerate() {
+        if k > 0 {
+            out.push(b',');
+        }
+        out.extend_from_slice(byte.to_string().as_bytes());
+    }
+    out.push(b']');
+}
+
 /// A logprob as the completions API clamps it (`max(lp, -9999.0)`: NaN stays NaN, as
 /// Python's `max` keeps its first argument when nothing compares greater).
 fn clamped(logprob: f64) -> f64 {
@@ -192,9 +234,37 @@ pub fn push_str_literal(out: &mut Vec<u8>, s: &str) {
 #[cfg(test)]
 mod tests {
     use super::{
-        http_chunk, push_completion_logprobs, push_float, push_str_literal, Candidate,
-        FrameTemplate, Position,
+        http_chunk, push_chat_logprobs, push_completion_logprobs, push_float, push_str_literal,
+        Candidate, FrameTemplate, Position,
     };
+
+    #[test]
+    fn chat_logprobs_object() {
+        let c = |token, logprob| Candidate { token, logprob };
+        let positions = [
+            Position {
+                sampled: c(" é", -0.5),
+                top: vec![c(" é", -0.5), c("x", -1.0e-7), c("x", f64::NEG_INFINITY)],
+            },
+            Position {
+                sampled: c("\"", -20000.0),
+                top: vec![],
+            },
+        ];
+        let mut out = Vec::new();
+        push_chat_logprobs(&mut out, &positions);
+        assert_eq!(
+            String::from_utf8(out).unwrap(),
+            "{\"content\":[{\"token\":\" é\",\"logprob\":-0.5,\"bytes\":[32,195,169],\
+             \"top_logprobs\":[{\"token\":\" é\",\"logprob\":-0.5,\"bytes\":[32,195,169]},\
+             {\"token\":\"x\",\"logprob\":-1e-7,\"bytes\":[120]},\
+             {\"token\":\"x\",\"logprob\":-9999.0,\"bytes\":[120]}]},\
+             {\"token\":\"\\\"\",\"logprob\":-9999.0,\"bytes\":[34],\"top_logprobs\":[]}]}"
+        );
+        let mut empty = Vec::new();
+        push_chat_logprobs(&mut empty, &[]);
+        assert_eq!(empty, b"{\"content\":[]}");
+    }
 
     #[test]
     fn a_frame_is_head_literal_mid_logprobs_tail() {

@@ -19,6 +19,7 @@ from collections.abc import AsyncGenerator, AsyncIterator
 from typing import Any
 
 from vllm.entrypoints.generate.base.protocol import DeltaMessage
+from vllm.entrypoints.generate.base.serving import chat_top_logprobs_limit
 from vllm.entrypoints.openai.chat_completion.protocol import (
     ChatCompletionResponseStreamChoice,
     ChatCompletionStreamResponse,
@@ -78,7 +79,14 @@ def refusal(serving: Any, request: Any, connection: Any) -> str | None:
         connection,
         first=[(parser_why, parser_why)],
         options=[
-            (bool(request.logprobs), "logprobs"),
+            # Logprobs on a parser's server: vLLM hides them where reasoning is hidden,
+            # and sends a chunk for an output the parser says nothing of.
+            (request.logprobs and serving.parser_cls is not None, "logprobs behind a parser"),
+            (bool(request.logprob_token_ids), "logprob_token_ids"),
+            (
+                bool(request.return_tokens_as_token_ids or serving.return_tokens_as_token_ids),
+                "return_tokens_as_token_ids",
+            ),
             (request.return_token_ids, "return_token_ids"),
             (request.return_prompt_text, "return_prompt_text"),
         ],
@@ -177,6 +185,11 @@ async def chat_stream(
         parser_cls=serving.parser_cls if parser is not None else None,
     )
     release_ids = markers(parser)
+    # How many candidates a native chunk shows per position (-1: all), with logprobs.
+    logprobs_limit = None
+    if request.logprobs:
+        shown = chat_top_logprobs_limit(request.top_logprobs)
+        logprobs_limit = -1 if shown is None else shown
     finished = False
     # The native frames' tokens the step processor has been told of.
     counted = 0
@@ -239,6 +252,16 @@ async def chat_stream(
             catch_up()
             if nothing_to_say(output, step.num_output_tokens):
                 continue
+            logprobs = None
+            if request.logprobs:
+                logprobs = serving._create_chat_logprobs(
+                    token_ids=output.token_ids,
+                    top_logprobs=output.logprobs,
+                    tokenizer=tokenizer,
+                    num_output_top_logprobs=request.top_logprobs,
+                    logprob_token_ids=request.logprob_token_ids,
+                    return_as_token_id=request.return_tokens_as_token_ids,
+                )
             token_ids = as_list(output.token_ids)
             delta, finish_reason = step.step(
                 output.text, token_ids, output.finish_reason, res.prompt_token_ids
@@ -246,12 +269,12 @@ async def chat_stream(
             if count_reasoning:
                 generated.extend(token_ids)
             if delta is None:
-                if output.finish_reason is None:
+                if output.finish_reason is None and logprobs is None:
                     continue
                 delta = DeltaMessage()
             if output.finish_reason is None:
                 choice = ChatCompletionResponseStreamChoice(
-                    index=0, delta=delta, logprobs=None, finish_reason=None, token_ids=None
+                    index=0, delta=delta, logprobs=logprobs, finish_reason=None, token_ids=None
                 )
                 stream.chunks += 1
                 yield sse(_dump(chunk(choice)))
@@ -264,7 +287,11 @@ async def chat_stream(
                         templates[field] = frame_template(request_id, created, model_name, field)
                     stream.template = templates[field]
                     if stream.attach_after_chunk(
-                        request_id, skip_empty=skip_empty, release_ids=release_ids
+                        request_id,
+                        logprobs_limit=logprobs_limit,
+                        skip_empty=skip_empty,
+                        release_ids=release_ids,
+                        chat_logprobs=True,
                     ):
                         counted = stream.streamed
                 continue
@@ -272,7 +299,7 @@ async def chat_stream(
             choice = ChatCompletionResponseStreamChoice(
                 index=0,
                 delta=delta,
-                logprobs=None,
+                logprobs=logprobs,
                 finish_reason=finish_reason,
                 stop_reason=output.stop_reason,
                 token_ids=None,

@@ -145,6 +145,7 @@ def attach(
     text_offset: int = 0,
     skip_empty: bool = False,
     release_ids: list[int] | None = None,
+    chat_logprobs: bool = False,
 ) -> bool:
     """Attaches ``text`` to the connection (``RequestText.attach_stream``); False, said
     once, when that fails (the native state refuses a request the endpoint's checks let
@@ -158,6 +159,7 @@ def attach(
             text_offset,
             skip_empty=skip_empty,
             release_ids=release_ids or [],
+            chat_logprobs=chat_logprobs,
         )
     except Exception as e:
         # Once per reason (the message names the request first).
@@ -291,6 +293,7 @@ class Stream:
         text_offset: int = 0,
         skip_empty: bool = False,
         release_ids: list[int] | None = None,
+        chat_logprobs: bool = False,
     ) -> bool:
         """Attaches the request's native state (``external_id``: its id in the output
         processor) to the connection after an unfinished chunk, when there is a template,
@@ -298,7 +301,8 @@ class Stream:
         it; True when it did. Starlette passed the chunk on before asking for the next
         one: once it is on the wire, the plain outputs after it can go straight there.
         ``skip_empty``: outputs with no new text get no frame; ``release_ids``: an output
-        with one of these token ids is Python's to render."""
+        with one of these token ids is Python's to render; ``chat_logprobs``: the logprobs
+        are a chat chunk's."""
         if self.template is None or (self.text is not None and self.text.stream_attached):
             return False
         ready = attachable(self.processor, external_id, self.connection, self.chunks)
@@ -313,6 +317,7 @@ class Stream:
             text_offset,
             skip_empty,
             release_ids,
+            chat_logprobs,
         ):
             return False
         self.text = ready

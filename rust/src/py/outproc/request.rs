@@ -450,10 +450,12 @@ impl RequestText {
     /// token starts. Only a streamed (`DELTA`) request without prompt logprobs or an
     /// n > 1 parent (`ValueError`: those chunks carry more). `skip_empty`: an output whose
     /// new text is empty gets no frame (only without logprobs: `ValueError`);
-    /// `release_ids`: an output with one of these token ids is Python's to render.
+    /// `release_ids`: an output with one of these token ids is Python's to render;
+    /// `chat_logprobs`: the logprobs are a chat chunk's (`content`), not a completions
+    /// chunk's.
     #[pyo3(signature = (
         cycle, head, mid, tail, logprobs_limit = None, text_offset = 0, skip_empty = false,
-        release_ids = Vec::new()
+        release_ids = Vec::new(), chat_logprobs = false
     ))]
     #[allow(clippy::too_many_arguments)]
     fn attach_stream(
@@ -467,6 +469,7 @@ impl RequestText {
         text_offset: usize,
         skip_empty: bool,
         release_ids: Vec<i64>,
+        chat_logprobs: bool,
     ) -> PyResult<()> {
         let refusal = if self.output_kind != DELTA {
             Some("its outputs are not deltas")
@@ -501,6 +504,7 @@ impl RequestText {
             limit,
             skip_empty,
             release_ids,
+            chat_logprobs,
         )?);
         self.stream_text_offset = text_offset;
         Ok(())

@@ -14,7 +14,9 @@ use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyString};
 
-use crate::core::sse::{http_chunk, push_completion_logprobs, Candidate, FrameTemplate, Position};
+use crate::core::sse::{
+    http_chunk, push_chat_logprobs, push_completion_logprobs, Candidate, FrameTemplate, Position,
+};
 
 use super::names::Names;
 
@@ -44,6 +46,8 @@ pub(super) struct StreamSink {
     /// Token ids that hand the output carrying one to Python (a reasoning parser's start
     /// and end markers: its delta changes kind there).
     release_ids: Vec<i64>,
+    /// Whether the logprobs are a chat chunk's (else a completions chunk's).
+    chat_logprobs: bool,
 }
 
 /// What writing a sink's waiting frames came to.
@@ -58,8 +62,8 @@ pub(super) enum Flushed {
 
 impl StreamSink {
     /// A sink writing to `cycle`'s transport, with the stream's frame template; for a
-    /// request with logprobs, `logprobs_limit` is `Some(limit)`; `skip_empty` and
-    /// `release_ids`: see the fields.
+    /// request with logprobs, `logprobs_limit` is `Some(limit)`; `skip_empty`,
+    /// `release_ids` and `chat_logprobs`: see the fields.
     pub(super) fn new(
         py: Python<'_>,
         cycle: Py<PyAny>,
@@ -67,6 +71,7 @@ impl StreamSink {
         logprobs_limit: Option<Option<usize>>,
         skip_empty: bool,
         release_ids: Vec<i64>,
+        chat_logprobs: bool,
     ) -> PyResult<Self> {
         let transport = cycle.bind(py).getattr(&Names::get(py).transport)?.unbind();
         Ok(StreamSink {
@@ -79,6 +84,7 @@ impl StreamSink {
             pending_tokens: 0,
             skip_empty,
             release_ids,
+            chat_logprobs,
         })
     }
 
@@ -168,7 +174,11 @@ impl StreamSink {
             });
         }
         let mut logprobs = Vec::with_capacity(64 * positions.len().max(1));
-        push_completion_logprobs(&mut logprobs, &positions, text_offset);
+        if self.chat_logprobs {
+            push_chat_logprobs(&mut logprobs, &positions);
+        } else {
+            push_completion_logprobs(&mut logprobs, &positions, text_offset);
+        }
         self.template
             .render(&mut self.pending, text, Some(&logprobs));
         Ok(())
