@@ -18,7 +18,12 @@ import pytest
 
 from corewire import releases
 from corewire.vllm.fast_path import TEXT_PROBE, asgi_cycle, split_template
-from corewire.vllm.plugin import FAST_PATH_SWITCH, FAST_PATH_VLLM_VERSIONS, fast_path_wanted
+from corewire.vllm.plugin import (
+    FAST_PATH_SWITCH,
+    FAST_PATH_VLLM_VERSIONS,
+    fast_path_release,
+    fast_path_wanted,
+)
 from fast_path_features import FEATURES, readme_rows, table_row
 from paths_support import REPO_ROOT
 
@@ -26,6 +31,12 @@ from paths_support import REPO_ROOT
 def test_only_releases_checked_against_their_server_have_the_fast_path() -> None:
     assert FAST_PATH_VLLM_VERSIONS == ("0.34.0",)
     assert [r for r in releases.SUPPORTED if r.fast_path] == ["0.34.0"]
+    # An installed version is read through the releases package (a local label names
+    # the same release; anything else has none).
+    found = fast_path_release("0.34.0+cpu")
+    assert found is not None and found.name == "0.34.0"
+    for other in ("0.33.0", "0.25.1", "0.34.1rc1", "not a version"):
+        assert fast_path_release(other) is None
 
 
 @pytest.mark.parametrize(

@@ -226,9 +226,9 @@ def fast_path_missing() -> str | None:
         return missing
     version = common.vllm_version()
     assert version is not None
-    from corewire.vllm.plugin import FAST_PATH_VLLM_VERSIONS
+    from corewire.vllm.plugin import FAST_PATH_VLLM_VERSIONS, fast_path_release
 
-    if version.split("+", 1)[0] not in FAST_PATH_VLLM_VERSIONS:
+    if fast_path_release(version) is None:
         return (
             f"corewire's fast path runs under vLLM {', '.join(FAST_PATH_VLLM_VERSIONS)}, "
             f"not the installed {version}"

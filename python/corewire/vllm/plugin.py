@@ -50,6 +50,7 @@ __all__ = [
     "check_output_version",
     "check_vllm_version",
     "enabled",
+    "fast_path_release",
     "fast_path_wanted",
     "output_enabled",
     "output_wanted",
@@ -119,7 +120,7 @@ def fast_path_wanted(vllm_version: str, output_installed: bool) -> bool:
     with native output processing installed or not: as ``COREWIRE_VLLM_FAST_PATH`` says
     (``1`` raises ``RuntimeError`` where the fast path cannot run), or, unset, wherever
     native output processing runs under a release the fast path is held to."""
-    covered = _fast_path_release(vllm_version) is not None
+    covered = fast_path_release(vllm_version) is not None
     if not os.environ.get(FAST_PATH_SWITCH, "").strip():
         return covered and output_installed
     if not _switch(FAST_PATH_SWITCH):
@@ -191,10 +192,14 @@ def register() -> None:
         _install_client()
 
 
-def _fast_path_release(vllm_version: str) -> releases.Release | None:
-    # The supported release of that version whose server the fast path is held to.
-    base = vllm_version.split("+", 1)[0]
-    return next((r for r in releases.SUPPORTED if r.name == base and r.fast_path), None)
+def fast_path_release(vllm_version: str) -> releases.Release | None:
+    """The release of vLLM ``vllm_version`` (``vllm.__version__``) if its OpenAI server is
+    one the fast path is held to (its ``fast_path`` flag), else None."""
+    try:
+        release = releases.for_vllm(vllm_version)
+    except releases.UnsupportedProtocolError:
+        return None
+    return release if release.fast_path else None
 
 
 def _install_fast_path() -> None:
