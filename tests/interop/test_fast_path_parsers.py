@@ -8,12 +8,12 @@ output's text under one field: after Python renders such a delta, the native fra
 the next outputs' text under that field, handing back to Python any output that carries a
 reasoning marker. Here every tool-call parser vLLM registers, and every reasoning parser
 (alone and beside a tool-call parser), is built with the serve tests' tokenizer (with
-``<think>`` markers) and fed seeded random outputs (marker tokens, tool-call markup of many
-formats, outputs without text) twice through vLLM's own ``ChatStreamProcessor``: once as
-vLLM's server does, every output parsed; once as the fast path does, the native frames'
-outputs written as frames and never parsed. For every parser the fast path takes, both
-send the same deltas, count the same tokens and the same reasoning tokens; the parsers it
-keeps on vLLM's path are named by kind.
+``<think>`` and other markers) and fed seeded random outputs (marker tokens, tool-call
+markup of many formats, outputs without text) twice through vLLM's own
+``ChatStreamProcessor``: once as vLLM's server does, every output parsed; once as the fast
+path does, the native frames' outputs written as frames and never parsed. For every
+parser the fast path takes, both send the same deltas, count the same tokens and the same
+reasoning tokens; the parsers it keeps on vLLM's path are named by kind.
 
 Runs where the installed vLLM is one the fast path is held to (0.34.0).
 """
@@ -54,7 +54,9 @@ from corewire.vllm.fast_path import parsers  # noqa: E402
 from corewire.vllm.serve.model_dir import write_model_dir  # noqa: E402
 
 MODEL = "corewire-tiny"
-MARKERS = ("<think>", "</think>")
+#: Marker tokens of the tokenizer: reasoning's, and other tokens some reasoning parsers
+#: treat apart (ERNIE 4.5's response markers).
+MARKERS = ("<think>", "</think>", "<response>", "</response>")
 #: Output texts besides the tokens': tool-call and reasoning markup of many formats.
 MARKUP = [
     "<tool_call>",
@@ -86,7 +88,7 @@ STREAMS = 40
 
 @pytest.fixture(scope="module")
 def tokenizer(tmp_path_factory: pytest.TempPathFactory) -> Any:
-    """The serve tests' tokenizer with ``<think>`` markers, as vLLM's server loads it."""
+    """The serve tests' tokenizer with :data:`MARKERS`, as vLLM's server loads it."""
     model_dir: Path = write_model_dir(tmp_path_factory.mktemp("parsers") / "model", markers=MARKERS)
     return get_tokenizer(str(model_dir))
 
@@ -286,6 +288,11 @@ def test_parsers_kept_on_vllms_path_are_named_by_kind(tokenizer: Any) -> None:
     reasoning = _reasoning_parsers(tokenizer, "hermes")
     assert refusal(reasoning["qwen3"], plain) == "an engine-based reasoning parser"
     assert refusal(reasoning["deepseek_r1"], plain) is None
+    # ERNIE 4.5's parser sends nothing for its response markers: not a plain split.
+    ernie = reasoning["ernie45"].reasoning_parser_cls.__name__
+    assert refusal(reasoning["ernie45"], plain) == (
+        f"the reasoning parser {ernie} is not of start and end markers"
+    )
     assert refusal(reasoning["deepseek_r1"], with_tools) == "the request may call tools"
     hidden = _request(include_reasoning=False)
     assert refusal(reasoning["deepseek_r1"], hidden) == "include_reasoning is false"

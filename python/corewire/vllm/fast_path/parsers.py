@@ -12,9 +12,9 @@ under one field:
   ``DelegatingParser`` passes the text through as ``content`` and sends nothing for an
   output without text;
 - a reasoning parser of start and end marker tokens (``<think>`` ... ``</think>``: vLLM's
-  ``BaseThinkingReasoningParser``, DeepSeek-R1's among them), classic too: ``reasoning``
-  until the end marker, ``content`` after it (with a tool-call parser too, as the first
-  kind after it).
+  ``BaseThinkingReasoningParser``, splitting deltas its way or DeepSeek-R1's), classic
+  too: ``reasoning`` until the end marker, ``content`` after it (with a tool-call parser
+  too, as the first kind after it).
 
 So Python renders the outputs that carry a marker token, and any output whose delta is not
 of one field; after one that is, the native frames write the next outputs' text under the
@@ -31,6 +31,7 @@ from typing import Any
 
 from vllm.parser.abstract_parser import DelegatingParser
 from vllm.reasoning.basic_parsers import BaseThinkingReasoningParser
+from vllm.reasoning.deepseek_r1_reasoning_parser import DeepSeekR1ReasoningParser
 
 __all__ = ["markers", "native_frames", "parser_refusal"]
 
@@ -42,13 +43,21 @@ _STREAM_MEMBERS = (
     "_flush_engine_parsers",
 )
 #: The members of ``BaseThinkingReasoningParser`` that decide where reasoning ends and
-#: count its tokens (a subclass may change how it splits a delta, not these).
+#: count its tokens (a subclass may split a delta as :data:`_SPLITS` allow, and change
+#: nothing of these).
 _THINKING_MEMBERS = (
     "is_reasoning_end",
     "is_reasoning_end_streaming",
     "extract_content_ids",
     "count_reasoning_tokens",
     "adjust_initial_state_from_prompt",
+)
+#: How a marker parser may split a streamed delta: the base class's way, or DeepSeek-R1's
+#: (reasoning until the end marker even without a start marker). Others treat more tokens
+#: apart (ERNIE 4.5's response markers send nothing).
+_SPLITS = (
+    BaseThinkingReasoningParser.extract_reasoning_streaming,
+    DeepSeekR1ReasoningParser.extract_reasoning_streaming,
 )
 # Per parser class: why its streams stay on vLLM's path whatever the request (None: a
 # request can leave it).
@@ -125,6 +134,7 @@ def _class_refusal(parser_cls: type) -> str | None:
                 getattr(reasoning_cls, name) is getattr(BaseThinkingReasoningParser, name)
                 for name in _THINKING_MEMBERS
             )
+            and reasoning_cls.extract_reasoning_streaming in _SPLITS
         )
         if not thinking:
             return f"the reasoning parser {reasoning_cls.__name__} is not of start and end markers"
