@@ -393,7 +393,10 @@ def parser_kept(body: dict[str, Any]) -> bool:
     )
 
 
-@pytest.mark.parametrize("vocab_size", [4096, 16])
+# At 16 only, a quarter of its tokens special ones without text: the case where a classic
+# tool parser's stream differs from a server's without one (text passing through is held
+# for every registered parser in test_fast_path_parsers.py; CI's time goes to the rest).
+@pytest.mark.parametrize("vocab_size", [16])
 def test_tool_parser_server_same_events_as_vllms_server(
     tmp_path_factory: pytest.TempPathFactory, vocab_size: int
 ) -> None:
