@@ -24,6 +24,7 @@ runs it in that release's venv, where anything missing fails instead of skipping
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import random
@@ -393,60 +394,67 @@ def parser_kept(body: dict[str, Any]) -> bool:
     )
 
 
-# At 16 only, a quarter of its tokens special ones without text: the case where a classic
-# tool parser's stream differs from a server's without one (text passing through is held
-# for every registered parser in test_fast_path_parsers.py; CI's time goes to the rest).
-@pytest.mark.parametrize("vocab_size", [16])
-def test_tool_parser_server_same_events_as_vllms_server(
-    tmp_path_factory: pytest.TempPathFactory, vocab_size: int
-) -> None:
-    """Both servers started with a tool-call parser (``--enable-auto-tool-choice
-    --tool-call-parser hermes``, which vLLM runs on every stream): seeded random chat
-    completions, every event the same text; those that let the model call no tool take
-    the fast path, those that may call one (and the endpoint's fallbacks) vLLM's. With a
-    vocabulary of 16 a quarter of the tokens are special ones, which add no text: the
-    parser sends nothing for such an output, and neither do the native frames."""
-    args = ("--enable-auto-tool-choice", "--tool-call-parser", "hermes")
+@contextlib.contextmanager
+def parser_servers(
+    factory: Any, args: tuple[str, ...], vocab_size: int, markers: tuple[str, ...] = ()
+) -> Iterator[tuple[httpx.Client, httpx.Client]]:
+    """vLLM's stack and the fast path's, both started with the parser flags ``args``
+    (and a model of ``vocab_size`` tokens with ``markers``): an HTTP client for each."""
     with (
-        _stack("vllm", tmp_path_factory, args, vocab_size) as vllm_stack,
-        _stack("corewire+fast", tmp_path_factory, args, vocab_size) as fast_stack,
+        _stack("vllm", factory, args, vocab_size, markers) as vllm_stack,
+        _stack("corewire+fast", factory, args, vocab_size, markers) as fast_stack,
         http_client(vllm_stack) as theirs,
         http_client(fast_stack) as mine,
     ):
-        path = "/v1/chat/completions"
-        before = fast_path_counts(mine)
-        expected = [(b, raw_events(theirs, b, path)) for b in tool_chats(31, theirs, 14)]
-        got = [(b, raw_events(mine, b, path)) for b in tool_chats(31, mine, 14)]
-        sent = assert_same_runs(got, expected, mine, theirs, path)
-        kept = [parser_kept(body) for body, _ in got]
-        took, want = paths_taken(mine, before, sent, kept)
-        tokens = fast_path_counts(mine)["tokens"] - before.get("tokens", 0)
-        assert took == want, (before, sent)
-        assert want["fast"] and want["vllm"]
-        assert tokens > 0
-        if vocab_size == 16:
-            # Special tokens, which add no text: the parser sends nothing for such an
-            # output, and neither do the native frames (fewer content chunks than tokens).
-            body = {
-                "messages": [{"role": "user", "content": "hi"}],
-                "max_tokens": 60,
-                "temperature": 1.0,
-                "seed": 5,
-                "ignore_eos": True,
-                "stream": True,
-                "stream_options": {"include_usage": True},
-            }
-            got_events, expected_events, added = side_by_side(
-                theirs, mine, lambda h: raw_events(h, body, path)
-            )
-            assert got_events == expected_events
-            assert added["fast"] == added["tries"] and added["tokens"] > 0
-            usage = json.loads(got_events[-2])["usage"]
-            content = [
-                e for e in got_events if '"delta":{"content"' in e and '"finish_reason":null' in e
-            ]
-            assert usage["completion_tokens"] == 60
-            assert 0 < len(content) < 59, len(content)
+        yield theirs, mine
+
+
+def same_tool_chats(theirs: httpx.Client, mine: httpx.Client, seed: int) -> Run:
+    """14 seeded :func:`tool_chats` on both parser servers: every event the same text,
+    those that :func:`parser_kept` on vLLM's path, the others on the fast path, some of
+    their tokens written natively. The fast path's run."""
+    path = "/v1/chat/completions"
+    before = fast_path_counts(mine)
+    expected = [(b, raw_events(theirs, b, path)) for b in tool_chats(seed, theirs, 14)]
+    got = [(b, raw_events(mine, b, path)) for b in tool_chats(seed, mine, 14)]
+    sent = assert_same_runs(got, expected, mine, theirs, path)
+    took, want = paths_taken(mine, before, sent, [parser_kept(body) for body, _ in got])
+    tokens = fast_path_counts(mine)["tokens"] - before.get("tokens", 0)
+    assert took == want, (before, sent)
+    assert want["fast"] and want["vllm"] and tokens > 0
+    return got
+
+
+def test_tool_parser_server_same_events_as_vllms_server(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> None:
+    """Both servers started with a tool-call parser (``--enable-auto-tool-choice
+    --tool-call-parser hermes``, which vLLM runs on every stream), over a vocabulary of 16
+    whose special quarter adds no text: the parser sends nothing for such an output, and
+    neither do the native frames (the case where a classic tool parser's stream differs
+    from a plain server's; text passing through is held for every registered parser in
+    test_fast_path_parsers.py). Seeded random chat completions (:func:`same_tool_chats`),
+    then a long one with fewer content chunks than tokens."""
+    args = ("--enable-auto-tool-choice", "--tool-call-parser", "hermes")
+    path = "/v1/chat/completions"
+    with parser_servers(tmp_path_factory, args, 16) as (theirs, mine):
+        same_tool_chats(theirs, mine, 31)
+        body = {
+            "messages": [{"role": "user", "content": "hi"}],
+            "max_tokens": 60,
+            "temperature": 1.0,
+            "seed": 5,
+            "ignore_eos": True,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+        }
+        got, expected, added = side_by_side(theirs, mine, lambda h: raw_events(h, body, path))
+    assert got == expected, _first_difference(got, expected)
+    assert added["fast"] == added["tries"] and added["tokens"] > 0
+    usage = json.loads(got[-2])["usage"]
+    content = [e for e in got if '"delta":{"content"' in e and '"finish_reason":null' in e]
+    assert usage["completion_tokens"] == 60
+    assert 0 < len(content) < 59, len(content)
 
 
 @pytest.mark.parametrize("vocab_size", [4096, 16])
@@ -456,34 +464,14 @@ def test_reasoning_parser_server_same_events_as_vllms_server(
     """Both servers started with DeepSeek-R1's reasoning parser and a tool-call parser
     (``--reasoning-parser deepseek_r1 --enable-auto-tool-choice --tool-call-parser
     hermes``), the model's tokenizer with ``<think>`` and ``</think>``: seeded random chat
-    completions, every event the same text (reasoning chunks, the switch to content,
-    usage with its reasoning tokens); those that let the model call no tool take the fast
-    path. With 4096 tokens the markers are rare and a stream is reasoning throughout; with
-    16, an eighth of the tokens are markers."""
-    args = (
-        "--reasoning-parser",
-        "deepseek_r1",
-        "--enable-auto-tool-choice",
-        "--tool-call-parser",
-        "hermes",
-    )
+    completions (:func:`same_tool_chats`: reasoning chunks, the switch to content, usage
+    with its reasoning tokens). With 4096 tokens the markers are rare and a stream is
+    reasoning throughout; with 16, an eighth of the tokens are markers."""
+    args = ("--reasoning-parser", "deepseek_r1")
+    args += ("--enable-auto-tool-choice", "--tool-call-parser", "hermes")
     markers = ("<think>", "</think>")
-    with (
-        _stack("vllm", tmp_path_factory, args, vocab_size, markers) as vllm_stack,
-        _stack("corewire+fast", tmp_path_factory, args, vocab_size, markers) as fast_stack,
-        http_client(vllm_stack) as theirs,
-        http_client(fast_stack) as mine,
-    ):
-        path = "/v1/chat/completions"
-        before = fast_path_counts(mine)
-        expected = [(b, raw_events(theirs, b, path)) for b in tool_chats(41, theirs, 14)]
-        got = [(b, raw_events(mine, b, path)) for b in tool_chats(41, mine, 14)]
-        sent = assert_same_runs(got, expected, mine, theirs, path)
-        kept = [parser_kept(body) for body, _ in got]
-        took, want = paths_taken(mine, before, sent, kept)
-        tokens = fast_path_counts(mine)["tokens"] - before.get("tokens", 0)
-    assert took == want, (before, sent)
-    assert want["fast"] and tokens > 0
+    with parser_servers(tmp_path_factory, args, vocab_size, markers) as (theirs, mine):
+        got = same_tool_chats(theirs, mine, 41)
     events = [e for _, run in got for e in run]
     assert any('"delta":{"reasoning"' in e for e in events)
     assert any('"reasoning_tokens"' in e for e in events)
