@@ -1,6 +1,7 @@
 """The parts of ``vllm serve``'s fast path that run without a vLLM server: the plugin's
-switch (``COREWIRE_VLLM_FAST_PATH``) by release, the frame templates' split, and the
-capture of uvicorn's request-response cycle, under a real uvicorn server on loopback.
+switch (``COREWIRE_VLLM_FAST_PATH``) by release, the frame templates' split, the capture
+of uvicorn's request-response cycle, under a real uvicorn server on loopback, and which
+apps the direct routes serve around the router.
 
 The fast path itself, against vLLM's own server, is ``test_vllm_fast_path.py``.
 """
@@ -17,7 +18,7 @@ from typing import Any
 import pytest
 
 from corewire import releases
-from corewire.vllm.fast_path import TEXT_PROBE, asgi_cycle, split_template
+from corewire.vllm.fast_path import TEXT_PROBE, asgi_cycle, direct_route, split_template
 from corewire.vllm.plugin import (
     FAST_PATH_SWITCH,
     FAST_PATH_VLLM_VERSIONS,
@@ -188,3 +189,58 @@ def test_capture_sees_uvicorns_httptools_cycle_and_what_reached_it(
     assert answer.text.split("|", 1)[1].endswith(seen), answer.text
     # Outside a request, nothing is captured.
     assert asgi_cycle.current_cycle() is None
+
+
+def _fastapi_app(*middleware: Any, route: bool = False) -> tuple[Any, Any]:
+    # A FastAPI app with CORS (as vllm serve's) and ``middleware``, and its built stack;
+    # ``route``: a /v1/completions route of its own.
+    from fastapi import FastAPI
+    from starlette.middleware.cors import CORSMiddleware
+
+    app = FastAPI()
+    app.add_middleware(CORSMiddleware, allow_origins=["*"])
+    for layer in middleware:
+        app.add_middleware(layer)
+    if route:
+
+        @app.post("/v1/completions")
+        async def create_completion(body: dict) -> dict:
+            return body
+
+    return app, app.build_middleware_stack()
+
+
+def test_direct_routes_run_only_middleware_they_know() -> None:
+    """The direct routes run the app's middleware as copies only where they know every
+    layer (vllm serve's own); a user's middleware keeps every request on the router,
+    said by name, as does an app whose route is not vLLM's, or the switch."""
+    from starlette.middleware.base import BaseHTTPMiddleware
+
+    _, stack = _fastapi_app()
+    layers, why = direct_route.middleware_refusal(stack)
+    assert why is None
+    names = [type(layer).__name__ for layer in layers]
+    assert names == ["ServerErrorMiddleware", "CORSMiddleware", "ExceptionMiddleware"]
+
+    class Audit(BaseHTTPMiddleware):
+        async def dispatch(self, request: Any, call_next: Any) -> Any:
+            return await call_next(request)
+
+    _, stack = _fastapi_app(Audit)
+    _, why = direct_route.middleware_refusal(stack)
+    assert why == f"the app runs middleware {Audit.__module__}.{Audit.__qualname__}", why
+
+    app, stack = _fastapi_app(route=True)
+    routes = direct_route.DirectRoutes(stack)
+    routes.prepare(app)
+    assert routes.refusal == "POST /v1/completions is not vLLM's route"
+    scope = {"type": "http", "method": "POST", "path": "/v1/completions", "app": app}
+    assert routes.take(scope) is None
+
+
+def test_direct_routes_off_by_switch(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(direct_route.SWITCH, "0")
+    app, stack = _fastapi_app()
+    routes = direct_route.DirectRoutes(stack)
+    routes.prepare(app)
+    assert routes.refusal == f"{direct_route.SWITCH} is off"

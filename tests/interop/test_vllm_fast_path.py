@@ -57,6 +57,7 @@ if _MISSING is not None:
 import httpx  # noqa: E402
 
 from corewire.vllm.fast_path import INSTALLED_LOG_LINE  # noqa: E402
+from corewire.vllm.fast_path.asgi_cycle import DIRECT_ROUTE_LOG_LINE  # noqa: E402
 from corewire.vllm.serve.stack import ServeStack  # noqa: E402
 from fast_path_features import FEATURES, Feature, semantic  # noqa: E402
 from serve_support import (  # noqa: E402
@@ -615,6 +616,80 @@ def test_fallback_is_said_once_in_the_log(stacks: dict[str, ServeStack]) -> None
     assert len(said) == 1, said
     # And that the fast path is on at all, once vLLM's logging is up.
     assert log.count(INSTALLED_LOG_LINE) == 1, log[-3000:]
+
+
+#: Requests to the direct routes' paths and beside them, as ``(method, path, content
+#: type, body)``: answers streamed and whole, and each refusal the app answers (bodies that
+#: are not JSON, null, empty, of another content type or invalid for the model; a model
+#: the server does not serve; another method; a path the router redirects).
+_ROUTED = ("/v1/completions", "/v1/chat/completions")
+_JSON = "application/json"
+_CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "tell me a story"}]}
+DIRECT_REQUESTS: list[tuple[str, str, str, bytes]] = [
+    (m, p, t, json.dumps(b).encode() if isinstance(b, dict) else b)
+    for m, p, t, b in [
+        ("POST", _ROUTED[0], _JSON, {"model": MODEL, "prompt": "the old house", "stream": True}),
+        ("POST", _ROUTED[0], _JSON, {"model": MODEL, "prompt": "the old house", "max_tokens": 5}),
+        ("POST", _ROUTED[1], _JSON, {**_CHAT, "max_tokens": 6, "stream": True}),
+        ("POST", _ROUTED[1], "application/json; charset=utf-8", {**_CHAT, "max_tokens": 4}),
+        ("POST", _ROUTED[0], _JSON, {"model": MODEL, "prompt": "hi", "max_tokens": 2, "x": 1}),
+        ("POST", _ROUTED[0], _JSON, b'{"model": "m", "prompt": '),
+        ("POST", _ROUTED[0], _JSON, b"null"),
+        ("POST", _ROUTED[1], _JSON, b""),
+        ("POST", _ROUTED[0], "text/plain", {"model": MODEL, "prompt": "hi", "stream": True}),
+        ("POST", _ROUTED[0], _JSON, {"model": MODEL, "prompt": "hi", "max_tokens": "many"}),
+        ("POST", _ROUTED[1], _JSON, {**_CHAT, "model": "no-such-model", "stream": True}),
+        ("GET", _ROUTED[0], _JSON, b""),
+        ("POST", _ROUTED[0] + "/", _JSON, {"model": MODEL, "prompt": "hi", "max_tokens": 2}),
+    ]
+]
+
+
+def _http_answer(http: httpx.Client, method: str, path: str, ctype: str, body: bytes) -> Any:
+    # Status, headers but the date (a redirect's without the server's port), and the
+    # body's text without ids and times.
+    resp = http.request(method, path, content=body, headers={"content-type": ctype})
+    headers = sorted(
+        (k, re.sub(r":\d+/", ":-/", v)) for k, v in resp.headers.multi_items() if k != "date"
+    )
+    return resp.status_code, headers, normalized(resp.text)
+
+
+def http_request_counts(http: httpx.Client) -> dict[tuple[str, str, str], float]:
+    """The instrumentator's ``http_requests_total`` of the direct routes' paths, by
+    handler, method and status."""
+    return {
+        (labels["handler"], labels["method"], labels["status"]): value
+        for labels, value in metric_values(http.get("/metrics").text, "http_requests_total")
+        if labels.get("handler", "").startswith(_ROUTED)
+    }
+
+
+def test_direct_route_answers_as_vllms_router(stacks: dict[str, ServeStack]) -> None:
+    """Requests to the routes the fast path serves around the app's router, and beside
+    them: status, headers (but the date) and body the same as vLLM's own server's, and
+    the instrumentator's request counts in ``/metrics`` moved alike; the server says once
+    that the direct routes serve."""
+    with http_client(stacks["vllm"]) as theirs, http_client(stacks["corewire+fast"]) as mine:
+        counted = {name: http_request_counts(h) for name, h in (("t", theirs), ("m", mine))}
+        for method, path, ctype, body in DIRECT_REQUESTS:
+            got, expected, _ = side_by_side(
+                theirs, mine, lambda h, r=(method, path, ctype, body): _http_answer(h, *r)
+            )
+            assert got == expected, (method, path, ctype, body, got, expected)
+        # The instrumentator counts a request once its response is sent.
+        moved: dict[str, Any] = {}
+        deadline = time.monotonic() + 15
+        while time.monotonic() < deadline:
+            for name, h in (("t", theirs), ("m", mine)):
+                now = http_request_counts(h)
+                moved[name] = {k: v - counted[name].get(k, 0) for k, v in now.items()}
+                moved[name] = {k: v for k, v in moved[name].items() if v}
+            if moved["m"] == moved["t"]:
+                break
+            time.sleep(0.1)
+    assert moved["m"] == moved["t"] and moved["t"], moved
+    assert server_log(stacks["corewire+fast"]).count(DIRECT_ROUTE_LOG_LINE) == 1
 
 
 def test_client_disconnect_mid_stream_aborts_in_the_engine(

@@ -18,9 +18,20 @@ produced has reached the cycle (:meth:`Connection.caught_up`).
 from __future__ import annotations
 
 import contextvars
+import logging
 from typing import Any
 
-__all__ = ["Connection", "CycleCapture", "current_cycle", "install"]
+from corewire.vllm.fast_path.direct_route import ENDPOINTS, DirectRoutes
+
+__all__ = ["DIRECT_ROUTE_LOG_LINE", "Connection", "CycleCapture", "current_cycle", "install"]
+
+#: The requests a direct route serves, as the log names them.
+ROUTED = " and ".join(f"POST {path}" for path in ENDPOINTS)
+#: Said in the API server's log at its first request where the direct routes serve.
+DIRECT_ROUTE_LOG_LINE = f"{ROUTED} go straight to vLLM's handlers, around the router"
+
+# Under vLLM's logger, as the rest of the fast path.
+logger = logging.getLogger("vllm.corewire")
 
 #: The module whose ``RequestResponseCycle`` the fast path writes beside.
 HTTPTOOLS_CYCLE_MODULE = "uvicorn.protocols.http.httptools_impl"
@@ -58,16 +69,30 @@ class Connection:
 
 class CycleCapture:
     """ASGI wrapper that records each HTTP request's :class:`Connection` (see the module
-    doc)."""
+    doc), and serves the requests a direct route takes
+    (:class:`corewire.vllm.fast_path.direct_route.DirectRoutes`) around the app's
+    router."""
 
     def __init__(self, app: Any) -> None:
         #: The wrapped ASGI application (the app's middleware stack).
         self.app = app
+        #: The app's direct routes, ready at its first HTTP request.
+        self.direct = DirectRoutes(app)
+        self._prepared = False
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
-        owner = getattr(send, "__self__", None)
-        if scope.get("type") != "http" or type(owner).__module__ != HTTPTOOLS_CYCLE_MODULE:
+        if scope.get("type") != "http":
             await self.app(scope, receive, send)
+            return
+        if not self._prepared:
+            self._prepare(scope.get("app"))
+        direct = self.direct.take(scope)
+        owner = getattr(send, "__self__", None)
+        if type(owner).__module__ != HTTPTOOLS_CYCLE_MODULE:
+            if direct is None:
+                await self.app(scope, receive, send)
+            else:
+                await self.direct.serve(direct, scope, receive, send)
             return
         connection = Connection(owner)
 
@@ -78,9 +103,22 @@ class CycleCapture:
 
         token = _connection.set(connection)
         try:
-            await self.app(scope, receive, counted_send)
+            if direct is None:
+                await self.app(scope, receive, counted_send)
+            else:
+                await self.direct.serve(direct, scope, receive, counted_send)
         finally:
             _connection.reset(token)
+
+    def _prepare(self, app: Any) -> None:
+        # Once, at the app's first HTTP request (its routes and state are complete then):
+        # said in the log either way.
+        self._prepared = True
+        self.direct.prepare(app)
+        if self.direct.refusal is None:
+            logger.info("corewire: %s", DIRECT_ROUTE_LOG_LINE)
+        else:
+            logger.info("corewire: %s stay on the app's router: %s", ROUTED, self.direct.refusal)
 
 
 def current_cycle() -> Connection | None:
