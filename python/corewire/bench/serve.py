@@ -26,6 +26,9 @@ between the stacks (``--clients``, the first three by default):
   from the native output state, :mod:`corewire.vllm.fast_path`), against the fast-path
   issue's goals (:data:`FAST_GOALS`; the moonshot :data:`RUST_MOONSHOT` reported beside
   the ``rust`` stack);
+- ``corewire+fast/router`` (on request only, vLLM 0.34.0): ``corewire+fast`` with its
+  direct routes off (``COREWIRE_VLLM_DIRECT_ROUTE=0``): every request through the app's
+  router and FastAPI, as before the direct routes, to measure what they save;
 - ``rust`` (on request only): vLLM's own Rust front-end, ``vllm-rs``
   (``VLLM_USE_RUST_FRONTEND=1``), over the same engines with their stats on; no profile
   (nothing in it is Python), no goal: the reference the Python stacks are read against.
@@ -151,6 +154,9 @@ OUTPUT_SWITCH = "COREWIRE_VLLM_OUTPUT"
 #: The plugin's switch for the per-token fast path of ``vllm serve``
 #: (``corewire.vllm.plugin.FAST_PATH_SWITCH``).
 FAST_PATH_SWITCH = "COREWIRE_VLLM_FAST_PATH"
+#: The fast path's direct routes' own switch (corewire.vllm.fast_path.direct_route.SWITCH;
+#: that module is not imported here, as it is only needed where the server runs).
+DIRECT_ROUTE_SWITCH = "COREWIRE_VLLM_DIRECT_ROUTE"
 #: The stacks: name -> (the API server's engine-core client for ``ServeStack``, the
 #: environment added to the API server's). The output switch is set either way: a
 #: ``COREWIRE_VLLM_OUTPUT=1`` in the caller's environment must not reach the baselines.
@@ -161,6 +167,12 @@ STACKS: dict[str, tuple[str, dict[str, str]]] = {
     # The above with the per-token fast path (corewire.vllm.fast_path): streaming
     # completions' chunks after the first written from the native output state.
     "corewire+fast": ("corewire", {OUTPUT_SWITCH: "1", FAST_PATH_SWITCH: "1"}),
+    # The above with every request through the app's router and FastAPI (no direct
+    # routes, corewire.vllm.fast_path.direct_route): what the direct routes save.
+    "corewire+fast/router": (
+        "corewire",
+        {OUTPUT_SWITCH: "1", FAST_PATH_SWITCH: "1", DIRECT_ROUTE_SWITCH: "0"},
+    ),
     # vLLM's own Rust front-end (vllm-rs, VLLM_USE_RUST_FRONTEND=1) over the same
     # corewire engines, their stats on: the reference the Python stacks are read against.
     "rust": ("vllm", {OUTPUT_SWITCH: "0", FAST_PATH_SWITCH: "0", "VLLM_USE_RUST_FRONTEND": "1"}),
@@ -175,6 +187,7 @@ _SHORT = {
     "corewire": "cw",
     "corewire+output": "cw+out",
     "corewire+fast": "cw+fast",
+    "corewire+fast/router": "cw+f/rtr",
     "rust": "rust",
 }
 
@@ -479,7 +492,7 @@ def scenarios(args: argparse.Namespace) -> list[Scenario]:
 
 
 def _slug(client: str) -> str:
-    return client.replace("+", "-")
+    return client.replace("+", "-").replace("/", "-")
 
 
 def run_clients(args: argparse.Namespace, model_dir: Path, work: Path) -> list[Result]:
@@ -1151,6 +1164,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         f"corewire's client and native output processing (and {OUTPUT_SWITCH}=1), left out "
         "of the default with a note where it cannot run; corewire+fast (not in the default, "
         f"vLLM 0.34.0): corewire+output with the per-token fast path ({FAST_PATH_SWITCH}=1); "
+        f"corewire+fast/router (the same): corewire+fast with its direct routes off "
+        f"({DIRECT_ROUTE_SWITCH}=0); "
         "rust (not in the default): vLLM's own Rust front-end, vllm-rs "
         "(VLLM_USE_RUST_FRONTEND=1), over the same engines",
     )
@@ -1286,8 +1301,9 @@ def run(args: argparse.Namespace) -> int:
     elif "corewire+output" in args.clients and missing is not None:
         print(f"{prog}: --clients corewire+output: {missing}", file=sys.stderr)
         return 2
-    if "corewire+fast" in args.clients and (no_fast := fast_path_missing()) is not None:
-        print(f"{prog}: --clients corewire+fast: {no_fast}", file=sys.stderr)
+    fast = [c for c in args.clients if c.startswith("corewire+fast")]
+    if fast and (no_fast := fast_path_missing()) is not None:
+        print(f"{prog}: --clients {fast[0]}: {no_fast}", file=sys.stderr)
         return 2
     if "rust" in args.clients:
         from corewire.vllm.serve.stack import rust_frontend_binary
