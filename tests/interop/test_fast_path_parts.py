@@ -239,6 +239,12 @@ def test_direct_routes_run_only_middleware_they_know() -> None:
 
 
 def test_direct_routes_off_by_switch(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``COREWIRE_VLLM_DIRECT_ROUTE=0`` (the bench's ``corewire+fast/router`` stack sets
+    it) keeps every request on the app's router."""
+    from corewire.bench.serve import DIRECT_ROUTE_SWITCH, STACKS
+
+    assert STACKS["corewire+fast/router"][1][DIRECT_ROUTE_SWITCH] == "0"
+    assert DIRECT_ROUTE_SWITCH == direct_route.SWITCH
     monkeypatch.setenv(direct_route.SWITCH, "0")
     app, stack = _fastapi_app()
     routes = direct_route.DirectRoutes(stack)

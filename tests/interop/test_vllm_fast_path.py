@@ -164,7 +164,7 @@ def raw_events(
 
 #: Options that keep a request on vLLM's path, each with what it asks.
 FALLBACKS: list[dict[str, Any]] = [
-    {"echo": True},
+    {"echo": True, "logprobs": 2},
     {"logprobs": 1, "logprob_token_ids": [5, 6]},
     {"n": 2, "temperature": 0.8, "seed": 7},
     {"stream_options": {"include_usage": True, "continuous_usage_stats": True}},
@@ -195,6 +195,8 @@ def random_requests(seed: int, http: httpx.Client, count: int) -> Iterator[dict[
             body["min_tokens"] = rng.randint(0, body["max_tokens"])
         if rng.random() < 0.4:
             body["logprobs"] = rng.randint(0, 5)
+        elif rng.random() < 0.25:
+            body["echo"] = True
         if rng.random() < 0.2:
             # vLLM 0.34.0's per-request stream interval: chunks of several tokens.
             body["stream_interval"] = rng.randint(2, 4)
@@ -222,7 +224,6 @@ def _run(http: httpx.Client, seed: int, count: int) -> Run:
 CHAT_FALLBACKS: list[dict[str, Any]] = [
     {"logprobs": True, "logprob_token_ids": [5, 6]},
     {"n": 2, "temperature": 0.8, "seed": 7},
-    {"echo": True},
     {"return_token_ids": True},
     {"stream_options": {"include_usage": True, "continuous_usage_stats": True}},
 ]
@@ -236,6 +237,10 @@ def random_chats(seed: int, http: httpx.Client, count: int) -> Iterator[dict[str
         turns = [{"role": "user", "content": " ".join(rng.choices(WORDS, k=rng.randint(1, 8)))}]
         if rng.random() < 0.3:
             turns.insert(0, {"role": "system", "content": "you are a good assistant"})
+        echo = rng.random() < 0.3
+        if echo and rng.random() < 0.6:
+            # An answer begun in the assistant's role: echo sends it back first.
+            turns.append({"role": "assistant", "content": " ".join(rng.choices(WORDS, k=3))})
         body: dict[str, Any] = {
             "messages": turns,
             "max_tokens": rng.randint(1, 20),
@@ -243,6 +248,8 @@ def random_chats(seed: int, http: httpx.Client, count: int) -> Iterator[dict[str
             "ignore_eos": rng.random() < 0.7,
             "stream": True,
         }
+        if echo:
+            body["echo"] = True
         if rng.random() < 0.3:
             body |= {"temperature": 0.9, "seed": rng.randint(0, 2**31)}
         if rng.random() < 0.5:
@@ -604,14 +611,14 @@ def test_long_chat_stream_with_logprobs_is_written_natively(
 
 
 def test_fallback_is_said_once_in_the_log(stacks: dict[str, ServeStack]) -> None:
-    """A request the fast path does not cover (echo) is served by vLLM's code, and the
-    server's log says why, once however many such requests come."""
+    """A request the fast path does not cover (token ids) is served by vLLM's code, and
+    the server's log says why, once however many such requests come."""
     body = {"prompt": "count to ten", "max_tokens": 3, "temperature": 0.0, "stream": True}
     with http_client(stacks["corewire+fast"]) as mine:
         for _ in range(3):
-            raw_events(mine, {**body, "echo": True})
+            raw_events(mine, {**body, "return_token_ids": True})
     log = server_log(stacks["corewire+fast"])
-    reason = "streaming completion stays on vLLM's path: echo"
+    reason = "streaming completion stays on vLLM's path: return_token_ids"
     said = [line for line in log.splitlines() if reason in line]
     assert len(said) == 1, said
     # And that the fast path is on at all, once vLLM's logging is up.

@@ -1,6 +1,6 @@
 """The fast path of vLLM 0.34.0's streaming ``/v1/chat/completions`` (see
 :mod:`corewire.vllm.fast_path`): one sample whose chunks carry text alone (no logprobs,
-token ids, echo or continuous usage; on a server with a parser, one whose deltas the
+token ids or continuous usage; on a server with a parser, one whose deltas the
 native frames can follow: :mod:`corewire.vllm.fast_path.parsers`); anything else stays
 on vLLM's ``chat_completion_stream_generator``.
 
@@ -115,6 +115,10 @@ def _take(
     # The fast stream of a request the fast path covers (vLLM's generator's arguments),
     # else why it stays on vLLM's.
     why = refusal(serving, request, connection)
+    if why is None and request.echo and conversation:
+        content = conversation[-1].get("content")
+        if content is not None and not isinstance(content, str):
+            why = "echo of a message that is not text"
     if why is not None:
         return why
     return chat_stream(
@@ -128,6 +132,7 @@ def _take(
         mm_token_counts,
         tokenizer,
         chat_template_kwargs,
+        conversation,
     )
 
 
@@ -140,6 +145,17 @@ def _stream_parser(
     if tokenizer is None:
         raise ValueError("Tokenizer not available when `skip_tokenizer_init=True`")
     return serving._make_parser(request, tokenizer, chat_template_kwargs)
+
+
+def _echoed(request: Any, conversation: Any, role: str) -> str:
+    # What vLLM's stream echoes after the role chunk: with echo, the last message's
+    # content where that message is in the answer's role.
+    if not request.echo or not conversation:
+        return ""
+    last = conversation[-1]
+    if "content" not in last or last.get("role") != role:
+        return ""
+    return last["content"] or ""
 
 
 def _dump(chunk: Any) -> str:
@@ -161,6 +177,7 @@ async def chat_stream(
     mm_token_counts: dict[str, int] | None,
     tokenizer: Any = None,
     chat_template_kwargs: dict[str, Any] | None = None,
+    conversation: Any = None,
 ) -> AsyncGenerator[str, None]:
     """vLLM 0.34.0's ``chat_completion_stream_generator`` for a request :func:`refusal`
     lets through, with the unfinished content chunks after the first written natively.
@@ -227,9 +244,10 @@ async def chat_stream(
     try:
         async for res in result_generator:
             if stream.seen(res, encoder_prompt=True):
+                role_name = serving.get_chat_request_role(request)
                 role = ChatCompletionResponseStreamChoice(
                     index=0,
-                    delta=DeltaMessage(role=serving.get_chat_request_role(request), content=""),
+                    delta=DeltaMessage(role=role_name, content=""),
                     logprobs=None,
                     finish_reason=None,
                 )
@@ -244,6 +262,27 @@ async def chat_stream(
                 )
                 stream.chunks += 1
                 yield sse(_dump(first))
+                echoed = _echoed(request, conversation, role_name)
+                if echoed:
+                    # The last message, continued in the answer's role, comes back first.
+                    echo = ChatCompletionResponseStreamChoice(
+                        index=0,
+                        delta=DeltaMessage(content=echoed),
+                        logprobs=None,
+                        finish_reason=None,
+                    )
+                    stream.chunks += 1
+                    yield sse(
+                        _dump(
+                            ChatCompletionStreamResponse(
+                                id=request_id,
+                                object=CHUNK_OBJECT,
+                                created=created,
+                                choices=[echo],
+                                model=model_name,
+                            )
+                        )
+                    )
             output = res.outputs[0]
             if finished:
                 continue

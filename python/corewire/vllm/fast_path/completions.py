@@ -1,6 +1,7 @@
 """The fast path of vLLM 0.34.0's streaming ``/v1/completions`` (see
 :mod:`corewire.vllm.fast_path`): one prompt, one sample, chunks of text and sample
-logprobs; anything else stays on vLLM's ``completion_stream_generator``."""
+logprobs, the prompt echoed in the first without logprobs; anything else stays on vLLM's
+``completion_stream_generator``."""
 
 from __future__ import annotations
 
@@ -45,6 +46,8 @@ def refusal(serving: Any, request: Any, num_prompts: int, connection: Any) -> st
         connection,
         first=[(num_prompts != 1, "more than one prompt")],
         options=[
+            # The echoed prompt's logprobs are the prompt's, rendered apart.
+            (request.echo and request.logprobs is not None, "echo with logprobs"),
             (request.prompt_logprobs is not None, "prompt_logprobs"),
             (bool(request.logprob_token_ids), "logprob_token_ids"),
             (
@@ -87,6 +90,7 @@ def _take(
     return completion_stream(
         serving,
         request,
+        engine_inputs,
         result_generator,
         request_id,
         created_time,
@@ -104,10 +108,14 @@ def _chunk(
     logprobs: Any,
     res: Any = None,
     fingerprint: str | None = None,
+    text: str | None = None,
+    prompt_token_ids: list[int] | None = None,
 ) -> str:
     """A chunk's JSON as vLLM's server renders one of a request the fast path covers:
-    ``names`` (the request's id, creation time and model name), and ``res`` (the
-    ``RequestOutput``) for a finish, whose KV transfer parameters it carries."""
+    ``names`` (the request's id, creation time and model name), ``res`` (the
+    ``RequestOutput``) for a finish, whose KV transfer parameters it carries; ``text``
+    (default: the output's) and ``prompt_token_ids`` for the chunk that echoes the
+    prompt."""
     request_id, created, model = names
     chunk = CompletionStreamResponse(
         id=request_id,
@@ -117,11 +125,11 @@ def _chunk(
         choices=[
             CompletionResponseStreamChoice(
                 index=0,
-                text=output.text,
+                text=output.text if text is None else text,
                 logprobs=logprobs,
                 finish_reason=output.finish_reason,
                 stop_reason=output.stop_reason,
-                prompt_token_ids=None,
+                prompt_token_ids=prompt_token_ids,
                 token_ids=None,
                 weight_versions=None,
             )
@@ -136,6 +144,7 @@ def _chunk(
 async def completion_stream(
     serving: Any,
     request: Any,
+    engine_inputs: Any,
     result_generator: AsyncIterator[tuple[int, Any]],
     request_id: str,
     created_time: int,
@@ -164,13 +173,24 @@ async def completion_stream(
     external_id = f"{request_id}-0"
     # Output token ids of the chunks rendered here; the attached state counts its own.
     rendered = 0
+    # With echo, the first output's chunk carries the prompt (and its token ids) first.
+    echo = bool(request.echo)
     try:
         async for _, res in result_generator:
             stream.seen(res)
             output = res.outputs[0]
             finish_reason = output.finish_reason
             serving._raise_if_error(finish_reason, request_id)
-            if nothing_to_say(output, rendered + stream.streamed):
+            delta_text, prompt_ids = output.text, None
+            if echo:
+                echo = False
+                prompt = res.prompt
+                if prompt is None:
+                    prompt = serving._extract_prompt_text(engine_inputs[0])
+                # A request for no tokens gets the prompt alone, as vLLM answers it.
+                delta_text = prompt if request.max_tokens == 0 else prompt + output.text
+                prompt_ids = res.prompt_token_ids
+            elif nothing_to_say(output, rendered + stream.streamed):
                 continue
             rendered += len(output.token_ids)
             logprobs = None
@@ -192,13 +212,21 @@ async def completion_stream(
                     text.stream_text_offset = text_offset
             if finish_reason is None:
                 stream.chunks += 1
-                if logprobs is None:
-                    yield f"{head}{json.dumps(output.text, ensure_ascii=False)}{mid}null{tail}"
+                if logprobs is None and prompt_ids is None:
+                    yield f"{head}{json.dumps(delta_text, ensure_ascii=False)}{mid}null{tail}"
                 else:
-                    yield sse(_chunk(names, output, logprobs))
+                    yield sse(
+                        _chunk(
+                            names, output, logprobs, text=delta_text, prompt_token_ids=prompt_ids
+                        )
+                    )
                 stream.attach_after_chunk(external_id, True, limit, text_offset)
                 continue
-            yield sse(_chunk(names, output, logprobs, res, stream.finish_fingerprint))
+            yield sse(
+                _chunk(
+                    names, output, logprobs, res, stream.finish_fingerprint, delta_text, prompt_ids
+                )
+            )
 
         completion_tokens = rendered + stream.streamed
         usage = stream.usage(completion_tokens)

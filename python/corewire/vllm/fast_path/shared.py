@@ -100,7 +100,7 @@ def stream_refusal(
     """Why a streaming request stays on vLLM's generator (None: it takes the fast path):
     the reason of the first check that refuses, in this order: the server's
     (:func:`server_refusal`), the endpoint's ``first``, those of both endpoints (one
-    sample, no beam search, no echo), the endpoint's ``options``, then the options neither
+    sample, no beam search), the endpoint's ``options``, then the options neither
     endpoint renders (weight versions, continuous usage stats)."""
     _, continuous = should_include_usage(request.stream_options, serving.enable_force_include_usage)
     server = server_refusal(serving, connection)
@@ -110,7 +110,6 @@ def stream_refusal(
         *first,
         ((request.n or 1) != 1, "n > 1"),
         (request.use_beam_search, "beam search"),
-        (request.echo, "echo"),
         *options,
         (request.return_weight_versions, "return_weight_versions"),
         (continuous, "continuous_usage_stats"),
