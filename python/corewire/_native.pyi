@@ -334,7 +334,8 @@ class RequestText:
         text gets no frame (without logprobs only); ``release_ids``: an output with one of
         these token ids is Python's to render; ``chat_logprobs``: the logprobs object is a
         chat chunk's (``content``), not a completions chunk's. ``ValueError`` for a
-        request whose chunks carry more (not ``DELTA``, prompt logprobs, n > 1)."""
+        request whose chunks carry more (not ``DELTA``, prompt logprobs); one of n > 1
+        samples streams its own choice."""
     def detach_stream(self, flush: bool = False) -> None:
         """Takes the request off the fast path: what waits written first with ``flush``,
         dropped without (its response is over)."""

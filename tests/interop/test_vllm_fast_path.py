@@ -166,7 +166,6 @@ def raw_events(
 FALLBACKS: list[dict[str, Any]] = [
     {"echo": True, "logprobs": 2},
     {"logprobs": 1, "logprob_token_ids": [5, 6]},
-    {"n": 2, "temperature": 0.8, "seed": 7},
     {"stream_options": {"include_usage": True, "continuous_usage_stats": True}},
     {"return_token_ids": True},
 ]
@@ -189,6 +188,8 @@ def random_requests(seed: int, http: httpx.Client, count: int) -> Iterator[dict[
         }
         if rng.random() < 0.3:
             body |= {"temperature": 0.9, "seed": rng.randint(0, 2**31)}
+            if rng.random() < 0.4:
+                body["n"] = rng.randint(2, 3)
         if rng.random() < 0.5:
             body["stream_options"] = {"include_usage": True}
         if rng.random() < 0.2:
@@ -578,6 +579,29 @@ def test_long_stream_is_written_natively(
     # The first token's chunk is Python's; frames of `interval` tokens follow while a
     # whole one fits before the last token, whose chunk (the finish) is Python's too.
     assert added["tokens"] == interval * ((tokens - 2) // interval)
+    assert added["fast"] == 1
+
+
+@pytest.mark.parametrize("logprobs", [None, 2])
+def test_samples_of_one_request_are_written_natively(
+    stacks: dict[str, ServeStack], logprobs: int | None
+) -> None:
+    """A long stream of three samples (``n`` = 3), with and without logprobs: each
+    sample's events the same as vLLM's server's, and the samples' tokens between their
+    first chunks and their finishes written natively."""
+    samples, tokens = 3, 40
+    body = {"prompt": "the old house", "max_tokens": tokens, "temperature": 0.9, "seed": 4}
+    body |= {"n": samples, "logprobs": logprobs, "ignore_eos": True, "stream": True}
+    body |= {"stream_options": {"include_usage": True}}
+    with http_client(stacks["vllm"]) as theirs, http_client(stacks["corewire+fast"]) as mine:
+        got, expected, added = side_by_side(
+            theirs, mine, lambda h: per_choice(body, raw_events(h, body))
+        )
+    assert got == expected, _first_difference(got, expected)
+    # Each sample's first chunk and finish are Python's, and while a sibling's output
+    # needs Python (its first, one step later), outputs of the same step go with it.
+    most = samples * (tokens - 2)
+    assert most - samples * samples <= added["tokens"] <= most, added
     assert added["fast"] == 1
 
 

@@ -77,7 +77,7 @@ def refusal(serving: Any, request: Any, connection: Any) -> str | None:
         serving,
         request,
         connection,
-        first=[(parser_why, parser_why)],
+        first=[(parser_why, parser_why), ((request.n or 1) != 1, "n > 1")],
         options=[
             # Logprobs on a parser's server: vLLM hides them where reasoning is hidden,
             # and sends a chunk for an output the parser says nothing of.

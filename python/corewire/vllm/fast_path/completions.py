@@ -1,6 +1,7 @@
 """The fast path of vLLM 0.34.0's streaming ``/v1/completions`` (see
-:mod:`corewire.vllm.fast_path`): one prompt, one sample, chunks of text and sample
-logprobs, the prompt echoed in the first without logprobs; anything else stays on vLLM's
+:mod:`corewire.vllm.fast_path`): one prompt, any number of samples (each written by its
+own native state), chunks of text and sample logprobs, the prompt echoed in a sample's
+first without logprobs; anything else stays on vLLM's
 ``completion_stream_generator``."""
 
 from __future__ import annotations
@@ -26,12 +27,12 @@ __all__ = ["completion_stream", "frame_template", "install", "refusal"]
 ENDPOINT = "completion"
 
 
-def frame_template(request_id: str, created: int, model: str) -> Template | None:
-    """The bytes of an unfinished chunk of the stream around its two holes (the text's
-    JSON literal; the logprobs object, ``null`` without), as :func:`_chunk` renders it
-    (vLLM 0.34.0's model dumped with ``exclude_unset``); None when the probe is
-    ambiguous."""
-    probe = SimpleNamespace(text=TEXT_PROBE, finish_reason=None, stop_reason=None)
+def frame_template(request_id: str, created: int, model: str, index: int = 0) -> Template | None:
+    """The bytes of an unfinished chunk of the stream's sample ``index`` around its two
+    holes (the text's JSON literal; the logprobs object, ``null`` without), as
+    :func:`_chunk` renders it (vLLM 0.34.0's model dumped with ``exclude_unset``); None
+    when the probe is ambiguous."""
+    probe = SimpleNamespace(index=index, text=TEXT_PROBE, finish_reason=None, stop_reason=None)
     return split_template(sse(_chunk((request_id, created, model), probe, None)).encode())
 
 
@@ -84,8 +85,11 @@ def _take(
     why = refusal(serving, request, num_prompts, connection)
     if why is not None:
         return why
-    template = frame_template(request_id, created_time, model_name)
-    if template is None:
+    templates = [
+        frame_template(request_id, created_time, model_name, index)
+        for index in range(request.n or 1)
+    ]
+    if None in templates:
         return "the chunk's template is ambiguous"
     return completion_stream(
         serving,
@@ -98,7 +102,7 @@ def _take(
         tokenizer,
         request_metadata,
         connection,
-        template,
+        templates,  # type: ignore[arg-type]
     )
 
 
@@ -124,7 +128,7 @@ def _chunk(
         model=model,
         choices=[
             CompletionResponseStreamChoice(
-                index=0,
+                index=output.index,
                 text=output.text if text is None else text,
                 logprobs=logprobs,
                 finish_reason=output.finish_reason,
@@ -152,83 +156,104 @@ async def completion_stream(
     tokenizer: Any,
     request_metadata: Any,
     connection: Any,
-    template: Template,
+    templates: list[Template],
 ) -> AsyncGenerator[str, None]:
-    """vLLM 0.34.0's ``completion_stream_generator`` for one prompt and one sample whose
-    chunks carry text and sample logprobs only (see :func:`refusal`), with the unfinished
-    chunks after the first written natively (see the package doc). Same chunks, same usage,
-    same errors."""
+    """vLLM 0.34.0's ``completion_stream_generator`` for one prompt whose chunks carry
+    text and sample logprobs only (see :func:`refusal`), with each sample's unfinished
+    chunks after its first written natively (see the package doc; ``templates``: each
+    sample's frame template, by index). Same chunks, same usage, same errors."""
     names = (request_id, created_time, model_name)
-    stream = Stream(serving, request, connection, ENDPOINT, names, template)
-    # Plain chunks rendered here use the template the native frames use.
-    head, mid, tail = (part.decode() for part in template)
+    stream = Stream(serving, request, connection, ENDPOINT, names, templates[0])
+    samples = len(templates)
+    # Plain chunks rendered here use the template the native frames use, per sample.
+    parts = [tuple(part.decode() for part in template) for template in templates]
     # How many candidates a chunk shows per position (-1: all), for the native frames.
     limit = None
     if request.logprobs is not None:
         shown = completion_top_logprobs_limit(request.logprobs)
         limit = -1 if shown is None else shown
-    # Where the next chunk's first token starts (logprobs' text_offset): here until the
-    # request's state is attached, then in it (its frames move it too).
-    text_offset = 0
+    # Where each sample's next chunk's first token starts (logprobs' text_offset): here
+    # until the sample's state is attached, then in it (its frames move it too).
+    text_offsets = [0] * samples
     external_id = f"{request_id}-0"
-    # Output token ids of the chunks rendered here; the attached state counts its own.
-    rendered = 0
-    # With echo, the first output's chunk carries the prompt (and its token ids) first.
-    echo = bool(request.echo)
+    # Output token ids of the chunks rendered here, per sample; attached states count
+    # their own.
+    rendered = [0] * samples
+    # With echo, each sample's first chunk carries the prompt (and its token ids) first.
+    echo = [bool(request.echo)] * samples
     try:
         async for _, res in result_generator:
             stream.seen(res)
-            output = res.outputs[0]
-            finish_reason = output.finish_reason
-            serving._raise_if_error(finish_reason, request_id)
-            delta_text, prompt_ids = output.text, None
-            if echo:
-                echo = False
-                prompt = res.prompt
-                if prompt is None:
-                    prompt = serving._extract_prompt_text(engine_inputs[0])
-                # A request for no tokens gets the prompt alone, as vLLM answers it.
-                delta_text = prompt if request.max_tokens == 0 else prompt + output.text
-                prompt_ids = res.prompt_token_ids
-            elif nothing_to_say(output, rendered + stream.streamed):
-                continue
-            rendered += len(output.token_ids)
-            logprobs = None
-            if request.logprobs is not None:
-                text = stream.text
-                if text is not None:
-                    text_offset = text.stream_text_offset
-                logprobs = serving._create_completion_logprobs(
-                    token_ids=output.token_ids,
-                    top_logprobs=output.logprobs,
-                    num_output_top_logprobs=request.logprobs,
-                    tokenizer=tokenizer,
-                    initial_text_offset=text_offset,
-                    return_as_token_id=request.return_tokens_as_token_ids,
-                )
-                if logprobs.tokens:
-                    text_offset = logprobs.text_offset[-1] + len(logprobs.tokens[-1])
-                if text is not None:
-                    text.stream_text_offset = text_offset
-            if finish_reason is None:
-                stream.chunks += 1
-                if logprobs is None and prompt_ids is None:
-                    yield f"{head}{json.dumps(delta_text, ensure_ascii=False)}{mid}null{tail}"
-                else:
-                    yield sse(
-                        _chunk(
-                            names, output, logprobs, text=delta_text, prompt_token_ids=prompt_ids
-                        )
+            for output in res.outputs:
+                i = output.index
+                finish_reason = output.finish_reason
+                serving._raise_if_error(finish_reason, request_id)
+                delta_text, prompt_ids = output.text, None
+                if echo[i]:
+                    echo[i] = False
+                    prompt = res.prompt
+                    if prompt is None:
+                        prompt = serving._extract_prompt_text(engine_inputs[0])
+                    # A request for no tokens gets the prompt alone, as vLLM answers it.
+                    delta_text = prompt if request.max_tokens == 0 else prompt + output.text
+                    prompt_ids = res.prompt_token_ids
+                elif nothing_to_say(output, rendered[i] + stream.streamed_of(i)):
+                    continue
+                rendered[i] += len(output.token_ids)
+                logprobs = None
+                if request.logprobs is not None:
+                    text = stream.texts.get(i)
+                    if text is not None:
+                        text_offsets[i] = text.stream_text_offset
+                    logprobs = serving._create_completion_logprobs(
+                        token_ids=output.token_ids,
+                        top_logprobs=output.logprobs,
+                        num_output_top_logprobs=request.logprobs,
+                        tokenizer=tokenizer,
+                        initial_text_offset=text_offsets[i],
+                        return_as_token_id=request.return_tokens_as_token_ids,
                     )
-                stream.attach_after_chunk(external_id, True, limit, text_offset)
-                continue
-            yield sse(
-                _chunk(
-                    names, output, logprobs, res, stream.finish_fingerprint, delta_text, prompt_ids
+                    if logprobs.tokens:
+                        text_offsets[i] = logprobs.text_offset[-1] + len(logprobs.tokens[-1])
+                    if text is not None:
+                        text.stream_text_offset = text_offsets[i]
+                if finish_reason is None:
+                    stream.chunks += 1
+                    if logprobs is None and prompt_ids is None:
+                        head, mid, tail = parts[i]
+                        yield f"{head}{json.dumps(delta_text, ensure_ascii=False)}{mid}null{tail}"
+                    else:
+                        yield sse(
+                            _chunk(
+                                names,
+                                output,
+                                logprobs,
+                                text=delta_text,
+                                prompt_token_ids=prompt_ids,
+                            )
+                        )
+                    stream.attach_after_chunk(
+                        external_id,
+                        True,
+                        limit,
+                        text_offsets[i],
+                        index=i,
+                        template=templates[i],
+                    )
+                    continue
+                yield sse(
+                    _chunk(
+                        names,
+                        output,
+                        logprobs,
+                        res,
+                        stream.finish_fingerprint,
+                        delta_text,
+                        prompt_ids,
+                    )
                 )
-            )
 
-        completion_tokens = rendered + stream.streamed
+        completion_tokens = sum(rendered) + stream.streamed
         usage = stream.usage(completion_tokens)
         if serving.enable_prompt_tokens_details and stream.num_cached_tokens is not None:
             usage.prompt_tokens_details = PromptTokenUsageInfo(

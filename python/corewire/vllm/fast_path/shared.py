@@ -99,8 +99,8 @@ def stream_refusal(
 ) -> str | None:
     """Why a streaming request stays on vLLM's generator (None: it takes the fast path):
     the reason of the first check that refuses, in this order: the server's
-    (:func:`server_refusal`), the endpoint's ``first``, those of both endpoints (one
-    sample, no beam search), the endpoint's ``options``, then the options neither
+    (:func:`server_refusal`), the endpoint's ``first``, those of both endpoints (no
+    beam search), the endpoint's ``options``, then the options neither
     endpoint renders (weight versions, continuous usage stats)."""
     _, continuous = should_include_usage(request.stream_options, serving.enable_force_include_usage)
     server = server_refusal(serving, connection)
@@ -108,7 +108,6 @@ def stream_refusal(
         return server
     checks = (
         *first,
-        ((request.n or 1) != 1, "n > 1"),
         (request.use_beam_search, "beam search"),
         *options,
         (request.return_weight_versions, "return_weight_versions"),
@@ -118,21 +117,50 @@ def stream_refusal(
 
 
 def attachable(
-    processor: Any, external_id: str, connection: asgi_cycle.Connection, chunks: int
+    processor: Any,
+    external_id: str,
+    connection: asgi_cycle.Connection,
+    chunks: int,
+    index: int = 0,
+    samples: int = 1,
 ) -> RequestText | None:
-    """The request's native state, if its next plain outputs can go straight to the
-    connection: it is native, nothing of it waits in its collector, and the ``chunks``
-    chunks the generator produced are all on the wire (``Connection.caught_up``)."""
+    """The native state of the request's sample ``index`` (of ``samples``), if its next
+    plain outputs can go straight to the connection: it is native, nothing of the request
+    waits in its collector, and the ``chunks`` chunks the generator produced are all on
+    the wire (``Connection.caught_up``). With several samples, the external id must name
+    exactly their ``samples`` states, children of one parent (another request sharing the
+    id, a client's own, leaves every sample on Python's path)."""
     if not connection.caught_up(chunks):
         return None
     internal = processor.external_req_ids.get(external_id)
-    if not internal or len(internal) != 1:
+    if not internal or len(internal) != samples:
         return None
-    state = processor.request_states.get(internal[0])
-    if state is None or state.queue is None or state.queue.output is not None:
+    states = [processor.request_states.get(i) for i in internal]
+    if None in states:
+        return None
+    state = states[0]
+    if samples > 1:
+        parent = state.parent_req
+        if parent is None or any(s.parent_req is not parent for s in states):
+            return None
+        state = next((s for s in states if s.request_index == index), None)
+    if state is None or state.queue is None or _waiting(state.queue.output, index, samples):
         return None
     text = state.detokenizer
     return text if isinstance(text, RequestText) else None
+
+
+def _waiting(pending: Any, index: int, samples: int) -> bool:
+    # Whether the collector holds something of sample ``index`` for Python (anything at
+    # all, with one sample): then the sample's next frames would overtake it. The samples
+    # of one request share the collector, and another sample's output there is no reason
+    # to wait.
+    if pending is None:
+        return False
+    outputs = getattr(pending, "outputs", None)
+    if samples == 1 or outputs is None:
+        return True
+    return any(output.index == index for output in outputs)
 
 
 def attach(
@@ -224,9 +252,10 @@ def nothing_to_say(output: Any, tokens: int) -> bool:
 
 class Stream:
     """The Python side of one stream on the fast path, besides the endpoint's own
-    rendering: what the outputs said of the prompt, the chunks yielded, the request's
-    native state once attached to the connection (:meth:`attach_after_chunk`), the usage
-    (:meth:`usage`, :meth:`usage_chunk`) and the end (:meth:`close`)."""
+    rendering: what the outputs said of the prompt, the chunks yielded, the native state
+    of each of the request's samples once attached to the connection
+    (:meth:`attach_after_chunk`), the usage (:meth:`usage`, :meth:`usage_chunk`) and the
+    end (:meth:`close`)."""
 
     def __init__(
         self,
@@ -249,8 +278,11 @@ class Stream:
             request.stream_options, serving.enable_force_include_usage
         )[0]
         self.processor = serving.engine_client.output_processor
-        #: The request's native state, once attached (it stays, detached, to the end).
-        self.text: RequestText | None = None
+        #: How many samples the request has (``n``).
+        self.samples = request.n or 1
+        #: Each sample's native state by its index, once attached (it stays, detached, to
+        #: the end).
+        self.texts: dict[int, RequestText] = {}
         #: The chunks yielded so far (before the finish): all on the wire before an attach.
         self.chunks = 0
         self.last_res: Any = None
@@ -274,9 +306,19 @@ class Stream:
         return first
 
     @property
+    def text(self) -> RequestText | None:
+        """The first sample's native state, once attached."""
+        return self.texts.get(0)
+
+    @property
     def streamed(self) -> int:
-        """The output tokens the native state wrote to the connection (0 before)."""
-        return self.text.streamed_tokens if self.text is not None else 0
+        """The output tokens the native states wrote to the connection (0 before)."""
+        return sum(text.streamed_tokens for text in self.texts.values())
+
+    def streamed_of(self, index: int) -> int:
+        """The output tokens sample ``index``'s native state wrote (0 before)."""
+        text = self.texts.get(index)
+        return text.streamed_tokens if text is not None else 0
 
     @property
     def finish_fingerprint(self) -> str | None:
@@ -293,25 +335,31 @@ class Stream:
         skip_empty: bool = False,
         release_ids: list[int] | None = None,
         chat_logprobs: bool = False,
+        index: int = 0,
+        template: Template | None = None,
     ) -> bool:
-        """Attaches the request's native state (``external_id``: its id in the output
-        processor) to the connection after an unfinished chunk, when there is a template,
-        the state is not attached already, ``wanted`` holds and :func:`attachable` lets
-        it; True when it did. Starlette passed the chunk on before asking for the next
-        one: once it is on the wire, the plain outputs after it can go straight there.
-        ``skip_empty``: outputs with no new text get no frame; ``release_ids``: an output
-        with one of these token ids is Python's to render; ``chat_logprobs``: the logprobs
-        are a chat chunk's."""
-        if self.template is None or (self.text is not None and self.text.stream_attached):
+        """Attaches the native state of sample ``index`` (``external_id``: the request's
+        id in the output processor) to the connection after an unfinished chunk, with
+        ``template`` (default: the stream's), when there is one, the state is not attached
+        already, ``wanted`` holds and :func:`attachable` lets it; True when it did.
+        The chunk went on before the next was asked for: once it is on the wire, the
+        plain outputs after it can go straight there. ``skip_empty``: outputs with no new
+        text get no frame; ``release_ids``: an output with one of these token ids is
+        Python's to render; ``chat_logprobs``: the logprobs are a chat chunk's."""
+        template = self.template if template is None else template
+        attached = self.texts.get(index)
+        if template is None or (attached is not None and attached.stream_attached):
             return False
-        ready = attachable(self.processor, external_id, self.connection, self.chunks)
+        ready = attachable(
+            self.processor, external_id, self.connection, self.chunks, index, self.samples
+        )
         if ready is None or not wanted:
             return False
         if not attach(
             self.endpoint,
             ready,
             self.connection,
-            self.template,
+            template,
             logprobs_limit,
             text_offset,
             skip_empty,
@@ -319,7 +367,7 @@ class Stream:
             chat_logprobs,
         ):
             return False
-        self.text = ready
+        self.texts[index] = ready
         return True
 
     def usage(self, completion_tokens: int, **fields: Any) -> UsageInfo:
@@ -350,9 +398,9 @@ class Stream:
         )
 
     def close(self) -> None:
-        """Ends the stream (it is over, or cancelled): detaches the native state, so that
+        """Ends the stream (it is over, or cancelled): detaches the native states, so that
         nothing more goes to the connection, and counts the request and its native
         tokens."""
-        if self.text is not None:
-            self.text.detach_stream()
+        for text in self.texts.values():
+            text.detach_stream()
         metrics.count_fast_path("fast", self.streamed)

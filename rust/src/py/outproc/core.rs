@@ -322,9 +322,12 @@ impl OutputCore {
                 }
                 Route::Fast {
                     output,
+                    text,
                     parent: Some(p),
                     ..
                 } if parents_in_loop.contains(&p) => {
+                    // Python renders this one too: the sample's own frames go first.
+                    text.borrow_mut().release_stream(py);
                     rest.append(output)?;
                     self.slow += 1;
                 }

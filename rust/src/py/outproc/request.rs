@@ -447,8 +447,10 @@ impl RequestText {
     /// literal, `mid`, the logprobs or `null`, `tail`), instead of going to its
     /// collector. `logprobs_limit`: with, and only with, sample logprobs, the candidates
     /// a chunk shows per position (-1: all); `text_offset`: where the next chunk's first
-    /// token starts. Only a streamed (`DELTA`) request without prompt logprobs or an
-    /// n > 1 parent (`ValueError`: those chunks carry more). `skip_empty`: an output whose
+    /// token starts. Only a streamed (`DELTA`) request without prompt logprobs
+    /// (`ValueError`: those chunks carry more); one of n > 1 samples streams its own
+    /// choice (a streamed parent passes its children's unfinished outputs on as they
+    /// are, so frames can stand in for them). `skip_empty`: an output whose
     /// new text is empty gets no frame (only without logprobs: `ValueError`);
     /// `release_ids`: an output with one of these token ids is Python's to render;
     /// `chat_logprobs`: the logprobs are a chat chunk's (`content`), not a completions
@@ -479,8 +481,6 @@ impl RequestText {
             Some("its logprobs have no token strings (no detokenization)")
         } else if self.num_prompt_logprobs.is_some() {
             Some("it asked for prompt logprobs")
-        } else if self.parent.is_some() {
-            Some("it is one of n > 1 samples")
         } else if skip_empty && logprobs_limit.is_some() {
             Some("empty outputs are skipped only without logprobs")
         } else {
