@@ -91,7 +91,7 @@ FEATURES: tuple[Feature, ...] = (
     Feature("chat completions, not streamed", CHAT, stream=False),
     Feature("chat `include_usage`", CHAT, _USAGE, fast=True),
     Feature("chat `logprobs` (top 2)", CHAT, {"logprobs": True, "top_logprobs": 2}, fast=True),
-    Feature("chat `n` = 2", CHAT, {"n": 2, "temperature": 0.8, "seed": 5}),
+    Feature("chat `n` = 2", CHAT, {"n": 2, "temperature": 0.8, "seed": 5}, fast=True),
     Feature("chat `echo`", CHAT, {"echo": True}, fast=True),
     Feature("chat `continuous_usage_stats`", CHAT, _CONTINUOUS),
     Feature("chat `return_token_ids`", CHAT, {"return_token_ids": True}),

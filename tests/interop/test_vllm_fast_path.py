@@ -224,7 +224,6 @@ def _run(http: httpx.Client, seed: int, count: int) -> Run:
 #: Options that keep a chat request on vLLM's path.
 CHAT_FALLBACKS: list[dict[str, Any]] = [
     {"logprobs": True, "logprob_token_ids": [5, 6]},
-    {"n": 2, "temperature": 0.8, "seed": 7},
     {"return_token_ids": True},
     {"stream_options": {"include_usage": True, "continuous_usage_stats": True}},
 ]
@@ -253,6 +252,8 @@ def random_chats(seed: int, http: httpx.Client, count: int) -> Iterator[dict[str
             body["echo"] = True
         if rng.random() < 0.3:
             body |= {"temperature": 0.9, "seed": rng.randint(0, 2**31)}
+            if rng.random() < 0.4:
+                body["n"] = rng.randint(2, 3)
         if rng.random() < 0.5:
             body["stream_options"] = {"include_usage": True}
         if rng.random() < 0.2:
@@ -582,20 +583,28 @@ def test_long_stream_is_written_natively(
     assert added["fast"] == 1
 
 
-@pytest.mark.parametrize("logprobs", [None, 2])
+@pytest.mark.parametrize(
+    ("path", "logprobs"),
+    [("/v1/completions", None), ("/v1/completions", 2), ("/v1/chat/completions", 2)],
+)
 def test_samples_of_one_request_are_written_natively(
-    stacks: dict[str, ServeStack], logprobs: int | None
+    stacks: dict[str, ServeStack], path: str, logprobs: int | None
 ) -> None:
-    """A long stream of three samples (``n`` = 3), with and without logprobs: each
-    sample's events the same as vLLM's server's, and the samples' tokens between their
-    first chunks and their finishes written natively."""
+    """A long stream of three samples (``n`` = 3), completion or chat, with and without
+    logprobs: each sample's events the same as vLLM's server's, and the samples' tokens
+    between their first chunks and their finishes written natively."""
     samples, tokens = 3, 40
-    body = {"prompt": "the old house", "max_tokens": tokens, "temperature": 0.9, "seed": 4}
-    body |= {"n": samples, "logprobs": logprobs, "ignore_eos": True, "stream": True}
+    body: dict[str, Any] = {"max_tokens": tokens, "temperature": 0.9, "seed": 4}
+    body |= {"n": samples, "ignore_eos": True, "stream": True}
     body |= {"stream_options": {"include_usage": True}}
+    if path == "/v1/completions":
+        body |= {"prompt": "the old house", "logprobs": logprobs}
+    else:
+        body |= {"messages": [{"role": "user", "content": "the old house"}]}
+        body |= {"logprobs": True, "top_logprobs": logprobs}
     with http_client(stacks["vllm"]) as theirs, http_client(stacks["corewire+fast"]) as mine:
         got, expected, added = side_by_side(
-            theirs, mine, lambda h: per_choice(body, raw_events(h, body))
+            theirs, mine, lambda h: per_choice(body, raw_events(h, body, path))
         )
     assert got == expected, _first_difference(got, expected)
     # Each sample's first chunk and finish are Python's, and while a sibling's output

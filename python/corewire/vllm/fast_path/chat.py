@@ -1,8 +1,9 @@
 """The fast path of vLLM 0.34.0's streaming ``/v1/chat/completions`` (see
-:mod:`corewire.vllm.fast_path`): one sample whose chunks carry text alone (no logprobs,
-token ids or continuous usage; on a server with a parser, one whose deltas the
-native frames can follow: :mod:`corewire.vllm.fast_path.parsers`); anything else stays
-on vLLM's ``chat_completion_stream_generator``.
+:mod:`corewire.vllm.fast_path`): any number of samples, each written by its own native
+state, whose chunks carry text and logprobs (no token ids or continuous usage; on a
+server with a parser, no logprobs, and deltas the native frames can follow:
+:mod:`corewire.vllm.fast_path.parsers`); anything else stays on vLLM's
+``chat_completion_stream_generator``.
 
 The role chunk, the chunks Python renders, the finish and the usage chunk are made as
 vLLM makes them, its own ``ChatStreamProcessor`` (with the server's parser, where it has
@@ -44,18 +45,18 @@ CHUNK_OBJECT = "chat.completion.chunk"
 
 
 def frame_template(
-    request_id: str, created: int, model: str, field: str = "content"
+    request_id: str, created: int, model: str, field: str = "content", index: int = 0
 ) -> Template | None:
-    """The bytes of an unfinished chunk of the stream around its text (its delta's
-    ``field``: ``content`` or ``reasoning``) and its logprobs (``null``), as vLLM
-    0.34.0's server writes the chunk; None when ambiguous."""
+    """The bytes of an unfinished chunk of the stream's sample ``index`` around its text
+    (its delta's ``field``: ``content`` or ``reasoning``) and its logprobs (``null``), as
+    vLLM 0.34.0's server writes the chunk; None when ambiguous."""
     probe = ChatCompletionStreamResponse(
         id=request_id,
         object=CHUNK_OBJECT,
         created=created,
         choices=[
             ChatCompletionResponseStreamChoice(
-                index=0,
+                index=index,
                 delta=DeltaMessage(**{field: TEXT_PROBE}),
                 logprobs=None,
                 finish_reason=None,
@@ -77,7 +78,7 @@ def refusal(serving: Any, request: Any, connection: Any) -> str | None:
         serving,
         request,
         connection,
-        first=[(parser_why, parser_why), ((request.n or 1) != 1, "n > 1")],
+        first=[(parser_why, parser_why)],
         options=[
             # Logprobs on a parser's server: vLLM hides them where reasoning is hidden,
             # and sends a chunk for an output the parser says nothing of.
@@ -183,37 +184,45 @@ async def chat_stream(
     lets through, with the unfinished content chunks after the first written natively.
     Same chunks, same usage, same errors."""
     created = int(time.time())
+    samples = request.n or 1
     try:
-        # The server's parser, made per stream as vLLM makes it (its state is the stream's).
-        parser = _stream_parser(serving, request, tokenizer, chat_template_kwargs)
+        # The server's parser, made per sample as vLLM makes it (its state is the
+        # sample's stream's).
+        parsers = [
+            _stream_parser(serving, request, tokenizer, chat_template_kwargs)
+            for _ in range(samples)
+        ]
     except Exception as e:
         logger.exception("Error in parser creation.")
         yield sse(_dump(serving.create_error_response(e)))
         yield DONE
         return
     names = (request_id, created, model_name)
-    # The frame templates, per field, made when first needed.
-    templates: dict[str, Template | None] = {}
+    # The frame templates, per field and sample, made when first needed.
+    templates: dict[tuple[str, int], Template | None] = {}
     stream = Stream(serving, request, connection, ENDPOINT, names, None)
-    step = ChatStreamProcessor(
-        request,
-        parser,
-        enable_auto_tools=serving.enable_auto_tools,
-        parser_cls=serving.parser_cls if parser is not None else None,
-    )
-    release_ids = markers(parser)
+    steps = [
+        ChatStreamProcessor(
+            request,
+            parser,
+            enable_auto_tools=serving.enable_auto_tools,
+            parser_cls=serving.parser_cls if parser is not None else None,
+        )
+        for parser in parsers
+    ]
+    release_ids = markers(parsers[0])
     # How many candidates a native chunk shows per position (-1: all), with logprobs.
     logprobs_limit = None
     if request.logprobs:
         shown = chat_top_logprobs_limit(request.top_logprobs)
         logprobs_limit = -1 if shown is None else shown
-    finished = False
-    # The native frames' tokens the step processor has been told of.
-    counted = 0
+    finished = [False] * samples
+    # Each sample's native frames' tokens its step processor has been told of.
+    counted = [0] * samples
     # vLLM's reasoning token count reads every output token id; the native frames' ones
     # stand in as -1 (never a marker: the frames hand any marker to Python).
-    count_reasoning = parser is not None and serving._include_reasoning_tokens_details
-    generated: list[int] = []
+    count_reasoning = parsers[0] is not None and serving._include_reasoning_tokens_details
+    generated: list[list[int]] = [[] for _ in range(samples)]
 
     def chunk(choice: Any, res: Any = None) -> ChatCompletionStreamResponse:
         return ChatCompletionStreamResponse(
@@ -225,19 +234,23 @@ async def chat_stream(
             kv_transfer_params=res.kv_transfer_params if res is not None else None,
         )
 
-    def catch_up() -> None:
-        # Tells the processor (and the reasoning count) of the native frames' tokens.
-        nonlocal counted
-        native = stream.streamed - counted
-        step.num_output_tokens += native
+    def catch_up(i: int) -> None:
+        # Tells sample i's processor (and its reasoning count) of its native frames'
+        # tokens.
+        native = stream.streamed_of(i) - counted[i]
+        steps[i].num_output_tokens += native
         if count_reasoning:
-            generated.extend([-1] * native)
-        counted = stream.streamed
+            generated[i].extend([-1] * native)
+        counted[i] += native
 
     def usage(completion_tokens: int) -> Any:
         details = None
         if serving._include_reasoning_tokens_details:
-            reasoning = parser.count_reasoning_tokens(tuple(generated)) if generated else 0
+            reasoning = sum(
+                parser.count_reasoning_tokens(tuple(ids))
+                for parser, ids in zip(parsers, generated, strict=True)
+                if parser is not None and ids
+            )
             details = _make_completion_tokens_details(reasoning)
         return stream.usage(completion_tokens, completion_tokens_details=details)
 
@@ -245,28 +258,29 @@ async def chat_stream(
         async for res in result_generator:
             if stream.seen(res, encoder_prompt=True):
                 role_name = serving.get_chat_request_role(request)
-                role = ChatCompletionResponseStreamChoice(
-                    index=0,
-                    delta=DeltaMessage(role=role_name, content=""),
-                    logprobs=None,
-                    finish_reason=None,
-                )
-                first = ChatCompletionStreamResponse(
-                    id=request_id,
-                    object=CHUNK_OBJECT,
-                    created=created,
-                    choices=[role],
-                    model=model_name,
-                    prompt_token_ids=None,
-                    prompt_text=None,
-                )
-                stream.chunks += 1
-                yield sse(_dump(first))
+                for i in range(samples):
+                    role = ChatCompletionResponseStreamChoice(
+                        index=i,
+                        delta=DeltaMessage(role=role_name, content=""),
+                        logprobs=None,
+                        finish_reason=None,
+                    )
+                    first = ChatCompletionStreamResponse(
+                        id=request_id,
+                        object=CHUNK_OBJECT,
+                        created=created,
+                        choices=[role],
+                        model=model_name,
+                        prompt_token_ids=None,
+                        prompt_text=None,
+                    )
+                    stream.chunks += 1
+                    yield sse(_dump(first))
                 echoed = _echoed(request, conversation, role_name)
-                if echoed:
+                for i in range(samples if echoed else 0):
                     # The last message, continued in the answer's role, comes back first.
                     echo = ChatCompletionResponseStreamChoice(
-                        index=0,
+                        index=i,
                         delta=DeltaMessage(content=echoed),
                         logprobs=None,
                         finish_reason=None,
@@ -283,73 +297,80 @@ async def chat_stream(
                             )
                         )
                     )
-            output = res.outputs[0]
-            if finished:
-                continue
-            serving._raise_if_error(output.finish_reason, request_id)
-            # The processor counts the native frames' tokens before this output's.
-            catch_up()
-            if nothing_to_say(output, step.num_output_tokens):
-                continue
-            logprobs = None
-            if request.logprobs:
-                logprobs = serving._create_chat_logprobs(
-                    token_ids=output.token_ids,
-                    top_logprobs=output.logprobs,
-                    tokenizer=tokenizer,
-                    num_output_top_logprobs=request.top_logprobs,
-                    logprob_token_ids=request.logprob_token_ids,
-                    return_as_token_id=request.return_tokens_as_token_ids,
-                )
-            token_ids = as_list(output.token_ids)
-            delta, finish_reason = step.step(
-                output.text, token_ids, output.finish_reason, res.prompt_token_ids
-            )
-            if count_reasoning:
-                generated.extend(token_ids)
-            if delta is None:
-                if output.finish_reason is None and logprobs is None:
+            for output in res.outputs:
+                i = output.index
+                step = steps[i]
+                if finished[i]:
                     continue
-                delta = DeltaMessage()
-            if output.finish_reason is None:
-                choice = ChatCompletionResponseStreamChoice(
-                    index=0, delta=delta, logprobs=logprobs, finish_reason=None, token_ids=None
+                serving._raise_if_error(output.finish_reason, request_id)
+                # The processor counts the native frames' tokens before this output's.
+                catch_up(i)
+                if nothing_to_say(output, step.num_output_tokens):
+                    continue
+                logprobs = None
+                if request.logprobs:
+                    logprobs = serving._create_chat_logprobs(
+                        token_ids=output.token_ids,
+                        top_logprobs=output.logprobs,
+                        tokenizer=tokenizer,
+                        num_output_top_logprobs=request.top_logprobs,
+                        logprob_token_ids=request.logprob_token_ids,
+                        return_as_token_id=request.return_tokens_as_token_ids,
+                    )
+                token_ids = as_list(output.token_ids)
+                delta, finish_reason = step.step(
+                    output.text, token_ids, output.finish_reason, res.prompt_token_ids
                 )
-                stream.chunks += 1
-                yield sse(_dump(chunk(choice)))
-                # The native frames take the next outputs where the parser (if any) will
-                # make each one's delta its text under one field.
-                frames = native_frames(parser, delta, token_ids) if step.num_output_tokens else None
-                if frames is not None:
-                    field, skip_empty = frames
-                    if field not in templates:
-                        templates[field] = frame_template(request_id, created, model_name, field)
-                    stream.template = templates[field]
-                    if stream.attach_after_chunk(
-                        request_id,
-                        logprobs_limit=logprobs_limit,
-                        skip_empty=skip_empty,
-                        release_ids=release_ids,
-                        chat_logprobs=True,
-                    ):
-                        counted = stream.streamed
-                continue
-            finished = True
-            choice = ChatCompletionResponseStreamChoice(
-                index=0,
-                delta=delta,
-                logprobs=logprobs,
-                finish_reason=finish_reason,
-                stop_reason=output.stop_reason,
-                token_ids=None,
-                weight_versions=None,
-            )
-            last = chunk(choice, res)
-            if stream.finish_fingerprint is not None:
-                last.system_fingerprint = stream.finish_fingerprint
-            yield sse(_dump(last))
-        catch_up()
-        completion_tokens = step.num_output_tokens
+                if count_reasoning:
+                    generated[i].extend(token_ids)
+                if delta is None:
+                    if output.finish_reason is None and logprobs is None:
+                        continue
+                    delta = DeltaMessage()
+                if output.finish_reason is None:
+                    choice = ChatCompletionResponseStreamChoice(
+                        index=i, delta=delta, logprobs=logprobs, finish_reason=None, token_ids=None
+                    )
+                    stream.chunks += 1
+                    yield sse(_dump(chunk(choice)))
+                    # The native frames take the sample's next outputs where the parser
+                    # (if any) will make each one's delta its text under one field.
+                    frames = None
+                    if step.num_output_tokens:
+                        frames = native_frames(parsers[i], delta, token_ids)
+                    if frames is not None:
+                        field, skip_empty = frames
+                        if (field, i) not in templates:
+                            templates[field, i] = frame_template(
+                                request_id, created, model_name, field, i
+                            )
+                        stream.attach_after_chunk(
+                            request_id,
+                            logprobs_limit=logprobs_limit,
+                            skip_empty=skip_empty,
+                            release_ids=release_ids,
+                            chat_logprobs=True,
+                            index=i,
+                            template=templates[field, i],
+                        )
+                    continue
+                finished[i] = True
+                choice = ChatCompletionResponseStreamChoice(
+                    index=i,
+                    delta=delta,
+                    logprobs=logprobs,
+                    finish_reason=finish_reason,
+                    stop_reason=output.stop_reason,
+                    token_ids=None,
+                    weight_versions=None,
+                )
+                last = chunk(choice, res)
+                if stream.finish_fingerprint is not None:
+                    last.system_fingerprint = stream.finish_fingerprint
+                yield sse(_dump(last))
+        for i in range(samples):
+            catch_up(i)
+        completion_tokens = sum(step.num_output_tokens for step in steps)
         if stream.include_usage:
             final = usage(completion_tokens)
             final.prompt_tokens_details = _make_prompt_tokens_details(

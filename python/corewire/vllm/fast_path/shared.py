@@ -383,7 +383,8 @@ class Stream:
         self, response_class: Any, usage: UsageInfo, completion_tokens: int, **fields: Any
     ) -> Any:
         """The choice-less chunk of ``response_class`` (the endpoint's stream response)
-        that carries ``usage``, the server's fingerprint and the per-request metrics, with
+        that carries ``usage``, the server's fingerprint and the per-request metrics (of
+        a request of one sample), with
         the endpoint's further ``fields``."""
         request_id, created, model = self.names
         return response_class(
@@ -393,7 +394,12 @@ class Stream:
             choices=[],
             usage=usage,
             system_fingerprint=self.serving.system_fingerprint,
-            metrics=request_metrics(self.serving, self.last_res, completion_tokens),
+            # vLLM reports a request's metrics for one sample only.
+            metrics=(
+                request_metrics(self.serving, self.last_res, completion_tokens)
+                if self.samples == 1
+                else None
+            ),
             **fields,
         )
 
