@@ -137,13 +137,18 @@ def _stack(
 _ID = re.compile(r'"id":"[^"]*"')
 _CREATED = re.compile(r'"created":\d+')
 _FINGERPRINT = re.compile(r'"system_fingerprint":"[^"]*"')
+# A usage chunk's per-request metrics (--enable-per-request-metrics): timings, flat.
+_METRICS = re.compile(r'"metrics":\{[^{}]*\}')
+_NUMBER = re.compile(r":-?[0-9][0-9.eE+-]*")
 
 
 def normalized(data: str) -> str:
-    """An event's JSON text with the request id, the creation time and the fingerprint
-    (what differs between identical requests, or servers) replaced."""
+    """An event's JSON text with the request id, the creation time, the fingerprint and
+    the per-request metrics' timings (what differs between identical requests, or
+    servers) replaced."""
     data = _ID.sub('"id":"-"', data)
     data = _CREATED.sub('"created":0', data)
+    data = _METRICS.sub(lambda m: _NUMBER.sub(":0", m.group()), data)
     return _FINGERPRINT.sub('"system_fingerprint":"-"', data)
 
 
@@ -347,10 +352,11 @@ def paths_taken(
 def test_server_stream_interval_same_events_as_vllms_server(
     tmp_path_factory: pytest.TempPathFactory,
 ) -> None:
-    """Both servers started with ``--stream-interval 3``: seeded random completions and
-    chat completions, every event the same text (chunks of three tokens, written natively
-    after the first)."""
-    args = ("--stream-interval", "3")
+    """Both servers started with ``--stream-interval 3`` and per-request metrics: seeded
+    random completions and chat completions, every event the same text (chunks of three
+    tokens, written natively after the first), and the usage chunk's metrics for one
+    sample only, as vLLM sends them."""
+    args = ("--stream-interval", "3", "--enable-per-request-metrics")
     with (
         _stack("vllm", tmp_path_factory, args) as vllm_stack,
         _stack("corewire+fast", tmp_path_factory, args) as fast_stack,
@@ -364,6 +370,24 @@ def test_server_stream_interval_same_events_as_vllms_server(
         expected = _run_chats(theirs, 22, 4)
         got = _run_chats(mine, 22, 4)
         assert_same_runs(got, expected, mine, theirs, "/v1/chat/completions")
+        usage: dict[str, Any] = {"stream": True, "stream_options": {"include_usage": True}}
+        usage |= {"max_tokens": 7, "temperature": 0.8, "seed": 3, "ignore_eos": True}
+        for path, n in [
+            (p, n) for p in ("/v1/completions", "/v1/chat/completions") for n in (1, 2)
+        ]:
+            body = usage | {"n": n}
+            body |= (
+                {"prompt": "the old house"}
+                if path == "/v1/completions"
+                else {"messages": [{"role": "user", "content": "the old house"}]}
+            )
+            got_events, expected_events, _ = side_by_side(
+                theirs, mine, lambda h, b=body, p=path: per_choice(b, raw_events(h, b, p))
+            )
+            assert got_events == expected_events, (path, n)
+            groups = [got_events] if isinstance(got_events, list) else got_events.values()
+            metrics = any('"metrics":{' in event for group in groups for event in group)
+            assert metrics == (n == 1), (path, n, got_events)
         after = fast_path_counts(mine)
     assert after["tokens"] > before["tokens"]
 
