@@ -39,10 +39,13 @@ corewire_fast_path_requests_total        counter    path            streaming co
                                                                     or ``vllm`` (its own path)
 corewire_fast_path_tokens_total          counter                    their tokens whose chunks
                                                                     were written natively
+corewire_direct_route_requests_total     counter                    requests of ``vllm
+                                                                    serve`` served around the
+                                                                    app's router
 =======================================  =========  ==============  ========================
 
-The fast path's two counters (:func:`count_fast_path`) are counted once per request, in
-the API server that served it.
+The fast path's counters (:func:`count_fast_path`, :func:`count_direct_route`) are
+counted once per request, in the API server that served it.
 
 ``client`` is the client's index (vLLM's API-server index); clients of one process with
 the same index share their series (the gauges add up). ``engine`` is the engine index
@@ -190,6 +193,11 @@ class _Family:
         self.fast_tokens = prom.Counter(
             "corewire_fast_path_tokens_total",
             "Output tokens of fast-path streams whose chunks were written natively.",
+        )
+        self.direct_requests = prom.Counter(
+            "corewire_direct_route_requests_total",
+            "Requests of vllm serve served by the fast path's direct routes, around the "
+            "app's router.",
         )
         # Clients alive per client label, read by the gauges at scrape time: a tuple
         # replaced under the lock, so a scrape reads one without it.
@@ -352,6 +360,13 @@ def count_fast_path(path: str, tokens: int = 0) -> None:
     family.fast_requests.labels(path).inc()
     if tokens:
         family.fast_tokens.inc(tokens)
+
+
+def count_direct_route() -> None:
+    """Counts one request of ``vllm serve`` that a direct route of the fast path served
+    (nothing when metrics are off)."""
+    if enabled():
+        _get_family().direct_requests.inc()
 
 
 def for_client(client_index: int) -> ClientMetrics | None:

@@ -250,3 +250,15 @@ def test_direct_routes_off_by_switch(monkeypatch: pytest.MonkeyPatch) -> None:
     routes = direct_route.DirectRoutes(stack)
     routes.prepare(app)
     assert routes.refusal == f"{direct_route.SWITCH} is off"
+
+
+def test_direct_routes_leave_keep_alive_streams_to_the_app() -> None:
+    """A server with ``--sse-keep-alive-interval`` wraps every stream in keep-alive
+    comments in vLLM's routes: the direct routes leave its requests to the app."""
+    from types import SimpleNamespace
+
+    app, stack = _fastapi_app()
+    app.state.args = SimpleNamespace(sse_keep_alive_interval=5.0)
+    routes = direct_route.DirectRoutes(stack)
+    routes.prepare(app)
+    assert routes.refusal == "--sse-keep-alive-interval is set"

@@ -367,6 +367,9 @@ async def chat_stream(
                 last = chunk(choice, res)
                 if stream.finish_fingerprint is not None:
                     last.system_fingerprint = stream.finish_fingerprint
+                # Counted as every chunk is: the samples still streaming attach again
+                # only once the connection has all of them.
+                stream.chunks += 1
                 yield sse(_dump(last))
         for i in range(samples):
             catch_up(i)

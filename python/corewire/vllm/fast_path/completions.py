@@ -83,6 +83,9 @@ def _take(
     # The fast stream of a request the fast path covers (vLLM's generator's arguments),
     # else why it stays on vLLM's.
     why = refusal(serving, request, num_prompts, connection)
+    if why is None and request.echo and tokenizer is None:
+        # No prompt text to echo where no tokenizer runs: vLLM's code fails it its way.
+        why = "echo without a tokenizer"
     if why is not None:
         return why
     templates = [
@@ -241,6 +244,9 @@ async def completion_stream(
                         template=templates[i],
                     )
                     continue
+                # Counted as every chunk is: the samples still streaming attach again
+                # only once the connection has all of them.
+                stream.chunks += 1
                 yield sse(
                     _chunk(
                         names,

@@ -39,6 +39,8 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
+from corewire import metrics
+
 __all__ = ["ENDPOINTS", "SWITCH", "DirectRoutes", "Endpoint", "middleware_refusal"]
 
 #: ASGI callables, loosely typed (Starlette's own types need Starlette).
@@ -178,6 +180,9 @@ class DirectRoutes:
             why = f"{SWITCH} is off"
         if why is None and getattr(app, "root_path", ""):
             why = "the app has a root path"
+        if why is None and getattr(getattr(app.state, "args", None), "sse_keep_alive_interval", 0):
+            # vLLM's routes wrap each stream in keep-alive comments then.
+            why = "--sse-keep-alive-interval is set"
         routes: dict[str, _Route] = {}
         for endpoint in ENDPOINTS.values() if why is None else ():
             route = _first_route(app, endpoint.path)
@@ -234,6 +239,7 @@ class DirectRoutes:
         scope["endpoint"] = route.route.endpoint
         scope["path_params"] = {}
         scope["route"] = route.route
+        metrics.count_direct_route()
         await route.chain(scope, replay, send)
 
     def _endpoint_app(self, endpoint: Endpoint) -> Callable[..., Awaitable[None]]:
@@ -260,8 +266,14 @@ class DirectRoutes:
         gone: list[bool] = []
         listener = asyncio.ensure_future(_disconnect(receive, task, gone))
         started = False
+        answer = None
         try:
             answer = await getattr(serving, endpoint.serving_method)(request, raw_request)
+            if gone:
+                # The client left while the handler ran, and the handler took the cancel
+                # for its own (vLLM's serving code answers it with an error): vLLM's route
+                # drops that answer for an empty response, as below.
+                raise asyncio.CancelledError
             if isinstance(answer, ErrorResponse):
                 response = JSONResponse(content=answer.model_dump(), status_code=answer.error.code)
             elif isinstance(answer, route.full_response):
@@ -284,6 +296,8 @@ class DirectRoutes:
             if not started:
                 # vLLM's route answers a request whose client left before its handler
                 # returned with an empty response (what the instrumentator counts).
+                if answer is not None and hasattr(answer, "aclose"):
+                    await answer.aclose()
                 await Response()(scope, receive, send)
         finally:
             listener.cancel()
@@ -340,11 +354,16 @@ def _validated(route: Any, scope: Any, body: bytes) -> Any:
         return None
     try:
         value = json.loads(body)
-    except ValueError:
+    except (ValueError, RecursionError):
         return None
     if value is None:
         return None
-    request, errors = route.body_field.validate(value, {}, loc=("body",))
+    try:
+        request, errors = route.body_field.validate(value, {}, loc=("body",))
+    except Exception:
+        # vLLM's own validators raise errors of their own (VLLMValidationError, TypeError)
+        # that the app's exception handlers answer.
+        return None
     return None if errors else request
 
 
