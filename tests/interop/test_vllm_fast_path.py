@@ -71,6 +71,7 @@ from serve_support import (  # noqa: E402
     completion,
     http_client,
     metric_values,
+    running_requests,
     server_log,
     shared_stack,
 )
@@ -741,8 +742,9 @@ def _direct_served(http: httpx.Client) -> float:
     return values[0][1] if values else 0.0
 
 
-def _abandon_whole_request(stack: ServeStack) -> None:
-    # A long completion, not streamed, whose client hangs up mid-generation.
+def _abandon_whole_request(stack: ServeStack, http: httpx.Client) -> None:
+    # A long completion, not streamed, whose client hangs up mid-generation (once the
+    # engine runs it, so that the server has read the request whatever the load).
     body = json.dumps(
         {
             "model": MODEL,
@@ -757,7 +759,9 @@ def _abandon_whole_request(stack: ServeStack) -> None:
         head = f"POST /v1/completions HTTP/1.1\r\nhost: {host}\r\n"
         head += f"content-type: application/json\r\ncontent-length: {len(body)}\r\n\r\n"
         conn.sendall(head.encode() + body)
-        time.sleep(0.5)
+        deadline = time.monotonic() + 30
+        while running_requests(http) < 1 and time.monotonic() < deadline:
+            time.sleep(0.05)
 
 
 def test_direct_route_answers_as_vllms_router(stacks: dict[str, ServeStack]) -> None:
@@ -778,8 +782,8 @@ def test_direct_route_answers_as_vllms_router(stacks: dict[str, ServeStack]) -> 
             # The instrumentator names a request to a routed path by it, any method.
             sent += tries if path in _ROUTED else 0
             direct += tries if method == "POST" and path in _ROUTED and got[0] != 400 else 0
-        for stack in stacks.values():
-            _abandon_whole_request(stack)
+        for stack, http in ((stacks["vllm"], theirs), (stacks["corewire+fast"], mine)):
+            _abandon_whole_request(stack, http)
         sent += 1
         direct += 1
         # The instrumentator counts a request once its response is sent.
