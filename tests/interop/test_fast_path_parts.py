@@ -30,13 +30,14 @@ from paths_support import REPO_ROOT
 
 
 def test_only_releases_checked_against_their_server_have_the_fast_path() -> None:
-    assert FAST_PATH_VLLM_VERSIONS == ("0.34.0",)
-    assert [r for r in releases.SUPPORTED if r.fast_path] == ["0.34.0"]
+    assert FAST_PATH_VLLM_VERSIONS == ("0.33.0", "0.34.0")
+    assert [r for r in releases.SUPPORTED if r.fast_path] == ["0.33.0", "0.34.0"]
     # An installed version is read through the releases package (a local label names
     # the same release; anything else has none).
-    found = fast_path_release("0.34.0+cpu")
-    assert found is not None and found.name == "0.34.0"
-    for other in ("0.33.0", "0.25.1", "0.34.1rc1", "not a version"):
+    for version, name in (("0.34.0+cpu", "0.34.0"), ("0.33.0", "0.33.0")):
+        found = fast_path_release(version)
+        assert found is not None and found.name == name
+    for other in ("0.32.0", "0.25.1", "0.34.1rc1", "not a version"):
         assert fast_path_release(other) is None
 
 
@@ -47,7 +48,8 @@ def test_only_releases_checked_against_their_server_have_the_fast_path() -> None
         ("", "0.34.0+cpu", True, True),
         ("", "0.34.0", False, False),
         ("", "0.25.1", True, False),
-        ("", "0.33.0", True, False),
+        ("", "0.33.0", True, True),
+        ("", "0.32.0", True, False),
         ("0", "0.34.0", True, False),
         ("1", "0.34.0", True, True),
     ],
@@ -63,7 +65,7 @@ def test_switch(
 
 def test_switch_on_where_it_cannot_run_is_refused_by_name(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv(FAST_PATH_SWITCH, "1")
-    with pytest.raises(RuntimeError, match=r"vLLM 0\.34\.0, not the installed 0\.25\.1"):
+    with pytest.raises(RuntimeError, match=r"vLLM 0\.33\.0, 0\.34\.0, not the installed 0\.25\.1"):
         fast_path_wanted("0.25.1", True)
     with pytest.raises(RuntimeError, match="native output processing, which is off"):
         fast_path_wanted("0.34.0", False)

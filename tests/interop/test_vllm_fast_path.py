@@ -18,7 +18,7 @@ machine (a server that falls behind merges two steps into one chunk, in either s
 request whose events still differ is sent to both again, up to three times in all, since a
 real difference shows on every try.
 
-Runs where the installed vLLM is one the fast path is held to (0.34.0: ``scripts/test``
+Runs where the installed vLLM is one the fast path is held to (0.33.0, 0.34.0: ``scripts/test``
 runs it in that release's venv, where anything missing fails instead of skipping).
 """
 

@@ -22,3 +22,6 @@ class Release0330(Release0320):
     session_affinity = True
     # Held to 0.33.0's OutputProcessor by tests/interop/test_vllm_output_diff.py.
     NATIVE_OUTPUT = True
+    # Held to 0.33.0's OpenAI server by tests/interop/test_vllm_fast_path.py and
+    # test_fast_path_parsers.py, run in that release's venv (COREWIRE_LIVE_0_33_0=1).
+    FAST_PATH = True

@@ -26,8 +26,8 @@ name).
 ``vllm serve`` (:mod:`corewire.vllm.fast_path`): streaming completions whose chunks after
 the first are written from the native output state. Unset, it is on wherever native output
 processing is and the differential HTTP tests hold the fast path to the installed release's
-server (0.34.0); ``0`` keeps vLLM's serving code; ``1`` asks for it, and is refused by name
-under another release or without native output processing. It is installed only in the
+server (0.33.0, 0.34.0); ``0`` keeps vLLM's serving code; ``1`` asks for it, and is refused
+by name under another release or without native output processing. It is installed only in the
 API server's process.
 """
 
@@ -203,7 +203,7 @@ def fast_path_release(vllm_version: str) -> releases.Release | None:
 
 
 def _install_fast_path() -> None:
-    # Into vLLM 0.34.0's OpenAI server, the one the fast path is held to
+    # Into vLLM 0.33.0's or 0.34.0's OpenAI server, those the fast path is held to
     # (fast_path_wanted checked that the installed release is one whose fast_path holds).
     from vllm.entrypoints.openai.chat_completion.serving import OpenAIServingChat
     from vllm.entrypoints.openai.completion.serving import OpenAIServingCompletion

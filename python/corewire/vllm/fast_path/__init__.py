@@ -1,4 +1,4 @@
-"""The per-token fast path of ``vllm serve`` (vLLM 0.34.0's OpenAI server): streaming
+"""The per-token fast path of ``vllm serve`` (vLLM 0.33.0's and 0.34.0's OpenAI server): streaming
 completions and chat completions whose chunks between the first and the last are written
 without Python.
 
@@ -22,7 +22,7 @@ the checks a request passes, one stream's plumbing) and the SSE frames and their
 (:mod:`corewire.vllm.fast_path.frames`); the chat endpoint also imports which server
 parsers the frames can follow (:mod:`corewire.vllm.fast_path.parsers`). Only the frames,
 which need no vLLM, are imported with the package, so that it imports under every vLLM
-release; the rest needs 0.34.0's.
+release; the rest needs 0.33.0's or 0.34.0's.
 ``COREWIRE_VLLM_FAST_PATH=0`` turns it all off (:mod:`corewire.vllm.plugin`).
 """
 
@@ -47,7 +47,8 @@ def install(completion_class: Any, chat_class: Any) -> None:
     app in :class:`corewire.vllm.fast_path.asgi_cycle.CycleCapture`."""
     if getattr(completion_class.completion_stream_generator, "corewire_fast_path", False):
         return  # vLLM loads plugins more than once per process
-    # Imported here, not with the package: the endpoints need vLLM 0.34.0's serving code.
+    # Imported here, not with the package: the endpoints need vLLM 0.33.0's or 0.34.0's
+    # serving code.
     import vllm.entrypoints.launchers.app as launcher
 
     from corewire.vllm.fast_path import chat, completions

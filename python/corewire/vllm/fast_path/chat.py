@@ -1,4 +1,4 @@
-"""The fast path of vLLM 0.34.0's streaming ``/v1/chat/completions`` (see
+"""The fast path of vLLM 0.33.0's and 0.34.0's streaming ``/v1/chat/completions`` (see
 :mod:`corewire.vllm.fast_path`): any number of samples, each written by its own native
 state, whose chunks carry text and logprobs (no token ids or continuous usage; on a
 server with a parser, no logprobs, and deltas the native frames can follow:

@@ -1,4 +1,4 @@
-"""The fast path of vLLM 0.34.0's streaming ``/v1/completions`` (see
+"""The fast path of vLLM 0.33.0's and 0.34.0's streaming ``/v1/completions`` (see
 :mod:`corewire.vllm.fast_path`): one prompt, any number of samples (each written by its
 own native state), chunks of text and sample logprobs, the prompt echoed in a sample's
 first without logprobs; anything else stays on vLLM's

@@ -1,5 +1,5 @@
 """The fast path's endpoints served without the app's router: ``POST /v1/completions`` and
-``POST /v1/chat/completions`` of ``vllm serve`` (vLLM 0.34.0), handed to vLLM's serving
+``POST /v1/chat/completions`` of ``vllm serve`` (vLLM 0.33.0, 0.34.0), handed to vLLM's serving
 code straight from the outside of the middleware stack.
 
 A request that reaches one of these endpoints through the app pays, once per request, for

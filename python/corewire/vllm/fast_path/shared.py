@@ -4,8 +4,8 @@ serving class's streaming generator (:func:`route`), the checks a request passes
 vLLM's path (:func:`keep_vllms`), and one stream's Python side (:class:`Stream`: its
 prompt's counts, attaching its native state to the connection, its usage chunk, its end).
 
-Needs vLLM 0.34.0's serving code, as the endpoints do; the package imports it only when it
-installs them.
+Needs vLLM 0.33.0's or 0.34.0's serving code, as the endpoints do; the package imports it
+only when it installs them.
 """
 
 from __future__ import annotations
