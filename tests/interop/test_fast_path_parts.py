@@ -264,3 +264,73 @@ def test_direct_routes_leave_keep_alive_streams_to_the_app() -> None:
     routes = direct_route.DirectRoutes(stack)
     routes.prepare(app)
     assert routes.refusal == "--sse-keep-alive-interval is set"
+
+
+class _Renderer:
+    """A renderer as vLLM's ``BaseRenderer`` builds its tokenization: the blocking
+    ``_tokenize_prompt`` (a real tokenizer's encoding; it fails on an empty prompt) and
+    the pooled ``_tokenize_prompt_async`` (``run_in_executor`` on a pool of its own)."""
+
+    def __init__(self, pool: Any) -> None:
+        from tokenizers import Tokenizer, models, pre_tokenizers
+
+        words = {w: i for i, w in enumerate(["[UNK]", "hello", "tell", "me", "a", "story"])}
+        tokenizer = Tokenizer(models.WordLevel(words, unk_token="[UNK]"))
+        tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
+        self.tokenizer = tokenizer
+        self.threads: list[int] = []
+
+        def pooled(prompt: Any, params: Any) -> Any:
+            loop = asyncio.get_running_loop()
+            return loop.run_in_executor(pool, self._tokenize_prompt, prompt, params)
+
+        self._tokenize_prompt_async = pooled
+
+    def _tokenize_prompt(self, prompt: dict[str, str], params: Any) -> dict[str, Any]:
+        self.threads.append(threading.get_ident())
+        if not prompt["prompt"]:
+            raise ValueError("empty prompt")
+        return {"prompt_token_ids": self.tokenizer.encode(prompt["prompt"]).ids}
+
+
+def test_short_prompts_tokenize_on_the_loop_with_the_same_answer(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A short text prompt is tokenized by the same function on the loop's thread, a long
+    one in the pool; the answers are the pool's; a failure reaches the await as the pool's
+    does; the switch keeps the pool for everything."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from corewire.vllm.fast_path import inline_tokenize
+
+    class Renderer(_Renderer):
+        pass
+
+    monkeypatch.delenv(inline_tokenize.SWITCH, raising=False)
+    inline_tokenize.install(Renderer)
+    inline_tokenize.install(Renderer)  # a second load of the plugin changes nothing
+    short = {"prompt": "hello tell me a story"}
+    long = {"prompt": "hello " * (inline_tokenize.INLINE_CHARS // 6 + 1)}
+
+    async def run(renderer: _Renderer) -> tuple[Any, ...]:
+        loop_thread = threading.get_ident()
+        answers = [await renderer._tokenize_prompt_async(p, None) for p in (short, long)]
+        with pytest.raises(ValueError, match="empty prompt"):
+            await renderer._tokenize_prompt_async({"prompt": ""}, None)
+        on_loop = [t == loop_thread for t in renderer.threads]
+        return answers, on_loop
+
+    with ThreadPoolExecutor(1) as pool:
+        inline = Renderer(pool)
+        answers, on_loop = asyncio.run(run(inline))
+        assert on_loop == [True, False, True]
+        pooled = _Renderer(pool)
+        assert asyncio.run(run(pooled))[0] == answers
+        assert answers[0] == {"prompt_token_ids": [1, 2, 3, 4, 5]}
+        monkeypatch.setenv(inline_tokenize.SWITCH, "0")
+
+        class Off(_Renderer):
+            pass
+
+        inline_tokenize.install(Off)
+        assert asyncio.run(run(Off(pool)))[1] == [False] * 3

@@ -23,6 +23,9 @@ the checks a request passes, one stream's plumbing) and the SSE frames and their
 parsers the frames can follow (:mod:`corewire.vllm.fast_path.parsers`). Only the frames,
 which need no vLLM, are imported with the package, so that it imports under every vLLM
 release; the rest needs 0.33.0's or 0.34.0's.
+Once per request, short prompts are tokenized on the event loop instead of through vLLM's
+tokenizer pool (:mod:`corewire.vllm.fast_path.inline_tokenize`), and ``POST`` requests to the
+two endpoints skip the app's router (:mod:`corewire.vllm.fast_path.direct_route`).
 ``COREWIRE_VLLM_FAST_PATH=0`` turns it all off (:mod:`corewire.vllm.plugin`).
 """
 
@@ -67,3 +70,8 @@ def install(completion_class: Any, chat_class: Any) -> None:
     launcher.init_entrypoints_middleware = init_entrypoints_middleware
     completions.install(completion_class)
     chat.install(chat_class)
+    from vllm.renderers.base import BaseRenderer
+
+    from corewire.vllm.fast_path import inline_tokenize
+
+    inline_tokenize.install(BaseRenderer)
