@@ -29,7 +29,7 @@ import pytest
 from corewire import cli
 from corewire._optional import is_installed
 from corewire.bench import client as client_bench
-from corewire.bench import common, gc_times, serve_split
+from corewire.bench import common, gc_times, serve_real, serve_split
 from corewire.bench import serve as serve_bench
 from corewire.bench.serve_profile import (
     CLIENT_LAYER,
@@ -334,6 +334,92 @@ def test_bad_arguments_stop_before_any_run(capsys: pytest.CaptureFixture[str]) -
     assert cli.main(["bench", "serve", "--stream-interval", "0"]) == 2
     expected = "--stream-interval must be at least 1" if HAVE_VLLM else "vLLM is not installed"
     assert expected in capsys.readouterr().err
+    for bad, why in (
+        (["--model", "m"], "--model and --serve-args go with --engine vllm"),
+        (["--serve-args=--enforce-eager"], "--model and --serve-args go with --engine vllm"),
+        (["--engine", "vllm", "--engines", "2"], "give vLLM's own DP flags in --serve-args"),
+        (["--engine", "vllm", "--native-profile"], "vLLM's engine waits on it"),
+    ):
+        assert cli.main(["bench", "serve", *bad]) == 2
+        assert (why if HAVE_VLLM else "vLLM is not installed") in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exc:
+        cli.main(["bench", "serve", "--engine", "other"])
+    assert exc.value.code == 2
+
+
+def test_serve_engine_arguments() -> None:
+    parser = cli.build_parser("bench")
+    args = parser.parse_args(["bench", "serve"])
+    assert (args.engine, args.model, args.served_model_name, args.serve_args) == (
+        "synthetic", None, None, "",
+    )  # fmt: skip
+    args = parser.parse_args(
+        ["bench", "serve", "--engine", "vllm", "--model", "/m/llama", "--streams", "8,32",
+         "--serve-args", "--max-model-len 4096 --tensor-parallel-size 2", "--chat",
+         "--reasoning-parser", "deepseek_r1"]
+    )  # fmt: skip
+    stack = serve_real.real_engine_stack(
+        args, Path("/m/llama"), Path("log"), "corewire", serve_bench._server_args(args), {}
+    )
+    command = stack.command()
+    # The directory's name is the model's in the API; room for the most streams; the
+    # run's flags, then --serve-args last, so that their --max-model-len wins.
+    assert command[command.index("--served-model-name") + 1] == "llama"
+    assert command[command.index("--max-num-seqs") + 1] == "32"
+    assert command[-6:] == [
+        "--reasoning-parser", "deepseek_r1", "--max-model-len", "4096",
+        "--tensor-parallel-size", "2",
+    ]  # fmt: skip
+    assert stack.env["COREWIRE_VLLM_CLIENT"] == "1"
+    args = parser.parse_args(["bench", "serve", "--engine", "vllm"])
+    assert serve_real.real_engine_unsupported(args) is None
+    stack = serve_real.real_engine_stack(args, Path("/w/model"), Path("log"), "vllm", (), {})
+    assert stack.served_model_name == serve_real.WRITTEN_MODEL_NAME
+    assert stack.env["COREWIRE_VLLM_CLIENT"] == "0"
+
+
+def test_front_end_cpu_leaves_vllm_engine_cores_out() -> None:
+    """The front-end's CPU counts the API server's children but vLLM's engine cores
+    under it and their own children (``--engine vllm``): read off real processes, one
+    of them titled as vLLM titles its engine core."""
+    import psutil
+
+    parent = subprocess.Popen(
+        [sys.executable, "-c", textwrap.dedent(
+            """
+            import subprocess, sys, time
+            spin = [sys.executable, "-c", "while True: pass"]
+            # The engine core and a worker of its own, both spinning.
+            worker = f"import subprocess, time; subprocess.Popen({spin!r}); time.sleep(600)"
+            # (The title is put together here: this script's own text must not hold it.)
+            title = "VLLM::Engine" + "Core"
+            engine = subprocess.Popen([sys.executable, "-c", worker, title])
+            helper = subprocess.Popen([*spin, "front-end-helper"])
+            time.sleep(600)
+            """
+        )],
+        stdin=subprocess.DEVNULL,
+    )  # fmt: skip
+    try:
+        server = psutil.Process(parent.pid)
+        deadline = time.monotonic() + 30
+        while len(server.children(recursive=True)) < 3 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        children = {" ".join(c.cmdline()): c for c in server.children()}
+        engine = next(c for line, c in children.items() if "VLLM::EngineCore" in line)
+        helper = next(c.pid for line, c in children.items() if "front-end-helper" in line)
+        (worker,) = (c.pid for c in engine.children())
+        time.sleep(0.5)  # all spin meanwhile
+        seconds = serve_bench.front_end_cpu(server)
+        assert set(seconds) == {parent.pid, helper}
+        assert seconds[helper] > 0
+        everyone = server.children(recursive=True)
+        assert serve_real.engine_pids(everyone) == {engine.pid, worker}
+    finally:
+        for child in psutil.Process(parent.pid).children(recursive=True):
+            child.kill()
+        parent.kill()
+        parent.wait(10)
 
 
 def test_decode_json_and_plot(tmp_path: Path) -> None:

@@ -21,20 +21,29 @@ between the stacks (``--clients``, the first three by default):
   (``COREWIRE_VLLM_CLIENT=1`` and ``COREWIRE_VLLM_OUTPUT=1``: detokenization, stop
   strings, logprobs and stats in Rust). Left out of the default, with a note, where the
   installed corewire or vLLM cannot run it (:func:`native_output_missing`);
-- ``corewire+fast`` (on request only, vLLM 0.34.0): ``corewire+output`` with the per-token
+- ``corewire+fast`` (on request only, vLLM 0.33.0, 0.34.0): ``corewire+output`` with the per-token
   fast path (``COREWIRE_VLLM_FAST_PATH=1``: each stream's chunks after the first written
   from the native output state, :mod:`corewire.vllm.fast_path`), against the fast-path
   issue's goals (:data:`FAST_GOALS`; the moonshot :data:`RUST_MOONSHOT` reported beside
   the ``rust`` stack);
-- ``corewire+fast/router`` (on request only, vLLM 0.34.0): ``corewire+fast`` with its
+- ``corewire+fast/router`` (on request only, the same): ``corewire+fast`` with its
   direct routes off (``COREWIRE_VLLM_DIRECT_ROUTE=0``): every request through the app's
   router and FastAPI, as before the direct routes, to measure what they save;
+- ``corewire+fast/pool`` (on request only, the same): ``corewire+fast`` with every prompt
+  tokenized in vLLM's thread pool (``COREWIRE_VLLM_INLINE_TOKENIZE=0``), to measure what
+  tokenizing short prompts on the event loop saves;
 - ``rust`` (on request only): vLLM's own Rust front-end, ``vllm-rs``
   (``VLLM_USE_RUST_FRONTEND=1``), over the same engines with their stats on; no profile
   (nothing in it is Python), no goal: the reference the Python stacks are read against.
 
 The front-end's CPU is counted over all its processes: the API server and its
 descendants (``vllm-rs`` under the Rust front-end, vLLM's DP coordinator with DP > 1).
+
+``--engine vllm`` puts vLLM's *own* engine core under each stack instead
+(:mod:`corewire.bench.serve_real`): ``vllm serve`` as users start it, on ``--model DIR`` or a
+tiny llama with random weights written for the run, on a GPU or with vLLM's CPU build; the
+engine cores' CPU is left out of the front-end's. No goal is read there (they were set
+over the synthetic engine) and there is no one-token-per-chunk scenario.
 
 Scenarios: every ``--streams`` x ``--logprobs`` pair at ``--step-delay`` (saturation), and
 a named one-token-per-chunk scenario (``--chunk-streams`` streams, no logprobs, engine
@@ -94,6 +103,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import concurrent.futures
 import contextlib
 import dataclasses
 import json
@@ -110,7 +120,7 @@ from pathlib import Path
 from typing import Any
 
 from corewire._optional import import_optional, is_installed
-from corewire.bench import common, gc_times, serve_split
+from corewire.bench import common, gc_times, serve_real, serve_split
 from corewire.bench.serve_profile import (
     CLIENT_LAYER,
     COLLECTOR,
@@ -157,6 +167,9 @@ FAST_PATH_SWITCH = "COREWIRE_VLLM_FAST_PATH"
 #: The fast path's direct routes' own switch (corewire.vllm.fast_path.direct_route.SWITCH;
 #: that module is not imported here, as it is only needed where the server runs).
 DIRECT_ROUTE_SWITCH = "COREWIRE_VLLM_DIRECT_ROUTE"
+#: The fast path's short-prompt tokenization on the loop, its own switch
+#: (corewire.vllm.fast_path.inline_tokenize.SWITCH).
+INLINE_TOKENIZE_SWITCH = "COREWIRE_VLLM_INLINE_TOKENIZE"
 #: The stacks: name -> (the API server's engine-core client for ``ServeStack``, the
 #: environment added to the API server's). The output switch is set either way: a
 #: ``COREWIRE_VLLM_OUTPUT=1`` in the caller's environment must not reach the baselines.
@@ -173,6 +186,12 @@ STACKS: dict[str, tuple[str, dict[str, str]]] = {
         "corewire",
         {OUTPUT_SWITCH: "1", FAST_PATH_SWITCH: "1", DIRECT_ROUTE_SWITCH: "0"},
     ),
+    # The fast path with every prompt tokenized in vLLM's pool (inline tokenization off,
+    # corewire.vllm.fast_path.inline_tokenize): what tokenizing short prompts on the loop saves.
+    "corewire+fast/pool": (
+        "corewire",
+        {OUTPUT_SWITCH: "1", FAST_PATH_SWITCH: "1", INLINE_TOKENIZE_SWITCH: "0"},
+    ),
     # vLLM's own Rust front-end (vllm-rs, VLLM_USE_RUST_FRONTEND=1) over the same
     # corewire engines, their stats on: the reference the Python stacks are read against.
     "rust": ("vllm", {OUTPUT_SWITCH: "0", FAST_PATH_SWITCH: "0", "VLLM_USE_RUST_FRONTEND": "1"}),
@@ -188,6 +207,7 @@ _SHORT = {
     "corewire+output": "cw+out",
     "corewire+fast": "cw+fast",
     "corewire+fast/router": "cw+f/rtr",
+    "corewire+fast/pool": "cw+f/pool",
     "rust": "rust",
 }
 
@@ -233,7 +253,7 @@ def native_output_missing() -> str | None:
 def fast_path_missing() -> str | None:
     """Why the ``corewire+fast`` stack cannot run here (None: it can): it needs native
     output processing (:func:`native_output_missing`) under a vLLM release whose server
-    the fast path is held to (0.34.0)."""
+    the fast path is held to (0.33.0, 0.34.0)."""
     missing = native_output_missing()
     if missing is not None:
         return missing
@@ -513,8 +533,7 @@ def run_clients(args: argparse.Namespace, model_dir: Path, work: Path) -> list[R
     for step_delay, group in groups.items():
         with contextlib.ExitStack() as stacks:
             servers = {}
-            for client in args.clients:
-                stack = _start_stack(args, model_dir, work, client, step_delay, probe_env)
+            for client, stack in _start_stacks(args, model_dir, work, step_delay, probe_env):
                 stacks.callback(stack.stop)
                 servers[client] = (stack, psutil.Process(stack.server.pid))
             for scenario in group:
@@ -543,6 +562,35 @@ def run_clients(args: argparse.Namespace, model_dir: Path, work: Path) -> list[R
     return results
 
 
+def _start_stacks(
+    args: argparse.Namespace,
+    model_dir: Path,
+    work: Path,
+    step_delay: float,
+    probe_env: dict[str, str],
+) -> list[tuple[str, Any]]:
+    """Every client's stack (:func:`_start_stack`), started side by side: a stack spends
+    its start-up waiting on its server (vLLM's own engine: a minute or more), and the
+    stacks do not share a process. If any fails, the others are stopped and the first
+    failure raised."""
+    with concurrent.futures.ThreadPoolExecutor(len(args.clients)) as pool:
+        starts = [
+            (
+                client,
+                pool.submit(_start_stack, args, model_dir, work, client, step_delay, probe_env),
+            )
+            for client in args.clients
+        ]
+        concurrent.futures.wait([future for _, future in starts])
+    failed = [future.exception() for _, future in starts if future.exception() is not None]
+    started = [(client, future.result()) for client, future in starts if not future.exception()]
+    if failed:
+        for _, stack in started:
+            stack.stop()
+        raise failed[0]
+    return started
+
+
 def _start_stack(
     args: argparse.Namespace,
     model_dir: Path,
@@ -554,16 +602,26 @@ def _start_stack(
     """``client``'s stack, started and warmed up (the caller stops it; a failed warm-up
     stops it here)."""
     engine_client, switches = STACKS[client]
-    stack = _bench_stack(
-        model_dir=model_dir,
-        port=0,
-        client=engine_client,
-        engines=args.engines,
-        engine_args={"step_delay": step_delay, "max_batch": 4096},
-        log_dir=work / f"logs-{_slug(client)}-{1e3 * step_delay:g}ms",
-        extra_server_args=_server_args(args),
-        server_env={**probe_env, **switches},
-    )
+    if args.engine == "vllm":
+        stack = serve_real.real_engine_stack(
+            args,
+            model_dir,
+            work / f"logs-{_slug(client)}-vllm-engine" / "server.log",
+            engine_client,
+            _server_args(args),
+            {**probe_env, **switches},
+        )
+    else:
+        stack = _bench_stack(
+            model_dir=model_dir,
+            port=0,
+            client=engine_client,
+            engines=args.engines,
+            engine_args={"step_delay": step_delay, "max_batch": 4096},
+            log_dir=work / f"logs-{_slug(client)}-{1e3 * step_delay:g}ms",
+            extra_server_args=_server_args(args),
+            server_env={**probe_env, **switches},
+        )
     stack.start()
     try:
         warm = Result(client, 8, 0)
@@ -600,11 +658,16 @@ def requests_at_least(args: argparse.Namespace, streams: int) -> int:
 def front_end_cpu(server: Any) -> dict[int, float]:
     """User + system CPU seconds so far of every process of the front-end: the API
     server (a ``psutil.Process``) and its descendants (``vllm-rs`` under the Rust
-    front-end; vLLM's DP coordinator with DP > 1), by pid."""
+    front-end; vLLM's DP coordinator with DP > 1) but vLLM's own engine cores under it
+    (``--engine vllm``) and theirs, by pid."""
     import psutil
 
+    processes = [server, *server.children(recursive=True)]
+    engines = serve_real.engine_pids(processes)
     seconds = {}
-    for proc in [server, *server.children(recursive=True)]:
+    for proc in processes:
+        if proc.pid in engines:
+            continue
         with contextlib.suppress(psutil.NoSuchProcess):
             seconds[proc.pid] = sum(proc.cpu_times()[:2])
     return seconds
@@ -1163,13 +1226,45 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "processing; corewire: corewire's client (COREWIRE_VLLM_CLIENT=1); corewire+output: "
         f"corewire's client and native output processing (and {OUTPUT_SWITCH}=1), left out "
         "of the default with a note where it cannot run; corewire+fast (not in the default, "
-        f"vLLM 0.34.0): corewire+output with the per-token fast path ({FAST_PATH_SWITCH}=1); "
+        f"vLLM 0.33.0, 0.34.0): corewire+output with the per-token fast path "
+        f"({FAST_PATH_SWITCH}=1); "
         f"corewire+fast/router (the same): corewire+fast with its direct routes off "
-        f"({DIRECT_ROUTE_SWITCH}=0); "
+        f"({DIRECT_ROUTE_SWITCH}=0); corewire+fast/pool (the same): corewire+fast with every "
+        f"prompt tokenized in vLLM's pool ({INLINE_TOKENIZE_SWITCH}=0); "
         "rust (not in the default): vLLM's own Rust front-end, vllm-rs "
         "(VLLM_USE_RUST_FRONTEND=1), over the same engines",
     )
     parser.add_argument("--engines", type=int, default=1, help="engine processes (1)")
+    parser.add_argument(
+        "--engine",
+        choices=serve_real.ENGINES,
+        default="synthetic",
+        help="synthetic (the default): corewire's engine, stepping every --step-delay; vllm: "
+        "vLLM's own engine core under each stack's vllm serve (a GPU, or vLLM's CPU build), "
+        "its CPU left out of the front-end's; no goal is read and there is no "
+        "one-token-per-chunk scenario",
+    )
+    parser.add_argument(
+        "--model",
+        metavar="DIR",
+        default=None,
+        help="with --engine vllm: the model every stack serves (default: a tiny llama with "
+        "random weights written for the run)",
+    )
+    parser.add_argument(
+        "--served-model-name",
+        metavar="NAME",
+        default=None,
+        help="with --model: its name in the API (default: the directory's name)",
+    )
+    parser.add_argument(
+        "--serve-args",
+        metavar="FLAGS",
+        default="",
+        help="with --engine vllm: more vllm serve flags for every stack, as one string "
+        "(e.g. --serve-args='--tensor-parallel-size 2 --max-model-len 4096'; they come last "
+        "and win)",
+    )
     # A model-free engine without a step time steps each request alone as soon as it
     # arrives: one-token frames, a front-end drowned in per-frame work, nothing like a
     # real engine. 5 ms is a fast GPU decode step and makes it batch like one.
@@ -1282,9 +1377,18 @@ def run(args: argparse.Namespace) -> int:
     if args.stream_interval < 1:
         print(f"{prog}: --stream-interval must be at least 1", file=sys.stderr)
         return 2
+    if (unsupported := serve_real.real_engine_unsupported(args)) is not None:
+        print(f"{prog}: {unsupported}", file=sys.stderr)
+        return 2
     if args.stream_interval > 1 and args.chunk_streams:
         print(f"--stream-interval {args.stream_interval}: no one-token-per-chunk scenario")
         args.chunk_streams = 0
+    if args.engine == "vllm":
+        # vLLM's engine steps at its own pace: no step time, and no scenario paced by one.
+        args.step_delay = 0.0
+        if args.chunk_streams:
+            print("--engine vllm: no one-token-per-chunk scenario")
+            args.chunk_streams = 0
     if args.chunk_streams < 0 or (args.chunk_streams and args.chunk_step_delay <= 0):
         print(
             f"{prog}: --chunk-streams must be at least 0, and --chunk-step-delay positive "
@@ -1331,6 +1435,11 @@ def run(args: argparse.Namespace) -> int:
         + ("  chat" if args.chat else "")
         + (f"  tool-call parser {args.tool_call_parser}" if args.tool_call_parser else "")
         + (f"  reasoning parser {args.reasoning_parser}" if args.reasoning_parser else "")
+        + (
+            f"  vLLM's engine ({args.model or 'a tiny llama'}, vLLM {common.vllm_version()})"
+            if args.engine == "vllm"
+            else ""
+        )
     )
     if args.native_profile:
         print(
@@ -1342,9 +1451,13 @@ def run(args: argparse.Namespace) -> int:
     with tempfile.TemporaryDirectory(prefix="corewire-serve-bench-") as tmp:
         work = Path(tmp)
         markers = REASONING_MARKERS if args.reasoning_parser else ()
-        model_dir = write_model_dir(work / "model", markers=markers)
+        if args.engine == "vllm":
+            model_dir = serve_real.model_for_run(args, work, markers)
+        else:
+            model_dir = write_model_dir(work / "model", markers=markers)
         results = run_clients(args, model_dir, work)
-    found = report(results, goals=args.stream_interval == 1)
+    # The goals were set over the synthetic engine, at one token per chunk.
+    found = report(results, goals=args.stream_interval == 1 and args.engine == "synthetic")
     if args.json:
         common.write_json(
             args.json,
@@ -1360,6 +1473,9 @@ def run(args: argparse.Namespace) -> int:
                 "seconds": args.seconds,
                 "clients": args.clients,
                 "engines": args.engines,
+                "engine": args.engine,
+                "model": args.model,
+                "serve_args": args.serve_args,
                 "step_delay": args.step_delay,
                 "chunk_streams": args.chunk_streams,
                 "chunk_step_delay": args.chunk_step_delay,
