@@ -181,6 +181,23 @@ def test_temperature_flattens_the_distribution(engine: ReferenceEngine) -> None:
 # ---------------------------------------------------------------------- logprobs
 
 
+def test_a_requests_logprobs_do_not_depend_on_its_batch(engine: ReferenceEngine) -> None:
+    """The same seeded request alone and sharing its steps with 1 to 40 others: the same
+    tokens and bit-identical logprobs every time (small and ragged batches take other
+    BLAS kernels, which the engine's padding keeps out of a row's result), which is what
+    lets two servers over two engines be compared byte for byte."""
+    mine = dict(temperature=0.9, seed=77, max_tokens=6, logprobs=3)
+
+    def seen(outs: list[EngineCoreOutput]) -> list[Any]:
+        return [(o.new_token_ids, o.new_logprobs.logprobs.tobytes()) for o in outs]
+
+    alone = seen(run(engine, req("me", **mine))["me"])
+    for others in (1, 2, 5, 15, 16, 17, 40):
+        noise = [req(f"n{others}-{i}", [i + 3, 7], max_tokens=i % 7 + 1) for i in range(others)]
+        batched = run(engine, *noise, req("me", **mine))
+        assert seen(batched["me"]) == alone, others
+
+
 def test_logprobs_are_raw_model_logprobs(engine: ReferenceEngine) -> None:
     outs = run(engine, req("lp", temperature=0.0, max_tokens=3, logprobs=4))["lp"]
     engine.add_request(req("probe", temperature=0.0, max_tokens=1))

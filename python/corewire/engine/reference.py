@@ -57,6 +57,11 @@ __all__ = ["ReferenceEngine", "TinyLM"]
 _GREEDY_EPS = 1e-5
 _SLEEP_TAGS = frozenset({"weights", "kv_cache"})
 _U64 = (1 << 64) - 1
+#: A step's batch is padded to a multiple of this many rows: BLAS takes other kernels for
+#: small or ragged batches, whose sums round differently, so that a request's logits
+#: (and logprobs) would depend on which others shared its step. Padded, a row's result
+#: is the same in any batch (checked on x86-64 with one thread: every size from 1 to 299).
+_ROW_BLOCK = 16
 
 
 def _top_p_mask(probs: torch.Tensor, top_p: torch.Tensor, steps: int = 24) -> torch.Tensor:
@@ -528,7 +533,10 @@ class ReferenceEngine(Engine):
     def _generate(self) -> list[EngineCoreOutput]:
         reqs = self._running
         assert self._model is not None  # has_unfinished_requests() is False while asleep
-        logits = self._model(self._windows(reqs)).float()
+        windows = self._windows(reqs)
+        if pad := -len(reqs) % _ROW_BLOCK:
+            windows = torch.cat([windows, windows[:1].expand(pad, -1)])
+        logits = self._model(windows)[: len(reqs)].float()
 
         lp_rows = [i for i, r in enumerate(reqs) if r.logprobs is not None]
         # Raw logprobs, before min_tokens masking and temperature (vLLM's default mode).
