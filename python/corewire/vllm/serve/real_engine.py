@@ -21,14 +21,12 @@ import signal
 import subprocess
 import sys
 import time
-import urllib.error
-import urllib.request
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 from corewire.ports import unused_port
-from corewire.vllm.serve.stack import offline_env
+from corewire.vllm.serve.stack import http_status, offline_env
 
 __all__ = [
     "ENGINE_TITLE",
@@ -172,13 +170,7 @@ class RealEngineServer:
 
     def health(self, timeout: float = 5.0) -> int | None:
         """``/health``'s status, or None when nothing answers."""
-        try:
-            with urllib.request.urlopen(f"{self.base_url}/health", timeout=timeout) as resp:
-                return int(resp.status)
-        except urllib.error.HTTPError as exc:
-            return int(exc.code)
-        except (OSError, ValueError):
-            return None
+        return http_status(f"{self.base_url}/health", timeout)
 
     def pids(self) -> set[int]:
         """The server's process and every process under it."""

@@ -69,6 +69,7 @@ __all__ = [
     "RUST_FRONTEND_ENV",
     "ServeStack",
     "StackError",
+    "http_status",
     "installed_release",
     "main",
     "offline_env",
@@ -145,6 +146,17 @@ def rust_frontend_binary() -> Path | None:
         if binary.is_file() and os.access(binary, os.X_OK):
             return binary
     return None
+
+
+def http_status(url: str, timeout: float = 5.0) -> int | None:
+    """The status code of ``GET url``, or ``None`` when nothing answers."""
+    try:
+        with urllib.request.urlopen(url, timeout=timeout) as resp:
+            return int(resp.status)
+    except urllib.error.HTTPError as exc:
+        return int(exc.code)
+    except (OSError, ValueError):
+        return None
 
 
 def installed_release() -> str:
@@ -506,13 +518,7 @@ class ServeStack:
 
     def health(self, timeout: float = 5.0) -> int | None:
         """The status code of ``GET /health``, or ``None`` when nothing answers."""
-        try:
-            with urllib.request.urlopen(f"{self.base_url}/health", timeout=timeout) as resp:
-                return int(resp.status)
-        except urllib.error.HTTPError as exc:
-            return int(exc.code)
-        except (OSError, ValueError):
-            return None
+        return http_status(f"{self.base_url}/health", timeout)
 
     def check_alive(self) -> None:
         """Raise :class:`StackError` naming the first process that has exited."""
