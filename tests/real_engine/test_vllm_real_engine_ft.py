@@ -20,7 +20,9 @@ from __future__ import annotations
 
 import json
 import time
+import warnings
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -64,34 +66,69 @@ def _rank_args(rank: int, rpc_port: int) -> tuple[str, ...]:
     )  # fmt: skip
 
 
-@pytest.fixture(scope="module")
-def deployments(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, list[Any]]]:
-    """Per client, two ranks of external-LB DP with fault tolerance on, all four started
-    side by side."""
-    root = tmp_path_factory.mktemp("real-engine-ft")
-    model_dir = write_real_moe_model(root / "moe")
-    made: dict[str, list[RealEngineServer]] = {}
-    for client in CLIENTS:
-        rpc_port = unused_tcp_port()
-        env = WATCHDOG if client == "corewire" else None
-        made[client] = [
+class Deployments(dict[str, list[RealEngineServer]]):
+    """Per client, its two ranks (started); :meth:`restart` replaces a client's pair."""
+
+    def __init__(self, root: Path, model_dir: Path) -> None:
+        super().__init__()
+        self.root, self.model_dir = root, model_dir
+        self.starts = 0  # numbers each pair's logs, so that a restart keeps the first ones
+
+    def made(self, client: str) -> list[RealEngineServer]:
+        """A new pair of ranks for ``client`` (not started), its own DP RPC port."""
+        rpc_port, self.starts = unused_tcp_port(), self.starts + 1
+        return [
             RealEngineServer(
-                model_dir,
-                root / f"{client}-rank{r}.log",
+                self.model_dir,
+                self.root / f"{client}-rank{r}-{self.starts}.log",
                 client=client,
                 args=_rank_args(r, rpc_port),
-                env=env,
+                env=WATCHDOG if client == "corewire" else None,
             )
             for r in (0, 1)
         ]
-    every = [server for ranks in made.values() for server in ranks]
-    with started_together(every):
-        for server in every:
+
+    def restart(self, client: str) -> list[RealEngineServer]:
+        """Stop ``client``'s pair and start a fresh one in its place."""
+        for server in self[client]:
+            server.stop()
+        self[client] = self.made(client)
+        for server in self[client]:
+            server.spawn()
+        for server in self[client]:
+            server.wait_healthy()
+        _SHARED_PIDS.clear()
+        for server in self.every():
             _SHARED_PIDS.update(server.pids())
-        try:
+        return self[client]
+
+    def every(self) -> list[RealEngineServer]:
+        """Every rank of every client."""
+        return [server for ranks in self.values() for server in ranks]
+
+
+@pytest.fixture(scope="module")
+def deployments(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Deployments]:
+    """Per client, two ranks of external-LB DP with fault tolerance on, all four started
+    side by side."""
+    root = tmp_path_factory.mktemp("real-engine-ft")
+    made = Deployments(root, write_real_moe_model(root / "moe"))
+    for client in CLIENTS:
+        made[client] = made.made(client)
+    try:
+        with started_together(made.every()):
+            for server in made.every():
+                _SHARED_PIDS.update(server.pids())
             yield made
-        finally:
-            _SHARED_PIDS.clear()
+    finally:
+        for server in made.every():  # a restarted pair is not started_together's
+            server.stop()
+        _SHARED_PIDS.clear()
+
+
+class ReferenceEngineDied(AssertionError):
+    """The first request failed with vLLM's engine-dead answer before any fault was
+    handled: what vLLM's own client did once in CI (2026-12-07), not reproduced since."""
 
 
 def _status(server: RealEngineServer) -> dict[str, Any]:
@@ -112,13 +149,23 @@ def _poll(server: RealEngineServer, until: Any, what: str, timeout: float = 30.0
         time.sleep(0.2)
 
 
+def _log_without_worker_traces(server: RealEngineServer, lines: int = 40) -> str:
+    """The end of a rank's log less the worker's traceback of the expected failure (each
+    of its lines names the executor's logging line), so that what else went wrong shows."""
+    kept = [line for line in server.log().splitlines() if "multiproc_executor.py:1063]" not in line]
+    return "\n".join(kept[-lines:])
+
+
 def _fault_and_retry(ranks: list[RealEngineServer]) -> dict[str, Any]:
     """The first request (its step fails in every rank), each rank's status once it is in
     fault handling, and the ``retry`` instruction sent to both: what a caller sees."""
     seen: dict[str, Any] = {}
     body = {"model": MODEL, "prompt": "hello world", "max_tokens": 5, "temperature": 0.0}
     first = httpx.post(f"{ranks[0].base_url}/v1/completions", json=body, timeout=120.0)
-    assert first.status_code == 200, first.text
+    logs = tuple(map(_log_without_worker_traces, ranks))
+    if first.status_code == 500 and "EngineCore encountered an issue" in first.text:
+        raise ReferenceEngineDied(first.text, *logs)
+    assert first.status_code == 200, (first.text, *logs)
     seen["first request"] = first.json()["choices"][0]["finish_reason"]
     for rank, server in enumerate(ranks):
         engine = _poll(server, lambda e: e["status"] != "healthy", f"rank {rank}'s fault")
@@ -144,11 +191,23 @@ def _fault_and_retry(ranks: list[RealEngineServer]) -> dict[str, Any]:
     return seen
 
 
-def test_fault_tolerance_runs_as_under_vllms_client(deployments: dict[str, list[Any]]) -> None:
+def test_fault_tolerance_runs_as_under_vllms_client(deployments: Deployments) -> None:
     seen, window_ends = {}, {}
-    for client, ranks in deployments.items():
+    for client in CLIENTS:
         faulted_at = time.monotonic()  # just before this deployment's first request
-        seen[client] = _fault_and_retry(ranks)
+        try:
+            seen[client] = _fault_and_retry(deployments[client])
+        except ReferenceEngineDied as died:
+            # Only the reference gets a second pair, once: corewire's client answering so
+            # fails the test, and so does vLLM's doing it twice. Its logs stay in the warning.
+            if client != "vllm":
+                raise
+            with warnings.catch_warnings():  # shown in the summary, not raised by the suite
+                warnings.simplefilter("always")
+                warnings.warn(f"vLLM's client: engine dead at first: {died}", stacklevel=1)
+            ranks = deployments.restart(client)
+            faulted_at = time.monotonic()
+            seen[client] = _fault_and_retry(ranks)
         window_ends[client] = faulted_at + WINDOW_S
     assert seen["corewire"] == seen["vllm"], first_difference(seen["corewire"], seen["vllm"])
     # Not vacuous: the ranks were in fault handling, and the instruction reached the
