@@ -217,10 +217,11 @@ _SHORT = {
 TOKENS_PER_CORE_GOALS: dict[tuple[int, int], float] = {(256, 0): 1.5, (256, 5): 2.0}
 #: The same goal in the one-token-per-chunk scenario.
 CHUNK_GOAL = 1.2
-#: The fast-path issue's goals: output tokens per front-end CPU second, corewire+fast over
-#: vllm, by (streams, logprobs); and its moonshot: corewire+fast's CPU per token at most
-#: this many times the Rust front-end's (reported where the rust stack ran).
-FAST_GOALS: dict[tuple[int, int], float] = {(256, 0): 2.5, (256, 5): 5.0}
+#: The fast path's goals, as the per-request issue raised them (its predecessor asked 5x
+#: with logprobs): output tokens per front-end CPU second, corewire+fast over vllm, by
+#: (streams, logprobs); and its moonshot: corewire+fast's CPU per token (per request, at a
+#: fixed length) at most this many times the Rust front-end's (where the rust stack ran).
+FAST_GOALS: dict[tuple[int, int], float] = {(256, 0): 2.5, (256, 5): 6.0}
 RUST_MOONSHOT = 1.3
 #: "TTFT and ITL p99 no worse": corewire+output's p99 over vllm's, at most this (p99s of
 #: a few thousand samples move by a few percent between identical runs).
