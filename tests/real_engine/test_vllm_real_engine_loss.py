@@ -58,6 +58,19 @@ def _stream(
     out[i] = {"ended": last.get("finish_reason"), "events": len(events)}
 
 
+def _held_by_engine(server: RealEngineServer) -> dict[str, float]:
+    """The requests each engine holds, running or waiting, by its ``engine`` label, as the
+    server's ``/metrics`` says (vLLM's gauges, set from every step's stats)."""
+    with httpx.Client(base_url=server.base_url, timeout=60.0) as http:
+        text = http.get("/metrics").text
+    held: dict[str, float] = {}
+    for name in ("vllm:num_requests_running", "vllm:num_requests_waiting"):
+        for labels, value in metric_values(text, name):
+            engine = labels.get("engine", "")
+            held[engine] = held.get(engine, 0.0) + value
+    return held
+
+
 def _metric(server: RealEngineServer, name: str) -> float:
     with httpx.Client(base_url=server.base_url, timeout=60.0) as http:
         return sum(value for _, value in metric_values(http.get("/metrics").text, name))
@@ -83,10 +96,15 @@ def test_one_engine_killed_mid_load_leaves_the_server_answering(tmp_path: Path) 
         ]
         for thread in threads:
             thread.start()
-        # Both engines busy (their first two streams under way), then one engine dies.
+        # Both engines busy (streams under way, and each engine holding requests by its
+        # own count: the router may have given one engine fewer, which it can finish
+        # before the others stream), then one engine dies.
         deadline = time.monotonic() + 120
-        while len([n for n in seen.values() if n >= 3]) < 4:
-            assert time.monotonic() < deadline, (seen, ended, server.log_tail())
+        while True:
+            held = _held_by_engine(server) if len([n for n in seen.values() if n >= 3]) >= 4 else {}
+            if len(held) == 2 and min(held.values()) >= 1:
+                break
+            assert time.monotonic() < deadline, (seen, ended, held, server.log_tail())
             time.sleep(0.1)
         engines[1].kill()
         for thread in threads:
