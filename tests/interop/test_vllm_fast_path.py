@@ -31,6 +31,8 @@ import random
 import re
 import signal
 import socket
+import subprocess
+import sys
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -57,7 +59,7 @@ if _MISSING is not None:
 
 import httpx  # noqa: E402
 
-from corewire.vllm.fast_path import INSTALLED_LOG_LINE  # noqa: E402
+from corewire.vllm.fast_path import INSTALLED_LOG_LINE, envs_cache  # noqa: E402
 from corewire.vllm.fast_path.asgi_cycle import DIRECT_ROUTE_LOG_LINE  # noqa: E402
 from corewire.vllm.serve.stack import ServeStack  # noqa: E402
 from fast_path_features import FEATURES, Feature, semantic  # noqa: E402
@@ -682,8 +684,11 @@ def test_fallback_is_said_once_in_the_log(stacks: dict[str, ServeStack]) -> None
     reason = "streaming completion stays on vLLM's path: return_token_ids"
     said = [line for line in log.splitlines() if reason in line]
     assert len(said) == 1, said
-    # And that the fast path is on at all, once vLLM's logging is up.
+    # And that the fast path is on at all, once vLLM's logging is up, and vLLM's
+    # environment variables are read once (vLLM's own stack reads them on every access).
     assert log.count(INSTALLED_LOG_LINE) == 1, log[-3000:]
+    assert log.count(envs_cache.CACHED_LOG_LINE) == 1, log[-3000:]
+    assert envs_cache.CACHED_LOG_LINE not in server_log(stacks["vllm"])
 
 
 #: Requests to the direct routes' paths and beside them, as ``(method, path, content
@@ -827,6 +832,45 @@ def test_fast_path_off_by_switch(tmp_path: Path) -> None:
         raw_events(http, {"prompt": "the old house", "max_tokens": 5, "stream": True})
         assert fast_path_counts(http) == {"tokens": 0.0}
         assert INSTALLED_LOG_LINE not in server_log(stack)
+        assert envs_cache.CACHED_LOG_LINE not in server_log(stack)
+
+
+#: Builds vLLM's app as ``vllm serve`` does once its engines are up, with the fast path
+#: installed, and prints whether ``vllm.envs`` is memoized before and after.
+_ENVS_PROBE = """
+import vllm.entrypoints.launchers.app as launcher
+import vllm.envs as envs
+from vllm.entrypoints.common.cli_args import make_arg_parser
+from vllm.entrypoints.openai.chat_completion.serving import OpenAIServingChat
+from vllm.entrypoints.openai.completion.serving import OpenAIServingCompletion
+from vllm.utils.argparse_utils import FlexibleArgumentParser
+from corewire.vllm import fast_path
+
+fast_path.install(OpenAIServingCompletion, OpenAIServingChat)
+args = make_arg_parser(FlexibleArgumentParser()).parse_args([])
+before = envs._is_envs_cache_enabled()
+launcher.build_app(args, ("generate",))
+print("envs cached:", before, envs._is_envs_cache_enabled())
+"""
+
+
+@pytest.mark.parametrize(("switch", "cached"), [(None, True), ("0", False)])
+def test_envs_read_once_once_the_app_is_built(switch: str | None, cached: bool) -> None:
+    """The fast path memoizes ``vllm.envs`` when vLLM builds the server's app, not before
+    (the API server's start-up still reads the environment), and not with
+    ``COREWIRE_VLLM_ENVS_CACHE=0`` (the bench's ``corewire+fast/envs`` stack sets it)."""
+    from corewire.bench.serve import ENVS_CACHE_SWITCH, STACKS
+
+    assert STACKS["corewire+fast/envs"][1][ENVS_CACHE_SWITCH] == "0"
+    assert ENVS_CACHE_SWITCH == envs_cache.SWITCH
+    env = {k: v for k, v in os.environ.items() if k != envs_cache.SWITCH}
+    if switch is not None:
+        env[envs_cache.SWITCH] = switch
+    proc = subprocess.run(
+        [sys.executable, "-c", _ENVS_PROBE], env=env, capture_output=True, text=True, timeout=300
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert f"envs cached: False {cached}" in proc.stdout, (proc.stdout, proc.stderr[-3000:])
 
 
 def _events_until_engine_killed(stack: ServeStack) -> list[str]:

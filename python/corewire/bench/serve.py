@@ -32,6 +32,9 @@ between the stacks (``--clients``, the first three by default):
 - ``corewire+fast/pool`` (on request only, the same): ``corewire+fast`` with every prompt
   tokenized in vLLM's thread pool (``COREWIRE_VLLM_INLINE_TOKENIZE=0``), to measure what
   tokenizing short prompts on the event loop saves;
+- ``corewire+fast/envs`` (on request only, the same): ``corewire+fast`` with vLLM's
+  environment variables read on every access (``COREWIRE_VLLM_ENVS_CACHE=0``), to
+  measure what reading them once saves;
 - ``rust`` (on request only): vLLM's own Rust front-end, ``vllm-rs``
   (``VLLM_USE_RUST_FRONTEND=1``), over the same engines with their stats on; no profile
   (nothing in it is Python), no goal: the reference the Python stacks are read against.
@@ -170,6 +173,9 @@ DIRECT_ROUTE_SWITCH = "COREWIRE_VLLM_DIRECT_ROUTE"
 #: The fast path's short-prompt tokenization on the loop, its own switch
 #: (corewire.vllm.fast_path.inline_tokenize.SWITCH).
 INLINE_TOKENIZE_SWITCH = "COREWIRE_VLLM_INLINE_TOKENIZE"
+#: The fast path's memo of ``vllm.envs``, its own switch
+#: (corewire.vllm.fast_path.envs_cache.SWITCH).
+ENVS_CACHE_SWITCH = "COREWIRE_VLLM_ENVS_CACHE"
 #: The stacks: name -> (the API server's engine-core client for ``ServeStack``, the
 #: environment added to the API server's). The output switch is set either way: a
 #: ``COREWIRE_VLLM_OUTPUT=1`` in the caller's environment must not reach the baselines.
@@ -192,6 +198,12 @@ STACKS: dict[str, tuple[str, dict[str, str]]] = {
         "corewire",
         {OUTPUT_SWITCH: "1", FAST_PATH_SWITCH: "1", INLINE_TOKENIZE_SWITCH: "0"},
     ),
+    # The fast path with vLLM's environment variables read on every access, as vLLM's
+    # server reads them (corewire.vllm.fast_path.envs_cache): what reading them once saves.
+    "corewire+fast/envs": (
+        "corewire",
+        {OUTPUT_SWITCH: "1", FAST_PATH_SWITCH: "1", ENVS_CACHE_SWITCH: "0"},
+    ),
     # vLLM's own Rust front-end (vllm-rs, VLLM_USE_RUST_FRONTEND=1) over the same
     # corewire engines, their stats on: the reference the Python stacks are read against.
     "rust": ("vllm", {OUTPUT_SWITCH: "0", FAST_PATH_SWITCH: "0", "VLLM_USE_RUST_FRONTEND": "1"}),
@@ -208,6 +220,7 @@ _SHORT = {
     "corewire+fast": "cw+fast",
     "corewire+fast/router": "cw+f/rtr",
     "corewire+fast/pool": "cw+f/pool",
+    "corewire+fast/envs": "cw+f/envs",
     "rust": "rust",
 }
 
@@ -1231,7 +1244,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         f"({FAST_PATH_SWITCH}=1); "
         f"corewire+fast/router (the same): corewire+fast with its direct routes off "
         f"({DIRECT_ROUTE_SWITCH}=0); corewire+fast/pool (the same): corewire+fast with every "
-        f"prompt tokenized in vLLM's pool ({INLINE_TOKENIZE_SWITCH}=0); "
+        f"prompt tokenized in vLLM's pool ({INLINE_TOKENIZE_SWITCH}=0); corewire+fast/envs "
+        f"(the same): corewire+fast with vLLM's environment read on each access "
+        f"({ENVS_CACHE_SWITCH}=0); "
         "rust (not in the default): vLLM's own Rust front-end, vllm-rs "
         "(VLLM_USE_RUST_FRONTEND=1), over the same engines",
     )

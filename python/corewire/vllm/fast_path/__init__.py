@@ -25,7 +25,9 @@ which need no vLLM, are imported with the package, so that it imports under ever
 release; the rest needs 0.33.0's or 0.34.0's.
 Once per request, short prompts are tokenized on the event loop instead of through vLLM's
 tokenizer pool (:mod:`corewire.vllm.fast_path.inline_tokenize`), and ``POST`` requests to the
-two endpoints skip the app's router (:mod:`corewire.vllm.fast_path.direct_route`).
+two endpoints skip the app's router (:mod:`corewire.vllm.fast_path.direct_route`), and
+vLLM's environment variables are read once the app is built, not on each request's access
+(:mod:`corewire.vllm.fast_path.envs_cache`).
 ``COREWIRE_VLLM_FAST_PATH=0`` turns it all off (:mod:`corewire.vllm.plugin`).
 """
 
@@ -54,7 +56,7 @@ def install(completion_class: Any, chat_class: Any) -> None:
     # serving code.
     import vllm.entrypoints.launchers.app as launcher
 
-    from corewire.vllm.fast_path import chat, completions
+    from corewire.vllm.fast_path import chat, completions, envs_cache
     from corewire.vllm.fast_path.shared import logger
 
     init_middleware = launcher.init_entrypoints_middleware
@@ -62,6 +64,7 @@ def install(completion_class: Any, chat_class: Any) -> None:
     def init_entrypoints_middleware(args: Any, app: Any, *rest: Any, **kw: Any) -> Any:
         result = init_middleware(args, app, *rest, **kw)
         asgi_cycle.install(app)
+        envs_cache.install()
         # Said here, as the app is built, not when the plugin loads: vLLM 0.34.0 sets up
         # its logging after loading plugins and drops what they say at INFO before that.
         logger.info("corewire: %s", INSTALLED_LOG_LINE)
