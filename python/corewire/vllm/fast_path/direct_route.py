@@ -34,12 +34,12 @@ import asyncio
 import copy
 import importlib
 import json
-import os
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
 from corewire import metrics
+from corewire.vllm.fast_path.switches import switched_off
 
 __all__ = ["ENDPOINTS", "SWITCH", "DirectRoutes", "Endpoint", "middleware_refusal"]
 
@@ -110,7 +110,6 @@ _INSTRUMENTATOR = (
 #: The environment switch that turns the direct routes off (``0``) alone, leaving the rest
 #: of the fast path on.
 SWITCH = "COREWIRE_VLLM_DIRECT_ROUTE"
-_OFF = frozenset({"0", "false", "no", "off"})
 
 # The scope key that carries a validated request from the dispatcher to the endpoint.
 _REQUEST_KEY = "corewire.direct_request"
@@ -176,7 +175,7 @@ class DirectRoutes:
         layers, why = middleware_refusal(self.stack)
         if getattr(app, "router", None) is None:
             why = "the server's application is not a Starlette app"
-        if os.environ.get(SWITCH, "").strip().lower() in _OFF:
+        if switched_off(SWITCH):
             why = f"{SWITCH} is off"
         if why is None and getattr(app, "root_path", ""):
             why = "the app has a root path"

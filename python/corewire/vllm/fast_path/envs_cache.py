@@ -17,11 +17,10 @@ rest.
 
 from __future__ import annotations
 
-import os
-
 from corewire.vllm.fast_path.shared import logger
+from corewire.vllm.fast_path.switches import switched_off
 
-#: ``0`` keeps vLLM reading its environment variables on every access.
+#: Off (``0``) keeps vLLM reading its environment variables on every access.
 SWITCH = "COREWIRE_VLLM_ENVS_CACHE"
 #: Said in the API server's log when the variables are read once.
 CACHED_LOG_LINE = "vLLM's environment variables are read once, from here on"
@@ -29,7 +28,7 @@ CACHED_LOG_LINE = "vLLM's environment variables are read once, from here on"
 
 def wanted() -> bool:
     """Whether :data:`SWITCH` leaves the cache on (the default)."""
-    return os.environ.get(SWITCH, "").strip() != "0"
+    return not switched_off(SWITCH)
 
 
 def install() -> None:

@@ -20,9 +20,10 @@ fast path (API server processes only), on ``vllm.renderers.base.BaseRenderer`` o
 from __future__ import annotations
 
 import asyncio
-import os
 from collections.abc import Callable
 from typing import Any
+
+from corewire.vllm.fast_path import switches
 
 __all__ = ["INLINE_CHARS", "SWITCH", "inline_tokenizer", "install"]
 
@@ -32,12 +33,10 @@ SWITCH = "COREWIRE_VLLM_INLINE_TOKENIZE"
 #: the tokenizer encodes in well under the hand-off's own cost in loop time.
 INLINE_CHARS = 2048
 
-_OFF = frozenset({"0", "false", "no", "off"})
-
 
 def switched_off() -> bool:
     """Whether :data:`SWITCH` keeps the pool for every prompt."""
-    return os.environ.get(SWITCH, "").strip().lower() in _OFF
+    return switches.switched_off(SWITCH)
 
 
 def inline_tokenizer(
