@@ -11,6 +11,7 @@ on the engine left, and ``/metrics`` shows the degraded group.
 
 from __future__ import annotations
 
+import contextlib
 import re
 import threading
 import time
@@ -24,20 +25,24 @@ from real_engine_support import require_cpu_build
 require_cpu_build()
 
 import httpx  # noqa: E402
+import psutil  # noqa: E402
 
 from real_engine_support import RealEngineServer, write_real_model  # noqa: E402
 from serve_support import MODEL, completion, metric_values, sse_events  # noqa: E402
 
 pytestmark = pytest.mark.timeout(900)
 
-STREAMS = 8
+# Six requests per engine, two running at once: several times what an engine makes
+# while the wait for the kill reads it, on a loaded machine too.
+STREAMS = 12
+MAX_TOKENS = 400
 
 
 def _stream(
     server: RealEngineServer, i: int, seen: dict[int, int], out: dict[int, dict[str, Any]]
 ) -> None:
     """Stream one long completion; ``seen[i]``: its events so far, ``out[i]``: its end."""
-    body = {"model": MODEL, "prompt": f"a long story {i}", "max_tokens": 400}
+    body = {"model": MODEL, "prompt": f"a long story {i}", "max_tokens": MAX_TOKENS}
     body |= {"ignore_eos": True, "temperature": 0.0, "stream": True}
     events: list[dict[str, Any]] = []
     try:
@@ -58,17 +63,38 @@ def _stream(
     out[i] = {"ended": last.get("finish_reason"), "events": len(events)}
 
 
-def _held_by_engine(server: RealEngineServer) -> dict[str, float]:
-    """The requests each engine holds, running or waiting, by its ``engine`` label, as the
-    server's ``/metrics`` says (vLLM's gauges, set from every step's stats)."""
-    with httpx.Client(base_url=server.base_url, timeout=60.0) as http:
-        text = http.get("/metrics").text
-    held: dict[str, float] = {}
-    for name in ("vllm:num_requests_running", "vllm:num_requests_waiting"):
-        for labels, value in metric_values(text, name):
-            engine = labels.get("engine", "")
-            held[engine] = held.get(engine, 0.0) + value
-    return held
+def _cpu_seconds(processes: list[Any]) -> float:
+    """CPU time the processes (an engine core and its workers) have used so far."""
+    total = 0.0
+    for proc in processes:
+        with contextlib.suppress(psutil.Error):
+            times = proc.cpu_times()
+            total += times.user + times.system
+    return total
+
+
+def _wait_until_both_compute(engines: list[Any], deadline: float, why: Any) -> None:
+    """Returns once both engines were busy in the same short interval (each used a fifth
+    of it on the CPU, where an idle one uses a hundredth): both are stepping requests.
+
+    Read from the engines, not from the streams or ``/metrics``: vLLM's CPU engine steps
+    far ahead of what the API server has streamed (all of a request's tokens can be made
+    before its client has read half), and ``/metrics`` answers in seconds on a loaded
+    server, so either read let the victim finish its requests before the kill. An
+    interval that ran long (this process starved of a core) is not read: both engines
+    may have been busy early in it and done by its end.
+    """
+    groups = [[e, *e.children(recursive=True)] for e in engines]
+    interval = 0.05
+    before, then = [_cpu_seconds(g) for g in groups], time.monotonic()
+    while True:
+        time.sleep(interval)
+        now, at = [_cpu_seconds(g) for g in groups], time.monotonic()
+        busy = all(b - a >= interval / 5 for a, b in zip(before, now, strict=True))
+        if busy and at - then < 0.5:
+            return
+        assert at < deadline, why()
+        before, then = now, at
 
 
 def _metric(server: RealEngineServer, name: str) -> float:
@@ -83,7 +109,7 @@ def test_one_engine_killed_mid_load_leaves_the_server_answering(tmp_path: Path) 
         tmp_path / "corewire.log",
         client="corewire",
         # Two running per engine, the rest queued: the lost engine still holds requests
-        # when the kill lands, however fast a quiet machine streams the running ones.
+        # when the kill lands.
         args=("--data-parallel-size", "2", "--api-server-count", "1", "--max-num-seqs", "2"),
     )
     with server:
@@ -96,16 +122,12 @@ def test_one_engine_killed_mid_load_leaves_the_server_answering(tmp_path: Path) 
         ]
         for thread in threads:
             thread.start()
-        # Both engines busy (streams under way, and each engine holding requests by its
-        # own count: the router may have given one engine fewer, which it can finish
-        # before the others stream), then one engine dies.
-        deadline = time.monotonic() + 120
-        while True:
-            held = _held_by_engine(server) if len([n for n in seen.values() if n >= 3]) >= 4 else {}
-            if len(held) == 2 and min(held.values()) >= 1:
-                break
-            assert time.monotonic() < deadline, (seen, ended, held, server.log_tail())
-            time.sleep(0.1)
+        # Both engines computing (each has hundreds of tokens to make yet), then one dies.
+        _wait_until_both_compute(
+            engines,
+            time.monotonic() + 120,
+            lambda: ("never both engines busy at once", seen, ended, server.log_tail()),
+        )
         engines[1].kill()
         for thread in threads:
             thread.join(300)
