@@ -807,6 +807,68 @@ def test_direct_route_answers_as_vllms_router(stacks: dict[str, ServeStack]) -> 
     assert server_log(stacks["corewire+fast"]).count(DIRECT_ROUTE_LOG_LINE) == 1
 
 
+def _http_chunks(stack: ServeStack, path: str, body: dict[str, Any]) -> list[bytes]:
+    """The body of a streamed answer from ``stack`` to ``body`` at ``path``, as the
+    server framed it: each chunk of HTTP's chunked transfer coding."""
+    payload = json.dumps({"model": MODEL, **body}).encode()
+    host, port = stack.base_url.split("//", 1)[1].rsplit(":", 1)
+    head = (
+        f"POST {path} HTTP/1.1\r\nhost: {host}\r\ncontent-type: application/json\r\n"
+        f"content-length: {len(payload)}\r\nconnection: close\r\n\r\n"
+    )
+    data = b""
+    with socket.create_connection((host, int(port)), timeout=120) as sock:
+        sock.sendall(head.encode() + payload)
+        while received := sock.recv(65536):
+            data += received
+    headers, rest = data.split(b"\r\n\r\n", 1)
+    assert headers.startswith(b"HTTP/1.1 200"), data[:500]
+    assert b"transfer-encoding: chunked" in headers.lower(), headers
+    chunks = []
+    while True:
+        size_line, rest = rest.split(b"\r\n", 1)
+        size = int(size_line, 16)
+        if size == 0:
+            return chunks
+        chunks.append(rest[:size])
+        assert rest[size : size + 2] == b"\r\n"
+        rest = rest[size + 2 :]
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+def test_stream_end_goes_as_one_body_chunk(stacks: dict[str, ServeStack], path: str) -> None:
+    """The events after a stream's final output (its finish and the usage chunk) and
+    ``[DONE]`` leave the fast path's direct route as one chunk of the body with the
+    response's end, where vLLM's server sends each alone: the same events either way."""
+    body: dict[str, Any] = {"max_tokens": 12, "temperature": 0.0, "ignore_eos": True}
+    body |= {"stream": True, "stream_options": {"include_usage": True}}
+    if path == "/v1/completions":
+        body["prompt"] = "the old house"
+    else:
+        body["messages"] = [{"role": "user", "content": "the old house"}]
+    for _ in range(ATTEMPTS):
+        # Sent again while the two differ: a loaded server may merge two steps' tokens.
+        framed = {
+            name: _http_chunks(stacks[name], path, body) for name in ("vllm", "corewire+fast")
+        }
+        events = {
+            name: [normalized(e) for c in chunks for e in c.decode().split("\n\n") if e]
+            for name, chunks in framed.items()
+        }
+        # The last three events: the finish, the usage, [DONE]; the same on both servers.
+        tails = {name: got[-3:] for name, got in events.items()}
+        if tails["corewire+fast"] == tails["vllm"]:
+            break
+    assert tails["corewire+fast"] == tails["vllm"], tails
+    finish, usage, done = tails["vllm"]
+    assert '"finish_reason":"length"' in finish and '"usage":{' in usage
+    assert done == "data: [DONE]"
+    assert framed["vllm"][-1] == b"data: [DONE]\n\n"
+    # On the fast path those three are the last chunk, alone.
+    last = [normalized(e) for e in framed["corewire+fast"][-1].decode().split("\n\n")]
+    assert last == [*tails["vllm"], ""], last
+
+
 def test_client_disconnect_mid_stream_aborts_in_the_engine(
     stacks: dict[str, ServeStack],
 ) -> None:

@@ -34,7 +34,14 @@ from vllm.entrypoints.serve.engine.protocol import ErrorResponse
 from vllm.exceptions import GenerationError
 from vllm.utils.collection_utils import as_list
 
-from corewire.vllm.fast_path.frames import DONE, TEXT_PROBE, Template, split_template, sse
+from corewire.vllm.fast_path.frames import (
+    DONE,
+    TEXT_PROBE,
+    StreamEnd,
+    Template,
+    split_template,
+    sse,
+)
 from corewire.vllm.fast_path.parsers import markers, native_frames, parser_refusal
 from corewire.vllm.fast_path.shared import Stream, logger, nothing_to_say, route, stream_refusal
 
@@ -223,6 +230,8 @@ async def chat_stream(
     # stand in as -1 (never a marker: the frames hand any marker to Python).
     count_reasoning = parsers[0] is not None and serving._include_reasoning_tokens_details
     generated: list[list[int]] = [[] for _ in range(samples)]
+    # The events after the request's final output, sent with the stream's end.
+    end: list[str] = []
 
     def chunk(choice: Any, res: Any = None) -> ChatCompletionStreamResponse:
         return ChatCompletionStreamResponse(
@@ -370,7 +379,11 @@ async def chat_stream(
                 # Counted as every chunk is: the samples still streaming attach again
                 # only once the connection has all of them.
                 stream.chunks += 1
-                yield sse(_dump(last))
+                if res.finished:
+                    # Nothing follows but the usage: it goes with the end.
+                    end.append(sse(_dump(last)))
+                else:
+                    yield sse(_dump(last))
         for i in range(samples):
             catch_up(i)
         completion_tokens = sum(step.num_output_tokens for step in steps)
@@ -385,17 +398,17 @@ async def chat_stream(
             usage_chunk = stream.usage_chunk(
                 ChatCompletionStreamResponse, final, completion_tokens, object=CHUNK_OBJECT
             )
-            yield sse(_dump(usage_chunk))
+            end.append(sse(_dump(usage_chunk)))
         # What vLLM's middleware reports as the request's usage.
         request_metadata.final_usage_info = usage(completion_tokens)
     except GenerationError as e:
         error = serving.create_error_response(
             str(e), err_type="InternalServerError", status_code=e.status_code
         )
-        yield sse(_dump(error))
+        end.append(sse(_dump(error)))
     except Exception as e:
         logger.exception("Error in chat completion stream generator.")
-        yield sse(_dump(serving.create_error_response(e)))
+        end.append(sse(_dump(serving.create_error_response(e))))
     finally:
         stream.close()
-    yield DONE
+    yield StreamEnd("".join(end) + DONE)

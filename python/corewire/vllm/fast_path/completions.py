@@ -19,7 +19,14 @@ from vllm.entrypoints.openai.completion.protocol import (
 from vllm.entrypoints.serve.engine.protocol import PromptTokenUsageInfo
 from vllm.exceptions import GenerationError
 
-from corewire.vllm.fast_path.frames import DONE, TEXT_PROBE, Template, split_template, sse
+from corewire.vllm.fast_path.frames import (
+    DONE,
+    TEXT_PROBE,
+    StreamEnd,
+    Template,
+    split_template,
+    sse,
+)
 from corewire.vllm.fast_path.shared import Stream, logger, nothing_to_say, route, stream_refusal
 
 __all__ = ["completion_stream", "frame_template", "install", "refusal"]
@@ -184,6 +191,8 @@ async def completion_stream(
     rendered = [0] * samples
     # With echo, each sample's first chunk carries the prompt (and its token ids) first.
     echo = [bool(request.echo)] * samples
+    # The events after the request's final output, sent with the stream's end.
+    end: list[str] = []
     try:
         async for _, res in result_generator:
             stream.seen(res)
@@ -247,7 +256,7 @@ async def completion_stream(
                 # Counted as every chunk is: the samples still streaming attach again
                 # only once the connection has all of them.
                 stream.chunks += 1
-                yield sse(
+                finish = sse(
                     _chunk(
                         names,
                         output,
@@ -258,6 +267,11 @@ async def completion_stream(
                         prompt_ids,
                     )
                 )
+                if res.finished:
+                    # Nothing follows but the usage: it goes with the end.
+                    end.append(finish)
+                else:
+                    yield finish
 
         completion_tokens = sum(rendered) + stream.streamed
         usage = stream.usage(completion_tokens)
@@ -267,14 +281,14 @@ async def completion_stream(
             )
         if stream.include_usage:
             usage_chunk = stream.usage_chunk(CompletionStreamResponse, usage, completion_tokens)
-            yield sse(usage_chunk.model_dump_json(exclude_unset=False, exclude_none=True))
+            end.append(sse(usage_chunk.model_dump_json(exclude_unset=False, exclude_none=True)))
         # What vLLM's middleware reports as the request's usage.
         request_metadata.final_usage_info = usage
     except GenerationError as e:
-        yield sse(serving._convert_generation_error_to_streaming_response(e))
+        end.append(sse(serving._convert_generation_error_to_streaming_response(e)))
     except Exception as e:
         logger.exception("Error in completion stream generator.")
-        yield sse(serving.create_streaming_error_response(e))
+        end.append(sse(serving.create_streaming_error_response(e)))
     finally:
         stream.close()
-    yield DONE
+    yield StreamEnd("".join(end) + DONE)

@@ -39,6 +39,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from corewire import metrics
+from corewire.vllm.fast_path.frames import StreamEnd
 from corewire.vllm.fast_path.switches import switched_off
 
 __all__ = ["ENDPOINTS", "SWITCH", "DirectRoutes", "Endpoint", "middleware_refusal"]
@@ -302,15 +303,20 @@ class DirectRoutes:
             listener.cancel()
 
     async def _stream(self, chunks: Any, send: Send) -> None:
-        # StreamingResponse's messages: the start, each chunk as UTF-8, the end.
+        # StreamingResponse's messages: the start, each chunk as UTF-8, the end; a fast
+        # path stream's StreamEnd is the last chunk and the end in one message.
         await send({"type": "http.response.start", "status": 200, "headers": self._stream_headers})
         try:
             async for chunk in chunks:
+                last = isinstance(chunk, StreamEnd)
                 if not isinstance(chunk, bytes | memoryview):
                     chunk = chunk.encode("utf-8")
-                await send({"type": "http.response.body", "body": chunk, "more_body": True})
+                await send({"type": "http.response.body", "body": chunk, "more_body": not last})
+                if last:
+                    return
         finally:
-            # A stream cut short by the client: its generator's cleanup runs now.
+            # A stream cut short by the client (or ended by its StreamEnd): its
+            # generator's cleanup runs now.
             await chunks.aclose()
         await send({"type": "http.response.body", "body": b"", "more_body": False})
 

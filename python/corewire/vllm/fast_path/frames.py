@@ -8,10 +8,22 @@ any vLLM release and the templates are tested without a server.
 
 from __future__ import annotations
 
-__all__ = ["DONE", "TEXT_PROBE", "Template", "split_template", "sse"]
+__all__ = ["DONE", "TEXT_PROBE", "StreamEnd", "Template", "split_template", "sse"]
 
 #: The event that ends every stream, as vLLM's server writes it.
 DONE = "data: [DONE]\n\n"
+
+
+class StreamEnd(str):
+    """The end of a stream: every event after the request's final output (its finish, the
+    usage chunk, an error) and ``[DONE]``, as one text. The fast path's generators yield it
+    last; a direct route sends it as the response's last body message, so that it costs one
+    write and one pass through the middleware instead of one per event and one for the
+    end. Any other consumer (Starlette's ``StreamingResponse`` where the app's router
+    serves) reads it as the plain text it is: the same bytes either way."""
+
+    __slots__ = ()
+
 
 #: A text no model name or id contains, marking where a probe chunk's text goes.
 TEXT_PROBE = "\x00corewire-text-probe\x00"
