@@ -836,10 +836,11 @@ def _http_chunks(stack: ServeStack, path: str, body: dict[str, Any]) -> list[byt
 
 
 @pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
-def test_stream_end_goes_as_one_body_chunk(stacks: dict[str, ServeStack], path: str) -> None:
+def test_stream_ends_go_as_one_body_chunk(stacks: dict[str, ServeStack], path: str) -> None:
     """The events after a stream's final output (its finish and the usage chunk) and
     ``[DONE]`` leave the fast path's direct route as one chunk of the body with the
-    response's end, where vLLM's server sends each alone: the same events either way."""
+    response's end, and a chat's role chunk goes with its first content chunk, where
+    vLLM's server sends each alone: the same events either way."""
     body: dict[str, Any] = {"max_tokens": 12, "temperature": 0.0, "ignore_eos": True}
     body |= {"stream": True, "stream_options": {"include_usage": True}}
     if path == "/v1/completions":
@@ -857,8 +858,10 @@ def test_stream_end_goes_as_one_body_chunk(stacks: dict[str, ServeStack], path: 
         }
         # The last three events: the finish, the usage, [DONE]; the same on both servers.
         tails = {name: got[-3:] for name, got in events.items()}
-        if tails["corewire+fast"] == tails["vllm"]:
+        heads = {name: got[:2] for name, got in events.items()}
+        if tails["corewire+fast"] == tails["vllm"] and heads["corewire+fast"] == heads["vllm"]:
             break
+    assert heads["corewire+fast"] == heads["vllm"], heads
     assert tails["corewire+fast"] == tails["vllm"], tails
     finish, usage, done = tails["vllm"]
     assert '"finish_reason":"length"' in finish and '"usage":{' in usage
@@ -867,6 +870,16 @@ def test_stream_end_goes_as_one_body_chunk(stacks: dict[str, ServeStack], path: 
     # On the fast path those three are the last chunk, alone.
     last = [normalized(e) for e in framed["corewire+fast"][-1].decode().split("\n\n")]
     assert last == [*tails["vllm"], ""], last
+    first = {
+        name: [normalized(e) for e in c[0].decode().split("\n\n")] for name, c in framed.items()
+    }
+    if path == "/v1/completions":
+        assert first["corewire+fast"] == first["vllm"] == [heads["vllm"][0], ""], first
+    else:
+        # The role chunk, then the first token's content.
+        assert '"role":"assistant"' in heads["vllm"][0] and '"content":"' in heads["vllm"][1]
+        assert first["vllm"] == [heads["vllm"][0], ""], first
+        assert first["corewire+fast"] == [*heads["vllm"], ""], first
 
 
 def test_client_disconnect_mid_stream_aborts_in_the_engine(

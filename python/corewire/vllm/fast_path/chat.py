@@ -232,6 +232,21 @@ async def chat_stream(
     generated: list[list[int]] = [[] for _ in range(samples)]
     # The events after the request's final output, sent with the stream's end.
     end: list[str] = []
+    # The role (and echo) chunks of the first output, sent with the next chunk of the
+    # same output: one body message, one write.
+    opening: list[str] = []
+
+    def opened(event: str) -> str:
+        # ``event`` after the opening chunks still held, in one body message.
+        text = "".join((*opening, event))
+        opening.clear()
+        return text
+
+    def ending(event: str) -> None:
+        # ``event`` goes with the stream's end, after the opening chunks still held.
+        end.extend(opening)
+        opening.clear()
+        end.append(event)
 
     def chunk(choice: Any, res: Any = None) -> ChatCompletionStreamResponse:
         return ChatCompletionStreamResponse(
@@ -283,8 +298,7 @@ async def chat_stream(
                         prompt_token_ids=None,
                         prompt_text=None,
                     )
-                    stream.chunks += 1
-                    yield sse(_dump(first))
+                    opening.append(sse(_dump(first)))
                 echoed = _echoed(request, conversation, role_name)
                 for i in range(samples if echoed else 0):
                     # The last message, continued in the answer's role, comes back first.
@@ -294,15 +308,16 @@ async def chat_stream(
                         logprobs=None,
                         finish_reason=None,
                     )
-                    stream.chunks += 1
-                    yield sse(
-                        _dump(
-                            ChatCompletionStreamResponse(
-                                id=request_id,
-                                object=CHUNK_OBJECT,
-                                created=created,
-                                choices=[echo],
-                                model=model_name,
+                    opening.append(
+                        sse(
+                            _dump(
+                                ChatCompletionStreamResponse(
+                                    id=request_id,
+                                    object=CHUNK_OBJECT,
+                                    created=created,
+                                    choices=[echo],
+                                    model=model_name,
+                                )
                             )
                         )
                     )
@@ -341,7 +356,7 @@ async def chat_stream(
                         index=i, delta=delta, logprobs=logprobs, finish_reason=None, token_ids=None
                     )
                     stream.chunks += 1
-                    yield sse(_dump(chunk(choice)))
+                    yield opened(sse(_dump(chunk(choice))))
                     # The native frames take the sample's next outputs where the parser
                     # (if any) will make each one's delta its text under one field.
                     frames = None
@@ -381,9 +396,13 @@ async def chat_stream(
                 stream.chunks += 1
                 if res.finished:
                     # Nothing follows but the usage: it goes with the end.
-                    end.append(sse(_dump(last)))
+                    ending(sse(_dump(last)))
                 else:
-                    yield sse(_dump(last))
+                    yield opened(sse(_dump(last)))
+            if opening:
+                # The first output said nothing more: its opening chunks go now, alone.
+                stream.chunks += 1
+                yield opened("")
         for i in range(samples):
             catch_up(i)
         completion_tokens = sum(step.num_output_tokens for step in steps)
@@ -398,17 +417,17 @@ async def chat_stream(
             usage_chunk = stream.usage_chunk(
                 ChatCompletionStreamResponse, final, completion_tokens, object=CHUNK_OBJECT
             )
-            end.append(sse(_dump(usage_chunk)))
+            ending(sse(_dump(usage_chunk)))
         # What vLLM's middleware reports as the request's usage.
         request_metadata.final_usage_info = usage(completion_tokens)
     except GenerationError as e:
         error = serving.create_error_response(
             str(e), err_type="InternalServerError", status_code=e.status_code
         )
-        end.append(sse(_dump(error)))
+        ending(sse(_dump(error)))
     except Exception as e:
         logger.exception("Error in chat completion stream generator.")
-        end.append(sse(_dump(serving.create_error_response(e))))
+        ending(sse(_dump(serving.create_error_response(e))))
     finally:
         stream.close()
     yield StreamEnd("".join(end) + DONE)
