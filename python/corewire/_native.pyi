@@ -331,11 +331,11 @@ class RequestText:
         not sent to its collector. ``logprobs_limit``: with, and only with, sample
         logprobs, the candidates a chunk shows per position (-1: all); ``text_offset``:
         where the next chunk's first token starts; ``skip_empty``: an output with no new
-        text gets no frame (without logprobs only); ``release_ids``: an output with one of
-        these token ids is Python's to render; ``chat_logprobs``: the logprobs object is a
-        chat chunk's (``content``), not a completions chunk's. ``ValueError`` for a
-        request whose chunks carry more (not ``DELTA``, prompt logprobs); one of n > 1
-        samples streams its own choice."""
+        text gets no frame (with logprobs it is Python's to render); ``release_ids``: an
+        output with one of these token ids is Python's to render; ``chat_logprobs``: the
+        logprobs object is a chat chunk's (``content``), not a completions chunk's.
+        ``ValueError`` for a request whose chunks carry more (not ``DELTA``, prompt
+        logprobs); one of n > 1 samples streams its own choice."""
     def detach_stream(self, flush: bool = False) -> None:
         """Takes the request off the fast path: what waits written first with ``flush``,
         dropped without (its response is over)."""

@@ -423,12 +423,10 @@ def tool_chats(seed: int, http: httpx.Client, count: int) -> Iterator[dict[str, 
 
 def parser_kept(body: dict[str, Any]) -> bool:
     """Whether a chat request to a server with a parser stays on vLLM's path: it may call
-    tools (with tools and no tool_choice, vLLM's default is "auto"), asks for logprobs
-    (vLLM hides them with hidden reasoning) or carries one of the endpoint's fallbacks."""
-    return (
-        ("tools" in body and body.get("tool_choice") != "none")
-        or bool(body.get("logprobs"))
-        or any(all(body.get(k) == v for k, v in f.items()) for f in CHAT_FALLBACKS)
+    tools (with tools and no tool_choice, vLLM's default is "auto") or carries one of the
+    endpoint's fallbacks (logprobs take the fast path there too)."""
+    return ("tools" in body and body.get("tool_choice") != "none") or any(
+        all(body.get(k) == v for k, v in f.items()) for f in CHAT_FALLBACKS
     )
 
 
@@ -472,7 +470,9 @@ def test_tool_parser_server_same_events_as_vllms_server(
     neither do the native frames (the case where a classic tool parser's stream differs
     from a plain server's; text passing through is held for every registered parser in
     test_fast_path_parsers.py). Seeded random chat completions (:func:`same_tool_chats`),
-    then a long one with fewer content chunks than tokens."""
+    then a long one with fewer content chunks than tokens, and the same with logprobs,
+    where vLLM sends such an output's logprobs under an empty delta (Python renders those
+    outputs; the frames write the rest)."""
     args = ("--enable-auto-tool-choice", "--tool-call-parser", "hermes")
     path = "/v1/chat/completions"
     with parser_servers(tmp_path_factory, args, 16) as (theirs, mine):
@@ -487,12 +487,21 @@ def test_tool_parser_server_same_events_as_vllms_server(
             "stream_options": {"include_usage": True},
         }
         got, expected, added = side_by_side(theirs, mine, lambda h: raw_events(h, body, path))
+        logprobs_body = body | {"logprobs": True, "top_logprobs": 2}
+        with_logprobs, logprobs_expected, logprobs_added = side_by_side(
+            theirs, mine, lambda h: raw_events(h, logprobs_body, path)
+        )
     assert got == expected, _first_difference(got, expected)
     assert added["fast"] == added["tries"] and added["tokens"] > 0
     usage = json.loads(got[-2])["usage"]
     content = [e for e in got if '"delta":{"content"' in e and '"finish_reason":null' in e]
     assert usage["completion_tokens"] == 60
     assert 0 < len(content) < 59, len(content)
+    assert with_logprobs == logprobs_expected, _first_difference(with_logprobs, logprobs_expected)
+    assert logprobs_added["fast"] == logprobs_added["tries"] and logprobs_added["tokens"] > 0
+    empty = [e for e in with_logprobs if '"delta":{},"logprobs":{"content":[' in e]
+    # Every token's logprobs are sent: an output of no text in a chunk of its own.
+    assert len(empty) == 59 - len(content), (len(empty), len(content))
 
 
 @pytest.mark.parametrize("vocab_size", [4096, 16])

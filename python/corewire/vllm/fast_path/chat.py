@@ -1,7 +1,7 @@
 """The fast path of vLLM 0.33.0's and 0.34.0's streaming ``/v1/chat/completions`` (see
 :mod:`corewire.vllm.fast_path`): any number of samples, each written by its own native
 state, whose chunks carry text and logprobs (no token ids or continuous usage; on a
-server with a parser, no logprobs, and deltas the native frames can follow:
+server with a parser, deltas the native frames can follow:
 :mod:`corewire.vllm.fast_path.parsers`); anything else stays on vLLM's
 ``chat_completion_stream_generator``.
 
@@ -87,9 +87,16 @@ def refusal(serving: Any, request: Any, connection: Any) -> str | None:
         connection,
         first=[(parser_why, parser_why)],
         options=[
-            # Logprobs on a parser's server: vLLM hides them where reasoning is hidden,
-            # and sends a chunk for an output the parser says nothing of.
-            (request.logprobs and serving.parser_cls is not None, "logprobs behind a parser"),
+            # vLLM drops a chunk's logprobs behind a parser where reasoning is hidden (its
+            # stream processor's hide_metadata). Elsewhere behind a parser, an output the
+            # parser says nothing of still gets a chunk for its logprobs: the native
+            # state hands such outputs to Python (attach_stream's skip_empty).
+            (
+                request.logprobs
+                and serving.parser_cls is not None
+                and not request.include_reasoning,
+                "logprobs behind a parser with include_reasoning false",
+            ),
             (bool(request.logprob_token_ids), "logprob_token_ids"),
             (
                 bool(request.return_tokens_as_token_ids or serving.return_tokens_as_token_ids),

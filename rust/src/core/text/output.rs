@@ -208,6 +208,15 @@ impl OutputText {
         &self.rules.stops[index].text
     }
 
+    /// Whether the next delta output has any text (what `next_output(finished, true)`
+    /// would hand out), without handing it out.
+    pub fn has_next_output(&self, finished: bool) -> bool {
+        let hold = if finished { 0 } else { self.hold_back };
+        self.chars
+            .checked_sub(hold)
+            .is_some_and(|end| self.sent < end)
+    }
+
     /// The text for the next output: everything (or, with `delta`, what was not handed out
     /// yet), less the hold-back while unfinished.
     pub fn next_output(&mut self, finished: bool, delta: bool) -> &str {

@@ -64,11 +64,18 @@ fn stop_spanning_tokens_truncates_and_releases_hold_back() {
     let mut text = OutputText::new(rules);
     assert_eq!(pieces(&mut text, &[0, 1], &table), None);
     // "hello": 4 code points held back while unfinished.
+    assert!(text.has_next_output(false));
     assert_eq!(text.next_output(false, true), "h");
+    // Asked, not handed out: nothing new until more text comes.
+    assert!(!text.has_next_output(false));
+    assert!(text.has_next_output(true));
     assert_eq!(pieces(&mut text, &[2], &table), None);
+    assert!(text.has_next_output(false));
+    assert!(text.has_next_output(false));
     assert_eq!(text.next_output(false, true), "ell");
     assert_eq!(pieces(&mut text, &[3], &table), Some(0));
     assert_eq!(text.text(), "hell");
+    assert!(!text.has_next_output(true));
     assert_eq!(text.next_output(true, true), "");
     assert_eq!(text.next_output(true, false), "hell");
 }

@@ -451,7 +451,7 @@ impl RequestText {
     /// (`ValueError`: those chunks carry more); one of n > 1 samples streams its own
     /// choice (a streamed parent passes its children's unfinished outputs on as they
     /// are, so frames can stand in for them). `skip_empty`: an output whose
-    /// new text is empty gets no frame (only without logprobs: `ValueError`);
+    /// new text is empty gets no frame (with logprobs it is Python's to render);
     /// `release_ids`: an output with one of these token ids is Python's to render;
     /// `chat_logprobs`: the logprobs are a chat chunk's (`content`), not a completions
     /// chunk's.
@@ -481,8 +481,6 @@ impl RequestText {
             Some("its logprobs have no token strings (no detokenization)")
         } else if self.num_prompt_logprobs.is_some() {
             Some("it asked for prompt logprobs")
-        } else if skip_empty && logprobs_limit.is_some() {
-            Some("empty outputs are skipped only without logprobs")
         } else {
             None
         };
@@ -727,7 +725,8 @@ impl RequestText {
                     } else {
                         Vec::new()
                     };
-                    if sink.can_render(py, &ids) {
+                    let empty_released = sink.releases_empty() && !self.text.has_next_output(false);
+                    if !empty_released && sink.can_render(py, &ids) {
                         let tokens = token_ids.len()?;
                         let text = self.text.next_output(false, true);
                         match sink.push(py, text, &ids, tokens, &mut self.stream_text_offset) {

@@ -93,6 +93,13 @@ impl StreamSink {
         self.logprobs_limit.is_some()
     }
 
+    /// Whether an output without new text is Python's to render: with logprobs, where
+    /// such outputs get no frame of their own (`skip_empty`), vLLM's chunk for one still
+    /// carries its logprobs under an empty delta, which the template cannot write.
+    pub(super) fn releases_empty(&self) -> bool {
+        self.skip_empty && self.logprobs_limit.is_some()
+    }
+
     /// Whether `can_render` needs an output's new token ids.
     pub(super) fn wants_ids(&self) -> bool {
         self.logprobs_limit.is_some() || !self.release_ids.is_empty()
