@@ -399,7 +399,8 @@ async def chat_stream(
                 if stream.finish_fingerprint is not None:
                     last.system_fingerprint = stream.finish_fingerprint
                 # Counted as every chunk is: the samples still streaming attach again
-                # only once the connection has all of them.
+                # only once the connection has all of them (a finish held for the end
+                # counts too, harmlessly: nothing attaches after the last output).
                 stream.chunks += 1
                 if res.finished:
                     # Nothing follows but the usage: it goes with the end.

@@ -254,7 +254,8 @@ async def completion_stream(
                     )
                     continue
                 # Counted as every chunk is: the samples still streaming attach again
-                # only once the connection has all of them.
+                # only once the connection has all of them (a finish held for the end
+                # counts too, harmlessly: nothing attaches after the last output).
                 stream.chunks += 1
                 finish = sse(
                     _chunk(
