@@ -211,10 +211,14 @@ impl OutputText {
     /// Whether the next delta output has any text (what `next_output(finished, true)`
     /// would hand out), without handing it out.
     pub fn has_next_output(&self, finished: bool) -> bool {
+        self.delta_end(finished).is_some()
+    }
+
+    /// In characters, where the next delta output ends (the text less the hold-back while
+    /// unfinished), or None when it would be empty: nothing past what was handed out.
+    fn delta_end(&self, finished: bool) -> Option<usize> {
         let hold = if finished { 0 } else { self.hold_back };
-        self.chars
-            .checked_sub(hold)
-            .is_some_and(|end| self.sent < end)
+        self.chars.checked_sub(hold).filter(|&end| self.sent < end)
     }
 
     /// The text for the next output: everything (or, with `delta`, what was not handed out
@@ -227,12 +231,9 @@ impl OutputText {
             }
             return &self.text[..chars::byte_from_end(&self.text, hold)];
         }
-        let Some(end) = self.chars.checked_sub(hold) else {
+        let Some(end) = self.delta_end(finished) else {
             return "";
         };
-        if self.sent >= end {
-            return "";
-        }
         let end_byte = chars::byte_from_end(&self.text, hold);
         let start_byte = chars::byte_from_end(&self.text[..end_byte], end - self.sent);
         self.sent = end;
