@@ -1,7 +1,8 @@
 //! Thin binding types of `corewire._native`, one file per Python type.
 //!
 //! Modules depend on each other in one direction only:
-//! `decoder -> builder -> objects / frames / consts / torch -> ffi / list / refcnt`; `registry`,
+//! `decoder -> builder -> objects / frames / consts / torch -> ffi / list / refcnt`, and
+//! `outproc -> objects` (it reads decoded outputs in place); `registry`,
 //! `tracker`, `router`, `histogram` and `wire` stand alone over the core. [`register`] is the one
 //! place that puts names on the extension module.
 

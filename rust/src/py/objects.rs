@@ -538,6 +538,64 @@ unsafe extern "C" fn output_extra(
     }
 }
 
+/// A decoded output's fields read in place: what an attribute lookup per field returns,
+/// without the lookup. The native output processing reads about fifteen fields of every
+/// output of every engine step (to route it, then to handle it), and for this type each
+/// lookup would walk the type's attribute cache and a descriptor to load one pointer.
+pub struct OutputFields<'a, 'py> {
+    obj: &'a Bound<'py, PyAny>,
+}
+
+/// `obj`'s fields when it is an `EngineCoreOutput` of the type this module made (what the
+/// decoder builds); None for any other object (vLLM's own struct, or an output of a type
+/// made before the current one), which the caller reads by attribute.
+#[inline]
+pub fn output_fields<'a, 'py>(obj: &'a Bound<'py, PyAny>) -> Option<OutputFields<'a, 'py>> {
+    let ty = OUTPUT_TYPE.get(obj.py())?;
+    // SAFETY: the type of a live object.
+    let same = unsafe { ffi::Py_TYPE(obj.as_ptr()) } == ty.as_ptr().cast();
+    same.then_some(OutputFields { obj })
+}
+
+impl<'py> OutputFields<'_, 'py> {
+    /// The object `field` holds (borrowed from the output), None included.
+    #[inline]
+    fn ptr(&self, field: OutputField) -> *mut ffi::PyObject {
+        let slot = field.slot();
+        // SAFETY: a live instance of the output type (checked by `output_fields`), read
+        // attached: `new_output` wrote every inline field, and `extra` is NULL or a tuple
+        // of EXTRA items (`slot - INLINE` is below EXTRA).
+        unsafe {
+            let o = self.obj.as_ptr().cast::<OutputObject>();
+            let p = if slot < INLINE {
+                (*o).fields[slot]
+            } else if (*o).extra.is_null() {
+                ptr::null_mut()
+            } else {
+                ffi::PyTuple_GetItem((*o).extra, (slot - INLINE) as ffi::Py_ssize_t)
+            };
+            if p.is_null() {
+                none_ptr()
+            } else {
+                p
+            }
+        }
+    }
+
+    /// Whether `field` holds None (as `getattr(output, name) is None`).
+    #[inline]
+    pub fn is_none(&self, field: OutputField) -> bool {
+        self.ptr(field) == none_ptr()
+    }
+
+    /// `field`'s value (as `getattr(output, name)`).
+    #[inline]
+    pub fn get(&self, field: OutputField) -> Bound<'py, PyAny> {
+        // SAFETY: a live object the output holds (or None), attached; a new reference.
+        unsafe { Bound::from_borrowed_ptr(self.obj.py(), self.ptr(field)) }
+    }
+}
+
 /// `tp_dealloc` of `EngineCoreOutput`: releases the fields (recycling what can be) and
 /// the object's memory.
 ///

@@ -13,6 +13,8 @@ use crate::core::text::decoder::TextDecoder;
 use crate::core::text::output::{OutputText, StopRules};
 use crate::core::text::stops::StopString;
 use crate::core::text::stream::DecodeStream;
+use crate::core::wire::{OutputField, WireStruct};
+use crate::py::objects::{output_fields, OutputFields};
 
 use super::names::Names;
 use super::request::{ChunkStats, RequestText, FINAL_ONLY};
@@ -106,6 +108,15 @@ impl OutputCore {
                 flat_logprobs: classes.3,
                 request_output_layout,
                 completion_layout,
+                slow_slots: slow_fields
+                    .iter()
+                    .map(|name| {
+                        OutputField::ALL
+                            .iter()
+                            .copied()
+                            .find(|f| f.info().name == name.as_str())
+                    })
+                    .collect(),
                 slow_fields: slow_fields
                     .iter()
                     .map(|f| PyString::intern(py, f).unbind())
@@ -281,7 +292,11 @@ impl OutputCore {
         let mut parents_in_loop: Vec<*mut pyo3::ffi::PyObject> = Vec::new();
         for output in outputs.try_iter()? {
             let output = output?;
-            let req_id = output.getattr(&names.request_id)?;
+            let fields = output_fields(&output);
+            let req_id = match &fields {
+                Some(f) => f.get(OutputField::RequestId),
+                None => output.getattr(&names.request_id)?,
+            };
             let Some(req_state) = states.get_item(&req_id)? else {
                 routes.push(Route::Fallback(output)); // vLLM's loop drops it: aborted
                 continue;
@@ -292,7 +307,7 @@ impl OutputCore {
                 continue;
             };
             let parent = text.borrow().parent.as_ref().map(|p| p.as_ptr());
-            if !plain(&output, &req_state, names, &self.shared)? {
+            if !plain(&output, fields.as_ref(), &req_state, names, &self.shared)? {
                 // vLLM's loop makes this output, for Python to render: the frames of the
                 // request's fast path go out before it.
                 text.borrow_mut().release_stream(py);
@@ -408,17 +423,28 @@ enum Route<'py> {
 
 /// Whether an output is a plain step of a request past its first output: nothing in it
 /// needs vLLM's bookkeeping (none of `slow`, the release's fields such as the finish,
-/// events, pooling, KV transfer, experts, prompt logprobs, is set).
+/// events, pooling, KV transfer, experts, prompt logprobs, is set). `fields`: the
+/// output's fields read in place, where it is the decoder's own.
 fn plain(
     output: &Bound<'_, PyAny>,
+    fields: Option<&OutputFields<'_, '_>>,
     req_state: &Bound<'_, PyAny>,
     n: &Names,
     shared: &Shared,
 ) -> PyResult<bool> {
     let py = output.py();
-    for name in &shared.slow_fields {
-        if !output.getattr(name.bind(py))?.is_none() {
-            return Ok(false);
+    match (fields, &shared.slow_slots) {
+        (Some(fields), Some(slots)) => {
+            if !slots.iter().all(|&slot| fields.is_none(slot)) {
+                return Ok(false);
+            }
+        }
+        _ => {
+            for name in &shared.slow_fields {
+                if !output.getattr(name.bind(py))?.is_none() {
+                    return Ok(false);
+                }
+            }
         }
     }
     // 0.33.0 on: a request with sampling masks gathered makes its next output carry

@@ -11,6 +11,7 @@ use pyo3::IntoPyObjectExt;
 use crate::core::text::candidates;
 use crate::core::text::output::OutputText;
 use crate::core::text::stream::{DecodeStream, StepNote};
+use crate::core::wire::OutputField;
 
 use super::names::Names;
 use super::samples::{Candidate, SampleLogprobs};
@@ -18,6 +19,7 @@ use super::shared::{Shared, COMPLETION_FIELDS, REQUEST_OUTPUT_FIELDS};
 use super::sink::{Flushed, PositionEntries, StreamSink};
 use crate::core::sse::FrameTemplate;
 use crate::py::arrays::{self, Block};
+use crate::py::objects::output_fields;
 
 /// Whether the fast path's failures were said in the log (once per process each).
 static WRITE_FAILED: AtomicBool = AtomicBool::new(false);
@@ -655,7 +657,12 @@ impl RequestText {
         weight_version: Option<&Bound<'py, PyAny>>,
     ) -> PyResult<bool> {
         let names = Names::get(py);
-        let new_ids = output.getattr(&names.new_token_ids)?;
+        let fields = output_fields(output);
+        let field = |field: OutputField, name: &Py<PyString>| match &fields {
+            Some(f) => Ok(f.get(field)),
+            None => output.getattr(name),
+        };
+        let new_ids = field(OutputField::NewTokenIds, &names.new_token_ids)?;
         // 1) Stats, as IterationStats.update_from_output does for a request past its
         //    first token.
         if let Some(c) = chunk {
@@ -672,8 +679,7 @@ impl RequestText {
             stats.setattr(&names.num_generation_tokens, had + n)?;
             if c.nans
                 && !stats.getattr(&names.is_corrupted)?.is_truthy()?
-                && output
-                    .getattr(&names.num_nans_in_logits)?
+                && field(OutputField::NumNansInLogits, &names.num_nans_in_logits)?
                     .extract::<i64>()?
                     > 0
             {
@@ -701,7 +707,7 @@ impl RequestText {
         // 2) Detokenize and check stop strings; 3) sample logprobs.
         let ids = self.take_ids(py, &new_ids)?;
         let stop = self.detokenize(py, &ids, false)?;
-        let mut lists = output.getattr(&names.new_logprobs)?;
+        let mut lists = field(OutputField::NewLogprobs, &names.new_logprobs)?;
         let dropped = self.text.dropped();
         if dropped > 0 {
             // vLLM's `_trim_surplus_tokens`: the output keeps only the ids up to the stop.

@@ -10,6 +10,7 @@ use pyo3::types::{PyString, PyTuple};
 
 use crate::core::text::candidates;
 use crate::core::text::decoder::TextDecoder;
+use crate::core::wire::OutputField;
 
 /// A candidate's string and whether it ends in U+FFFD.
 type Candidate = (Py<PyString>, bool);
@@ -39,6 +40,9 @@ pub(super) struct Shared {
     pub(super) completion_layout: Layout,
     /// `EngineCoreOutput` fields that send an output to vLLM's loop when set.
     pub(super) slow_fields: Vec<Py<PyString>>,
+    /// The same fields as slots of the decoder's outputs, read in place where an output
+    /// is one of those (None if a name is not one of its fields: then by attribute).
+    pub(super) slow_slots: Option<Vec<OutputField>>,
     /// vLLM 0.33.0's rule for a `DELTA` output without new ids: no sample logprobs
     /// (`logprobs[:0]`), where 0.25.1 slices `[-0:]`, the whole list.
     pub(super) empty_delta_slice: bool,
