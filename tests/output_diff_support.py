@@ -857,10 +857,15 @@ class Side:
         *,
         collectors: bool = True,
         chunk: int | None = None,
+        wire: bool = False,
     ) -> None:
         self.processor = processor
         self.collectors = collectors  # False: as vLLM's LLMEngine, outputs are returned
         self.chunk = chunk  # the output handler's VLLM_V1_OUTPUT_PROC_CHUNK_SIZE
+        # True: each step's outputs go over the wire first (vLLM's encoder, corewire's
+        # native decoder as vLLM's front-end gets it under corewire's client), so the
+        # processor reads corewire's output objects, as it does in a server.
+        self.through_wire = _through_wire() if wire else None
         self.queues: dict[str, RequestOutputCollector] = {}
         self.engine_ids: dict[str, tuple[EngineCoreRequest, int]] = {}  # id -> (request, n)
 
@@ -910,6 +915,8 @@ class Side:
         widths = [len(s.logprobs.ids[0]) for s in specs if s.logprobs and s.logprobs.ids]
         width = max(widths, default=1)
         outputs = [make_output(spec, width) for spec in specs]
+        if self.through_wire is not None:
+            outputs = self.through_wire(outputs)
         stats = None
         if self.processor.log_stats:
             stats = IterationStats()
@@ -962,6 +969,22 @@ class Side:
         return drained
 
 
+def _through_wire() -> Callable[[list[EngineCoreOutput]], list[Any]]:
+    # vLLM's encoder writes a step's outputs as its engine core does; corewire's decoder
+    # reads them back as the one vLLM's front-end gets from corewire's client.
+    from vllm.v1.serial_utils import MsgpackEncoder
+
+    from corewire.vllm.adapters.client import make_output_decoder
+
+    encoder, decoder = MsgpackEncoder(), make_output_decoder()
+
+    def through(outputs: list[EngineCoreOutput]) -> list[Any]:
+        frames = encoder.encode(EngineCoreOutputs(engine_index=0, outputs=outputs))
+        return list(decoder.decode([bytes(frame) for frame in frames]).outputs)
+
+    return through
+
+
 class Pair:
     """A reference side (vLLM's ``OutputProcessor``) and a candidate side, fed the same.
 
@@ -982,6 +1005,7 @@ class Pair:
         log_stats: bool = True,
         chunk: int | None = None,
         label: str = "",
+        candidate_wire: bool = False,
     ) -> None:
         kwargs = {
             "log_stats": log_stats,
@@ -990,7 +1014,7 @@ class Pair:
         }
         sides = {"collectors": collectors, "chunk": chunk}
         self.reference = Side(OutputProcessor(tokenizer, **kwargs), **sides)
-        self.candidate = Side(candidate_cls(tokenizer, **kwargs), **sides)
+        self.candidate = Side(candidate_cls(tokenizer, **kwargs), **sides, wire=candidate_wire)
         self.processor_native = processor_goes_native(tokenizer, tracing=tracing)
         self.label = label
         self.steps = 0
@@ -1078,6 +1102,7 @@ def run_workload(
     log_stats: bool = True,
     chunk: int | None = None,
     label: str = "",
+    candidate_wire: bool = False,
 ) -> WorkloadResult:
     """Drive a reference and a candidate processor with ``sim``'s workload; compare all.
 
@@ -1086,7 +1111,9 @@ def run_workload(
     does (the outputs come back from ``process_outputs``); ``log_stats`` False is
     ``--disable-log-stats`` (no ``IterationStats``, no ``metrics``); ``chunk`` splits each
     step into ``process_outputs`` calls of that many outputs sharing one ``IterationStats``,
-    as the output handler does above ``VLLM_V1_OUTPUT_PROC_CHUNK_SIZE``. Raises
+    as the output handler does above ``VLLM_V1_OUTPUT_PROC_CHUNK_SIZE``;
+    ``candidate_wire`` hands the candidate corewire's decoded output objects (see
+    :class:`Side`), the reference vLLM's own. Raises
     ``AssertionError`` naming the step at the first difference.
     """
     pair = Pair(
@@ -1098,6 +1125,7 @@ def run_workload(
         log_stats=log_stats,
         chunk=chunk,
         label=label,
+        candidate_wire=candidate_wire,
     )
     outputs: list[tuple[str, Any]] = []
     stopped: list[str] = []

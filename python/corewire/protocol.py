@@ -362,6 +362,19 @@ class LogprobsLists(NamedTuple):
     sampled_token_ranks: np.ndarray
     cu_num_generated_tokens: list[int] | None = None
 
+    def slice_request(self, req_idx: int, num_positions: int) -> LogprobsLists:
+        """``num_positions`` rows from request ``req_idx``'s first one (row ``req_idx``
+        when ``cu_num_generated_tokens`` is None, else the row it names), as views, without
+        per-request offsets: vLLM's ``LogprobsLists.slice_request``, which vLLM's output
+        processor calls on a decoded output (0.32.0 on, where a stop string drops a step's
+        surplus tokens)."""
+        offsets = self.cu_num_generated_tokens
+        first = req_idx if offsets is None else offsets[req_idx]
+        rows = slice(first, first + num_positions)
+        return type(self)(
+            self.logprob_token_ids[rows], self.logprobs[rows], self.sampled_token_ranks[rows]
+        )
+
 
 class LogprobsTensors(NamedTuple):
     """Prompt logprobs as torch tensors (same layout as :class:`LogprobsLists`)."""

@@ -59,6 +59,40 @@ def test_fields_mirror_the_protocol_structs() -> None:
         out.request_id = "b"  # type: ignore[misc]
 
 
+def test_the_fields_vllm_assigns_take_new_values_and_release_old_ones() -> None:
+    """``new_logprobs`` and the out-of-line fields (``new_sampling_mask`` among them)
+    take new values, as vLLM's output processor assigns them (0.32.0 on); the other
+    fields stay read-only, no field can be deleted, and every value's reference is
+    released once replaced or once the output dies."""
+    # Every release decodes into the same output type, which has every release's fields.
+    out = NativeDecoder(release="0.25.1").decode(_step(["a"], 1)).outputs[0]
+    first, second, mask = object(), object(), object()
+    base = [sys.getrefcount(x) for x in (first, second, mask)]
+    out.new_logprobs = first
+    out.new_sampling_mask = mask
+    assert out.new_logprobs is first and out.new_sampling_mask is mask
+    assert out.watermarking is None and out.error is None  # the other later fields
+    out.new_logprobs = second
+    assert out.new_logprobs is second
+    counts = [sys.getrefcount(x) for x in (first, second, mask)]
+    assert counts == [base[0], base[1] + 1, base[2] + 1]
+    out.new_logprobs = None
+    out.new_sampling_mask = None
+    out.new_logprobs = None  # None held twice in a row is released right too
+    assert out.new_logprobs is None and out.new_sampling_mask is None
+    assert [sys.getrefcount(x) for x in (first, second, mask)] == base
+    out.new_sampling_mask = mask
+    out.new_logprobs = first
+    del out  # the output's own references go with it
+    assert [sys.getrefcount(x) for x in (first, second, mask)] == base
+    out = NativeDecoder(release="0.25.1").decode(_step(["b"], 3)).outputs[0]
+    for name in ("new_logprobs", "new_sampling_mask"):
+        with pytest.raises(TypeError, match="cannot be deleted"):
+            delattr(out, name)
+    with pytest.raises(AttributeError):
+        out.finish_reason = None  # type: ignore[misc]
+
+
 def test_decoded_objects_are_not_gc_tracked() -> None:
     """The message and its outputs are invisible to the cyclic GC."""
     message = NativeDecoder(release="0.25.1").decode(_step(["a", "b"], 7))

@@ -123,6 +123,25 @@ def test_random_workload_bpe(
     _check_fast_path_ran(result.pair)
 
 
+@pytest.mark.parametrize("seed", range(6))
+def test_random_workload_over_the_wire(
+    bpe: TokenizerInfo, candidate: type[OutputProcessor], seed: int
+) -> None:
+    """The candidate reads corewire's decoded output objects (the wire between: vLLM's
+    encoder, corewire's native decoder), as in a server under corewire's client, where
+    the native path reads their fields in place rather than by attribute; the reference
+    reads vLLM's own. Finishes, events, KV transfer parameters, experts, prompt logprobs
+    and (0.34.0) watermarking each send an output through vLLM's loop, read either way."""
+    sim = EngineSim(4000 + seed, bpe, REQUESTS)
+    result = run_workload(
+        sim, bpe.tokenizer, candidate, drain_every=2, label=f"seed {seed}", candidate_wire=True
+    )
+    assert len(result.outputs) >= REQUESTS
+    _check_fast_path_ran(result.pair)
+    counts = result.pair.native_counts()
+    assert counts is not None and counts["slow"] > 0, counts
+
+
 @pytest.mark.parametrize("seed", range(4))
 def test_random_workload_long_outputs(
     bpe: TokenizerInfo, candidate: type[OutputProcessor], seed: int

@@ -21,6 +21,7 @@ reads one release's requests with them). The types new in 0.33.0 (:class:`Sampli
 from __future__ import annotations
 
 import enum
+import itertools
 import types
 import typing
 from typing import Any, NamedTuple
@@ -86,6 +87,32 @@ class SamplingMaskLists(NamedTuple):
     token_ids: np.ndarray
     offsets: np.ndarray | None = None
     cu_num_generated_tokens: list[int] | None = None
+
+    # vLLM's methods of the same names, which its output processor calls on decoded
+    # outputs (0.32.0 on): the positions' masks as lists, and a request's positions.
+
+    def slice_request(self, req_idx: int, num_positions: int) -> SamplingMaskLists:
+        """The masks of ``num_positions`` positions from request ``req_idx``'s first one
+        (position ``req_idx`` when ``cu_num_generated_tokens`` is None), as views: with
+        ``offsets`` rebased to 0, or none for a single position. Needs ``offsets`` (a
+        mask of one position has nothing to slice): ``ValueError`` without."""
+        if self.offsets is None:
+            raise ValueError("a SamplingMaskLists without offsets holds one position")
+        starts = self.cu_num_generated_tokens
+        first = req_idx if starts is None else starts[req_idx]
+        last = first + num_positions
+        low, high = self.offsets[first], self.offsets[last]
+        if num_positions == 1:
+            return type(self)(self.token_ids[low:high])
+        return type(self)(self.token_ids[low:high], self.offsets[first : last + 1] - low)
+
+    def to_nested_list(self) -> list[list[int]]:
+        """Each position's allowed token ids, as lists (one position without ``offsets``)."""
+        ids = self.token_ids.tolist()
+        if self.offsets is None:
+            return [ids]
+        bounds = self.offsets.tolist()
+        return [ids[start:end] for start, end in itertools.pairwise(bounds)]
 
 
 class RequestError(msgspec.Struct, frozen=True, gc=False):  # type: ignore[call-arg]

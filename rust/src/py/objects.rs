@@ -10,7 +10,10 @@
 //!   the collector never traverses them (they cannot be part of a cycle unless a caller
 //!   appends a message into its own lists; such a cycle would not be collected);
 //! - fields are `Py_T_OBJECT_EX` struct members, which CPython's attribute cache
-//!   specialises (`out.request_id` costs what a `__slots__` read costs);
+//!   specialises (`out.request_id` costs what a `__slots__` read costs), read-only but
+//!   for those vLLM's front-end assigns (`new_logprobs` and the later fields, attributes
+//!   with setters); the native output processing reads them in place
+//!   ([`output_fields`]);
 //! - a field holding None holds no reference to it (None is immortal in 3.12+ and never
 //!   freed before), which saves two reference-count calls per empty field per output;
 //! - freed output objects go to a free list, and so do their `new_token_ids` lists when
@@ -24,7 +27,7 @@
 //!   transfers, masks), so that every version's outputs stay as small as 0.25.1's were
 //!   (a batch of them fits the same cache).
 
-use std::ffi::{c_void, CStr};
+use std::ffi::{c_int, c_void, CStr};
 use std::mem::offset_of;
 use std::ptr;
 use std::sync::atomic::{AtomicPtr, Ordering};
@@ -538,6 +541,104 @@ unsafe extern "C" fn output_extra(
     }
 }
 
+/// The setter of an out-of-line output field; `closure` is its index in `extra`: a new
+/// `extra` tuple holds the value (vLLM 0.32.0 on assigns `new_sampling_mask` when a stop
+/// string cuts a step's tokens short).
+///
+/// # Safety
+/// Only CPython calls it, attached, with a live output.
+unsafe extern "C" fn output_set_extra(
+    obj: *mut ffi::PyObject,
+    value: *mut ffi::PyObject,
+    closure: *mut c_void,
+) -> c_int {
+    if value.is_null() {
+        return cannot_delete();
+    }
+    // SAFETY: a live instance of the output type, attached; `extra` is NULL or a tuple
+    // of EXTRA items, `closure` an index below EXTRA; SetItem steals the reference
+    // taken for it.
+    unsafe {
+        let o = obj.cast::<OutputObject>();
+        let old = (*o).extra;
+        let new = ffi::PyTuple_New(EXTRA as ffi::Py_ssize_t);
+        if new.is_null() {
+            return -1;
+        }
+        for j in 0..EXTRA {
+            let item = if j == closure as usize {
+                value
+            } else if old.is_null() {
+                none_ptr()
+            } else {
+                ffi::PyTuple_GetItem(old, j as ffi::Py_ssize_t)
+            };
+            ffi::Py_INCREF(item);
+            ffi::PyTuple_SetItem(new, j as ffi::Py_ssize_t, item);
+        }
+        (*o).extra = new;
+        release(old);
+    }
+    0
+}
+
+/// The getter of an inline output field that has a setter (see [`SETTABLE_INLINE`]);
+/// `closure` is its slot.
+///
+/// # Safety
+/// Only CPython calls it, attached, with a live output.
+unsafe extern "C" fn output_inline(
+    obj: *mut ffi::PyObject,
+    closure: *mut c_void,
+) -> *mut ffi::PyObject {
+    // SAFETY: a live instance of the output type, attached; `closure` is an inline slot.
+    unsafe {
+        let value = (*obj.cast::<OutputObject>()).fields[closure as usize];
+        let value = if value.is_null() { none_ptr() } else { value };
+        ffi::Py_INCREF(value);
+        value
+    }
+}
+
+/// The setter of an inline output field (see [`SETTABLE_INLINE`]); `closure` is its
+/// slot. None is held without a reference of its own, as `new_output` stores it.
+///
+/// # Safety
+/// Only CPython calls it, attached, with a live output.
+unsafe extern "C" fn output_set_inline(
+    obj: *mut ffi::PyObject,
+    value: *mut ffi::PyObject,
+    closure: *mut c_void,
+) -> c_int {
+    if value.is_null() {
+        return cannot_delete();
+    }
+    // SAFETY: a live instance of the output type, attached; `closure` is an inline
+    // slot; the old value is released after the new one is in place.
+    unsafe {
+        if value != none_ptr() {
+            ffi::Py_INCREF(value);
+        }
+        let slot = &mut (*obj.cast::<OutputObject>()).fields[closure as usize];
+        let old = std::mem::replace(slot, value);
+        release(old);
+    }
+    0
+}
+
+/// Raises `TypeError` for `del output.field` (a field always holds a value); -1.
+#[cold]
+fn cannot_delete() -> c_int {
+    // SAFETY: attached (called from a setter); a static message.
+    unsafe {
+        ffi::PyErr_SetString(
+            ffi::PyExc_TypeError,
+            c"an EngineCoreOutput field cannot be deleted".as_ptr(),
+        )
+    };
+    -1
+}
+
 /// A decoded output's fields read in place: what an attribute lookup per field returns,
 /// without the lookup. The native output processing reads about fifteen fields of every
 /// output of every engine step (to route it, then to handle it), and for this type each
@@ -769,12 +870,15 @@ struct TypeDef {
     fields: Vec<&'static str>,
     /// Slots held as members (the rest have getters among `getsets`).
     members: usize,
+    /// Slots below `members` that have a getter and a setter among `getsets` instead.
+    settable: &'static [usize],
 }
 
 fn make_type<'py, F: WireStruct>(py: Python<'py>, def: TypeDef) -> PyResult<Bound<'py, PyType>> {
     let ptr_size = std::mem::size_of::<*mut ffi::PyObject>();
     let mut members: Vec<ffi::PyMemberDef> = F::ALL[..def.members]
         .iter()
+        .filter(|field| !def.settable.contains(&field.slot()))
         .map(|field| ffi::PyMemberDef {
             name: field.info().c_name.as_ptr(),
             type_code: ffi::Py_T_OBJECT_EX,
@@ -837,20 +941,36 @@ fn getset(name: &'static CStr, get: ffi::getter, doc: &'static CStr) -> ffi::PyG
     }
 }
 
-/// The getters of an output: `finished`, and one per out-of-line field.
+/// The inline output fields that vLLM's front-end assigns (its `_trim_surplus_tokens`,
+/// vLLM 0.32.0 on, cuts a step's logprobs where a stop string ends the text): attributes
+/// with a setter, where the other inline fields are read-only members (which CPython's
+/// attribute cache reads fastest). Every out-of-line field has a setter too.
+const SETTABLE_INLINE: [usize; 1] = [OutputField::NewLogprobs as usize];
+const _: () = assert!(OutputField::NewLogprobs as usize >= OutputField::REQUIRED);
+
+/// The getters of an output: `finished`, one per settable inline field and one per
+/// out-of-line field (those two kinds with setters).
 fn output_getsets() -> Vec<ffi::PyGetSetDef> {
     let mut getsets = vec![getset(
         c"finished",
         output_finished,
         c"Whether this is the request's last output (finish_reason is not None).",
     )];
+    for &slot in &SETTABLE_INLINE {
+        let info = OutputField::ALL[slot].info();
+        let mut def = getset(info.c_name, output_inline, info.doc);
+        def.set = Some(output_set_inline);
+        def.closure = slot as *mut c_void;
+        getsets.push(def);
+    }
     for (i, field) in OutputField::ALL[INLINE..].iter().enumerate() {
         let info = field.info();
         let mut def = getset(info.c_name, output_extra, info.doc);
+        def.set = Some(output_set_extra);
         def.closure = i as *mut c_void;
         getsets.push(def);
     }
-    debug_assert_eq!(getsets.len(), 1 + EXTRA);
+    debug_assert_eq!(getsets.len(), 1 + SETTABLE_INLINE.len() + EXTRA);
     getsets
 }
 
@@ -883,6 +1003,7 @@ pub fn types(py: Python<'_>) -> PyResult<[&Py<PyType>; 2]> {
                 repr: output_repr,
                 fields: slot_order::<OutputField>(),
                 members: INLINE,
+                settable: &SETTABLE_INLINE,
             },
         )
         .map(Bound::unbind)
@@ -900,6 +1021,7 @@ pub fn types(py: Python<'_>) -> PyResult<[&Py<PyType>; 2]> {
                 repr: message_repr,
                 fields: slot_order::<MessageField>(),
                 members: MessageField::COUNT,
+                settable: &[],
             },
         )
         .map(Bound::unbind)
