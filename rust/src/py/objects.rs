@@ -8,7 +8,8 @@
 //!
 //! - not GC types: creating one neither tracks it nor counts toward a collection, and
 //!   the collector never traverses them (they cannot be part of a cycle unless a caller
-//!   appends a message into its own lists; such a cycle would not be collected);
+//!   appends a message into its own lists or sets a field to something that refers back
+//!   to the output; such a cycle would not be collected);
 //! - fields are `Py_T_OBJECT_EX` struct members, which CPython's attribute cache
 //!   specialises (`out.request_id` costs what a `__slots__` read costs), read-only but
 //!   for those vLLM's front-end assigns (`new_logprobs` and the later fields, attributes
@@ -561,6 +562,9 @@ unsafe extern "C" fn output_set_extra(
     unsafe {
         let o = obj.cast::<OutputObject>();
         let old = (*o).extra;
+        if old.is_null() && value == none_ptr() {
+            return 0; // already None, and `extra` stays NULL while every one is
+        }
         let new = ffi::PyTuple_New(EXTRA as ffi::Py_ssize_t);
         if new.is_null() {
             return -1;
@@ -601,7 +605,8 @@ unsafe extern "C" fn output_inline(
 }
 
 /// The setter of an inline output field (see [`SETTABLE_INLINE`]); `closure` is its
-/// slot. None is held without a reference of its own, as `new_output` stores it.
+/// slot. None and the shared 0 are held without a reference of their own, as
+/// `new_output` stores them (and `release` expects).
 ///
 /// # Safety
 /// Only CPython calls it, attached, with a live output.
@@ -616,7 +621,7 @@ unsafe extern "C" fn output_set_inline(
     // SAFETY: a live instance of the output type, attached; `closure` is an inline
     // slot; the old value is released after the new one is in place.
     unsafe {
-        if value != none_ptr() {
+        if value != none_ptr() && value != zero_ptr() {
             ffi::Py_INCREF(value);
         }
         let slot = &mut (*obj.cast::<OutputObject>()).fields[closure as usize];
@@ -673,7 +678,9 @@ impl<'py> OutputFields<'_, 'py> {
             } else if (*o).extra.is_null() {
                 ptr::null_mut()
             } else {
-                ffi::PyTuple_GetItem((*o).extra, (slot - INLINE) as ffi::Py_ssize_t)
+                let item = ffi::PyTuple_GetItem((*o).extra, (slot - INLINE) as ffi::Py_ssize_t);
+                debug_assert!(!item.is_null(), "extra holds EXTRA items");
+                item
             };
             if p.is_null() {
                 none_ptr()
