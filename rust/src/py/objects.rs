@@ -663,6 +663,21 @@ pub fn output_fields<'a, 'py>(obj: &'a Bound<'py, PyAny>) -> Option<OutputFields
     same.then_some(OutputFields { obj })
 }
 
+/// `obj`'s field `field`: read in place where `fields` (its [`output_fields`]) has it,
+/// else by attribute `name`.
+#[inline]
+pub fn output_field<'py>(
+    obj: &Bound<'py, PyAny>,
+    fields: Option<&OutputFields<'_, 'py>>,
+    field: OutputField,
+    name: &Py<PyString>,
+) -> PyResult<Bound<'py, PyAny>> {
+    match fields {
+        Some(f) => Ok(f.get(field)),
+        None => obj.getattr(name.bind(obj.py())),
+    }
+}
+
 impl<'py> OutputFields<'_, 'py> {
     /// The object `field` holds (borrowed from the output), None included.
     #[inline]

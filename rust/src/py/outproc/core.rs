@@ -14,7 +14,7 @@ use crate::core::text::output::{OutputText, StopRules};
 use crate::core::text::stops::StopString;
 use crate::core::text::stream::DecodeStream;
 use crate::core::wire::{OutputField, WireStruct};
-use crate::py::objects::{output_fields, OutputFields};
+use crate::py::objects::{output_field, output_fields, OutputFields};
 
 use super::names::Names;
 use super::request::{ChunkStats, RequestText, FINAL_ONLY};
@@ -293,10 +293,12 @@ impl OutputCore {
         for output in outputs.try_iter()? {
             let output = output?;
             let fields = output_fields(&output);
-            let req_id = match &fields {
-                Some(f) => f.get(OutputField::RequestId),
-                None => output.getattr(&names.request_id)?,
-            };
+            let req_id = output_field(
+                &output,
+                fields.as_ref(),
+                OutputField::RequestId,
+                &names.request_id,
+            )?;
             let Some(req_state) = states.get_item(&req_id)? else {
                 routes.push(Route::Fallback(output)); // vLLM's loop drops it: aborted
                 continue;

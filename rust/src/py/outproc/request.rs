@@ -19,7 +19,7 @@ use super::shared::{Shared, COMPLETION_FIELDS, REQUEST_OUTPUT_FIELDS};
 use super::sink::{Flushed, PositionEntries, StreamSink};
 use crate::core::sse::FrameTemplate;
 use crate::py::arrays::{self, Block};
-use crate::py::objects::output_fields;
+use crate::py::objects::{output_field, output_fields};
 
 /// Whether the fast path's failures were said in the log (once per process each).
 static WRITE_FAILED: AtomicBool = AtomicBool::new(false);
@@ -658,10 +658,7 @@ impl RequestText {
     ) -> PyResult<bool> {
         let names = Names::get(py);
         let fields = output_fields(output);
-        let field = |field: OutputField, name: &Py<PyString>| match &fields {
-            Some(f) => Ok(f.get(field)),
-            None => output.getattr(name),
-        };
+        let field = |field, name| output_field(output, fields.as_ref(), field, name);
         let new_ids = field(OutputField::NewTokenIds, &names.new_token_ids)?;
         // 1) Stats, as IterationStats.update_from_output does for a request past its
         //    first token.
