@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import socket
 import threading
 from collections.abc import Iterator
@@ -334,3 +335,134 @@ def test_short_prompts_tokenize_on_the_loop_with_the_same_answer(
 
         inline_tokenize.install(Off)
         assert asyncio.run(run(Off(pool)))[1] == [False] * 3
+
+
+def _render_chat(
+    threads: list[int], model_config: Any, tokenizer: Any, conversation: Any, **kwargs: Any
+) -> list[int]:
+    # As vLLM's safe_apply_chat_template: the template (Jinja), then the tokenization of
+    # what it wrote; a template that refuses the input raises.
+    import jinja2
+
+    threads.append(threading.get_ident())
+    template = kwargs.get("chat_template") or "{% for m in messages %}{{ m.content }} {% endfor %}"
+    text = jinja2.Environment().from_string(template).render(messages=conversation)
+    if "refuse" in text:
+        raise ValueError("the template refused the chat")
+    return tokenizer.encode(text).ids
+
+
+class _ChatRenderer(_Renderer):
+    """A renderer as vLLM's ``HfRenderer`` builds its chat rendering: the pooled
+    ``_apply_chat_template_async`` (``run_in_executor`` on a pool of its own) of a blocking
+    render-then-tokenize function."""
+
+    def __init__(self, pool: Any) -> None:
+        super().__init__(pool)
+        self.render = functools.partial(_render_chat, self.threads)
+
+        def pooled(*args: Any, **kwargs: Any) -> Any:
+            call = functools.partial(self.render, *args, **kwargs)
+            return asyncio.get_running_loop().run_in_executor(pool, call)
+
+        self._apply_chat_template_async = pooled
+
+
+class _OnlineRenderer:
+    """vLLM's ``OnlineRenderer`` as far as it matters here: it holds the server's
+    ``--chat-template``."""
+
+    def __init__(self, chat_template: str | None) -> None:
+        self.chat_template = chat_template
+
+
+def test_short_chats_render_on_the_loop_with_the_same_answer(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A short chat with the model's template or the server's is rendered by the same
+    function on the loop's thread; a long chat, one with data the bound cannot weigh, and
+    a template a request brought go to the pool; the answers and a template's refusal are
+    the pool's; the switch keeps the pool for everything."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from corewire.vllm.fast_path import inline_render
+
+    class Renderer(_ChatRenderer):
+        pass
+
+    class Online(_OnlineRenderer):
+        pass
+
+    monkeypatch.delenv(inline_render.SWITCH, raising=False)
+
+    def install(cls: type) -> None:
+        inline_render.install(cls, lambda *a, **k: cls.current.render(*a, **k), Online)
+
+    install(Renderer)
+    install(Renderer)  # a second load of the plugin changes nothing
+    server_template = "{% for m in messages %}{{ m.content }} story {% endfor %}"
+    Online(server_template)
+    Online(server_template)  # registered once
+    assert inline_render.server_templates().count(server_template) == 1
+    # A request's template: the same text, but another string, as a request's JSON makes it.
+    request_template = "".join(list(server_template))
+    short = [{"role": "user", "content": "hello tell me"}]
+    long = [{"role": "user", "content": "hello " * (inline_render.INLINE_CHARS // 6 + 1)}]
+    odd = [{"role": "user", "content": "hello", "extra": object()}]
+    calls = [
+        (short, {}),
+        (short, {"chat_template": server_template, "add_generation_prompt": True}),
+        (long, {}),
+        (odd, {}),
+        (short, {"chat_template": request_template}),
+    ]
+
+    async def run(renderer: _ChatRenderer) -> tuple[Any, ...]:
+        loop_thread = threading.get_ident()
+        answers = [
+            await renderer._apply_chat_template_async(None, renderer.tokenizer, c, **kw)
+            for c, kw in calls
+        ]
+        with pytest.raises(ValueError, match="refused the chat"):
+            chat = [{"role": "user", "content": "refuse"}]
+            await renderer._apply_chat_template_async(None, renderer.tokenizer, chat)
+        on_loop = [t == loop_thread for t in renderer.threads]
+        return answers, on_loop
+
+    with ThreadPoolExecutor(1) as pool:
+        inline = Renderer(pool)
+        Renderer.current = inline  # type: ignore[attr-defined]
+        answers, on_loop = asyncio.run(run(inline))
+        assert on_loop == [True, True, False, False, False, True]
+        pooled = _ChatRenderer(pool)
+        assert asyncio.run(run(pooled))[0] == answers
+        assert answers[0] == [1, 2, 3] and answers[1] == [1, 2, 3, 5]
+        monkeypatch.setenv(inline_render.SWITCH, "0")
+
+        class Off(_ChatRenderer):
+            pass
+
+        install(Off)
+        Off.current = Off(pool)  # type: ignore[attr-defined]
+        assert asyncio.run(run(Off.current))[1] == [False] * 6
+
+
+@pytest.mark.parametrize(
+    ("value", "chars"),
+    [
+        ("hello", 5),
+        ([{"role": "user", "content": "hi"}], 4 + 4 + 7 + 2),
+        ({"n": 3, "flag": True, "none": None}, 1 + 1 + 4 + 1 + 4 + 1),
+        (("a", ["b", ("c",)]), 3),
+        ("x" * 2049, None),
+        ([[[[[[[[["deep"]]]]]]]]], None),
+        ({"tensor": object()}, None),
+        (b"bytes", None),
+    ],
+)
+def test_template_input_is_weighed_in_characters(value: Any, chars: int | None) -> None:
+    """What a chat template sees is weighed in characters of plain data; anything else,
+    too deep, or past the bound, is not weighed (the chat goes to the pool)."""
+    from corewire.vllm.fast_path import inline_render
+
+    assert inline_render.template_input_chars(value) == chars

@@ -897,6 +897,48 @@ def test_stream_ends_go_as_one_body_chunk(stacks: dict[str, ServeStack], path: s
         assert first["corewire+fast"] == [*heads["vllm"], ""], first
 
 
+def _inline_renders(http: httpx.Client) -> float:
+    values = metric_values(http.get("/metrics").text, "corewire_inline_chat_renders_total")
+    return values[0][1] if values else 0.0
+
+
+def test_short_chats_render_on_the_loop_with_vllms_answers(
+    stacks: dict[str, ServeStack],
+) -> None:
+    """A short chat is rendered through the model's template on the event loop, a long
+    one (past the bound) in vLLM's pool: both answered as vLLM's server answers them,
+    streamed or not; a template the chat brings, which the server does not trust, is
+    refused as vLLM refuses it, before any rendering."""
+    path = "/v1/chat/completions"
+
+    def whole(http: httpx.Client, chat: dict[str, Any]) -> Any:
+        data = json.dumps({"model": MODEL, **chat}).encode()
+        return _http_answer(http, "POST", path, "application/json", data)
+
+    short = [{"role": "user", "content": "the old house"}]
+    long = [{"role": "user", "content": "the old house " * 200}]
+    body: dict[str, Any] = {"max_tokens": 8, "temperature": 0.0, "ignore_eos": True}
+    with http_client(stacks["vllm"]) as theirs, http_client(stacks["corewire+fast"]) as mine:
+        for messages, inline in ((short, 1), (long, 0)):
+            for stream in (True, False):
+                chat = body | {"messages": messages, "stream": stream}
+                before = _inline_renders(mine)
+                if stream:
+                    got, expected, added = side_by_side(
+                        theirs, mine, lambda h, c=chat: raw_events(h, c, path)
+                    )
+                else:
+                    got, expected, added = side_by_side(theirs, mine, lambda h, c=chat: whole(h, c))
+                assert got == expected, (len(messages[0]["content"]), stream)
+                rendered = _inline_renders(mine) - before
+                assert rendered == inline * added["tries"], (inline, stream, rendered)
+        brought = body | {"messages": short, "chat_template": "{{ messages }}"}
+        before = _inline_renders(mine)
+        got, expected, _ = side_by_side(theirs, mine, lambda h: whole(h, brought))
+        assert got == expected and got[0] == 400, got
+        assert _inline_renders(mine) == before
+
+
 def test_client_disconnect_mid_stream_aborts_in_the_engine(
     stacks: dict[str, ServeStack],
 ) -> None:

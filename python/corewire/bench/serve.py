@@ -32,6 +32,9 @@ between the stacks (``--clients``, the first three by default):
 - ``corewire+fast/pool`` (on request only, the same): ``corewire+fast`` with every prompt
   tokenized in vLLM's thread pool (``COREWIRE_VLLM_INLINE_TOKENIZE=0``), to measure what
   tokenizing short prompts on the event loop saves;
+- ``corewire+fast/render`` (on request only, the same): ``corewire+fast`` with every chat
+  template rendered in vLLM's thread pool (``COREWIRE_VLLM_INLINE_RENDER=0``), to measure
+  what rendering short chats on the event loop saves (``--chat``);
 - ``corewire+fast/envs`` (on request only, the same): ``corewire+fast`` with vLLM's
   environment variables read on every access (``COREWIRE_VLLM_ENVS_CACHE=0``), to
   measure what reading them once saves;
@@ -173,6 +176,9 @@ DIRECT_ROUTE_SWITCH = "COREWIRE_VLLM_DIRECT_ROUTE"
 #: The fast path's short-prompt tokenization on the loop, its own switch
 #: (corewire.vllm.fast_path.inline_tokenize.SWITCH).
 INLINE_TOKENIZE_SWITCH = "COREWIRE_VLLM_INLINE_TOKENIZE"
+#: The fast path's short-chat rendering on the loop, its own switch
+#: (corewire.vllm.fast_path.inline_render.SWITCH).
+INLINE_RENDER_SWITCH = "COREWIRE_VLLM_INLINE_RENDER"
 #: The fast path's memo of ``vllm.envs``, its own switch
 #: (corewire.vllm.fast_path.envs_cache.SWITCH).
 ENVS_CACHE_SWITCH = "COREWIRE_VLLM_ENVS_CACHE"
@@ -198,6 +204,12 @@ STACKS: dict[str, tuple[str, dict[str, str]]] = {
         "corewire",
         {OUTPUT_SWITCH: "1", FAST_PATH_SWITCH: "1", INLINE_TOKENIZE_SWITCH: "0"},
     ),
+    # The fast path with every chat template rendered in vLLM's pool (inline rendering off,
+    # corewire.vllm.fast_path.inline_render): what rendering short chats on the loop saves.
+    "corewire+fast/render": (
+        "corewire",
+        {OUTPUT_SWITCH: "1", FAST_PATH_SWITCH: "1", INLINE_RENDER_SWITCH: "0"},
+    ),
     # The fast path with vLLM's environment variables read on every access, as vLLM's
     # server reads them (corewire.vllm.fast_path.envs_cache): what reading them once saves.
     "corewire+fast/envs": (
@@ -220,6 +232,7 @@ _SHORT = {
     "corewire+fast": "cw+fast",
     "corewire+fast/router": "cw+f/rtr",
     "corewire+fast/pool": "cw+f/pool",
+    "corewire+fast/render": "cw+f/rndr",
     "corewire+fast/envs": "cw+f/envs",
     "rust": "rust",
 }
@@ -1244,7 +1257,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         f"({FAST_PATH_SWITCH}=1); "
         f"corewire+fast/router (the same): corewire+fast with its direct routes off "
         f"({DIRECT_ROUTE_SWITCH}=0); corewire+fast/pool (the same): corewire+fast with every "
-        f"prompt tokenized in vLLM's pool ({INLINE_TOKENIZE_SWITCH}=0); corewire+fast/envs "
+        f"prompt tokenized in vLLM's pool ({INLINE_TOKENIZE_SWITCH}=0); corewire+fast/render "
+        f"(the same): corewire+fast with every chat template rendered in vLLM's pool "
+        f"({INLINE_RENDER_SWITCH}=0); corewire+fast/envs "
         f"(the same): corewire+fast with vLLM's environment read on each access "
         f"({ENVS_CACHE_SWITCH}=0); "
         "rust (not in the default): vLLM's own Rust front-end, vllm-rs "

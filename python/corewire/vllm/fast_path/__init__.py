@@ -23,11 +23,12 @@ the checks a request passes, one stream's plumbing) and the SSE frames and their
 parsers the frames can follow (:mod:`corewire.vllm.fast_path.parsers`). Only the frames,
 which need no vLLM, are imported with the package, so that it imports under every vLLM
 release; the rest needs 0.33.0's or 0.34.0's.
-Once per request, short prompts are tokenized on the event loop instead of through vLLM's
-tokenizer pool (:mod:`corewire.vllm.fast_path.inline_tokenize`), and ``POST`` requests to the
-two endpoints skip the app's router (:mod:`corewire.vllm.fast_path.direct_route`), and
-vLLM's environment variables are read once the app is built, not on each request's access
-(:mod:`corewire.vllm.fast_path.envs_cache`).
+Once per request, short prompts are tokenized, and short chats rendered through their chat
+template, on the event loop instead of through vLLM's pool
+(:mod:`corewire.vllm.fast_path.inline_tokenize`, :mod:`corewire.vllm.fast_path.inline_render`),
+``POST`` requests to the two endpoints skip the app's router
+(:mod:`corewire.vllm.fast_path.direct_route`), and vLLM's environment variables are read
+once the app is built, not on each request's access (:mod:`corewire.vllm.fast_path.envs_cache`).
 ``COREWIRE_VLLM_FAST_PATH=0`` turns it all off (:mod:`corewire.vllm.plugin`).
 """
 
@@ -75,6 +76,19 @@ def install(completion_class: Any, chat_class: Any) -> None:
     chat.install(chat_class)
     from vllm.renderers.base import BaseRenderer
 
-    from corewire.vllm.fast_path import inline_tokenize
+    from corewire.vllm.fast_path import inline_render, inline_tokenize
 
     inline_tokenize.install(BaseRenderer)
+    _install_inline_render(inline_render)
+
+
+def _install_inline_render(inline_render: Any) -> None:
+    # vLLM 0.34.0's renderers; a release that lays them out otherwise keeps its pool.
+    try:
+        from vllm.renderers import hf
+        from vllm.renderers.online_renderer import OnlineRenderer
+    except ImportError:
+        return
+    render = getattr(hf, "safe_apply_chat_template", None)
+    if render is not None:
+        inline_render.install(hf.HfRenderer, render, OnlineRenderer)
