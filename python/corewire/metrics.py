@@ -42,14 +42,14 @@ corewire_fast_path_tokens_total          counter                    their tokens
 corewire_direct_route_requests_total     counter                    requests of ``vllm
                                                                     serve`` served around the
                                                                     app's router
-corewire_inline_chat_renders_total       counter                    chats of ``vllm serve``
-                                                                    rendered through their
-                                                                    template on the event loop
+corewire_inline_chat_renders_total       counter                    chat template renders
+                                                                    of ``vllm serve`` done on
+                                                                    the event loop
 =======================================  =========  ==============  ========================
 
-The fast path's counters (:func:`count_fast_path`, :func:`count_direct_route`,
-:func:`count_inline_render`) are counted once per request, in the API server that served
-it.
+The fast path's counters (:func:`count_fast_path`, :func:`count_direct_route`) are counted
+once per request, in the API server that served it; :func:`count_inline_render` once per
+render (a chat with prompt embeddings renders twice).
 
 ``client`` is the client's index (vLLM's API-server index); clients of one process with
 the same index share their series (the gauges add up). ``engine`` is the engine index
@@ -205,8 +205,8 @@ class _Family:
         )
         self.inline_renders = prom.Counter(
             "corewire_inline_chat_renders_total",
-            "Chats of vllm serve rendered through their chat template on the event loop, "
-            "not in vLLM's renderer pool.",
+            "Chat template renders of vllm serve done on the event loop, not in vLLM's "
+            "renderer pool.",
         )
         # Clients alive per client label, read by the gauges at scrape time: a tuple
         # replaced under the lock, so a scrape reads one without it.
@@ -379,8 +379,8 @@ def count_direct_route() -> None:
 
 
 def count_inline_render() -> None:
-    """Counts one chat of ``vllm serve`` rendered through its template on the event loop
-    (nothing when metrics are off)."""
+    """Counts one chat template render of ``vllm serve`` done on the event loop (nothing
+    when metrics are off)."""
     if enabled():
         _get_family().inline_renders.inc()
 

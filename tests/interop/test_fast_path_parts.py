@@ -394,6 +394,7 @@ def test_short_chats_render_on_the_loop_with_the_same_answer(
         pass
 
     monkeypatch.delenv(inline_render.SWITCH, raising=False)
+    monkeypatch.setattr(inline_render, "_server_templates", [])
 
     def install(cls: type) -> None:
         inline_render.install(cls, lambda *a, **k: cls.current.render(*a, **k), Online)
@@ -409,12 +410,15 @@ def test_short_chats_render_on_the_loop_with_the_same_answer(
     short = [{"role": "user", "content": "hello tell me"}]
     long = [{"role": "user", "content": "hello " * (inline_render.INLINE_CHARS // 6 + 1)}]
     odd = [{"role": "user", "content": "hello", "extra": object()}]
+    big_tools = [{"name": "tell", "description": "x" * inline_render.INLINE_CHARS}]
     calls = [
         (short, {}),
         (short, {"chat_template": server_template, "add_generation_prompt": True}),
+        (short, {"chat_template": None, "tools": [{"name": "tell"}]}),
         (long, {}),
         (odd, {}),
         (short, {"chat_template": request_template}),
+        (short, {"tools": big_tools}),
     ]
 
     async def run(renderer: _ChatRenderer) -> tuple[Any, ...]:
@@ -423,6 +427,10 @@ def test_short_chats_render_on_the_loop_with_the_same_answer(
             await renderer._apply_chat_template_async(None, renderer.tokenizer, c, **kw)
             for c, kw in calls
         ]
+        # Not vLLM's call (the conversation by name): the pool, which takes any call.
+        answers.append(
+            await renderer._apply_chat_template_async(None, renderer.tokenizer, conversation=short)
+        )
         with pytest.raises(ValueError, match="refused the chat"):
             chat = [{"role": "user", "content": "refuse"}]
             await renderer._apply_chat_template_async(None, renderer.tokenizer, chat)
@@ -433,9 +441,10 @@ def test_short_chats_render_on_the_loop_with_the_same_answer(
         inline = Renderer(pool)
         Renderer.current = inline  # type: ignore[attr-defined]
         answers, on_loop = asyncio.run(run(inline))
-        assert on_loop == [True, True, False, False, False, True]
+        assert on_loop == [True, True, True, False, False, False, False, False, True]
         pooled = _ChatRenderer(pool)
-        assert asyncio.run(run(pooled))[0] == answers
+        pooled_answers, pooled_on_loop = asyncio.run(run(pooled))
+        assert pooled_answers == answers and not any(pooled_on_loop)
         assert answers[0] == [1, 2, 3] and answers[1] == [1, 2, 3, 5]
         monkeypatch.setenv(inline_render.SWITCH, "0")
 
@@ -444,7 +453,7 @@ def test_short_chats_render_on_the_loop_with_the_same_answer(
 
         install(Off)
         Off.current = Off(pool)  # type: ignore[attr-defined]
-        assert asyncio.run(run(Off.current))[1] == [False] * 6
+        assert asyncio.run(run(Off.current))[1] == [False] * 9
 
 
 @pytest.mark.parametrize(
@@ -454,7 +463,10 @@ def test_short_chats_render_on_the_loop_with_the_same_answer(
         ([{"role": "user", "content": "hi"}], 4 + 4 + 7 + 2),
         ({"n": 3, "flag": True, "none": None}, 1 + 1 + 4 + 1 + 4 + 1),
         (("a", ["b", ("c",)]), 3),
+        ("x" * 2048, 2048),
         ("x" * 2049, None),
+        ({"k": "x" * 2048}, None),
+        ([[[[[[[["deep"]]]]]]]], 4),
         ([[[[[[[[["deep"]]]]]]]]], None),
         ({"tensor": object()}, None),
         (b"bytes", None),

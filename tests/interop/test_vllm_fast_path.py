@@ -902,19 +902,39 @@ def _inline_renders(http: httpx.Client) -> float:
     return values[0][1] if values else 0.0
 
 
+def _chat_answers(
+    theirs: httpx.Client, mine: httpx.Client, chat: dict[str, Any]
+) -> tuple[Any, Any, float]:
+    # vLLM's answer and the fast path's to ``chat`` (streamed or whole), and how many
+    # renders the fast path's server did on its loop on the last try.
+    path = "/v1/chat/completions"
+
+    def answer(http: httpx.Client) -> Any:
+        if chat.get("stream"):
+            return raw_events(http, chat, path)
+        data = json.dumps({"model": MODEL, **chat}).encode()
+        return _http_answer(http, "POST", path, "application/json", data)
+
+    renders: list[float] = []
+
+    def fetch(http: httpx.Client) -> Any:
+        if http is mine:
+            renders.append(_inline_renders(mine))
+        got = answer(http)
+        if http is mine:
+            renders[-1] = _inline_renders(mine) - renders[-1]
+        return got
+
+    got, expected, _ = side_by_side(theirs, mine, fetch)
+    return got, expected, renders[-1]
+
+
 def test_short_chats_render_on_the_loop_with_vllms_answers(
     stacks: dict[str, ServeStack],
 ) -> None:
     """A short chat is rendered through the model's template on the event loop, a long
     one (past the bound) in vLLM's pool: both answered as vLLM's server answers them,
-    streamed or not; a template the chat brings, which the server does not trust, is
-    refused as vLLM refuses it, before any rendering."""
-    path = "/v1/chat/completions"
-
-    def whole(http: httpx.Client, chat: dict[str, Any]) -> Any:
-        data = json.dumps({"model": MODEL, **chat}).encode()
-        return _http_answer(http, "POST", path, "application/json", data)
-
+    streamed or not."""
     short = [{"role": "user", "content": "the old house"}]
     long = [{"role": "user", "content": "the old house " * 200}]
     body: dict[str, Any] = {"max_tokens": 8, "temperature": 0.0, "ignore_eos": True}
@@ -922,21 +942,46 @@ def test_short_chats_render_on_the_loop_with_vllms_answers(
         for messages, inline in ((short, 1), (long, 0)):
             for stream in (True, False):
                 chat = body | {"messages": messages, "stream": stream}
-                before = _inline_renders(mine)
-                if stream:
-                    got, expected, added = side_by_side(
-                        theirs, mine, lambda h, c=chat: raw_events(h, c, path)
-                    )
-                else:
-                    got, expected, added = side_by_side(theirs, mine, lambda h, c=chat: whole(h, c))
+                got, expected, renders = _chat_answers(theirs, mine, chat)
                 assert got == expected, (len(messages[0]["content"]), stream)
-                rendered = _inline_renders(mine) - before
-                assert rendered == inline * added["tries"], (inline, stream, rendered)
-        brought = body | {"messages": short, "chat_template": "{{ messages }}"}
-        before = _inline_renders(mine)
-        got, expected, _ = side_by_side(theirs, mine, lambda h: whole(h, brought))
-        assert got == expected and got[0] == 400, got
-        assert _inline_renders(mine) == before
+                assert renders == inline, (inline, stream, renders)
+
+
+#: A server's ``--chat-template``: the model's, and a refusal of one message.
+_SERVER_TEMPLATE = (
+    "{% if messages[0]['content'] == 'refuse me' %}"
+    "{{ raise_exception('the server template refuses this chat') }}{% endif %}"
+    "{% for message in messages %}{{ message['role'] }} says {{ message['content'] }}\n"
+    "{% endfor %}{% if add_generation_prompt %}assistant :{% endif %}"
+)
+
+
+def test_server_template_renders_on_the_loop_and_a_brought_one_in_the_pool(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> None:
+    """Both servers started with ``--chat-template`` and ``--trust-request-chat-template``:
+    a short chat through the server's template is rendered on the loop, its template's
+    refusal answered with vLLM's error; a template the request brings (the same text, or
+    its own) goes to vLLM's pool; every answer the same as vLLM's server's."""
+    template = tmp_path_factory.mktemp("template") / "chat.jinja"
+    template.write_text(_SERVER_TEMPLATE)
+    args = ("--chat-template", str(template), "--trust-request-chat-template")
+    body: dict[str, Any] = {"max_tokens": 6, "temperature": 0.0, "ignore_eos": True}
+    hello = [{"role": "user", "content": "the old house"}]
+    with parser_servers(tmp_path_factory, args, 4096) as (theirs, mine):
+        for stream in (True, False):
+            got, expected, renders = _chat_answers(
+                theirs, mine, body | {"messages": hello, "stream": stream}
+            )
+            assert got == expected and renders == 1, (stream, renders)
+        refused = body | {"messages": [{"role": "user", "content": "refuse me"}]}
+        got, expected, renders = _chat_answers(theirs, mine, refused)
+        assert got == expected and renders == 1, (got, renders)
+        assert got[0] == 400 and "the server template refuses this chat" in got[2], got
+        for brought in (_SERVER_TEMPLATE, "{% for m in messages %}{{ m['content'] }}{% endfor %}"):
+            chat = body | {"messages": hello, "chat_template": brought}
+            got, expected, renders = _chat_answers(theirs, mine, chat)
+            assert got == expected and got[0] == 200 and renders == 0, (got, renders)
 
 
 def test_client_disconnect_mid_stream_aborts_in_the_engine(

@@ -12,13 +12,21 @@ cross-thread callback. Profiled behind ``--reasoning-parser deepseek_r1 --tool-c
 hermes``, the pool's worker took about a tenth of the server's CPU per two-token chat.
 
 A chat is rendered on the loop, by the same function with the same arguments, when
-everything the template sees (the parsed messages, the tools and the keyword arguments)
-holds at most :data:`INLINE_CHARS` characters in plain data (strings, numbers, lists,
-dicts), and its template is the model's own or one the server was started with (a
-template a request brought, which ``--trust-request-chat-template`` allows, keeps the
-pool and its timeout). The answer, or the exception, reaches the caller through a future
-as the pool's would, and ``corewire_inline_chat_renders_total`` counts it. Anything else
-goes to the pool as before.
+everything the template sees (the parsed messages, the tools and the keyword arguments,
+nested at most eight deep: a deeply nested tool schema keeps the pool) holds at most
+:data:`INLINE_CHARS` characters in plain data (strings, numbers, lists, dicts), and its
+template is the model's own or one the server was started with (a template a request
+brought, which ``--trust-request-chat-template`` allows, keeps the pool and its timeout).
+The answer, or the exception, reaches the caller through a future as the pool's would, and
+``corewire_inline_chat_renders_total`` counts the render. Anything else goes to the pool as
+before.
+
+What changes: vLLM's render timeout no longer guards the model's or the server's template
+for such a chat (the render is done before vLLM's ``wait_for`` starts), so a template of
+the server's own that loops long on a short input holds the event loop for that long
+(under vLLM's pool it took turns with the loop for the GIL, until the timeout freed the
+request). The bound weighs the template's input, not what the template adds to it (a long built-in
+system prompt is tokenized on the loop too); numbers weigh one character.
 
 ``COREWIRE_VLLM_INLINE_RENDER=0`` keeps the pool for every chat. Installed with the fast
 path (API server processes only), on ``vllm.renderers.hf.HfRenderer`` of vLLM 0.34.0 (a
@@ -121,7 +129,7 @@ def inline_renderer(render: Callable[..., Any], pooled: Callable[..., Any]) -> C
             future.set_exception(exc)
         return future
 
-    apply_chat_template_async.corewire_inline = True  # type: ignore[attr-defined]
+    apply_chat_template_async.corewire_inline_render = True  # type: ignore[attr-defined]
     return apply_chat_template_async
 
 
@@ -129,7 +137,7 @@ def trust_server_templates(online_renderer_class: Any) -> None:
     """Makes every ``online_renderer_class`` (vLLM's ``OnlineRenderer``, which holds the
     server's ``--chat-template``) built from now on register its template as the
     server's."""
-    if getattr(online_renderer_class.__init__, "corewire_inline", False):
+    if getattr(online_renderer_class.__init__, "corewire_inline_render", False):
         return
     init = online_renderer_class.__init__
 
@@ -139,7 +147,7 @@ def trust_server_templates(online_renderer_class: Any) -> None:
         if isinstance(template, str) and not _trusted(template):
             _server_templates.append(template)
 
-    __init__.corewire_inline = True  # type: ignore[attr-defined]
+    __init__.corewire_inline_render = True  # type: ignore[attr-defined]
     online_renderer_class.__init__ = __init__
 
 
@@ -147,7 +155,7 @@ def install(renderer_class: Any, render: Callable[..., Any], online_renderer_cla
     """Makes every ``renderer_class`` (vLLM's ``HfRenderer``) built from now on render
     short chats on the loop with ``render`` (:func:`inline_renderer`), and the server's
     templates known (:func:`trust_server_templates`), unless :data:`SWITCH` is off."""
-    if switched_off() or getattr(renderer_class.__init__, "corewire_inline", False):
+    if switched_off() or getattr(renderer_class.__init__, "corewire_inline_render", False):
         return
     trust_server_templates(online_renderer_class)
     init = renderer_class.__init__
@@ -158,5 +166,5 @@ def install(renderer_class: Any, render: Callable[..., Any], online_renderer_cla
         if pooled is not None:
             self._apply_chat_template_async = inline_renderer(render, pooled)
 
-    __init__.corewire_inline = True  # type: ignore[attr-defined]
+    __init__.corewire_inline_render = True  # type: ignore[attr-defined]
     renderer_class.__init__ = __init__
