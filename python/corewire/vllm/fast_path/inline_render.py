@@ -35,12 +35,12 @@ renderer whose ``__init__`` does not set ``_apply_chat_template_async`` is left 
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import Callable
 from typing import Any
 
 from corewire import metrics
 from corewire.vllm.fast_path import switches
+from corewire.vllm.fast_path.on_loop import answered
 
 __all__ = [
     "INLINE_CHARS",
@@ -122,12 +122,7 @@ def inline_renderer(render: Callable[..., Any], pooled: Callable[..., Any]) -> C
         ):
             return pooled(*args, **kwargs)
         metrics.count_inline_render()
-        future = asyncio.get_running_loop().create_future()
-        try:
-            future.set_result(render(*args, **kwargs))
-        except Exception as exc:  # delivered at the await, as the pool's future does
-            future.set_exception(exc)
-        return future
+        return answered(render, *args, **kwargs)
 
     apply_chat_template_async.corewire_inline_render = True  # type: ignore[attr-defined]
     return apply_chat_template_async

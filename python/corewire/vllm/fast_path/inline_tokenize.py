@@ -19,11 +19,11 @@ fast path (API server processes only), on ``vllm.renderers.base.BaseRenderer`` o
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import Callable
 from typing import Any
 
 from corewire.vllm.fast_path import switches
+from corewire.vllm.fast_path.on_loop import answered
 
 __all__ = ["INLINE_CHARS", "SWITCH", "inline_tokenizer", "install"]
 
@@ -49,12 +49,7 @@ def inline_tokenizer(
         text = prompt.get("prompt") if isinstance(prompt, dict) else None
         if not isinstance(text, str) or len(text) > INLINE_CHARS:
             return pooled(prompt, params)
-        future = asyncio.get_running_loop().create_future()
-        try:
-            future.set_result(tokenize(prompt, params))
-        except Exception as exc:  # delivered at the await, as the pool's future does
-            future.set_exception(exc)
-        return future
+        return answered(tokenize, prompt, params)
 
     tokenize_prompt_async.corewire_inline = True  # type: ignore[attr-defined]
     return tokenize_prompt_async
