@@ -445,7 +445,8 @@ def test_custom_inline_threshold(threshold: int) -> None:
     outs = p.EngineCoreOutputs(
         outputs=[p.EngineCoreOutput(f"r{i}", [], routed_experts=a) for i, a in enumerate(arrays)]
     )
-    frames = Encoder(inline_threshold=threshold).encode(outs)
+    # 0.25.1's layout, whatever vLLM is installed: routed_experts is its field 11.
+    frames = Encoder(inline_threshold=threshold, release="0.25.1").encode(outs)
     refs = [o[11][2] for o in _raw(frames[0])[1]]  # type: ignore[index]
     aux_index = 1
     for array, ref in zip(arrays, refs, strict=True):
