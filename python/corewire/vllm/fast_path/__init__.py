@@ -76,14 +76,16 @@ def install(completion_class: Any, chat_class: Any) -> None:
     chat.install(chat_class)
     from vllm.renderers.base import BaseRenderer
 
-    from corewire.vllm.fast_path import inline_render, inline_tokenize
+    from corewire.vllm.fast_path import inline_tokenize
 
     inline_tokenize.install(BaseRenderer)
-    _install_inline_render(inline_render)
+    _install_inline_render()
 
 
-def _install_inline_render(inline_render: Any) -> None:
+def _install_inline_render() -> None:
     # vLLM 0.34.0's renderers; a release that lays them out otherwise keeps its pool.
+    from corewire.vllm.fast_path import inline_render
+
     try:
         from vllm.renderers import hf
         from vllm.renderers.online_renderer import OnlineRenderer
