@@ -339,11 +339,12 @@ def shared_stack(
     extra_server_args: tuple[str, ...] = (),
     still_healthy: Callable[[], bool] = lambda: True,
     markers: tuple[str, ...] = (),
+    api_servers: int = 1,
 ) -> Iterator[ServeStack]:
     """The stack a module shares across its tests (one engine, ``client`` in the API
-    server), its processes in ``shared`` while it runs. On leaving, unless
-    ``still_healthy()`` says a test broke it on purpose, every test must have left it
-    healthy: nothing crashed under the requests."""
+    server, or in each of ``api_servers``), its processes in ``shared`` while it runs. On
+    leaving, unless ``still_healthy()`` says a test broke it on purpose, every test must
+    have left it healthy: nothing crashed under the requests."""
     with running_stack(
         workdir,
         client=client,
@@ -351,6 +352,8 @@ def shared_stack(
         engine_overrides=engine_overrides,
         extra_server_args=extra_server_args,
         markers=markers,
+        api_servers=api_servers,
+        timeout=90.0 if api_servers == 1 else 150.0,
     ) as started:
         pids = {started.server.pid, *(p.pid for p in started.engines)}  # type: ignore[union-attr]
         shared.update(pids)
