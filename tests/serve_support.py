@@ -647,6 +647,24 @@ def check_two_engines_behind_one_front_end(tmp_path: Path, client: str) -> str:
         return server_log(stack)
 
 
+#: A server of vLLM's multi-API-server layout as its log lines name it, and its process.
+_API_SERVER = re.compile(r"\((ApiServer_\d+) pid=(\d+)\)")
+
+
+def api_servers_saying(stack: ServeStack, line: str, count: int = 2) -> dict[str, int]:
+    """The servers of ``stack``'s multi-API-server layout whose log says ``line``, by name
+    (``ApiServer_0``...) with their process ids, once ``count`` of them have (or a minute
+    has passed): ``/health`` answers once one server is up, while another may still be
+    building its app on a loaded machine."""
+    deadline = time.monotonic() + 60.0
+    while True:
+        said = [x for x in server_log(stack).splitlines() if line in x]
+        servers = {m[1]: int(m[2]) for x in said if (m := _API_SERVER.search(x))}
+        if len(servers) >= count or time.monotonic() > deadline:
+            return servers
+        time.sleep(0.5)
+
+
 def check_two_api_servers_with_corewire_clients(tmp_path: Path) -> str:
     """``--api-server-count 2`` with the plugin on: both server processes run corewire's
     client, both answer on the one shared port, and vLLM adds up their metrics. Returns
@@ -655,16 +673,8 @@ def check_two_api_servers_with_corewire_clients(tmp_path: Path) -> str:
         running_stack(tmp_path, client="corewire", api_servers=2, timeout=150.0) as stack,
         httpx.Client(base_url=stack.base_url, timeout=HTTP_TIMEOUT) as http,
     ):
-        # /health answers once one server is up; the other may still be building its
-        # AsyncLLM (and logging the switch) on a loaded machine: wait for both lines.
-        deadline = time.monotonic() + 60.0
-        while True:
-            switched = [x for x in server_log(stack).splitlines() if PLUGIN_LOG_LINE in x]
-            servers = {line.split(" pid=")[0] for line in switched if "(ApiServer_" in line}
-            if len(servers) >= 2 or time.monotonic() > deadline:
-                break
-            time.sleep(0.5)
-        assert servers == {"(ApiServer_0", "(ApiServer_1"}, switched
+        servers = api_servers_saying(stack, PLUGIN_LOG_LINE)
+        assert sorted(servers) == ["ApiServer_0", "ApiServer_1"], server_log(stack)[-3000:]
         body = {"prompt": "the quick brown fox", "max_tokens": 8, "temperature": 0.0}
 
         async def burst() -> list[Any]:

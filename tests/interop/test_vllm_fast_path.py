@@ -70,6 +70,7 @@ from serve_support import (  # noqa: E402
     MODEL,
     SETTINGS,
     SharedPids,
+    api_servers_saying,
     check_client_disconnect_aborts_in_engine,
     completion,
     http_client,
@@ -1013,10 +1014,6 @@ def test_fast_path_off_by_switch(tmp_path: Path) -> None:
         assert envs_cache.CACHED_LOG_LINE not in server_log(stack)
 
 
-#: A server of vLLM's multi-API-server layout as its log lines name it, and its process.
-_API_SERVER = re.compile(r"\((ApiServer_\d+) pid=(\d+)\)")
-
-
 def fast_path_counts_by_process(metrics_dir: Path) -> dict[int, dict[str, float]]:
     """Each process's own fast path counters (requests on the fast path, tokens written
     natively), from prometheus_client's per-process files in ``metrics_dir`` (the
@@ -1078,15 +1075,8 @@ def test_each_of_two_api_servers_takes_the_fast_path(
         http_client(stack) as mine,
         http_client(stacks["vllm"]) as theirs,
     ):
-        # /health answers once one server is up: wait for both to say it (or the time).
-        deadline = time.monotonic() + 60.0
-        while True:
-            said = [x for x in server_log(stack).splitlines() if INSTALLED_LOG_LINE in x]
-            servers = dict(m.groups() for x in said if (m := _API_SERVER.search(x)))
-            if len(servers) >= 2 or time.monotonic() > deadline:
-                break
-            time.sleep(0.5)
-        assert sorted(servers) == ["ApiServer_0", "ApiServer_1"], said
+        servers = api_servers_saying(stack, INSTALLED_LOG_LINE)
+        assert sorted(servers) == ["ApiServer_0", "ApiServer_1"], server_log(stack)[-3000:]
         before = fast_path_counts(mine)
         # The whole batch goes again, at once, while any stream differs: on two cores a
         # server can fall a step behind (two tokens in one chunk, as vLLM's would), and
@@ -1109,7 +1099,7 @@ def test_each_of_two_api_servers_takes_the_fast_path(
         assert ideal // 2 <= native <= ideal, native
         # Which server accepts a connection is the kernel's choice: more batches (fresh
         # connections) until each server has served some, by its own counters.
-        pids = [int(pid) for pid in servers.values()]
+        pids = list(servers.values())
 
         def served() -> dict[int, dict[str, float]]:
             # A request's count lands just after its last chunk: read until both
