@@ -76,6 +76,9 @@ FEATURES: tuple[Feature, ...] = (
     Feature("`include_usage`", C, _USAGE, fast=True),
     Feature("`continuous_usage_stats`", C, _CONTINUOUS),
     Feature("`echo`", C, {"echo": True}, fast=True, rust=DIFFERS),
+    Feature(
+        "`echo` with `logprobs` (top 2)", C, {"echo": True, "logprobs": 2}, fast=True, rust=DIFFERS
+    ),
     Feature("`n` = 2", C, {"n": 2, "temperature": 0.8, "seed": 5}, fast=True),
     Feature("`return_token_ids`", C, {"return_token_ids": True}),
     Feature("`logprob_token_ids`", C, {"logprobs": 1, "logprob_token_ids": [5, 6]}, rust=ERROR),

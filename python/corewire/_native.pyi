@@ -334,8 +334,9 @@ class RequestText:
         text gets no frame (with logprobs it is Python's to render); ``release_ids``: an
         output with one of these token ids is Python's to render; ``chat_logprobs``: the
         logprobs object is a chat chunk's (``content``), not a completions chunk's.
-        ``ValueError`` for a request whose chunks carry more (not ``DELTA``, prompt
-        logprobs); one of n > 1 samples streams its own choice."""
+        ``ValueError`` for a request whose chunks carry more (not ``DELTA``); a request
+        with prompt logprobs streams too, an output that carries them going to Python
+        with the stream released first; one of n > 1 samples streams its own choice."""
     def detach_stream(self, flush: bool = False) -> None:
         """Takes the request off the fast path: what waits written first with ``flush``,
         dropped without (its response is over)."""

@@ -7,9 +7,10 @@ path (``corewire+fast``: corewire's client, native output processing, and the ch
 streaming completions after the first written natively). Both get the same seeded random
 workloads of streaming completions, one request at a time, and every SSE event must be the
 same text, byte for byte, but for the request id, the creation time and the server's
-fingerprint: the options the fast path covers (sample logprobs, stop strings and stop token
-ids, usage, min_tokens, seeded sampling, per-request stream intervals...) and those that stay
-on vLLM's path (echo, logprob_token_ids, n > 1, continuous usage, token ids). Directed tests
+fingerprint: the options the fast path covers (sample logprobs, echo with and without them,
+n > 1, stop strings and stop token ids, usage, min_tokens, seeded sampling, per-request stream
+intervals...) and those that stay on vLLM's path (logprob_token_ids, continuous usage, token
+ids). Directed tests
 cover the edges: a client that hangs up mid-stream, an engine that dies mid-stream, a
 fallback said in the log, and the counters that show which path ran.
 
@@ -175,7 +176,6 @@ def raw_events(
 
 #: Options that keep a request on vLLM's path, each with what it asks.
 FALLBACKS: list[dict[str, Any]] = [
-    {"echo": True, "logprobs": 2},
     {"logprobs": 1, "logprob_token_ids": [5, 6]},
     {"stream_options": {"include_usage": True, "continuous_usage_stats": True}},
     {"return_token_ids": True},
@@ -207,7 +207,8 @@ def random_requests(seed: int, http: httpx.Client, count: int) -> Iterator[dict[
             body["min_tokens"] = rng.randint(0, body["max_tokens"])
         if rng.random() < 0.4:
             body["logprobs"] = rng.randint(0, 5)
-        elif rng.random() < 0.25:
+        if rng.random() < 0.25:
+            # With logprobs too: the echo's chunk carries the prompt's, then the sample's.
             body["echo"] = True
         if rng.random() < 0.2:
             # vLLM 0.34.0's per-request stream interval: chunks of several tokens.
@@ -626,6 +627,32 @@ def test_long_stream_is_written_natively(
     # whole one fits before the last token, whose chunk (the finish) is Python's too.
     assert added["tokens"] == interval * ((tokens - 2) // interval)
     assert added["fast"] == 1
+
+
+@pytest.mark.parametrize("tokens", [0, 1, 40])
+def test_echo_with_logprobs_is_written_natively(stacks: dict[str, ServeStack], tokens: int) -> None:
+    """A completion that echoes its prompt with logprobs: the same events as vLLM's
+    server (the first chunk's logprobs over the prompt, its first position without one,
+    then over the first token; for no tokens, the prompt alone), and a long stream's tokens
+    after the first written natively, their text offsets counted on from the prompt's."""
+    prompt = "the old house on the hill"
+    body = {"prompt": prompt, "max_tokens": tokens, "temperature": 0.0, "ignore_eos": True}
+    body |= {"echo": True, "logprobs": 3, "stream": True}
+    body |= {"stream_options": {"include_usage": True}}
+    with http_client(stacks["vllm"]) as theirs, http_client(stacks["corewire+fast"]) as mine:
+        got, expected, added = side_by_side(theirs, mine, lambda h: raw_events(h, body))
+    assert got == expected, _first_difference(got, expected)
+    assert added["fast"] == 1
+    first = json.loads(got[0])["choices"][0]
+    assert first["text"].startswith(prompt)
+    assert first["logprobs"]["token_logprobs"][0] is None
+    if tokens < 40:
+        assert added["tokens"] == 0
+        return
+    # The first token's chunk and the finish are Python's, the tokens between native.
+    assert added["tokens"] == tokens - 2
+    offsets = [json.loads(e)["choices"][0]["logprobs"]["text_offset"][0] for e in got[1:4]]
+    assert len(prompt) < offsets[0] < offsets[1] < offsets[2], offsets
 
 
 @pytest.mark.parametrize(

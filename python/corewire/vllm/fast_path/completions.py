@@ -1,8 +1,8 @@
 """The fast path of vLLM 0.33.0's and 0.34.0's streaming ``/v1/completions`` (see
 :mod:`corewire.vllm.fast_path`): one prompt, any number of samples (each written by its
 own native state), chunks of text and sample logprobs, the prompt echoed in a sample's
-first without logprobs; anything else stays on vLLM's
-``completion_stream_generator``."""
+first chunk (with the prompt's logprobs before the sample's where the request asks for
+logprobs); anything else stays on vLLM's ``completion_stream_generator``."""
 
 from __future__ import annotations
 
@@ -54,8 +54,6 @@ def refusal(serving: Any, request: Any, num_prompts: int, connection: Any) -> st
         connection,
         first=[(num_prompts != 1, "more than one prompt")],
         options=[
-            # The echoed prompt's logprobs are the prompt's, rendered apart.
-            (request.echo and request.logprobs is not None, "echo with logprobs"),
             (request.prompt_logprobs is not None, "prompt_logprobs"),
             (bool(request.logprob_token_ids), "logprob_token_ids"),
             (
@@ -201,14 +199,27 @@ async def completion_stream(
                 finish_reason = output.finish_reason
                 serving._raise_if_error(finish_reason, request_id)
                 delta_text, prompt_ids = output.text, None
+                delta_ids, delta_logprobs = output.token_ids, output.logprobs
                 if echo[i]:
                     echo[i] = False
                     prompt = res.prompt
                     if prompt is None:
                         prompt = serving._extract_prompt_text(engine_inputs[0])
-                    # A request for no tokens gets the prompt alone, as vLLM answers it.
-                    delta_text = prompt if request.max_tokens == 0 else prompt + output.text
                     prompt_ids = res.prompt_token_ids
+                    if request.max_tokens == 0:
+                        # A request for no tokens gets the prompt alone, as vLLM answers it.
+                        delta_text = prompt
+                        delta_ids, delta_logprobs = prompt_ids, res.prompt_logprobs
+                    else:
+                        delta_text = prompt + output.text
+                        if request.logprobs is not None:
+                            # The chunk's logprobs run over the prompt, then the sample
+                            # (the prompt's first position has none), as vLLM's do.
+                            delta_ids = [*prompt_ids, *output.token_ids]
+                            delta_logprobs = [
+                                *(res.prompt_logprobs or []),
+                                *(output.logprobs or []),
+                            ]
                 elif nothing_to_say(output, rendered[i] + stream.streamed_of(i)):
                     continue
                 rendered[i] += len(output.token_ids)
@@ -217,9 +228,12 @@ async def completion_stream(
                     text = stream.texts.get(i)
                     if text is not None:
                         text_offsets[i] = text.stream_text_offset
+                    if delta_logprobs is None:
+                        # vLLM's generator asserts them, and streams the failure.
+                        raise AssertionError("Did not output logprobs")
                     logprobs = serving._create_completion_logprobs(
-                        token_ids=output.token_ids,
-                        top_logprobs=output.logprobs,
+                        token_ids=delta_ids,
+                        top_logprobs=delta_logprobs,
                         num_output_top_logprobs=request.logprobs,
                         tokenizer=tokenizer,
                         initial_text_offset=text_offsets[i],

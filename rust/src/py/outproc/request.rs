@@ -449,8 +449,10 @@ impl RequestText {
     /// literal, `mid`, the logprobs or `null`, `tail`), instead of going to its
     /// collector. `logprobs_limit`: with, and only with, sample logprobs, the candidates
     /// a chunk shows per position (-1: all); `text_offset`: where the next chunk's first
-    /// token starts. Only a streamed (`DELTA`) request without prompt logprobs
-    /// (`ValueError`: those chunks carry more); one of n > 1 samples streams its own
+    /// token starts. Only a streamed (`DELTA`) request (`ValueError`: other outputs
+    /// carry more); a request with prompt logprobs too (a completion's echo with
+    /// logprobs), since an output carrying them is never plain, and goes to Python with
+    /// the stream released first. One of n > 1 samples streams its own
     /// choice (a streamed parent passes its children's unfinished outputs on as they
     /// are, so frames can stand in for them). `skip_empty`: an output whose
     /// new text is empty gets no frame (with logprobs it is Python's to render);
@@ -481,8 +483,6 @@ impl RequestText {
             Some("a logprobs limit goes with, and only with, a request for logprobs")
         } else if self.num_logprobs.is_some() && self.stream.is_none() {
             Some("its logprobs have no token strings (no detokenization)")
-        } else if self.num_prompt_logprobs.is_some() {
-            Some("it asked for prompt logprobs")
         } else {
             None
         };
