@@ -655,6 +655,36 @@ def test_echo_with_logprobs_is_written_natively(stacks: dict[str, ServeStack], t
     assert len(prompt) < offsets[0] < offsets[1] < offsets[2], offsets
 
 
+@pytest.mark.parametrize("top", [0, 2])
+def test_chat_echo_with_logprobs_is_written_natively(
+    stacks: dict[str, ServeStack], top: int
+) -> None:
+    """A chat that echoes its last message with logprobs (vLLM then asks the engine for
+    the prompt's logprobs too, which no chunk shows): the same events as vLLM's server,
+    and the tokens between the first token's chunk and the finish written natively."""
+    body = {
+        "messages": [
+            {"role": "user", "content": "tell me a story"},
+            {"role": "assistant", "content": "once upon a"},
+        ],
+        "max_tokens": 30,
+        "temperature": 0.0,
+        "ignore_eos": True,
+        "echo": True,
+        "logprobs": True,
+        "top_logprobs": top,
+        "stream": True,
+    }
+    path = "/v1/chat/completions"
+    with http_client(stacks["vllm"]) as theirs, http_client(stacks["corewire+fast"]) as mine:
+        got, expected, added = side_by_side(theirs, mine, lambda h: raw_events(h, body, path))
+    assert got == expected, _first_difference(got, expected)
+    # The role's chunk, then the echo's.
+    assert json.loads(got[1])["choices"][0]["delta"]["content"] == "once upon a"
+    assert added["fast"] == 1
+    assert added["tokens"] == 30 - 2
+
+
 @pytest.mark.parametrize(
     ("path", "logprobs"),
     [("/v1/completions", None), ("/v1/completions", 2), ("/v1/chat/completions", 2)],
