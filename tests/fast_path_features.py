@@ -90,6 +90,7 @@ FEATURES: tuple[Feature, ...] = (
     Feature(
         "`prompt_logprobs` (not streamed)", C, {"prompt_logprobs": 1}, stream=False, rust=DIFFERS
     ),
+    Feature("`prompt_logprobs` 0 (streamed)", C, {"prompt_logprobs": 0}, fast=True),
     Feature("chat completions, streamed", CHAT, fast=True),
     Feature("chat completions, not streamed", CHAT, stream=False),
     Feature("chat `include_usage`", CHAT, _USAGE, fast=True),

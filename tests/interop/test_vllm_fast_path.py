@@ -210,6 +210,9 @@ def random_requests(seed: int, http: httpx.Client, count: int) -> Iterator[dict[
         if rng.random() < 0.25:
             # With logprobs too: the echo's chunk carries the prompt's, then the sample's.
             body["echo"] = True
+        if rng.random() < 0.15:
+            # The one value vLLM streams: each prompt token's own logprob (an echo's).
+            body["prompt_logprobs"] = 0
         if rng.random() < 0.2:
             # vLLM 0.34.0's per-request stream interval: chunks of several tokens.
             body["stream_interval"] = rng.randint(2, 4)

@@ -54,7 +54,8 @@ def refusal(serving: Any, request: Any, num_prompts: int, connection: Any) -> st
         connection,
         first=[(num_prompts != 1, "more than one prompt")],
         options=[
-            (request.prompt_logprobs is not None, "prompt_logprobs"),
+            # A stream's prompt logprobs (vLLM streams only 0: each prompt token's own)
+            # show only in an echo's chunk, which Python renders.
             (bool(request.logprob_token_ids), "logprob_token_ids"),
             (
                 bool(request.return_tokens_as_token_ids or serving.return_tokens_as_token_ids),
