@@ -658,6 +658,27 @@ def test_echo_with_logprobs_is_written_natively(stacks: dict[str, ServeStack], t
     assert len(prompt) < offsets[0] < offsets[1] < offsets[2], offsets
 
 
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+def test_streamed_prompt_logprobs_zero_is_written_natively(
+    stacks: dict[str, ServeStack], path: str
+) -> None:
+    """A streamed completion or chat with ``prompt_logprobs: 0`` (the engine computes the
+    prompt's logprobs, which no chunk shows without echo): the same events as vLLM's
+    server, and the tokens between the first chunk and the finish written natively."""
+    tokens = 40
+    body: dict[str, Any] = {"max_tokens": tokens, "temperature": 0.0, "ignore_eos": True}
+    body |= {"prompt_logprobs": 0, "stream": True}
+    if path == "/v1/completions":
+        body |= {"prompt": "the old house on the hill", "logprobs": 2}
+    else:
+        body |= {"messages": [{"role": "user", "content": "tell me a story"}]}
+    with http_client(stacks["vllm"]) as theirs, http_client(stacks["corewire+fast"]) as mine:
+        got, expected, added = side_by_side(theirs, mine, lambda h: raw_events(h, body, path))
+    assert got == expected, _first_difference(got, expected)
+    assert added["fast"] == 1
+    assert added["tokens"] == tokens - 2
+
+
 @pytest.mark.parametrize("top", [0, 2])
 def test_chat_echo_with_logprobs_is_written_natively(
     stacks: dict[str, ServeStack], top: int

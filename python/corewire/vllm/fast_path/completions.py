@@ -54,8 +54,9 @@ def refusal(serving: Any, request: Any, num_prompts: int, connection: Any) -> st
         connection,
         first=[(num_prompts != 1, "more than one prompt")],
         options=[
-            # A stream's prompt logprobs (vLLM streams only 0: each prompt token's own)
-            # show only in an echo's chunk, which Python renders.
+            # A stream's prompt logprobs (the parameter streams only 0, each prompt
+            # token's own; an echo with logprobs asks for as many) show only in an
+            # echo's chunk, which Python renders.
             (bool(request.logprob_token_ids), "logprob_token_ids"),
             (
                 bool(request.return_tokens_as_token_ids or serving.return_tokens_as_token_ids),
@@ -207,6 +208,8 @@ async def completion_stream(
                     if prompt is None:
                         prompt = serving._extract_prompt_text(engine_inputs[0])
                     prompt_ids = res.prompt_token_ids
+                    # As vLLM's generator: a failure streamed as an error.
+                    assert prompt_ids is not None
                     if request.max_tokens == 0:
                         # A request for no tokens gets the prompt alone, as vLLM answers it.
                         delta_text = prompt

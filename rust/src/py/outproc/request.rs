@@ -450,9 +450,9 @@ impl RequestText {
     /// collector. `logprobs_limit`: with, and only with, sample logprobs, the candidates
     /// a chunk shows per position (-1: all); `text_offset`: where the next chunk's first
     /// token starts. Only a streamed (`DELTA`) request (`ValueError`: other outputs
-    /// carry more); a request with prompt logprobs too (a completion's echo with
-    /// logprobs), since an output carrying them is never plain, and goes to Python with
-    /// the stream released first. One of n > 1 samples streams its own
+    /// carry more); a request with prompt logprobs too (an echo with logprobs, or a
+    /// streamed `prompt_logprobs: 0`), since an output carrying them is never plain, and
+    /// goes to Python with the stream released first. One of n > 1 samples streams its own
     /// choice (a streamed parent passes its children's unfinished outputs on as they
     /// are, so frames can stand in for them). `skip_empty`: an output whose
     /// new text is empty gets no frame (with logprobs it is Python's to render);
