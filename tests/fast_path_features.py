@@ -80,7 +80,7 @@ FEATURES: tuple[Feature, ...] = (
         "`echo` with `logprobs` (top 2)", C, {"echo": True, "logprobs": 2}, fast=True, rust=DIFFERS
     ),
     Feature("`n` = 2", C, {"n": 2, "temperature": 0.8, "seed": 5}, fast=True),
-    Feature("`return_token_ids`", C, {"return_token_ids": True}),
+    Feature("`return_token_ids`", C, {"return_token_ids": True}, fast=True),
     Feature("`logprob_token_ids`", C, {"logprobs": 1, "logprob_token_ids": [5, 6]}, rust=ERROR),
     Feature(
         "`return_tokens_as_token_ids`",
@@ -98,7 +98,7 @@ FEATURES: tuple[Feature, ...] = (
     Feature("chat `n` = 2", CHAT, {"n": 2, "temperature": 0.8, "seed": 5}, fast=True),
     Feature("chat `echo`", CHAT, {"echo": True}, fast=True),
     Feature("chat `continuous_usage_stats`", CHAT, _CONTINUOUS),
-    Feature("chat `return_token_ids`", CHAT, {"return_token_ids": True}),
+    Feature("chat `return_token_ids`", CHAT, {"return_token_ids": True}, fast=True),
     Feature("`/tokenize`", "/tokenize", {"prompt": "the old house"}),
     Feature("`/detokenize`", "/detokenize", {"tokens": [42, 148, 273]}),
     Feature(

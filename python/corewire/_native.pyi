@@ -324,6 +324,7 @@ class RequestText:
         skip_empty: bool = False,
         release_ids: list[int] = ...,
         chat_logprobs: bool = False,
+        ids_mid: bytes | None = None,
     ) -> None:
         """Puts the request on ``vllm serve``'s fast path: its plain outputs are written to
         ``cycle`` (uvicorn's request-response cycle of its streaming response) as SSE frames
@@ -333,7 +334,10 @@ class RequestText:
         where the next chunk's first token starts; ``skip_empty``: an output with no new
         text gets no frame (with logprobs it is Python's to render); ``release_ids``: an
         output with one of these token ids is Python's to render; ``chat_logprobs``: the
-        logprobs object is a chat chunk's (``content``), not a completions chunk's.
+        logprobs object is a chat chunk's (``content``), not a completions chunk's;
+        ``ids_mid``: for chunks that carry their token ids (``return_token_ids``), the
+        bytes between the logprobs and the ids, which each frame then writes before
+        ``tail`` (an output without text is then Python's to render where ``skip_empty``).
         ``ValueError`` for a request whose chunks carry more (not ``DELTA``); a request
         with prompt logprobs streams too, an output that carries them going to Python
         with the stream released first; one of n > 1 samples streams its own choice."""

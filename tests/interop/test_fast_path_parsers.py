@@ -184,9 +184,9 @@ def fast_stream(
     frames, native = None, 0
     for text, ids, finish in outputs:
         if frames is not None and finish is None and not set(ids) & set(marks):
-            field, skip_empty = frames
+            field, skip_empty, nulls = frames
             if text or not skip_empty:
-                sent.append(_dump(DeltaMessage(**{field: text}), None))
+                sent.append(_dump(DeltaMessage(**{field: text, **dict.fromkeys(nulls)}), None))
             native += len(ids)
             generated += [-1] * len(ids)
             FRAMED[name] = FRAMED.get(name, 0) + 1
@@ -226,15 +226,19 @@ def _check_same_streams(name: str, parser_cls: type, tokenizer: Any, requests: l
 
 def test_tool_parsers_the_fast_path_takes_send_what_vllm_sends(tokenizer: Any) -> None:
     """Every tool-call parser the fast path takes for a request that calls no tool (with
-    no tools, and with one under ``tool_choice: "none"``): the same deltas, token counts
-    and finish as vLLM's parsing of every output, over seeded random streams."""
+    no tools, and with one under ``tool_choice: "none"``; and with ``include_reasoning:
+    false``, where vLLM's parser sets each delta's reasoning to null): the same deltas,
+    token counts and finish as vLLM's parsing of every output, over seeded random
+    streams."""
     classes = _tool_parsers(tokenizer)
     plain, none = _request(), _request(tools=[WEATHER_TOOL], tool_choice="none")
+    hidden = _request(include_reasoning=False)
     taken = [n for n, c in classes.items() if parsers.parser_refusal(c, plain) is None]
     # The common classic parsers are taken (hermes: Qwen's and NousResearch's format).
     assert {"hermes", "pythonic", "llama4_pythonic", "qwen3_json"} <= set(taken), taken
+    assert all(parsers.parser_refusal(classes[n], hidden) is None for n in taken)
     for name in taken:
-        share = _check_same_streams(name, classes[name], tokenizer, [plain, none])
+        share = _check_same_streams(name, classes[name], tokenizer, [plain, none, hidden])
         # The frames carry a good part of the outputs (the rest: each stream's first
         # output, those after an empty one, and the finish).
         assert share > 0.3, (name, share)
@@ -268,13 +272,27 @@ def _engine_based_tool_parser(tools: dict[str, type]) -> str:
     raise AssertionError(f"no engine-based tool-call parser among {sorted(tools)}")
 
 
-def test_native_frames_are_checked_against_the_parser_that_breaks_them(tokenizer: Any) -> None:
-    """The comparison fails for a parser the fast path keeps on vLLM's path: an
-    engine-based tool-call parser let through would send other deltas."""
-    tools = _tool_parsers(tokenizer)
-    name = _engine_based_tool_parser(tools)
+@pytest.mark.parametrize("broken", ["nulls left out", "empty outputs written"])
+def test_native_frames_are_checked_against_frames_that_break_them(
+    tokenizer: Any, monkeypatch: pytest.MonkeyPatch, broken: str
+) -> None:
+    """The comparison fails for native frames that would send other deltas than vLLM's:
+    frames that leave out a delta's null fields (``reasoning``, where the request hides
+    it), or that write the empty outputs a tool-call parser sends nothing for."""
+    real = parsers.native_frames
+
+    def wrong(parser: Any, delta: Any, token_ids: Any) -> tuple[str, bool, tuple[str, ...]] | None:
+        frames = real(parser, delta, token_ids)
+        if frames is None:
+            return None
+        field, skip_empty, nulls = frames
+        return (field, skip_empty, ()) if broken == "nulls left out" else (field, False, nulls)
+
+    monkeypatch.setattr(parsers, "native_frames", wrong)
+    request = _request(include_reasoning=False) if broken == "nulls left out" else _request()
+    hermes = _tool_parsers(tokenizer)["hermes"]
     with pytest.raises(AssertionError):
-        _check_same_streams(name, tools[name], tokenizer, [_request()])
+        _check_same_streams("hermes", hermes, tokenizer, [request])
 
 
 def test_parsers_kept_on_vllms_path_are_named_by_kind(tokenizer: Any) -> None:

@@ -94,6 +94,26 @@ def test_template_splits_around_the_text_and_the_logprobs() -> None:
     )
 
 
+def test_template_splits_around_the_token_ids_after_the_logprobs() -> None:
+    literal = '"\\u0000corewire-text-probe\\u0000"'
+    frame = (
+        f'data: {{"text":{literal},"logprobs":null,"prompt_token_ids":null,'
+        '"token_ids":null,"z":2}\n\n'
+    ).encode()
+    assert split_template(frame, token_ids=True) == (
+        b'data: {"text":',
+        b',"logprobs":',
+        b',"prompt_token_ids":null,"token_ids":',
+        b',"z":2}\n\n',
+    )
+    # Asked for without: the ids stay fixed in the tail.
+    assert len(split_template(frame) or ()) == 3
+    # A frame without the ids' hole has no template with it.
+    plain = f'data: {{"text":{literal},"logprobs":null}}\n\n'.encode()
+    assert split_template(plain) is not None
+    assert split_template(plain, token_ids=True) is None
+
+
 @pytest.mark.parametrize(
     "frame",
     [

@@ -178,7 +178,6 @@ def raw_events(
 FALLBACKS: list[dict[str, Any]] = [
     {"logprobs": 1, "logprob_token_ids": [5, 6]},
     {"stream_options": {"include_usage": True, "continuous_usage_stats": True}},
-    {"return_token_ids": True},
 ]
 
 
@@ -213,6 +212,10 @@ def random_requests(seed: int, http: httpx.Client, count: int) -> Iterator[dict[
         if rng.random() < 0.15:
             # The one value vLLM streams: each prompt token's own logprob (an echo's).
             body["prompt_logprobs"] = 0
+        if rng.random() < 0.25:
+            # Each chunk's token ids, the first's the prompt's too (an echo's text then
+            # leaves the prompt out).
+            body["return_token_ids"] = True
         if rng.random() < 0.2:
             # vLLM 0.34.0's per-request stream interval: chunks of several tokens.
             body["stream_interval"] = rng.randint(2, 4)
@@ -220,7 +223,7 @@ def random_requests(seed: int, http: httpx.Client, count: int) -> Iterator[dict[
         fallback = FALLBACKS[rng.randrange(len(FALLBACKS))] if rng.random() < 0.25 else {}
         if cut < 0.4:
             plain = {k: v for k, v in body.items() if k not in ("stream", "stream_options")}
-            answer = completion(http, **plain, return_token_ids=True)["choices"][0]
+            answer = completion(http, **(plain | {"return_token_ids": True}))["choices"][0]
             ids, text = answer["token_ids"], answer["text"]
             at = int(cut / 0.4 * len(ids))
             if kind < 0.5 and len(text) > 2:
@@ -239,7 +242,6 @@ def _run(http: httpx.Client, seed: int, count: int) -> Run:
 #: Options that keep a chat request on vLLM's path.
 CHAT_FALLBACKS: list[dict[str, Any]] = [
     {"logprobs": True, "logprob_token_ids": [5, 6]},
-    {"return_token_ids": True},
     {"stream_options": {"include_usage": True, "continuous_usage_stats": True}},
 ]
 
@@ -275,6 +277,9 @@ def random_chats(seed: int, http: httpx.Client, count: int) -> Iterator[dict[str
             body["stream_interval"] = rng.randint(2, 4)
         if rng.random() < 0.3:
             body |= {"logprobs": True, "top_logprobs": rng.choice([0, 1, 2, 5])}
+        if rng.random() < 0.25:
+            # The role chunks carry the prompt's token ids, the others their own.
+            body["return_token_ids"] = True
         cut, include = rng.random(), rng.random() < 0.5
         fallback = CHAT_FALLBACKS[rng.randrange(len(CHAT_FALLBACKS))] if rng.random() < 0.25 else {}
         if cut < 0.3:
@@ -497,6 +502,15 @@ def test_tool_parser_server_same_events_as_vllms_server(
         with_logprobs, logprobs_expected, logprobs_added = side_by_side(
             theirs, mine, lambda h: raw_events(h, logprobs_body, path)
         )
+        ids_body = body | {"return_token_ids": True}
+        with_ids, ids_expected, ids_added = side_by_side(
+            theirs, mine, lambda h: raw_events(h, ids_body, path)
+        )
+        # Without the reasoning, vLLM hides the ids as the logprobs (its hide_metadata).
+        hidden_body = ids_body | {"include_reasoning": False}
+        hidden, hidden_expected, hidden_added = side_by_side(
+            theirs, mine, lambda h: raw_events(h, hidden_body, path)
+        )
     assert got == expected, _first_difference(got, expected)
     assert added["fast"] == added["tries"] and added["tokens"] > 0
     usage = json.loads(got[-2])["usage"]
@@ -514,6 +528,18 @@ def test_tool_parser_server_same_events_as_vllms_server(
         for choice in json.loads(event).get("choices", [])
     ]
     assert empty and sum(positions) == 60, (len(empty), positions)
+    # With token ids, likewise: an output of no text gets an empty delta with its ids.
+    assert with_ids == ids_expected, _first_difference(with_ids, ids_expected)
+    assert ids_added["fast"] == ids_added["tries"] and ids_added["tokens"] > 0
+    ids = [json.loads(event)["choices"] for event in with_ids[:-2]]
+    assert sum(len(choices[0]["token_ids"]) for choices in ids[1:]) == 60
+    assert any(
+        '"delta":{},"logprobs":null,"finish_reason":null,"token_ids":[' in e for e in with_ids
+    )
+    assert hidden == hidden_expected, _first_difference(hidden, hidden_expected)
+    assert hidden_added["fast"] == hidden_added["tries"] and hidden_added["tokens"] > 0
+    assert json.loads(hidden[0])["prompt_token_ids"]
+    assert all(c.get("token_ids") is None for e in hidden[1:-2] for c in json.loads(e)["choices"])
 
 
 @pytest.mark.parametrize("vocab_size", [4096, 16])
@@ -658,6 +684,40 @@ def test_echo_with_logprobs_is_written_natively(stacks: dict[str, ServeStack], t
     assert len(prompt) < offsets[0] < offsets[1] < offsets[2], offsets
 
 
+@pytest.mark.parametrize(
+    "extra",
+    [{}, {"logprobs": 2, "stream_interval": 3}, {"echo": True}],
+    ids=["plain", "logprobs-interval", "echo"],
+)
+def test_return_token_ids_is_written_natively(
+    stacks: dict[str, ServeStack], extra: dict[str, Any]
+) -> None:
+    """A streamed completion with ``return_token_ids``, plain, with logprobs and a stream
+    interval, and with echo: the same events as vLLM's server (the first chunk with the
+    prompt's token ids, an echo's text without the prompt), the tokens between the first
+    chunk and the finish written natively, each chunk's ids the tokens it carries."""
+    tokens = 40
+    body: dict[str, Any] = {"prompt": "the old house on the hill", "max_tokens": tokens}
+    body |= {"temperature": 0.0, "ignore_eos": True, "return_token_ids": True}
+    body |= {"stream": True, "stream_options": {"include_usage": True}, **extra}
+    with http_client(stacks["vllm"]) as theirs, http_client(stacks["corewire+fast"]) as mine:
+        got, expected, added = side_by_side(theirs, mine, lambda h: raw_events(h, body))
+        plain = {k: v for k, v in body.items() if k not in ("stream", "stream_options")}
+        whole = completion(mine, **plain)
+    assert got == expected, _first_difference(got, expected)
+    assert added["fast"] == 1
+    interval = extra.get("stream_interval", 1)
+    assert added["tokens"] == interval * ((tokens - 2) // interval)
+    choices = [json.loads(e)["choices"][0] for e in got[:-1] if json.loads(e)["choices"]]
+    assert choices[0]["prompt_token_ids"] == whole["choices"][0]["prompt_token_ids"]
+    assert all(c["prompt_token_ids"] is None for c in choices[1:])
+    assert [t for c in choices for t in c["token_ids"]] == whole["choices"][0]["token_ids"]
+    if extra.get("echo"):
+        assert not choices[0]["text"].startswith("the old house")
+    if "logprobs" in extra:
+        assert all(len(c["token_ids"]) == len(c["logprobs"]["tokens"]) for c in choices)
+
+
 @pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
 def test_streamed_prompt_logprobs_zero_is_written_natively(
     stacks: dict[str, ServeStack], path: str
@@ -772,14 +832,15 @@ def test_long_chat_stream_with_logprobs_is_written_natively(
 
 
 def test_fallback_is_said_once_in_the_log(stacks: dict[str, ServeStack]) -> None:
-    """A request the fast path does not cover (token ids) is served by vLLM's code, and
-    the server's log says why, once however many such requests come."""
+    """A request the fast path does not cover (continuous usage) is served by vLLM's code,
+    and the server's log says why, once however many such requests come."""
     body = {"prompt": "count to ten", "max_tokens": 3, "temperature": 0.0, "stream": True}
+    continuous = {"include_usage": True, "continuous_usage_stats": True}
     with http_client(stacks["corewire+fast"]) as mine:
         for _ in range(3):
-            raw_events(mine, {**body, "return_token_ids": True})
+            raw_events(mine, {**body, "stream_options": continuous})
     log = server_log(stacks["corewire+fast"])
-    reason = "streaming completion stays on vLLM's path: return_token_ids"
+    reason = "streaming completion stays on vLLM's path: continuous_usage_stats"
     said = [line for line in log.splitlines() if reason in line]
     assert len(said) == 1, said
     # And that the fast path is on at all, once vLLM's logging is up, and vLLM's

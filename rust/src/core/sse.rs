@@ -4,26 +4,63 @@
 //! the HTTP/1.1 chunk that carries a stream's frames to its connection.
 
 /// A chunk of one stream with two holes: the text's literal, between `head` and `mid`, and
-/// the chunk's logprobs (a JSON value: `null` without), between `mid` and `tail`. The rest
-/// is fixed for the stream's life (ids, model, index).
+/// the chunk's logprobs (a JSON value: `null` without), between `mid` and `tail`; and, for a
+/// stream whose chunks carry their token ids (`return_token_ids`), a third after the
+/// logprobs: `ids_mid`, then the chunk's token ids as a JSON array. The rest is fixed for
+/// the stream's life (ids, model, index).
 pub struct FrameTemplate {
     head: Vec<u8>,
     mid: Vec<u8>,
+    ids_mid: Option<Vec<u8>>,
     tail: Vec<u8>,
 }
 
 impl FrameTemplate {
-    /// A template from the bytes around the holes.
+    /// A template from the bytes around the two holes.
     pub fn new(head: Vec<u8>, mid: Vec<u8>, tail: Vec<u8>) -> Self {
-        FrameTemplate { head, mid, tail }
+        FrameTemplate {
+            head,
+            mid,
+            ids_mid: None,
+            tail,
+        }
     }
 
-    /// Appends the frame carrying `text` and, as JSON, `logprobs` (None: `null`) to `out`.
-    pub fn render(&self, out: &mut Vec<u8>, text: &str, logprobs: Option<&[u8]>) {
+    /// A template from the bytes around the three holes (the token ids' after the
+    /// logprobs', `ids_mid` between them).
+    pub fn with_ids(head: Vec<u8>, mid: Vec<u8>, ids_mid: Vec<u8>, tail: Vec<u8>) -> Self {
+        FrameTemplate {
+            head,
+            mid,
+            ids_mid: Some(ids_mid),
+            tail,
+        }
+    }
+
+    /// Whether the chunks carry their token ids (the third hole).
+    pub fn has_ids(&self) -> bool {
+        self.ids_mid.is_some()
+    }
+
+    /// Appends the frame carrying `text`, as JSON `logprobs` (None: `null`) and, where the
+    /// template has their hole, the token ids `ids` (`[1,2]`, as pydantic writes a list of
+    /// ints) to `out`.
+    pub fn render(&self, out: &mut Vec<u8>, text: &str, logprobs: Option<&[u8]>, ids: &[i64]) {
         out.extend_from_slice(&self.head);
         push_str_literal(out, text);
         out.extend_from_slice(&self.mid);
         out.extend_from_slice(logprobs.unwrap_or(b"null"));
+        if let Some(ids_mid) = &self.ids_mid {
+            out.extend_from_slice(ids_mid);
+            out.push(b'[');
+            for (i, id) in ids.iter().enumerate() {
+                if i > 0 {
+                    out.push(b',');
+                }
+                out.extend_from_slice(id.to_string().as_bytes());
+            }
+            out.push(b']');
+        }
         out.extend_from_slice(&self.tail);
     }
 }
@@ -273,12 +310,33 @@ mod tests {
             b",\"l\":".to_vec(),
             b"}\n\n".to_vec(),
         );
+        assert!(!t.has_ids());
         let mut out = Vec::new();
-        t.render(&mut out, "a\"b", None);
-        t.render(&mut out, "", Some(b"[1]"));
+        // Without their hole, the ids are not written.
+        t.render(&mut out, "a\"b", None, &[7]);
+        t.render(&mut out, "", Some(b"[1]"), &[]);
         assert_eq!(
             out,
             b"data: {\"t\":\"a\\\"b\",\"l\":null}\n\ndata: {\"t\":\"\",\"l\":[1]}\n\n"
+        );
+    }
+
+    #[test]
+    fn a_frame_with_ids_writes_them_after_the_logprobs() {
+        let t = FrameTemplate::with_ids(
+            b"data: {\"t\":".to_vec(),
+            b",\"l\":".to_vec(),
+            b",\"ids\":".to_vec(),
+            b"}\n\n".to_vec(),
+        );
+        assert!(t.has_ids());
+        let mut out = Vec::new();
+        t.render(&mut out, "x", None, &[5, -1, 151643]);
+        t.render(&mut out, "", Some(b"{}"), &[]);
+        assert_eq!(
+            String::from_utf8(out).unwrap(),
+            "data: {\"t\":\"x\",\"l\":null,\"ids\":[5,-1,151643]}\n\n\
+             data: {\"t\":\"\",\"l\":{},\"ids\":[]}\n\n"
         );
     }
 

@@ -1,6 +1,6 @@
 """The fast path of vLLM 0.33.0's and 0.34.0's streaming ``/v1/chat/completions`` (see
 :mod:`corewire.vllm.fast_path`): any number of samples, each written by its own native
-state, whose chunks carry text and logprobs (no token ids or continuous usage; on a
+state, whose chunks carry text, logprobs and token ids (no continuous usage; on a
 server with a parser, deltas the native frames can follow:
 :mod:`corewire.vllm.fast_path.parsers`); anything else stays on vLLM's
 ``chat_completion_stream_generator``.
@@ -52,11 +52,18 @@ CHUNK_OBJECT = "chat.completion.chunk"
 
 
 def frame_template(
-    request_id: str, created: int, model: str, field: str = "content", index: int = 0
+    request_id: str,
+    created: int,
+    model: str,
+    field: str = "content",
+    index: int = 0,
+    token_ids: bool = False,
+    nulls: tuple[str, ...] = (),
 ) -> Template | None:
     """The bytes of an unfinished chunk of the stream's sample ``index`` around its text
-    (its delta's ``field``: ``content`` or ``reasoning``) and its logprobs (``null``), as
-    vLLM 0.34.0's server writes the chunk; None when ambiguous."""
+    (its delta's ``field``: ``content`` or ``reasoning``; the delta's fields ``nulls``
+    set to None beside it), its logprobs (``null``) and, with ``token_ids``, its token
+    ids, as vLLM 0.34.0's server writes the chunk; None when ambiguous."""
     probe = ChatCompletionStreamResponse(
         id=request_id,
         object=CHUNK_OBJECT,
@@ -64,7 +71,7 @@ def frame_template(
         choices=[
             ChatCompletionResponseStreamChoice(
                 index=index,
-                delta=DeltaMessage(**{field: TEXT_PROBE}),
+                delta=DeltaMessage(**{field: TEXT_PROBE, **dict.fromkeys(nulls)}),
                 logprobs=None,
                 finish_reason=None,
                 token_ids=None,
@@ -73,7 +80,7 @@ def frame_template(
         model=model,
         kv_transfer_params=None,
     )
-    return split_template(sse(_dump(probe)).encode())
+    return split_template(sse(_dump(probe)).encode(), token_ids)
 
 
 def refusal(serving: Any, request: Any, connection: Any) -> str | None:
@@ -102,7 +109,6 @@ def refusal(serving: Any, request: Any, connection: Any) -> str | None:
                 bool(request.return_tokens_as_token_ids or serving.return_tokens_as_token_ids),
                 "return_tokens_as_token_ids",
             ),
-            (request.return_token_ids, "return_token_ids"),
             (request.return_prompt_text, "return_prompt_text"),
         ],
     )
@@ -212,8 +218,9 @@ async def chat_stream(
         yield DONE
         return
     names = (request_id, created, model_name)
-    # The frame templates, per field and sample, made when first needed.
-    templates: dict[tuple[str, int], Template | None] = {}
+    # The frame templates, per field (with the delta's null fields) and sample, made when
+    # first needed.
+    templates: dict[tuple[str, tuple[str, ...], int], Template | None] = {}
     stream = Stream(serving, request, connection, ENDPOINT, names, None)
     steps = [
         ChatStreamProcessor(
@@ -225,6 +232,10 @@ async def chat_stream(
         for parser in parsers
     ]
     release_ids = markers(parsers[0])
+    # Whether the chunks carry their token ids: asked for, and not hidden behind a parser
+    # that hides the reasoning (vLLM's stream processor's hide_metadata: the ids would
+    # show it).
+    include_ids = bool(request.return_token_ids) and not steps[0].hide_metadata
     # How many candidates a native chunk shows per position (-1: all), with logprobs.
     logprobs_limit = None
     if request.logprobs:
@@ -302,7 +313,10 @@ async def chat_stream(
                         created=created,
                         choices=[role],
                         model=model_name,
-                        prompt_token_ids=None,
+                        # Each sample's first chunk carries the prompt's token ids.
+                        prompt_token_ids=(
+                            res.prompt_token_ids if request.return_token_ids else None
+                        ),
                         prompt_text=None,
                     )
                     opening.append(sse(_dump(first)))
@@ -355,12 +369,19 @@ async def chat_stream(
                 if count_reasoning:
                     generated[i].extend(token_ids)
                 if delta is None:
-                    if output.finish_reason is None and logprobs is None:
+                    # An output the parser says nothing of still gets a chunk where the
+                    # chunk carries its logprobs or token ids.
+                    if output.finish_reason is None and logprobs is None and not include_ids:
                         continue
                     delta = DeltaMessage()
+                chunk_ids = token_ids if include_ids else None
                 if output.finish_reason is None:
                     choice = ChatCompletionResponseStreamChoice(
-                        index=i, delta=delta, logprobs=logprobs, finish_reason=None, token_ids=None
+                        index=i,
+                        delta=delta,
+                        logprobs=logprobs,
+                        finish_reason=None,
+                        token_ids=chunk_ids,
                     )
                     stream.chunks += 1
                     yield opened(sse(_dump(chunk(choice))))
@@ -370,10 +391,11 @@ async def chat_stream(
                     if step.num_output_tokens:
                         frames = native_frames(parsers[i], delta, token_ids)
                     if frames is not None:
-                        field, skip_empty = frames
-                        if (field, i) not in templates:
-                            templates[field, i] = frame_template(
-                                request_id, created, model_name, field, i
+                        field, skip_empty, nulls = frames
+                        key = (field, nulls, i)
+                        if key not in templates:
+                            templates[key] = frame_template(
+                                request_id, created, model_name, field, i, include_ids, nulls
                             )
                         stream.attach_after_chunk(
                             request_id,
@@ -382,7 +404,7 @@ async def chat_stream(
                             release_ids=release_ids,
                             chat_logprobs=True,
                             index=i,
-                            template=templates[field, i],
+                            template=templates[key],
                         )
                     continue
                 finished[i] = True
@@ -392,7 +414,7 @@ async def chat_stream(
                     logprobs=logprobs,
                     finish_reason=finish_reason,
                     stop_reason=output.stop_reason,
-                    token_ids=None,
+                    token_ids=chunk_ids,
                     weight_versions=None,
                 )
                 last = chunk(choice, res)

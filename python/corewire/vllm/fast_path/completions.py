@@ -1,8 +1,9 @@
 """The fast path of vLLM 0.33.0's and 0.34.0's streaming ``/v1/completions`` (see
 :mod:`corewire.vllm.fast_path`): one prompt, any number of samples (each written by its
-own native state), chunks of text and sample logprobs, the prompt echoed in a sample's
-first chunk (with the prompt's logprobs before the sample's where the request asks for
-logprobs); anything else stays on vLLM's ``completion_stream_generator``."""
+own native state), chunks of text, sample logprobs and (``return_token_ids``) token ids,
+the prompt echoed in a sample's first chunk (with the prompt's logprobs before the
+sample's where the request asks for logprobs); anything else stays on vLLM's
+``completion_stream_generator``."""
 
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ from vllm.entrypoints.openai.completion.protocol import (
 )
 from vllm.entrypoints.serve.engine.protocol import PromptTokenUsageInfo
 from vllm.exceptions import GenerationError
+from vllm.utils.collection_utils import as_list
 
 from corewire.vllm.fast_path.frames import (
     DONE,
@@ -34,13 +36,16 @@ __all__ = ["completion_stream", "frame_template", "install", "refusal"]
 ENDPOINT = "completion"
 
 
-def frame_template(request_id: str, created: int, model: str, index: int = 0) -> Template | None:
-    """The bytes of an unfinished chunk of the stream's sample ``index`` around its two
-    holes (the text's JSON literal; the logprobs object, ``null`` without), as
-    :func:`_chunk` renders it (vLLM 0.34.0's model dumped with ``exclude_unset``); None
-    when the probe is ambiguous."""
+def frame_template(
+    request_id: str, created: int, model: str, index: int = 0, token_ids: bool = False
+) -> Template | None:
+    """The bytes of an unfinished chunk of the stream's sample ``index`` around its holes
+    (the text's JSON literal; the logprobs object, ``null`` without; with ``token_ids``,
+    the chunk's token ids), as :func:`_chunk` renders it (vLLM 0.34.0's model dumped with
+    ``exclude_unset``); None when the probe is ambiguous."""
     probe = SimpleNamespace(index=index, text=TEXT_PROBE, finish_reason=None, stop_reason=None)
-    return split_template(sse(_chunk((request_id, created, model), probe, None)).encode())
+    frame = sse(_chunk((request_id, created, model), probe, None)).encode()
+    return split_template(frame, token_ids)
 
 
 def refusal(serving: Any, request: Any, num_prompts: int, connection: Any) -> str | None:
@@ -62,7 +67,6 @@ def refusal(serving: Any, request: Any, num_prompts: int, connection: Any) -> st
                 bool(request.return_tokens_as_token_ids or serving.return_tokens_as_token_ids),
                 "return_tokens_as_token_ids",
             ),
-            (request.return_token_ids, "return_token_ids"),
         ],
     )
 
@@ -96,7 +100,7 @@ def _take(
     if why is not None:
         return why
     templates = [
-        frame_template(request_id, created_time, model_name, index)
+        frame_template(request_id, created_time, model_name, index, bool(request.return_token_ids))
         for index in range(request.n or 1)
     ]
     if None in templates:
@@ -124,12 +128,14 @@ def _chunk(
     fingerprint: str | None = None,
     text: str | None = None,
     prompt_token_ids: list[int] | None = None,
+    token_ids: list[int] | None = None,
 ) -> str:
     """A chunk's JSON as vLLM's server renders one of a request the fast path covers:
     ``names`` (the request's id, creation time and model name), ``res`` (the
     ``RequestOutput``) for a finish, whose KV transfer parameters it carries; ``text``
-    (default: the output's) and ``prompt_token_ids`` for the chunk that echoes the
-    prompt."""
+    (default: the output's); ``prompt_token_ids`` for a sample's first chunk that carries
+    them (an echo's, or with ``return_token_ids``); ``token_ids``, the output's, with
+    ``return_token_ids``."""
     request_id, created, model = names
     chunk = CompletionStreamResponse(
         id=request_id,
@@ -144,7 +150,7 @@ def _chunk(
                 finish_reason=output.finish_reason,
                 stop_reason=output.stop_reason,
                 prompt_token_ids=prompt_token_ids,
-                token_ids=None,
+                token_ids=token_ids,
                 weight_versions=None,
             )
         ],
@@ -169,7 +175,7 @@ async def completion_stream(
     templates: list[Template],
 ) -> AsyncGenerator[str, None]:
     """vLLM 0.34.0's ``completion_stream_generator`` for one prompt whose chunks carry
-    text and sample logprobs only (see :func:`refusal`), with each sample's unfinished
+    text, sample logprobs and token ids only (see :func:`refusal`), with each sample's unfinished
     chunks after its first written natively (see the package doc; ``templates``: each
     sample's frame template, by index). Same chunks, same usage, same errors."""
     names = (request_id, created_time, model_name)
@@ -189,8 +195,11 @@ async def completion_stream(
     # Output token ids of the chunks rendered here, per sample; attached states count
     # their own.
     rendered = [0] * samples
-    # With echo, each sample's first chunk carries the prompt (and its token ids) first.
-    echo = [bool(request.echo)] * samples
+    # With echo, each sample's first chunk carries the prompt (and its token ids) first;
+    # with return_token_ids, the first output's chunk carries the prompt's token ids. As
+    # in vLLM's generator, one flag per sample marks both done.
+    echoed = [False] * samples
+    return_ids = bool(request.return_token_ids)
     # The events after the request's final output, sent with the stream's end.
     end: list[str] = []
     try:
@@ -202,14 +211,17 @@ async def completion_stream(
                 serving._raise_if_error(finish_reason, request_id)
                 delta_text, prompt_ids = output.text, None
                 delta_ids, delta_logprobs = output.token_ids, output.logprobs
-                if echo[i]:
-                    echo[i] = False
+                if request.echo and not echoed[i]:
+                    echoed[i] = True
                     prompt = res.prompt
                     if prompt is None:
                         prompt = serving._extract_prompt_text(engine_inputs[0])
                     prompt_ids = res.prompt_token_ids
                     # As vLLM's generator: a failure streamed as an error.
                     assert prompt_ids is not None
+                    if return_ids:
+                        # The prompt goes back as its token ids, not as text.
+                        prompt = ""
                     if request.max_tokens == 0:
                         # A request for no tokens gets the prompt alone, as vLLM answers it.
                         delta_text = prompt
@@ -224,8 +236,13 @@ async def completion_stream(
                                 *(res.prompt_logprobs or []),
                                 *(output.logprobs or []),
                             ]
-                elif nothing_to_say(output, rendered[i] + stream.streamed_of(i)):
-                    continue
+                else:
+                    if return_ids and not echoed[i]:
+                        # Marked before the check below, as vLLM's generator does: an
+                        # output it skips takes the prompt's ids with it.
+                        prompt_ids, echoed[i] = res.prompt_token_ids, True
+                    if nothing_to_say(output, rendered[i] + stream.streamed_of(i)):
+                        continue
                 rendered[i] += len(output.token_ids)
                 logprobs = None
                 if request.logprobs is not None:
@@ -247,9 +264,10 @@ async def completion_stream(
                         text_offsets[i] = logprobs.text_offset[-1] + len(logprobs.tokens[-1])
                     if text is not None:
                         text.stream_text_offset = text_offsets[i]
+                token_ids = as_list(output.token_ids) if return_ids else None
                 if finish_reason is None:
                     stream.chunks += 1
-                    if logprobs is None and prompt_ids is None:
+                    if logprobs is None and prompt_ids is None and token_ids is None:
                         head, mid, tail = parts[i]
                         yield f"{head}{json.dumps(delta_text, ensure_ascii=False)}{mid}null{tail}"
                     else:
@@ -260,6 +278,7 @@ async def completion_stream(
                                 logprobs,
                                 text=delta_text,
                                 prompt_token_ids=prompt_ids,
+                                token_ids=token_ids,
                             )
                         )
                     stream.attach_after_chunk(
@@ -284,6 +303,7 @@ async def completion_stream(
                         stream.finish_fingerprint,
                         delta_text,
                         prompt_ids,
+                        token_ids,
                     )
                 )
                 if res.finished:

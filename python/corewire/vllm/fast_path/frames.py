@@ -29,14 +29,17 @@ class StreamEnd(str):
 TEXT_PROBE = "\x00corewire-text-probe\x00"
 _PROBE_LITERAL = b'"\\u0000corewire-text-probe\\u0000"'
 
-#: A chunk's bytes around its text and around its logprobs (see :func:`split_template`).
-Template = tuple[bytes, bytes, bytes]
+#: A chunk's bytes around its holes (see :func:`split_template`): ``(head, mid, tail)``
+#: around its text and its logprobs, or ``(head, mid, ids_mid, tail)`` with its token ids
+#: after the logprobs.
+Template = tuple[bytes, ...]
 
 
-def split_template(frame: bytes) -> Template | None:
+def split_template(frame: bytes, token_ids: bool = False) -> Template | None:
     """A probe frame (its text :data:`TEXT_PROBE`, its logprobs ``null``) cut around its
-    two holes: the text's JSON literal, and the logprobs value; None when either is
-    ambiguous (a model name that contains the probe's bytes)."""
+    two holes: the text's JSON literal, and the logprobs value; with ``token_ids``, around
+    a third after them, the ``token_ids`` value (``null`` in the probe). None when a hole
+    is ambiguous (a model name that contains the probe's bytes)."""
     if frame.count(_PROBE_LITERAL) != 1:
         return None
     head, after = frame.split(_PROBE_LITERAL)
@@ -44,7 +47,14 @@ def split_template(frame: bytes) -> Template | None:
     if after.count(hole) != 1:
         return None
     mid, tail = after.split(hole)
-    return head, mid + hole[: -len(b"null")], tail
+    mid += hole[: -len(b"null")]
+    if not token_ids:
+        return head, mid, tail
+    ids_hole = b'"token_ids":null'
+    if tail.count(ids_hole) != 1:
+        return None
+    ids_mid, tail = tail.split(ids_hole)
+    return head, mid, ids_mid + ids_hole[: -len(b"null")], tail
 
 
 def sse(data: str) -> str:

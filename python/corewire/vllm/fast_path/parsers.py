@@ -84,14 +84,17 @@ def parser_refusal(parser_cls: type | None, request: Any) -> str | None:
     return None
 
 
-def native_frames(parser: Any, delta: Any, token_ids: Any) -> tuple[str, bool] | None:
+def native_frames(
+    parser: Any, delta: Any, token_ids: Any
+) -> tuple[str, bool, tuple[str, ...]] | None:
     """The field the native frames write the next outputs' text under (``"content"`` or
-    ``"reasoning"``), and whether an output without text gets no frame, after Python
-    rendered ``delta`` for an output with new ``token_ids`` under the stream's ``parser``
-    (None: the server has none); None when Python renders the next output too (the delta
-    changed kind there, or is not of one field)."""
+    ``"reasoning"``), whether an output without text gets no frame, and the delta's fields
+    that every frame shows as ``null``, after Python rendered ``delta`` for an output with
+    new ``token_ids`` under the stream's ``parser`` (None: the server has none); None when
+    Python renders the next output too (the delta changed kind there, or is not of one
+    field)."""
     if parser is None:
-        return "content", False
+        return "content", False, ()
     marks = markers(parser)
     if marks and any(token in marks for token in token_ids):
         return None
@@ -104,7 +107,12 @@ def native_frames(parser: Any, delta: Any, token_ids: Any) -> tuple[str, bool] |
         return None
     # In the tool-call phase (reasoning over), an output without text says nothing.
     skip_empty = parser.tool_parser is not None and bool(state.reasoning_ended)
-    return fields[0], skip_empty
+    # Fields the parser set to None stay in vLLM's chunk as null (``reasoning`` where the
+    # request hides it): the frames show them so; any other value is Python's to render.
+    nulls = tuple(sorted(delta.model_fields_set - {fields[0]}))
+    if any(getattr(delta, name) is not None for name in nulls):
+        return None
+    return fields[0], skip_empty, nulls
 
 
 def markers(parser: Any) -> list[int]:

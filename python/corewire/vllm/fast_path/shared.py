@@ -178,15 +178,20 @@ def attach(
     once, when that fails (the native state refuses a request the endpoint's checks let
     through, or the cycle is not what it should be): the stream stays Python's,
     unharmed."""
+    # A template with a third hole carries the chunks' token ids (``ids_mid`` before them).
+    head, mid, *ids_mid, tail = template
     try:
         text.attach_stream(
             connection.cycle,
-            *template,
+            head,
+            mid,
+            tail,
             logprobs_limit,
             text_offset,
             skip_empty=skip_empty,
             release_ids=release_ids or [],
             chat_logprobs=chat_logprobs,
+            ids_mid=ids_mid[0] if ids_mid else None,
         )
     except Exception as e:
         # Once per reason (the message names the request first).

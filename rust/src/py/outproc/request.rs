@@ -458,10 +458,12 @@ impl RequestText {
     /// new text is empty gets no frame (with logprobs it is Python's to render);
     /// `release_ids`: an output with one of these token ids is Python's to render;
     /// `chat_logprobs`: the logprobs are a chat chunk's (`content`), not a completions
-    /// chunk's.
+    /// chunk's; `ids_mid`, for a request whose chunks carry their token ids
+    /// (`return_token_ids`): the bytes between the logprobs and the ids, which the frames
+    /// then write (`tail` follows them).
     #[pyo3(signature = (
         cycle, head, mid, tail, logprobs_limit = None, text_offset = 0, skip_empty = false,
-        release_ids = Vec::new(), chat_logprobs = false
+        release_ids = Vec::new(), chat_logprobs = false, ids_mid = None
     ))]
     #[allow(clippy::too_many_arguments)]
     fn attach_stream(
@@ -476,6 +478,7 @@ impl RequestText {
         skip_empty: bool,
         release_ids: Vec<i64>,
         chat_logprobs: bool,
+        ids_mid: Option<Vec<u8>>,
     ) -> PyResult<()> {
         let refusal = if self.output_kind != DELTA {
             Some("its outputs are not deltas")
@@ -496,7 +499,10 @@ impl RequestText {
         self.drop_quietly(py);
         // -1: every candidate (the API's `logprobs=-1`).
         let limit = logprobs_limit.map(|l| usize::try_from(l).ok());
-        let template = FrameTemplate::new(head, mid, tail);
+        let template = match ids_mid {
+            Some(ids_mid) => FrameTemplate::with_ids(head, mid, ids_mid, tail),
+            None => FrameTemplate::new(head, mid, tail),
+        };
         self.sink = Some(StreamSink::new(
             py,
             cycle,

@@ -93,16 +93,16 @@ impl StreamSink {
         self.logprobs_limit.is_some()
     }
 
-    /// Whether an output without new text is Python's to render: with logprobs, where
-    /// such outputs get no frame of their own (`skip_empty`), vLLM's chunk for one still
-    /// carries its logprobs under an empty delta, which the template cannot write.
+    /// Whether an output without new text is Python's to render: with logprobs or token
+    /// ids, where such outputs get no frame of their own (`skip_empty`), vLLM's chunk for
+    /// one still carries them under an empty delta, which the template cannot write.
     pub(super) fn releases_empty(&self) -> bool {
-        self.skip_empty && self.logprobs_limit.is_some()
+        self.skip_empty && (self.logprobs_limit.is_some() || self.template.has_ids())
     }
 
-    /// Whether `can_render` needs an output's new token ids.
+    /// Whether `can_render` and `push` need an output's new token ids.
     pub(super) fn wants_ids(&self) -> bool {
-        self.logprobs_limit.is_some() || !self.release_ids.is_empty()
+        self.logprobs_limit.is_some() || !self.release_ids.is_empty() || self.template.has_ids()
     }
 
     /// Keeps a sampled position for the next frame.
@@ -136,7 +136,8 @@ impl StreamSink {
 
     /// Adds the frame of an output whose new text is `text` and new token ids `ids`
     /// (`tokens` of them; the logprobs of the kept positions, one per id, `text_offset`
-    /// as the completions API counts it, moved past them). Call after `can_render`.
+    /// as the completions API counts it, moved past them; the ids themselves where the
+    /// template has their hole). Call after `can_render`.
     pub(super) fn push(
         &mut self,
         py: Python<'_>,
@@ -148,7 +149,7 @@ impl StreamSink {
         self.pending_tokens += tokens;
         let Some(limit) = self.logprobs_limit else {
             if !(self.skip_empty && text.is_empty()) {
-                self.template.render(&mut self.pending, text, None);
+                self.template.render(&mut self.pending, text, None, ids);
             }
             return Ok(());
         };
@@ -187,7 +188,7 @@ impl StreamSink {
             push_completion_logprobs(&mut logprobs, &positions, text_offset);
         }
         self.template
-            .render(&mut self.pending, text, Some(&logprobs));
+            .render(&mut self.pending, text, Some(&logprobs), ids);
         Ok(())
     }
 
