@@ -74,7 +74,7 @@ FEATURES: tuple[Feature, ...] = (
     Feature("`seed` (sampled)", C, {"temperature": 0.9, "seed": 3}, fast=True),
     Feature("`stream_interval` (per request)", C, {"stream_interval": 3}, fast=True),
     Feature("`include_usage`", C, _USAGE, fast=True),
-    Feature("`continuous_usage_stats`", C, _CONTINUOUS),
+    Feature("`continuous_usage_stats`", C, _CONTINUOUS, fast=True),
     Feature("`echo`", C, {"echo": True}, fast=True, rust=DIFFERS),
     Feature(
         "`echo` with `logprobs` (top 2)", C, {"echo": True, "logprobs": 2}, fast=True, rust=DIFFERS
@@ -97,7 +97,7 @@ FEATURES: tuple[Feature, ...] = (
     Feature("chat `logprobs` (top 2)", CHAT, {"logprobs": True, "top_logprobs": 2}, fast=True),
     Feature("chat `n` = 2", CHAT, {"n": 2, "temperature": 0.8, "seed": 5}, fast=True),
     Feature("chat `echo`", CHAT, {"echo": True}, fast=True),
-    Feature("chat `continuous_usage_stats`", CHAT, _CONTINUOUS),
+    Feature("chat `continuous_usage_stats`", CHAT, _CONTINUOUS, fast=True),
     Feature("chat `return_token_ids`", CHAT, {"return_token_ids": True}, fast=True),
     Feature("`/tokenize`", "/tokenize", {"prompt": "the old house"}),
     Feature("`/detokenize`", "/detokenize", {"tokens": [42, 148, 273]}),

@@ -325,6 +325,7 @@ class RequestText:
         release_ids: list[int] = ...,
         chat_logprobs: bool = False,
         ids_mid: bytes | None = None,
+        usage: tuple[bytes, bytes, int, int] | None = None,
     ) -> None:
         """Puts the request on ``vllm serve``'s fast path: its plain outputs are written to
         ``cycle`` (uvicorn's request-response cycle of its streaming response) as SSE frames
@@ -337,7 +338,11 @@ class RequestText:
         logprobs object is a chat chunk's (``content``), not a completions chunk's;
         ``ids_mid``: for chunks that carry their token ids (``return_token_ids``), the
         bytes between the logprobs and the ids, which each frame then writes before
-        ``tail`` (an output without text is then Python's to render where ``skip_empty``).
+        ``tail`` (an output without text is then Python's to render where ``skip_empty``);
+        ``usage``, for chunks that carry their running usage (``continuous_usage_stats``):
+        the bytes before its total and before its completion tokens, the prompt's tokens
+        and the sample's output tokens so far, both counts then written after the
+        logprobs or ids.
         ``ValueError`` for a request whose chunks carry more (not ``DELTA``); a request
         with prompt logprobs streams too, an output that carries them going to Python
         with the stream released first; one of n > 1 samples streams its own choice."""

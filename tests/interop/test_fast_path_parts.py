@@ -19,7 +19,7 @@ from typing import Any
 import pytest
 
 from corewire import releases
-from corewire.vllm.fast_path import TEXT_PROBE, asgi_cycle, direct_route, split_template
+from corewire.vllm.fast_path import TEXT_PROBE, Template, asgi_cycle, direct_route, split_template
 from corewire.vllm.plugin import (
     FAST_PATH_SWITCH,
     FAST_PATH_VLLM_VERSIONS,
@@ -87,31 +87,53 @@ def test_template_splits_around_the_text_and_the_logprobs() -> None:
     literal = '"\\u0000corewire-text-probe\\u0000"'
     assert TEXT_PROBE == "\x00corewire-text-probe\x00"
     frame = f'data: {{"a":1,"text":{literal},"logprobs":null,"z":2}}\n\n'.encode()
-    assert split_template(frame) == (
+    assert split_template(frame) == Template(
         b'data: {"a":1,"text":',
         b',"logprobs":',
         b',"z":2}\n\n',
     )
 
 
-def test_template_splits_around_the_token_ids_after_the_logprobs() -> None:
+def test_template_splits_around_the_token_ids_and_the_usage_after_the_logprobs() -> None:
     literal = '"\\u0000corewire-text-probe\\u0000"'
     frame = (
-        f'data: {{"text":{literal},"logprobs":null,"prompt_token_ids":null,'
-        '"token_ids":null,"z":2}\n\n'
+        f'data: {{"choices":[{{"text":{literal},"logprobs":null,"prompt_token_ids":null,'
+        '"token_ids":null}],"usage":{"prompt_tokens":5,"total_tokens":987654322,'
+        '"completion_tokens":987654321},"z":2}\n\n'
     ).encode()
-    assert split_template(frame, token_ids=True) == (
-        b'data: {"text":',
+    assert split_template(frame, token_ids=True) == Template(
+        b'data: {"choices":[{"text":',
         b',"logprobs":',
+        b'}],"usage":{"prompt_tokens":5,"total_tokens":987654322,'
+        b'"completion_tokens":987654321},"z":2}\n\n',
         b',"prompt_token_ids":null,"token_ids":',
-        b',"z":2}\n\n',
     )
-    # Asked for without: the ids stay fixed in the tail.
-    assert len(split_template(frame) or ()) == 3
-    # A frame without the ids' hole has no template with it.
+    assert split_template(frame, token_ids=True, prompt_tokens=5) == Template(
+        b'data: {"choices":[{"text":',
+        b',"logprobs":',
+        b'},"z":2}\n\n',
+        b',"prompt_token_ids":null,"token_ids":',
+        (b'}],"usage":{"prompt_tokens":5,"total_tokens":', b',"completion_tokens":', 5),
+    )
+    # Asked for without: the ids and the usage stay fixed in the tail.
+    assert split_template(frame) == Template(
+        b'data: {"choices":[{"text":',
+        b',"logprobs":',
+        b',"prompt_token_ids":null,"token_ids":null}],"usage":{"prompt_tokens":5,'
+        b'"total_tokens":987654322,"completion_tokens":987654321},"z":2}\n\n',
+    )
+    # A frame without a hole asked for has no template with it.
     plain = f'data: {{"text":{literal},"logprobs":null}}\n\n'.encode()
     assert split_template(plain) is not None
     assert split_template(plain, token_ids=True) is None
+    assert split_template(plain, prompt_tokens=5) is None
+    # The completion tokens before the total: not the order the frames write.
+    swapped = frame.replace(
+        b'"total_tokens":987654322,"completion_tokens":987654321',
+        b'"completion_tokens":987654321,"total_tokens":987654322',
+    )
+    assert swapped != frame
+    assert split_template(swapped, prompt_tokens=5) is None
 
 
 @pytest.mark.parametrize(

@@ -177,7 +177,6 @@ def raw_events(
 #: Options that keep a request on vLLM's path, each with what it asks.
 FALLBACKS: list[dict[str, Any]] = [
     {"logprobs": 1, "logprob_token_ids": [5, 6]},
-    {"stream_options": {"include_usage": True, "continuous_usage_stats": True}},
 ]
 
 
@@ -202,6 +201,9 @@ def random_requests(seed: int, http: httpx.Client, count: int) -> Iterator[dict[
                 body["n"] = rng.randint(2, 3)
         if rng.random() < 0.5:
             body["stream_options"] = {"include_usage": True}
+            if rng.random() < 0.3:
+                # Every chunk carries the running usage, the sample's tokens so far.
+                body["stream_options"]["continuous_usage_stats"] = True
         if rng.random() < 0.2:
             body["min_tokens"] = rng.randint(0, body["max_tokens"])
         if rng.random() < 0.4:
@@ -242,7 +244,6 @@ def _run(http: httpx.Client, seed: int, count: int) -> Run:
 #: Options that keep a chat request on vLLM's path.
 CHAT_FALLBACKS: list[dict[str, Any]] = [
     {"logprobs": True, "logprob_token_ids": [5, 6]},
-    {"stream_options": {"include_usage": True, "continuous_usage_stats": True}},
 ]
 
 
@@ -273,6 +274,10 @@ def random_chats(seed: int, http: httpx.Client, count: int) -> Iterator[dict[str
                 body["n"] = rng.randint(2, 3)
         if rng.random() < 0.5:
             body["stream_options"] = {"include_usage": True}
+            if rng.random() < 0.3:
+                # Every chunk carries the running usage (not on the fast path beside a
+                # reasoning parser, whose count it would show).
+                body["stream_options"]["continuous_usage_stats"] = True
         if rng.random() < 0.2:
             body["stream_interval"] = rng.randint(2, 4)
         if rng.random() < 0.3:
@@ -432,12 +437,16 @@ def tool_chats(seed: int, http: httpx.Client, count: int) -> Iterator[dict[str, 
         yield body
 
 
-def parser_kept(body: dict[str, Any]) -> bool:
-    """Whether a chat request to a server with a parser stays on vLLM's path: it may call
-    tools (with tools and no tool_choice, vLLM's default is "auto") or carries one of the
-    endpoint's fallbacks (logprobs take the fast path there too)."""
-    return ("tools" in body and body.get("tool_choice") != "none") or any(
-        all(body.get(k) == v for k, v in f.items()) for f in CHAT_FALLBACKS
+def parser_kept(body: dict[str, Any], reasoning: bool = False) -> bool:
+    """Whether a chat request to a server with a parser (``reasoning``: a reasoning parser
+    among them) stays on vLLM's path: it may call tools (with tools and no tool_choice,
+    vLLM's default is "auto"), carries one of the endpoint's fallbacks (logprobs take the
+    fast path there too), or asks for running usage beside a reasoning parser."""
+    continuous = (body.get("stream_options") or {}).get("continuous_usage_stats", False)
+    return (
+        ("tools" in body and body.get("tool_choice") != "none")
+        or any(all(body.get(k) == v for k, v in f.items()) for f in CHAT_FALLBACKS)
+        or (reasoning and continuous)
     )
 
 
@@ -445,8 +454,9 @@ def parser_kept(body: dict[str, Any]) -> bool:
 def parser_servers(
     factory: Any, args: tuple[str, ...], vocab_size: int, markers: tuple[str, ...] = ()
 ) -> Iterator[tuple[httpx.Client, httpx.Client]]:
-    """vLLM's stack and the fast path's, both started with the parser flags ``args``
-    (and a model of ``vocab_size`` tokens with ``markers``): an HTTP client for each."""
+    """vLLM's stack and the fast path's, both started with the server flags ``args`` (a
+    parser's, or others) and a model of ``vocab_size`` tokens with ``markers``: an HTTP
+    client for each."""
     with (
         _stack("vllm", factory, args, vocab_size, markers) as vllm_stack,
         _stack("corewire+fast", factory, args, vocab_size, markers) as fast_stack,
@@ -456,16 +466,19 @@ def parser_servers(
         yield theirs, mine
 
 
-def same_tool_chats(theirs: httpx.Client, mine: httpx.Client, seed: int) -> Run:
-    """14 seeded :func:`tool_chats` on both parser servers: every event the same text,
-    those that :func:`parser_kept` on vLLM's path, the others on the fast path, some of
-    their tokens written natively. The fast path's run."""
+def same_tool_chats(
+    theirs: httpx.Client, mine: httpx.Client, seed: int, reasoning: bool = False
+) -> Run:
+    """14 seeded :func:`tool_chats` on both parser servers (``reasoning``: with a reasoning
+    parser): every event the same text, those that :func:`parser_kept` on vLLM's path, the
+    others on the fast path, some of their tokens written natively. The fast path's run."""
     path = "/v1/chat/completions"
     before = fast_path_counts(mine)
     expected = [(b, raw_events(theirs, b, path)) for b in tool_chats(seed, theirs, 14)]
     got = [(b, raw_events(mine, b, path)) for b in tool_chats(seed, mine, 14)]
     sent = assert_same_runs(got, expected, mine, theirs, path)
-    took, want = paths_taken(mine, before, sent, [parser_kept(body) for body, _ in got])
+    kept = [parser_kept(body, reasoning) for body, _ in got]
+    took, want = paths_taken(mine, before, sent, kept)
     tokens = fast_path_counts(mine)["tokens"] - before.get("tokens", 0)
     assert took == want, (before, sent)
     assert want["fast"] and want["vllm"] and tokens > 0
@@ -556,7 +569,7 @@ def test_reasoning_parser_server_same_events_as_vllms_server(
     args += ("--enable-auto-tool-choice", "--tool-call-parser", "hermes")
     markers = ("<think>", "</think>")
     with parser_servers(tmp_path_factory, args, vocab_size, markers) as (theirs, mine):
-        got = same_tool_chats(theirs, mine, 41)
+        got = same_tool_chats(theirs, mine, 41, reasoning=True)
     events = [e for _, run in got for e in run]
     assert any('"delta":{"reasoning"' in e for e in events)
     assert any('"reasoning_tokens"' in e for e in events)
@@ -718,6 +731,101 @@ def test_return_token_ids_is_written_natively(
         assert all(len(c["token_ids"]) == len(c["logprobs"]["tokens"]) for c in choices)
 
 
+@pytest.mark.parametrize(
+    "extra",
+    [{}, {"logprobs": 2, "return_token_ids": True, "stream_interval": 3}, {"n": 2}],
+    ids=["plain", "logprobs-ids-interval", "two-samples"],
+)
+def test_continuous_usage_is_written_natively(
+    stacks: dict[str, ServeStack], extra: dict[str, Any]
+) -> None:
+    """A streamed completion with ``continuous_usage_stats``, plain, with logprobs, token
+    ids and a stream interval, and of two samples: the same events as vLLM's server, every
+    chunk's usage the sample's tokens so far, and the tokens between each sample's first
+    chunk and its finish written natively."""
+    tokens = 40
+    body: dict[str, Any] = {"prompt": "the old house on the hill", "max_tokens": tokens}
+    body |= {"temperature": 0.0, "ignore_eos": True, "stream": True}
+    body |= {"stream_options": {"include_usage": True, "continuous_usage_stats": True}}
+    if "n" in extra:
+        body |= {"temperature": 0.9, "seed": 4}
+    body |= extra
+    with http_client(stacks["vllm"]) as theirs, http_client(stacks["corewire+fast"]) as mine:
+        got, expected, added = side_by_side(
+            theirs, mine, lambda h: per_choice(body, raw_events(h, body))
+        )
+    assert got == expected, _first_difference(got, expected)
+    assert added["fast"] == 1
+    samples, interval = extra.get("n", 1), extra.get("stream_interval", 1)
+    events = [e for e in (got.values() if isinstance(got, dict) else [got]) for e in e]
+    chunks = [json.loads(e) for e in events if e != "[DONE]"]
+    for index in range(samples):
+        of_sample = [c for c in chunks if c["choices"] and c["choices"][0]["index"] == index]
+        counts = [c["usage"]["completion_tokens"] for c in of_sample]
+        assert counts[0] >= 1 and counts[-1] == tokens, counts
+        assert counts == sorted(counts)
+        assert all(
+            c["usage"]["total_tokens"] == c["usage"]["prompt_tokens"] + n
+            for c, n in zip(of_sample, counts, strict=True)
+        )
+    if samples == 1:
+        assert added["tokens"] == interval * ((tokens - 2) // interval)
+    else:
+        # As for any request of several samples: most of their tokens are the frames'.
+        most = samples * (tokens - 2)
+        assert most // 2 <= added["tokens"] <= most, added
+
+
+def test_chat_continuous_usage_is_written_natively(stacks: dict[str, ServeStack]) -> None:
+    """A streamed chat with ``continuous_usage_stats``, echo and token ids: the same events
+    as vLLM's server (the role and echo chunks with no completion tokens yet, every later
+    chunk's usage the tokens so far), and the tokens between the first content chunk and
+    the finish written natively."""
+    tokens = 30
+    turns = [{"role": "user", "content": "tell me a story"}]
+    turns.append({"role": "assistant", "content": "once upon a"})
+    body: dict[str, Any] = {"messages": turns, "max_tokens": tokens, "temperature": 0.0}
+    body |= {"ignore_eos": True, "echo": True, "return_token_ids": True, "stream": True}
+    body |= {"stream_options": {"include_usage": True, "continuous_usage_stats": True}}
+    path = "/v1/chat/completions"
+    with http_client(stacks["vllm"]) as theirs, http_client(stacks["corewire+fast"]) as mine:
+        got, expected, added = side_by_side(theirs, mine, lambda h: raw_events(h, body, path))
+    assert got == expected, _first_difference(got, expected)
+    assert added["fast"] == 1
+    assert added["tokens"] == tokens - 2
+    chunks = [json.loads(e) for e in got[:-2]]
+    counts = [c["usage"]["completion_tokens"] for c in chunks]
+    assert counts[:3] == [0, 0, 1] and counts[-1] == tokens, counts
+    assert counts[2:] == list(range(1, tokens + 1))
+
+
+def test_force_include_usage_server_takes_the_fast_path(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> None:
+    """Both servers started with ``--enable-force-include-usage`` (every stream carries its
+    usage, running usage included, whatever the request asks): a completion's and a chat's
+    events the same as vLLM's server's, on the fast path, their tokens between the first
+    chunk and the finish written natively."""
+    tokens = 30
+    base: dict[str, Any] = {"max_tokens": tokens, "temperature": 0.0, "ignore_eos": True}
+    base["stream"] = True
+    requests = [
+        ("/v1/completions", base | {"prompt": "the old house on the hill"}),
+        ("/v1/chat/completions", base | {"messages": [{"role": "user", "content": "hi"}]}),
+    ]
+    with parser_servers(tmp_path_factory, ("--enable-force-include-usage",), 4096) as (
+        theirs,
+        mine,
+    ):
+        for path, body in requests:
+            got, expected, added = side_by_side(
+                theirs, mine, lambda h, b=body, p=path: raw_events(h, b, p)
+            )
+            assert got == expected, (path, _first_difference(got, expected))
+            assert added["fast"] == 1 and added["tokens"] == tokens - 2, (path, added)
+            assert all('"usage":{' in event for event in got[:-1]), path
+
+
 @pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
 def test_streamed_prompt_logprobs_zero_is_written_natively(
     stacks: dict[str, ServeStack], path: str
@@ -832,15 +940,14 @@ def test_long_chat_stream_with_logprobs_is_written_natively(
 
 
 def test_fallback_is_said_once_in_the_log(stacks: dict[str, ServeStack]) -> None:
-    """A request the fast path does not cover (continuous usage) is served by vLLM's code,
-    and the server's log says why, once however many such requests come."""
+    """A request the fast path does not cover (logprobs of given token ids) is served by
+    vLLM's code, and the server's log says why, once however many such requests come."""
     body = {"prompt": "count to ten", "max_tokens": 3, "temperature": 0.0, "stream": True}
-    continuous = {"include_usage": True, "continuous_usage_stats": True}
     with http_client(stacks["corewire+fast"]) as mine:
         for _ in range(3):
-            raw_events(mine, {**body, "stream_options": continuous})
+            raw_events(mine, {**body, "logprobs": 1, "logprob_token_ids": [5, 6]})
     log = server_log(stacks["corewire+fast"])
-    reason = "streaming completion stays on vLLM's path: continuous_usage_stats"
+    reason = "streaming completion stays on vLLM's path: logprob_token_ids"
     said = [line for line in log.splitlines() if reason in line]
     assert len(said) == 1, said
     # And that the fast path is on at all, once vLLM's logging is up, and vLLM's

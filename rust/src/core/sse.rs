@@ -1,18 +1,46 @@
 //! Server-sent-event frames as vLLM's OpenAI server writes them, built without Python:
-//! a per-stream template around the one value that changes per token (the text, a JSON
-//! string literal written as Python's `json.dumps(s, ensure_ascii=False)` writes it), and
-//! the HTTP/1.1 chunk that carries a stream's frames to its connection.
+//! a per-stream template around the values that change per chunk (the text, a JSON string
+//! literal written as Python's `json.dumps(s, ensure_ascii=False)` writes it; the logprobs;
+//! where the stream carries them, the token ids and the running usage), and the HTTP/1.1
+//! chunk that carries a stream's frames to its connection.
 
 /// A chunk of one stream with two holes: the text's literal, between `head` and `mid`, and
 /// the chunk's logprobs (a JSON value: `null` without), between `mid` and `tail`; and, for a
-/// stream whose chunks carry their token ids (`return_token_ids`), a third after the
-/// logprobs: `ids_mid`, then the chunk's token ids as a JSON array. The rest is fixed for
-/// the stream's life (ids, model, index).
+/// stream whose chunks carry them, more after the logprobs, in this order: the chunk's token
+/// ids (`return_token_ids`: `ids_mid`, then a JSON array) and its running usage
+/// (`continuous_usage_stats`: see `UsageHoles`). The rest is fixed for the stream's life
+/// (ids, model, index).
 pub struct FrameTemplate {
     head: Vec<u8>,
     mid: Vec<u8>,
     ids_mid: Option<Vec<u8>>,
+    usage: Option<UsageHoles>,
     tail: Vec<u8>,
+}
+
+/// The holes of a chunk's running usage, `{"prompt_tokens":P,"total_tokens":T,
+/// "completion_tokens":C}` as vLLM's model writes it: the bytes before the total (the
+/// prompt's count among them) and between the total and the completion tokens.
+pub struct UsageHoles {
+    /// The bytes between the hole before (logprobs or ids) and the total.
+    pub before_total: Vec<u8>,
+    /// The bytes between the total and the completion tokens.
+    pub before_completion: Vec<u8>,
+    /// The prompt's tokens, which the total counts.
+    pub prompt_tokens: usize,
+}
+
+/// What fills one frame's holes.
+pub struct FrameValues<'a> {
+    /// The chunk's new text.
+    pub text: &'a str,
+    /// The chunk's logprobs as JSON (None: `null`).
+    pub logprobs: Option<&'a [u8]>,
+    /// The chunk's token ids (written where the template has their hole).
+    pub ids: &'a [i64],
+    /// The sample's output tokens so far, this chunk's included (written where the template
+    /// has the usage's holes).
+    pub completion_tokens: usize,
 }
 
 impl FrameTemplate {
@@ -22,44 +50,54 @@ impl FrameTemplate {
             head,
             mid,
             ids_mid: None,
+            usage: None,
             tail,
         }
     }
 
-    /// A template from the bytes around the three holes (the token ids' after the
-    /// logprobs', `ids_mid` between them).
-    pub fn with_ids(head: Vec<u8>, mid: Vec<u8>, ids_mid: Vec<u8>, tail: Vec<u8>) -> Self {
-        FrameTemplate {
-            head,
-            mid,
-            ids_mid: Some(ids_mid),
-            tail,
-        }
+    /// The template with the token ids' hole after the logprobs (`ids_mid` between them;
+    /// the tail then follows the ids or the usage).
+    pub fn with_ids(mut self, ids_mid: Vec<u8>) -> Self {
+        self.ids_mid = Some(ids_mid);
+        self
     }
 
-    /// Whether the chunks carry their token ids (the third hole).
+    /// The template with the usage's holes after the logprobs or the ids.
+    pub fn with_usage(mut self, usage: UsageHoles) -> Self {
+        self.usage = Some(usage);
+        self
+    }
+
+    /// Whether the chunks carry their token ids.
     pub fn has_ids(&self) -> bool {
         self.ids_mid.is_some()
     }
 
-    /// Appends the frame carrying `text`, as JSON `logprobs` (None: `null`) and, where the
-    /// template has their hole, the token ids `ids` (`[1,2]`, as pydantic writes a list of
-    /// ints) to `out`.
-    pub fn render(&self, out: &mut Vec<u8>, text: &str, logprobs: Option<&[u8]>, ids: &[i64]) {
+    /// Appends the frame of `values` to `out`: the text's literal, the logprobs, and where
+    /// the template has their holes the token ids (`[1,2]`, as pydantic writes a list of
+    /// ints) and the usage's total and completion tokens.
+    pub fn render(&self, out: &mut Vec<u8>, values: &FrameValues<'_>) {
         out.extend_from_slice(&self.head);
-        push_str_literal(out, text);
+        push_str_literal(out, values.text);
         out.extend_from_slice(&self.mid);
-        out.extend_from_slice(logprobs.unwrap_or(b"null"));
+        out.extend_from_slice(values.logprobs.unwrap_or(b"null"));
         if let Some(ids_mid) = &self.ids_mid {
             out.extend_from_slice(ids_mid);
             out.push(b'[');
-            for (i, id) in ids.iter().enumerate() {
+            for (i, id) in values.ids.iter().enumerate() {
                 if i > 0 {
                     out.push(b',');
                 }
                 out.extend_from_slice(id.to_string().as_bytes());
             }
             out.push(b']');
+        }
+        if let Some(usage) = &self.usage {
+            let total = usage.prompt_tokens + values.completion_tokens;
+            out.extend_from_slice(&usage.before_total);
+            out.extend_from_slice(total.to_string().as_bytes());
+            out.extend_from_slice(&usage.before_completion);
+            out.extend_from_slice(values.completion_tokens.to_string().as_bytes());
         }
         out.extend_from_slice(&self.tail);
     }
@@ -272,7 +310,7 @@ pub fn push_str_literal(out: &mut Vec<u8>, s: &str) {
 mod tests {
     use super::{
         http_chunk, push_chat_logprobs, push_completion_logprobs, push_float, push_str_literal,
-        Candidate, FrameTemplate, Position,
+        Candidate, FrameTemplate, FrameValues, Position, UsageHoles,
     };
 
     #[test]
@@ -303,6 +341,15 @@ mod tests {
         assert_eq!(empty, b"{\"content\":[]}");
     }
 
+    fn values<'a>(text: &'a str, logprobs: Option<&'a [u8]>, ids: &'a [i64]) -> FrameValues<'a> {
+        FrameValues {
+            text,
+            logprobs,
+            ids,
+            completion_tokens: 0,
+        }
+    }
+
     #[test]
     fn a_frame_is_head_literal_mid_logprobs_tail() {
         let t = FrameTemplate::new(
@@ -312,9 +359,9 @@ mod tests {
         );
         assert!(!t.has_ids());
         let mut out = Vec::new();
-        // Without their hole, the ids are not written.
-        t.render(&mut out, "a\"b", None, &[7]);
-        t.render(&mut out, "", Some(b"[1]"), &[]);
+        // Without their holes, the ids and the usage are not written.
+        t.render(&mut out, &values("a\"b", None, &[7]));
+        t.render(&mut out, &values("", Some(b"[1]"), &[]));
         assert_eq!(
             out,
             b"data: {\"t\":\"a\\\"b\",\"l\":null}\n\ndata: {\"t\":\"\",\"l\":[1]}\n\n"
@@ -323,21 +370,56 @@ mod tests {
 
     #[test]
     fn a_frame_with_ids_writes_them_after_the_logprobs() {
-        let t = FrameTemplate::with_ids(
+        let t = FrameTemplate::new(
             b"data: {\"t\":".to_vec(),
             b",\"l\":".to_vec(),
-            b",\"ids\":".to_vec(),
             b"}\n\n".to_vec(),
-        );
+        )
+        .with_ids(b",\"ids\":".to_vec());
         assert!(t.has_ids());
         let mut out = Vec::new();
-        t.render(&mut out, "x", None, &[5, -1, 151643]);
-        t.render(&mut out, "", Some(b"{}"), &[]);
+        t.render(&mut out, &values("x", None, &[5, -1, 151643]));
+        t.render(&mut out, &values("", Some(b"{}"), &[]));
         assert_eq!(
             String::from_utf8(out).unwrap(),
             "data: {\"t\":\"x\",\"l\":null,\"ids\":[5,-1,151643]}\n\n\
              data: {\"t\":\"\",\"l\":{},\"ids\":[]}\n\n"
         );
+    }
+
+    #[test]
+    fn a_frame_with_usage_writes_the_total_and_the_completion_tokens_last() {
+        let usage = UsageHoles {
+            before_total: b"],\"u\":{\"p\":5,\"t\":".to_vec(),
+            before_completion: b",\"c\":".to_vec(),
+            prompt_tokens: 5,
+        };
+        let with_ids = FrameTemplate::new(
+            b"data: {\"c\":[{\"t\":".to_vec(),
+            b",\"l\":".to_vec(),
+            b"}}\n\n".to_vec(),
+        )
+        .with_ids(b",\"ids\":".to_vec())
+        .with_usage(usage);
+        let mut out = Vec::new();
+        let mut v = values("x", None, &[9, 10]);
+        v.completion_tokens = 12;
+        with_ids.render(&mut out, &v);
+        assert_eq!(
+            String::from_utf8(out).unwrap(),
+            "data: {\"c\":[{\"t\":\"x\",\"l\":null,\"ids\":[9,10]],\"u\":{\"p\":5,\"t\":17,\"c\":12}}\n\n"
+        );
+        let plain = FrameTemplate::new(b"{".to_vec(), b",".to_vec(), b"}".to_vec()).with_usage(
+            UsageHoles {
+                before_total: b";".to_vec(),
+                before_completion: b";".to_vec(),
+                prompt_tokens: 0,
+            },
+        );
+        let mut out = Vec::new();
+        v.completion_tokens = 1;
+        plain.render(&mut out, &v);
+        assert_eq!(out, b"{\"x\",null;1;1}");
     }
 
     fn float(v: f64) -> String {

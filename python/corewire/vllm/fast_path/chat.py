@@ -1,7 +1,8 @@
 """The fast path of vLLM 0.33.0's and 0.34.0's streaming ``/v1/chat/completions`` (see
 :mod:`corewire.vllm.fast_path`): any number of samples, each written by its own native
-state, whose chunks carry text, logprobs and token ids (no continuous usage; on a
-server with a parser, deltas the native frames can follow:
+state, whose chunks carry text, logprobs, token ids and running usage (not beside a
+reasoning parser's reasoning token count; on a server with a parser, deltas the native
+frames can follow:
 :mod:`corewire.vllm.fast_path.parsers`); anything else stays on vLLM's
 ``chat_completion_stream_generator``.
 
@@ -30,13 +31,16 @@ from vllm.entrypoints.openai.chat_completion.serving import (
     _make_prompt_tokens_details,
 )
 from vllm.entrypoints.openai.chat_completion.stream_processor import ChatStreamProcessor
-from vllm.entrypoints.serve.engine.protocol import ErrorResponse
+from vllm.entrypoints.serve.engine.protocol import ErrorResponse, UsageInfo
+from vllm.entrypoints.serve.utils.api_utils import should_include_usage
 from vllm.exceptions import GenerationError
 from vllm.utils.collection_utils import as_list
 
 from corewire.vllm.fast_path.frames import (
+    COMPLETION_TOKENS_PROBE,
     DONE,
     TEXT_PROBE,
+    TOTAL_TOKENS_PROBE,
     StreamEnd,
     Template,
     split_template,
@@ -59,11 +63,13 @@ def frame_template(
     index: int = 0,
     token_ids: bool = False,
     nulls: tuple[str, ...] = (),
+    prompt_tokens: int | None = None,
 ) -> Template | None:
     """The bytes of an unfinished chunk of the stream's sample ``index`` around its text
     (its delta's ``field``: ``content`` or ``reasoning``; the delta's fields ``nulls``
-    set to None beside it), its logprobs (``null``) and, with ``token_ids``, its token
-    ids, as vLLM 0.34.0's server writes the chunk; None when ambiguous."""
+    set to None beside it), its logprobs (``null``), with ``token_ids`` its token ids, and
+    with ``prompt_tokens`` its running usage's counts, as vLLM 0.34.0's server writes the
+    chunk; None when ambiguous."""
     probe = ChatCompletionStreamResponse(
         id=request_id,
         object=CHUNK_OBJECT,
@@ -80,7 +86,9 @@ def frame_template(
         model=model,
         kv_transfer_params=None,
     )
-    return split_template(sse(_dump(probe)).encode(), token_ids)
+    if prompt_tokens is not None:
+        probe.usage = _running_usage(prompt_tokens, COMPLETION_TOKENS_PROBE, TOTAL_TOKENS_PROBE)
+    return split_template(sse(_dump(probe)).encode(), token_ids, prompt_tokens)
 
 
 def refusal(serving: Any, request: Any, connection: Any) -> str | None:
@@ -110,6 +118,14 @@ def refusal(serving: Any, request: Any, connection: Any) -> str | None:
                 "return_tokens_as_token_ids",
             ),
             (request.return_prompt_text, "return_prompt_text"),
+            # Beside a reasoning parser, the running usage counts the reasoning tokens.
+            (
+                serving._include_reasoning_tokens_details
+                and should_include_usage(
+                    request.stream_options, serving.enable_force_include_usage
+                )[1],
+                "continuous_usage_stats with a reasoning parser",
+            ),
         ],
     )
 
@@ -177,6 +193,17 @@ def _echoed(request: Any, conversation: Any, role: str) -> str:
     if "content" not in last or last.get("role") != role:
         return ""
     return last["content"] or ""
+
+
+def _running_usage(prompt_tokens: int, completion_tokens: int, total_tokens: int) -> UsageInfo:
+    # A chunk's running usage as vLLM's chat stream makes it on a server without a
+    # reasoning parser (the only kind whose streams carry it on the fast path).
+    return UsageInfo(
+        prompt_tokens=prompt_tokens,
+        completion_tokens=completion_tokens,
+        total_tokens=total_tokens,
+        completion_tokens_details=None,
+    )
 
 
 def _dump(chunk: Any) -> str:
@@ -266,8 +293,10 @@ async def chat_stream(
         opening.clear()
         end.append(event)
 
-    def chunk(choice: Any, res: Any = None) -> ChatCompletionStreamResponse:
-        return ChatCompletionStreamResponse(
+    def chunk(choice: Any, completion_tokens: int, res: Any = None) -> ChatCompletionStreamResponse:
+        # The chunk of an output of ``choice``'s sample, whose tokens so far the running
+        # usage (if any) shows.
+        made = ChatCompletionStreamResponse(
             id=request_id,
             object=CHUNK_OBJECT,
             created=created,
@@ -275,6 +304,12 @@ async def chat_stream(
             model=model_name,
             kv_transfer_params=res.kv_transfer_params if res is not None else None,
         )
+        if stream.continuous_usage:
+            prompt_tokens = stream.num_prompt_tokens
+            made.usage = _running_usage(
+                prompt_tokens, completion_tokens, prompt_tokens + completion_tokens
+            )
+        return made
 
     def catch_up(i: int) -> None:
         # Tells sample i's processor (and its reasoning count) of its native frames'
@@ -319,6 +354,16 @@ async def chat_stream(
                         ),
                         prompt_text=None,
                     )
+                    if stream.continuous_usage:
+                        first.usage = _running_usage(
+                            stream.num_prompt_tokens, 0, stream.num_prompt_tokens
+                        )
+                        first.usage.prompt_tokens_details = _make_prompt_tokens_details(
+                            serving.enable_prompt_tokens_details,
+                            stream.num_cached_tokens,
+                            stream.num_cache_creation_tokens,
+                            mm_token_counts,
+                        )
                     opening.append(sse(_dump(first)))
                 echoed = _echoed(request, conversation, role_name)
                 for i in range(samples if echoed else 0):
@@ -329,19 +374,18 @@ async def chat_stream(
                         logprobs=None,
                         finish_reason=None,
                     )
-                    opening.append(
-                        sse(
-                            _dump(
-                                ChatCompletionStreamResponse(
-                                    id=request_id,
-                                    object=CHUNK_OBJECT,
-                                    created=created,
-                                    choices=[echo],
-                                    model=model_name,
-                                )
-                            )
-                        )
+                    echo_chunk = ChatCompletionStreamResponse(
+                        id=request_id,
+                        object=CHUNK_OBJECT,
+                        created=created,
+                        choices=[echo],
+                        model=model_name,
                     )
+                    if stream.continuous_usage:
+                        echo_chunk.usage = _running_usage(
+                            stream.num_prompt_tokens, 0, stream.num_prompt_tokens
+                        )
+                    opening.append(sse(_dump(echo_chunk)))
             for output in res.outputs:
                 i = output.index
                 step = steps[i]
@@ -384,7 +428,7 @@ async def chat_stream(
                         token_ids=chunk_ids,
                     )
                     stream.chunks += 1
-                    yield opened(sse(_dump(chunk(choice))))
+                    yield opened(sse(_dump(chunk(choice, step.num_output_tokens))))
                     # The native frames take the sample's next outputs where the parser
                     # (if any) will make each one's delta its text under one field.
                     frames = None
@@ -395,7 +439,14 @@ async def chat_stream(
                         key = (field, nulls, i)
                         if key not in templates:
                             templates[key] = frame_template(
-                                request_id, created, model_name, field, i, include_ids, nulls
+                                request_id,
+                                created,
+                                model_name,
+                                field,
+                                i,
+                                include_ids,
+                                nulls,
+                                stream.num_prompt_tokens if stream.continuous_usage else None,
                             )
                         stream.attach_after_chunk(
                             request_id,
@@ -405,6 +456,7 @@ async def chat_stream(
                             chat_logprobs=True,
                             index=i,
                             template=templates[key],
+                            completion_tokens=step.num_output_tokens,
                         )
                     continue
                 finished[i] = True
@@ -417,7 +469,7 @@ async def chat_stream(
                     token_ids=chunk_ids,
                     weight_versions=None,
                 )
-                last = chunk(choice, res)
+                last = chunk(choice, step.num_output_tokens, res)
                 if stream.finish_fingerprint is not None:
                     last.system_fingerprint = stream.finish_fingerprint
                 # Counted as every chunk is: the samples still streaming attach again

@@ -1,9 +1,9 @@
 """The fast path of vLLM 0.33.0's and 0.34.0's streaming ``/v1/completions`` (see
 :mod:`corewire.vllm.fast_path`): one prompt, any number of samples (each written by its
-own native state), chunks of text, sample logprobs and (``return_token_ids``) token ids,
-the prompt echoed in a sample's first chunk (with the prompt's logprobs before the
-sample's where the request asks for logprobs); anything else stays on vLLM's
-``completion_stream_generator``."""
+own native state), chunks of text, sample logprobs, (``return_token_ids``) token ids and
+(``continuous_usage_stats``) running usage, the prompt echoed in a sample's first chunk
+(with the prompt's logprobs before the sample's where the request asks for logprobs);
+anything else stays on vLLM's ``completion_stream_generator``."""
 
 from __future__ import annotations
 
@@ -17,13 +17,15 @@ from vllm.entrypoints.openai.completion.protocol import (
     CompletionResponseStreamChoice,
     CompletionStreamResponse,
 )
-from vllm.entrypoints.serve.engine.protocol import PromptTokenUsageInfo
+from vllm.entrypoints.serve.engine.protocol import PromptTokenUsageInfo, UsageInfo
 from vllm.exceptions import GenerationError
 from vllm.utils.collection_utils import as_list
 
 from corewire.vllm.fast_path.frames import (
+    COMPLETION_TOKENS_PROBE,
     DONE,
     TEXT_PROBE,
+    TOTAL_TOKENS_PROBE,
     StreamEnd,
     Template,
     split_template,
@@ -37,15 +39,28 @@ ENDPOINT = "completion"
 
 
 def frame_template(
-    request_id: str, created: int, model: str, index: int = 0, token_ids: bool = False
+    request_id: str,
+    created: int,
+    model: str,
+    index: int = 0,
+    token_ids: bool = False,
+    prompt_tokens: int | None = None,
 ) -> Template | None:
     """The bytes of an unfinished chunk of the stream's sample ``index`` around its holes
     (the text's JSON literal; the logprobs object, ``null`` without; with ``token_ids``,
-    the chunk's token ids), as :func:`_chunk` renders it (vLLM 0.34.0's model dumped with
-    ``exclude_unset``); None when the probe is ambiguous."""
+    the chunk's token ids; with ``prompt_tokens``, the running usage's counts), as
+    :func:`_chunk` renders it (vLLM 0.34.0's model dumped with ``exclude_unset``); None
+    when the probe is ambiguous."""
     probe = SimpleNamespace(index=index, text=TEXT_PROBE, finish_reason=None, stop_reason=None)
-    frame = sse(_chunk((request_id, created, model), probe, None)).encode()
-    return split_template(frame, token_ids)
+    usage = None
+    if prompt_tokens is not None:
+        usage = UsageInfo(
+            prompt_tokens=prompt_tokens,
+            completion_tokens=COMPLETION_TOKENS_PROBE,
+            total_tokens=TOTAL_TOKENS_PROBE,
+        )
+    frame = sse(_chunk((request_id, created, model), probe, None, usage=usage)).encode()
+    return split_template(frame, token_ids, prompt_tokens)
 
 
 def refusal(serving: Any, request: Any, num_prompts: int, connection: Any) -> str | None:
@@ -129,13 +144,14 @@ def _chunk(
     text: str | None = None,
     prompt_token_ids: list[int] | None = None,
     token_ids: list[int] | None = None,
+    usage: Any = None,
 ) -> str:
     """A chunk's JSON as vLLM's server renders one of a request the fast path covers:
     ``names`` (the request's id, creation time and model name), ``res`` (the
     ``RequestOutput``) for a finish, whose KV transfer parameters it carries; ``text``
     (default: the output's); ``prompt_token_ids`` for a sample's first chunk that carries
     them (an echo's, or with ``return_token_ids``); ``token_ids``, the output's, with
-    ``return_token_ids``."""
+    ``return_token_ids``; ``usage``, the running usage, with continuous usage stats."""
     request_id, created, model = names
     chunk = CompletionStreamResponse(
         id=request_id,
@@ -158,6 +174,8 @@ def _chunk(
     )
     if fingerprint is not None:
         chunk.system_fingerprint = fingerprint
+    if usage is not None:
+        chunk.usage = usage
     return chunk.model_dump_json(exclude_unset=True)
 
 
@@ -175,14 +193,18 @@ async def completion_stream(
     templates: list[Template],
 ) -> AsyncGenerator[str, None]:
     """vLLM 0.34.0's ``completion_stream_generator`` for one prompt whose chunks carry
-    text, sample logprobs and token ids only (see :func:`refusal`), with each sample's unfinished
-    chunks after its first written natively (see the package doc; ``templates``: each
-    sample's frame template, by index). Same chunks, same usage, same errors."""
+    text, sample logprobs, token ids and running usage only (see :func:`refusal`), with
+    each sample's unfinished chunks after its first written natively (see the package
+    doc; ``templates``: each sample's frame template, by index, without running usage).
+    Same chunks, same usage, same errors."""
     names = (request_id, created_time, model_name)
     stream = Stream(serving, request, connection, ENDPOINT, names, templates[0])
     samples = len(templates)
     # Plain chunks rendered here use the template the native frames use, per sample.
-    parts = [tuple(part.decode() for part in template) for template in templates]
+    parts = [(t.head.decode(), t.mid.decode(), t.tail.decode()) for t in templates]
+    # With running usage, each sample's template carries the prompt's count: made once
+    # the first output has told it.
+    usage_templates: dict[int, Template | None] = {}
     # How many candidates a chunk shows per position (-1: all), for the native frames.
     limit = None
     if request.logprobs is not None:
@@ -265,9 +287,15 @@ async def completion_stream(
                     if text is not None:
                         text.stream_text_offset = text_offsets[i]
                 token_ids = as_list(output.token_ids) if return_ids else None
+                usage = None
+                if stream.continuous_usage:
+                    # The sample's tokens so far, this output's included, as vLLM counts.
+                    so_far = rendered[i] + stream.streamed_of(i)
+                    usage = stream.usage(so_far)
                 if finish_reason is None:
                     stream.chunks += 1
-                    if logprobs is None and prompt_ids is None and token_ids is None:
+                    plain = logprobs is None and prompt_ids is None and token_ids is None
+                    if plain and usage is None:
                         head, mid, tail = parts[i]
                         yield f"{head}{json.dumps(delta_text, ensure_ascii=False)}{mid}null{tail}"
                     else:
@@ -279,15 +307,29 @@ async def completion_stream(
                                 text=delta_text,
                                 prompt_token_ids=prompt_ids,
                                 token_ids=token_ids,
+                                usage=usage,
                             )
                         )
+                    template: Template | None = templates[i]
+                    if usage is not None:
+                        if i not in usage_templates:
+                            usage_templates[i] = frame_template(
+                                request_id,
+                                created_time,
+                                model_name,
+                                i,
+                                return_ids,
+                                stream.num_prompt_tokens,
+                            )
+                        template = usage_templates[i]
                     stream.attach_after_chunk(
                         external_id,
-                        True,
+                        template is not None,
                         limit,
                         text_offsets[i],
                         index=i,
-                        template=templates[i],
+                        template=template,
+                        completion_tokens=usage.completion_tokens if usage is not None else 0,
                     )
                     continue
                 # Counted as every chunk is: the samples still streaming attach again
@@ -304,6 +346,7 @@ async def completion_stream(
                         delta_text,
                         prompt_ids,
                         token_ids,
+                        usage,
                     )
                 )
                 if res.finished:

@@ -101,8 +101,7 @@ def stream_refusal(
     the reason of the first check that refuses, in this order: the server's
     (:func:`server_refusal`), the endpoint's ``first``, those of both endpoints (no
     beam search), the endpoint's ``options``, then the options neither
-    endpoint renders (weight versions, continuous usage stats)."""
-    _, continuous = should_include_usage(request.stream_options, serving.enable_force_include_usage)
+    endpoint renders (weight versions)."""
     server = server_refusal(serving, connection)
     if server is not None:
         return server
@@ -111,7 +110,6 @@ def stream_refusal(
         (request.use_beam_search, "beam search"),
         *options,
         (request.return_weight_versions, "return_weight_versions"),
-        (continuous, "continuous_usage_stats"),
     )
     return next((why for refused, why in checks if refused), None)
 
@@ -173,25 +171,27 @@ def attach(
     skip_empty: bool = False,
     release_ids: list[int] | None = None,
     chat_logprobs: bool = False,
+    completion_tokens: int = 0,
 ) -> bool:
-    """Attaches ``text`` to the connection (``RequestText.attach_stream``); False, said
-    once, when that fails (the native state refuses a request the endpoint's checks let
-    through, or the cycle is not what it should be): the stream stays Python's,
-    unharmed."""
-    # A template with a third hole carries the chunks' token ids (``ids_mid`` before them).
-    head, mid, *ids_mid, tail = template
+    """Attaches ``text`` to the connection (``RequestText.attach_stream``; with a template
+    whose chunks carry running usage, ``completion_tokens``: the sample's output tokens so
+    far); False, said once, when that fails (the native state refuses a request the
+    endpoint's checks let through, or the cycle is not what it should be): the stream
+    stays Python's, unharmed."""
+    usage = None if template.usage is None else (*template.usage, completion_tokens)
     try:
         text.attach_stream(
             connection.cycle,
-            head,
-            mid,
-            tail,
+            template.head,
+            template.mid,
+            template.tail,
             logprobs_limit,
             text_offset,
             skip_empty=skip_empty,
             release_ids=release_ids or [],
             chat_logprobs=chat_logprobs,
-            ids_mid=ids_mid[0] if ids_mid else None,
+            ids_mid=template.ids_mid,
+            usage=usage,
         )
     except Exception as e:
         # Once per reason (the message names the request first).
@@ -278,10 +278,11 @@ class Stream:
         self.names = names
         #: The frame template of the native chunks (None: the stream stays Python's).
         self.template = template
-        #: Whether a usage chunk ends the stream (then the finish has no fingerprint).
-        self.include_usage = should_include_usage(
+        #: Whether a usage chunk ends the stream (then the finish has no fingerprint), and
+        #: whether every chunk carries the running usage.
+        self.include_usage, self.continuous_usage = should_include_usage(
             request.stream_options, serving.enable_force_include_usage
-        )[0]
+        )
         self.processor = serving.engine_client.output_processor
         #: How many samples the request has (``n``).
         self.samples = request.n or 1
@@ -342,6 +343,7 @@ class Stream:
         chat_logprobs: bool = False,
         index: int = 0,
         template: Template | None = None,
+        completion_tokens: int = 0,
     ) -> bool:
         """Attaches the native state of sample ``index`` (``external_id``: the request's
         id in the output processor) to the connection after an unfinished chunk, with
@@ -350,7 +352,8 @@ class Stream:
         The chunk went on before the next was asked for: once it is on the wire, the
         plain outputs after it can go straight there. ``skip_empty``: outputs with no new
         text get no frame; ``release_ids``: an output with one of these token ids is
-        Python's to render; ``chat_logprobs``: the logprobs are a chat chunk's."""
+        Python's to render; ``chat_logprobs``: the logprobs are a chat chunk's;
+        ``completion_tokens``: the sample's output tokens so far (for running usage)."""
         template = self.template if template is None else template
         attached = self.texts.get(index)
         if template is None or (attached is not None and attached.stream_attached):
@@ -370,6 +373,7 @@ class Stream:
             skip_empty,
             release_ids,
             chat_logprobs,
+            completion_tokens,
         ):
             return False
         self.texts[index] = ready

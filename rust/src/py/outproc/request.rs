@@ -17,7 +17,7 @@ use super::names::Names;
 use super::samples::{Candidate, SampleLogprobs};
 use super::shared::{Shared, COMPLETION_FIELDS, REQUEST_OUTPUT_FIELDS};
 use super::sink::{Flushed, PositionEntries, StreamSink};
-use crate::core::sse::FrameTemplate;
+use crate::core::sse::{FrameTemplate, UsageHoles};
 use crate::py::arrays::{self, Block};
 use crate::py::objects::{output_field, output_fields};
 
@@ -460,10 +460,13 @@ impl RequestText {
     /// `chat_logprobs`: the logprobs are a chat chunk's (`content`), not a completions
     /// chunk's; `ids_mid`, for a request whose chunks carry their token ids
     /// (`return_token_ids`): the bytes between the logprobs and the ids, which the frames
-    /// then write (`tail` follows them).
+    /// then write; `usage`, for a request whose chunks carry their running usage
+    /// (`continuous_usage_stats`): the bytes before the total and before the completion
+    /// tokens, the prompt's tokens and the sample's output tokens so far, the frames then
+    /// writing both counts after the logprobs or ids (`tail` follows the last hole).
     #[pyo3(signature = (
         cycle, head, mid, tail, logprobs_limit = None, text_offset = 0, skip_empty = false,
-        release_ids = Vec::new(), chat_logprobs = false, ids_mid = None
+        release_ids = Vec::new(), chat_logprobs = false, ids_mid = None, usage = None
     ))]
     #[allow(clippy::too_many_arguments)]
     fn attach_stream(
@@ -479,6 +482,7 @@ impl RequestText {
         release_ids: Vec<i64>,
         chat_logprobs: bool,
         ids_mid: Option<Vec<u8>>,
+        usage: Option<(Vec<u8>, Vec<u8>, usize, usize)>,
     ) -> PyResult<()> {
         let refusal = if self.output_kind != DELTA {
             Some("its outputs are not deltas")
@@ -499,10 +503,19 @@ impl RequestText {
         self.drop_quietly(py);
         // -1: every candidate (the API's `logprobs=-1`).
         let limit = logprobs_limit.map(|l| usize::try_from(l).ok());
-        let template = match ids_mid {
-            Some(ids_mid) => FrameTemplate::with_ids(head, mid, ids_mid, tail),
-            None => FrameTemplate::new(head, mid, tail),
-        };
+        let mut template = FrameTemplate::new(head, mid, tail);
+        if let Some(ids_mid) = ids_mid {
+            template = template.with_ids(ids_mid);
+        }
+        let mut completion_tokens = 0;
+        if let Some((before_total, before_completion, prompt_tokens, so_far)) = usage {
+            template = template.with_usage(UsageHoles {
+                before_total,
+                before_completion,
+                prompt_tokens,
+            });
+            completion_tokens = so_far;
+        }
         self.sink = Some(StreamSink::new(
             py,
             cycle,
@@ -511,6 +524,7 @@ impl RequestText {
             skip_empty,
             release_ids,
             chat_logprobs,
+            completion_tokens,
         )?);
         self.stream_text_offset = text_offset;
         Ok(())

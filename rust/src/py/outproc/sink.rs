@@ -15,7 +15,8 @@ use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyString};
 
 use crate::core::sse::{
-    http_chunk, push_chat_logprobs, push_completion_logprobs, Candidate, FrameTemplate, Position,
+    http_chunk, push_chat_logprobs, push_completion_logprobs, Candidate, FrameTemplate,
+    FrameValues, Position,
 };
 
 use super::names::Names;
@@ -48,6 +49,9 @@ pub(super) struct StreamSink {
     release_ids: Vec<i64>,
     /// Whether the logprobs are a chat chunk's (else a completions chunk's).
     chat_logprobs: bool,
+    /// The sample's output tokens so far, this sink's frames' included (a frame's running
+    /// usage shows it, where the template has its holes).
+    completion_tokens: usize,
 }
 
 /// What writing a sink's waiting frames came to.
@@ -63,7 +67,8 @@ pub(super) enum Flushed {
 impl StreamSink {
     /// A sink writing to `cycle`'s transport, with the stream's frame template; for a
     /// request with logprobs, `logprobs_limit` is `Some(limit)`; `skip_empty`,
-    /// `release_ids` and `chat_logprobs`: see the fields.
+    /// `release_ids`, `chat_logprobs` and `completion_tokens` (so far): see the fields.
+    #[allow(clippy::too_many_arguments)]
     pub(super) fn new(
         py: Python<'_>,
         cycle: Py<PyAny>,
@@ -72,6 +77,7 @@ impl StreamSink {
         skip_empty: bool,
         release_ids: Vec<i64>,
         chat_logprobs: bool,
+        completion_tokens: usize,
     ) -> PyResult<Self> {
         let transport = cycle.bind(py).getattr(&Names::get(py).transport)?.unbind();
         Ok(StreamSink {
@@ -85,6 +91,7 @@ impl StreamSink {
             skip_empty,
             release_ids,
             chat_logprobs,
+            completion_tokens,
         })
     }
 
@@ -147,9 +154,16 @@ impl StreamSink {
         text_offset: &mut usize,
     ) -> PyResult<()> {
         self.pending_tokens += tokens;
+        self.completion_tokens += tokens;
         let Some(limit) = self.logprobs_limit else {
             if !(self.skip_empty && text.is_empty()) {
-                self.template.render(&mut self.pending, text, None, ids);
+                let values = FrameValues {
+                    text,
+                    logprobs: None,
+                    ids,
+                    completion_tokens: self.completion_tokens,
+                };
+                self.template.render(&mut self.pending, &values);
             }
             return Ok(());
         };
@@ -187,8 +201,13 @@ impl StreamSink {
         } else {
             push_completion_logprobs(&mut logprobs, &positions, text_offset);
         }
-        self.template
-            .render(&mut self.pending, text, Some(&logprobs), ids);
+        let values = FrameValues {
+            text,
+            logprobs: Some(&logprobs),
+            ids,
+            completion_tokens: self.completion_tokens,
+        };
+        self.template.render(&mut self.pending, &values);
         Ok(())
     }
 
