@@ -803,9 +803,10 @@ def test_force_include_usage_server_takes_the_fast_path(
     tmp_path_factory: pytest.TempPathFactory,
 ) -> None:
     """Both servers started with ``--enable-force-include-usage`` (every stream carries its
-    usage, running usage included, whatever the request asks): a completion's and a chat's
-    events the same as vLLM's server's, on the fast path, their tokens between the first
-    chunk and the finish written natively."""
+    usage, running usage included, whatever the request asks) and
+    ``--enable-prompt-tokens-details`` (the usage shows the cached prompt tokens): a
+    completion's and a chat's events the same as vLLM's server's, on the fast path, their
+    tokens between the first chunk and the finish written natively."""
     tokens = 30
     base: dict[str, Any] = {"max_tokens": tokens, "temperature": 0.0, "ignore_eos": True}
     base["stream"] = True
@@ -813,10 +814,8 @@ def test_force_include_usage_server_takes_the_fast_path(
         ("/v1/completions", base | {"prompt": "the old house on the hill"}),
         ("/v1/chat/completions", base | {"messages": [{"role": "user", "content": "hi"}]}),
     ]
-    with parser_servers(tmp_path_factory, ("--enable-force-include-usage",), 4096) as (
-        theirs,
-        mine,
-    ):
+    args = ("--enable-force-include-usage", "--enable-prompt-tokens-details")
+    with parser_servers(tmp_path_factory, args, 4096) as (theirs, mine):
         for path, body in requests:
             got, expected, added = side_by_side(
                 theirs, mine, lambda h, b=body, p=path: raw_events(h, b, p)
@@ -824,6 +823,7 @@ def test_force_include_usage_server_takes_the_fast_path(
             assert got == expected, (path, _first_difference(got, expected))
             assert added["fast"] == 1 and added["tokens"] == tokens - 2, (path, added)
             assert all('"usage":{' in event for event in got[:-1]), path
+            assert '"prompt_tokens_details":{' in got[-2], path
 
 
 @pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])

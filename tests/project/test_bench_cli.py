@@ -335,8 +335,7 @@ def test_bad_arguments_stop_before_any_run(capsys: pytest.CaptureFixture[str]) -
     expected = "--stream-interval must be at least 1" if HAVE_VLLM else "vLLM is not installed"
     assert expected in capsys.readouterr().err
     for bad, why in (
-        (["--model", "m"], "--model and --serve-args go with --engine vllm"),
-        (["--serve-args=--enforce-eager"], "--model and --serve-args go with --engine vllm"),
+        (["--model", "m"], "--model goes with --engine vllm"),
         (["--engine", "vllm", "--engines", "2"], "give vLLM's own DP flags in --serve-args"),
         (["--engine", "vllm", "--native-profile"], "vLLM's engine waits on it"),
     ):
@@ -373,6 +372,15 @@ def test_serve_engine_arguments() -> None:
     assert stack.env["COREWIRE_VLLM_CLIENT"] == "1"
     args = parser.parse_args(["bench", "serve", "--engine", "vllm"])
     assert serve_real.real_engine_unsupported(args) is None
+    # Over the synthetic engine, --serve-args go last into every stack's flags.
+    args = parser.parse_args(
+        ["bench", "serve", "--stream-interval", "2", "--serve-args=--enable-force-include-usage"]
+    )
+    assert serve_real.real_engine_unsupported(args) is None
+    assert serve_bench._server_args(args) == (
+        "--stream-interval", "2", "--enable-force-include-usage",
+    )  # fmt: skip
+    args = parser.parse_args(["bench", "serve", "--engine", "vllm"])
     stack = serve_real.real_engine_stack(args, Path("/w/model"), Path("log"), "vllm", (), {})
     assert stack.served_model_name == serve_real.WRITTEN_MODEL_NAME
     assert stack.env["COREWIRE_VLLM_CLIENT"] == "0"

@@ -116,6 +116,7 @@ import json
 import math
 import os
 import platform
+import shlex
 import shutil
 import statistics
 import sys
@@ -670,6 +671,9 @@ def _server_args(args: argparse.Namespace) -> tuple[str, ...]:
         flags += ("--enable-auto-tool-choice", "--tool-call-parser", args.tool_call_parser)
     if args.reasoning_parser:
         flags += ("--reasoning-parser", args.reasoning_parser)
+    if args.serve_args and args.engine != "vllm":
+        # Last, so that they win (vLLM's engine's stacks add them themselves).
+        flags += tuple(shlex.split(args.serve_args))
     return flags
 
 
@@ -1292,9 +1296,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--serve-args",
         metavar="FLAGS",
         default="",
-        help="with --engine vllm: more vllm serve flags for every stack, as one string "
-        "(e.g. --serve-args='--tensor-parallel-size 2 --max-model-len 4096'; they come last "
-        "and win)",
+        help="more vllm serve flags for every stack, as one string (e.g. "
+        "--serve-args='--tensor-parallel-size 2 --max-model-len 4096' with --engine vllm, "
+        "--serve-args=--enable-force-include-usage with either; they come last and win)",
     )
     # A model-free engine without a step time steps each request alone as soon as it
     # arrives: one-token frames, a front-end drowned in per-frame work, nothing like a

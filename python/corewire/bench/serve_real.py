@@ -44,8 +44,8 @@ WRITTEN_MODEL_NAME = "tiny-llama"
 def real_engine_unsupported(args: argparse.Namespace) -> str | None:
     """Why this run's options cannot go with ``--engine vllm`` (None: they can)."""
     if args.engine != "vllm":
-        if args.model or args.serve_args:
-            return "--model and --serve-args go with --engine vllm"
+        if args.model:
+            return "--model goes with --engine vllm"
         return None
     if args.engines != 1:
         return "--engines: with --engine vllm, give vLLM's own DP flags in --serve-args"

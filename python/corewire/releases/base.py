@@ -83,6 +83,9 @@ class Release(str):
     #: ``release_kv_cache_memory``, and read the managed engine's status map as the
     #: client's ``engine_status``.
     process_checkpoints: ClassVar[bool] = False
+    #: The OpenAI server's streamed chat, with running usage, gives the role chunk's usage
+    #: the prompt's token details (known from the first output, as the final usage's).
+    chat_role_usage_details: ClassVar[bool] = False
     #: corewire's native output processing (``corewire.vllm.output.processor``) is held to the
     #: ``OutputProcessor`` of the release this class was written for by the differential
     #: tests (read through :attr:`native_output`).

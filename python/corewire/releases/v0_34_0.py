@@ -23,6 +23,7 @@ class Release0340(Release0330):
     LIVE_CHECKED = ("0.34.0",)
 
     process_checkpoints = True
+    chat_role_usage_details = True
     # Held to 0.34.0's OutputProcessor by tests/interop/test_vllm_output_diff.py.
     NATIVE_OUTPUT = True
     # Held to 0.34.0's OpenAI server by tests/interop/test_vllm_fast_path.py.

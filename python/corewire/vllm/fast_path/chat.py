@@ -20,6 +20,7 @@ import time
 from collections.abc import AsyncGenerator, AsyncIterator
 from typing import Any
 
+import vllm
 from vllm.entrypoints.generate.base.protocol import DeltaMessage
 from vllm.entrypoints.generate.base.serving import chat_top_logprobs_limit
 from vllm.entrypoints.openai.chat_completion.protocol import (
@@ -36,6 +37,7 @@ from vllm.entrypoints.serve.utils.api_utils import should_include_usage
 from vllm.exceptions import GenerationError
 from vllm.utils.collection_utils import as_list
 
+from corewire import releases
 from corewire.vllm.fast_path.frames import (
     COMPLETION_TOKENS_PROBE,
     DONE,
@@ -52,6 +54,9 @@ from corewire.vllm.fast_path.shared import Stream, logger, nothing_to_say, route
 __all__ = ["chat_stream", "frame_template", "install", "refusal"]
 
 ENDPOINT = "chat completion"
+#: Whether the installed release's role chunk shows the prompt's token details in its
+#: running usage (0.34.0 on; 0.33.0's leaves them out).
+_ROLE_USAGE_DETAILS = releases.installed(vllm).chat_role_usage_details
 CHUNK_OBJECT = "chat.completion.chunk"
 
 
@@ -358,12 +363,13 @@ async def chat_stream(
                         first.usage = _running_usage(
                             stream.num_prompt_tokens, 0, stream.num_prompt_tokens
                         )
-                        first.usage.prompt_tokens_details = _make_prompt_tokens_details(
-                            serving.enable_prompt_tokens_details,
-                            stream.num_cached_tokens,
-                            stream.num_cache_creation_tokens,
-                            mm_token_counts,
-                        )
+                        if _ROLE_USAGE_DETAILS:
+                            first.usage.prompt_tokens_details = _make_prompt_tokens_details(
+                                serving.enable_prompt_tokens_details,
+                                stream.num_cached_tokens,
+                                stream.num_cache_creation_tokens,
+                                mm_token_counts,
+                            )
                     opening.append(sse(_dump(first)))
                 echoed = _echoed(request, conversation, role_name)
                 for i in range(samples if echoed else 0):

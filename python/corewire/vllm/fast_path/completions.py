@@ -65,9 +65,9 @@ def frame_template(
 
 def refusal(serving: Any, request: Any, num_prompts: int, connection: Any) -> str | None:
     """Why a streaming completion stays on vLLM's generator (None: it takes the fast
-    path). The fast path renders the text and sample logprobs of a chunk between the first
-    and the last; requests whose chunks carry more, and servers whose settings change the
-    chunks or the connection, keep vLLM's code."""
+    path). The fast path renders a chunk's text, sample logprobs, token ids and running
+    usage between the first and the last; requests whose chunks carry more, and servers
+    whose settings change the chunks or the connection, keep vLLM's code."""
     return stream_refusal(
         serving,
         request,
