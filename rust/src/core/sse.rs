@@ -83,14 +83,7 @@ impl FrameTemplate {
         out.extend_from_slice(values.logprobs.unwrap_or(b"null"));
         if let Some(ids_mid) = &self.ids_mid {
             out.extend_from_slice(ids_mid);
-            out.push(b'[');
-            for (i, id) in values.ids.iter().enumerate() {
-                if i > 0 {
-                    out.push(b',');
-                }
-                out.extend_from_slice(id.to_string().as_bytes());
-            }
-            out.push(b']');
+            push_int_array(out, values.ids);
         }
         if let Some(usage) = &self.usage {
             let total = usage.prompt_tokens + values.completion_tokens;
@@ -174,12 +167,18 @@ fn push_chat_fields(out: &mut Vec<u8>, c: &Candidate<'_>) {
     push_str_literal(out, c.token);
     out.extend_from_slice(b",\"logprob\":");
     push_float(out, clamped(c.logprob));
-    out.extend_from_slice(b",\"bytes\":[");
-    for (k, byte) in c.token.bytes().enumerate() {
-        if k > 0 {
+    out.extend_from_slice(b",\"bytes\":");
+    push_int_array(out, c.token.bytes());
+}
+
+/// Appends `values` as a JSON array of integers, as pydantic writes one (`[1,2]`).
+fn push_int_array<T: ToString>(out: &mut Vec<u8>, values: impl IntoIterator<Item = T>) {
+    out.push(b'[');
+    for (i, value) in values.into_iter().enumerate() {
+        if i > 0 {
             out.push(b',');
         }
-        out.extend_from_slice(byte.to_string().as_bytes());
+        out.extend_from_slice(value.to_string().as_bytes());
     }
     out.push(b']');
 }
